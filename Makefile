@@ -1,0 +1,20 @@
+# Two commands on a fresh machine: `make extrapolate` and `make test`; each installs first.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: install extrapolate test smoke
+
+# keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
+# torch would pull several GB of CUDA packages)
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0 numpy
+	$(PIP) install -q -e '.[test]'
+
+extrapolate: install
+	posbench extrapolate --train-len 100 --test-len 200
+
+test: install
+	$(PYTHON) -m pytest
+
+smoke: install
+	posbench extrapolate --config configs/smoke.yaml

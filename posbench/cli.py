@@ -1,0 +1,236 @@
+"""The command line: thin commands that delegate, and the one place that prints."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from posbench.config import SEED_SCHEMES, length_grid, load_config
+from posbench.errors import PosbenchError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Which positional encoding lets a transformer LM work beyond its training length?",
+)
+out = Console()
+err = Console(stderr=True)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """A domain error becomes one line and a non-zero exit, never a traceback."""
+    try:
+        yield
+    except PosbenchError as e:
+        err.print(f"[bold red]error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2)
+    except KeyboardInterrupt:
+        err.print("interrupted: finished runs are kept; rerun the same command to resume")
+        raise typer.Exit(code=130)
+
+
+class BarReporter:
+    """A progress bar per training run, with the running loss."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.progress: Optional[Progress] = None
+
+    def start(self, label, total):
+        self.progress = Progress(
+            TextColumn("{task.description:<18}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task(label, total=total, loss="-")
+
+    def step(self, step, loss):
+        self.progress.update(self.task, completed=step, loss=f"{loss:.3f}")
+
+    def finish(self):
+        self.progress.stop()
+
+    def note(self, message):
+        self.console.print(message, highlight=False)
+
+
+def _csv_ints(text: Optional[str], what: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200")
+
+
+def _comparison_table(table, title: str) -> Table:
+    from posbench.report import cell, lengths_of
+
+    lengths = lengths_of(table)
+    t = Table(title=title)
+    t.add_column("scheme", style="bold")
+    for L in lengths:
+        t.add_column(str(L), justify="right")
+    t.add_column(f"ppl({lengths[-1]})/ppl(train)", justify="right")
+    for s in table.index:
+        r = table.loc[s, "ratio"]
+        t.add_row(s, *[cell(table, s, L) for L in lengths], f"{r:.2f}" if r == r else "—")
+    return t
+
+
+def _print_summary(exp: Path) -> None:
+    from posbench.report import write_summary
+
+    df, configs, table = write_summary(exp)
+    train_len = int(df["train_len"].iloc[0])
+    protocol = configs[0].eval.protocol
+    out.print(_comparison_table(table, f"perplexity, trained at {train_len} ({protocol})"))
+    for name in ("summary.csv", "summary.md", "summary.png"):
+        if (exp / name).exists():
+            out.print(f"wrote {exp / name}", highlight=False)
+
+
+Sets = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: key=value")]
+
+
+@app.command()
+def extrapolate(
+    train_len: Annotated[Optional[int], typer.Option(help="training length")] = None,
+    test_len: Annotated[Optional[int], typer.Option(help="longest test length")] = None,
+    lengths: Annotated[Optional[str], typer.Option(help="test lengths, e.g. 100,150,200")] = None,
+    schemes: Annotated[Optional[str], typer.Option(help="e.g. alibi,rope, or all")] = None,
+    seeds: Annotated[Optional[str], typer.Option(help="e.g. 0,1,2")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="a YAML config")] = None,
+    set_: Sets = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda")] = None,
+):
+    """Train one model per scheme at the training length and compare them at longer lengths."""
+    from posbench.run import run_experiment
+
+    with user_errors():
+        sets = []
+        if train_len is not None:
+            sets.append(f"model.train_len={train_len}")
+        if schemes is not None:
+            names = SEED_SCHEMES if schemes == "all" else [s.strip() for s in schemes.split(",")]
+            sets.append(f"schemes=[{','.join(names)}]")
+        if seeds is not None:
+            sets.append(f"seeds={_csv_ints(seeds, '--seeds')}")
+        if lengths is not None:
+            sets.append(f"eval.lengths={_csv_ints(lengths, '--lengths')}")
+        if threads is not None:
+            sets.append(f"train.threads={threads}")
+        if device is not None:
+            sets.append(f"train.device={device}")
+        sets += set_ or []
+        if test_len is not None and lengths is None:
+            L = train_len or load_config(config, [s for s in sets if s.startswith("model.")]).model.train_len
+            sets.insert(0, f"eval.lengths={length_grid(L, test_len)}")
+        cfg = load_config(config, sets)
+        exp = run_experiment(cfg, BarReporter(err))
+        _print_summary(exp)
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Argument(help="a YAML config")],
+    scheme: Annotated[Optional[str], typer.Option(help="which scheme (a name or module:Class)")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="which seed")] = None,
+    set_: Sets = None,
+):
+    """Train (and evaluate at the config's lengths) one run of a config."""
+    from posbench.run import run_experiment
+
+    with user_errors():
+        sets = list(set_ or [])
+        if scheme is not None:
+            sets.append(f"schemes=[{scheme}]")
+        if seed is not None:
+            sets.append(f"seeds=[{seed}]")
+        cfg = load_config(config, sets)
+        if len(cfg.schemes) * len(cfg.seeds) != 1:
+            raise PosbenchError(
+                f"{config} names {len(cfg.schemes)} schemes and {len(cfg.seeds)} seeds; "
+                "pick one run with --scheme and --seed"
+            )
+        exp = run_experiment(cfg, BarReporter(err))
+        out.print(f"trained {exp / cfg.schemes[0]}", highlight=False)
+        _print_summary(exp)
+
+
+@app.command()
+def evaluate(
+    run_dir: Annotated[Path, typer.Argument(help="a run folder holding model.pt")],
+    lengths: Annotated[Optional[str], typer.Option(help="e.g. 100,200,400")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
+):
+    """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv."""
+    import torch
+
+    from posbench.data import load_corpus
+    from posbench.run import evaluate_into, load_run
+
+    with user_errors():
+        if threads:
+            torch.set_num_threads(threads)
+        rc, model = load_run(run_dir)
+        Ls = _csv_ints(lengths, "--lengths") or rc.eval.lengths
+        short = [L for L in Ls if L < rc.model.train_len]
+        if short or not Ls:
+            raise PosbenchError(
+                f"--lengths {lengths}: every length must be >= the training length {rc.model.train_len}"
+            )
+        rows = evaluate_into(rc, run_dir, model, load_corpus(rc.data), Ls)
+        t = Table(title=f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}")
+        for c in ("length", "loss", "ppl", "status"):
+            t.add_column(c, justify="right")
+        for r in rows:
+            ok = r["status"] == "ok"
+            t.add_row(str(r["length"]), f"{r['loss']:.4f}" if ok else "—",
+                      f"{r['ppl']:.2f}" if ok else "—", r["status"])  # fmt: skip
+        out.print(t)
+        out.print(f"wrote {Path(run_dir) / 'eval.csv'}", highlight=False)
+
+
+@app.command()
+def report(
+    experiment_dir: Annotated[Path, typer.Argument(help="e.g. results/default")],
+):
+    """Rebuild summary.csv, summary.md and summary.png from the run folders, without training."""
+    with user_errors():
+        _print_summary(experiment_dir)
+
+
+@app.command()
+def schemes():
+    """List the registered positional schemes."""
+    from posbench.schemes import SCHEMES
+
+    t = Table(title="positional schemes")
+    t.add_column("name", style="bold")
+    t.add_column("description")
+    for name, cls in SCHEMES.items():
+        t.add_row(name, cls.description)
+    out.print(t)
+
+
+def main():
+    app(prog_name="posbench")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

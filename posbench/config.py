@@ -1,0 +1,309 @@
+"""Typed experiment configs: defaults, YAML loading, `--set` overrides and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from posbench.errors import PosbenchError
+
+SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]
+
+
+@dataclass
+class ModelConfig:
+    """The transformer's shape and its positional scheme; a checkpoint carries one of these."""
+
+    scheme: str = "nope"  # a name in posbench.schemes.SCHEMES, or module:Class
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    train_len: int = 100  # the longest sequence seen in training
+    vocab_size: int = 256  # bytes
+    dropout: float = 0.0  # off: short runs on a small corpus barely overfit
+    options: dict = field(default_factory=dict)  # the scheme's own options, e.g. t5 max_distance
+
+    def __post_init__(self):
+        _positive(self, "model", ["n_layer", "n_head", "d_model", "train_len", "vocab_size"])
+        if self.d_model % self.n_head:
+            raise PosbenchError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise PosbenchError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+@dataclass
+class TrainConfig:
+    """Optimiser and budget: AdamW, linear warmup, cosine decay to min_lr."""
+
+    steps: int = 600
+    batch_size: int = 32
+    lr: float = 3e-3  # small models train well with a high lr; warmup keeps it stable
+    min_lr: float = 3e-4
+    warmup_steps: int = 60
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    device: str = "auto"  # auto = cuda if present, else cpu
+    threads: Optional[int] = None  # torch CPU threads; None keeps torch's default
+    log_every: int = 10
+
+    def __post_init__(self):
+        _positive(self, "train", ["steps", "batch_size", "lr", "log_every"])
+        if self.warmup_steps < 0 or self.min_lr < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise PosbenchError("train.warmup_steps, min_lr, weight_decay and grad_clip must be >= 0")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise PosbenchError(f"train.device={self.device!r}: expected auto, cpu or cuda")
+        if self.threads is not None and self.threads <= 0:
+            raise PosbenchError(f"train.threads={self.threads} must be positive")
+
+
+@dataclass
+class DataConfig:
+    """The corpus: Shakespeare's plays by default, or the user's own text files."""
+
+    path: Optional[str] = None  # a text file or a glob; None = the cached Shakespeare corpus
+    val_fraction: float = 0.05  # the tail of the corpus, never trained on
+
+    def __post_init__(self):
+        if not 0.0 < self.val_fraction < 1.0:
+            raise PosbenchError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation protocol: non-overlapping chunks of each length over the same tokens."""
+
+    lengths: list[int] = field(default_factory=lambda: [100, 125, 150, 200])
+    tokens: int = 65536  # validation tokens scored at every length (the same ones)
+    batch_size: int = 16
+    protocol: str = "nonoverlapping"
+
+    def __post_init__(self):
+        _positive(self, "eval", ["tokens", "batch_size"])
+        if not self.lengths:
+            raise PosbenchError("eval.lengths is empty")
+        for n in self.lengths:
+            if n <= 0:
+                raise PosbenchError(f"eval.lengths: {n} is not a positive length")
+        if self.protocol != "nonoverlapping":
+            raise PosbenchError(f"eval.protocol={self.protocol!r}: only 'nonoverlapping' exists")
+
+
+@dataclass
+class ExperimentConfig:
+    """One experiment: every (scheme, seed) pair is trained once and evaluated at every length."""
+
+    name: str = "default"  # results go to <out_dir>/<name>/
+    out_dir: str = "results"
+    schemes: list[str] = field(default_factory=lambda: list(SEED_SCHEMES))
+    seeds: list[int] = field(default_factory=lambda: [0])
+    scheme_options: dict = field(default_factory=dict)  # {scheme: {option: value}}
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            raise PosbenchError(f"name={self.name!r} must be a plain folder name")
+        if not self.schemes:
+            raise PosbenchError("schemes is empty")
+        if not self.seeds:
+            raise PosbenchError("seeds is empty")
+        from posbench.schemes import resolve_scheme
+
+        for s in self.schemes:
+            cls = resolve_scheme(s)
+            cls.validate_options(self.scheme_options.get(s, {}), where=f"scheme_options.{s}")
+        for s in self.scheme_options:
+            if s not in self.schemes:
+                raise PosbenchError(
+                    f"scheme_options.{s}: '{s}' is not among the schemes {self.schemes}"
+                )
+        short = [n for n in self.eval.lengths if n < self.model.train_len]
+        if short:
+            raise PosbenchError(
+                f"eval.lengths {short} are shorter than the training length "
+                f"model.train_len={self.model.train_len}; test lengths must be >= it"
+            )
+
+    def model_for(self, scheme: str) -> ModelConfig:
+        """The resolved model config of one run."""
+        return dataclasses.replace(
+            self.model, scheme=scheme, options=dict(self.scheme_options.get(scheme, {}))
+        )
+
+    def for_run(self, scheme: str, seed: int) -> "ExperimentConfig":
+        """The fully resolved config of a single (scheme, seed) run."""
+        return dataclasses.replace(
+            self,
+            schemes=[scheme],
+            seeds=[seed],
+            scheme_options={scheme: dict(self.scheme_options.get(scheme, {}))}
+            if self.scheme_options.get(scheme)
+            else {},
+            model=self.model_for(scheme),
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive(obj, section: str, names: list[str]) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if not v > 0:
+            raise PosbenchError(f"{section}.{n}={v} must be positive")
+
+
+def length_grid(train_len: int, test_len: int) -> list[int]:
+    """Train length, then 1/4, 1/2 and all of the way to the test length: 100..200 -> 100,125,150,200."""
+    if test_len < train_len:
+        raise PosbenchError(
+            f"--test-len {test_len} is shorter than --train-len {train_len}; "
+            "test lengths must be >= the training length"
+        )
+    pts = [train_len + (test_len - train_len) * f for f in (0, 0.25, 0.5, 1.0)]
+    return sorted({int(round(p)) for p in pts})
+
+
+# --- building configs from dicts, YAML files and --set overrides ---------------------------
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp, where: str) -> Any:
+    """Check (and gently convert, int -> float) one value against a field's declared type."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise PosbenchError(f"{where}: expected a mapping of {tp.__name__} keys, got {value!r}")
+        return _build(tp, value, where)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            value = [value]  # `--set seeds=3` means [3]
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise PosbenchError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise PosbenchError(f"{where}: expected a mapping, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise PosbenchError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PosbenchError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PosbenchError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise PosbenchError(f"{where}: expected a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise PosbenchError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {_type_name(tp)}")  # a bug in posbench, not input
+
+
+def _build(cls, raw: dict, where: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f" (did you mean '{(where + '.') if where else ''}{close[0]}'?)" if close else ""
+            raise PosbenchError(f"{path}: unknown key{hint}; valid keys: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict, source: str = "config") -> ExperimentConfig:
+    try:
+        return _build(ExperimentConfig, raw)
+    except PosbenchError as e:
+        raise PosbenchError(f"{source}: {e}") from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise PosbenchError(f"{p}: config file not found")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "malformed YAML"
+        raise PosbenchError(f"{p}: malformed YAML{at}: {problem}") from None
+    except UnicodeDecodeError:
+        raise PosbenchError(f"{p}: not a text file") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise PosbenchError(f"{p}: expected a mapping of config keys at the top level")
+    return raw
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one `--set a.b=value` to a raw config dict; the value is parsed as YAML."""
+    if "=" not in assignment:
+        raise PosbenchError(f"--set {assignment!r}: expected key=value, e.g. train.steps=300")
+    key, text = assignment.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise PosbenchError(f"--set {assignment!r}: the key is empty")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.split(".")
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise PosbenchError(f"--set {key}: '{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> ExperimentConfig:
+    """Defaults, then the YAML file (if any), then each --set override, validated together."""
+    raw = read_yaml(path) if path else {}
+    for o in overrides:
+        apply_override(raw, o)
+    return config_from_dict(raw, source=str(path) if path else "config")
+
+
+def dump_yaml(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

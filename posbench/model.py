@@ -1,0 +1,102 @@
+"""A small pre-LayerNorm decoder-only transformer LM that calls a scheme's three hooks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from posbench.attention import causal_attention
+from posbench.config import ModelConfig
+from posbench.errors import PosbenchError
+from posbench.schemes import PositionalScheme, build_scheme
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, scheme: PositionalScheme):
+        super().__init__()
+        self.n_head, self.layer = cfg.n_head, layer
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.scheme = [scheme]  # a list, so the shared scheme is not registered once per layer
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, block) -> torch.Tensor:
+        B, T, C = x.size()
+        scheme = self.scheme[0]
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k = scheme.rotate(q, k, pos, self.layer)  # (B, nh, T, hs)
+
+        def bias_fn(qb, qpos, kpos):
+            return scheme.bias(qb, qpos, kpos, self.layer)
+
+        y = causal_attention(q, k, v, pos, bias_fn, block)  # (B, nh, T, hs)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, scheme: PositionalScheme):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg, layer, scheme)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(4 * cfg.d_model, cfg.d_model),
+        )
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, pos, block):
+        x = x + self.drop(self.attn(self.ln1(x), pos, block))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TransformerLM(nn.Module):
+    """forward(tokens[B, T]) -> logits[B, T, V], for any T the scheme can encode."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.scheme = build_scheme(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i, self.scheme) for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2 and nanoGPT
+        self.attn_block = 256  # queries per attention block once T exceeds it (linear memory)
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    @property
+    def max_len(self):
+        return self.scheme.max_len
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        B, T = tokens.size()
+        if self.max_len is not None and T > self.max_len:
+            raise PosbenchError(
+                f"scheme '{self.cfg.scheme}' cannot represent position {T - 1}: "
+                f"it encodes at most {self.max_len} positions"
+            )
+        pos = self.scheme.positions(T, tokens.device)  # (T,)
+        x = self.drop(self.scheme.embed(self.tok(tokens), pos))  # (B, T, C)
+        block = self.attn_block if T > self.attn_block else None
+        for blk in self.blocks:
+            x = blk(x, pos, block)
+        return self.head(self.ln_f(x))  # (B, T, V)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

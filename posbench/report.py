@@ -1,0 +1,172 @@
+"""Tables and plots, built from the run folders on disk alone, so any of them can be rebuilt."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from posbench.config import config_from_dict
+from posbench.errors import PosbenchError
+from posbench.run import EVAL_COLUMNS, PROTOCOL_NAMES, read_eval, write_atomic
+
+
+def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
+    """Every run's evaluation rows (long format) and every run's resolved config."""
+    exp_dir = Path(exp_dir)
+    if not exp_dir.is_dir():
+        raise PosbenchError(f"{exp_dir}: no such experiment directory")
+    rows, configs = [], []
+    for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if not (rdir / "config.yaml").is_file():
+            continue
+        try:
+            raw = yaml.safe_load((rdir / "config.yaml").read_text())
+        except yaml.YAMLError:
+            raise PosbenchError(f"{rdir / 'config.yaml'}: malformed YAML") from None
+        configs.append(config_from_dict(raw or {}, source=str(rdir / "config.yaml")))
+        rows += read_eval(rdir)
+    if not rows:
+        raise PosbenchError(
+            f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)"
+        )
+    df = pd.DataFrame(rows, columns=EVAL_COLUMNS)
+    for c in ("seed", "train_len", "length", "tokens"):
+        df[c] = df[c].astype(int)
+    for c in ("loss", "ppl"):
+        df[c] = pd.to_numeric(df[c], errors="coerce")
+    from posbench.schemes import SCHEMES
+
+    names = set(df["scheme"])  # registry order (the order of the paper tables), plugins after
+    order = [s for s in SCHEMES if s in names] + sorted(names - set(SCHEMES))
+    df["scheme"] = pd.Categorical(df["scheme"], categories=order, ordered=True)
+    df = df.sort_values(["scheme", "seed", "length"]).reset_index(drop=True)
+    df["scheme"] = df["scheme"].astype(str)
+    return df, configs
+
+
+def comparison(df: pd.DataFrame) -> pd.DataFrame:
+    """Schemes x lengths: mean ppl over seeds, its std, and ppl(longest)/ppl(train length)."""
+    order = list(dict.fromkeys(df["scheme"]))
+    ok = df[df["status"] == "ok"]
+    mean = ok.pivot_table(index="scheme", columns="length", values="ppl", aggfunc="mean")
+    std = ok.pivot_table(index="scheme", columns="length", values="ppl", aggfunc="std")
+    lengths = sorted(df["length"].unique())
+    mean = mean.reindex(index=order, columns=lengths)
+    std = std.reindex(index=order, columns=lengths)
+    seeds = df.groupby("scheme")["seed"].nunique().reindex(order)
+    train_len = df.groupby("scheme")["train_len"].first().reindex(order)
+    status = df.pivot_table(index="scheme", columns="length", values="status", aggfunc="first")
+    status = status.reindex(index=order, columns=lengths)
+    out = pd.DataFrame(index=order)
+    out.index.name = "scheme"
+    for L in lengths:
+        out[L] = mean[L]
+        out[f"std {L}"] = std[L]
+        out[f"status {L}"] = status[L]
+    base = [mean.loc[s, train_len[s]] if train_len[s] in mean.columns else math.nan for s in order]
+    out["ratio"] = [mean.loc[s, lengths[-1]] / b if b == b else math.nan for s, b in zip(order, base)]
+    out["seeds"] = seeds
+    return out
+
+
+def cell(table: pd.DataFrame, scheme: str, L: int) -> str:
+    v, sd, st = table.loc[scheme, L], table.loc[scheme, f"std {L}"], table.loc[scheme, f"status {L}"]
+    if st != "ok" or v != v:
+        return str(st) if isinstance(st, str) else "—"
+    return f"{v:.2f} ± {sd:.2f}" if sd == sd else f"{v:.2f}"
+
+
+def lengths_of(table: pd.DataFrame) -> list[int]:
+    return [c for c in table.columns if isinstance(c, int) or str(c).isdigit()]
+
+
+def describe(configs: list, df: pd.DataFrame) -> list[str]:
+    """Corpus, model size, training budget and evaluation protocol, from the run configs."""
+    from posbench.data import SHAKESPEARE_NAME
+    from posbench.model import TransformerLM
+
+    c = configs[0]
+    m, t, e = c.model, c.train, c.eval
+    params = TransformerLM(c.model_for("nope")).num_params()
+    corpus = SHAKESPEARE_NAME if c.data.path is None else f"{c.data.path} (bytes)"
+    tokens = t.steps * t.batch_size * m.train_len
+    lines = [
+        f"- corpus: {corpus}; validation = last {c.data.val_fraction:.0%} of it",
+        f"- model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, "
+        f"{params / 1e6:.2f}M parameters with NoPE, vocab {m.vocab_size}",
+        f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
+        f"= {tokens / 1e6:.2f}M tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
+        f"to {t.min_lr:g}), seeds {sorted(set(df['seed']))}",
+        f"- evaluation: {e.protocol} ({PROTOCOL_NAMES[e.protocol]}), the same "
+        f"{int(df['tokens'].iloc[0])} validation tokens at every length; cells are perplexity "
+        f"per byte (mean ± std over seeds when there are several)",
+    ]
+    differ = [k for k in ("model", "train", "data") if any(_shared(o)[k] != _shared(c)[k] for o in configs)]
+    if differ:
+        lines.append(f"- note: the runs differ in {', '.join(differ)}; the lines above are the first run's")
+    return lines
+
+
+def _shared(cfg) -> dict:
+    """The parts of a run config that every run of an experiment should share."""
+    d = cfg.to_dict()
+    d["model"] = {k: v for k, v in d["model"].items() if k not in ("scheme", "options")}
+    return d
+
+
+def markdown(table: pd.DataFrame, configs: list, df: pd.DataFrame) -> str:
+    lengths = lengths_of(table)
+    train_len = int(df["train_len"].iloc[0])
+    head = ["scheme"] + [str(L) for L in lengths] + [f"ppl({lengths[-1]})/ppl({train_len})"]
+    out = [f"# Length extrapolation: trained at {train_len}, evaluated up to {lengths[-1]}", ""]
+    out += describe(configs, df) + [""]
+    out.append("| " + " | ".join(head) + " |")
+    out.append("|" + "---|" * len(head))
+    for s in table.index:
+        r = table.loc[s, "ratio"]
+        cells = [cell(table, s, L) for L in lengths] + [f"{r:.2f}" if r == r else "—"]
+        out.append("| " + " | ".join([s] + cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot(table: pd.DataFrame, path: Path) -> bool:
+    """Perplexity against length, one line per scheme; skipped if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    lengths = lengths_of(table)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in table.index:
+        ys = [table.loc[s, L] for L in lengths]
+        ax.plot(lengths, ys, marker="o", label=s)
+    ax.set_xlabel("evaluation length (bytes)")
+    ax.set_ylabel("perplexity per byte")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name("tmp-" + path.name)
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return True
+
+
+def write_summary(exp_dir: Path) -> tuple[pd.DataFrame, list, pd.DataFrame]:
+    """summary.csv (long), summary.md and summary.png in exp_dir, from the run folders."""
+    exp_dir = Path(exp_dir)
+    df, configs = collect(exp_dir)
+    table = comparison(df)
+    tmp = exp_dir / "summary.csv.tmp"
+    df.to_csv(tmp, index=False, columns=EVAL_COLUMNS)
+    tmp.replace(exp_dir / "summary.csv")
+    write_atomic(exp_dir / "summary.md", markdown(table, configs, df))
+    plot(table, exp_dir / "summary.png")
+    return df, configs, table

@@ -1,0 +1,338 @@
+"""Runs: train one (scheme, seed), evaluate it at every length, and keep the records on disk.
+
+A run folder holds config.yaml (fully resolved), model.pt (weights plus that same config),
+train_log.jsonl (step, loss, lr, seconds) and eval.csv (its evaluation rows). Folders are
+built under a temporary name and renamed when whole, so an interrupted run leaves nothing
+that could pass for a finished one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from posbench.config import ExperimentConfig, config_from_dict, dump_yaml
+from posbench.data import Corpus, batch, load_corpus
+from posbench.errors import PosbenchError
+from posbench.model import TransformerLM
+
+EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
+PROTOCOL_NAMES = {"nonoverlapping": "non-overlapping chunks, every token scored"}
+
+
+class Reporter:
+    """Progress callbacks; the CLI supplies one that draws bars, library code never prints."""
+
+    def start(self, label: str, total: int) -> None: ...
+
+    def step(self, step: int, loss: float) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def note(self, message: str) -> None: ...
+
+
+# --- small pieces ----------------------------------------------------------------------------
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise PosbenchError(f"train.device={name}: no CUDA device is available here")
+    return torch.device(name)
+
+
+def autocast(device: torch.device):
+    """bf16 on GPUs; CPUs stay fp32, the tested default."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup to lr, then cosine decay to min_lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def run_name(scheme: str, seed: int) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in scheme)
+    return f"{safe}-seed{seed}"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_rows(path: Path, rows: list[dict], columns: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if _isnan(r.get(k)) else r.get(k)) for k in columns})
+    tmp.replace(path)
+
+
+def _isnan(x) -> bool:
+    return isinstance(x, float) and math.isnan(x)
+
+
+def apply_threads(cfg: ExperimentConfig) -> None:
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+
+
+# --- training --------------------------------------------------------------------------------
+
+
+def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, log_path: Path):
+    """Train cfg.model (one scheme) with seed cfg.seeds[0]; returns the model on the CPU."""
+    seed, tc, L = cfg.seeds[0], cfg.train, cfg.model.train_len
+    if len(corpus.train) < L + 2:
+        raise PosbenchError(
+            f"the training split of '{corpus.name}' has {len(corpus.train)} bytes, "
+            f"fewer than model.train_len+2={L + 2}"
+        )
+    device = pick_device(tc.device)
+    torch.manual_seed(seed)
+    model = TransformerLM(cfg.model).to(device)
+    gen = torch.Generator().manual_seed(seed)  # the data order depends on the seed alone
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tc.lr,
+        betas=(0.9, 0.95),
+        fused=True,  # one kernel for all parameters; the per-tensor loop costs ~10% at this size
+    )
+    reporter.start(f"{cfg.model.scheme} seed {seed}", tc.steps)
+    t0 = time.perf_counter()
+    with log_path.open("w") as log:
+        for step in range(tc.steps):
+            lr = lr_at(step, tc)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            x, y = batch(corpus.train, tc.batch_size, L, gen)
+            x, y = x.to(device), y.to(device)
+            with autocast(device):
+                logits = model(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if tc.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            opt.step()
+            if step % tc.log_every == 0 or step == tc.steps - 1:
+                value = loss.item()
+                if not math.isfinite(value):
+                    raise PosbenchError(
+                        f"training {cfg.model.scheme} diverged at step {step} (loss {value}); "
+                        f"lower train.lr (now {tc.lr})"
+                    )
+                rec = {"step": step, "loss": round(value, 5), "lr": lr,
+                       "seconds": round(time.perf_counter() - t0, 3)}  # fmt: skip
+                log.write(json.dumps(rec) + "\n")
+                reporter.step(step + 1, value)
+    reporter.finish()
+    return model.cpu()
+
+
+def save_checkpoint(path: Path, model: TransformerLM, cfg: ExperimentConfig) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"config": cfg.to_dict(), "model": model.state_dict()}, tmp)
+    tmp.replace(path)
+
+
+def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
+    """A checkpoint carries its own config: nothing else is needed to rebuild the model."""
+    ckpt_path = Path(run_dir) / "model.pt"
+    if not Path(run_dir).is_dir():
+        raise PosbenchError(f"{run_dir}: no such run directory")
+    if not ckpt_path.is_file():
+        raise PosbenchError(f"{run_dir}: holds no checkpoint (model.pt); train it first")
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        cfg = config_from_dict(ckpt["config"], source=str(ckpt_path))
+        model = TransformerLM(cfg.model)
+        model.load_state_dict(ckpt["model"])
+    except PosbenchError:
+        raise
+    except Exception as e:  # torch raises many kinds for a truncated or foreign file
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise PosbenchError(f"{ckpt_path}: corrupt or not a posbench checkpoint ({reason})") from None
+    return cfg, model
+
+
+# --- evaluation ------------------------------------------------------------------------------
+
+
+def eval_tokens(corpus: Corpus, cfg: ExperimentConfig, lengths: list[int]) -> torch.Tensor:
+    """The validation tokens scored at every length: the first eval.tokens (+1 for targets)."""
+    n = min(cfg.eval.tokens, len(corpus.val) - 1)
+    if n < max(lengths):
+        raise PosbenchError(
+            f"the validation split of '{corpus.name}' has {len(corpus.val)} bytes, too few "
+            f"for eval length {max(lengths)}; use shorter lengths or more text"
+        )
+    return corpus.val[: n + 1]
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: TransformerLM,
+    tokens: torch.Tensor,
+    lengths: list[int],
+    batch_size: int,
+    device: torch.device,
+) -> list[dict]:
+    """Mean next-byte loss at each length: the same tokens cut into non-overlapping chunks of
+    that length (the last one shorter), every token scored, so lengths compare directly."""
+    model = model.to(device).eval()
+    n = len(tokens) - 1
+    rows = []
+    for L in lengths:
+        row = {"length": L, "tokens": n, "loss": float("nan"), "ppl": float("nan")}
+        if model.max_len is not None and L > model.max_len:
+            rows.append({**row, "status": "beyond-max-len"})
+            continue
+        starts = list(range(0, n, L))
+        full = [s for s in starts if s + L <= n]
+        total = 0.0
+        for i in range(0, len(full), batch_size):
+            idx = torch.tensor(full[i : i + batch_size])[:, None] + torch.arange(L + 1)  # (b, L+1)
+            win = tokens[idx].long().to(device)
+            total += _nll_sum(model, win, device)
+        if len(full) < len(starts):  # the remainder, so that every length scores all n tokens
+            win = tokens[starts[-1] :].long()[None].to(device)  # (1, n - s + 1)
+            total += _nll_sum(model, win, device)
+        loss = total / n
+        rows.append({**row, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "status": "ok"})
+    model.train()
+    return rows
+
+
+def _nll_sum(model, win, device) -> float:
+    with autocast(device):
+        logits = model(win[:, :-1])  # (b, L, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), win[:, 1:].flatten(), reduction="sum").item()
+
+
+def eval_rows(cfg: ExperimentConfig, rows: list[dict]) -> list[dict]:
+    ident = {"scheme": cfg.model.scheme, "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
+    return [{**ident, **r} for r in rows]
+
+
+def read_eval(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "eval.csv"
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# --- experiments -----------------------------------------------------------------------------
+
+
+def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]]:
+    """(resolved config, run folder, already trained?) for every (scheme, seed), checked before
+    anything is written: a folder trained under another config is an error, not overwritten."""
+    exp = Path(cfg.out_dir) / cfg.name
+    plan = []
+    for scheme in cfg.schemes:
+        for seed in cfg.seeds:
+            rc = cfg.for_run(scheme, seed)
+            rdir = exp / run_name(scheme, seed)
+            done = False
+            if (rdir / "config.yaml").is_file() and (rdir / "model.pt").is_file():
+                old = yaml.safe_load((rdir / "config.yaml").read_text()) or {}
+                new = rc.to_dict()
+                if _training_part(old) != _training_part(new):
+                    diff = [k for k in new if old.get(k) != new[k] and k != "eval"]
+                    raise PosbenchError(
+                        f"{rdir} was trained under a different config ({', '.join(diff)} differ); "
+                        f"choose another experiment name with --set name=NEW, or delete that folder"
+                    )
+                done = True
+            elif rdir.exists() and any(rdir.iterdir()):
+                raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
+            plan.append((rc, rdir, done))
+    return plan
+
+
+def _training_part(d: dict) -> dict:
+    """What decides the weights: everything but the evaluation settings."""
+    return {k: v for k, v in d.items() if k != "eval"}
+
+
+def train_run(rc: ExperimentConfig, rdir: Path, corpus: Corpus, reporter: Reporter) -> TransformerLM:
+    """Train into a hidden folder and rename it into place once config, log and weights exist."""
+    partial = rdir.with_name("." + rdir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        write_atomic(partial / "config.yaml", dump_yaml(rc))
+        model = train_model(rc, corpus, reporter, partial / "train_log.jsonl")
+        save_checkpoint(partial / "model.pt", model, rc)
+        if rdir.exists():
+            shutil.rmtree(rdir)
+        partial.rename(rdir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return model
+
+
+def evaluate_into(rc, rdir: Path, model, corpus: Corpus, lengths: list[int]) -> list[dict]:
+    """Evaluate at `lengths` and merge the rows into the run's eval.csv (new lengths replace)."""
+    device = pick_device(rc.train.device)
+    rows = eval_rows(rc, evaluate_model(model, eval_tokens(corpus, rc, lengths), lengths,
+                                        rc.eval.batch_size, device))  # fmt: skip
+    keep = [r for r in read_eval(rdir) if int(r["length"]) not in set(lengths)]
+    merged = sorted(keep + rows, key=lambda r: int(r["length"]))
+    write_rows(rdir / "eval.csv", merged, EVAL_COLUMNS)
+    return rows
+
+
+def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
+    """Train what is missing, evaluate everything at cfg.eval.lengths; returns the folder."""
+    apply_threads(cfg)
+    plan = plan_runs(cfg)
+    corpus = load_corpus(cfg.data)  # fails before any folder is made
+    eval_tokens(corpus, cfg, cfg.eval.lengths)
+    exp = Path(cfg.out_dir) / cfg.name
+    created = not exp.exists()
+    exp.mkdir(parents=True, exist_ok=True)
+    try:
+        for rc, rdir, done in plan:
+            if done:
+                reporter.note(f"{rdir.name}: already trained, reusing its checkpoint")
+                _, model = load_run(rdir)
+            else:
+                model = train_run(rc, rdir, corpus, reporter)
+            have = {(int(r["length"]), int(r["tokens"])) for r in read_eval(rdir)}
+            want = {(L, min(rc.eval.tokens, len(corpus.val) - 1)) for L in rc.eval.lengths}
+            if not want <= have:
+                evaluate_into(rc, rdir, model, corpus, rc.eval.lengths)
+            write_atomic(rdir / "config.yaml", dump_yaml(rc))  # eval settings may have changed
+    except BaseException:
+        if created and not any(p for p in exp.iterdir() if not p.name.startswith(".")):
+            shutil.rmtree(exp, ignore_errors=True)
+        raise
+    return exp
