@@ -124,7 +124,7 @@ def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, log_p
     )
     reporter.start(f"{cfg.model.scheme} seed {seed}", tc.steps)
     t0 = time.perf_counter()
-    with log_path.open("w") as log:
+    with log_path.open("w", buffering=1) as log:  # line-buffered: `tail -f` works
         for step in range(tc.steps):
             lr = lr_at(step, tc)
             for g in opt.param_groups:

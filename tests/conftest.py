@@ -1,0 +1,29 @@
+"""Shared fixtures: a tiny model config and a tiny corpus, so no test needs the network."""
+
+import random
+
+import pytest
+import torch
+
+from posbench.config import ModelConfig
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+def tiny(scheme: str, **kw) -> ModelConfig:
+    base = dict(scheme=scheme, n_layer=2, n_head=4, d_model=32, train_len=16)
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    """~40 kB of deterministic pseudo-English, enough for a 16-token model to learn something."""
+    rng = random.Random(0)
+    words = "the king and queen of a castle to be or not that is question my lord".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(800)]
+    path = tmp_path / "tiny.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,216 @@
+"""The command line end to end on configs/smoke.yaml and a tiny corpus: files, tables, errors."""
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from posbench.cli import app
+from posbench.config import SEED_SCHEMES
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "configs" / "smoke.yaml")
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One smoke experiment over every seed scheme, shared by the tests that only read it."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    from conftest import corpus_file  # noqa: F401  (the fixture's body, reused at module scope)
+
+    text = tmp / "tiny.txt"
+    text.write_text(("to be or not to be that is the question\n" * 400))
+    out = tmp / "results"
+    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={out}", "--set", f"data.path={text}")
+    assert res.exit_code == 0, res.output
+    return out / "smoke", res, text
+
+
+def test_extrapolate_writes_every_promised_file(smoke):
+    exp, res, _ = smoke
+    for name in ("summary.csv", "summary.md", "summary.png"):
+        assert (exp / name).stat().st_size > 0, name
+    for scheme in SEED_SCHEMES:
+        run = exp / f"{scheme}-seed0"
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        assert cfg["model"]["scheme"] == scheme and cfg["seeds"] == [0]
+        log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+        assert set(log[0]) == {"step", "loss", "lr", "seconds"}
+        assert log[-1]["step"] == cfg["train"]["steps"] - 1
+        ckpt = torch.load(run / "model.pt", weights_only=True)
+        assert ckpt["config"] == cfg  # the checkpoint carries its own resolved config
+        rows = list(csv.DictReader((run / "eval.csv").open()))
+        assert [int(r["length"]) for r in rows] == [32, 48, 64]
+    assert not list(exp.glob(".*partial"))
+
+
+def test_summary_csv_is_long_format_with_status(smoke):
+    exp, _, _ = smoke
+    rows = list(csv.DictReader((exp / "summary.csv").open()))
+    assert list(rows[0]) == ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
+    assert len(rows) == len(SEED_SCHEMES) * 3
+    by = {(r["scheme"], int(r["length"])): r for r in rows}
+    assert by[("learned", 32)]["status"] == "ok"
+    assert by[("learned", 64)]["status"] == "beyond-max-len" and by[("learned", 64)]["ppl"] == ""
+    assert by[("alibi", 64)]["status"] == "ok"
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len({r["tokens"] for r in rows}) == 1  # the same tokens at every length
+    for r in ok:
+        assert float(r["ppl"]) == pytest.approx(2.718281828 ** float(r["loss"]), rel=1e-6)
+        assert 1 < float(r["ppl"]) < 256  # better than uniform over bytes after training
+
+
+def test_summary_md_names_corpus_model_budget_protocol(smoke):
+    exp, res, text = smoke
+    md = (exp / "summary.md").read_text()
+    assert f"corpus: {text}" in md
+    assert "1 layers, d_model 32, 2 heads" in md
+    assert "30 steps x 8 sequences x 32 tokens" in md
+    assert "nonoverlapping" in md
+    for scheme in SEED_SCHEMES:
+        assert f"| {scheme} |" in md
+    assert "beyond-max-len" in md
+    assert "ppl(64)/ppl(32)" in md
+    assert "alibi" in res.output and "ppl(64)/ppl(train)" in res.output  # the terminal table
+
+
+def test_report_rebuilds_the_same_summary_from_disk(smoke, tmp_path):
+    exp, _, _ = smoke
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    for name in ("summary.csv", "summary.md", "summary.png"):
+        (copy / name).unlink()
+    res = invoke("report", copy)
+    assert res.exit_code == 0, res.output
+    assert (copy / "summary.csv").read_text() == (exp / "summary.csv").read_text()
+    assert (copy / "summary.md").read_text() == (exp / "summary.md").read_text()
+
+
+def test_rerun_resumes_and_is_reproducible(smoke, tmp_path):
+    """Same config and seed, fresh folder: the same numbers. Same folder: nothing retrained."""
+    exp, _, text = smoke
+    out = tmp_path / "again"
+    args = ["extrapolate", "--config", SMOKE, "--schemes", "alibi,rope", "--set", f"out_dir={out}",
+            "--set", f"data.path={text}"]  # fmt: skip
+    assert invoke(*args).exit_code == 0
+    fresh = list(csv.DictReader((out / "smoke" / "summary.csv").open()))
+    first = [r for r in csv.DictReader((exp / "summary.csv").open()) if r["scheme"] in ("alibi", "rope")]
+    assert fresh == first
+    stamp = (out / "smoke" / "alibi-seed0" / "model.pt").stat().st_mtime_ns
+    res = invoke(*args)
+    assert res.exit_code == 0 and "already trained" in res.output
+    assert (out / "smoke" / "alibi-seed0" / "model.pt").stat().st_mtime_ns == stamp
+
+
+def test_evaluate_an_existing_run_at_new_lengths(smoke, tmp_path):
+    exp, _, _ = smoke
+    run = tmp_path / "rope-seed0"
+    shutil.copytree(exp / "rope-seed0", run)
+    res = invoke("evaluate", run, "--lengths", "32,96")
+    assert res.exit_code == 0, res.output
+    rows = {int(r["length"]): r for r in csv.DictReader((run / "eval.csv").open())}
+    assert sorted(rows) == [32, 48, 64, 96]
+    old = {int(r["length"]): r for r in csv.DictReader((exp / "rope-seed0" / "eval.csv").open())}
+    assert rows[32]["loss"] == old[32]["loss"]  # evaluation is deterministic
+
+
+def test_train_one_run(tmp_path, corpus_file):
+    out = tmp_path / "r"
+    res = invoke("train", SMOKE, "--scheme", "alibi", "--seed", "2", "--set", f"out_dir={out}",
+                 "--set", f"data.path={corpus_file}", "--set", "train.steps=5")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert (out / "smoke" / "alibi-seed2" / "model.pt").is_file()
+    assert sorted(p.name for p in (out / "smoke").iterdir() if p.is_dir()) == ["alibi-seed2"]
+
+
+def test_train_needs_one_run(tmp_path):
+    res = invoke("train", SMOKE, "--set", f"out_dir={tmp_path / 'r'}")
+    assert res.exit_code != 0 and "pick one run with --scheme" in res.output
+
+
+def test_schemes_lists_every_registered_scheme_with_a_description():
+    res = invoke("schemes")
+    assert res.exit_code == 0
+    for s in SEED_SCHEMES:
+        assert s in res.output
+
+
+def _assert_clean_failure(res, message, results: Path):
+    assert res.exit_code != 0
+    assert "Traceback" not in res.output
+    assert message in " ".join(res.output.split()), res.output
+    assert not results.exists(), "a failed command left a results folder behind"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--schemes", "alibi,ropee"], "unknown scheme 'ropee'"),
+        (["--set", "modell.n_layer=1"], "did you mean 'model'?"),
+        (["--set", "train.steps=abc"], "train.steps: expected an integer"),
+        (["--set", "model.n_head=3"], "is not divisible by model.n_head=3"),
+        (["--train-len", "100", "--test-len", "50"], "--test-len 50 is shorter than --train-len 100"),
+        (["--lengths", "10,64"], "eval.lengths [10] are shorter than the training length"),
+        (["--set", "model.d_model=-8"], "model.d_model=-8 must be positive"),
+        (["--set", "data.path=/no/such/*.txt"], "data.path '/no/such/*.txt' matches no file"),
+        (["--lengths", "32,abc"], "expected comma-separated integers"),
+    ],
+)
+def test_extrapolate_errors_are_one_line_and_leave_nothing(tmp_path, corpus_file, args, message):
+    out = tmp_path / "results"
+    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={out}",
+                 "--set", f"data.path={corpus_file}", *args)  # fmt: skip
+    _assert_clean_failure(res, message, out)
+
+
+def test_malformed_and_missing_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {n_layer: 2\n")
+    _assert_clean_failure(invoke("extrapolate", "--config", bad), "bad.yaml: malformed YAML at line", tmp_path / "results")
+    _assert_clean_failure(invoke("extrapolate", "--config", tmp_path / "gone.yaml"), "gone.yaml: config file not found", tmp_path / "results")
+
+
+def test_run_dir_without_checkpoint(tmp_path):
+    (tmp_path / "empty").mkdir()
+    res = invoke("evaluate", tmp_path / "empty")
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "holds no checkpoint (model.pt)" in res.output
+
+
+def test_corrupt_checkpoint_keeps_what_is_on_disk(smoke, tmp_path):
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    (run / "model.pt").write_bytes(b"not a checkpoint at all")
+    before = (run / "eval.csv").read_text()
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "corrupt or not a posbench checkpoint" in res.output
+    assert (run / "eval.csv").read_text() == before
+
+
+def test_report_of_an_empty_folder(tmp_path):
+    res = invoke("report", tmp_path)
+    assert res.exit_code != 0 and "holds no evaluated runs" in res.output
+
+
+def test_failure_keeps_earlier_results(smoke, tmp_path, corpus_file):
+    """A bad rerun into an existing experiment fails cleanly and leaves the old runs as they were."""
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    shutil.copytree(exp, out / "smoke")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={out}",
+                 "--set", f"data.path={text}", "--set", "train.steps=7")  # fmt: skip
+    assert res.exit_code != 0 and "trained under a different config" in res.output
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before

@@ -1,0 +1,123 @@
+"""Configs: the defaults file, overrides, and one clear error for each kind of bad input."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from posbench.config import (
+    ExperimentConfig,
+    ModelConfig,
+    apply_override,
+    length_grid,
+    load_config,
+)
+from posbench.errors import PosbenchError
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_default_yaml_equals_dataclass_defaults():
+    """configs/default.yaml is where users read the defaults; it must not drift from the code."""
+    from_file = load_config(ROOT / "configs" / "default.yaml")
+    assert from_file == ExperimentConfig()
+    raw = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    assert raw["schemes"] == ExperimentConfig().schemes  # and it is explicit, not empty
+
+
+def test_smoke_yaml_loads():
+    cfg = load_config(ROOT / "configs" / "smoke.yaml")
+    assert cfg.name == "smoke" and cfg.train.steps < 100
+
+
+def test_set_overrides_parse_types_and_nest():
+    raw = {}
+    apply_override(raw, "train.steps=7")
+    apply_override(raw, "eval.lengths=[16, 32]")
+    apply_override(raw, "data.path=a/*.txt")
+    apply_override(raw, "scheme_options.t5.max_distance=64")
+    assert raw == {
+        "train": {"steps": 7},
+        "eval": {"lengths": [16, 32]},
+        "data": {"path": "a/*.txt"},
+        "scheme_options": {"t5": {"max_distance": 64}},
+    }
+
+
+def test_yaml_then_set_precedence(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train: {steps: 5, lr: 0.01}\n")
+    cfg = load_config(p, ["train.steps=9"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.model.d_model) == (9, 0.01, 128)
+
+
+def test_run_config_resolves_scheme_and_options():
+    cfg = load_config(None, ["scheme_options.t5.max_distance=64"])
+    rc = cfg.for_run("t5", 3)
+    assert rc.model.scheme == "t5" and rc.model.options == {"max_distance": 64}
+    assert rc.schemes == ["t5"] and rc.seeds == [3]
+    assert cfg.for_run("alibi", 0).model.options == {}
+
+
+@pytest.mark.parametrize(
+    "train,test,grid", [(100, 200, [100, 125, 150, 200]), (100, 100, [100]), (64, 96, [64, 72, 80, 96])]
+)
+def test_length_grid(train, test, grid):
+    assert length_grid(train, test) == grid
+
+
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        (["train.stpes=3"], "train.stpes: unknown key (did you mean 'train.steps'?)"),
+        (["modle.n_layer=3"], "modle: unknown key (did you mean 'model'?)"),
+        (["train.steps=many"], "train.steps: expected an integer, got 'many'"),
+        (["train.lr=[1]"], "train.lr: expected a number"),
+        (["schemes=[alibi, ropee]"], "unknown scheme 'ropee' (did you mean 'rope'?); valid schemes: nope, "),
+        (["model.n_head=3"], "model.d_model=128 is not divisible by model.n_head=3"),
+        (["model.d_model=0"], "model.d_model=0 must be positive"),
+        (["train.steps=-1"], "train.steps=-1 must be positive"),
+        (["eval.lengths=[50, 200]"], "eval.lengths [50] are shorter than the training length"),
+        (["scheme_options.t5.max_distanse=3"], "did you mean 'max_distance'"),
+        (["scheme_options.t5.max_distance=far"], "scheme_options.t5.max_distance: expected int"),
+        (["scheme_options.rope.base=1.0"], "scheme_options.rope: 'rope' is not among the schemes"),
+        (["train.steps"], "expected key=value"),
+    ],
+)
+def test_bad_values_name_the_culprit(sets, message):
+    if "rope.base" in sets[0]:
+        sets = sets + ["schemes=[alibi]"]
+    with pytest.raises(PosbenchError) as e:
+        load_config(None, sets)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train:\n  steps: [1, 2\n")
+    with pytest.raises(PosbenchError, match=r"bad.yaml: malformed YAML at line \d+"):
+        load_config(p)
+
+
+def test_missing_yaml(tmp_path):
+    with pytest.raises(PosbenchError, match="nope.yaml: config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(PosbenchError, match="expected a mapping"):
+        load_config(p)
+
+
+def test_model_config_validates_directly():
+    with pytest.raises(PosbenchError, match="not divisible"):
+        ModelConfig(d_model=30, n_head=4)
+    assert dataclasses.replace(ModelConfig(), n_head=8).head_dim == 16
+
+
+def test_length_grid_rejects_short_test():
+    with pytest.raises(PosbenchError, match="--test-len 50 is shorter than --train-len 100"):
+        length_grid(100, 50)

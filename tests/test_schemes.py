@@ -1,0 +1,252 @@
+"""The science of each scheme: causality, relative invariances, reference slopes and buckets."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import posbench.model
+from posbench.attention import causal_attention
+from posbench.errors import PosbenchError
+from posbench.model import TransformerLM
+from posbench.schemes import SCHEMES, alibi_slopes, sinusoid, t5_relative_bucket
+
+from conftest import tiny
+
+ALL = sorted(SCHEMES)
+
+
+def build(scheme: str, seed: int = 0, **kw) -> TransformerLM:
+    """A tiny model with its scheme's parameters randomised, so zero-initialised biases bite."""
+    torch.manual_seed(seed)
+    model = TransformerLM(tiny(scheme, **kw)).eval()
+    with torch.no_grad():
+        for p in model.scheme.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+def supports(model, T):
+    return model.max_len is None or T <= model.max_len
+
+
+@pytest.mark.parametrize("scheme", ALL)
+@pytest.mark.parametrize("T", [16, 40])
+def test_causality(scheme, T):
+    """Changing token t changes no logit before t, in and beyond the training length, and in
+    the blocked attention path (block 8 < T) as well as the whole-sequence one."""
+    model = build(scheme)
+    if not supports(model, T):
+        pytest.skip(f"{scheme} does not encode length {T}")
+    model.attn_block = 8
+    x = torch.randint(0, 256, (2, T))
+    t = T // 2
+    y = x.clone()
+    y[:, t] = (y[:, t] + 1) % 256
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    assert torch.allclose(a[:, :t], b[:, :t], atol=1e-5)
+    assert not torch.allclose(a[:, t:], b[:, t:], atol=1e-5)  # the change is visible from t on
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_forward_backward_at_train_len(scheme):
+    model = build(scheme).train()
+    x = torch.randint(0, 256, (3, 16))
+    logits = model(x)
+    assert logits.shape == (3, 16, 256)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"parameters with no gradient: {missing}"
+    assert math.isfinite(loss.item()) and loss.item() > 0
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_beyond_train_len(scheme):
+    """Schemes that encode any length give finite logits at 4x; the others refuse clearly."""
+    model = build(scheme)
+    x = torch.randint(0, 256, (1, 64))
+    if model.max_len is not None and model.max_len < 64:
+        with pytest.raises(PosbenchError, match="cannot represent position"):
+            model(x)
+        return
+    with torch.no_grad():
+        assert torch.isfinite(model(x)).all()
+
+
+@pytest.mark.parametrize("scheme", ALL)
+@pytest.mark.parametrize("T", [24, 21])  # a multiple of the block and not
+def test_blocked_attention_matches_whole(scheme, T):
+    """Query-blocked attention equals one-shot attention, values and gradients."""
+    model = build(scheme)
+    if not supports(model, T):
+        model = build(scheme, train_len=T)
+    x = torch.randint(0, 256, (2, T))
+    outs, grads = [], []
+    for block in (None, 8):
+        model.zero_grad()
+        model.attn_block = block or 10_000
+        y = model(x)
+        y.square().mean().backward()
+        outs.append(y.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_rope_scores_depend_only_on_distance():
+    """q_m.k_n after rotation is a function of m-n: equal along every diagonal."""
+    scheme = SCHEMES["rope"](tiny("rope"))
+    T, D = 48, 8
+    q = torch.randn(1, 1, 1, D).expand(1, 1, T, D)  # the same q and k at every position
+    k = torch.randn(1, 1, 1, D).expand(1, 1, T, D)
+    qr, kr = scheme.rotate(q, k, torch.arange(T), 0)
+    s = (qr @ kr.transpose(-1, -2))[0, 0]  # (T, T)
+    for d in range(-T + 1, T):
+        diag = torch.diagonal(s, offset=d)
+        assert torch.allclose(diag, diag[0].expand_as(diag), atol=1e-4), d
+    assert s[10, 0] != pytest.approx(s[10, 9].item(), abs=1e-3)  # it does depend on distance
+
+
+def test_rope_preserves_norms():
+    scheme = SCHEMES["rope"](tiny("rope"))
+    q, k = torch.randn(2, 4, 30, 8), torch.randn(2, 4, 30, 8)
+    qr, kr = scheme.rotate(q, k, torch.arange(30), 0)
+    assert torch.allclose(qr.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+    assert torch.allclose(qr[:, :, 0], q[:, :, 0])  # position 0 is the identity
+
+
+def _unmasked(q, k, v, pos, bias_fn, block):
+    b = bias_fn(q, pos, pos)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=b)
+
+
+@pytest.mark.parametrize("scheme,equivariant", [("nope", True), ("sinusoidal", False), ("alibi", False)])
+def test_permutation_equivariance_without_mask(monkeypatch, scheme, equivariant):
+    """Without the causal mask NoPE cannot tell order: permuting tokens permutes the logits.
+    Any real positional scheme breaks this, which shows the test can fail."""
+    monkeypatch.setattr(posbench.model, "causal_attention", _unmasked)
+    model = build(scheme)
+    x = torch.randint(0, 256, (2, 16))
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = model(x)[:, perm], model(x[:, perm])
+    assert torch.allclose(a, b, atol=1e-5) == equivariant
+
+
+def reference_alibi_slopes(n):
+    """Verbatim from ofirpress/attention_with_linear_biases, fairseq/models/transformer.py."""
+
+    def get_slopes_power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        ratio = start
+        return [start * ratio**i for i in range(n)]
+
+    if math.log2(n).is_integer():
+        return get_slopes_power_of_2(n)
+    closest_power_of_2 = 2 ** math.floor(math.log2(n))
+    return (
+        get_slopes_power_of_2(closest_power_of_2)
+        + reference_alibi_slopes(2 * closest_power_of_2)[0::2][: n - closest_power_of_2]
+    )
+
+
+@pytest.mark.parametrize("n", range(1, 17))
+def test_alibi_slopes_match_reference(n):
+    assert torch.allclose(alibi_slopes(n).double(), torch.tensor(reference_alibi_slopes(n)).double())
+
+
+def test_alibi_slopes_six_heads_by_hand():
+    assert alibi_slopes(6).tolist() == [1 / 4, 1 / 16, 1 / 64, 1 / 256, 1 / 2, 1 / 8]
+
+
+def test_alibi_bias_is_minus_slope_times_distance():
+    scheme = SCHEMES["alibi"](tiny("alibi"))
+    b = scheme.bias(torch.zeros(1, 4, 5, 8), torch.arange(5), torch.arange(5), 0)[0]  # (H, 5, 5)
+    assert b[0, 4, 1].item() == pytest.approx(-(2**-2) * 3)  # head 1 of 4: m = 2^-2
+    assert b[3, 2, 0].item() == pytest.approx(-(2**-8) * 2)
+    assert torch.all(torch.diagonal(b, dim1=1, dim2=2) == 0)
+
+
+# Worked by hand from T5's formula: distance n < 16 is its own bucket; otherwise
+# 16 + floor(log(n/16) / log(128/16) * 16), capped at 31. n=20: 16+floor(1.717)=17;
+# n=32: 16+floor(5.33)=21; n=64: 16+floor(10.67)=26; n=127: 16+floor(15.94)=31.
+@pytest.mark.parametrize(
+    "rel,bucket",
+    [(0, 0), (-1, 1), (-15, 15), (-16, 16), (-20, 17), (-32, 21), (-64, 26), (-127, 31),
+     (-128, 31), (-1000, 31), (3, 0), (50, 0)],  # fmt: skip
+)
+def test_t5_buckets_unidirectional(rel, bucket):
+    assert t5_relative_bucket(torch.tensor([rel])).item() == bucket
+
+
+# bidirectional: 16 buckets a side, 8 exact; n=20: 8 + floor(log(20/8)/log(16)*8) = 8+2 = 10
+@pytest.mark.parametrize("rel,bucket", [(-3, 3), (3, 19), (-20, 10), (20, 26), (0, 0)])
+def test_t5_buckets_bidirectional(rel, bucket):
+    assert t5_relative_bucket(torch.tensor([rel]), bidirectional=True).item() == bucket
+
+
+def test_t5_bias_reads_the_table_by_bucket():
+    scheme = SCHEMES["t5"](tiny("t5"))
+    with torch.no_grad():
+        scheme.table.copy_(torch.arange(32 * 4, dtype=torch.float).view(32, 4))
+    b = scheme.bias(torch.zeros(1, 4, 40, 8), torch.arange(40), torch.arange(40), 0)[0]
+    assert b[2, 39, 19].item() == 17 * 4 + 2  # distance 20 -> bucket 17, head 2
+    assert b[0, 5, 5].item() == 0
+
+
+def test_xl_score_matches_formula():
+    """(q_i+u).k_j + (q_i+v).W_r r(i-j), over sqrt(d), from the hooks, against the formula."""
+    torch.manual_seed(0)
+    cfg = tiny("xl")
+    scheme = SCHEMES["xl"](cfg)
+    with torch.no_grad():
+        for p in scheme.parameters():
+            p.normal_()
+    T, D = 6, cfg.head_dim
+    q, k = torch.randn(1, 4, T, D), torch.randn(1, 4, T, D)
+    pos = torch.arange(T)
+    q2, k2 = scheme.rotate(q, k, pos, 1)
+    got = (q2 @ k2.transpose(-1, -2)) / math.sqrt(D) + scheme.bias(q2, pos, pos, 1)
+    r = sinusoid(torch.arange(T), cfg.d_model)
+    W = scheme.w_r[1].weight
+    u, v = scheme.u[:, 0], scheme.v[:, 0]  # (H, D)
+    for h in range(4):
+        for i in range(T):
+            for j in range(i + 1):
+                rel = (W @ r[i - j]).view(4, D)[h]
+                want = (q[0, h, i] + u[h]) @ k[0, h, j] + (q[0, h, i] + v[h]) @ rel
+                assert got[0, h, i, j].item() == pytest.approx(want.item() / math.sqrt(D), abs=1e-4)
+
+
+def test_sinusoid_formula():
+    pe = sinusoid(torch.arange(5), 8)
+    assert pe[3, 2].item() == pytest.approx(math.sin(3 / 10000 ** (2 / 8)))
+    assert pe[3, 3].item() == pytest.approx(math.cos(3 / 10000 ** (2 / 8)))
+    assert pe[4, 0].item() == pytest.approx(math.sin(4))
+
+
+def test_learned_refuses_beyond_its_table_instead_of_clamping():
+    model = build("learned")
+    assert model.max_len == 16
+    with pytest.raises(PosbenchError, match="at most 16 positions"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_attention_function_matches_plain_softmax():
+    """The one attention function is softmax(qk/sqrt(d) + bias + mask) v, blocked or not."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 13, 4) for _ in range(3))
+    bias = torch.randn(1, 3, 13, 13)
+    pos = torch.arange(13)
+
+    def bias_fn(qb, qp, kp):
+        return bias[:, :, qp][:, :, :, kp]
+
+    s = q @ k.transpose(-1, -2) / 2 + bias
+    s = s.masked_fill(torch.ones(13, 13, dtype=torch.bool).triu(1), float("-inf"))
+    want = s.softmax(-1) @ v
+    for block in (None, 4, 13):
+        assert torch.allclose(causal_attention(q, k, v, pos, bias_fn, block), want, atol=1e-5)
