@@ -44,4 +44,11 @@ def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn) -> torch.Tensor:
     future = torch.arange(Tk, device=q.device)[None, :] > qi[:, None]  # (Tq, Tk)
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=~future)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(future, float("-inf")))
+    bias = bias.masked_fill(future, float("-inf"))
+    if not bias.requires_grad:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    # A mask that needs grad sends SDPA to its math path, which also pays for a "safe" softmax
+    # (an all(-inf) check and a where per row). Every row here sees at least its own key, so
+    # the plain softmax is safe and measurably cheaper.
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.size(-1) ** -0.5 + bias  # (B, H, Tq, Tk)
+    return torch.matmul(scores.softmax(dim=-1), v)  # (B, H, Tq, D)

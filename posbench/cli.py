@@ -80,14 +80,15 @@ def _comparison_table(table, title: str) -> Table:
     from posbench.report import cell, lengths_of
 
     lengths = lengths_of(table)
-    t = Table(title=title)
+    t = Table(title=title, caption="— : the scheme cannot encode that length (beyond-max-len)")
     t.add_column("scheme", style="bold")
     for L in lengths:
         t.add_column(str(L), justify="right")
     t.add_column(f"ppl({lengths[-1]})/ppl(train)", justify="right")
     for s in table.index:
         r = table.loc[s, "ratio"]
-        t.add_row(s, *[cell(table, s, L) for L in lengths], f"{r:.2f}" if r == r else "—")
+        cells = [cell(table, s, L, missing="—") for L in lengths]
+        t.add_row(s, *cells, f"{r:.2f}" if r == r else "—")
     return t
 
 
@@ -153,7 +154,7 @@ def train(
     set_: Sets = None,
 ):
     """Train (and evaluate at the config's lengths) one run of a config."""
-    from posbench.run import run_experiment
+    from posbench.run import run_experiment, run_name
 
     with user_errors():
         sets = list(set_ or [])
@@ -168,7 +169,7 @@ def train(
                 "pick one run with --scheme and --seed"
             )
         exp = run_experiment(cfg, BarReporter(err))
-        out.print(f"trained {exp / cfg.schemes[0]}", highlight=False)
+        out.print(f"run folder: {exp / run_name(cfg.schemes[0], cfg.seeds[0])}", highlight=False)
         _print_summary(exp)
 
 

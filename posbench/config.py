@@ -125,13 +125,12 @@ class ExperimentConfig:
         from posbench.schemes import resolve_scheme
 
         for s in self.schemes:
-            cls = resolve_scheme(s)
-            cls.validate_options(self.scheme_options.get(s, {}), where=f"scheme_options.{s}")
-        for s in self.scheme_options:
+            resolve_scheme(s)(self.model_for(s))  # builds it once: bad options fail here, early
+        for s, opts in self.scheme_options.items():  # options of unselected schemes are kept, checked
             if s not in self.schemes:
-                raise PosbenchError(
-                    f"scheme_options.{s}: '{s}' is not among the schemes {self.schemes}"
-                )
+                if not isinstance(opts, dict):
+                    raise PosbenchError(f"scheme_options.{s}: expected a mapping of options")
+                resolve_scheme(s).validate_options(opts, where=f"scheme_options.{s}")
         short = [n for n in self.eval.lengths if n < self.model.train_len]
         if short:
             raise PosbenchError(

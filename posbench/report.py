@@ -72,10 +72,11 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def cell(table: pd.DataFrame, scheme: str, L: int) -> str:
+def cell(table: pd.DataFrame, scheme: str, L: int, missing: str = "") -> str:
+    """'12.34', '12.34 ± 0.10' over seeds, or the status (or `missing`) where there is no ppl."""
     v, sd, st = table.loc[scheme, L], table.loc[scheme, f"std {L}"], table.loc[scheme, f"status {L}"]
     if st != "ok" or v != v:
-        return str(st) if isinstance(st, str) else "—"
+        return missing or (str(st) if isinstance(st, str) else "—")
     return f"{v:.2f} ± {sd:.2f}" if sd == sd else f"{v:.2f}"
 
 

@@ -229,7 +229,7 @@ def test_sinusoid_formula():
 
 
 def test_learned_refuses_beyond_its_table_instead_of_clamping():
-    model = build("learned")
+    model = build("learned", options={"max_len": 16})
     assert model.max_len == 16
     with pytest.raises(PosbenchError, match="at most 16 positions"):
         model(torch.zeros(1, 17, dtype=torch.long))
