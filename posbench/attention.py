@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-BiasFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
+BiasFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
 
 
 def causal_attention(
@@ -36,7 +36,7 @@ def causal_attention(
 def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn) -> torch.Tensor:
     """Queries q0..q0+Tq-1 attend to keys 0..Tk-1."""
     Tq, Tk = q.size(2), k.size(2)
-    bias = bias_fn(q, qpos, kpos)  # None or (B or 1, H, Tq, Tk)
+    bias = bias_fn(q, k, qpos, kpos)  # None or (B or 1, H, Tq, Tk)
     if bias is None and Tq == Tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     # causality is by index, not by position value, so schemes may renumber positions

@@ -29,8 +29,8 @@ class Attention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         q, k = scheme.rotate(q, k, pos, self.layer)  # (B, nh, T, hs)
 
-        def bias_fn(qb, qpos, kpos):
-            return scheme.bias(qb, qpos, kpos, self.layer)
+        def bias_fn(qb, kb, qpos, kpos):
+            return scheme.bias(qb, kb, qpos, kpos, self.layer)
 
         y = causal_attention(q, k, v, pos, bias_fn, block)  # (B, nh, T, hs)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

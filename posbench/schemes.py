@@ -3,8 +3,9 @@
 A scheme touches the model in exactly three places (the x-transformers taxonomy):
   embed(x, pos)                 add an absolute signal to the token embeddings
   rotate(q, k, pos, layer)      transform q and k in every layer (RoPE, Transformer-XL's u)
-  bias(q, qpos, kpos, layer)    an additive bias on the attention logits, after the 1/sqrt(d)
+  bias(q, k, qpos, kpos, layer) an additive bias on the attention logits, after the 1/sqrt(d)
                                 scaling of q.k (ALiBi, T5); it may look at q (Transformer-XL)
+                                and at k (contextual schemes)
 The base class's hooks are no-ops, which is exactly NoPE. The model calls every hook every time
 and never asks which scheme it holds. `bias` is called on blocks of queries, so it must build
 its (Tq, Tk) bias from the positions it is given, never from a cached (T, T) table.
@@ -79,7 +80,7 @@ class PositionalScheme(nn.Module):
     def rotate(self, q, k, pos, layer: int):
         return q, k  # (B, H, T, D) each
 
-    def bias(self, q, qpos, kpos, layer: int) -> Optional[torch.Tensor]:
+    def bias(self, q, k, qpos, kpos, layer: int) -> Optional[torch.Tensor]:
         return None  # or (B or 1, H, Tq, Tk), added to the scaled logits
 
 
@@ -167,7 +168,7 @@ class T5Bias(PositionalScheme):
         # shared by all layers, as in T5
         self.table = nn.Parameter(torch.zeros(self.opt["num_buckets"], cfg.n_head))  # (NB, H)
 
-    def bias(self, q, qpos, kpos, layer):
+    def bias(self, q, k, qpos, kpos, layer):
         return self.once_per_forward((qpos, kpos), lambda: self.bucket_bias(qpos, kpos, q.dtype))
 
     def bucket_bias(self, qpos, kpos, dtype):
@@ -194,7 +195,7 @@ class TransformerXL(PositionalScheme):
     def rotate(self, q, k, pos, layer):
         return q + self.u, k
 
-    def bias(self, q, qpos, kpos, layer):
+    def bias(self, q, k, qpos, kpos, layer):
         B, H, Tq, D = q.shape
         far = int(qpos.max() - kpos.min()) + 1  # distances 0..far-1 occur in this block
         r = sinusoid(torch.arange(far, device=q.device), self.cfg.d_model)  # (far, C)
@@ -245,7 +246,7 @@ class ALiBi(PositionalScheme):
         super().__init__(cfg)
         self.register_buffer("slopes", alibi_slopes(cfg.n_head), persistent=False)  # (H,)
 
-    def bias(self, q, qpos, kpos, layer):
+    def bias(self, q, k, qpos, kpos, layer):
         return self.once_per_forward((qpos, kpos), lambda: self.linear_bias(qpos, kpos, q.dtype))
 
     def linear_bias(self, qpos, kpos, dtype):
@@ -265,8 +266,8 @@ class Hybrid(PositionalScheme):
     def embed(self, x, pos):
         return self.absolute.embed(x, pos)
 
-    def bias(self, q, qpos, kpos, layer):
-        return self.relative.bias(q, qpos, kpos, layer)
+    def bias(self, q, k, qpos, kpos, layer):
+        return self.relative.bias(q, k, qpos, kpos, layer)
 
 
 SCHEMES: dict[str, type[PositionalScheme]] = {

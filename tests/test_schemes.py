@@ -119,7 +119,7 @@ def test_rope_preserves_norms():
 
 
 def _unmasked(q, k, v, pos, bias_fn, block):
-    b = bias_fn(q, pos, pos)
+    b = bias_fn(q, k, pos, pos)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=b)
 
 
@@ -164,7 +164,7 @@ def test_alibi_slopes_six_heads_by_hand():
 
 def test_alibi_bias_is_minus_slope_times_distance():
     scheme = SCHEMES["alibi"](tiny("alibi"))
-    b = scheme.bias(torch.zeros(1, 4, 5, 8), torch.arange(5), torch.arange(5), 0)[0]  # (H, 5, 5)
+    b = scheme.bias(torch.zeros(1, 4, 5, 8), torch.zeros(1, 4, 5, 8), torch.arange(5), torch.arange(5), 0)[0]  # (H, 5, 5)
     assert b[0, 4, 1].item() == pytest.approx(-(2**-2) * 3)  # head 1 of 4: m = 2^-2
     assert b[3, 2, 0].item() == pytest.approx(-(2**-8) * 2)
     assert torch.all(torch.diagonal(b, dim1=1, dim2=2) == 0)
@@ -192,7 +192,7 @@ def test_t5_bias_reads_the_table_by_bucket():
     scheme = SCHEMES["t5"](tiny("t5"))
     with torch.no_grad():
         scheme.table.copy_(torch.arange(32 * 4, dtype=torch.float).view(32, 4))
-    b = scheme.bias(torch.zeros(1, 4, 40, 8), torch.arange(40), torch.arange(40), 0)[0]
+    b = scheme.bias(torch.zeros(1, 4, 40, 8), torch.zeros(1, 4, 40, 8), torch.arange(40), torch.arange(40), 0)[0]
     assert b[2, 39, 19].item() == 17 * 4 + 2  # distance 20 -> bucket 17, head 2
     assert b[0, 5, 5].item() == 0
 
@@ -209,7 +209,7 @@ def test_xl_score_matches_formula():
     q, k = torch.randn(1, 4, T, D), torch.randn(1, 4, T, D)
     pos = torch.arange(T)
     q2, k2 = scheme.rotate(q, k, pos, 1)
-    got = (q2 @ k2.transpose(-1, -2)) / math.sqrt(D) + scheme.bias(q2, pos, pos, 1)
+    got = (q2 @ k2.transpose(-1, -2)) / math.sqrt(D) + scheme.bias(q2, k2, pos, pos, 1)
     r = sinusoid(torch.arange(T), cfg.d_model)
     W = scheme.w_r[1].weight
     u, v = scheme.u[:, 0], scheme.v[:, 0]  # (H, D)
@@ -242,7 +242,7 @@ def test_attention_function_matches_plain_softmax():
     bias = torch.randn(1, 3, 13, 13)
     pos = torch.arange(13)
 
-    def bias_fn(qb, qp, kp):
+    def bias_fn(qb, kb, qp, kp):
         return bias[:, :, qp][:, :, :, kp]
 
     s = q @ k.transpose(-1, -2) / 2 + bias
