@@ -229,6 +229,65 @@ def schemes():
     out.print(t)
 
 
+@app.command()
+def bench(
+    quick: Annotated[bool, typer.Option(help="a seconds-long run (tiny batch, 1x and 4x only)")] = False,
+    peer: Annotated[Optional[str], typer.Option(help="also time a peer library: x-transformers")] = None,
+    schemes: Annotated[Optional[str], typer.Option(help="e.g. alibi,rope (default: the config's)")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="a YAML config for the model size")] = None,
+    set_: Sets = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
+    out_file: Annotated[Path, typer.Option("--out", help="where bench.csv goes")] = Path("results/bench/bench.csv"),
+):
+    """Training tokens/s (vs NoPE and a peer), FLOP utilisation, and eval memory up to 64x."""
+    import torch
+
+    from posbench.bench import BenchSettings, run_bench, write_bench
+
+    with user_errors():
+        sets = list(set_ or [])
+        if schemes is not None:
+            sets.append(f"schemes=[{schemes}]")
+        cfg = load_config(config, sets)
+        if threads:
+            torch.set_num_threads(threads)
+        settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
+        rows, peak = run_bench(cfg.model, cfg.schemes, settings, peer,
+                               progress=lambda m: err.print(m, highlight=False))  # fmt: skip
+        write_bench(rows, out_file)
+        out.print(_bench_table(rows, peak, cfg.model, torch.get_num_threads(), peer))
+        out.print(f"wrote {out_file}", highlight=False)
+
+
+def _bench_table(rows, peak, mc, threads, peer) -> Table:
+    train = [r for r in rows if r["measurement"] == "train"]
+    lengths = sorted({r["eval_len"] for r in rows if r["measurement"] == "eval"})
+    mem = {(r["scheme"], r["eval_len"]): r["peak_mem_mb"] for r in rows if r["measurement"] == "eval"}
+    t = Table(
+        title=f"posbench bench: {mc.n_layer} layers, d_model {mc.d_model}, {mc.n_head} heads, "
+        f"T={mc.train_len}, {threads} threads; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s"
+        + (f"; peer: {peer}" if peer else ""),
+        caption="eval memory: peak tensor memory of one no-grad forward, batch 1",
+    )
+    cols = ["scheme", "tokens/s", "x NoPE", "MFU"]
+    if peer:
+        cols += ["peer tok/s", "x peer"]
+    cols += [f"mem@{L} MB" for L in lengths]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "scheme" else "right")
+
+    def f(v, fmt):
+        return "—" if v is None else format(v, fmt)
+
+    for r in train:
+        cells = [r["scheme"], f(r["tokens_per_s"], ".0f"), f(r["ratio_vs_nope"], ".2f"), f(r["mfu"], ".0%")]
+        if peer:
+            cells += [f(r["peer_tokens_per_s"], ".0f"), f(r["peer_ratio"], ".2f")]
+        cells += [f(mem.get((r["scheme"], L)), ".1f") for L in lengths]
+        t.add_row(*cells)
+    return t
+
+
 def main():
     app(prog_name="posbench")
 

@@ -1,0 +1,233 @@
+"""The benchmark: training throughput, FLOP utilisation and evaluation memory, side by side.
+
+The machine is shared and noisy, so every number that matters is a ratio taken in one process:
+each scheme against NoPE, posbench against a peer library, model FLOP/s against a large fp32
+matmul measured in the same run. Schemes are timed in interleaved rounds (nope, t5, ..., nope,
+t5, ...) and each keeps its median, so a burst of load hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from posbench.config import ModelConfig
+from posbench.errors import PosbenchError
+from posbench.model import TransformerLM
+
+BENCH_COLUMNS = ["scheme", "measurement", "tokens_per_s", "ratio_vs_nope", "mfu",
+                 "peer_tokens_per_s", "peer_ratio", "eval_len", "peak_mem_mb"]  # fmt: skip
+EVAL_MULTIPLES = (1, 4, 16, 64)
+PEERS = ("x-transformers",)
+
+
+@dataclasses.dataclass
+class BenchSettings:
+    batch_size: int = 32
+    steps: int = 10  # timed steps per round
+    rounds: int = 3
+    warmup: int = 3
+    multiples: tuple = EVAL_MULTIPLES
+
+    @classmethod
+    def quick(cls) -> "BenchSettings":
+        # 16x and 32x are long enough that the query blocks dominate: linear memory doubles
+        return cls(batch_size=4, steps=2, rounds=1, warmup=1, multiples=(1, 16, 32))
+
+
+def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of a large fp32 matmul, best of `reps`: the ceiling that MFU is measured against."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm the kernels and the threads
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def model_flops_per_token(cfg: ModelConfig, model: nn.Module) -> float:
+    """6N for the matmul weights (the tied output head included, the lookup table not), plus
+    12 * layers * d_model * T for the q.k and attention-times-v products (PaLM's count)."""
+    n = sum(p.numel() for name, p in model.named_parameters() if p.dim() >= 2 and "scheme" not in name)
+    return 6 * n + 12 * cfg.n_layer * cfg.d_model * cfg.train_len
+
+
+def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], None]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (batch_size, T + 1), generator=gen)
+
+    def step():
+        logits = model(x[:, :-1])  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return step
+
+
+def time_interleaved(steps: dict[str, Callable[[], None]], s: BenchSettings) -> dict[str, float]:
+    """Median seconds per step of each function, measured in interleaved rounds."""
+    for fn in steps.values():
+        for _ in range(s.warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(s.rounds):
+        for name, fn in steps.items():
+            t = time.perf_counter()
+            for _ in range(s.steps):
+                fn()
+            times[name].append((time.perf_counter() - t) / s.steps)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def eval_peak_memory_mb(model: TransformerLM, T: int) -> float:
+    """Peak bytes held by tensors during one no-grad forward of length T, from the profiler's
+    allocation events (the process's RSS is too coarse and never goes down)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randint(0, 256, (1, T))
+    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.no_grad():
+            model(x)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    held = peak = 0
+    for e in events:
+        held += e.nbytes()
+        peak = max(peak, held)
+    return peak / 2**20
+
+
+@contextlib.contextmanager
+def _quiet_fd2():
+    """The profiler's C++ side writes start/stop lines straight to file descriptor 2."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def xtransformers_model(scheme: str, cfg: ModelConfig) -> Optional[nn.Module]:
+    """The same shape in lucidrains' x-transformers, for the schemes it has; None otherwise."""
+    from x_transformers import Decoder, TransformerWrapper
+
+    kinds = {
+        "nope": ({"use_abs_pos_emb": False}, {}),
+        "sinusoidal": ({"scaled_sinu_pos_emb": True}, {}),
+        "learned": ({}, {}),
+        "rope": ({"use_abs_pos_emb": False}, {"rotary_pos_emb": True, "rotary_emb_dim": cfg.head_dim}),
+        "alibi": ({"use_abs_pos_emb": False}, {"alibi_pos_bias": True}),
+        "t5": ({"use_abs_pos_emb": False}, {"rel_pos_bias": True}),
+    }
+    if scheme not in kinds:
+        return None
+    wrapper, layers = kinds[scheme]
+    decoder = Decoder(dim=cfg.d_model, depth=cfg.n_layer, heads=cfg.n_head,
+                      attn_dim_head=cfg.head_dim, **layers)  # fmt: skip
+    return TransformerWrapper(num_tokens=cfg.vocab_size, max_seq_len=cfg.train_len,
+                              attn_layers=decoder, **wrapper)  # fmt: skip
+
+
+def _import_peer(peer: str):
+    if peer not in PEERS:
+        raise PosbenchError(f"--peer {peer}: unknown peer; valid peers: {', '.join(PEERS)}")
+    try:
+        import loguru  # x-transformers logs warnings through loguru; keep the table clean
+
+        loguru.logger.remove()
+        import x_transformers  # noqa: F401
+    except ImportError:
+        raise PosbenchError(
+            "--peer x-transformers needs the peer extra: pip install -e '.[peer]' "
+            "(it keeps the installed torch)"
+        ) from None
+
+
+def run_bench(
+    cfg: ModelConfig,
+    schemes: list[str],
+    settings: BenchSettings,
+    peer: Optional[str] = None,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> tuple[list[dict], float]:
+    """Rows of bench.csv and the measured matmul peak (FLOP/s)."""
+    if peer:
+        _import_peer(peer)
+    schemes = ["nope"] + [s for s in schemes if s != "nope"]  # NoPE is every ratio's baseline
+    T = cfg.train_len
+    progress("measuring the fp32 matmul peak")
+    peak = matmul_peak_flops()
+    models, steps = {}, {}
+    for s in schemes:
+        torch.manual_seed(0)
+        mc = dataclasses.replace(cfg, scheme=s, options={})
+        models[s] = TransformerLM(mc)
+        steps[s] = _train_step_fn(models[s], settings.batch_size, T)
+        if peer:
+            other = xtransformers_model(s, mc)
+            if other is not None:
+                steps[f"peer:{s}"] = _train_step_fn(other, settings.batch_size, T)
+    progress(f"timing training steps: {len(steps)} models x {settings.rounds} rounds")
+    sec = time_interleaved(steps, settings)
+    tokens = settings.batch_size * T
+    rows = []
+    for s in schemes:
+        tps = tokens / sec[s]
+        peer_tps = tokens / sec[f"peer:{s}"] if f"peer:{s}" in sec else None
+        rows.append({
+            "scheme": s, "measurement": "train", "tokens_per_s": tps,
+            "ratio_vs_nope": sec["nope"] / sec[s],
+            "mfu": tps * model_flops_per_token(models[s].cfg, models[s]) / peak,
+            "peer_tokens_per_s": peer_tps, "peer_ratio": tps / peer_tps if peer_tps else None,
+        })  # fmt: skip
+    longest = max(settings.multiples) * T
+    for s in schemes:
+        model = models[s].eval()
+        if model.max_len is not None and model.max_len < longest and "max_len" in model.scheme.options:
+            # a table as long as the longest length: what the memory of that length would be
+            mc = dataclasses.replace(cfg, scheme=s, options={"max_len": longest})
+            model = TransformerLM(mc).eval()
+        for m in settings.multiples:
+            L = m * T
+            progress(f"evaluation memory: {s} at {L}")
+            if model.max_len is not None and L > model.max_len:
+                rows.append({"scheme": s, "measurement": "eval", "eval_len": L, "peak_mem_mb": None})
+                continue
+            rows.append({"scheme": s, "measurement": "eval", "eval_len": L,
+                         "peak_mem_mb": eval_peak_memory_mb(model, L)})  # fmt: skip
+    return rows, peak
+
+
+def write_bench(rows: list[dict], path) -> None:
+    """bench.csv: one row per (scheme, measurement); blank where a value does not apply."""
+    import csv
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=BENCH_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: "" if r.get(k) is None else r.get(k) for k in BENCH_COLUMNS})
+    tmp.replace(path)

@@ -1,0 +1,45 @@
+"""The benchmark's quick mode, once: every scheme gets a throughput row and memory rows."""
+
+import csv
+
+import pytest
+from typer.testing import CliRunner
+
+from posbench.bench import BENCH_COLUMNS, model_flops_per_token
+from posbench.cli import app
+from posbench.config import SEED_SCHEMES, ModelConfig
+from posbench.model import TransformerLM
+
+
+def test_bench_quick_writes_every_row(tmp_path):
+    out = tmp_path / "bench.csv"
+    res = CliRunner().invoke(app, ["bench", "--quick", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader(out.open()))
+    assert list(rows[0]) == BENCH_COLUMNS
+    train = {r["scheme"]: r for r in rows if r["measurement"] == "train"}
+    assert sorted(train) == sorted(SEED_SCHEMES)
+    assert float(train["nope"]["ratio_vs_nope"]) == 1.0
+    for r in train.values():
+        assert float(r["tokens_per_s"]) > 0 and 0 < float(r["mfu"]) < 1
+        assert r["peer_ratio"] == ""  # no peer ran
+    for s in SEED_SCHEMES:
+        mem = {int(r["eval_len"]): float(r["peak_mem_mb"]) for r in rows
+               if r["measurement"] == "eval" and r["scheme"] == s}  # fmt: skip
+        assert sorted(mem) == [100, 1600, 3200]
+        # twice the length: about twice the memory when it is linear, four times if quadratic
+        assert mem[100] < mem[1600] < mem[3200] < 2.6 * mem[1600], (s, mem)
+
+
+def test_unknown_peer_is_one_line(tmp_path):
+    res = CliRunner().invoke(app, ["bench", "--quick", "--peer", "nanogpt", "--out", str(tmp_path / "b.csv")])
+    assert res.exit_code != 0 and "unknown peer" in res.output and "Traceback" not in res.output
+
+
+def test_flops_per_token_counts_matmul_weights_and_attention():
+    cfg = ModelConfig()
+    model = TransformerLM(cfg)
+    C, L, T = cfg.d_model, cfg.n_layer, cfg.train_len
+    per_layer = 3 * C * C + C * C + 2 * 4 * C * C  # qkv, proj, the two MLP matrices
+    want = 6 * (L * per_layer + 256 * C) + 12 * L * C * T  # the tied head is a 256 x C matmul
+    assert model_flops_per_token(cfg, model) == pytest.approx(want)
