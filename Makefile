@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test smoke
+.PHONY: install extrapolate test smoke bench
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -18,3 +18,7 @@ test: install
 
 smoke: install
 	posbench extrapolate --config configs/smoke.yaml
+
+bench: install
+	$(PIP) install -q -e '.[peer]'
+	posbench bench --peer x-transformers

@@ -3,7 +3,7 @@
 The machine is shared and noisy, so every number that matters is a ratio taken in one process:
 each scheme against NoPE, posbench against a peer library, model FLOP/s against a large fp32
 matmul measured in the same run. Schemes are timed in interleaved rounds (nope, t5, ..., nope,
-t5, ...) and each keeps its median, so a burst of load hits all of them alike.
+t5, ...) and each keeps its fastest round, so a burst of load hits all of them alike.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import statistics
 import sys
 import time
 from typing import Callable, Optional
@@ -33,8 +32,8 @@ PEERS = ("x-transformers",)
 @dataclasses.dataclass
 class BenchSettings:
     batch_size: int = 32
-    steps: int = 10  # timed steps per round
-    rounds: int = 3
+    steps: int = 5  # timed steps per round
+    rounds: int = 6
     warmup: int = 3
     multiples: tuple = EVAL_MULTIPLES
 
@@ -44,7 +43,7 @@ class BenchSettings:
         return cls(batch_size=4, steps=2, rounds=1, warmup=1, multiples=(1, 16, 32))
 
 
-def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
+def matmul_peak_flops(n: int = 2048, reps: int = 10) -> float:
     """FLOP/s of a large fp32 matmul, best of `reps`: the ceiling that MFU is measured against."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm the kernels and the threads
@@ -80,7 +79,8 @@ def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], No
 
 
 def time_interleaved(steps: dict[str, Callable[[], None]], s: BenchSettings) -> dict[str, float]:
-    """Median seconds per step of each function, measured in interleaved rounds."""
+    """Seconds per step of each function: the fastest of its interleaved rounds. Load from
+    other processes only ever adds time, so the minimum is the least contaminated estimate."""
     for fn in steps.values():
         for _ in range(s.warmup):
             fn()
@@ -91,7 +91,7 @@ def time_interleaved(steps: dict[str, Callable[[], None]], s: BenchSettings) -> 
             for _ in range(s.steps):
                 fn()
             times[name].append((time.perf_counter() - t) / s.steps)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: min(v) for k, v in times.items()}
 
 
 def eval_peak_memory_mb(model: TransformerLM, T: int) -> float:
