@@ -118,8 +118,8 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
     if variants:
         lines.append(
             f"- {', '.join(variants)}: the same checkpoints evaluated with an evaluation-time "
-            f"variant, no retraining (RoPE scaling with s = length / train length, or the "
-            f"s after @)"
+            f"variant (`posbench schemes` describes each), no retraining; s = length / train "
+            f"length, or the s after @"
         )
     differ = [k for k in ("model", "train", "data") if any(_shared(o)[k] != _shared(c)[k] for o in configs)]
     if differ:

@@ -25,7 +25,7 @@ from posbench.config import ExperimentConfig, config_from_dict, dump_yaml
 from posbench.data import Corpus, batch, load_corpus
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
-from posbench.schemes import resolve_scheme, variant_label
+from posbench.schemes import SCHEMES, resolve_scheme, variant_label
 
 EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
 PROTOCOL_NAMES = {"nonoverlapping": "non-overlapping chunks, every token scored"}
@@ -361,12 +361,13 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
     """Train what is missing, evaluate everything at cfg.eval.lengths; returns the folder."""
     apply_threads(cfg)
     plan = plan_runs(cfg)
-    if cfg.eval.rope_scaling:
-        if not any(set(cfg.eval.rope_scaling) & set(resolve_scheme(s).eval_variants) for s in cfg.schemes):
-            reporter.note(
-                f"eval.rope_scaling {cfg.eval.rope_scaling}: none of the schemes run has these "
-                "evaluation-time variants (rope does), so they add no rows"
-            )
+    kinds = set(cfg.eval.rope_scaling)
+    if kinds and not any(kinds & set(resolve_scheme(s).eval_variants) for s in cfg.schemes):
+        owners = [name for name, cls in SCHEMES.items() if kinds & set(cls.eval_variants)]
+        reporter.note(
+            f"eval.rope_scaling {cfg.eval.rope_scaling}: no scheme run here has these "
+            f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
+        )
     corpus = load_corpus(cfg.data)  # fails before any folder is made
     eval_tokens(corpus, cfg, cfg.eval.lengths)
     exp = Path(cfg.out_dir) / cfg.name
