@@ -76,6 +76,10 @@ def _csv_ints(text: Optional[str], what: str) -> Optional[list[int]]:
         raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200")
 
 
+def _csv_names(text: Optional[str]) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
 def _comparison_table(table, title: str) -> Table:
     from posbench.report import cell, lengths_of
 
@@ -118,6 +122,10 @@ def extrapolate(
     set_: Sets = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda")] = None,
+    rope_scaling: Annotated[
+        Optional[str], typer.Option(help="also score rope runs scaled at evaluation, e.g. yarn,ntk")
+    ] = None,
+    rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L)")] = None,
 ):
     """Train one model per scheme at the training length and compare them at longer lengths."""
     from posbench.run import run_experiment
@@ -137,6 +145,10 @@ def extrapolate(
             sets.append(f"train.threads={threads}")
         if device is not None:
             sets.append(f"train.device={device}")
+        if rope_scaling is not None:
+            sets.append(f"eval.rope_scaling=[{','.join(_csv_names(rope_scaling))}]")
+        if rope_factor is not None:
+            sets.append(f"eval.rope_factor={rope_factor}")
         sets += set_ or []
         if test_len is not None and lengths is None:
             L = train_len or load_config(config, [s for s in sets if s.startswith("model.")]).model.train_len
@@ -178,8 +190,14 @@ def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="a run folder holding model.pt")],
     lengths: Annotated[Optional[str], typer.Option(help="e.g. 100,200,400")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
+    rope_scaling: Annotated[
+        Optional[str], typer.Option(help="score RoPE scaled at evaluation instead: linear,ntk,dynamic,yarn")
+    ] = None,
+    rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L per length)")] = None,
 ):
-    """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv."""
+    """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
+
+    --rope-scaling yarn scores a rope checkpoint rescaled at evaluation time: rows rope+yarn."""
     import torch
 
     from posbench.data import load_corpus
@@ -188,6 +206,9 @@ def evaluate(
     with user_errors():
         if threads:
             torch.set_num_threads(threads)
+        kinds = _csv_names(rope_scaling)
+        if rope_factor is not None and not kinds:
+            raise PosbenchError("--rope-factor needs --rope-scaling, e.g. --rope-scaling yarn")
         rc, model = load_run(run_dir)
         Ls = _csv_ints(lengths, "--lengths") or rc.eval.lengths
         short = [L for L in Ls if L < rc.model.train_len]
@@ -195,13 +216,13 @@ def evaluate(
             raise PosbenchError(
                 f"--lengths {lengths}: every length must be >= the training length {rc.model.train_len}"
             )
-        rows = evaluate_into(rc, run_dir, model, load_corpus(rc.data), Ls)
+        rows = evaluate_into(rc, run_dir, model, load_corpus(rc.data), Ls, kinds or [None], rope_factor)
         t = Table(title=f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}")
-        for c in ("length", "loss", "ppl", "status"):
-            t.add_column(c, justify="right")
+        for c in ("scheme", "length", "loss", "ppl", "status"):
+            t.add_column(c, justify="left" if c == "scheme" else "right")
         for r in rows:
             ok = r["status"] == "ok"
-            t.add_row(str(r["length"]), f"{r['loss']:.4f}" if ok else "—",
+            t.add_row(r["scheme"], str(r["length"]), f"{r['loss']:.4f}" if ok else "—",
                       f"{r['ppl']:.2f}" if ok else "—", r["status"])  # fmt: skip
         out.print(t)
         out.print(f"wrote {Path(run_dir) / 'eval.csv'}", highlight=False)
@@ -218,14 +239,14 @@ def report(
 
 @app.command()
 def schemes():
-    """List the registered positional schemes."""
-    from posbench.schemes import SCHEMES
+    """List the registered positional schemes and their evaluation-time variants."""
+    from posbench.schemes import catalogue
 
     t = Table(title="positional schemes")
     t.add_column("name", style="bold")
     t.add_column("description")
-    for name, cls in SCHEMES.items():
-        t.add_row(name, cls.description)
+    for name, what in catalogue():
+        t.add_row(name, what)
     out.print(t)
 
 

@@ -89,9 +89,15 @@ class EvalConfig:
     tokens: int = 65536  # validation tokens scored at every length (the same ones)
     batch_size: int = 16
     protocol: str = "nonoverlapping"
+    # evaluation-time variants scored as extra rows "<scheme>+<kind>" for every run whose
+    # scheme declares them (rope: linear, ntk, dynamic, yarn); the checkpoints are not retrained
+    rope_scaling: list[str] = field(default_factory=list)
+    rope_factor: Optional[float] = None  # a fixed scale s for those rows; None = L'/L per length
 
     def __post_init__(self):
         _positive(self, "eval", ["tokens", "batch_size"])
+        if self.rope_factor is not None and not self.rope_factor >= 1.0:
+            raise PosbenchError(f"eval.rope_factor={self.rope_factor} must be >= 1 (or null)")
         if not self.lengths:
             raise PosbenchError("eval.lengths is empty")
         for n in self.lengths:
@@ -122,7 +128,7 @@ class ExperimentConfig:
             raise PosbenchError("schemes is empty")
         if not self.seeds:
             raise PosbenchError("seeds is empty")
-        from posbench.schemes import resolve_scheme
+        from posbench.schemes import SCHEMES, resolve_scheme
 
         for s in self.schemes:
             resolve_scheme(s)(self.model_for(s))  # builds it once: bad options fail here, early
@@ -131,6 +137,14 @@ class ExperimentConfig:
                 if not isinstance(opts, dict):
                     raise PosbenchError(f"scheme_options.{s}: expected a mapping of options")
                 resolve_scheme(s).validate_options(opts, where=f"scheme_options.{s}")
+        known = {v for c in [*SCHEMES.values(), *map(resolve_scheme, self.schemes)] for v in c.eval_variants}
+        for kind in self.eval.rope_scaling:
+            if kind not in known:
+                close = difflib.get_close_matches(kind, sorted(known), n=1, cutoff=0.5)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise PosbenchError(
+                    f"eval.rope_scaling: unknown kind '{kind}'{hint}; valid: {', '.join(sorted(known))}"
+                )
         short = [n for n in self.eval.lengths if n < self.model.train_len]
         if short:
             raise PosbenchError(

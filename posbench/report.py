@@ -37,14 +37,23 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
         df[c] = df[c].astype(int)
     for c in ("loss", "ppl"):
         df[c] = pd.to_numeric(df[c], errors="coerce")
-    from posbench.schemes import SCHEMES
-
-    names = set(df["scheme"])  # registry order (the order of the paper tables), plugins after
-    order = [s for s in SCHEMES if s in names] + sorted(names - set(SCHEMES))
+    order = scheme_order(set(df["scheme"]))
     df["scheme"] = pd.Categorical(df["scheme"], categories=order, ordered=True)
     df = df.sort_values(["scheme", "seed", "length"]).reset_index(drop=True)
     df["scheme"] = df["scheme"].astype(str)
     return df, configs
+
+
+def scheme_order(names: set) -> list[str]:
+    """Registry order (the order of the paper tables), each scheme followed by its
+    evaluation-time variants (rope, rope+ntk, rope+yarn, ...); plugins after."""
+    from posbench.schemes import SCHEMES
+
+    order = []
+    for s in SCHEMES:
+        order += [s] if s in names else []
+        order += sorted(n for n in names if n.startswith(s + "+"))
+    return order + sorted(names - set(order))
 
 
 def comparison(df: pd.DataFrame) -> pd.DataFrame:
@@ -105,6 +114,13 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
         f"{int(df['tokens'].iloc[0])} validation tokens at every length; cells are perplexity "
         f"per byte (mean ± std over seeds when there are several)",
     ]
+    variants = sorted({s for s in df["scheme"] if "+" in s})
+    if variants:
+        lines.append(
+            f"- {', '.join(variants)}: the same checkpoints evaluated with an evaluation-time "
+            f"variant (`posbench schemes` describes each), no retraining; s = length / train "
+            f"length, or the s after @"
+        )
     differ = [k for k in ("model", "train", "data") if any(_shared(o)[k] != _shared(c)[k] for o in configs)]
     if differ:
         lines.append(f"- note: the runs differ in {', '.join(differ)}; the lines above are the first run's")

@@ -25,6 +25,7 @@ from posbench.config import ExperimentConfig, config_from_dict, dump_yaml
 from posbench.data import Corpus, batch, load_corpus
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
+from posbench.schemes import SCHEMES, resolve_scheme, variant_label
 
 EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
 PROTOCOL_NAMES = {"nonoverlapping": "non-overlapping chunks, every token scored"}
@@ -201,9 +202,12 @@ def evaluate_model(
     lengths: list[int],
     batch_size: int,
     device: torch.device,
+    variant: Optional[str] = None,
+    factor: Optional[float] = None,
 ) -> list[dict]:
     """Mean next-byte loss at each length: the same tokens cut into non-overlapping chunks of
-    that length (the last one shorter), every token scored, so lengths compare directly."""
+    that length (the last one shorter), every token scored, so lengths compare directly.
+    With `variant`, the scheme's evaluation-time variant of that name is applied per length."""
     model = model.to(device).eval()
     n = len(tokens) - 1
     rows = []
@@ -212,20 +216,27 @@ def evaluate_model(
         if model.max_len is not None and L > model.max_len:
             rows.append({**row, "status": "beyond-max-len"})
             continue
-        starts = list(range(0, n, L))
-        full = [s for s in starts if s + L <= n]
-        total = 0.0
-        for i in range(0, len(full), batch_size):
-            idx = torch.tensor(full[i : i + batch_size])[:, None] + torch.arange(L + 1)  # (b, L+1)
-            win = tokens[idx].long().to(device)
-            total += _nll_sum(model, win, device)
-        if len(full) < len(starts):  # the remainder, so that every length scores all n tokens
-            win = tokens[starts[-1] :].long()[None].to(device)  # (1, n - s + 1)
-            total += _nll_sum(model, win, device)
-        loss = total / n
+        with model.scheme.eval_variant(variant, model.cfg.train_len, L, factor):
+            loss = _mean_nll(model, tokens, L, batch_size, device)
         rows.append({**row, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "status": "ok"})
     model.train()
     return rows
+
+
+def _mean_nll(model, tokens: torch.Tensor, L: int, batch_size: int, device) -> float:
+    """All n tokens scored in non-overlapping chunks of L."""
+    n = len(tokens) - 1
+    starts = list(range(0, n, L))
+    full = [s for s in starts if s + L <= n]
+    total = 0.0
+    for i in range(0, len(full), batch_size):
+        idx = torch.tensor(full[i : i + batch_size])[:, None] + torch.arange(L + 1)  # (b, L+1)
+        win = tokens[idx].long().to(device)
+        total += _nll_sum(model, win, device)
+    if len(full) < len(starts):  # the remainder, so that every length scores all n tokens
+        win = tokens[starts[-1] :].long()[None].to(device)  # (1, n - s + 1)
+        total += _nll_sum(model, win, device)
+    return total / n
 
 
 def _nll_sum(model, win, device) -> float:
@@ -234,8 +245,9 @@ def _nll_sum(model, win, device) -> float:
     return F.cross_entropy(logits.float().flatten(0, 1), win[:, 1:].flatten(), reduction="sum").item()
 
 
-def eval_rows(cfg: ExperimentConfig, rows: list[dict]) -> list[dict]:
-    ident = {"scheme": cfg.model.scheme, "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
+def eval_rows(cfg: ExperimentConfig, rows: list[dict], label: Optional[str] = None) -> list[dict]:
+    """Rows of one run; `label` names an evaluation-time variant's rows, e.g. rope+yarn."""
+    ident = {"scheme": label or cfg.model.scheme, "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
     return [{**ident, **r} for r in rows]
 
 
@@ -299,21 +311,63 @@ def train_run(rc: ExperimentConfig, rdir: Path, corpus: Corpus, reporter: Report
     return model
 
 
-def evaluate_into(rc, rdir: Path, model, corpus: Corpus, lengths: list[int]) -> list[dict]:
-    """Evaluate at `lengths` and merge the rows into the run's eval.csv (new lengths replace)."""
+def evaluate_into(
+    rc,
+    rdir: Path,
+    model,
+    corpus: Corpus,
+    lengths: list[int],
+    variants: list[Optional[str]] = (None,),
+    factor: Optional[float] = None,
+) -> list[dict]:
+    """Evaluate at `lengths`, as trained (None) and as each named evaluation-time variant, and
+    merge the rows into the run's eval.csv: a (scheme label, length) row replaces its old one.
+    The plain rows come first, then each variant's, so the file reads as a table."""
+    unknown = [v for v in variants if v is not None and v not in model.scheme.eval_variants]
+    if unknown:
+        have = ", ".join(model.scheme.eval_variants) or "none"
+        raise PosbenchError(
+            f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have})"
+        )
+    if factor is not None and not factor >= 1.0:
+        raise PosbenchError(f"rope factor {factor}: must be >= 1")
     device = pick_device(rc.train.device)
-    rows = eval_rows(rc, evaluate_model(model, eval_tokens(corpus, rc, lengths), lengths,
-                                        rc.eval.batch_size, device))  # fmt: skip
-    keep = [r for r in read_eval(rdir) if int(r["length"]) not in set(lengths)]
-    merged = sorted(keep + rows, key=lambda r: int(r["length"]))
+    tokens = eval_tokens(corpus, rc, lengths)
+    rows = []
+    for v in variants:
+        scored = evaluate_model(model, tokens, lengths, rc.eval.batch_size, device, v, factor)
+        rows += eval_rows(rc, scored, variant_label(rc.model.scheme, v, factor))
+    new = {(r["scheme"], int(r["length"])) for r in rows}
+    keep = [r for r in read_eval(rdir) if (r["scheme"], int(r["length"])) not in new]
+    base = rc.model.scheme
+    merged = sorted(keep + rows, key=lambda r: (r["scheme"] != base, r["scheme"], int(r["length"])))
     write_rows(rdir / "eval.csv", merged, EVAL_COLUMNS)
     return rows
+
+
+def _unevaluated(rc, rdir: Path, model, n_tokens: int) -> list[Optional[str]]:
+    """The variants (None: as trained) still lacking a row at some length with these tokens;
+    eval.rope_scaling kinds apply to a run only if its scheme declares them."""
+    variants = [None] + [v for v in rc.eval.rope_scaling if v in model.scheme.eval_variants]
+    have = {(r["scheme"], int(r["length"]), int(r["tokens"])) for r in read_eval(rdir)}
+    return [
+        v for v in variants
+        if any((variant_label(rc.model.scheme, v, rc.eval.rope_factor), L, n_tokens) not in have
+               for L in rc.eval.lengths)
+    ]  # fmt: skip
 
 
 def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
     """Train what is missing, evaluate everything at cfg.eval.lengths; returns the folder."""
     apply_threads(cfg)
     plan = plan_runs(cfg)
+    kinds = set(cfg.eval.rope_scaling)
+    if kinds and not any(kinds & set(resolve_scheme(s).eval_variants) for s in cfg.schemes):
+        owners = [name for name, cls in SCHEMES.items() if kinds & set(cls.eval_variants)]
+        reporter.note(
+            f"eval.rope_scaling {cfg.eval.rope_scaling}: no scheme run here has these "
+            f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
+        )
     corpus = load_corpus(cfg.data)  # fails before any folder is made
     eval_tokens(corpus, cfg, cfg.eval.lengths)
     exp = Path(cfg.out_dir) / cfg.name
@@ -326,10 +380,9 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
                 _, model = load_run(rdir)
             else:
                 model = train_run(rc, rdir, corpus, reporter)
-            have = {(int(r["length"]), int(r["tokens"])) for r in read_eval(rdir)}
-            want = {(L, min(rc.eval.tokens, len(corpus.val) - 1)) for L in rc.eval.lengths}
-            if not want <= have:
-                evaluate_into(rc, rdir, model, corpus, rc.eval.lengths)
+            missing = _unevaluated(rc, rdir, model, min(rc.eval.tokens, len(corpus.val) - 1))
+            if missing:
+                evaluate_into(rc, rdir, model, corpus, rc.eval.lengths, missing, rc.eval.rope_factor)
             write_atomic(rdir / "config.yaml", dump_yaml(rc))  # eval settings may have changed
     except BaseException:
         if created and not any(p for p in exp.iterdir() if not p.name.startswith(".")):

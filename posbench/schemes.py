@@ -9,10 +9,15 @@ A scheme touches the model in exactly three places (the x-transformers taxonomy)
 The base class's hooks are no-ops, which is exactly NoPE. The model calls every hook every time
 and never asks which scheme it holds. `bias` is called on blocks of queries, so it must build
 its (Tq, Tk) bias from the positions it is given, never from a cached (T, T) table.
+
+A scheme may also declare evaluation-time variants (`eval_variants`): a change applied to a
+trained checkpoint while it is evaluated, with no retraining, reported as rows named
+`<scheme>+<variant>`. RoPE's are the inference-time scalings of transformers' ROPE_INIT_FUNCTIONS.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -33,6 +38,8 @@ class PositionalScheme(nn.Module):
 
     description = "no positional information at all; the causal mask alone leaks order"
     options: dict = {}  # option name -> default value; YAML `scheme_options.<name>` overrides
+    eval_variants: dict = {}  # variant name -> description; evaluated as rows "<scheme>+<name>"
+    variant: Optional["EvalVariant"] = None  # the variant being evaluated, set by eval_variant()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -71,6 +78,26 @@ class PositionalScheme(nn.Module):
         self._memo = (key, value)  # holding the key keeps its ids from being reused
         return value
 
+    @contextlib.contextmanager
+    def eval_variant(self, name: Optional[str], train_len: int, length: int, factor=None):
+        """Within the block, the hooks evaluate as variant `name` of a model trained at
+        `train_len`, scored at `length` (None: the scheme as trained). `factor` fixes the
+        variant's scale; None lets the variant derive it from length / train_len."""
+        if name is None:
+            yield
+            return
+        if name not in self.eval_variants:
+            have = ", ".join(self.eval_variants) or "none"
+            raise PosbenchError(
+                f"scheme '{self.cfg.scheme}' has no evaluation-time variant '{name}' "
+                f"(its variants: {have})"
+            )
+        self.variant, self._memo = EvalVariant(name, train_len, length, factor), None
+        try:
+            yield
+        finally:
+            self.variant, self._memo = None, None
+
     def positions(self, T: int, device) -> torch.Tensor:
         return torch.arange(T, device=device)  # (T,)
 
@@ -82,6 +109,21 @@ class PositionalScheme(nn.Module):
 
     def bias(self, q, k, qpos, kpos, layer: int) -> Optional[torch.Tensor]:
         return None  # or (B or 1, H, Tq, Tk), added to the scaled logits
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalVariant:
+    name: str
+    train_len: int  # L, the length the checkpoint was trained at
+    length: int  # L', the evaluation length
+    factor: Optional[float] = None  # a fixed scale; None = derived from L' / L
+
+
+def variant_label(scheme: str, variant: Optional[str], factor: Optional[float] = None) -> str:
+    """The scheme column of a row: `rope`, `rope+yarn`, or `rope+yarn@4` for a fixed factor 4."""
+    if variant is None:
+        return scheme
+    return f"{scheme}+{variant}" + (f"@{factor:g}" if factor is not None else "")
 
 
 class NoPE(PositionalScheme):
@@ -211,22 +253,135 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+ROPE_SCALINGS = (None, "linear", "ntk", "dynamic", "yarn")
+
+
+def rope_frequencies(
+    head_dim: int,
+    base: float = 10000.0,
+    scaling: Optional[str] = None,
+    factor: float = 1.0,
+    original_max_len: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    truncate: bool = True,
+) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies theta_k = base^(-2k/d), k < d/2, as scaled at inference time,
+    and the attention factor that multiplies cos and sin. Each kind is the default plus a small
+    change, as in transformers' ROPE_INIT_FUNCTIONS (`src/transformers/modeling_rope_utils.py`):
+
+      linear   theta_k / s (position interpolation)
+      ntk      base' = base * s^(d/(d-2)) (NTK-aware; transformers has no static entry for it,
+               this is x-transformers' `base_rescale_factor`)
+      dynamic  base' = base * (s*n/L - (s-1))^(d/(d-2)), n = seq_len if seq_len > L else L
+      yarn     theta_k/s below dimension `low`, theta_k above `high`, a linear ramp between;
+               low/high where the training length L turns 32 (beta_fast) and 1 (beta_slow)
+               times round; attention factor 0.1*ln(s) + 1 (1 when s <= 1)
+
+    s = `factor`, L = `original_max_len` (the training length). YaRN matches
+    `_compute_yarn_parameters` as of transformers 4.55-4.57, after its `truncate` option
+    (default True: floor/ceil the ramp ends) was added; for s >= 1 that is also 4.45's result.
+    Computed in float64, returned as float32 (d/2,).
+    """
+    if scaling not in ROPE_SCALINGS:
+        raise PosbenchError(
+            f"unknown RoPE scaling '{scaling}'; valid: {', '.join(str(k) for k in ROPE_SCALINGS[1:])}"
+        )
+    d = head_dim
+    if scaling in ("ntk", "dynamic") and d <= 2:
+        raise PosbenchError(f"{scaling} RoPE scaling needs a head dimension above 2, not {d}")
+    if scaling in ("dynamic", "yarn") and not original_max_len:
+        raise PosbenchError(f"{scaling} RoPE scaling needs the training length (original_max_len)")
+    exponent = torch.arange(0, d, 2, dtype=torch.float64) / d  # (d/2,) = 2k/d
+    attention = 1.0
+    if scaling == "ntk":
+        base = base * factor ** (d / (d - 2))
+    elif scaling == "dynamic":
+        n = seq_len if seq_len is not None and seq_len > original_max_len else original_max_len
+        base = base * (factor * n / original_max_len - (factor - 1)) ** (d / (d - 2))
+    inv = base**-exponent  # (d/2,)
+    if scaling == "linear":
+        inv = inv / factor
+    elif scaling == "yarn":
+        low, high = _yarn_ramp_ends(d, base, original_max_len, truncate)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # (d/2,)
+        inv = inv / factor * ramp + inv * (1 - ramp)  # 0: keep theta_k (fast dims), 1: theta_k / s
+        attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv.float(), attention
+
+
+def _yarn_ramp_ends(d: int, base: float, L: int, truncate: bool) -> tuple[float, float]:
+    """The dimensions where a length-L window holds 32 (beta_fast) and 1 (beta_slow) turns:
+    dim(r) = d * ln(L / (2 pi r)) / (2 ln base), floored/ceiled, clipped to [0, d-1]."""
+
+    def dim(turns):
+        return d * math.log(L / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim(32), dim(1)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    return low, (high + 0.001 if high == low else high)  # transformers' guard against 0/0
+
+
 class RoPE(PositionalScheme):
-    """Rotates dims (k, k + d/2) of q and k by angle p * base^(-2k/d). This pairs the halves
-    (like transformers and x-transformers) instead of neighbours (2k, 2k+1); the two are the
-    same rotation up to a fixed permutation of dims, which the q/k projections absorb."""
+    """Rotates dims (k, k + d/2) of q and k by angle p * theta_k, theta_k = base^(-2k/d). This
+    pairs the halves (like transformers and x-transformers) instead of neighbours (2k, 2k+1);
+    the two are the same rotation up to a fixed permutation of dims, which the q/k projections
+    absorb. At evaluation, its variants rescale theta_k (see `rope_frequencies`) with
+    s = L'/L (evaluation length over training length) unless a factor is fixed; `dynamic`
+    uses transformers' factor (default 1) and grows s with each forward's own length."""
 
     description = "rotates q and k by position-proportional angles; q.k depends on i-j (Su 2021)"
     options = {"base": 10000.0}
+    eval_variants = {
+        "linear": "RoPE with positions interpolated, theta/s (Chen 2023)",
+        "ntk": "RoPE with an NTK-aware base, base*s^(d/(d-2)) (bloc97 2023)",
+        "dynamic": "RoPE with dynamic NTK, s grown with each forward's length (emozilla 2023)",
+        "yarn": "RoPE with YaRN's per-dimension ramp and attention factor (Peng 2023)",
+    }
 
     def rotate(self, q, k, pos, layer):
         cos, sin = self.once_per_forward((pos,), lambda: self.angles(pos, q.size(-1), q.dtype))
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
+    def frequencies(self, D: int, seq_len: int) -> tuple[torch.Tensor, float]:
+        v = self.variant
+        if v is None:
+            return rope_frequencies(D, self.opt["base"])
+        default = 1.0 if v.name == "dynamic" else v.length / v.train_len
+        factor = default if v.factor is None else v.factor
+        return rope_frequencies(D, self.opt["base"], v.name, factor, v.train_len, seq_len)
+
     def angles(self, pos, D, dtype):
-        inv = self.opt["base"] ** (-torch.arange(0, D, 2, device=pos.device).float() / D)
-        ang = pos.float()[:, None] * inv[None, :]  # (T, D/2)
-        return ang.cos().repeat(1, 2).to(dtype), ang.sin().repeat(1, 2).to(dtype)  # (T, D) each
+        inv, attention = self.frequencies(D, pos.numel())
+        ang = pos.float()[:, None] * inv.to(pos.device)[None, :]  # (T, D/2)
+        cos, sin = ang.cos() * attention, ang.sin() * attention  # transformers scales both
+        return cos.repeat(1, 2).to(dtype), sin.repeat(1, 2).to(dtype)  # (T, D) each
+
+
+class XPos(RoPE):
+    """xPos (Sun et al. 2023): RoPE whose score q_i.k_j is also scaled by zeta_k^((i-j)/gamma),
+    zeta_k = (2k + 0.4 d) / (1.4 d) < 1 per frequency k, gamma = scale_base (512), so far
+    keys are damped, more so in the fast dimensions. As in x-transformers' `rotary_xpos`, q is
+    multiplied by zeta^(p/gamma) and k by zeta^(-p/gamma) after the rotation, with p counted
+    from the middle of the sequence (which cancels in i-j and keeps the powers small)."""
+
+    description = "RoPE times a per-dimension decay zeta_k^((i-j)/gamma) (Sun 2023, xPos)"
+    options = {"base": 10000.0, "scale_base": 512.0}
+    eval_variants = {}  # RoPE's scalings were not defined for xPos's decay
+
+    def rotate(self, q, k, pos, layer):
+        cos, sin, up = self.once_per_forward((pos,), lambda: self.xpos(pos, q.size(-1), q.dtype))
+        q = (q * cos + rotate_half(q) * sin) * up  # (B, H, T, D)
+        k = (k * cos + rotate_half(k) * sin) / up
+        return q, k
+
+    def xpos(self, pos, D, dtype):
+        cos, sin = self.angles(pos, D, dtype)  # (T, D) each
+        zeta = (torch.arange(0, D, 2, device=pos.device).float() + 0.4 * D) / (1.4 * D)  # (D/2,)
+        power = (pos - pos.max() // 2).float() / self.opt["scale_base"]  # (T,)
+        up = zeta[None, :] ** power[:, None]  # (T, D/2)
+        return cos, sin, up.repeat(1, 2).to(dtype)
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -270,6 +425,166 @@ class Hybrid(PositionalScheme):
         return self.relative.bias(q, k, qpos, kpos, layer)
 
 
+class KerpleLog(PositionalScheme):
+    """KERPLE, logarithmic kernel (Chi et al. 2022): bias -r1_h * log(1 + r2_h * |i-j|), with
+    r1, r2 > 0 learned per head. As in the reference (chijames/KERPLE
+    `megatron/mpu/layers.py`, ParallelKerpleLog): r1 starts U(0, 2), r2 U(0, 1), and both are
+    clamped to >= 0.01 in place before use while training, so a head at the floor can still
+    learn its way back; evaluation clamps the values it uses. Unlike the reference, which keeps
+    a pair per layer, one (n_head,) pair is shared by all layers, as ALiBi's slopes are."""
+
+    description = "learned log-distance bias -r1*log(1+r2*|i-j|) per head (Chi 2022, KERPLE)"
+    eps = 1e-2  # the reference's floor for r1 and r2
+    r1_init, r2_init, r2_max = 2.0, 1.0, None  # r1 ~ U(0, 2), r2 ~ U(0, 1), r2 unbounded
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.r1 = nn.Parameter(torch.rand(cfg.n_head) * self.r1_init)  # (H,)
+        self.r2 = nn.Parameter(torch.rand(cfg.n_head) * self.r2_init)  # (H,)
+
+    def bias(self, q, k, qpos, kpos, layer):
+        return self.once_per_forward((qpos, kpos), lambda: self.kernel_bias(qpos, kpos, q.dtype))
+
+    def kernel_bias(self, qpos, kpos, dtype):
+        if self.training:  # `.data`: autograd's saved copies from earlier blocks stay valid
+            self.r1.data.clamp_(min=self.eps)
+            self.r2.data.clamp_(min=self.eps, max=self.r2_max)
+        r1 = self.r1.clamp(min=self.eps)[:, None, None]  # (H, 1, 1)
+        r2 = self.r2.clamp(min=self.eps, max=self.r2_max)[:, None, None]
+        dist = (qpos[:, None] - kpos[None, :]).clamp(min=0).float()  # (Tq, Tk); future is masked
+        return self.kernel(r1, r2, dist).unsqueeze(0).to(dtype)  # (1, H, Tq, Tk)
+
+    @staticmethod
+    def kernel(r1, r2, dist):
+        return -r1 * torch.log1p(r2 * dist)
+
+
+class KerplePower(KerpleLog):
+    """KERPLE, power kernel (Chi et al. 2022): bias -r1_h * |i-j|^r2_h with r1 > 0 and
+    0 < r2 <= 2 learned per head (r2 = 1 is ALiBi with a learned slope). Reference:
+    ParallelKerplePower in chijames/KERPLE `megatron/mpu/layers.py`, where the slope (our r1)
+    starts U(0, 1) and the power (our r2) U(0, 2), clamped to [0.01, 2]."""
+
+    description = "learned power-distance bias -r1*|i-j|^r2 per head (Chi 2022, KERPLE)"
+    r1_init, r2_init, r2_max = 1.0, 2.0, 2.0
+
+    @staticmethod
+    def kernel(r1, r2, dist):
+        return -r1 * dist.pow(r2)  # 0^r2 = 0 on the diagonal, with a zero gradient
+
+
+class FIRE(PositionalScheme):
+    """FIRE (Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long
+    Context Transformers"): b(i, j) = f(psi(i-j) / psi(max(L_thr, i))), psi(x) = log(c x + 1),
+    f an MLP 1 -> 32 -> n_head with ReLU, one per layer. Dividing by psi(i) maps every distance
+    into [0, 1] whatever the length (progressive interpolation); the learned threshold L_thr
+    keeps short prefixes from being stretched. c and L_thr are learned, as in the paper's
+    listing: c starts at 0.1, L_thr = |m * init_L| with m learned from 1 and init_L fixed
+    (512 at the paper's training length 2048, so default train_len / 4 here)."""
+
+    description = "an MLP of log distance normalised by log query position (Li 2023, FIRE)"
+    options = {"mlp_width": 32, "init_c": 0.1, "init_L": None}  # init_L None: train_len / 4
+    eps = 1e-6  # keeps psi(max(L_thr, i)) away from 0 when i = 0 and L_thr -> 0
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        init_L = self.opt["init_L"]
+        if init_L is None:
+            init_L = cfg.train_len / 4
+        if isinstance(init_L, bool) or not isinstance(init_L, (int, float)) or init_L <= 0:
+            raise PosbenchError(f"scheme_options.{cfg.scheme}.init_L={init_L!r} must be a positive number")
+        H, W, n = cfg.n_head, self.opt["mlp_width"], cfg.n_layer
+        self.mlp = nn.ModuleList(
+            nn.Sequential(nn.Linear(1, W), nn.ReLU(), nn.Linear(W, H)) for _ in range(n)
+        )
+        self.c = nn.Parameter(torch.full((n,), float(self.opt["init_c"])))  # (n_layer,)
+        self.L_mult = nn.Parameter(torch.ones(n))  # (n_layer,)
+        self.register_buffer("init_L", torch.tensor(float(init_L)), persistent=False)
+
+    def bias(self, q, k, qpos, kpos, layer):
+        c = self.c[layer].abs()
+        threshold = (self.L_mult[layer] * self.init_L).abs()
+        dist = (qpos[:, None] - kpos[None, :]).clamp(min=0).float()  # (Tq, Tk); future is masked
+        norm = torch.maximum(qpos.float(), threshold)  # (Tq,)
+        x = torch.log1p(c * dist) / (torch.log1p(c * norm) + self.eps)[:, None]  # (Tq, Tk) in [0, 1]
+        b = self.mlp[layer](x.unsqueeze(-1).to(q.dtype))  # (Tq, Tk, H)
+        return b.permute(2, 0, 1).unsqueeze(0)  # (1, H, Tq, Tk)
+
+
+class Randomized(PositionalScheme):
+    """Randomized positional encodings (Ruoss et al. 2023; google-deepmind/
+    randomized_positional_encodings): while training, a sequence's positions are a sorted
+    random subset of [0, max_pos) instead of 0..T-1, one subset per batch, so the model meets
+    every position up to max_pos >> train_len and only their order is reliable. Evaluation uses
+    0..T-1. The positions feed the `base` scheme, sinusoidal or rope. The subset is drawn from
+    torch's global generator, so it follows torch.manual_seed."""
+
+    description = "train on sorted random positions from [0, max_pos), evaluate on 0..T-1 (Ruoss 2023)"
+    options = {"base": "sinusoidal", "max_pos": 1024}
+    bases = {"sinusoidal": Sinusoidal, "rope": RoPE}
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if self.opt["base"] not in self.bases:
+            raise PosbenchError(
+                f"scheme_options.{cfg.scheme}.base={self.opt['base']!r}: expected one of "
+                f"{', '.join(self.bases)}"
+            )
+        if self.opt["max_pos"] < cfg.train_len:
+            raise PosbenchError(
+                f"scheme_options.{cfg.scheme}.max_pos={self.opt['max_pos']} is shorter than "
+                f"model.train_len={cfg.train_len}"
+            )
+        self.inner = self.bases[self.opt["base"]](dataclasses.replace(cfg, options={}))
+
+    def positions(self, T, device):
+        if not self.training:
+            return torch.arange(T, device=device)  # (T,)
+        M = self.opt["max_pos"]
+        if T > M:
+            raise PosbenchError(f"randomized: cannot draw {T} distinct positions below max_pos={M}")
+        return torch.randperm(M, device=device)[:T].sort().values  # (T,) increasing
+
+    def embed(self, x, pos):
+        return self.inner.embed(x, pos)
+
+    def rotate(self, q, k, pos, layer):
+        return self.inner.rotate(q, k, pos, layer)
+
+
+class CoPE(PositionalScheme):
+    """Contextual position encoding (Golovneva et al. 2024, the paper's listing; x-transformers
+    `use_cope`). Positions count what the query attends to rather than tokens:
+        gate_it = sigmoid(q_i.k_t / sqrt(d)) for t <= i (0 for the future),
+        p_ij = sum_{t=j..i} gate_it                                  (a real number)
+        bias_ij = interpolation of q_i.e[p] between e[floor p] and e[ceil p]
+    with e a learned (npos_max, d) table per layer, shared by the heads and zero at the start;
+    p is clamped to npos_max - 1. The gates need q and k, which the bias hook receives, and
+    the future mask by position, since this scheme keeps positions 0..T-1."""
+
+    description = "positions counted by sigmoid gates on q.k, learned position logits (Golovneva 2024)"
+    options = {"npos_max": 64}
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if self.opt["npos_max"] < 2:
+            raise PosbenchError(f"scheme_options.{cfg.scheme}.npos_max must be at least 2")
+        shape = (cfg.head_dim, self.opt["npos_max"])
+        self.pos_emb = nn.ParameterList(nn.Parameter(torch.zeros(shape)) for _ in range(cfg.n_layer))
+
+    def bias(self, q, k, qpos, kpos, layer):
+        future = kpos[None, :] > qpos[:, None]  # (Tq, Tk)
+        logits = (q @ k.transpose(-1, -2)) * q.size(-1) ** -0.5  # (B, H, Tq, Tk)
+        gates = logits.sigmoid().masked_fill(future, 0.0)
+        pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.opt["npos_max"] - 1)  # (B, H, Tq, Tk)
+        by_pos = q @ self.pos_emb[layer].to(q.dtype)  # (B, H, Tq, npos_max)
+        lo = pos.floor()
+        w = pos - lo  # the gradient reaches the gates through w
+        lo = lo.long()
+        hi = pos.ceil().long()
+        return by_pos.gather(-1, hi) * w + by_pos.gather(-1, lo) * (1 - w)  # (B, H, Tq, Tk)
+
+
 SCHEMES: dict[str, type[PositionalScheme]] = {
     "nope": NoPE,
     "sinusoidal": Sinusoidal,
@@ -279,7 +594,24 @@ SCHEMES: dict[str, type[PositionalScheme]] = {
     "rope": RoPE,
     "alibi": ALiBi,
     "hybrid": Hybrid,
+    "xpos": XPos,
+    "kerple_log": KerpleLog,
+    "kerple_power": KerplePower,
+    "fire": FIRE,
+    "randomized": Randomized,
+    "cope": CoPE,
 }
+
+
+def catalogue() -> list[tuple[str, str]]:
+    """(name, description) of every registered scheme, each followed by its evaluation-time
+    variants, which are rows of a report rather than schemes that can be trained."""
+    rows = []
+    for name, cls in SCHEMES.items():
+        rows.append((name, cls.description))
+        for variant, what in cls.eval_variants.items():
+            rows.append((f"{name}+{variant}", f"evaluation-time variant of {name}: {what}"))
+    return rows
 
 
 def resolve_scheme(name: str) -> type[PositionalScheme]:
@@ -288,6 +620,12 @@ def resolve_scheme(name: str) -> type[PositionalScheme]:
         return SCHEMES[name]
     if ":" in name:
         return _load_plugin(name)
+    base, plus, variant = name.partition("+")
+    if plus and variant in getattr(SCHEMES.get(base), "eval_variants", {}):
+        raise PosbenchError(
+            f"'{name}' is an evaluation-time variant of {base}, not a scheme to train: train "
+            f"{base} and add --rope-scaling {variant} (or eval.rope_scaling: [{variant}])"
+        )
     close = difflib.get_close_matches(name, list(SCHEMES), n=1, cutoff=0.5)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     raise PosbenchError(

@@ -1,0 +1,531 @@
+"""The scheme catalogue against its formulas: RoPE scalings, xPos, KERPLE, FIRE, randomized
+positions, CoPE, and RoPE scaled at evaluation time from the command line.
+
+Expected numbers are worked by hand in the comments, or recomputed here from the published
+formula with plain Python floats, never by calling the code under test."""
+
+import csv
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from posbench.cli import app
+from posbench.config import load_config
+from posbench.errors import PosbenchError
+from posbench.model import TransformerLM
+from posbench.schemes import SCHEMES, catalogue, resolve_scheme, rope_frequencies
+
+from conftest import tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "configs" / "smoke.yaml")
+NEW = ["xpos", "kerple_log", "kerple_power", "fire", "randomized", "cope"]
+
+
+def close(got, want, tol=1e-6):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, rel=tol, abs=1e-12), (list(got), list(want))
+
+
+# --- rope_frequencies: transformers' ROPE_INIT_FUNCTIONS at hand-worked points -------------
+
+# head_dim 8, base 10000: theta_k = 10000^(-2k/8) = 10^-k.
+def test_default_frequencies():
+    inv, att = rope_frequencies(8)
+    close(inv.tolist(), [1.0, 0.1, 0.01, 0.001])
+    assert att == 1.0
+
+
+def test_linear_divides_every_frequency_by_s():
+    inv, att = rope_frequencies(8, scaling="linear", factor=4.0)
+    close(inv.tolist(), [0.25, 0.025, 0.0025, 0.00025])
+    assert att == 1.0
+
+
+# ntk, s=4, d=8: base' = 10000 * 4^(8/6), so theta'_k = 10^-k * 4^(-k/3):
+# k=1: 0.1 / 4^(1/3) = 0.0629961; k=2: 0.01 / 4^(2/3) = 0.00396850; k=3: 0.001 / 4 (exactly
+# linear's: the slowest frequency is interpolated by s, the fastest kept).
+def test_ntk_changes_the_base():
+    inv, att = rope_frequencies(8, scaling="ntk", factor=4.0)
+    close(inv.tolist(), [1.0, 0.0629961, 0.00396850, 0.00025], tol=1e-5)
+    assert att == 1.0
+
+
+# dynamic, s=2, L=16, d=8: base' = 10000 * (2*n/16 - 1)^(4/3) once n > 16.
+# n=32: (4 - 1)^(4/3), theta'_k = 10^-k * 3^(-k/3): k=3 -> 0.001/3.
+# n <= 16: (2 - 1) = 1, the default frequencies.
+def test_dynamic_grows_with_the_sequence_length():
+    inv, _ = rope_frequencies(8, scaling="dynamic", factor=2.0, original_max_len=16, seq_len=32)
+    close(inv.tolist(), [1.0, 0.1 * 3 ** (-1 / 3), 0.01 * 3 ** (-2 / 3), 0.001 / 3])
+    for n in (None, 10, 16):
+        inv, _ = rope_frequencies(8, scaling="dynamic", factor=2.0, original_max_len=16, seq_len=n)
+        close(inv.tolist(), [1.0, 0.1, 0.01, 0.001])
+    # factor 1 at n = 4L is NTK with s = 4: (1*64/16 - 0)^(4/3) = 4^(4/3)
+    dyn, _ = rope_frequencies(8, scaling="dynamic", factor=1.0, original_max_len=16, seq_len=64)
+    ntk, _ = rope_frequencies(8, scaling="ntk", factor=4.0)
+    close(dyn.tolist(), ntk.tolist())
+
+
+# yarn, d=8, L=16, s=4: dim(r) = 8 ln(16 / (2 pi r)) / (2 ln 10000)
+# low = dim(32) = 8 * ln(0.0795775) / 18.4207 = -1.099 -> floor -2 -> clipped to 0
+# high = dim(1) = 8 * ln(2.546479) / 18.4207 = 0.406 -> ceil 1
+# ramp_k = clamp((k - 0) / (1 - 0), 0, 1) = [0, 1, 1, 1]: dim 0 keeps theta_0, the rest / 4.
+# attention factor 0.1 ln 4 + 1 = 1.1386294
+def test_yarn_small_head():
+    inv, att = rope_frequencies(8, scaling="yarn", factor=4.0, original_max_len=16)
+    close(inv.tolist(), [1.0, 0.025, 0.0025, 0.00025])
+    assert att == pytest.approx(1.1386294, rel=1e-7)
+
+
+# yarn, d=32, L=100, s=2 (posbench's default model):
+# low = 32 ln(100 / (64 pi)) / 18.4207 = 32 * (-0.698450) / 18.4207 = -1.213 -> 0
+# high = 32 ln(100 / (2 pi)) / 18.4207 = 32 * 2.767293 / 18.4207 = 4.807 -> ceil 5
+# ramp_k = k/5 up to 1, so theta'_k = 10^(-k/4) * (1 - ramp_k) + 10^(-k/4) / 2 * ramp_k
+#        = 10^(-k/4) * (1 - k/10) for k <= 5, 10^(-k/4) / 2 beyond.
+# k=2: 10^-0.5 * 0.8 = 0.2529822; k=5: 10^-1.25 / 2 = 0.0281171. Attention: 0.1 ln 2 + 1.
+def test_yarn_ramp_is_fractional_between_the_ends():
+    inv, att = rope_frequencies(32, scaling="yarn", factor=2.0, original_max_len=100)
+    want = [10 ** (-k / 4) * (1 - min(k / 5, 1) / 2) for k in range(16)]
+    close(inv.tolist(), want)
+    assert inv[2].item() == pytest.approx(0.2529822, rel=1e-6)
+    assert inv[5].item() == pytest.approx(0.0281171, rel=1e-5)
+    assert att == pytest.approx(1.0693147, rel=1e-7)
+    # without truncation the ramp ends are the raw dims: max(-1.213, 0) = 0 and 4.807
+    inv, _ = rope_frequencies(32, scaling="yarn", factor=2.0, original_max_len=100, truncate=False)
+    high = 32 * math.log(100 / (2 * math.pi)) / (2 * math.log(10000))
+    assert inv[2].item() == pytest.approx(10**-0.5 * (1 - (2 / high) / 2), rel=1e-6)
+
+
+def yarn_by_hand(d, base, s, L):
+    """transformers' _compute_yarn_parameters restated with Python floats (truncate=True)."""
+    def dim(r):
+        return d * math.log(L / (r * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(dim(32)), 0), min(math.ceil(dim(1)), d - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for k in range(d // 2):
+        theta = 1.0 / base ** (2 * k / d)
+        extrapolate = 1 - min(max((k - low) / (high - low), 0.0), 1.0)
+        out.append(theta / s * (1 - extrapolate) + theta * extrapolate)
+    return out, 0.1 * math.log(s) + 1.0
+
+
+@pytest.mark.parametrize(
+    "d,base,s,L", [(64, 10000.0, 8.0, 4096), (128, 500000.0, 4.0, 8192), (16, 10000.0, 3.0, 32)]
+)
+def test_yarn_matches_the_reference_formula(d, base, s, L):
+    # d=64, L=4096: low = floor(10.47) = 10, high = ceil(22.51) = 23, a ramp inside the head
+    want, want_att = yarn_by_hand(d, base, s, L)
+    inv, att = rope_frequencies(d, base, "yarn", s, L)
+    close(inv.tolist(), want, tol=1e-6)
+    assert att == pytest.approx(want_att)
+
+
+@pytest.mark.parametrize("kind", ["linear", "ntk", "dynamic", "yarn"])
+def test_every_scaling_is_the_identity_at_s_1(kind):
+    inv, att = rope_frequencies(32, 10000.0, kind, 1.0, 100, seq_len=100)
+    close(inv.tolist(), rope_frequencies(32)[0].tolist())
+    assert att == 1.0
+
+
+def test_rope_frequencies_errors():
+    with pytest.raises(PosbenchError, match="unknown RoPE scaling 'yarm'"):
+        rope_frequencies(8, scaling="yarm")
+    with pytest.raises(PosbenchError, match="needs the training length"):
+        rope_frequencies(8, scaling="yarn", factor=2.0)
+
+
+# --- RoPE under an evaluation-time variant ---------------------------------------------------
+
+
+def rope_scheme(**kw):
+    return SCHEMES["rope"](tiny("rope", **kw))  # head_dim 8, train_len 16
+
+
+def test_linear_variant_is_rope_at_positions_over_s():
+    scheme = rope_scheme()
+    q, k = torch.randn(1, 4, 64, 8), torch.randn(1, 4, 64, 8)
+    pos = torch.arange(64)
+    with scheme.eval_variant("linear", train_len=16, length=64):  # s = 64/16 = 4
+        got = scheme.rotate(q, k, pos, 0)
+    want = scheme.rotate(q, k, pos.float() / 4, 0)
+    assert torch.allclose(got[0], want[0], atol=1e-5) and torch.allclose(got[1], want[1], atol=1e-5)
+    after = scheme.rotate(q, k, torch.arange(64), 0)  # the variant ends with the block
+    assert torch.allclose(after[0], scheme.rotate(q, k, pos, 0)[0])
+    assert not torch.allclose(after[0], got[0], atol=1e-3)
+
+
+def test_yarn_variant_scales_norms_by_its_attention_factor():
+    """A rotation keeps norms, so YaRN's q has norm (0.1 ln s + 1) |q|: s = 48/16 = 3."""
+    scheme = rope_scheme()
+    q = torch.randn(2, 4, 48, 8)
+    with scheme.eval_variant("yarn", 16, 48):
+        qr, _ = scheme.rotate(q, q, torch.arange(48), 0)
+    assert torch.allclose(qr.norm(dim=-1), q.norm(dim=-1) * (0.1 * math.log(3) + 1), atol=1e-5)
+    with scheme.eval_variant("yarn", 16, 48, factor=2.0):  # a fixed factor wins over L'/L
+        qr, _ = scheme.rotate(q, q, torch.arange(48), 0)
+    assert torch.allclose(qr.norm(dim=-1), q.norm(dim=-1) * (0.1 * math.log(2) + 1), atol=1e-5)
+
+
+def test_dynamic_variant_follows_each_forward_length():
+    """Factor 1 by default: at T = L' it is NTK with s = L'/L; a shorter last chunk gets less."""
+    scheme = rope_scheme()
+    q = torch.randn(1, 1, 64, 8)
+    outs = {}
+    for kind in ("dynamic", "ntk"):
+        with scheme.eval_variant(kind, 16, 64):
+            outs[kind, 64] = scheme.rotate(q, q, torch.arange(64), 0)[0]
+            outs[kind, 40] = scheme.rotate(q[:, :, :40], q[:, :, :40], torch.arange(40), 0)[0]
+    assert torch.allclose(outs["dynamic", 64], outs["ntk", 64], atol=1e-6)
+    assert not torch.allclose(outs["dynamic", 40], outs["ntk", 40], atol=1e-4)
+    with scheme.eval_variant("ntk", 16, 40):  # dynamic's 40-token forward is NTK at s = 40/16
+        ntk40 = scheme.rotate(q[:, :, :40], q[:, :, :40], torch.arange(40), 0)[0]
+    assert torch.allclose(outs["dynamic", 40], ntk40, atol=1e-6)
+
+
+def test_variants_are_declared_by_the_scheme():
+    with pytest.raises(PosbenchError, match="scheme 'alibi' has no evaluation-time variant 'yarn'"):
+        with SCHEMES["alibi"](tiny("alibi")).eval_variant("yarn", 16, 32):
+            pass
+    assert set(SCHEMES["rope"].eval_variants) == {"linear", "ntk", "dynamic", "yarn"}
+    with pytest.raises(PosbenchError, match="evaluation-time variant of rope, not a scheme to train"):
+        resolve_scheme("rope+yarn")
+
+
+def test_catalogue_lists_at_least_16_entries_with_rope_variants_marked():
+    rows = dict(catalogue())
+    assert len(rows) >= 16 and set(NEW) <= set(rows)
+    for kind in ("linear", "ntk", "dynamic", "yarn"):
+        assert rows[f"rope+{kind}"].startswith("evaluation-time variant of rope")
+    for name, cls in SCHEMES.items():
+        assert cls.description and cls.description != SCHEMES["nope"].description or name == "nope"
+
+
+def test_rope_scaling_config_is_checked_by_name():
+    with pytest.raises(PosbenchError) as e:
+        load_config(None, ["eval.rope_scaling=[yarm]"])
+    assert "eval.rope_scaling: unknown kind 'yarm' (did you mean 'yarn'?)" in str(e.value)
+    with pytest.raises(PosbenchError, match="eval.rope_factor=0.5 must be >= 1"):
+        load_config(None, ["eval.rope_factor=0.5"])
+    assert load_config(None, ["eval.rope_scaling=yarn"]).eval.rope_scaling == ["yarn"]
+
+
+# --- xPos --------------------------------------------------------------------------------------
+
+
+# q = k = e_0 pairs with dim 4 (the half pairing) at frequency theta_0 = 1, so after RoPE
+# q_i.k_j = cos(i)cos(j) + sin(i)sin(j) = cos(i-j); xPos multiplies it by zeta_0^((i-j)/gamma),
+# zeta_0 = (0 + 0.4*8) / (1.4*8) = 3.2/11.2. With gamma = 8, i=12, j=2:
+# cos(10) * (3.2/11.2)^(10/8) = -0.839072 * 0.208889 = -0.175273.
+@pytest.mark.parametrize("T", [16, 40])  # the centring depends on T and must cancel
+def test_xpos_score_is_rope_times_zeta_power(T):
+    scheme = SCHEMES["xpos"](tiny("xpos", options={"scale_base": 8.0}))
+    e0 = torch.zeros(1, 1, T, 8)
+    e0[..., 0] = 1.0
+    q, k = scheme.rotate(e0, e0, torch.arange(T), 0)
+    s = (q @ k.transpose(-1, -2))[0, 0]  # (T, T)
+    assert s[12, 2].item() == pytest.approx(-0.175273, abs=1e-5)
+    assert s[12, 2].item() == pytest.approx(math.cos(10) * (3.2 / 11.2) ** (10 / 8), rel=1e-5)
+    assert s[7, 7].item() == pytest.approx(1.0, abs=1e-6)  # no decay at distance 0
+    # dim 3 has frequency 10^-3 (nearly still) and zeta_3 = (6 + 3.2)/11.2: almost pure decay
+    e3 = torch.zeros(1, 1, T, 8)
+    e3[..., 3] = 1.0
+    q, k = scheme.rotate(e3, e3, torch.arange(T), 0)
+    got = (q[0, 0, 12] @ k[0, 0, 2]).item()
+    assert got == pytest.approx(math.cos(10 * 1e-3) * (9.2 / 11.2) ** (10 / 8), rel=1e-5)
+
+
+def test_xpos_default_scale_base_is_512():
+    assert SCHEMES["xpos"].options["scale_base"] == 512.0
+
+
+# --- KERPLE ------------------------------------------------------------------------------------
+
+
+def kerple(name, r1, r2):
+    model = TransformerLM(tiny(name)).eval()
+    with torch.no_grad():
+        model.scheme.r1.copy_(torch.tensor(r1))
+        model.scheme.r2.copy_(torch.tensor(r2))
+    return model
+
+
+def kerple_bias(model):
+    z = torch.zeros(1, 4, 6, 8)
+    return model.scheme.bias(z, z, torch.arange(6), torch.arange(6), 0)[0]  # (H, 6, 6)
+
+
+# at i=5, j=2 (distance 3), with r2 = 0.001 clamped to the reference's floor 0.01:
+# log:   -1*ln(1+3) = -1.386294; -2*ln(1+1.5) = -1.832581; -0.5*ln(1+6) = -0.972955;
+#        -3*ln(1+0.03) = -0.088677
+@pytest.mark.parametrize("i,j,want", [(5, 2, [-1.386294, -1.832581, -0.972955, -0.088677]), (4, 4, [0, 0, 0, 0])])
+def test_kerple_log_formula(i, j, want):
+    b = kerple_bias(kerple("kerple_log", [1.0, 2.0, 0.5, 3.0], [1.0, 0.5, 2.0, 0.001]))
+    close(b[:, i, j].tolist(), want, tol=1e-5)
+
+
+# power: -r1 * 3^r2 with r2 = 3 clamped to 2 and 0.001 to 0.01:
+# -1*3 = -3; -2*sqrt(3) = -3.464102; -0.5*3^2 = -4.5; -3*3^0.01 = -3*1.011047 = -3.033140
+def test_kerple_power_formula():
+    b = kerple_bias(kerple("kerple_power", [1.0, 2.0, 0.5, 3.0], [1.0, 0.5, 3.0, 0.001]))
+    close(b[:, 5, 2].tolist(), [-3.0, -3.464102, -4.5, -3.033140], tol=1e-5)
+    assert torch.all(torch.diagonal(b, dim1=1, dim2=2) == 0)
+
+
+@pytest.mark.parametrize("name,r1_max,r2_max", [("kerple_log", 2.0, 1.0), ("kerple_power", 1.0, 2.0)])
+def test_kerple_parameters_names_shapes_init_and_clamp(name, r1_max, r2_max):
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(name, n_head=6, d_model=48))
+    params = dict(model.named_parameters())
+    r1, r2 = params["scheme.r1"], params["scheme.r2"]
+    assert r1.shape == r2.shape == (6,)
+    assert 0 <= r1.min() and r1.max() < r1_max and 0 <= r2.min() and r2.max() < r2_max  # reference init
+    with torch.no_grad():
+        r1.fill_(-1.0)
+        r2.fill_(5.0)
+    model.train()(torch.randint(0, 256, (1, 8)))  # training clamps the stored values, as the reference
+    assert torch.all(r1 == 0.01)
+    assert torch.all(r2 == (2.0 if name == "kerple_power" else 5.0))
+
+
+# --- FIRE --------------------------------------------------------------------------------------
+
+
+# With the MLP set to b_h(x) = (h+1) * relu(x), c = 0.5 and L_thr = 4 (init_L 4, multiplier 1):
+# (10, 3): psi(7)/psi(max(4, 10)) = ln(4.5)/ln(6) = 1.504077/1.791759 = 0.839442
+# (2, 1):  psi(1)/psi(max(4, 2)) = ln(1.5)/ln(3) = 0.405465/1.098612 = 0.369070 (the threshold)
+# (9, 9):  psi(0) = 0
+def test_fire_formula():
+    scheme = SCHEMES["fire"](tiny("fire", options={"init_L": 4.0}))
+    mlp = scheme.mlp[1]
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.zero_()
+        mlp[0].weight[0, 0] = 1.0
+        mlp[2].weight[:, 0] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        scheme.c[1] = 0.5
+    z = torch.zeros(1, 4, 12, 8)
+    b = scheme.bias(z, z, torch.arange(12), torch.arange(12), 1)[0]  # (H, 12, 12)
+    close(b[:, 10, 3].tolist(), [h * 0.839442 for h in (1, 2, 3, 4)], tol=1e-5)
+    close(b[:, 2, 1].tolist(), [h * 0.369070 for h in (1, 2, 3, 4)], tol=1e-5)
+    close(b[:, 9, 9].tolist(), [0, 0, 0, 0])
+    assert b[0, 11, 0].item() == pytest.approx(1.0, abs=1e-5)  # i-j = i past L_thr: psi(i)/psi(i)
+
+
+def test_fire_default_threshold_is_a_quarter_of_train_len():
+    scheme = SCHEMES["fire"](tiny("fire", train_len=64))
+    assert scheme.init_L.item() == 16.0 and scheme.c.tolist() == pytest.approx([0.1, 0.1])
+    with pytest.raises(PosbenchError, match="init_L='far' must be a positive number"):
+        SCHEMES["fire"](tiny("fire", options={"init_L": "far"}))
+
+
+# --- randomized positions ------------------------------------------------------------------
+
+
+def test_randomized_positions_while_training():
+    scheme = SCHEMES["randomized"](tiny("randomized", options={"max_pos": 200})).train()
+    torch.manual_seed(3)
+    a = scheme.positions(50, "cpu")
+    torch.manual_seed(3)
+    b = scheme.positions(50, "cpu")
+    c = scheme.positions(50, "cpu")
+    assert torch.equal(a, b) and not torch.equal(b, c)  # deterministic under a seed, fresh per call
+    for p in (a, c):
+        assert p.shape == (50,) and p.min() >= 0 and p.max() < 200
+        assert torch.all(p[1:] > p[:-1])  # sorted, distinct
+    assert a.max() >= 50  # not just 0..T-1
+
+
+def test_randomized_positions_at_evaluation_and_bases():
+    model = TransformerLM(tiny("randomized", options={"base": "rope"})).eval()
+    assert torch.equal(model.scheme.positions(30, "cpu"), torch.arange(30))
+    assert SCHEMES["randomized"].options["max_pos"] == 1024
+    rope = SCHEMES["rope"](tiny("rope"))
+    q = torch.randn(1, 4, 5, 8)
+    pos = torch.tensor([3, 40, 41, 90, 700])
+    assert torch.allclose(model.scheme.rotate(q, q, pos, 0)[0], rope.rotate(q, q, pos, 0)[0])
+    with pytest.raises(PosbenchError, match="base='alibi': expected one of sinusoidal, rope"):
+        SCHEMES["randomized"](tiny("randomized", options={"base": "alibi"}))
+    with pytest.raises(PosbenchError, match="max_pos=8 is shorter than model.train_len=16"):
+        SCHEMES["randomized"](tiny("randomized", options={"max_pos": 8}))
+
+
+def test_randomized_trains_on_its_positions():
+    """The model really uses them: the same tokens give different logits in train and eval."""
+    torch.manual_seed(0)
+    model = TransformerLM(tiny("randomized"))
+    x = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        assert not torch.allclose(model.train()(x), model.eval()(x), atol=1e-4)
+
+
+# --- CoPE --------------------------------------------------------------------------------------
+
+
+def sig(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def cope_bias(table):
+    """One head, d = 2, queries q = (1,0), (1,1), (1,-1) and keys k = (0,0), (2,0), (0,2)."""
+    scheme = SCHEMES["cope"](tiny("cope", n_head=1, d_model=2, options={"npos_max": 4}))
+    with torch.no_grad():
+        scheme.pos_emb[0].copy_(torch.tensor([table, [0.0] * 4]))  # e[p] = (table[p], 0)
+    q = torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, -1.0]]).view(1, 1, 3, 2)
+    k = torch.tensor([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0]]).view(1, 1, 3, 2)
+    return scheme.bias(q, k, torch.arange(3), torch.arange(3), 0)[0, 0]  # (3, 3)
+
+
+# gates g_it = sigmoid(q_i.k_t / sqrt 2): q_i.k_0 = 0 -> 1/2; q_1.k_1 = 2 and q_2.k_1 = 2 ->
+# sigmoid(sqrt 2) = 0.804429; q_2.k_2 = -2 -> sigmoid(-sqrt 2) = 0.195571.
+# p_ij = sum_{t=j..i} g_it: p_00 = 0.5; p_10 = 1.304429, p_11 = 0.804429;
+# p_20 = 1.5, p_21 = 1.0, p_22 = 0.195571.
+P = {(0, 0): 0.5, (1, 0): 0.5 + sig(math.sqrt(2)), (1, 1): sig(math.sqrt(2)),
+     (2, 0): 0.5 + sig(math.sqrt(2)) + sig(-math.sqrt(2)), (2, 1): sig(math.sqrt(2)) + sig(-math.sqrt(2)),
+     (2, 2): sig(-math.sqrt(2))}  # fmt: skip
+
+
+def test_cope_positions_are_gate_sums():
+    """With e[p] = (p, 0) and q_i[0] = 1, the bias is q_i.e[p_ij] = p_ij (linear interpolation of
+    a linear table is exact)."""
+    b = cope_bias([0.0, 1.0, 2.0, 3.0])
+    assert P[1, 0] == pytest.approx(1.304429, abs=1e-6) and P[2, 2] == pytest.approx(0.195571, abs=1e-6)
+    for (i, j), p in P.items():
+        assert b[i, j].item() == pytest.approx(p, abs=1e-5), (i, j)
+
+
+def test_cope_interpolates_between_floor_and_ceil_and_clamps():
+    # e[p] = p^2 at integers: p_10 = 1.304429 -> 1 + 0.304429 * (4 - 1) = 1.913287
+    b = cope_bias([0.0, 1.0, 4.0, 9.0])
+    assert b[1, 0].item() == pytest.approx(1 + (P[1, 0] - 1) * 3, abs=1e-5)
+    assert b[2, 2].item() == pytest.approx(P[2, 2] * 1.0, abs=1e-5)  # between e[0]=0 and e[1]=1
+    # npos_max = 4: positions clamp at 3. Gates of 1 for 6 keys would count 6; clamped -> e[3].
+    scheme = SCHEMES["cope"](tiny("cope", n_head=1, d_model=2, options={"npos_max": 4}))
+    with torch.no_grad():
+        scheme.pos_emb[0].copy_(torch.tensor([[0.0, 1.0, 4.0, 9.0], [0.0] * 4]))
+    q = torch.tensor([1.0, 0.0]).expand(1, 1, 6, 2)
+    k = torch.tensor([100.0, 0.0]).expand(1, 1, 6, 2)  # q.k / sqrt 2 = 70.7: every gate is 1
+    b = scheme.bias(q, k, torch.arange(6), torch.arange(6), 0)[0, 0]
+    assert b[5, 0].item() == pytest.approx(9.0) and b[5, 4].item() == pytest.approx(4.0)
+
+
+def test_cope_ignores_keys_after_the_query():
+    b1 = cope_bias([0.0, 1.0, 4.0, 9.0])
+    scheme = SCHEMES["cope"](tiny("cope", n_head=1, d_model=2, options={"npos_max": 4}))
+    with torch.no_grad():
+        scheme.pos_emb[0].copy_(torch.tensor([[0.0, 1.0, 4.0, 9.0], [0.0] * 4]))
+    q = torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, -1.0]]).view(1, 1, 3, 2)
+    k = torch.tensor([[0.0, 0.0], [2.0, 0.0], [5.0, -7.0]]).view(1, 1, 3, 2)  # k_2 changed
+    b2 = scheme.bias(q, k, torch.arange(3), torch.arange(3), 0)[0, 0]
+    assert torch.allclose(b1[:2, :2], b2[:2, :2]) and not torch.isclose(b1[2, 0], b2[2, 0])
+
+
+# --- RoPE scaled at evaluation time, from the command line -----------------------------------
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """rope and alibi trained as configs/smoke.yaml says (30 steps, L = 32) on a tiny corpus."""
+    tmp = tmp_path_factory.mktemp("catalogue")
+    text = tmp / "tiny.txt"
+    text.write_text("to be or not to be that is the question\n" * 400)
+    out = tmp / "results"
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "rope,alibi", "--set", f"out_dir={out}",
+                 "--set", f"data.path={text}")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    return out / "smoke", text
+
+
+def read_rows(path):
+    return list(csv.DictReader(open(path)))
+
+
+def test_evaluate_rope_scaling_adds_rows_and_report_rebuilds_them(tiny_runs, tmp_path):
+    exp0, _ = tiny_runs
+    exp = tmp_path / "smoke"
+    shutil.copytree(exp0, exp)
+    run = exp / "rope-seed0"
+    res = invoke("evaluate", run, "--rope-scaling", "yarn,linear", "--lengths", "32,64")
+    assert res.exit_code == 0, res.output
+    assert "rope+yarn" in res.output
+    rows = {(r["scheme"], int(r["length"])): r for r in read_rows(run / "eval.csv")}
+    assert {("rope+yarn", 32), ("rope+yarn", 64), ("rope+linear", 32), ("rope+linear", 64)} <= set(rows)
+    assert {L for s, L in rows if s == "rope"} == {32, 48, 64}  # the plain rows are kept
+    # at the training length s = 1, and every scaling is the identity: the same loss as rope
+    for kind in ("yarn", "linear"):
+        assert float(rows[f"rope+{kind}", 32]["loss"]) == pytest.approx(float(rows["rope", 32]["loss"]), rel=1e-6)
+        assert float(rows[f"rope+{kind}", 64]["loss"]) != pytest.approx(float(rows["rope", 64]["loss"]), rel=1e-6)
+    # report rebuilds the rows from the run folders' eval.csv alone
+    res = invoke("report", exp)
+    assert res.exit_code == 0, res.output
+    summary = read_rows(exp / "summary.csv")
+    assert list(summary[0]) == ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
+    schemes = list(dict.fromkeys(r["scheme"] for r in summary))
+    assert schemes == ["rope", "rope+linear", "rope+yarn", "alibi"]  # variants follow their scheme
+    md = (exp / "summary.md").read_text()
+    assert "| rope+yarn |" in md and "evaluation-time variant" in md
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    (copy / "summary.csv").unlink()
+    assert invoke("report", copy).exit_code == 0
+    assert (copy / "summary.csv").read_text() == (exp / "summary.csv").read_text()
+
+
+def test_evaluate_with_a_fixed_factor_labels_it(tiny_runs, tmp_path):
+    exp0, _ = tiny_runs
+    run = tmp_path / "rope-seed0"
+    shutil.copytree(exp0 / "rope-seed0", run)
+    res = invoke("evaluate", run, "--rope-scaling", "ntk", "--rope-factor", "2", "--lengths", "32")
+    assert res.exit_code == 0, res.output
+    rows = {(r["scheme"], int(r["length"])): r for r in read_rows(run / "eval.csv")}
+    assert ("rope+ntk@2", 32) in rows and ("rope+ntk", 32) not in rows
+    # s = 2 even at the training length, so it is no longer the identity there
+    assert float(rows["rope+ntk@2", 32]["loss"]) != pytest.approx(float(rows["rope", 32]["loss"]), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["alibi-seed0", "--rope-scaling", "yarn"], "scheme 'alibi' has no evaluation-time variant 'yarn'"),
+        (["rope-seed0", "--rope-scaling", "yarm"], "has no evaluation-time variant 'yarm'"),
+        (["rope-seed0", "--rope-factor", "2"], "--rope-factor needs --rope-scaling"),
+        (["rope-seed0", "--rope-scaling", "yarn", "--rope-factor", "0.5"], "must be >= 1"),
+    ],
+)
+def test_evaluate_rope_scaling_errors_are_one_line(tiny_runs, args, message):
+    exp, _ = tiny_runs
+    before = (exp / "rope-seed0" / "eval.csv").read_text()
+    res = invoke("evaluate", exp / args[0], *args[1:])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert message in " ".join(res.output.split()), res.output
+    assert (exp / "rope-seed0" / "eval.csv").read_text() == before
+
+
+def test_extrapolate_rope_scaling_adds_rows_without_retraining(tiny_runs, tmp_path):
+    _, text = tiny_runs
+    out = tmp_path / "results"
+    args = ["extrapolate", "--config", SMOKE, "--schemes", "rope,alibi", "--set", f"out_dir={out}",
+            "--set", f"data.path={text}", "--set", "train.steps=5"]  # fmt: skip
+    assert invoke(*args).exit_code == 0
+    stamp = (out / "smoke" / "rope-seed0" / "model.pt").stat().st_mtime_ns
+    res = invoke(*args, "--rope-scaling", "dynamic")
+    assert res.exit_code == 0, res.output
+    assert "already trained" in res.output and "rope+dynamic" in res.output
+    assert (out / "smoke" / "rope-seed0" / "model.pt").stat().st_mtime_ns == stamp
+    summary = read_rows(out / "smoke" / "summary.csv")
+    assert {int(r["length"]) for r in summary if r["scheme"] == "rope+dynamic"} == {32, 48, 64}
+    assert not any(r["scheme"].startswith("alibi+") for r in summary)
+    assert "alibi+" not in (out / "smoke" / "alibi-seed0" / "eval.csv").read_text()
