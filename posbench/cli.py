@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from posbench.config import SEED_SCHEMES, length_grid, load_config
+from posbench.config import length_grid, load_config
 from posbench.errors import PosbenchError
 
 app = typer.Typer(
@@ -135,7 +135,9 @@ def extrapolate(
         if train_len is not None:
             sets.append(f"model.train_len={train_len}")
         if schemes is not None:
-            names = SEED_SCHEMES if schemes == "all" else [s.strip() for s in schemes.split(",")]
+            from posbench.schemes import SCHEMES
+
+            names = list(SCHEMES) if schemes == "all" else [s.strip() for s in schemes.split(",")]
             sets.append(f"schemes=[{','.join(names)}]")
         if seeds is not None:
             sets.append(f"seeds={_csv_ints(seeds, '--seeds')}")

@@ -276,7 +276,7 @@ def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]
                 old = yaml.safe_load((rdir / "config.yaml").read_text()) or {}
                 new = rc.to_dict()
                 if _training_part(old) != _training_part(new):
-                    diff = [k for k in new if old.get(k) != new[k] and k != "eval"]
+                    diff = [k for k in _training_part(new) if old.get(k) != new[k]]
                     raise PosbenchError(
                         f"{rdir} was trained under a different config ({', '.join(diff)} differ); "
                         f"choose another experiment name with --set name=NEW, or delete that folder"
@@ -289,8 +289,9 @@ def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]
 
 
 def _training_part(d: dict) -> dict:
-    """What decides the weights: everything but the evaluation settings."""
-    return {k: v for k, v in d.items() if k != "eval"}
+    """What decides the weights: everything but the evaluation settings and where the
+    results live (a copied or renamed experiment folder still resumes)."""
+    return {k: v for k, v in d.items() if k not in ("eval", "name", "out_dir")}
 
 
 def train_run(rc: ExperimentConfig, rdir: Path, corpus: Corpus, reporter: Reporter) -> TransformerLM:

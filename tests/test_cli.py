@@ -214,3 +214,27 @@ def test_failure_keeps_earlier_results(smoke, tmp_path, corpus_file):
                  "--set", f"data.path={text}", "--set", "train.steps=7")  # fmt: skip
     assert res.exit_code != 0 and "trained under a different config" in res.output
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
+def test_schemes_all_runs_every_registered_scheme_with_rope_rows(tmp_path, corpus_file):
+    from posbench.schemes import SCHEMES
+
+    out = tmp_path / "r"
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "all", "--rope-scaling", "yarn,linear",
+                 "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}",
+                 "--set", "train.steps=3")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader((out / "smoke" / "summary.csv").open()))
+    assert {r["scheme"] for r in rows} == set(SCHEMES) | {"rope+yarn", "rope+linear"}
+    assert len(SCHEMES) >= 14
+
+
+def test_a_moved_experiment_still_resumes(smoke, tmp_path):
+    """Where the results live is not part of what was trained."""
+    exp, _, text = smoke
+    out = tmp_path / "moved"
+    shutil.copytree(exp, out / "smoke")
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}",
+                 "--set", f"data.path={text}")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "already trained" in res.output
