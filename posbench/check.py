@@ -66,6 +66,8 @@ def causality(model: TransformerLM, T: int) -> str:
         for block, path in ((T, "whole"), (BLOCK, "blocked")):
             model.attn_block = block  # T itself: one block, the whole-sequence path
             a, b = model(x), model(y)
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise CheckFailed(f"non-finite logits at length {T}, so causality cannot be judged")
             leak = (a[:, :t] - b[:, :t]).abs().max().item()
             if not leak <= 1e-5:
                 raise CheckFailed(

@@ -266,7 +266,7 @@ def inspect(
     if not paths:
         out.print(f"{target}: its hooks change nothing (NoPE), so there is nothing to draw")
     for p in paths:
-        out.print(f"wrote {p}", highlight=False)
+        out.print(f"wrote {p}", highlight=False, soft_wrap=True)  # unbroken, to copy and open
 
 
 def main():

@@ -8,6 +8,7 @@ that compute the drawn arrays return tensors, so tests check the numbers behind 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -204,22 +205,23 @@ def inspect_scheme(
     """Every picture the scheme's hooks call for, written into out_dir; the paths written."""
     scheme = scheme.eval()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
+    drawings = []  # (file name, draw(path)); computed first, so a scheme with none writes nothing
     pe = encoding(scheme, T)
     if pe is not None:
-        paths.append(plot_encoding(pe, out_dir / "encoding.png", title, train_len))
-        paths.append(plot_similarity(similarity(pe), out_dir / "similarity.png", title, train_len))
+        drawings.append(("encoding.png", lambda p: plot_encoding(pe, p, title, train_len)))
+        drawings.append(("similarity.png", lambda p: plot_similarity(similarity(pe), p, title, train_len)))
     rot = rotation_scores(scheme, T)
     if rot is not None:
-        paths.append(plot_rotation(*rot, out_dir / "rotation.png", title))
+        drawings.append(("rotation.png", lambda p: plot_rotation(*rot, p, title)))
     maps = bias_maps(scheme, T)
     if maps is not None:
-        paths.append(plot_bias(maps, out_dir / "bias.png", title, train_len))
+        drawings.append(("bias.png", lambda p: plot_bias(maps, p, title, train_len)))
     if learned:
         for name, values in per_head_parameters(scheme).items():
-            paths.append(plot_per_head(name, values, out_dir / f"param-{name}.png", title))
-    return paths
+            drawings.append((f"param-{name}.png", partial(plot_per_head, name, values, title=title)))
+    if drawings:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    return [draw(out_dir / fname) for fname, draw in drawings]
 
 
 def inspect_target(target: str, out_dir: Optional[Path] = None, length: Optional[int] = None) -> list[Path]:

@@ -10,7 +10,6 @@ import posbench.model
 from posbench import check
 from posbench.attention import causal_attention
 from posbench.errors import PosbenchError
-from posbench.model import TransformerLM
 from posbench.schemes import SCHEMES, alibi_slopes, sinusoid, t5_relative_bucket
 
 from conftest import tiny
