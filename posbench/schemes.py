@@ -29,7 +29,8 @@ from posbench.errors import PosbenchError
 
 
 class PositionalScheme(nn.Module):
-    """Base of every scheme. Subclass it, override any of the three hooks, register a name."""
+    """Base of every scheme. Subclass it, override any of the three hooks, and register a name
+    or load it as module:Class (README, "Write your own scheme")."""
 
     description = "no positional information at all; the causal mask alone leaks order"
     options: dict = {}  # option name -> default value; YAML `scheme_options.<name>` overrides
