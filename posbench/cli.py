@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -254,7 +255,7 @@ def schemes():
 
 @app.command()
 def bench(
-    quick: Annotated[bool, typer.Option(help="a seconds-long run (tiny batch, 1x and 4x only)")] = False,
+    quick: Annotated[bool, typer.Option(help="a seconds-long run (tiny batch; memory at 1x, 16x, 32x)")] = False,
     peer: Annotated[Optional[str], typer.Option(help="also time a peer library: x-transformers")] = None,
     schemes: Annotated[Optional[str], typer.Option(help="e.g. alibi,rope (default: the config's)")] = None,
     config: Annotated[Optional[Path], typer.Option(help="a YAML config for the model size")] = None,
@@ -311,7 +312,50 @@ def _bench_table(rows, peak, mc, threads, peer) -> Table:
     return t
 
 
+@app.command("check-scheme")
+def check_scheme(
+    scheme: Annotated[str, typer.Argument(help="a registered name or module:Class")],
+):
+    """Check a scheme at a tiny size: causality, forward, backward, beyond the training length."""
+    from posbench.check import run_checks
+
+    with user_errors():
+        results = run_checks(scheme)
+    t = Table(title=f"check-scheme {scheme}")
+    t.add_column("check", style="bold")
+    t.add_column("result")
+    t.add_column("reason")
+    for r in results:
+        t.add_row(r.name, "[green]pass[/]" if r.ok else "[bold red]FAIL[/]", r.reason)
+    out.print(t)
+    failed = [r.name for r in results if not r.ok]
+    if failed:
+        err.print(f"[bold red]failed:[/] {', '.join(failed)}", highlight=False)
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def inspect(
+    target: Annotated[str, typer.Argument(help="a scheme (name or module:Class) or a run folder")],
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="default: results/inspect/<name>")] = None,
+    length: Annotated[Optional[int], typer.Option(help="positions to draw; default 2x train_len")] = None,
+):
+    """Plot what a scheme does to attention (and, for a trained run, what it learned)."""
+    from posbench.plots import inspect_target
+
+    with user_errors():
+        paths = inspect_target(target, out_dir, length)
+    if not paths:
+        out.print(f"{target}: its hooks change nothing (NoPE), so there is nothing to draw")
+    for p in paths:
+        out.print(f"wrote {p}", highlight=False, soft_wrap=True)  # unbroken, to copy and open
+
+
 def main():
+    # a console script does not put the working directory on sys.path, so a user's
+    # `mymodule:MyScheme` beside their config would not import; add it, as uvicorn does
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     app(prog_name="posbench")
 
 

@@ -70,9 +70,13 @@ def lr_at(step: int, cfg) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
 
 
+def safe_name(text: str) -> str:
+    """A folder name from anything, e.g. a plugin's module:Class."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
 def run_name(scheme: str, seed: int) -> str:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in scheme)
-    return f"{safe}-seed{seed}"
+    return f"{safe_name(scheme)}-seed{seed}"
 
 
 def write_atomic(path: Path, text: str) -> None:

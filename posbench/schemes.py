@@ -34,7 +34,8 @@ from posbench.errors import PosbenchError
 
 
 class PositionalScheme(nn.Module):
-    """Base of every scheme. Subclass it, override any of the three hooks, register a name."""
+    """Base of every scheme. Subclass it, override any of the three hooks, and register a name
+    or load it as module:Class (README, "Write your own scheme")."""
 
     description = "no positional information at all; the causal mask alone leaks order"
     options: dict = {}  # option name -> default value; YAML `scheme_options.<name>` overrides
@@ -635,11 +636,20 @@ def resolve_scheme(name: str) -> type[PositionalScheme]:
 
 def _load_plugin(spec: str) -> type[PositionalScheme]:
     module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise PosbenchError(f"scheme '{spec}': expected module:Class, e.g. examples.my_scheme:MyScheme")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise PosbenchError(f"scheme '{spec}': cannot import module '{module_name}' ({e})") from None
-    cls = getattr(module, class_name, None)
+    except Exception as e:  # the user's module itself is broken: name the error, not a traceback
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise PosbenchError(
+            f"scheme '{spec}': importing module '{module_name}' failed ({type(e).__name__}: {first})"
+        ) from None
+    cls = module
+    for part in class_name.split("."):  # module:Outer.Inner works too
+        cls = getattr(cls, part, None)
     if cls is None:
         raise PosbenchError(f"scheme '{spec}': module '{module_name}' has no '{class_name}'")
     if not (inspect.isclass(cls) and issubclass(cls, PositionalScheme)):

@@ -5,17 +5,12 @@ import random
 import pytest
 import torch
 
-from posbench.config import ModelConfig
+from posbench.check import tiny_config as tiny  # noqa: F401  (the tests' tiny model size)
 
 
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(2)
-
-
-def tiny(scheme: str, **kw) -> ModelConfig:
-    base = dict(scheme=scheme, n_layer=2, n_head=4, d_model=32, train_len=16)
-    return ModelConfig(**{**base, **kw})
 
 
 @pytest.fixture

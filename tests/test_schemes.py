@@ -8,28 +8,20 @@ import torch.nn.functional as F
 
 import posbench.attention
 import posbench.model
+from posbench import check
 from posbench.attention import causal_attention
 from posbench.errors import PosbenchError
-from posbench.model import TransformerLM
 from posbench.schemes import SCHEMES, alibi_slopes, sinusoid, t5_relative_bucket
 
 from conftest import tiny
 
 ALL = sorted(SCHEMES)
+build = check.tiny_model  # a tiny model, its scheme's parameters perturbed so zero-init biases bite
+supports = check.supports
 
-
-def build(scheme: str, seed: int = 0, **kw) -> TransformerLM:
-    """A tiny model with its scheme's parameters randomised, so zero-initialised biases bite."""
-    torch.manual_seed(seed)
-    model = TransformerLM(tiny(scheme, **kw)).eval()
-    with torch.no_grad():
-        for p in model.scheme.parameters():
-            p.normal_(0, 0.5)
-    return model
-
-
-def supports(model, T):
-    return model.max_len is None or T <= model.max_len
+# The registry-wide checks are the ones `posbench check-scheme` runs (posbench/check.py); each
+# raises CheckFailed, an AssertionError, with its reason. tests/test_plugins.py shows that each
+# of them fails on a scheme built to break it.
 
 
 @pytest.mark.parametrize("scheme", ALL)
@@ -40,41 +32,20 @@ def test_causality(scheme, T):
     model = build(scheme)
     if not supports(model, T):
         pytest.skip(f"{scheme} does not encode length {T}")
-    model.attn_block = 8
-    x = torch.randint(0, 256, (2, T))
-    t = T // 2
-    y = x.clone()
-    y[:, t] = (y[:, t] + 1) % 256
-    with torch.no_grad():
-        a, b = model(x), model(y)
-    assert torch.allclose(a[:, :t], b[:, :t], atol=1e-5)
-    assert not torch.allclose(a[:, t:], b[:, t:], atol=1e-5)  # the change is visible from t on
+    check.causality(model, T)
 
 
 @pytest.mark.parametrize("scheme", ALL)
 def test_forward_backward_at_train_len(scheme):
     model = build(scheme).train()
-    x = torch.randint(0, 256, (3, 16))
-    logits = model(x)
-    assert logits.shape == (3, 16, 256)
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
-    loss.backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
-    assert not missing, f"parameters with no gradient: {missing}"
-    assert math.isfinite(loss.item()) and loss.item() > 0
+    loss = check.forward(model, 16)
+    check.backward(model, loss)
 
 
 @pytest.mark.parametrize("scheme", ALL)
 def test_beyond_train_len(scheme):
     """Schemes that encode any length give finite logits at 4x; the others refuse clearly."""
-    model = build(scheme)
-    x = torch.randint(0, 256, (1, 64))
-    if model.max_len is not None and model.max_len < 64:
-        with pytest.raises(PosbenchError, match="cannot represent position"):
-            model(x)
-        return
-    with torch.no_grad():
-        assert torch.isfinite(model(x)).all()
+    check.beyond_length(build(scheme), 64)
 
 
 @pytest.mark.parametrize("scheme", ALL)

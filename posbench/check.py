@@ -1,0 +1,183 @@
+"""The registry-wide scheme checks, shared by `posbench check-scheme` and the tests.
+
+Each check takes a tiny model, returns quietly when the scheme behaves and raises
+CheckFailed with a one-line reason when it does not. The tests call them directly, so a
+broken scheme fails its test; `check-scheme` runs them all and reports each as a table row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from posbench.config import ModelConfig
+from posbench.errors import PosbenchError
+from posbench.model import TransformerLM
+from posbench.schemes import resolve_scheme
+
+TINY = dict(n_layer=2, n_head=4, d_model=32, train_len=16)
+BLOCK = 8  # the query block of the blocked attention path: smaller than every checked length
+
+
+class CheckFailed(AssertionError):
+    """A scheme broke a check; the message is the one-line reason. An AssertionError, so a
+    test that calls a check fails with that reason."""
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    reason: str
+
+
+def tiny_config(scheme: str, **kw) -> ModelConfig:
+    return ModelConfig(**{**TINY, "scheme": scheme, **kw})
+
+
+def tiny_model(scheme: str, seed: int = 0, **kw) -> TransformerLM:
+    """A tiny model with its scheme's parameters perturbed, so zero-initialised biases bite."""
+    torch.manual_seed(seed)
+    model = TransformerLM(tiny_config(scheme, **kw)).eval()
+    with torch.no_grad():
+        for p in model.scheme.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def supports(model: TransformerLM, T: int) -> bool:
+    return model.max_len is None or T <= model.max_len
+
+
+@torch.no_grad()
+def causality(model: TransformerLM, T: int) -> str:
+    """Changing token t changes no logit before t, and does change some logit from t on, both
+    in the whole-sequence attention path and the blocked one."""
+    V = model.cfg.vocab_size
+    x = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(T))
+    t = T // 2
+    y = x.clone()
+    y[:, t] = (y[:, t] + 1) % V
+    saved = model.attn_block
+    try:
+        for block, path in ((T, "whole"), (BLOCK, "blocked")):
+            model.attn_block = block  # T itself: one block, the whole-sequence path
+            a, b = model(x), model(y)
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise CheckFailed(f"non-finite logits at length {T}, so causality cannot be judged")
+            leak = (a[:, :t] - b[:, :t]).abs().max().item()
+            if not leak <= 1e-5:
+                raise CheckFailed(
+                    f"changing token {t} of {T} changed the logits of earlier positions by up to "
+                    f"{leak:.2g} ({path} attention): the future leaks into the past"
+                )
+            if torch.allclose(a[:, t:], b[:, t:], atol=1e-5):
+                raise CheckFailed(f"changing token {t} of {T} changed no logit at all ({path} attention)")
+    finally:
+        model.attn_block = saved
+    return f"earlier logits unchanged when a later token changes (T={T}, whole and blocked)"
+
+
+def forward(model: TransformerLM, T: int, batch: int = 3) -> torch.Tensor:
+    """Logits of the right shape, finite, at the training length; returns the LM loss."""
+    V = model.cfg.vocab_size
+    x = torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(0))
+    logits = model(x)
+    if tuple(logits.shape) != (batch, T, V):
+        raise CheckFailed(f"logits have shape {tuple(logits.shape)}, expected {(batch, T, V)}")
+    if not torch.isfinite(logits).all():
+        raise CheckFailed(f"non-finite logits at the training length {T}")
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    if not (math.isfinite(loss.item()) and loss.item() > 0):
+        raise CheckFailed(f"the loss is {loss.item()}, expected a finite positive number")
+    return loss
+
+
+def backward(model: TransformerLM, loss: torch.Tensor) -> str:
+    """Every parameter, the scheme's included, gets a finite, non-zero gradient."""
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    if missing:
+        raise CheckFailed(f"parameters with no gradient: {', '.join(missing)}")
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p.grad).all()]
+    if bad:
+        raise CheckFailed(f"parameters with non-finite gradients: {', '.join(bad)}")
+    return "every parameter gets a finite, non-zero gradient"
+
+
+@torch.no_grad()
+def beyond_length(model: TransformerLM, T: int) -> str:
+    """Past the training length, finite logits; past the scheme's max_len, a clean refusal."""
+    x = torch.randint(0, model.cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
+    if not supports(model, T):
+        try:
+            model(x)
+        except PosbenchError as e:
+            if "cannot represent position" in str(e):
+                return f"refuses length {T} cleanly (max_len={model.max_len})"
+            raise
+        raise CheckFailed(f"max_len={model.max_len}, yet length {T} ran instead of being refused")
+    if not torch.isfinite(model(x)).all():
+        raise CheckFailed(f"non-finite logits at length {T}")
+    return f"finite logits at length {T}"
+
+
+def run_checks(spec: str) -> list[CheckResult]:
+    """Every check on `spec` (a registered name or module:Class) at a tiny size. A scheme that
+    cannot be loaded raises PosbenchError; anything else that goes wrong is a failed row."""
+    resolve_scheme(spec)
+    L = TINY["train_len"]
+    got: dict = {}
+
+    def build():
+        got["model"] = model = tiny_model(spec)
+        n = sum(p.numel() for p in model.scheme.parameters())
+        c = model.cfg
+        return (f"{type(model.scheme).__name__}: {c.n_layer} layers, {c.n_head} heads, "
+                f"d_model {c.d_model}, train_len {c.train_len}; {n} scheme parameters")  # fmt: skip
+
+    def causal():
+        lengths = [T for T in (L, L * 5 // 2) if supports(got["model"], T)]
+        for T in lengths:
+            causality(got["model"], T)
+        return f"earlier logits unchanged when a later token changes (T={lengths}, whole and blocked)"
+
+    def fwd():
+        got["model"].train()
+        got["loss"] = loss = forward(got["model"], L)
+        return f"finite logits at the training length {L}, loss {loss.item():.3f}"
+
+    def bwd():
+        return backward(got["model"], got["loss"])
+
+    def beyond():
+        return beyond_length(got["model"].eval(), 4 * L)
+
+    steps = [  # (name, check, the checks it needs)
+        ("build", build, ()),
+        ("causality", causal, ("build",)),
+        ("forward", fwd, ("build",)),
+        ("backward", bwd, ("forward",)),
+        ("beyond length", beyond, ("build",)),
+    ]
+    passed: dict[str, bool] = {}
+    results = []
+    for name, check, needs in steps:
+        blocked = [n for n in needs if not passed[n]]
+        if blocked:
+            reason = f"not run: {blocked[0]} failed"
+            passed[name] = False
+        else:
+            try:
+                reason, passed[name] = check(), True
+            except CheckFailed as e:
+                reason, passed[name] = str(e), False
+            except Exception as e:  # a user's hook may raise anything: that is the reason
+                first = (str(e).strip().splitlines() or [""])[0][:160]
+                reason, passed[name] = f"{type(e).__name__}: {first}".rstrip(": "), False
+        results.append(CheckResult(name, passed[name], reason))
+    return results

@@ -1,0 +1,224 @@
+"""`posbench inspect`: which pictures a scheme gets follows from its hooks, and the numbers
+behind each picture are the scheme's own."""
+
+import math
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from posbench import plots
+from posbench.check import tiny_config
+from posbench.cli import app
+from posbench.schemes import SCHEMES, PositionalScheme
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "configs" / "smoke.yaml")
+PNG = b"\x89PNG\r\n\x1a\n"
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def scheme(name: str, **kw) -> PositionalScheme:
+    return SCHEMES[name](tiny_config(name, **kw)).eval()
+
+
+def assert_pngs(folder: Path, names: set[str], output: str):
+    """folder holds exactly these non-empty PNGs, and the command printed the path of each."""
+    assert {p.name for p in folder.iterdir()} == names
+    for n in names:
+        data = (folder / n).read_bytes()
+        assert data[:8] == PNG and len(data) > 1000, n
+    printed = {Path(line.removeprefix("wrote ")).resolve() for line in output.splitlines() if line.startswith("wrote ")}
+    assert printed == {(folder / n).resolve() for n in names}, output
+
+
+@pytest.mark.parametrize(
+    "name,pictures",
+    [
+        ("sinusoidal", {"encoding.png", "similarity.png"}),  # embed changes x
+        ("alibi", {"bias.png"}),  # bias returns a tensor
+        ("rope", {"rotation.png"}),  # rotate changes q and k
+        ("hybrid", {"encoding.png", "similarity.png", "bias.png"}),
+    ],
+)
+def test_inspect_draws_what_the_hooks_do(tmp_path, name, pictures):
+    res = invoke("inspect", name, "--out", tmp_path / name)
+    assert res.exit_code == 0, res.output
+    assert_pngs(tmp_path / name, pictures, res.output)
+
+
+def test_inspect_defaults_to_results_inspect(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = invoke("inspect", "alibi", "--length", "20")
+    assert res.exit_code == 0, res.output
+    assert_pngs(tmp_path / "results" / "inspect" / "alibi", {"bias.png"}, res.output)
+
+
+def test_nope_has_nothing_to_draw(tmp_path):
+    res = invoke("inspect", "nope", "--out", tmp_path / "n")
+    assert res.exit_code == 0 and "nothing to draw" in res.output
+    assert not (tmp_path / "n").exists()
+
+
+# --- the numbers behind the pictures ---------------------------------------------------------
+
+
+def test_rope_curves_coincide_across_offsets():
+    dist, scores = plots.rotation_scores(scheme("rope"), 64)
+    assert scores.shape == (len(plots.OFFSETS), 64) and torch.equal(dist, torch.arange(64))
+    for row in scores[1:]:
+        assert torch.allclose(row, scores[0], atol=1e-3 * scores[0].abs().max().item())
+    assert scores[0].std() > 0.1 * scores[0].abs().max()  # the score does depend on m - n
+
+
+class AbsoluteScale(PositionalScheme):
+    """Scales q by its absolute position: q_m.k_n depends on m, not only on m - n."""
+
+    def rotate(self, q, k, pos, layer):
+        return q * (1 + pos[:, None].float() / 10), k
+
+
+def test_rotation_curves_differ_when_the_score_is_not_relative():
+    """The same check fails where it should: the curves split by offset."""
+    dist, scores = plots.rotation_scores(AbsoluteScale(tiny_config("nope")), 64)
+    assert not torch.allclose(scores[1], scores[0], atol=1e-3 * scores[0].abs().max().item())
+
+
+def test_alibi_plotted_bias_is_minus_slope_times_distance():
+    maps = plots.bias_maps(scheme("alibi"), 40)  # 4 heads: slopes 2^(-8h/4) = 1/4, 1/16, 1/64, 1/256
+    assert maps.shape == (4, 40, 40)
+    assert maps[0, 10, 3].item() == pytest.approx(-(2**-2) * 7)
+    assert maps[1, 39, 0].item() == pytest.approx(-(2**-4) * 39)
+    assert maps[3, 25, 5].item() == pytest.approx(-(2**-8) * 20)
+    assert maps[2, 7, 7].item() == 0
+    assert math.isnan(maps[0, 3, 10].item())  # the future is masked: nothing is drawn there
+
+
+def test_sinusoidal_similarity_depends_on_distance_and_peaks_at_zero():
+    pe = plots.encoding(scheme("sinusoidal"), 50)
+    C = 32
+    assert pe.shape == (50, C)
+    dist, prof = plots.by_distance(plots.similarity(pe))
+    assert torch.equal(dist, torch.arange(-49, 50))
+    assert torch.allclose(prof, prof.flip(0), atol=1e-6)  # symmetric in i - j
+    assert dist[prof.argmax()] == 0
+    # C/2 (sin, cos) pairs with sin^2 + cos^2 = 1, each scaled by 1/sqrt(C): |PE_i|^2 = 1/2
+    assert prof[dist == 0].item() == pytest.approx(0.5, abs=1e-5)
+
+
+def test_encoding_is_none_unless_embed_changes_x():
+    assert plots.encoding(scheme("alibi"), 10) is None
+    assert plots.bias_maps(scheme("sinusoidal"), 10) is None
+    assert plots.rotation_scores(scheme("alibi"), 10) is None
+
+
+def test_bias_maps_of_a_q_dependent_bias_are_repeatable():
+    """Transformer-XL's bias reads q: random q, k with a fixed seed give the same map twice."""
+    xl = scheme("xl")
+    with torch.no_grad():
+        for p in xl.parameters():
+            p.normal_()
+    a, b = plots.bias_maps(xl, 12), plots.bias_maps(xl, 12)
+    assert torch.equal(a.nan_to_num(), b.nan_to_num()) and a.nan_to_num().abs().sum() > 0
+
+
+def test_per_head_parameters_by_shape_not_by_name():
+    t5 = scheme("t5")
+    found = plots.per_head_parameters(t5)
+    assert list(found) == ["table"] and torch.equal(found["table"], t5.table.T)  # (H, buckets)
+    assert plots.per_head_parameters(scheme("learned")) == {}  # (max_len, C): not per head
+
+
+# --- trained runs: what the model learned ----------------------------------------------------
+
+KERPLE_LIKE = """
+import torch
+from posbench.schemes import PositionalScheme
+
+class LogBias(PositionalScheme):
+    '''-r1 * log(1 + r2 * |i - j|), r1 and r2 learned per head and kept positive.'''
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.r1 = torch.nn.Parameter(torch.ones(cfg.n_head))
+        self.r2 = torch.nn.Parameter(torch.ones(cfg.n_head))
+
+    def bias(self, q, k, qpos, kpos, layer):
+        dist = (qpos[:, None] - kpos[None, :]).abs().float()  # (Tq, Tk)
+        r1, r2 = self.r1.clamp(min=1e-2)[:, None, None], self.r2.clamp(min=1e-2)[:, None, None]
+        return (-r1 * torch.log1p(r2 * dist)).unsqueeze(0)  # (1, H, Tq, Tk)
+"""
+
+
+@pytest.fixture
+def trained(tmp_path, corpus_file, monkeypatch):
+    """Train one tiny run of a scheme with the CLI; returns its run folder."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "kerple_like.py").write_text(textwrap.dedent(KERPLE_LIKE))
+    monkeypatch.delitem(sys.modules, "kerple_like", raising=False)
+
+    def train(spec: str) -> Path:
+        out = tmp_path / "results"
+        res = invoke("train", SMOKE, "--scheme", spec, "--set", f"out_dir={out}",
+                     "--set", f"data.path={corpus_file}", "--set", "train.steps=5")  # fmt: skip
+        assert res.exit_code == 0, res.output
+        (run,) = [p for p in (out / "smoke").iterdir() if p.is_dir() and p.name.startswith(spec.split(":")[0])]
+        return run
+
+    return train
+
+
+def test_inspect_a_trained_t5_run_draws_its_learned_buckets(trained, tmp_path):
+    from posbench.run import load_run
+
+    run = trained("t5")
+    res = invoke("inspect", run, "--out", tmp_path / "t5")
+    assert res.exit_code == 0, res.output
+    assert_pngs(tmp_path / "t5", {"bias.png", "param-table.png"}, res.output)
+    _, model = load_run(run)
+    table = plots.per_head_parameters(model.scheme)["table"]  # (H, buckets), what was drawn
+    assert table.shape == (2, 32) and table.abs().sum() > 0  # initialised to 0: it learned
+
+
+def test_inspect_a_trained_learned_run_draws_the_table_similarity(trained, tmp_path):
+    run = trained("learned")
+    res = invoke("inspect", run, "--out", tmp_path / "learned")
+    assert res.exit_code == 0, res.output
+    assert_pngs(tmp_path / "learned", {"encoding.png", "similarity.png"}, res.output)
+
+
+def test_inspect_a_trained_plugin_draws_every_per_head_parameter(trained, tmp_path, monkeypatch):
+    run = trained("kerple_like:LogBias")
+    assert run.name == "kerple_like_LogBias-seed0"
+    monkeypatch.chdir(tmp_path)
+    res = invoke("inspect", run)
+    assert res.exit_code == 0, res.output
+    assert_pngs(tmp_path / "results" / "inspect" / run.name,
+                {"bias.png", "param-r1.png", "param-r2.png"}, res.output)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "target,message",
+    [
+        ("alibbi", "unknown scheme 'alibbi' (did you mean 'alibi'?)"),
+        ("results/none/alibi-seed0", "results/none/alibi-seed0: no such run directory"),
+    ],
+)
+def test_inspect_errors_are_one_line(tmp_path, monkeypatch, target, message):
+    monkeypatch.chdir(tmp_path)
+    res = invoke("inspect", target)
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert message in res.output and res.output.strip().count("\n") == 0, res.output
+
+
+def test_inspect_a_folder_without_a_checkpoint(tmp_path):
+    (tmp_path / "empty").mkdir()
+    res = invoke("inspect", tmp_path / "empty")
+    assert res.exit_code != 0 and "holds no checkpoint (model.pt)" in res.output

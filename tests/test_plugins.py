@@ -1,0 +1,239 @@
+"""User plugins: a module:Class scheme loads like a registered one, and check-scheme judges it."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from posbench import check
+from posbench.cli import app
+from posbench.schemes import SCHEMES, PositionalScheme, resolve_scheme
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "configs" / "smoke.yaml")
+EXAMPLE = "examples.my_scheme:MyScheme"
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def on_path(tmp_path, monkeypatch):
+    """Write a module into tmp_path, importable by name; returns a function that does it."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(name: str, source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        return name
+
+    return write
+
+
+@pytest.fixture
+def repo_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # examples/ is found from the repo root, as documented
+
+
+def row(output: str, check_name: str) -> str:
+    """The result cell of one check in check-scheme's table."""
+    m = re.search(rf"│ {re.escape(check_name)}\s*│ (\w+)", output)
+    assert m, output
+    return m.group(1)
+
+
+# --- the worked example ----------------------------------------------------------------------
+
+
+def test_example_loads_by_module_and_class(repo_on_path):
+    cls = resolve_scheme(EXAMPLE)
+    assert issubclass(cls, PositionalScheme) and cls.__name__ == "MyScheme"
+
+
+def test_example_passes_check_scheme(repo_on_path):
+    res = invoke("check-scheme", EXAMPLE)
+    assert res.exit_code == 0, res.output
+    for name in ("build", "causality", "forward", "backward", "beyond length"):
+        assert row(res.output, name) == "pass", name
+
+
+def test_example_is_alibi_inside_its_window(repo_on_path):
+    """Within `window` keys the example's bias is ALiBi's; farther back it is -inf."""
+    cfg = check.tiny_config(EXAMPLE, options={"window": 5})
+    mine, alibi = resolve_scheme(EXAMPLE)(cfg), SCHEMES["alibi"](check.tiny_config("alibi"))
+    T = 12
+    q = k = torch.zeros(1, cfg.n_head, T, cfg.head_dim)
+    pos = torch.arange(T)
+    a, b = mine.bias(q, k, pos, pos, 0)[0], alibi.bias(q, k, pos, pos, 0)[0]  # (H, T, T)
+    dist = pos[:, None] - pos[None, :]
+    inside = (dist >= 0) & (dist < 5)
+    assert torch.equal(a[:, inside], b[:, inside])
+    assert torch.all(a[:, dist >= 5] == float("-inf"))
+
+
+def test_example_window_defaults_to_the_training_length(repo_on_path):
+    assert resolve_scheme(EXAMPLE)(check.tiny_config(EXAMPLE, train_len=24)).window == 24
+
+
+def test_example_trains_from_yaml_into_a_safe_folder(repo_on_path, tmp_path, corpus_file):
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text(Path(SMOKE).read_text() + f"schemes: [{EXAMPLE}]\n")
+    out = tmp_path / "r"
+    res = invoke("train", cfg, "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}",
+                 "--set", "train.steps=5")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert (out / "smoke" / "examples.my_scheme_MyScheme-seed0" / "model.pt").is_file()
+    assert "examples.my_scheme:MyScheme" in (out / "smoke" / "summary.csv").read_text()
+
+
+# --- broken plugins: one clear line each -----------------------------------------------------
+
+
+BROKEN = {
+    "missing module": ("no_such_module_xyz:Thing", None, "cannot import module 'no_such_module_xyz'"),
+    "missing class": ("plug_noclass:Thing", "X = 1\n", "module 'plug_noclass' has no 'Thing'"),
+    "not a scheme": (
+        "plug_notscheme:Thing",
+        "class Thing:\n    pass\n",
+        "Thing is not a subclass of posbench.schemes.PositionalScheme",
+    ),
+    "module raises": ("plug_raises:Thing", "1 / 0\n", "importing module 'plug_raises' failed (ZeroDivisionError"),
+    "no class named": ("plug_noclass:", None, "expected module:Class"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+@pytest.mark.parametrize("command", ["check-scheme", "inspect"])
+def test_broken_plugin_is_one_clear_line(on_path, case, command):
+    spec, source, message = BROKEN[case]
+    if source is not None:
+        on_path(spec.split(":")[0], source)
+    res = invoke(command, spec)
+    assert res.exit_code != 0
+    assert "Traceback" not in res.output
+    assert res.output.strip().count("\n") == 0, res.output  # one line
+    assert message in res.output, res.output
+
+
+def test_broken_plugin_stops_extrapolate_before_training(on_path, tmp_path, corpus_file):
+    on_path("plug_notscheme2", "class Thing:\n    pass\n")
+    out = tmp_path / "r"
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi,plug_notscheme2:Thing",
+                 "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}")  # fmt: skip
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "is not a subclass of posbench.schemes.PositionalScheme" in res.output
+    assert not out.exists()
+
+
+# --- every check can fail: a scheme built to break each one ---------------------------------
+
+LEAKY = """
+import torch
+from posbench.schemes import PositionalScheme
+
+class Leaky(PositionalScheme):
+    '''Adds the NEXT token's embedding at every position: position t sees token t+1.'''
+
+    def embed(self, x, pos):
+        ahead = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)  # (B, T, C), x[t+1] at t
+        return x + ahead
+"""
+
+UNUSED = """
+import torch
+from posbench.schemes import PositionalScheme
+
+class Unused(PositionalScheme):
+    '''A parameter that no hook reads, so it never gets a gradient.'''
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.scale = torch.nn.Parameter(torch.ones(cfg.n_head))
+"""
+
+NAN = """
+from posbench.schemes import PositionalScheme
+
+class NaN(PositionalScheme):
+    def embed(self, x, pos):
+        return x * float("nan")
+"""
+
+CLIFF = """
+import torch
+from posbench.schemes import PositionalScheme
+
+class Cliff(PositionalScheme):
+    '''-log(1 + 3L - d): finite up to distance 3L, NaN past it.'''
+
+    def bias(self, q, k, qpos, kpos, layer):
+        dist = (qpos[:, None] - kpos[None, :]).clamp(min=0).float()  # (Tq, Tk)
+        return -torch.log1p(3 * self.cfg.train_len - dist)[None, None]  # (1, 1, Tq, Tk)
+"""
+
+# scheme -> the checks it must fail (the others must pass), and a phrase of the reason
+BREAKS = {
+    "Leaky": (LEAKY, {"causality"}, "the future leaks into the past"),
+    "Unused": (UNUSED, {"backward"}, "parameters with no gradient: scheme.scale"),
+    "NaN": (NAN, {"causality", "forward", "backward", "beyond length"}, "non-finite logits"),
+    "Cliff": (CLIFF, {"beyond length"}, "non-finite logits at length 64"),
+}
+
+
+@pytest.mark.parametrize("name", list(BREAKS))
+def test_check_scheme_names_the_check_that_fails(on_path, name):
+    source, failing, reason = BREAKS[name]
+    module = on_path(f"plug_{name.lower()}", source)
+    res = invoke("check-scheme", f"{module}:{name}")
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output
+    for c in ("build", "causality", "forward", "backward", "beyond length"):
+        assert row(res.output, c) == ("FAIL" if c in failing else "pass"), c
+    assert reason in " ".join(res.output.replace("│", " ").split()), res.output
+    order = ["build", "causality", "forward", "backward", "beyond length"]
+    assert f"failed: {', '.join(c for c in order if c in failing)}" in res.output
+
+
+def test_leaky_plugin_fails_the_same_causality_check_the_tests_use(on_path):
+    module = on_path("plug_leaky2", LEAKY)
+    model = check.tiny_model(f"{module}:Leaky")
+    with pytest.raises(check.CheckFailed, match="changed the logits of earlier positions"):
+        check.causality(model, 16)
+
+
+def test_a_registered_name_passes_check_scheme():
+    res = invoke("check-scheme", "rope")
+    assert res.exit_code == 0, res.output
+    assert row(res.output, "causality") == "pass"
+
+
+# --- a console script does not have the working directory on sys.path -----------------------
+
+
+def test_console_script_imports_a_plugin_from_the_working_directory(tmp_path):
+    """Run as `posbench` (a script elsewhere on disk), not `python -m`, from a folder holding
+    the plugin. main() puts the folder on sys.path; calling the typer app directly does not."""
+    work, bindir = tmp_path / "work", tmp_path / "bin"
+    work.mkdir(), bindir.mkdir()
+    (work / "cwd_plugin.py").write_text(
+        "from posbench.schemes import PositionalScheme\n\nclass Mine(PositionalScheme):\n    pass\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    outcome = {}
+    for entry in ("main", "app"):  # as the console script does, and without main()'s fix
+        script = bindir / f"posbench_{entry}.py"
+        script.write_text(f"import sys\nfrom posbench.cli import {entry}\nsys.exit({entry}())\n")
+        res = subprocess.run([sys.executable, str(script), "inspect", "cwd_plugin:Mine"],
+                             cwd=work, env=env, capture_output=True, text=True)  # fmt: skip
+        outcome[entry] = (res.returncode, res.stdout + res.stderr)
+    assert outcome["main"][0] == 0, outcome["main"][1]
+    assert "nothing to draw" in outcome["main"][1]  # it loaded: the plugin is a no-op
+    assert outcome["app"][0] != 0 and "cannot import module 'cwd_plugin'" in outcome["app"][1]
