@@ -44,11 +44,39 @@ def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn) -> torch.Tensor:
     future = torch.arange(Tk, device=q.device)[None, :] > qi[:, None]  # (Tq, Tk)
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=~future)
-    bias = bias.masked_fill(future, float("-inf"))
     if not bias.requires_grad:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    # A mask that needs grad sends SDPA to its math path, which also pays for a "safe" softmax
-    # (an all(-inf) check and a where per row). Every row here sees at least its own key, so
-    # the plain softmax is safe and measurably cheaper.
-    scores = torch.matmul(q, k.transpose(-1, -2)) * q.size(-1) ** -0.5 + bias  # (B, H, Tq, Tk)
-    return torch.matmul(scores.softmax(dim=-1), v)  # (B, H, Tq, D)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(future, float("-inf")))
+    return BiasedAttention.apply(q, k, v, bias, future)
+
+
+class BiasedAttention(torch.autograd.Function):
+    """softmax(q.k / sqrt(d) + bias, future masked) v, for a bias that needs its gradient.
+
+    SDPA cannot return a mask's gradient, so a learned bias sends it to its slow math path.
+    This is that math written out once, with the backward by hand: the mask is applied in
+    place, and softmax's backward uses rowsum(dO * O) in place of rowsum(dP * P) (equal, and
+    (T, D) instead of (T, T)), so fewer (T, T) tensors are made and kept than autograd would.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, future):
+        scale = q.size(-1) ** -0.5
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias)  # (B, H, Tq, Tk)
+        # under CUDA autocast softmax returns fp32; keep v's dtype so backward's matmuls agree
+        probs = scores.masked_fill_(future, float("-inf")).softmax(dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # (B, H, Tq, D)
+        ctx.save_for_backward(q, k, v, probs, out)
+        ctx.bias_shape = bias.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, probs, out = ctx.saved_tensors
+        scale = q.size(-1) ** -0.5
+        d_v = torch.matmul(probs.transpose(-1, -2), d_out)  # (B, H, Tk, D)
+        delta = (d_out * out).sum(-1, keepdim=True)  # (B, H, Tq, 1)
+        d_scores = torch.matmul(d_out, v.transpose(-1, -2)).sub_(delta).mul_(probs)  # (B, H, Tq, Tk)
+        d_bias = d_scores.sum_to_size(ctx.bias_shape)  # the bias may be shared across the batch
+        d_q = torch.matmul(d_scores, k).mul_(scale)
+        d_k = torch.matmul(d_scores.transpose(-1, -2), q).mul_(scale)
+        return d_q, d_k, d_v, d_bias, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import os
 import sys
 from pathlib import Path
@@ -37,6 +38,20 @@ def user_errors():
     except KeyboardInterrupt:
         err.print("interrupted: finished runs are kept; rerun the same command to resume")
         raise typer.Exit(code=130)
+    except OSError as e:  # a full disk, an unwritable out_dir, an unreadable file
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        err.print(f"[bold red]error:[/] {where}{e.strerror or e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2)
+    except torch_oom() as e:
+        err.print(f"[bold red]error:[/] out of memory ({str(e).splitlines()[0][:100]}); "
+                  "try shorter eval.lengths or a smaller eval.batch_size", highlight=False)  # fmt: skip
+        raise typer.Exit(code=2)
+
+
+def torch_oom():
+    import torch
+
+    return torch.OutOfMemoryError
 
 
 class BarReporter:
@@ -351,11 +366,16 @@ def inspect(
         out.print(f"wrote {p}", highlight=False, soft_wrap=True)  # unbroken, to copy and open
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main():
     # a console script does not put the working directory on sys.path, so a user's
     # `mymodule:MyScheme` beside their config would not import; add it, as uvicorn does
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up like Ctrl-C: no half-written runs
     app(prog_name="posbench")
 
 

@@ -260,7 +260,13 @@ def read_eval(run_dir: Path) -> list[dict]:
     if not path.is_file():
         return []
     with path.open(newline="") as f:
-        return list(csv.DictReader(f))
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        try:
+            int(r["length"]), int(r["tokens"]), int(r["seed"]), int(r["train_len"])
+        except (KeyError, TypeError, ValueError):
+            raise PosbenchError(f"{path}: malformed evaluation rows; delete it and run evaluate again") from None
+    return rows
 
 
 # --- experiments -----------------------------------------------------------------------------
@@ -277,7 +283,12 @@ def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]
             rdir = exp / run_name(scheme, seed)
             done = False
             if (rdir / "config.yaml").is_file() and (rdir / "model.pt").is_file():
-                old = yaml.safe_load((rdir / "config.yaml").read_text()) or {}
+                try:
+                    old = yaml.safe_load((rdir / "config.yaml").read_text()) or {}
+                except yaml.YAMLError:
+                    old = None
+                if not isinstance(old, dict):
+                    raise PosbenchError(f"{rdir / 'config.yaml'}: malformed; delete {rdir} to retrain it")
                 new = rc.to_dict()
                 if _training_part(old) != _training_part(new):
                     diff = [k for k in _training_part(new) if old.get(k) != new[k]]
@@ -293,9 +304,12 @@ def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]
 
 
 def _training_part(d: dict) -> dict:
-    """What decides the weights: everything but the evaluation settings and where the
-    results live (a copied or renamed experiment folder still resumes)."""
-    return {k: v for k, v in d.items() if k not in ("eval", "name", "out_dir")}
+    """What decides the weights: everything but the evaluation settings, where the results
+    live (a copied or renamed experiment folder still resumes) and how fast it ran."""
+    part = {k: v for k, v in d.items() if k not in ("eval", "name", "out_dir")}
+    if isinstance(part.get("train"), dict):
+        part["train"] = {k: v for k, v in part["train"].items() if k not in ("threads", "device", "log_every")}
+    return part
 
 
 def train_run(rc: ExperimentConfig, rdir: Path, corpus: Corpus, reporter: Reporter) -> TransformerLM:

@@ -27,7 +27,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError

@@ -238,3 +238,30 @@ def test_a_moved_experiment_still_resumes(smoke, tmp_path):
                  "--set", f"data.path={text}")  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "already trained" in res.output
+
+
+def test_damaged_records_are_one_line(smoke, tmp_path):
+    exp, _, _ = smoke
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    (copy / "rope-seed0" / "eval.csv").write_text("scheme,length\nrope,abc\n")
+    res = invoke("report", copy)
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "eval.csv: malformed evaluation rows" in " ".join(res.output.split())
+
+
+def test_unwritable_out_dir_is_one_line(tmp_path, corpus_file):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={blocker}",
+                 "--set", f"data.path={corpus_file}")  # fmt: skip
+    assert res.exit_code != 0 and "Traceback" not in res.output and "error:" in res.output
+
+
+def test_rerun_with_other_threads_resumes(smoke, tmp_path):
+    exp, _, text = smoke
+    out = tmp_path / "t"
+    shutil.copytree(exp, out / "smoke")
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "rope", "--threads", "1",
+                 "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
+    assert res.exit_code == 0 and "already trained" in res.output
