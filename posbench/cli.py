@@ -83,6 +83,13 @@ class BarReporter:
         self.console.print(message, highlight=False)
 
 
+def _scheme_list(text: str) -> list[str]:
+    """`--schemes alibi,rope`, or `all` for every registered scheme."""
+    from posbench.schemes import SCHEMES
+
+    return list(SCHEMES) if text.strip() == "all" else [s.strip() for s in text.split(",") if s.strip()]
+
+
 def _csv_ints(text: Optional[str], what: str) -> Optional[list[int]]:
     if text is None:
         return None
@@ -100,8 +107,8 @@ def _comparison_table(table, title: str) -> Table:
     from posbench.report import cell, lengths_of
 
     lengths = lengths_of(table)
-    t = Table(title=title, caption="— : the scheme cannot encode that length (beyond-max-len)")
-    t.add_column("scheme", style="bold")
+    t = Table(title=title, caption="— : the scheme cannot encode that length (beyond-max-len); blank: not evaluated")
+    t.add_column("scheme", style="bold", no_wrap=True, min_width=max(len(s) for s in table.index))
     for L in lengths:
         t.add_column(str(L), justify="right")
     t.add_column(f"ppl({lengths[-1]})/ppl(train)", justify="right")
@@ -151,10 +158,7 @@ def extrapolate(
         if train_len is not None:
             sets.append(f"model.train_len={train_len}")
         if schemes is not None:
-            from posbench.schemes import SCHEMES
-
-            names = list(SCHEMES) if schemes == "all" else [s.strip() for s in schemes.split(",")]
-            sets.append(f"schemes=[{','.join(names)}]")
+            sets.append(f"schemes=[{','.join(_scheme_list(schemes))}]")
         if seeds is not None:
             sets.append(f"seeds={_csv_ints(seeds, '--seeds')}")
         if lengths is not None:
@@ -272,7 +276,7 @@ def schemes():
 def bench(
     quick: Annotated[bool, typer.Option(help="a seconds-long run (tiny batch; memory at 1x, 16x, 32x)")] = False,
     peer: Annotated[Optional[str], typer.Option(help="also time a peer library: x-transformers")] = None,
-    schemes: Annotated[Optional[str], typer.Option(help="e.g. alibi,rope (default: the config's)")] = None,
+    schemes: Annotated[Optional[str], typer.Option(help="e.g. alibi,rope, or all (default: the config's)")] = None,
     config: Annotated[Optional[Path], typer.Option(help="a YAML config for the model size")] = None,
     set_: Sets = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
@@ -286,7 +290,7 @@ def bench(
     with user_errors():
         sets = list(set_ or [])
         if schemes is not None:
-            sets.append(f"schemes=[{schemes}]")
+            sets.append(f"schemes=[{','.join(_scheme_list(schemes))}]")
         cfg = load_config(config, sets)
         if threads:
             torch.set_num_threads(threads)
