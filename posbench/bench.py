@@ -219,15 +219,10 @@ def run_bench(
 
 def write_bench(rows: list[dict], path) -> None:
     """bench.csv: one row per (scheme, measurement); blank where a value does not apply."""
-    import csv
     from pathlib import Path
+
+    from posbench.run import write_rows
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=BENCH_COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: "" if r.get(k) is None else r.get(k) for k in BENCH_COLUMNS})
-    tmp.replace(path)
+    write_rows(path, rows, BENCH_COLUMNS)

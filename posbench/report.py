@@ -10,7 +10,7 @@ import yaml
 
 from posbench.config import config_from_dict
 from posbench.errors import PosbenchError
-from posbench.run import EVAL_COLUMNS, PROTOCOL_NAMES, read_eval, write_atomic
+from posbench.run import EVAL_COLUMNS, PROTOCOL_NAMES, atomic, read_eval, write_atomic
 
 
 def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
@@ -172,10 +172,9 @@ def plot(table: pd.DataFrame, path: Path) -> bool:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_name("tmp-" + path.name)
-    fig.savefig(tmp, dpi=100)
+    with atomic(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    tmp.replace(path)
     return True
 
 
@@ -184,9 +183,8 @@ def write_summary(exp_dir: Path) -> tuple[pd.DataFrame, list, pd.DataFrame]:
     exp_dir = Path(exp_dir)
     df, configs = collect(exp_dir)
     table = comparison(df)
-    tmp = exp_dir / "summary.csv.tmp"
-    df.to_csv(tmp, index=False, columns=EVAL_COLUMNS)
-    tmp.replace(exp_dir / "summary.csv")
+    with atomic(exp_dir / "summary.csv") as tmp:
+        df.to_csv(tmp, index=False, columns=EVAL_COLUMNS)
     write_atomic(exp_dir / "summary.md", markdown(table, configs, df))
     plot(table, exp_dir / "summary.png")
     return df, configs, table

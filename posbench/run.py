@@ -79,24 +79,34 @@ def run_name(scheme: str, seed: int) -> str:
     return f"{safe_name(scheme)}-seed{seed}"
 
 
+@contextlib.contextmanager
+def atomic(path: Path):
+    """A temporary path beside `path` that replaces it only once the block has finished, so no
+    reader ever sees a half-written file. The name keeps its suffix (savefig reads it)."""
+    tmp = path.with_name("tmp-" + path.name)
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    with atomic(path) as tmp:
+        tmp.write_text(text)
 
 
 def write_rows(path: Path, rows: list[dict], columns: list[str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
+    """A CSV of `columns`; None and NaN are written as empty cells."""
+    with atomic(path) as tmp, tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if _isnan(r.get(k)) else r.get(k)) for k in columns})
-    tmp.replace(path)
+            w.writerow({k: ("" if _missing(r.get(k)) else r.get(k)) for k in columns})
 
 
-def _isnan(x) -> bool:
-    return isinstance(x, float) and math.isnan(x)
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
 
 
 def apply_threads(cfg: ExperimentConfig) -> None:
@@ -160,9 +170,8 @@ def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, log_p
 
 
 def save_checkpoint(path: Path, model: TransformerLM, cfg: ExperimentConfig) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"config": cfg.to_dict(), "model": model.state_dict()}, tmp)
-    tmp.replace(path)
+    with atomic(path) as tmp:
+        torch.save({"config": cfg.to_dict(), "model": model.state_dict()}, tmp)
 
 
 def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
