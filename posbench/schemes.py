@@ -61,6 +61,11 @@ class PositionalScheme(nn.Module):
                     raise PosbenchError(
                         f"{where}.{key}: expected {type(default).__name__}, got {value!r}"
                     )
+            # sizes, distances, bases and scales: every numeric option with a positive
+            # default is a positive quantity (a subclass may check more in its __init__)
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if numeric and isinstance(default, (int, float)) and default > 0 and not value > 0:
+                raise PosbenchError(f"{where}.{key}={value} must be positive")
 
     @property
     def max_len(self) -> Optional[int]:
@@ -207,6 +212,12 @@ class T5Bias(PositionalScheme):
 
     def __init__(self, cfg):
         super().__init__(cfg)
+        nb, far = self.opt["num_buckets"], self.opt["max_distance"]
+        if nb < 2 or far <= nb // 2:
+            raise PosbenchError(
+                f"scheme_options.{cfg.scheme}: need num_buckets >= 2 and max_distance > "
+                f"num_buckets/2 (the exact buckets), got {nb} and {far}"
+            )
         # shared by all layers, as in T5
         self.table = nn.Parameter(torch.zeros(self.opt["num_buckets"], cfg.n_head))  # (NB, H)
 
@@ -339,6 +350,11 @@ class RoPE(PositionalScheme):
         "dynamic": "RoPE with dynamic NTK, s grown with each forward's length (emozilla 2023)",
         "yarn": "RoPE with YaRN's per-dimension ramp and attention factor (Peng 2023)",
     }
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if self.opt["base"] <= 1:  # theta_k = base^(-2k/d) must fall with k; YaRN divides by log(base)
+            raise PosbenchError(f"scheme_options.{cfg.scheme}.base={self.opt['base']} must be > 1")
 
     def rotate(self, q, k, pos, layer):
         cos, sin = self.once_per_forward((pos,), lambda: self.angles(pos, q.size(-1), q.dtype))

@@ -83,6 +83,10 @@ def test_length_grid(train, test, grid):
         (["scheme_options.rope.bsae=1.0"], "scheme_options.rope.bsae: unknown option (did you mean 'base'?)"),
         (["scheme_options.ropey.base=1.0"], "unknown scheme 'ropey'"),
         (["train.steps"], "expected key=value"),
+        (["scheme_options.t5.num_buckets=0"], "scheme_options.t5.num_buckets=0 must be positive"),
+        (["scheme_options.t5.max_distance=8"], "need num_buckets >= 2 and max_distance > num_buckets/2"),
+        (["schemes=[rope]", "scheme_options.rope.base=1.0"], "scheme_options.rope.base=1.0 must be > 1"),
+        (["scheme_options.xpos.scale_base=0.0"], "scheme_options.xpos.scale_base=0.0 must be positive"),
     ],
 )
 def test_bad_values_name_the_culprit(sets, message):
