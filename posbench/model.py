@@ -6,7 +6,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from posbench.attention import causal_attention
 from posbench.config import ModelConfig

@@ -1,11 +1,33 @@
 """Shared fixtures: a tiny model config and a tiny corpus, so no test needs the network."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from posbench.check import tiny_config as tiny  # noqa: F401  (the tests' tiny model size)
+from posbench.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "configs" / "smoke.yaml")
+_runner = CliRunner()
+
+
+def invoke(*args):
+    """Run the posbench CLI in-process, as a user would type it."""
+    return _runner.invoke(app, [str(a) for a in args])
+
+
+def smoke_experiment(tmp: Path, *args):
+    """configs/smoke.yaml on a tiny repeated text in tmp: (experiment folder, result, text file)."""
+    text = tmp / "tiny.txt"
+    text.write_text("to be or not to be that is the question\n" * 400)
+    out = tmp / "results"
+    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={out}", "--set", f"data.path={text}", *args)
+    assert res.exit_code == 0, res.output
+    return out / "smoke", res, text
 
 
 @pytest.fixture(autouse=True)

@@ -7,22 +7,17 @@ formula with plain Python floats, never by calling the code under test."""
 import csv
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from posbench.cli import app
 from posbench.config import load_config
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.schemes import SCHEMES, catalogue, resolve_scheme, rope_frequencies
 
-from conftest import tiny
+from conftest import SMOKE, invoke, smoke_experiment, tiny
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = str(ROOT / "configs" / "smoke.yaml")
 NEW = ["xpos", "kerple_log", "kerple_power", "fire", "randomized", "cope"]
 
 
@@ -429,24 +424,11 @@ def test_cope_ignores_keys_after_the_query():
 
 # --- RoPE scaled at evaluation time, from the command line -----------------------------------
 
-runner = CliRunner()
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
     """rope and alibi trained as configs/smoke.yaml says (30 steps, L = 32) on a tiny corpus."""
-    tmp = tmp_path_factory.mktemp("catalogue")
-    text = tmp / "tiny.txt"
-    text.write_text("to be or not to be that is the question\n" * 400)
-    out = tmp / "results"
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "rope,alibi", "--set", f"out_dir={out}",
-                 "--set", f"data.path={text}")  # fmt: skip
-    assert res.exit_code == 0, res.output
-    return out / "smoke", text
+    exp, _, text = smoke_experiment(tmp_path_factory.mktemp("catalogue"), "--schemes", "rope,alibi")
+    return exp, text
 
 
 def read_rows(path):

@@ -8,32 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
 
-from posbench.cli import app
 from posbench.config import SEED_SCHEMES
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = str(ROOT / "configs" / "smoke.yaml")
-runner = CliRunner()
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
+from conftest import SMOKE, invoke, smoke_experiment  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One smoke experiment over every seed scheme, shared by the tests that only read it."""
-    tmp = tmp_path_factory.mktemp("smoke")
-    from conftest import corpus_file  # noqa: F401  (the fixture's body, reused at module scope)
-
-    text = tmp / "tiny.txt"
-    text.write_text(("to be or not to be that is the question\n" * 400))
-    out = tmp / "results"
-    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={out}", "--set", f"data.path={text}")
-    assert res.exit_code == 0, res.output
-    return out / "smoke", res, text
+    return smoke_experiment(tmp_path_factory.mktemp("smoke"))
 
 
 def test_extrapolate_writes_every_promised_file(smoke):

@@ -8,21 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from posbench import plots
 from posbench.check import tiny_config
-from posbench.cli import app
 from posbench.schemes import SCHEMES, PositionalScheme
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = str(ROOT / "configs" / "smoke.yaml")
+from conftest import SMOKE, invoke  # noqa: E402
+
 PNG = b"\x89PNG\r\n\x1a\n"
-runner = CliRunner()
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def scheme(name: str, **kw) -> PositionalScheme:

@@ -9,20 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from posbench import check
-from posbench.cli import app
 from posbench.schemes import SCHEMES, PositionalScheme, resolve_scheme
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = str(ROOT / "configs" / "smoke.yaml")
+from conftest import ROOT, SMOKE, invoke  # noqa: E402
+
 EXAMPLE = "examples.my_scheme:MyScheme"
-runner = CliRunner()
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture
