@@ -397,7 +397,7 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
             f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
         )
     corpus = load_corpus(cfg.data)  # fails before any folder is made
-    eval_tokens(corpus, cfg, cfg.eval.lengths)
+    n_tokens = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1  # the same for every run
     exp = Path(cfg.out_dir) / cfg.name
     created = not exp.exists()
     exp.mkdir(parents=True, exist_ok=True)
@@ -408,7 +408,7 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
                 _, model = load_run(rdir)
             else:
                 model = train_run(rc, rdir, corpus, reporter)
-            missing = _unevaluated(rc, rdir, model, min(rc.eval.tokens, len(corpus.val) - 1))
+            missing = _unevaluated(rc, rdir, model, n_tokens)
             if missing:
                 evaluate_into(rc, rdir, model, corpus, rc.eval.lengths, missing, rc.eval.rope_factor)
             write_atomic(rdir / "config.yaml", dump_yaml(rc))  # eval settings may have changed
