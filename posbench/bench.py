@@ -2,8 +2,9 @@
 
 The machine is shared and noisy, so every number that matters is a ratio taken in one process:
 each scheme against NoPE, posbench against a peer library, model FLOP/s against a large fp32
-matmul measured in the same run. Schemes are timed in interleaved rounds (nope, t5, ..., nope,
-t5, ...) and each keeps its fastest round, so a burst of load hits all of them alike.
+matmul measured in the same run. Schemes, peers and the matmul are timed in interleaved rounds
+(matmul, nope, t5, ..., matmul, nope, t5, ...) and each keeps its fastest round, so a burst of
+load hits all of them alike.
 """
 
 from __future__ import annotations
@@ -43,16 +44,14 @@ class BenchSettings:
         return cls(batch_size=4, steps=2, rounds=1, warmup=1, multiples=(1, 16, 32))
 
 
-def matmul_peak_flops(n: int = 2048, reps: int = 10) -> float:
-    """FLOP/s of a large fp32 matmul, best of `reps`: the ceiling that MFU is measured against."""
+PEAK_N = 2048  # the matmul that MFU is measured against: 2048 x 2048 by 2048 x 2048, fp32
+
+
+def matmul_step_fn(n: int = PEAK_N) -> Callable[[], None]:
+    """One large fp32 matmul. It is timed in the same interleaved rounds as the training steps,
+    so the peak and the model's FLOP/s see the same load and their ratio (MFU) is fair."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm the kernels and the threads
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return lambda: a @ b
 
 
 def model_flops_per_token(cfg: ModelConfig, model: nn.Module) -> float:
@@ -174,9 +173,7 @@ def run_bench(
         _import_peer(peer)
     schemes = ["nope"] + [s for s in schemes if s != "nope"]  # NoPE is every ratio's baseline
     T = cfg.train_len
-    progress("measuring the fp32 matmul peak")
-    peak = matmul_peak_flops()
-    models, steps = {}, {}
+    models, steps = {}, {"matmul peak": matmul_step_fn()}
     for s in schemes:
         torch.manual_seed(0)
         mc = dataclasses.replace(cfg, scheme=s, options={})
@@ -188,6 +185,7 @@ def run_bench(
                 steps[f"peer:{s}"] = _train_step_fn(other, settings.batch_size, T)
     progress(f"timing training steps: {len(steps)} models x {settings.rounds} rounds")
     sec = time_interleaved(steps, settings)
+    peak = 2 * PEAK_N**3 / sec["matmul peak"]
     tokens = settings.batch_size * T
     rows = []
     for s in schemes:

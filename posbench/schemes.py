@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
@@ -250,13 +251,27 @@ class TransformerXL(PositionalScheme):
 
     def bias(self, q, k, qpos, kpos, layer):
         B, H, Tq, D = q.shape
-        far = int(qpos.max() - kpos.min()) + 1  # distances 0..far-1 occur in this block
-        r = sinusoid(torch.arange(far, device=q.device), self.cfg.d_model)  # (far, C)
-        rk = self.w_r[layer](r.to(q.dtype)).view(far, H, D).permute(1, 2, 0)  # (H, D, far)
-        by_dist = (q - self.u + self.v) @ rk  # (B, H, Tq, far)
-        dist = (qpos[:, None] - kpos[None, :]).clamp(min=0)  # (Tq, Tk); future is masked
-        out = by_dist.gather(-1, dist.expand(B, H, -1, -1))  # (B, H, Tq, Tk)
-        return out / math.sqrt(D)
+        Tk = k.size(2)
+        # Positions are consecutive and the last query sees the last key, so the distances
+        # i-j run from Tk-1 down to -(Tq-1). Column c of `rev` holds distance Tk-1-c; a last
+        # column of zeros is the padding the shift needs, made by the matmul for free.
+        r = sinusoid(torch.arange(Tk - 1, -1, -1, device=q.device), self.cfg.d_model)  # (Tk, C)
+        rk = self.w_r[layer](r.to(q.dtype)).view(Tk, H, D).permute(1, 2, 0)  # (H, D, Tk)
+        rk = F.pad(rk, (0, 1))  # (H, D, Tk + 1)
+        # heads first, so this is H matmuls of (B*Tq, D) x (D, Tk+1), not B*H small ones
+        qv = ((q - self.u + self.v) * D**-0.5).transpose(0, 1).reshape(H, B * Tq, D)
+        rev = torch.bmm(qv, rk).view(H, B, Tq, Tk + 1)  # (H, B, Tq, Tk + 1)
+        return rel_shift(rev).transpose(0, 1)  # (B, H, Tq, Tk): [i, j] is distance qpos_i - kpos_j
+
+
+def rel_shift(rev: torch.Tensor) -> torch.Tensor:
+    """(..., Tq, Tk+1) -> (..., Tq, Tk) with out[..., i, j] = rev[..., i, Tq-1-i+j]: Transformer-XL's
+    shift without a gather, reading the buffer with rows one element shorter. The last column
+    of `rev` must be padding. Only j <= i + Tk-Tq (the past) is meaningful; the future holds
+    whatever the shift reads and is masked."""
+    *lead, Tq, Tk1 = rev.shape
+    Tk = Tk1 - 1
+    return rev.flatten(-2)[..., Tq - 1 : Tq - 1 + Tq * Tk].view(*lead, Tq, Tk)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,26 @@ def test_yarn_matches_the_reference_formula(d, base, s, L):
     assert att == pytest.approx(want_att)
 
 
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn"])
+@pytest.mark.parametrize("d,base,L", [(8, 10000.0, 100), (32, 10000.0, 100), (128, 500000.0, 2048)])
+def test_rope_frequencies_agree_with_transformers(kind, d, base, L):
+    """transformers itself (the test extra installs it; it brings no torch of its own). Its
+    ROPE_INIT_FUNCTIONS have no static NTK entry, so ntk is checked by hand above."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for s in (1.0, 1.5, 4.0, 16.0):
+        params = {"rope_type": kind, "rope_theta": base, "factor": s, "original_max_position_embeddings": L}
+        cfg = LlamaConfig(hidden_size=4 * d, num_attention_heads=4, head_dim=d,
+                          max_position_embeddings=L, rope_parameters=params)  # fmt: skip
+        for seq in (None, L // 2, 3 * L) if kind == "dynamic" else (None,):
+            want, want_att = ROPE_INIT_FUNCTIONS[kind](cfg, None, seq)
+            inv, att = rope_frequencies(d, base, kind, s, L, seq_len=seq)
+            assert torch.allclose(inv, want.float(), rtol=1e-5, atol=0), (kind, s, seq)
+            assert att == pytest.approx(want_att, abs=1e-12)
+
+
 @pytest.mark.parametrize("kind", ["linear", "ntk", "dynamic", "yarn"])
 def test_every_scaling_is_the_identity_at_s_1(kind):
     inv, att = rope_frequencies(32, 10000.0, kind, 1.0, 100, seq_len=100)

@@ -256,3 +256,20 @@ def test_attention_function_matches_plain_softmax():
     want = s.softmax(-1) @ v
     for block in (None, 4, 13):
         assert torch.allclose(causal_attention(q, k, v, pos, bias_fn, block), want, atol=1e-5)
+
+
+def test_xl_bias_of_a_query_block_equals_those_rows_of_the_whole_bias():
+    """The shifted bias of queries 5..9 against keys 0..9 is rows 5..9 of the (10, 10) bias,
+    everywhere a query can see (the shift leaves the future undefined; it is masked)."""
+    torch.manual_seed(0)
+    scheme = SCHEMES["xl"](tiny("xl"))
+    with torch.no_grad():
+        for p in scheme.parameters():
+            p.normal_()
+    q, k = torch.randn(2, 4, 10, 8), torch.randn(2, 4, 10, 8)
+    pos = torch.arange(10)
+    whole = scheme.bias(q, k, pos, pos, 0)  # (2, 4, 10, 10)
+    part = scheme.bias(q[:, :, 5:], k, pos[5:], pos, 0)  # (2, 4, 5, 10)
+    past = ~torch.ones(10, 10, dtype=torch.bool).triu(1)[5:]  # (5, 10)
+    assert torch.allclose(part[..., past], whole[:, :, 5:][..., past], atol=1e-6)
+    assert whole[0, 1, 7, 7] != whole[0, 1, 7, 6]  # distances differ, so values do
