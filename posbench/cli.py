@@ -55,29 +55,35 @@ def torch_oom():
 
 
 class BarReporter:
-    """A progress bar per training run, with the running loss."""
+    """A progress bar per training run, with the running loss; runs training at once
+    (train.workers) get a bar each, live together."""
 
     def __init__(self, console: Console):
         self.console = console
         self.progress: Optional[Progress] = None
+        self.tasks: dict = {}
 
     def start(self, label, total):
-        self.progress = Progress(
-            TextColumn("{task.description:<18}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TimeElapsedColumn(),
-            console=self.console,
-        )
-        self.progress.start()
-        self.task = self.progress.add_task(label, total=total, loss="-")
+        if self.progress is None:
+            self.progress = Progress(
+                TextColumn("{task.description:<18}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+            )
+            self.progress.start()
+        self.tasks[label] = self.progress.add_task(label, total=total, loss="-")
 
-    def step(self, step, loss):
-        self.progress.update(self.task, completed=step, loss=f"{loss:.3f}")
+    def step(self, label, step, loss):
+        self.progress.update(self.tasks[label], completed=step, loss=f"{loss:.3f}")
 
-    def finish(self):
-        self.progress.stop()
+    def finish(self, label):
+        self.progress.stop_task(self.tasks.pop(label))
+        if not self.tasks:  # the bars stay on screen; the next run starts a fresh set
+            self.progress.stop()
+            self.progress = None
 
     def note(self, message):
         self.console.print(message, highlight=False)
@@ -149,6 +155,7 @@ def extrapolate(
         Optional[str], typer.Option(help="also score rope runs scaled at evaluation, e.g. yarn,ntk")
     ] = None,
     rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L)")] = None,
+    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile for training (off: no gain on CPU)")] = False,
 ):
     """Train one model per scheme at the training length and compare them at longer lengths."""
     from posbench.run import run_experiment
@@ -171,6 +178,8 @@ def extrapolate(
             sets.append(f"eval.rope_scaling=[{','.join(_csv_names(rope_scaling))}]")
         if rope_factor is not None:
             sets.append(f"eval.rope_factor={rope_factor}")
+        if compile_:
+            sets.append("train.compile=true")
         sets += set_ or []
         if test_len is not None and lengths is None:
             L = train_len or load_config(config, [s for s in sets if s.startswith("model.")]).model.train_len
@@ -186,12 +195,14 @@ def train(
     scheme: Annotated[Optional[str], typer.Option(help="which scheme (a name or module:Class)")] = None,
     seed: Annotated[Optional[int], typer.Option(help="which seed")] = None,
     set_: Sets = None,
+    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile for training (off: no gain on CPU)")] = False,
 ):
     """Train (and evaluate at the config's lengths) one run of a config."""
     from posbench.run import run_experiment, run_name
 
     with user_errors():
-        sets = list(set_ or [])
+        sets = ["train.compile=true"] if compile_ else []
+        sets += list(set_ or [])
         if scheme is not None:
             sets.append(f"schemes=[{scheme}]")
         if seed is not None:

@@ -14,7 +14,7 @@ import torch
 from posbench.config import load_config
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
-from posbench.schemes import SCHEMES, catalogue, resolve_scheme, rope_frequencies
+from posbench.schemes import SCHEMES, CoPEBias, catalogue, resolve_scheme, rope_frequencies
 
 from conftest import SMOKE, invoke, smoke_experiment, tiny
 
@@ -440,6 +440,40 @@ def test_cope_ignores_keys_after_the_query():
     k = torch.tensor([[0.0, 0.0], [2.0, 0.0], [5.0, -7.0]]).view(1, 1, 3, 2)  # k_2 changed
     b2 = scheme.bias(q, k, torch.arange(3), torch.arange(3), 0)[0, 0]
     assert torch.allclose(b1[:2, :2], b2[:2, :2]) and not torch.isclose(b1[2, 0], b2[2, 0])
+
+
+def cope_bias_by_autograd(q, k, table, qpos, kpos):
+    """The paper's listing, left to autograd: the reference for CoPEBias's hand-written backward."""
+    future = kpos[None, :] > qpos[:, None]
+    gates = ((q @ k.transpose(-1, -2)) * q.size(-1) ** -0.5).sigmoid().masked_fill(future, 0.0)
+    pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=table.size(1) - 1)
+    by_pos = q @ table
+    lo, hi = pos.floor(), pos.ceil()
+    w = pos - lo
+    return by_pos.gather(-1, hi.long()) * w + by_pos.gather(-1, lo.long()) * (1 - w)
+
+
+@pytest.mark.parametrize("q0,npos", [(0, 64), (0, 5), (7, 5)])
+def test_cope_backward_matches_autograd(q0, npos):
+    """Values and all three gradients, with (npos 5) and without clamping, for a whole square
+    and for a block of queries 7..19 against keys 0..19."""
+    torch.manual_seed(0)
+    T, D = 20, 8
+    q = torch.randn(2, 3, T - q0, D, requires_grad=True)
+    k = torch.randn(2, 3, T, D, requires_grad=True)
+    table = torch.randn(D, npos, requires_grad=True)
+    qpos, kpos = torch.arange(q0, T), torch.arange(T)
+    keep = (kpos[None, :] <= qpos[:, None]).float()
+    d_out = torch.randn(2, 3, T - q0, T)
+    got = CoPEBias.apply(q, k, table, keep)
+    grads = torch.autograd.grad(got, (q, k, table), d_out)
+    want = cope_bias_by_autograd(q, k, table, qpos, kpos)
+    want_grads = torch.autograd.grad(want, (q, k, table), d_out)
+    assert torch.allclose(got, want, atol=1e-5)
+    for g, w in zip(grads, want_grads):
+        assert torch.allclose(g, w, atol=1e-4), (g - w).abs().max()
+    if npos == 5:
+        assert (want.detach() == (q @ table)[..., -1:].detach()).any()  # some positions did clamp
 
 
 # --- RoPE scaled at evaluation time, from the command line -----------------------------------

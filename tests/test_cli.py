@@ -249,3 +249,47 @@ def test_rerun_with_other_threads_resumes(smoke, tmp_path):
     res = invoke("extrapolate", "--config", SMOKE, "--schemes", "rope", "--threads", "1",
                  "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
     assert res.exit_code == 0 and "already trained" in res.output
+
+
+# --- several runs at once (train.workers) ----------------------------------------------------
+
+
+def test_runs_in_worker_processes_equal_runs_in_this_process(tmp_path):
+    """Two workers with one thread each give the table one process with one thread gives:
+    a run's numbers depend on its thread count, never on which process trained it."""
+    schemes = ("--schemes", "nope,t5,alibi", "--threads", "1")
+    (tmp_path / "par").mkdir(), (tmp_path / "one").mkdir()
+    par, res, _ = smoke_experiment(tmp_path / "par", *schemes, "--set", "train.workers=2")
+    one, _, _ = smoke_experiment(tmp_path / "one", *schemes, "--set", "train.workers=1")
+    assert (par / "summary.csv").read_text() == (one / "summary.csv").read_text()
+    for s in ("nope", "t5", "alibi"):  # every bar was relayed from its worker
+        assert f"{s} seed 0" in res.output
+    assert not list(par.glob(".*partial"))
+
+
+def test_a_failing_worker_is_one_line_and_keeps_nothing_half_done(tmp_path):
+    text = tmp_path / "tiny.txt"
+    text.write_text("to be or not to be that is the question\n" * 400)
+    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path / 'r'}", "--set", f"data.path={text}",
+                 "--schemes", "nope,t5", "--set", "train.workers=2", "--set", "train.lr=1000000000.0",
+                 "--set", "train.grad_clip=0")  # fmt: skip
+    assert res.exit_code == 2 and "diverged" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "r" / "smoke").exists()  # nothing finished: the new experiment folder went too
+
+
+def test_worker_plan(monkeypatch):
+    """One process per core when runs are big enough to repay a worker's start, never more
+    processes than runs to train, and the cores shared out as threads."""
+    from posbench.config import ExperimentConfig
+    from posbench.run import worker_plan
+
+    monkeypatch.setattr("posbench.run.cpu_cores", lambda: 4)
+    cfg = ExperimentConfig()
+    cfg.train.device = "cpu"
+    assert worker_plan(cfg, 8) == (4, 1)
+    assert worker_plan(cfg, 2) == (2, 2)
+    assert worker_plan(cfg, 1) == (1, None)
+    cfg.train.steps = 10  # 10 x 16 x 100 tokens: a run shorter than a worker's start
+    assert worker_plan(cfg, 8) == (1, None)
+    cfg.train.workers, cfg.train.threads = 3, 2
+    assert worker_plan(cfg, 8) == (3, 2)
