@@ -293,3 +293,33 @@ def test_worker_plan(monkeypatch):
     assert worker_plan(cfg, 8) == (1, None)
     cfg.train.workers, cfg.train.threads = 3, 2
     assert worker_plan(cfg, 8) == (3, 2)
+
+
+def test_compile_wraps_the_training_forward_and_its_failure_is_one_line(tmp_path, corpus_file, monkeypatch):
+    """--compile hands the model to torch.compile for training (a spy stands in for the slow
+    real compile); a compile that fails names the flag instead of a traceback."""
+    calls = []
+
+    def spy(model):
+        calls.append(model)
+        return model
+
+    monkeypatch.setattr(torch, "compile", spy)
+    args = ("train", SMOKE, "--scheme", "alibi", "--set", f"out_dir={tmp_path}", "--set",
+            f"data.path={corpus_file}", "--set", "train.steps=3", "--compile")  # fmt: skip
+    res = invoke(*args)
+    assert res.exit_code == 0, res.output
+    assert len(calls) == 1 and type(calls[0]).__name__ == "TransformerLM"
+    cfg = yaml.safe_load((tmp_path / "smoke" / "alibi-seed0" / "config.yaml").read_text())
+    assert cfg["train"]["compile"] is True
+
+    def broken(model):
+        def fail(x):
+            raise RuntimeError("InductorError: no working C++ compiler found\nmore detail")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    res = invoke(*args[:5], f"out_dir={tmp_path / 'b'}", *args[6:])
+    assert res.exit_code == 2
+    assert "train.compile: torch.compile failed (InductorError: no working C++ compiler found)" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "b" / "smoke").exists()

@@ -73,6 +73,9 @@ def test_length_grid(train, test, grid):
         (["modle.n_layer=3"], "modle: unknown key (did you mean 'model'?)"),
         (["train.steps=many"], "train.steps: expected an integer, got 'many'"),
         (["train.lr=[1]"], "train.lr: expected a number"),
+        (["train.lr=fast"], "train.lr: expected a number, got 'fast'"),
+        (["train.lr=nan"], "train.lr: expected a finite number"),
+        (["train.workers=0"], "train.workers=0 must be positive"),
         (["schemes=[alibi, ropee]"], "unknown scheme 'ropee' (did you mean 'rope'?); valid schemes: nope, "),
         (["model.n_head=3"], "model.d_model=128 is not divisible by model.n_head=3"),
         (["model.d_model=0"], "model.d_model=0 must be positive"),
@@ -126,3 +129,12 @@ def test_model_config_validates_directly():
 def test_length_grid_rejects_short_test():
     with pytest.raises(PosbenchError, match="--test-len 50 is shorter than --train-len 100"):
         length_grid(100, 50)
+
+
+def test_exponent_notation_is_a_number(tmp_path):
+    """YAML 1.1 reads `1e-3` (no dot) as a string; a float field takes it as the number."""
+    assert load_config(None, ["train.lr=1e-3"]).train.lr == 0.001
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 3e-4\n  min_lr: 1E-5\n")
+    cfg = load_config(path, [])
+    assert (cfg.train.lr, cfg.train.min_lr) == (0.0003, 0.00001)
