@@ -215,12 +215,19 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         cfg = config_from_dict(ckpt["config"], source=str(ckpt_path))
         model = TransformerLM(cfg.model)
-        model.load_state_dict(ckpt["model"])
     except PosbenchError:
         raise
     except Exception as e:  # torch raises many kinds for a truncated or foreign file
         reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
         raise PosbenchError(f"{ckpt_path}: corrupt or not a posbench checkpoint ({reason})") from None
+    try:
+        model.load_state_dict(ckpt["model"])
+    except Exception as e:
+        reason = str(e).strip().splitlines()[-1].strip()[:120]
+        raise PosbenchError(
+            f"{ckpt_path}: its weights do not fit scheme '{cfg.model.scheme}' as this posbench "
+            f"builds it ({reason}); it was saved by another version: retrain it"
+        ) from None
     return cfg, model
 
 

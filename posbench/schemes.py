@@ -458,11 +458,10 @@ class Hybrid(PositionalScheme):
 
 class KerpleLog(PositionalScheme):
     """KERPLE, logarithmic kernel (Chi et al. 2022): bias -r1_h * log(1 + r2_h * |i-j|), with
-    r1, r2 > 0 learned per head. As in the reference (chijames/KERPLE
-    `megatron/mpu/layers.py`, ParallelKerpleLog): r1 starts U(0, 2), r2 U(0, 1), and both are
-    clamped to >= 0.01 in place before use while training, so a head at the floor can still
-    learn its way back; evaluation clamps the values it uses. Unlike the reference, which keeps
-    a pair per layer, one (n_head,) pair is shared by all layers, as ALiBi's slopes are."""
+    r1, r2 > 0 learned per head and per layer. As in the reference (chijames/KERPLE
+    `megatron/mpu/layers.py`, ParallelKerpleLog, one module per layer): r1 starts U(0, 2), r2
+    U(0, 1), and both are clamped to >= 0.01 in place before use while training, so a head at
+    the floor can still learn its way back; evaluation clamps the values it uses."""
 
     description = "learned log-distance bias -r1*log(1+r2*|i-j|) per head (Chi 2022, KERPLE)"
     eps = 1e-2  # the reference's floor for r1 and r2
@@ -470,20 +469,17 @@ class KerpleLog(PositionalScheme):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.r1 = nn.Parameter(torch.rand(cfg.n_head) * self.r1_init)  # (H,)
-        self.r2 = nn.Parameter(torch.rand(cfg.n_head) * self.r2_init)  # (H,)
+        self.r1 = nn.Parameter(torch.rand(cfg.n_layer, cfg.n_head) * self.r1_init)  # (n_layer, H)
+        self.r2 = nn.Parameter(torch.rand(cfg.n_layer, cfg.n_head) * self.r2_init)  # (n_layer, H)
 
     def bias(self, q, k, qpos, kpos, layer):
-        return self.once_per_forward((qpos, kpos), lambda: self.kernel_bias(qpos, kpos, q.dtype))
-
-    def kernel_bias(self, qpos, kpos, dtype):
         if self.training:  # `.data`: autograd's saved copies from earlier blocks stay valid
-            self.r1.data.clamp_(min=self.eps)
-            self.r2.data.clamp_(min=self.eps, max=self.r2_max)
-        r1 = self.r1.clamp(min=self.eps)[:, None, None]  # (H, 1, 1)
-        r2 = self.r2.clamp(min=self.eps, max=self.r2_max)[:, None, None]
+            self.r1.data[layer].clamp_(min=self.eps)
+            self.r2.data[layer].clamp_(min=self.eps, max=self.r2_max)
+        r1 = self.r1[layer].clamp(min=self.eps)[:, None, None]  # (H, 1, 1)
+        r2 = self.r2[layer].clamp(min=self.eps, max=self.r2_max)[:, None, None]
         dist = (qpos[:, None] - kpos[None, :]).clamp(min=0).float()  # (Tq, Tk); future is masked
-        return self.kernel(r1, r2, dist).unsqueeze(0).to(dtype)  # (1, H, Tq, Tk)
+        return self.kernel(r1, r2, dist).unsqueeze(0).to(q.dtype)  # (1, H, Tq, Tk)
 
     @staticmethod
     def kernel(r1, r2, dist):
@@ -546,21 +542,28 @@ class Randomized(PositionalScheme):
     """Randomized positional encodings (Ruoss et al. 2023; google-deepmind/
     randomized_positional_encodings): while training, a sequence's positions are a sorted
     random subset of [0, max_pos) instead of 0..T-1, one subset per batch, so the model meets
-    every position up to max_pos >> train_len and only their order is reliable. Evaluation uses
-    0..T-1. The positions feed the `base` scheme, sinusoidal or rope. The subset is drawn from
-    torch's global generator, so it follows torch.manual_seed."""
+    every position up to max_pos >> train_len and only their order is reliable. The positions
+    feed the `base` scheme, sinusoidal or rope. The training draws come from torch's global
+    generator, so they follow torch.manual_seed.
+
+    Evaluation uses 0..T-1 (eval_positions: consecutive, as the method is usually described).
+    The reference code draws at evaluation too (models/transformer.py applies the noisy
+    encodings unconditionally); eval_positions: random does that, with one sorted draw per
+    length seeded by the length, so a table repeats exactly. Then lengths past max_pos cannot
+    be encoded (beyond-max-len)."""
 
     description = "train on sorted random positions from [0, max_pos), evaluate on 0..T-1 (Ruoss 2023)"
-    options = {"base": "sinusoidal", "max_pos": 1024}
+    options = {"base": "sinusoidal", "max_pos": 1024, "eval_positions": "consecutive"}
     bases = {"sinusoidal": Sinusoidal, "rope": RoPE}
+    eval_kinds = ("consecutive", "random")
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        if self.opt["base"] not in self.bases:
-            raise PosbenchError(
-                f"scheme_options.{cfg.scheme}.base={self.opt['base']!r}: expected one of "
-                f"{', '.join(self.bases)}"
-            )
+        for key, valid in (("base", tuple(self.bases)), ("eval_positions", self.eval_kinds)):
+            if self.opt[key] not in valid:
+                raise PosbenchError(
+                    f"scheme_options.{cfg.scheme}.{key}={self.opt[key]!r}: expected one of {', '.join(valid)}"
+                )
         if self.opt["max_pos"] < cfg.train_len:
             raise PosbenchError(
                 f"scheme_options.{cfg.scheme}.max_pos={self.opt['max_pos']} is shorter than "
@@ -568,13 +571,20 @@ class Randomized(PositionalScheme):
             )
         self.inner = self.bases[self.opt["base"]](dataclasses.replace(cfg, options={}))
 
+    @property
+    def max_len(self):
+        return self.opt["max_pos"] if self.opt["eval_positions"] == "random" else None
+
     def positions(self, T, device):
-        if not self.training:
-            return torch.arange(T, device=device)  # (T,)
         M = self.opt["max_pos"]
-        if T > M:
+        if T > M and (self.training or self.opt["eval_positions"] == "random"):
             raise PosbenchError(f"randomized: cannot draw {T} distinct positions below max_pos={M}")
-        return torch.randperm(M, device=device)[:T].sort().values  # (T,) increasing
+        if self.training:
+            return torch.randperm(M, device=device)[:T].sort().values  # (T,) increasing
+        if self.opt["eval_positions"] == "consecutive":
+            return torch.arange(T, device=device)  # (T,)
+        gen = torch.Generator().manual_seed(T)  # the same draw for a length, every time
+        return torch.randperm(M, generator=gen)[:T].sort().values.to(device)  # (T,) increasing
 
     def embed(self, x, pos):
         return self.inner.embed(x, pos)

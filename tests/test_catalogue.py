@@ -14,6 +14,7 @@ import torch
 from posbench.config import load_config
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
+from posbench.run import evaluate_model
 from posbench.schemes import SCHEMES, CoPEBias, catalogue, resolve_scheme, rope_frequencies
 
 from conftest import SMOKE, invoke, smoke_experiment, tiny
@@ -265,16 +266,17 @@ def test_xpos_default_scale_base_is_512():
 
 
 def kerple(name, r1, r2):
+    """Layer 1 gets these r1, r2; layer 0 gets others, which the bias of layer 1 must ignore."""
     model = TransformerLM(tiny(name)).eval()
     with torch.no_grad():
-        model.scheme.r1.copy_(torch.tensor(r1))
-        model.scheme.r2.copy_(torch.tensor(r2))
+        model.scheme.r1.copy_(torch.stack([torch.full((4,), 7.0), torch.tensor(r1)]))
+        model.scheme.r2.copy_(torch.stack([torch.full((4,), 0.3), torch.tensor(r2)]))
     return model
 
 
 def kerple_bias(model):
     z = torch.zeros(1, 4, 6, 8)
-    return model.scheme.bias(z, z, torch.arange(6), torch.arange(6), 0)[0]  # (H, 6, 6)
+    return model.scheme.bias(z, z, torch.arange(6), torch.arange(6), 1)[0]  # (H, 6, 6)
 
 
 # at i=5, j=2 (distance 3), with r2 = 0.001 clamped to the reference's floor 0.01:
@@ -300,7 +302,8 @@ def test_kerple_parameters_names_shapes_init_and_clamp(name, r1_max, r2_max):
     model = TransformerLM(tiny(name, n_head=6, d_model=48))
     params = dict(model.named_parameters())
     r1, r2 = params["scheme.r1"], params["scheme.r2"]
-    assert r1.shape == r2.shape == (6,)
+    assert r1.shape == r2.shape == (2, 6)  # (n_layer, n_head): a pair per head in every layer
+    assert not torch.equal(r1[0], r1[1])
     assert 0 <= r1.min() and r1.max() < r1_max and 0 <= r2.min() and r2.max() < r2_max  # reference init
     with torch.no_grad():
         r1.fill_(-1.0)
@@ -370,6 +373,21 @@ def test_randomized_positions_at_evaluation_and_bases():
         SCHEMES["randomized"](tiny("randomized", options={"base": "alibi"}))
     with pytest.raises(PosbenchError, match="max_pos=8 is shorter than model.train_len=16"):
         SCHEMES["randomized"](tiny("randomized", options={"max_pos": 8}))
+
+
+def test_randomized_can_draw_at_evaluation_as_the_reference_code_does():
+    """eval_positions: random gives a sorted draw from [0, max_pos) per length, the same one
+    every time (tables repeat), and makes max_pos the longest length it can score."""
+    scheme = SCHEMES["randomized"](tiny("randomized", options={"max_pos": 200, "eval_positions": "random"})).eval()
+    a, b, c = scheme.positions(50, "cpu"), scheme.positions(50, "cpu"), scheme.positions(60, "cpu")
+    assert torch.equal(a, b) and a.max() >= 50 and torch.all(a[1:] > a[:-1]) and a.max() < 200
+    assert c.shape == (60,) and not torch.equal(c[:50], a)
+    assert scheme.max_len == 200 and SCHEMES["randomized"](tiny("randomized")).max_len is None
+    model = TransformerLM(tiny("randomized", options={"max_pos": 20, "eval_positions": "random"}))
+    rows = evaluate_model(model, torch.randint(0, 256, (60,)), [16, 20, 24], 4, torch.device("cpu"))
+    assert [r["status"] for r in rows] == ["ok", "ok", "beyond-max-len"]
+    with pytest.raises(PosbenchError, match="eval_positions='sampled': expected one of consecutive, random"):
+        SCHEMES["randomized"](tiny("randomized", options={"eval_positions": "sampled"}))
 
 
 def test_randomized_trains_on_its_positions():

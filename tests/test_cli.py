@@ -183,6 +183,20 @@ def test_corrupt_checkpoint_keeps_what_is_on_disk(smoke, tmp_path):
     assert (run / "eval.csv").read_text() == before
 
 
+def test_weights_of_another_version_of_a_scheme_are_one_line(smoke, tmp_path):
+    """A checkpoint whose tensors no longer fit the scheme (KERPLE's r1 went from one per head
+    to one per head and layer) says so, instead of calling a good file corrupt."""
+    exp, _, _ = smoke
+    run = tmp_path / "t5-seed0"
+    shutil.copytree(exp / "t5-seed0", run)
+    ckpt = torch.load(run / "model.pt", weights_only=True)
+    ckpt["model"]["scheme.table"] = ckpt["model"]["scheme.table"][:, :1]
+    torch.save(ckpt, run / "model.pt")
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "its weights do not fit scheme 't5'" in res.output and "retrain it" in res.output
+
+
 def test_report_of_an_empty_folder(tmp_path):
     res = invoke("report", tmp_path)
     assert res.exit_code != 0 and "holds no evaluated runs" in res.output
