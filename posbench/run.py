@@ -482,9 +482,9 @@ SMALL_RUN_TOKENS = 200_000  # below this a run trains in about the 2 s a worker 
 
 def worker_plan(cfg: ExperimentConfig, to_train: int) -> tuple[int, Optional[int]]:
     """(processes, torch threads in each). A model this small scales poorly over threads: on 2
-    cores, two runs at once with 1 thread each finish 1.3-1.5x sooner than one after the other
-    with 2 threads (measured with whole training runs). A GPU is shared by nothing: 1 process, and
-runs too small to repay a worker's start (configs/smoke.yaml) stay in this process."""
+    cores, two runs at once with 1 thread each finished 1.1-1.5x sooner than one after the
+    other with 2 threads (A/B over whole runs, README "Configs"). A GPU gets 1 process, and runs
+    too small to repay a worker's start (configs/smoke.yaml) stay in this process."""
     tc = cfg.train
     workers = tc.workers
     if workers is None:

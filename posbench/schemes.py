@@ -506,8 +506,10 @@ class FIRE(PositionalScheme):
     f an MLP 1 -> 32 -> n_head with ReLU, one per layer. Dividing by psi(i) maps every distance
     into [0, 1] whatever the length (progressive interpolation); the learned threshold L_thr
     keeps short prefixes from being stretched. c and L_thr are learned, as in the paper's
-    listing: c starts at 0.1, L_thr = |m * init_L| with m learned from 1 and init_L fixed
-    (512 at the paper's training length 2048, so default train_len / 4 here)."""
+    listing (reproduced e.g. in mcleish7/arithmetic `cramming/architectures/embeddings.py`,
+    whose defaults are these: MLP width 32, c from 0.1, eps 1e-6): L_thr = |m * init_L| with m
+    learned from 1 and init_L fixed (512 at the paper's training length 2048, so default
+    train_len / 4 here)."""
 
     description = "an MLP of log distance normalised by log query position (Li 2023, FIRE)"
     options = {"mlp_width": 32, "init_c": 0.1, "init_L": None}  # init_L None: train_len / 4
