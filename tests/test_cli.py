@@ -337,3 +337,51 @@ def test_compile_wraps_the_training_forward_and_its_failure_is_one_line(tmp_path
     assert res.exit_code == 2
     assert "train.compile: torch.compile failed (InductorError: no working C++ compiler found)" in res.output
     assert "Traceback" not in res.output and not (tmp_path / "b" / "smoke").exists()
+
+
+def test_sigterm_stops_the_workers_and_leaves_nothing_half_written(tmp_path):
+    """A real process, as a user or a scheduler would stop it: exit 130, no partial run folders,
+    no new experiment folder, and no worker left behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    text = tmp_path / "tiny.txt"
+    text.write_text("to be or not to be that is the question\n" * 400)
+    exp = tmp_path / "r" / "smoke"
+    cmd = [sys.executable, "-m", "posbench.cli", "extrapolate", "--config", SMOKE, "--schemes", "nope,alibi",
+           "--set", f"out_dir={tmp_path / 'r'}", "--set", f"data.path={text}",
+           "--set", "train.steps=100000", "--set", "train.workers=2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while len(list(exp.glob(".*.partial"))) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(list(exp.glob(".*.partial"))) == 2, "the two workers never started"
+        pids = [pid for pid, (ppid, _) in _processes().items() if ppid == proc.pid]
+        assert len(pids) >= 2  # the two workers (and multiprocessing's resource tracker)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out
+        assert "interrupted" in out and "Traceback" not in out
+        assert not exp.exists()
+        time.sleep(1)
+        now = _processes()
+        running = [pid for pid in pids if pid in now and now[pid][1] != "Z"]  # a zombie is dead, unreaped
+        assert running == [], f"left running: {running}"
+    finally:
+        proc.kill()  # a failed check must not leave it running
+
+
+def _processes() -> dict:
+    """pid -> (parent pid, state letter), from /proc (Linux, where CI runs; no `ps` needed)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # it exited while we looked
+            continue
+        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+        found[int(stat.parent.name)] = (int(ppid), state)
+    return found
