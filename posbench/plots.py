@@ -189,7 +189,8 @@ def plot_per_head(name: str, values: torch.Tensor, path: Path, title: str) -> Pa
     else:
         for h, row in enumerate(values):
             ax.plot(row.numpy(), marker=".", label=f"head {h}")
-        ax.set(xlabel=f"index along {name}", ylabel=name)
+        ax.set(xlabel=f"index along {name} (bucket, layer, ...)", ylabel=name)
+        ax.xaxis.set_major_locator(_pyplot().MaxNLocator(integer=True))  # indices, not fractions
         ax.legend(fontsize="small")
     ax.set_title(f"{title}: learned {name} per head")
     ax.grid(alpha=0.3)
