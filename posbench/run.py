@@ -101,11 +101,19 @@ def run_name(scheme: str, seed: int) -> str:
     return f"{safe_name(scheme)}-seed{seed}"
 
 
+TMP_PREFIX = "tmp-"  # atomic()'s temporary files; a killed writer can leave one behind
+
+
+def partial_dir(rdir: Path) -> Path:
+    """The hidden folder a run is built in before it is renamed to `rdir`."""
+    return rdir.with_name("." + rdir.name + ".partial")
+
+
 @contextlib.contextmanager
 def atomic(path: Path):
     """A temporary path beside `path` that replaces it only once the block has finished, so no
     reader ever sees a half-written file. The name keeps its suffix (savefig reads it)."""
-    tmp = path.with_name("tmp-" + path.name)
+    tmp = path.with_name(TMP_PREFIX + path.name)
     try:
         yield tmp
         tmp.replace(path)
@@ -361,7 +369,7 @@ def _training_part(d: dict) -> dict:
 
 def train_run(rc: ExperimentConfig, rdir: Path, corpus: Corpus, reporter: Reporter) -> TransformerLM:
     """Train into a hidden folder and rename it into place once config, log and weights exist."""
-    partial = rdir.with_name("." + rdir.name + ".partial")
+    partial = partial_dir(rdir)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
@@ -561,8 +569,8 @@ def _run_in_workers(plan, n_tokens: int, reporter: Reporter, workers: int, threa
         for p in procs:
             p.join()
         for _, rdir, _ in plan:  # what killed runs leave: hidden partial folders, temp files
-            shutil.rmtree(rdir.with_name("." + rdir.name + ".partial"), ignore_errors=True)
-            for tmp in rdir.glob("tmp-*") if rdir.is_dir() else []:
+            shutil.rmtree(partial_dir(rdir), ignore_errors=True)
+            for tmp in rdir.glob(TMP_PREFIX + "*") if rdir.is_dir() else []:
                 tmp.unlink(missing_ok=True)
         raise
     if error is not None:
