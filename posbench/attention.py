@@ -64,7 +64,9 @@ class BiasedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, mask):
         # q, k, v arrive as head-major views of the qkv projection; every batched matmul here
         # and in backward would copy them again, so they are made contiguous once
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # one dtype: under autocast a scheme's fp32 parameter can promote q or k (backward
+        # runs outside autocast, so its matmuls would meet bf16 and fp32)
+        q, k, v = q.to(v.dtype).contiguous(), k.to(v.dtype).contiguous(), v.contiguous()
         scale = q.size(-1) ** -0.5
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (B, H, Tq, Tk)
         if bias.numel() < scores.numel():  # a bias shared by the batch takes the mask first

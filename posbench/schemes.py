@@ -143,12 +143,24 @@ def sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack([ang.sin(), ang.cos()], dim=-1).flatten(1)  # interleaved (T, dim)
 
 
+def require_even(cfg: ModelConfig, what: str, value: int) -> None:
+    """Sin/cos pairs and rotations take dimensions two at a time."""
+    if value % 2:
+        raise PosbenchError(
+            f"scheme '{cfg.scheme}' pairs dimensions as sin/cos or rotations, so {what}={value} must be even"
+        )
+
+
 class Sinusoidal(PositionalScheme):
     """The encoding is scaled by 1/sqrt(d_model), x-transformers' ScaledSinusoidalEmbedding at
     its initial value. Unscaled, its unit amplitude drowns GPT-style token embeddings (std 0.02):
     in-length perplexity measured 16.3 unscaled against 6.9 scaled at the default size."""
 
     description = "fixed sin/cos of the absolute position added to the embeddings (Vaswani 2017)"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        require_even(cfg, "model.d_model", cfg.d_model)
 
     def embed(self, x, pos):
         return x + sinusoid(pos, x.size(-1)).to(x.dtype) / math.sqrt(x.size(-1))
@@ -242,12 +254,13 @@ class TransformerXL(PositionalScheme):
     def __init__(self, cfg):
         super().__init__(cfg)
         H, D, C = cfg.n_head, cfg.head_dim, cfg.d_model
+        require_even(cfg, "model.d_model", C)  # r(i-j) is a sinusoid of width d_model
         self.u = nn.Parameter(torch.zeros(H, 1, D))  # shared by all layers, as in the paper
         self.v = nn.Parameter(torch.zeros(H, 1, D))
         self.w_r = nn.ModuleList([nn.Linear(C, C, bias=False) for _ in range(cfg.n_layer)])
 
     def rotate(self, q, k, pos, layer):
-        return q + self.u, k
+        return q + self.u.to(q.dtype), k  # u is fp32; under bf16 autocast q must stay bf16
 
     def bias(self, q, k, qpos, kpos, layer):
         B, H, Tq, D = q.shape
@@ -259,7 +272,7 @@ class TransformerXL(PositionalScheme):
         rk = self.w_r[layer](r.to(q.dtype)).view(Tk, H, D).permute(1, 2, 0)  # (H, D, Tk)
         rk = F.pad(rk, (0, 1))  # (H, D, Tk + 1)
         # heads first, so this is H matmuls of (B*Tq, D) x (D, Tk+1), not B*H small ones
-        qv = ((q - self.u + self.v) * D**-0.5).transpose(0, 1).reshape(H, B * Tq, D)
+        qv = ((q + (self.v - self.u).to(q.dtype)) * D**-0.5).transpose(0, 1).reshape(H, B * Tq, D)
         rev = torch.bmm(qv, rk).view(H, B, Tq, Tk + 1)  # (H, B, Tq, Tk + 1)
         return rel_shift(rev).transpose(0, 1)  # (B, H, Tq, Tk): [i, j] is distance qpos_i - kpos_j
 
@@ -370,6 +383,7 @@ class RoPE(PositionalScheme):
         super().__init__(cfg)
         if self.opt["base"] <= 1:  # theta_k = base^(-2k/d) must fall with k; YaRN divides by log(base)
             raise PosbenchError(f"scheme_options.{cfg.scheme}.base={self.opt['base']} must be > 1")
+        require_even(cfg, "the head size model.d_model / model.n_head", cfg.head_dim)
 
     def rotate(self, q, k, pos, layer):
         cos, sin = self.once_per_forward((pos,), lambda: self.angles(pos, q.size(-1), q.dtype))
@@ -631,8 +645,10 @@ class CoPEBias(torch.autograd.Function):
         D, P = table.shape
         scale = D**-0.5
         g = torch.matmul(q * scale, k.transpose(-1, -2)).sigmoid_().mul_(keep)  # (B, H, Tq, Tk) gates
-        c = g.cumsum(-1)
-        pos = torch.sub(g, c).add_(c[..., -1:])  # sum_{t=j..i} g_it: total - cumsum + own
+        # positions in fp32 whatever q's dtype: from bf16 gates, total - cumsum is off by up to 0.5
+        g32 = g.float()  # g itself when q is fp32
+        c = g32.cumsum(-1)
+        pos = torch.sub(g32, c).add_(c[..., -1:])  # sum_{t=j..i} g_it: total - cumsum + own
         pos.clamp_(max=P - 1)
         lo = pos.floor()
         w = pos.sub_(lo)  # (B, H, Tq, Tk) in [0, 1)
@@ -657,7 +673,7 @@ class CoPEBias(torch.autograd.Function):
         # through the two gathers to the per-position logits q.e[p]
         d_at = torch.zeros(*d_out.shape[:-1], P, dtype=d_out.dtype, device=d_out.device)
         d_by_pos = d_at.scatter_add_(-1, lo, d_out)
-        d_step = torch.zeros_like(d_by_pos).scatter_add_(-1, lo, d_out * w)
+        d_step = torch.zeros_like(d_by_pos).scatter_add_(-1, lo, (d_out * w).to(d_out.dtype))
         d_by_pos[..., :-1] -= d_step[..., :-1]
         d_by_pos[..., 1:] += d_step[..., :-1]
         d_q += torch.matmul(d_by_pos, table.t())

@@ -1,6 +1,7 @@
 """The science of each scheme: causality, relative invariances, reference slopes and buckets."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -273,3 +274,68 @@ def test_xl_bias_of_a_query_block_equals_those_rows_of_the_whole_bias():
     past = ~torch.ones(10, 10, dtype=torch.bool).triu(1)[5:]  # (5, 10)
     assert torch.allclose(part[..., past], whole[:, :, 5:][..., past], atol=1e-6)
     assert whole[0, 1, 7, 7] != whole[0, 1, 7, 6]  # distances differ, so values do
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_trains_under_bf16_autocast(scheme):
+    """The GPU path (run.py: bf16 autocast for the forward, backward outside it), tried with
+    CPU autocast: no scheme may mix bf16 and fp32 in a backward matmul (xl's fp32 u once
+    promoted q), and every gradient is finite."""
+    model = build(scheme).train()
+    x = torch.randint(0, model.cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x[:, :-1])
+    assert logits.dtype == torch.bfloat16
+    F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+def test_cope_positions_stay_exact_from_bf16_gates():
+    """CoPE sums its gates in fp32 whatever their dtype: summed in bf16, total - cumsum puts a
+    position off by up to 0.5. The bias from bf16 inputs must equal the formula in fp64 on the
+    same bf16 gates and logits (flipped cumsum, two gathers) to bf16's rounding of that row's logits. The backward
+    then mixes fp32 weights with bf16 gradients, as under CUDA autocast (cumsum in fp32)."""
+    from posbench.schemes import CoPEBias
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, D, P = 2, 2, 64, 8, 64
+    q, k = (torch.randn(B, H, T, D, generator=gen).bfloat16() for _ in range(2))
+    table = torch.randn(D, P, generator=gen).bfloat16()
+    keep = torch.ones(T, T).tril().bfloat16()
+    g = torch.matmul(q * D**-0.5, k.transpose(-1, -2)).sigmoid_().mul_(keep)  # the same bf16 gates
+    pos = g.double().flip(-1).cumsum(-1).flip(-1).clamp(max=P - 1)  # sum_{t>=j} g_it
+    lo = pos.floor().long()
+    w = pos - lo
+    by_pos = torch.matmul(q, table).double()
+    want = by_pos.gather(-1, lo) * (1 - w) + by_pos.gather(-1, (lo + 1).clamp(max=P - 1)) * w
+
+    q.requires_grad_(), k.requires_grad_(), table.requires_grad_()
+    got = CoPEBias.apply(q, k, table, keep)
+    assert got.dtype == torch.bfloat16
+    err = (got.double() - want).abs() / by_pos.abs().amax(-1, keepdim=True)  # per query row
+    assert err.max() < 0.01, err.max()  # bf16 rounds to 2^-8 = 0.004; a position off by 0.5 is ~0.1
+    got.float().square().sum().backward()
+    for t in (q, k, table):
+        assert t.grad.dtype == torch.bfloat16 and torch.isfinite(t.grad).all()
+
+
+@pytest.mark.parametrize(
+    "scheme,size,what",
+    [
+        ("rope", dict(d_model=18, n_head=2), "head size model.d_model / model.n_head=9"),
+        ("xpos", dict(d_model=18, n_head=2), "head size model.d_model / model.n_head=9"),
+        ("sinusoidal", dict(d_model=15, n_head=3), "model.d_model=15"),
+        ("hybrid", dict(d_model=15, n_head=3), "model.d_model=15"),
+        ("xl", dict(d_model=15, n_head=3), "model.d_model=15"),
+        ("randomized", dict(d_model=15, n_head=3), "model.d_model=15"),
+    ],
+)
+def test_odd_widths_are_refused_by_name(scheme, size, what):
+    """Sin/cos pairs and rotations need even widths; an odd one is a one-line config error,
+    not a shape mismatch deep in a forward pass."""
+    from posbench.model import TransformerLM
+
+    with pytest.raises(PosbenchError, match=f"scheme '{scheme}'.*{re.escape(what)} must be even"):
+        TransformerLM(tiny(scheme, **size))
+    TransformerLM(tiny(scheme, d_model=16, n_head=2))  # and an even one builds
