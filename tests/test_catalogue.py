@@ -178,6 +178,26 @@ def test_linear_variant_is_rope_at_positions_over_s():
     assert not torch.allclose(after[0], got[0], atol=1e-3)
 
 
+@pytest.mark.parametrize("variant,base", [(None, 10000.0), (None, 500.0), ("yarn", 10000.0), ("ntk", 10000.0)])
+def test_rotate_turns_each_pair_by_position_times_its_frequency(variant, base):
+    """A unit vector in dim k comes out of `rotate` at position p as a (cos, sin) pair in dims
+    (k, k + d/2), scaled by the attention factor: the angle is p * theta_k with theta_k from
+    rope_frequencies (the default, or the variant's at s = 48 / 16 = 3)."""
+    scheme = rope_scheme(options={"base": base})
+    D, T = 8, 48
+    pos = torch.arange(T)
+    q = torch.eye(D)[: D // 2].view(1, D // 2, 1, D).expand(1, D // 2, T, D)  # head k holds e_k
+    with scheme.eval_variant(variant, 16, T):
+        qr, _ = scheme.rotate(q, q, pos, 0)
+    inv, att = rope_frequencies(D, base, variant, 3.0, 16) if variant else rope_frequencies(D, base)
+    for k in range(D // 2):
+        ang = pos.double() * inv[k].double()
+        assert torch.allclose(qr[0, k, :, k].double(), att * ang.cos(), atol=1e-5), k
+        assert torch.allclose(qr[0, k, :, k + D // 2].double(), att * ang.sin(), atol=1e-5), k
+    if variant is None:  # and theta_k = base^(-2k/d), by hand
+        assert torch.allclose(inv.double(), base ** (-torch.arange(0, D, 2).double() / D))
+
+
 def test_yarn_variant_scales_norms_by_its_attention_factor():
     """A rotation keeps norms, so YaRN's q has norm (0.1 ln s + 1) |q|: s = 48/16 = 3."""
     scheme = rope_scheme()
