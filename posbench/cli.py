@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import os
 import sys
@@ -11,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -23,8 +25,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Which positional encoding lets a transformer LM work beyond its training length?",
 )
-out = Console()
-err = Console(stderr=True)
+out = Console(emoji=False)  # no :b: -> emoji in names such as module:b:c
+err = Console(stderr=True, emoji=False)
 
 
 @contextlib.contextmanager
@@ -32,20 +34,36 @@ def user_errors():
     """A domain error becomes one line and a non-zero exit, never a traceback."""
     try:
         yield
+    except typer.Exit:
+        raise
     except PosbenchError as e:
-        err.print(f"[bold red]error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2)
+        _error(str(e))
     except KeyboardInterrupt:
         err.print("interrupted: finished runs are kept; rerun the same command to resume")
         raise typer.Exit(code=130)
     except OSError as e:  # a full disk, an unwritable out_dir, an unreadable file
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        err.print(f"[bold red]error:[/] {where}{e.strerror or e}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2)
-    except torch_oom() as e:
-        err.print(f"[bold red]error:[/] out of memory ({str(e).splitlines()[0][:100]}); "
-                  "try shorter eval.lengths or a smaller eval.batch_size", highlight=False)  # fmt: skip
-        raise typer.Exit(code=2)
+        _error(f"{where}{e.strerror or e}")
+    except (torch_oom(), MemoryError) as e:
+        _out_of_memory(e)
+    except Exception as e:  # a bug here or in a user's plugin: still one line, unless debugging
+        if os.environ.get("POSBENCH_DEBUG"):
+            raise
+        if "can't allocate memory" in str(e):  # torch's CPU allocator raises a RuntimeError
+            _out_of_memory(e)
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        _error(f"unexpected {type(e).__name__}: {first} (POSBENCH_DEBUG=1 shows the traceback)")
+
+
+def _error(message: str):
+    """The one line: markup-escaped, so a path like x[b].yaml prints as it is."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code=2)
+
+
+def _out_of_memory(e: BaseException):
+    _error(f"out of memory ({(str(e).splitlines() or [''])[0][:100]}); "
+           "try shorter eval.lengths, a smaller eval.batch_size or a smaller model")  # fmt: skip
 
 
 def torch_oom():
@@ -103,6 +121,15 @@ def _csv_ints(text: Optional[str], what: str) -> Optional[list[int]]:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200")
+
+
+def _set_threads(threads: Optional[int]) -> None:
+    import torch
+
+    if threads is not None:
+        if threads <= 0:
+            raise PosbenchError(f"--threads {threads} must be positive")
+        torch.set_num_threads(threads)
 
 
 def _csv_names(text: Optional[str]) -> list[str]:
@@ -165,7 +192,7 @@ def extrapolate(
         if train_len is not None:
             sets.append(f"model.train_len={train_len}")
         if schemes is not None:
-            sets.append(f"schemes=[{','.join(_scheme_list(schemes))}]")
+            sets.append(f"schemes={json.dumps(_scheme_list(schemes))}")  # quoted: YAML reads it as given
         if seeds is not None:
             sets.append(f"seeds={_csv_ints(seeds, '--seeds')}")
         if lengths is not None:
@@ -181,7 +208,9 @@ def extrapolate(
         if compile_:
             sets.append("train.compile=true")
         sets += set_ or []
-        if test_len is not None and lengths is None:
+        if test_len is not None and lengths is not None:
+            raise PosbenchError("--test-len and --lengths both set the evaluation lengths; give one")
+        if test_len is not None:
             L = train_len or load_config(config, [s for s in sets if s.startswith("model.")]).model.train_len
             sets.insert(0, f"eval.lengths={length_grid(L, test_len)}")
         cfg = load_config(config, sets)
@@ -204,7 +233,7 @@ def train(
         sets = ["train.compile=true"] if compile_ else []
         sets += list(set_ or [])
         if scheme is not None:
-            sets.append(f"schemes=[{scheme}]")
+            sets.append(f"schemes={json.dumps([scheme])}")
         if seed is not None:
             sets.append(f"seeds=[{seed}]")
         cfg = load_config(config, sets)
@@ -231,14 +260,11 @@ def evaluate(
     """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
 
     --rope-scaling yarn scores a rope checkpoint rescaled at evaluation time: rows rope+yarn."""
-    import torch
-
     from posbench.data import load_corpus
     from posbench.run import evaluate_into, load_run
 
     with user_errors():
-        if threads:
-            torch.set_num_threads(threads)
+        _set_threads(threads)
         kinds = _csv_names(rope_scaling)
         if rope_factor is not None and not kinds:
             raise PosbenchError("--rope-factor needs --rope-scaling, e.g. --rope-scaling yarn")
@@ -301,10 +327,9 @@ def bench(
     with user_errors():
         sets = list(set_ or [])
         if schemes is not None:
-            sets.append(f"schemes=[{','.join(_scheme_list(schemes))}]")
+            sets.append(f"schemes={json.dumps(_scheme_list(schemes))}")  # quoted: YAML reads it as given
         cfg = load_config(config, sets)
-        if threads:
-            torch.set_num_threads(threads)
+        _set_threads(threads)
         settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
         rows, peak = run_bench(cfg.model, cfg.schemes, settings, peer,
                                progress=lambda m: err.print(m, highlight=False))  # fmt: skip
@@ -381,6 +406,20 @@ def inspect(
         out.print(f"wrote {p}", highlight=False, soft_wrap=True)  # unbroken, to copy and open
 
 
+def _usage_errors() -> tuple:
+    """click's usage errors, from click itself or from the copy newer typers vendor."""
+    kinds = []
+    with contextlib.suppress(ImportError):
+        import click
+
+        kinds.append(click.ClickException)
+    with contextlib.suppress(ImportError):
+        from typer._click.exceptions import ClickException
+
+        kinds.append(ClickException)
+    return tuple(kinds)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -391,7 +430,19 @@ def main():
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up like Ctrl-C: no half-written runs
-    app(prog_name="posbench")
+    try:
+        code = app(prog_name="posbench", standalone_mode=False)
+    except _usage_errors() as e:  # one line, not typer's boxed panel
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `posbench`: the help, as before
+            out.print(e.ctx.get_help(), markup=False, highlight=False)
+            return 0
+        cmd = e.ctx.command_path if getattr(e, "ctx", None) else "posbench"
+        err.print(f"[bold red]error:[/] {escape(e.format_message())} (see '{escape(cmd)} --help')",
+                  highlight=False, soft_wrap=True)  # fmt: skip
+        code = e.exit_code
+    except typer.Abort:
+        code = 130
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,16 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise PosbenchError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.vocab_size < 256:
+            raise PosbenchError(f"model.vocab_size={self.vocab_size}: the corpus is bytes, so it must be >= 256")
+        # weights, gradients and AdamW's two moments: 16 bytes a parameter, before activations
+        params = 12 * self.n_layer * self.d_model**2 + self.vocab_size * self.d_model
+        ram = _physical_memory()
+        if ram and 16 * params > ram:
+            raise PosbenchError(
+                f"model: n_layer={self.n_layer}, d_model={self.d_model} is about {params:.2g} "
+                f"parameters, {16 * params / 2**30:.3g} GiB to train; this machine has {ram / 2**30:.0f} GiB"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -63,8 +75,9 @@ class TrainConfig:
 
     def __post_init__(self):
         _positive(self, "train", ["steps", "batch_size", "lr", "log_every"])
-        if self.warmup_steps < 0 or self.min_lr < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise PosbenchError("train.warmup_steps, min_lr, weight_decay and grad_clip must be >= 0")
+        for name in ("warmup_steps", "min_lr", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise PosbenchError(f"train.{name}={getattr(self, name)} must be >= 0")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise PosbenchError(f"train.device={self.device!r}: expected auto, cpu or cuda")
         if self.threads is not None and self.threads <= 0:
@@ -107,6 +120,8 @@ class EvalConfig:
         for n in self.lengths:
             if n <= 0:
                 raise PosbenchError(f"eval.lengths: {n} is not a positive length")
+        _unique(self.lengths, "eval.lengths")
+        _unique(self.rope_scaling, "eval.rope_scaling")
         if self.protocol != "nonoverlapping":
             raise PosbenchError(f"eval.protocol={self.protocol!r}: only 'nonoverlapping' exists")
 
@@ -128,18 +143,33 @@ class ExperimentConfig:
     def __post_init__(self):
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise PosbenchError(f"name={self.name!r} must be a plain folder name")
+        for s, opts in self.scheme_options.items():
+            if opts is None:  # `alibi:` with nothing under it
+                self.scheme_options[s] = {}
+            elif not isinstance(opts, dict):
+                raise PosbenchError(f"scheme_options.{s}: expected a mapping of options, got {opts!r}")
+        if self.model.scheme != ModelConfig.scheme and self.schemes != [self.model.scheme]:
+            raise PosbenchError(
+                f"model.scheme={self.model.scheme!r} is not read: runs train the `schemes` list; "
+                f"set schemes: [{self.model.scheme}]"
+            )
+        if self.eval.rope_factor is not None and not self.eval.rope_scaling:
+            raise PosbenchError("eval.rope_factor is set but eval.rope_scaling is empty: nothing to scale")
         if not self.schemes:
             raise PosbenchError("schemes is empty")
         if not self.seeds:
             raise PosbenchError("seeds is empty")
-        from posbench.schemes import SCHEMES, resolve_scheme
+        _unique(self.schemes, "schemes")  # the same run twice: two writers of one folder
+        _unique(self.seeds, "seeds")
+        for seed in self.seeds:
+            if not 0 <= seed < 2**63:
+                raise PosbenchError(f"seeds: {seed} is not a seed torch takes (0 <= seed < 2^63)")
+        from posbench.schemes import SCHEMES, build_scheme, resolve_scheme
 
         for s in self.schemes:
-            resolve_scheme(s)(self.model_for(s))  # builds it once: bad options fail here, early
+            build_scheme(self.model_for(s))  # builds it once: bad options fail here, early
         for s, opts in self.scheme_options.items():  # options of unselected schemes are kept, checked
             if s not in self.schemes:
-                if not isinstance(opts, dict):
-                    raise PosbenchError(f"scheme_options.{s}: expected a mapping of options")
                 resolve_scheme(s).validate_options(opts, where=f"scheme_options.{s}")
         known = {v for c in [*SCHEMES.values(), *map(resolve_scheme, self.schemes)] for v in c.eval_variants}
         for kind in self.eval.rope_scaling:
@@ -176,6 +206,19 @@ class ExperimentConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not on every platform
+        return None
+
+
+def _unique(values: list, where: str) -> None:
+    twice = sorted({str(v) for v in values if values.count(v) > 1})
+    if twice:
+        raise PosbenchError(f"{where}: {', '.join(twice)} listed more than once")
 
 
 def _positive(obj, section: str, names: list[str]) -> None:
@@ -270,11 +313,26 @@ def _build(cls, raw: dict, where: str = ""):
     return cls(**kwargs)
 
 
-def config_from_dict(raw: dict, source: str = "config") -> ExperimentConfig:
+def config_from_dict(raw: dict, source: Optional[str] = None) -> ExperimentConfig:
     try:
         return _build(ExperimentConfig, raw)
     except PosbenchError as e:
-        raise PosbenchError(f"{source}: {e}") from None
+        raise PosbenchError(f"{source}: {e}" if source else str(e)) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error, not last-one-wins."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' appears twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -282,7 +340,7 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise PosbenchError(f"{p}: config file not found")
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -322,9 +380,21 @@ def apply_override(raw: dict, assignment: str) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> ExperimentConfig:
     """Defaults, then the YAML file (if any), then each --set override, validated together."""
     raw = read_yaml(path) if path else {}
+    file_alone = copy.deepcopy(raw)
     for o in overrides:
         apply_override(raw, o)
-    return config_from_dict(raw, source=str(path) if path else "config")
+    try:
+        return config_from_dict(raw)
+    except PosbenchError as e:
+        # say where the bad value came from: the file, or the command line's flags and --set
+        blame = str(path) if path else "config"
+        if overrides:
+            try:
+                config_from_dict(file_alone)
+                blame = "command line"
+            except PosbenchError:
+                pass
+        raise PosbenchError(f"{blame}: {e}") from None
 
 
 def dump_yaml(cfg: ExperimentConfig) -> str:

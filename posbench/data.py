@@ -110,6 +110,8 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         data, name = user_text(cfg.path), f"{cfg.path} (bytes)"
     else:
         data, name = shakespeare(), SHAKESPEARE_NAME
+    if not data:  # frombuffer refuses an empty buffer
+        raise PosbenchError(f"the corpus '{name}' is empty")
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (N,)
     n_val = int(len(tokens) * cfg.val_fraction)
     if n_val < 2 or len(tokens) - n_val < 2:

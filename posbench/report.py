@@ -6,9 +6,8 @@ import math
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
-from posbench.config import config_from_dict
+from posbench.config import config_from_dict, read_yaml
 from posbench.errors import PosbenchError
 from posbench.run import EVAL_COLUMNS, PROTOCOL_NAMES, atomic, read_eval, write_atomic
 
@@ -22,11 +21,8 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
     for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         if not (rdir / "config.yaml").is_file():
             continue
-        try:
-            raw = yaml.safe_load((rdir / "config.yaml").read_text())
-        except yaml.YAMLError:
-            raise PosbenchError(f"{rdir / 'config.yaml'}: malformed YAML") from None
-        configs.append(config_from_dict(raw or {}, source=str(rdir / "config.yaml")))
+        raw = read_yaml(rdir / "config.yaml")  # malformed or not text: one line naming it
+        configs.append(config_from_dict(raw, source=str(rdir / "config.yaml")))
         rows += read_eval(rdir)
     if not rows:
         raise PosbenchError(

@@ -21,15 +21,15 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import yaml
 
-from posbench.config import ExperimentConfig, config_from_dict, dump_yaml
+from posbench.config import ExperimentConfig, config_from_dict, dump_yaml, read_yaml
 from posbench.data import Corpus, batch, load_corpus
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.schemes import SCHEMES, resolve_scheme, variant_label
 
 EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
+STATUSES = ("ok", "beyond-max-len")  # a row is scored, or the scheme cannot encode its length
 PROTOCOL_NAMES = {"nonoverlapping": "non-overlapping chunks, every token scored"}
 
 
@@ -236,6 +236,8 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
             f"{ckpt_path}: its weights do not fit scheme '{cfg.model.scheme}' as this posbench "
             f"builds it ({reason}); it was saved by another version: retrain it"
         ) from None
+    if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
+        raise PosbenchError(f"{ckpt_path}: holds non-finite weights (NaN or inf); retrain it")
     return cfg, model
 
 
@@ -244,6 +246,10 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
 
 def eval_tokens(corpus: Corpus, cfg: ExperimentConfig, lengths: list[int]) -> torch.Tensor:
     """The validation tokens scored at every length: the first eval.tokens (+1 for targets)."""
+    if cfg.eval.tokens < max(lengths):
+        raise PosbenchError(
+            f"eval.tokens={cfg.eval.tokens} is fewer than the longest eval length {max(lengths)}"
+        )
     n = min(cfg.eval.tokens, len(corpus.val) - 1)
     if n < max(lengths):
         raise PosbenchError(
@@ -276,6 +282,8 @@ def evaluate_model(
             continue
         with model.scheme.eval_variant(variant, model.cfg.train_len, L, factor):
             loss = _mean_nll(model, tokens, L, batch_size, device)
+        if not math.isfinite(loss):  # written as an empty cell, it would read as a lost row
+            raise PosbenchError(f"scheme '{model.cfg.scheme}' gave a non-finite loss at length {L}")
         rows.append({**row, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "status": "ok"})
     model.train()
     return rows
@@ -313,13 +321,23 @@ def read_eval(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "eval.csv"
     if not path.is_file():
         return []
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    bad = PosbenchError(f"{path}: malformed evaluation rows; delete it and run evaluate again")
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            header = reader.fieldnames
+    except (UnicodeDecodeError, csv.Error):
+        raise bad from None
+    if header != EVAL_COLUMNS or not rows:  # a run is never dropped from a table in silence
+        raise bad
     for r in rows:
         try:
             int(r["length"]), int(r["tokens"]), int(r["seed"]), int(r["train_len"])
+            if r["status"] not in STATUSES or (r["status"] == "ok" and not math.isfinite(float(r["loss"]))):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise PosbenchError(f"{path}: malformed evaluation rows; delete it and run evaluate again") from None
+            raise bad from None
     return rows
 
 
@@ -338,11 +356,9 @@ def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]
             done = False
             if (rdir / "config.yaml").is_file() and (rdir / "model.pt").is_file():
                 try:
-                    old = yaml.safe_load((rdir / "config.yaml").read_text()) or {}
-                except yaml.YAMLError:
-                    old = None
-                if not isinstance(old, dict):
-                    raise PosbenchError(f"{rdir / 'config.yaml'}: malformed; delete {rdir} to retrain it")
+                    old = read_yaml(rdir / "config.yaml")
+                except PosbenchError as e:
+                    raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
                 new = rc.to_dict()
                 if _training_part(old) != _training_part(new):
                     diff = [k for k in _training_part(new) if old.get(k) != new[k]]

@@ -755,4 +755,16 @@ def _load_plugin(spec: str) -> type[PositionalScheme]:
 
 
 def build_scheme(cfg: ModelConfig) -> PositionalScheme:
-    return resolve_scheme(cfg.scheme)(cfg)
+    cls = resolve_scheme(cfg.scheme)
+    if cfg.scheme in SCHEMES:
+        return cls(cfg)
+    try:  # a user's class: its own errors get one line that names it
+        return cls(cfg)
+    except PosbenchError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise PosbenchError(
+            f"scheme '{cfg.scheme}' failed to build ({type(e).__name__}: {first}); "
+            f"`posbench check-scheme {cfg.scheme}` checks it step by step"
+        ) from None

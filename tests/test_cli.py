@@ -148,6 +148,20 @@ def _assert_clean_failure(res, message, results: Path):
         (["--set", "model.d_model=-8"], "model.d_model=-8 must be positive"),
         (["--set", "data.path=/no/such/*.txt"], "data.path '/no/such/*.txt' matches no file"),
         (["--lengths", "32,abc"], "expected comma-separated integers"),
+        # found by an audit of bad inputs: each was a traceback, a silent oddity or a crash
+        (["--schemes", "alibi,alibi"], "schemes: alibi listed more than once"),
+        (["--seeds", "0,0"], "seeds: 0 listed more than once"),
+        (["--lengths", "32,48,48"], "eval.lengths: 48 listed more than once"),
+        (["--seeds", "99999999999999999999"], "is not a seed torch takes"),
+        (["--set", "model.vocab_size=10"], "command line: model.vocab_size=10: the corpus is bytes"),
+        (["--set", "model.n_layer=99999999999999999999"], "parameters,"),  # refused, not allocated
+        (["--set", "train.grad_clip=-1"], "train.grad_clip=-1.0 must be >= 0"),
+        (["--set", "model.scheme=rope"], "model.scheme='rope' is not read"),
+        (["--rope-factor", "2"], "eval.rope_factor is set but eval.rope_scaling is empty"),
+        (["--test-len", "64", "--lengths", "32,48"], "--test-len and --lengths both set"),
+        (["--set", "eval.tokens=40"], "eval.tokens=40 is fewer than the longest eval length 64"),
+        (["--schemes", "alibi]"], "unknown scheme 'alibi]'"),  # given as typed, not read as YAML
+        (["--threads", "-1"], "train.threads=-1 must be positive"),
     ],
 )
 def test_extrapolate_errors_are_one_line_and_leave_nothing(tmp_path, corpus_file, args, message):
@@ -385,3 +399,107 @@ def _processes() -> dict:
         state, ppid = text[text.rindex(")") + 2 :].split()[:2]
         found[int(stat.parent.name)] = (int(ppid), state)
     return found
+
+
+def test_bad_input_found_by_the_audit_is_one_line(tmp_path, smoke, corpus_file):
+    """More of the audit's cases, each once: one line that names the culprit, exit 2, and what
+    was on disk is kept."""
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    base = ["--set", f"out_dir={out}", "--set", f"data.path={corpus_file}"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _assert_clean_failure(invoke("extrapolate", "--config", SMOKE, *base, "--set", f"data.path={empty}"),
+                          "is empty", out)  # fmt: skip
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("name: a\nname: b\n")
+    _assert_clean_failure(invoke("extrapolate", "--config", twice), "key 'name' appears twice", out)
+    marked = tmp_path / "x[b].yaml"
+    _assert_clean_failure(invoke("extrapolate", "--config", marked), "x[b].yaml: config file not found", out)
+    null_options = tmp_path / "null.yaml"  # `alibi:` with nothing under it means no options
+    null_options.write_text(yaml.safe_dump({**yaml.safe_load(open(SMOKE)), "schemes": ["alibi"],
+                                            "scheme_options": {"alibi": None}}))  # fmt: skip
+    assert invoke("extrapolate", "--config", null_options, *base).exit_code == 0
+    res = invoke("evaluate", exp / "alibi-seed0", "--threads", "-1")
+    assert res.exit_code == 2 and "--threads -1 must be positive" in res.output
+
+    # a run folder whose records are not text: named, and the experiment's files are kept
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    (copy / "rope-seed0" / "config.yaml").write_bytes(b"\xff\xfe")
+    res = invoke("report", copy)
+    assert res.exit_code == 2 and "rope-seed0/config.yaml: not a text file" in " ".join(res.output.split())
+
+
+def test_report_never_drops_a_run_in_silence(smoke, tmp_path):
+    """A run whose eval.csv is garbage, empty or only a header is an error naming that file,
+    and the summary that was there stays, instead of a summary rewritten without the run."""
+    exp, _, _ = smoke
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    summary = (copy / "summary.csv").read_text()
+    header = (copy / "alibi-seed0" / "eval.csv").read_text().splitlines()[0] + "\n"
+    for damage in ['garbage,,,"\n', "", header, header + "alibi,0,32,32,2.9,18.1,799,weird\n",
+                   header + "alibi,0,32,32,,,799,ok\n", b"\xff\xfe"]:  # fmt: skip
+        target = copy / "alibi-seed0" / "eval.csv"
+        target.write_bytes(damage if isinstance(damage, bytes) else damage.encode())
+        res = invoke("report", copy)
+        assert res.exit_code == 2, (damage, res.output)
+        assert "alibi-seed0/eval.csv: malformed evaluation rows" in " ".join(res.output.split()), damage
+        assert (copy / "summary.csv").read_text() == summary
+
+
+def test_a_checkpoint_with_nan_weights_is_refused(smoke, tmp_path):
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    ckpt = torch.load(run / "model.pt", weights_only=True)
+    ckpt["model"]["tok.weight"][0, 0] = float("nan")
+    torch.save(ckpt, run / "model.pt")
+    before = (run / "eval.csv").read_text()
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and "holds non-finite weights" in res.output
+    assert (run / "eval.csv").read_text() == before
+
+
+def test_a_broken_plugin_is_one_line(tmp_path, corpus_file, monkeypatch):
+    """A user's class that raises when built names itself and check-scheme; one that breaks
+    mid-forward still gets one line (the catch-all), not a traceback."""
+    (tmp_path / "brokenplug.py").write_text(
+        "from posbench.schemes import PositionalScheme\n"
+        "class Raises(PositionalScheme):\n"
+        "    def __init__(self, cfg):\n"
+        "        super().__init__(cfg)\n"
+        "        raise ValueError('my constructor fails')\n"
+        "class BadBias(PositionalScheme):\n"
+        "    def bias(self, q, k, qpos, kpos, layer):\n"
+        "        return q.new_zeros(3, 3)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "results"
+    base = ["--config", SMOKE, "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}"]
+    res = invoke("extrapolate", *base, "--schemes", "brokenplug:Raises")
+    _assert_clean_failure(res, "scheme 'brokenplug:Raises' failed to build (ValueError: my constructor fails)", out)
+    res = invoke("extrapolate", *base, "--schemes", "brokenplug:BadBias")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "unexpected RuntimeError" in res.output and len(res.output.strip().splitlines()) <= 2
+    assert not list(out.rglob("*.partial")) and not list(out.rglob("model.pt"))
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--bogus"], "error: No such option: --bogus (see 'posbench --help')"),
+        (["extrapolate", "--test-len", "abc"], "Invalid value for '--test-len'"),
+        (["evaluate"], "Missing argument"),
+    ],
+)
+def test_usage_errors_are_one_line_from_the_console_script(args, message):
+    """typer prints usage errors in a boxed panel; posbench's entry point prints one line."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "posbench.cli", *args], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], res.stderr
