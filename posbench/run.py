@@ -481,8 +481,8 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
 def run_one(rc, rdir: Path, done: bool, corpus: Corpus, n_tokens: int, reporter: Reporter) -> None:
     """Train one run if it is not trained yet, then score whatever it still lacks."""
     if done:
+        _, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
         reporter.note(f"{rdir.name}: already trained, reusing its checkpoint")
-        _, model = load_run(rdir)
     else:
         model = train_run(rc, rdir, corpus, reporter)
     missing = _unevaluated(rc, rdir, model, n_tokens)
