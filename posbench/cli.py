@@ -47,18 +47,19 @@ def user_errors():
     except (torch_oom(), MemoryError) as e:
         _out_of_memory(e)
     except Exception as e:  # a bug here or in a user's plugin: still one line, unless debugging
-        if os.environ.get("POSBENCH_DEBUG"):
+        if os.environ.get("POSBENCH_DEBUG", "0") not in ("", "0"):
             raise
         if "can't allocate memory" in str(e):  # torch's CPU allocator raises a RuntimeError
             _out_of_memory(e)
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        _error(f"unexpected {type(e).__name__}: {first} (POSBENCH_DEBUG=1 shows the traceback)")
+        # exit 1, not 2: scripts can tell a bug (here or in a plugin) from a bad input
+        _error(f"unexpected {type(e).__name__}: {first} (POSBENCH_DEBUG=1 shows the traceback)", code=1)
 
 
-def _error(message: str):
+def _error(message: str, code: int = 2):
     """The one line: markup-escaped, so a path like x[b].yaml prints as it is."""
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code=2)
+    raise typer.Exit(code=code)
 
 
 def _out_of_memory(e: BaseException):
@@ -128,7 +129,7 @@ def _set_threads(threads: Optional[int]) -> None:
 
     if threads is not None:
         if threads <= 0:
-            raise PosbenchError(f"--threads {threads} must be positive")
+            raise PosbenchError(f"--threads {threads}: the thread count must be positive")
         torch.set_num_threads(threads)
 
 
@@ -433,15 +434,14 @@ def main():
     try:
         code = app(prog_name="posbench", standalone_mode=False)
     except _usage_errors() as e:  # one line, not typer's boxed panel
-        if type(e).__name__ == "NoArgsIsHelpError":  # bare `posbench`: the help, as before
-            out.print(e.ctx.get_help(), markup=False, highlight=False)
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `posbench`: typer printed the help
             return 0
         cmd = e.ctx.command_path if getattr(e, "ctx", None) else "posbench"
         err.print(f"[bold red]error:[/] {escape(e.format_message())} (see '{escape(cmd)} --help')",
                   highlight=False, soft_wrap=True)  # fmt: skip
         code = e.exit_code
-    except typer.Abort:
-        code = 130
+    except typer.Abort:  # end of input at a prompt
+        code = 1
     return code if isinstance(code, int) else 0
 
 

@@ -42,14 +42,7 @@ class ModelConfig:
             raise PosbenchError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.vocab_size < 256:
             raise PosbenchError(f"model.vocab_size={self.vocab_size}: the corpus is bytes, so it must be >= 256")
-        # weights, gradients and AdamW's two moments: 16 bytes a parameter, before activations
-        params = 12 * self.n_layer * self.d_model**2 + self.vocab_size * self.d_model
-        ram = _physical_memory()
-        if ram and 16 * params > ram:
-            raise PosbenchError(
-                f"model: n_layer={self.n_layer}, d_model={self.d_model} is about {params:.2g} "
-                f"parameters, {16 * params / 2**30:.3g} GiB to train; this machine has {ram / 2**30:.0f} GiB"
-            )
+        check_trainable(self, bytes_per_param=4)  # its weights alone; training checks for 16
 
     @property
     def head_dim(self) -> int:
@@ -121,6 +114,8 @@ class EvalConfig:
             if n <= 0:
                 raise PosbenchError(f"eval.lengths: {n} is not a positive length")
         _unique(self.lengths, "eval.lengths")
+        if self.tokens < max(self.lengths):
+            raise PosbenchError(f"eval.tokens={self.tokens} is fewer than the longest eval length {max(self.lengths)}")
         _unique(self.rope_scaling, "eval.rope_scaling")
         if self.protocol != "nonoverlapping":
             raise PosbenchError(f"eval.protocol={self.protocol!r}: only 'nonoverlapping' exists")
@@ -161,9 +156,13 @@ class ExperimentConfig:
             raise PosbenchError("seeds is empty")
         _unique(self.schemes, "schemes")  # the same run twice: two writers of one folder
         _unique(self.seeds, "seeds")
+        import torch
+
         for seed in self.seeds:
-            if not 0 <= seed < 2**63:
-                raise PosbenchError(f"seeds: {seed} is not a seed torch takes (0 <= seed < 2^63)")
+            try:
+                torch.Generator().manual_seed(seed)
+            except (RuntimeError, OverflowError, ValueError):
+                raise PosbenchError(f"seeds: {seed} is not a seed torch takes") from None
         from posbench.schemes import SCHEMES, build_scheme, resolve_scheme
 
         for s in self.schemes:
@@ -206,6 +205,22 @@ class ExperimentConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_trainable(cfg: "ModelConfig", device_memory: Optional[int] = None, bytes_per_param: int = 16) -> None:
+    """Refuse a model too big for this machine before anything is allocated (a layer count of
+    10^20 would otherwise hang building modules). Training takes 16 bytes a parameter (weights,
+    gradients, AdamW's two moments), activations aside; merely holding the weights takes 4.
+    `device_memory` is the GPU's; None means the machine's RAM."""
+    params = 12 * cfg.n_layer * cfg.d_model**2 + cfg.vocab_size * cfg.d_model  # head tied to embedding
+    have = device_memory or _physical_memory()
+    need = bytes_per_param * params
+    if have and need > have:
+        what = "to train" if bytes_per_param >= 16 else "for its weights alone"
+        raise PosbenchError(
+            f"model.n_layer={cfg.n_layer}, model.d_model={cfg.d_model}: about {params:.2g} parameters, "
+            f"{need / 2**30:.3g} GiB {what}, more than the {have / 2**30:.0f} GiB here"
+        )
 
 
 def _physical_memory() -> Optional[int]:
@@ -326,7 +341,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` is not a key of its own
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # the base class reports an unhashable key itself
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key '{key}' appears twice in one mapping", key_node.start_mark
@@ -381,6 +400,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ex
     """Defaults, then the YAML file (if any), then each --set override, validated together."""
     raw = read_yaml(path) if path else {}
     file_alone = copy.deepcopy(raw)
+    if any(o.startswith("schemes=") for o in overrides) and isinstance(raw.get("model"), dict):
+        # a run's own config.yaml names its scheme twice; a new choice of schemes replaces both
+        raw["model"].pop("scheme", None)
+        raw["model"].pop("options", None)
     for o in overrides:
         apply_override(raw, o)
     try:
@@ -392,8 +415,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ex
             try:
                 config_from_dict(file_alone)
                 blame = "command line"
-            except PosbenchError:
-                pass
+            except PosbenchError as alone:
+                if str(alone) != str(e):  # the file has its own fault, but this one is the flags'
+                    blame = "command line"
         raise PosbenchError(f"{blame}: {e}") from None
 
 

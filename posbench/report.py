@@ -78,11 +78,13 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def cell(table: pd.DataFrame, scheme: str, L: int, missing: str = "") -> str:
-    """'12.34', '12.34 ± 0.10' over seeds; the status (or `missing`) where the scheme could not
-    be scored; blank where that length was never evaluated for this scheme."""
+    """'12.34', '12.34 ± 0.10' over seeds; 'nan' where the loss blew up; the status (or
+    `missing`) where the scheme could not be scored; blank where that length was never evaluated."""
     v, sd, st = table.loc[scheme, L], table.loc[scheme, f"std {L}"], table.loc[scheme, f"status {L}"]
     if not isinstance(st, str):
         return ""
+    if st == "non-finite":
+        return "nan"
     if st != "ok" or v != v:
         return missing or st
     return f"{v:.2f} ± {sd:.2f}" if sd == sd else f"{v:.2f}"

@@ -22,14 +22,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from posbench.config import ExperimentConfig, config_from_dict, dump_yaml, read_yaml
+from posbench.config import ExperimentConfig, check_trainable, config_from_dict, dump_yaml, read_yaml
 from posbench.data import Corpus, batch, load_corpus
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.schemes import SCHEMES, resolve_scheme, variant_label
 
 EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
-STATUSES = ("ok", "beyond-max-len")  # a row is scored, or the scheme cannot encode its length
+STATUSES = ("ok", "beyond-max-len", "non-finite")  # scored; cannot encode the length; blew up
 PROTOCOL_NAMES = {"nonoverlapping": "non-overlapping chunks, every token scored"}
 
 
@@ -246,10 +246,6 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
 
 def eval_tokens(corpus: Corpus, cfg: ExperimentConfig, lengths: list[int]) -> torch.Tensor:
     """The validation tokens scored at every length: the first eval.tokens (+1 for targets)."""
-    if cfg.eval.tokens < max(lengths):
-        raise PosbenchError(
-            f"eval.tokens={cfg.eval.tokens} is fewer than the longest eval length {max(lengths)}"
-        )
     n = min(cfg.eval.tokens, len(corpus.val) - 1)
     if n < max(lengths):
         raise PosbenchError(
@@ -282,8 +278,9 @@ def evaluate_model(
             continue
         with model.scheme.eval_variant(variant, model.cfg.train_len, L, factor):
             loss = _mean_nll(model, tokens, L, batch_size, device)
-        if not math.isfinite(loss):  # written as an empty cell, it would read as a lost row
-            raise PosbenchError(f"scheme '{model.cfg.scheme}' gave a non-finite loss at length {L}")
+        if not math.isfinite(loss):  # a blow-up at some length is a result, not a lost row
+            rows.append({**row, "status": "non-finite"})
+            continue
         rows.append({**row, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "status": "ok"})
     model.train()
     return rows
@@ -332,6 +329,8 @@ def read_eval(run_dir: Path) -> list[dict]:
     if header != EVAL_COLUMNS or not rows:  # a run is never dropped from a table in silence
         raise bad
     for r in rows:
+        if r.get("status") == "ok" and r.get("loss") in ("", "nan", "inf"):  # how older versions wrote it
+            r["status"] = "non-finite"
         try:
             int(r["length"]), int(r["tokens"]), int(r["seed"]), int(r["train_len"])
             if r["status"] not in STATUSES or (r["status"] == "ok" and not math.isfinite(float(r["loss"]))):
@@ -457,6 +456,11 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
             f"eval.rope_scaling {cfg.eval.rope_scaling}: no scheme run here has these "
             f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
         )
+    device = pick_device(cfg.train.device)
+    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    for rc, _, done in plan:
+        if not done:
+            check_trainable(rc.model, gpu)  # a model too big is refused, not allocated
     corpus = load_corpus(cfg.data)  # fails before any folder is made
     n_tokens = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1  # the same for every run
     workers, threads = worker_plan(cfg, sum(not done for _, _, done in plan))

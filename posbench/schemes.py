@@ -646,9 +646,8 @@ class CoPEBias(torch.autograd.Function):
         scale = D**-0.5
         g = torch.matmul(q * scale, k.transpose(-1, -2)).sigmoid_().mul_(keep)  # (B, H, Tq, Tk) gates
         # positions in fp32 whatever q's dtype: from bf16 gates, total - cumsum is off by up to 0.5
-        g32 = g.float()  # g itself when q is fp32
-        c = g32.cumsum(-1)
-        pos = torch.sub(g32, c).add_(c[..., -1:])  # sum_{t=j..i} g_it: total - cumsum + own
+        c = g.cumsum(-1, dtype=torch.float32)
+        pos = torch.sub(c[..., -1:], c).add_(g)  # sum_{t=j..i} g_it: total - cumsum + own
         pos.clamp_(max=P - 1)
         lo = pos.floor()
         w = pos.sub_(lo)  # (B, H, Tq, Tk) in [0, 1)
@@ -656,7 +655,7 @@ class CoPEBias(torch.autograd.Function):
         by_pos = torch.matmul(q, table)  # (B, H, Tq, P)
         step = F.pad(by_pos.diff(dim=-1), (0, 1))  # e[p+1] - e[p]; 0 at the clamp, so no gradient there
         at_lo, slope = by_pos.gather(-1, lo), step.gather(-1, lo)
-        ctx.save_for_backward(q, k, table, g, w, lo, slope)
+        ctx.save_for_backward(q, k, table, g, w.to(q.dtype), lo, slope)  # fp32 positions, kept at q's width
         return at_lo.addcmul_(w, slope)  # e[lo] + w (e[lo+1] - e[lo])
 
     @staticmethod
@@ -756,13 +755,13 @@ def _load_plugin(spec: str) -> type[PositionalScheme]:
 
 def build_scheme(cfg: ModelConfig) -> PositionalScheme:
     cls = resolve_scheme(cfg.scheme)
-    if cfg.scheme in SCHEMES:
-        return cls(cfg)
-    try:  # a user's class: its own errors get one line that names it
+    try:
         return cls(cfg)
     except PosbenchError:
         raise
     except Exception as e:
+        if cfg.scheme in SCHEMES:  # ours: a bug, which the CLI reports as one
+            raise
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise PosbenchError(
             f"scheme '{cfg.scheme}' failed to build ({type(e).__name__}: {first}); "

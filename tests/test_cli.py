@@ -154,7 +154,7 @@ def _assert_clean_failure(res, message, results: Path):
         (["--lengths", "32,48,48"], "eval.lengths: 48 listed more than once"),
         (["--seeds", "99999999999999999999"], "is not a seed torch takes"),
         (["--set", "model.vocab_size=10"], "command line: model.vocab_size=10: the corpus is bytes"),
-        (["--set", "model.n_layer=99999999999999999999"], "parameters,"),  # refused, not allocated
+        (["--set", "model.n_layer=99999999999999999999"], "GiB for its weights alone, more than the"),
         (["--set", "train.grad_clip=-1"], "train.grad_clip=-1.0 must be >= 0"),
         (["--set", "model.scheme=rope"], "model.scheme='rope' is not read"),
         (["--rope-factor", "2"], "eval.rope_factor is set but eval.rope_scaling is empty"),
@@ -421,7 +421,7 @@ def test_bad_input_found_by_the_audit_is_one_line(tmp_path, smoke, corpus_file):
                                             "scheme_options": {"alibi": None}}))  # fmt: skip
     assert invoke("extrapolate", "--config", null_options, *base).exit_code == 0
     res = invoke("evaluate", exp / "alibi-seed0", "--threads", "-1")
-    assert res.exit_code == 2 and "--threads -1 must be positive" in res.output
+    assert res.exit_code == 2 and "--threads -1: the thread count must be positive" in res.output
 
     # a run folder whose records are not text: named, and the experiment's files are kept
     copy = tmp_path / "copy"
@@ -440,7 +440,7 @@ def test_report_never_drops_a_run_in_silence(smoke, tmp_path):
     summary = (copy / "summary.csv").read_text()
     header = (copy / "alibi-seed0" / "eval.csv").read_text().splitlines()[0] + "\n"
     for damage in ['garbage,,,"\n', "", header, header + "alibi,0,32,32,2.9,18.1,799,weird\n",
-                   header + "alibi,0,32,32,,,799,ok\n", b"\xff\xfe"]:  # fmt: skip
+                   header + "alibi,0,32,32,abc,18.1,799,ok\n", b"\xff\xfe"]:  # fmt: skip
         target = copy / "alibi-seed0" / "eval.csv"
         target.write_bytes(damage if isinstance(damage, bytes) else damage.encode())
         res = invoke("report", copy)
@@ -481,7 +481,8 @@ def test_a_broken_plugin_is_one_line(tmp_path, corpus_file, monkeypatch):
     res = invoke("extrapolate", *base, "--schemes", "brokenplug:Raises")
     _assert_clean_failure(res, "scheme 'brokenplug:Raises' failed to build (ValueError: my constructor fails)", out)
     res = invoke("extrapolate", *base, "--schemes", "brokenplug:BadBias")
-    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "Traceback" not in res.output
+    assert res.exit_code == 1, "a bug, not a bad input: exit 1"
     assert "unexpected RuntimeError" in res.output and len(res.output.strip().splitlines()) <= 2
     assert not list(out.rglob("*.partial")) and not list(out.rglob("model.pt"))
 
@@ -503,3 +504,74 @@ def test_usage_errors_are_one_line_from_the_console_script(args, message):
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_old_rows_with_an_empty_loss_read_as_non_finite_and_show_nan(smoke, tmp_path):
+    """A loss that blew up is a result: status non-finite, 'nan' in the table, never a lost row
+    (older versions wrote it as status ok with an empty loss)."""
+    exp, _, _ = smoke
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    path = copy / "alibi-seed0" / "eval.csv"
+    rows = list(csv.DictReader(path.open()))
+    rows[-1].update(loss="", ppl="")
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    res = invoke("report", copy)
+    assert res.exit_code == 0, res.output
+    got = [r for r in csv.DictReader((copy / "summary.csv").open()) if r["scheme"] == "alibi"]
+    assert [r["status"] for r in got][-1] == "non-finite" and len(got) == len(rows)
+    assert "nan" in (copy / "summary.md").read_text()
+
+
+def test_yaml_merge_keys_and_a_runs_own_config_with_another_scheme(tmp_path, smoke):
+    """Anchors and `<<:` merges still load under the duplicate-key check; a run's config.yaml
+    (which names its scheme twice) takes --schemes without complaint."""
+    from posbench.config import load_config
+
+    merged = tmp_path / "merge.yaml"
+    merged.write_text("model: {n_layer: 1, d_model: 32, n_head: 2}\n"
+                      "scheme_options:\n"
+                      "  hybrid: &t5 {max_distance: 64, num_buckets: 16}\n"
+                      "  t5: {<<: *t5, num_buckets: 8}\n")
+    cfg = load_config(merged, [])
+    assert cfg.model.n_layer == 1 and cfg.scheme_options["t5"] == {"max_distance": 64, "num_buckets": 8}
+    exp, _, _ = smoke
+    cfg = load_config(exp / "rope-seed0" / "config.yaml", ['schemes=["alibi"]'])
+    assert cfg.schemes == ["alibi"] and cfg.model_for("alibi").scheme == "alibi"
+
+
+def test_a_model_too_big_to_train_is_refused_before_allocation():
+    """16 bytes a parameter to train (weights, gradients, AdamW's moments), 4 to hold it."""
+    from posbench.config import ModelConfig, check_trainable
+    from posbench.errors import PosbenchError
+
+    cfg = ModelConfig(n_layer=2, d_model=128)  # 12 * 2 * 128^2 + 256 * 128 = 425,984 parameters
+    check_trainable(cfg, device_memory=16 * 425_984)
+    with pytest.raises(PosbenchError, match="model.n_layer=2, model.d_model=128: about 4.3e.05 parameters"):
+        check_trainable(cfg, device_memory=16 * 425_984 - 1)
+    check_trainable(cfg, device_memory=4 * 425_984, bytes_per_param=4)
+
+
+def test_bare_posbench_prints_its_help_once():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "posbench.cli"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.count("Usage: posbench") == 1, res.stdout
+
+
+def test_blame_names_the_flag_not_a_file_with_a_fault_of_its_own(tmp_path):
+    """The file alone fails (train.steps is fine there, eval lengths are not); the flags add
+    another fault: each message names its own source."""
+    from posbench.config import load_config
+    from posbench.errors import PosbenchError
+
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("model: {train_len: 64}\neval: {lengths: [32, 64]}\n")
+    with pytest.raises(PosbenchError, match=r"partial.yaml: eval.lengths \[32\] are shorter"):
+        load_config(partial, [])
+    with pytest.raises(PosbenchError, match="^command line: train.steps=0 must be positive"):
+        load_config(partial, ["model.train_len=32", "train.steps=0"])
