@@ -9,7 +9,8 @@ import pandas as pd
 
 from posbench.config import config_from_dict, read_yaml
 from posbench.errors import PosbenchError
-from posbench.run import EVAL_COLUMNS, PROTOCOL_NAMES, atomic, read_eval, write_atomic
+from posbench.run import (EVAL_COLUMNS, PROTOCOL_NAMES, atomic, differences, experiment_part, read_eval,
+                          write_atomic)
 
 
 def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
@@ -17,12 +18,28 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
     exp_dir = Path(exp_dir)
     if not exp_dir.is_dir():
         raise PosbenchError(f"{exp_dir}: no such experiment directory")
-    rows, configs = [], []
+    rows, configs, first = [], [], None
     for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if not (rdir / "config.yaml").is_file():
-            continue
+        has = {f: (rdir / f).is_file() for f in ("config.yaml", "eval.csv", "model.pt")}
+        if not any(has.values()):
+            continue  # not a run folder
+        if not (has["config.yaml"] and has["eval.csv"]):  # a run is never left out in silence
+            lacks = " and ".join(f for f in ("config.yaml", "eval.csv") if not has[f])
+            raise PosbenchError(
+                f"{rdir}: a run folder without {lacks}; finish it with posbench evaluate {rdir} "
+                f"or posbench extrapolate, or move it out of {exp_dir}"
+            )
         raw = read_yaml(rdir / "config.yaml")  # malformed or not text: one line naming it
         configs.append(config_from_dict(raw, source=str(rdir / "config.yaml")))
+        part = experiment_part(raw)
+        if first is None:
+            first = (rdir, part)
+        elif part != first[1]:
+            raise PosbenchError(
+                f"{exp_dir}: {rdir.name} and {first[0].name} were trained under different settings "
+                f"({', '.join(differences(first[1], part))}); a table compares runs that differ "
+                f"only in scheme and seed"
+            )
         rows += read_eval(rdir)
     if not rows:
         raise PosbenchError(
@@ -106,10 +123,10 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
     tokens = t.steps * t.batch_size * m.train_len
     lines = [
         f"- corpus: {corpus}; validation = last {c.data.val_fraction:.0%} of it",
-        f"- model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, "
+        f"- model: {m.n_layer} layer{'s' if m.n_layer > 1 else ''}, d_model {m.d_model}, {m.n_head} heads, "
         f"{params / 1e6:.2f}M parameters with NoPE, vocab {m.vocab_size}",
         f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
-        f"= {tokens / 1e6:.2f}M tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
+        f"= {tokens:,} tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
         f"to {t.min_lr:g}), seeds {sorted(set(df['seed']))}",
         f"- evaluation: {e.protocol} ({PROTOCOL_NAMES[e.protocol]}), the same "
         f"{int(df['tokens'].iloc[0])} validation tokens at every length; cells are perplexity "
@@ -122,17 +139,7 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
             f"variant (`posbench schemes` describes each), no retraining; s = length / train "
             f"length, or the s after @"
         )
-    differ = [k for k in ("model", "train", "data") if any(_shared(o)[k] != _shared(c)[k] for o in configs)]
-    if differ:
-        lines.append(f"- note: the runs differ in {', '.join(differ)}; the lines above are the first run's")
     return lines
-
-
-def _shared(cfg) -> dict:
-    """The parts of a run config that every run of an experiment should share."""
-    d = cfg.to_dict()
-    d["model"] = {k: v for k, v in d["model"].items() if k not in ("scheme", "options")}
-    return d
 
 
 def markdown(table: pd.DataFrame, configs: list, df: pd.DataFrame) -> str:

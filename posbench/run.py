@@ -347,6 +347,7 @@ def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]
     """(resolved config, run folder, already trained?) for every (scheme, seed), checked before
     anything is written: a folder trained under another config is an error, not overwritten."""
     exp = Path(cfg.out_dir) / cfg.name
+    _check_same_experiment(cfg, exp)
     plan = []
     for scheme in cfg.schemes:
         for seed in cfg.seeds:
@@ -370,6 +371,47 @@ def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]
                 raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
             plan.append((rc, rdir, done))
     return plan
+
+
+def _check_same_experiment(cfg: ExperimentConfig, exp: Path) -> None:
+    """An experiment's runs differ in scheme and seed only; a run trained at another length or
+    size would be averaged with them as if it were another seed."""
+    new = experiment_part(cfg.to_dict())
+    for cfg_file in sorted(exp.glob("*/config.yaml")):
+        if cfg_file.parent.name.startswith("."):
+            continue
+        try:
+            old = experiment_part(read_yaml(cfg_file))
+        except PosbenchError:
+            continue  # a damaged run folder is reported when it is planned
+        if old != new:
+            diff = differences(old, new)
+            raise PosbenchError(
+                f"{exp} holds runs trained under other settings ({cfg_file.parent.name}: {', '.join(diff)}); "
+                f"its runs must differ only in scheme and seed: choose another name with --set name=NEW"
+            )
+
+
+def experiment_part(d: dict) -> dict:
+    """What every run of one experiment shares: the training part without scheme and seed."""
+    part = _training_part(d)
+    for key in ("schemes", "seeds", "scheme_options"):
+        part.pop(key, None)
+    if isinstance(part.get("model"), dict):
+        part["model"] = {k: v for k, v in part["model"].items() if k not in ("scheme", "options")}
+    return part
+
+
+def differences(old: dict, new: dict, where: str = "") -> list[str]:
+    """Dotted keys whose values differ, e.g. ['model.train_len=32 (now 64)']."""
+    out = []
+    for k in sorted(set(old) | set(new), key=str):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{where}{k}.")
+        elif a != b:
+            out.append(f"{where}{k}={a} (now {b})")
+    return out
 
 
 def _training_part(d: dict) -> dict:

@@ -58,7 +58,7 @@ def test_summary_md_names_corpus_model_budget_protocol(smoke):
     exp, res, text = smoke
     md = (exp / "summary.md").read_text()
     assert f"corpus: {text}" in md
-    assert "1 layers, d_model 32, 2 heads" in md
+    assert "1 layer, d_model 32, 2 heads" in md
     assert "30 steps x 8 sequences x 32 tokens" in md
     assert "nonoverlapping" in md
     for scheme in SEED_SCHEMES:
@@ -224,7 +224,8 @@ def test_failure_keeps_earlier_results(smoke, tmp_path, corpus_file):
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={out}",
                  "--set", f"data.path={text}", "--set", "train.steps=7")  # fmt: skip
-    assert res.exit_code != 0 and "trained under a different config" in res.output
+    assert res.exit_code != 0 and "holds runs trained under other settings" in res.output
+    assert "train.steps=30 (now 7)" in " ".join(res.output.split())
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
 
 
@@ -575,3 +576,32 @@ def test_blame_names_the_flag_not_a_file_with_a_fault_of_its_own(tmp_path):
         load_config(partial, [])
     with pytest.raises(PosbenchError, match="^command line: train.steps=0 must be positive"):
         load_config(partial, ["model.train_len=32", "train.steps=0"])
+
+
+def test_an_experiment_never_mixes_training_settings(smoke, tmp_path):
+    """A run trained at another length joins no experiment (it would be averaged as a seed),
+    and report refuses a folder assembled from two, naming the setting."""
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    shutil.copytree(exp, out / "smoke")
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--seeds", "1", "--train-len", "48",
+                 "--lengths", "48,64", "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
+    assert res.exit_code == 2 and "model.train_len=32 (now 48)" in " ".join(res.output.split())
+    assert not (out / "smoke" / "alibi-seed1").exists()
+    other = tmp_path / "other"
+    assert invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--seeds", "1", "--set", "train.steps=4",
+                  "--set", f"out_dir={other}", "--set", f"data.path={text}").exit_code == 0  # fmt: skip
+    shutil.copytree(other / "smoke" / "alibi-seed1", out / "smoke" / "alibi-seed1")
+    summary = (out / "smoke" / "summary.csv").read_text()
+    res = invoke("report", out / "smoke")
+    assert res.exit_code == 2 and "train.steps=30 (now 4)" in " ".join(res.output.split())
+    assert (out / "smoke" / "summary.csv").read_text() == summary
+
+
+def test_report_names_a_run_folder_missing_its_records(smoke, tmp_path):
+    exp, _, _ = smoke
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    (copy / "rope-seed0" / "eval.csv").unlink()
+    res = invoke("report", copy)
+    assert res.exit_code == 2 and "rope-seed0: a run folder without eval.csv" in " ".join(res.output.split())
