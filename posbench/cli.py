@@ -262,7 +262,8 @@ def evaluate(
 
     --rope-scaling yarn scores a rope checkpoint rescaled at evaluation time: rows rope+yarn."""
     from posbench.data import load_corpus
-    from posbench.run import evaluate_into, load_run
+    from posbench.config import dump_yaml
+    from posbench.run import evaluate_into, load_run, write_atomic
 
     with user_errors():
         _set_threads(threads)
@@ -277,6 +278,8 @@ def evaluate(
                 f"--lengths {lengths}: every length must be >= the training length {rc.model.train_len}"
             )
         rows = evaluate_into(rc, run_dir, model, load_corpus(rc.data), Ls, kinds or [None], rope_factor)
+        if not (Path(run_dir) / "config.yaml").is_file():  # restored from the checkpoint's own
+            write_atomic(Path(run_dir) / "config.yaml", dump_yaml(rc))
         t = Table(title=f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}")
         for c in ("scheme", "length", "loss", "ppl", "status"):
             t.add_column(c, justify="left" if c == "scheme" else "right")

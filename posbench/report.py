@@ -128,9 +128,8 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
         f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
         f"= {tokens:,} tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
         f"to {t.min_lr:g}), seeds {sorted(set(df['seed']))}",
-        f"- evaluation: {e.protocol} ({PROTOCOL_NAMES[e.protocol]}), the same "
-        f"{int(df['tokens'].iloc[0])} validation tokens at every length; cells are perplexity "
-        f"per byte (mean ± std over seeds when there are several)",
+        f"- evaluation: {e.protocol} ({PROTOCOL_NAMES[e.protocol]}), {_tokens_note(df)}; cells are "
+        f"perplexity per byte (mean ± std over seeds when there are several)",
     ]
     variants = sorted({s for s in df["scheme"] if "+" in s})
     if variants:
@@ -140,6 +139,16 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
             f"length, or the s after @"
         )
     return lines
+
+
+def _tokens_note(df: pd.DataFrame) -> str:
+    counts = sorted(set(df["tokens"]))
+    if len(counts) == 1:
+        return f"the same {counts[0]} validation tokens at every length"
+    odd = df[df["tokens"] != df["tokens"].mode()[0]]
+    where = ", ".join(f"{r.scheme} seed {r.seed} at {r.length}" for r in odd.head(3).itertuples())
+    return (f"NOT the same validation tokens everywhere ({', '.join(map(str, counts))}; e.g. {where}): "
+            f"posbench evaluate those runs to score them alike")
 
 
 def markdown(table: pd.DataFrame, configs: list, df: pd.DataFrame) -> str:

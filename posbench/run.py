@@ -238,7 +238,20 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
         ) from None
     if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
         raise PosbenchError(f"{ckpt_path}: holds non-finite weights (NaN or inf); retrain it")
+    record = Path(run_dir) / "config.yaml"
+    if record.is_file():  # the run's record: its data and eval settings are the current ones
+        rec = config_from_dict(read_yaml(record), source=str(record))
+        ours, theirs = _weights_part(cfg.to_dict()), _weights_part(rec.to_dict())
+        if ours != theirs:
+            diff = ", ".join(differences(ours, theirs))
+            raise PosbenchError(f"{record} does not describe model.pt ({diff}); restore or delete it")
+        cfg = rec
     return cfg, model
+
+
+def _weights_part(d: dict) -> dict:
+    """What a checkpoint's weights came from, given its text: the data may move or change."""
+    return {k: v for k, v in _training_part(d).items() if k != "data"}
 
 
 # --- evaluation ------------------------------------------------------------------------------
@@ -464,6 +477,12 @@ def evaluate_into(
         raise PosbenchError(f"rope factor {factor}: must be >= 1")
     device = pick_device(rc.train.device)
     tokens = eval_tokens(corpus, rc, lengths)
+    labels = {variant_label(rc.model.scheme, v, factor) for v in variants}
+    n = len(tokens) - 1
+    stale = {int(r["length"]) for r in read_eval(rdir) if r["scheme"] in labels and int(r["tokens"]) != n}
+    if stale - set(lengths):  # rows scored on other tokens do not compare with these: redo them
+        lengths = sorted(set(lengths) | stale)
+        tokens = eval_tokens(corpus, rc, lengths)
     rows = []
     for v in variants:
         scored = evaluate_model(model, tokens, lengths, rc.eval.batch_size, device, v, factor)

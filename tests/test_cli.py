@@ -605,3 +605,28 @@ def test_report_names_a_run_folder_missing_its_records(smoke, tmp_path):
     (copy / "rope-seed0" / "eval.csv").unlink()
     res = invoke("report", copy)
     assert res.exit_code == 2 and "rope-seed0: a run folder without eval.csv" in " ".join(res.output.split())
+
+
+def test_evaluate_reads_the_runs_config_and_rescores_rows_on_other_tokens(smoke, tmp_path):
+    """The run's config.yaml is its record: evaluate scores with its eval.tokens, and rows left
+    from other tokens are scored again, so one eval.csv never mixes token sets. A config.yaml
+    that does not match the weights is refused; a missing one is restored."""
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    old = {r["length"]: r for r in csv.DictReader((run / "eval.csv").open())}
+    assert len(old) >= 3 and {r["tokens"] for r in old.values()} != {"400"}
+    rec = yaml.safe_load((run / "config.yaml").read_text())
+    rec["eval"]["tokens"] = 400
+    (run / "config.yaml").write_text(yaml.safe_dump(rec))
+    assert invoke("evaluate", run, "--lengths", "32").exit_code == 0
+    new = {r["length"]: r for r in csv.DictReader((run / "eval.csv").open())}
+    assert set(new) == set(old) and {r["tokens"] for r in new.values()} == {"400"}
+
+    rec["train"]["steps"] += 1
+    (run / "config.yaml").write_text(yaml.safe_dump(rec))
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and "config.yaml does not describe model.pt (train.steps=" in " ".join(res.output.split())
+    (run / "config.yaml").unlink()
+    assert invoke("evaluate", run, "--lengths", "32").exit_code == 0
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == rec["train"]["steps"] - 1

@@ -138,3 +138,10 @@ def test_exponent_notation_is_a_number(tmp_path):
     path.write_text("train:\n  lr: 3e-4\n  min_lr: 1E-5\n")
     cfg = load_config(path, [])
     assert (cfg.train.lr, cfg.train.min_lr) == (0.0003, 0.00001)
+
+
+def test_the_training_length_is_always_evaluated():
+    """It is the base of every ratio; lengths that leave it out get it added."""
+    from posbench.config import load_config
+
+    assert load_config(None, ["eval.lengths=[150, 200]"]).eval.lengths == [100, 150, 200]
