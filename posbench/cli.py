@@ -257,12 +257,13 @@ def evaluate(
         Optional[str], typer.Option(help="score RoPE scaled at evaluation instead: linear,ntk,dynamic,yarn")
     ] = None,
     rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L per length)")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (default: the run's)")] = None,
 ):
     """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
 
     --rope-scaling yarn scores a rope checkpoint rescaled at evaluation time: rows rope+yarn."""
     from posbench.data import load_corpus
-    from posbench.config import dump_yaml
+    from posbench.config import config_from_dict, dump_yaml
     from posbench.run import evaluate_into, load_run, write_atomic
 
     with user_errors():
@@ -271,6 +272,8 @@ def evaluate(
         if rope_factor is not None and not kinds:
             raise PosbenchError("--rope-factor needs --rope-scaling, e.g. --rope-scaling yarn")
         rc, model = load_run(run_dir)
+        if device is not None:  # a run trained on a GPU can be scored on a laptop
+            rc = config_from_dict({**rc.to_dict(), "train": {**rc.to_dict()["train"], "device": device}})
         Ls = _csv_ints(lengths, "--lengths") or rc.eval.lengths
         short = [L for L in Ls if L < rc.model.train_len]
         if short or not Ls:

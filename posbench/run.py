@@ -495,16 +495,18 @@ def evaluate_into(
     return rows
 
 
-def _unevaluated(rc, rdir: Path, model, n_tokens: int) -> list[Optional[str]]:
-    """The variants (None: as trained) still lacking a row at some length with these tokens;
+def _unevaluated(rc, rdir: Path, model, n_tokens: int) -> dict[Optional[str], list[int]]:
+    """For each variant (None: as trained), the lengths still lacking a row with these tokens;
     eval.rope_scaling kinds apply to a run only if its scheme declares them."""
     variants = [None] + [v for v in rc.eval.rope_scaling if v in model.scheme.eval_variants]
     have = {(r["scheme"], int(r["length"]), int(r["tokens"])) for r in read_eval(rdir)}
-    return [
-        v for v in variants
-        if any((variant_label(rc.model.scheme, v, rc.eval.rope_factor), L, n_tokens) not in have
-               for L in rc.eval.lengths)
-    ]  # fmt: skip
+    missing = {}
+    for v in variants:
+        label = variant_label(rc.model.scheme, v, rc.eval.rope_factor)
+        lengths = [L for L in rc.eval.lengths if (label, L, n_tokens) not in have]
+        if lengths:
+            missing[v] = lengths
+    return missing
 
 
 def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
@@ -550,9 +552,8 @@ def run_one(rc, rdir: Path, done: bool, corpus: Corpus, n_tokens: int, reporter:
         reporter.note(f"{rdir.name}: already trained, reusing its checkpoint")
     else:
         model = train_run(rc, rdir, corpus, reporter)
-    missing = _unevaluated(rc, rdir, model, n_tokens)
-    if missing:
-        evaluate_into(rc, rdir, model, corpus, rc.eval.lengths, missing, rc.eval.rope_factor)
+    for variant, lengths in _unevaluated(rc, rdir, model, n_tokens).items():  # only what is missing
+        evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor)
     write_atomic(rdir / "config.yaml", dump_yaml(rc))  # eval settings may have changed
 
 

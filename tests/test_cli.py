@@ -630,3 +630,34 @@ def test_evaluate_reads_the_runs_config_and_rescores_rows_on_other_tokens(smoke,
     (run / "config.yaml").unlink()
     assert invoke("evaluate", run, "--lengths", "32").exit_code == 0
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == rec["train"]["steps"] - 1
+
+
+def test_growing_the_lengths_scores_only_the_new_one(smoke, tmp_path, monkeypatch):
+    import posbench.run
+
+    exp, _, text = smoke
+    out = tmp_path / "grow"
+    shutil.copytree(exp, out / "smoke")
+    scored = []
+    real = posbench.run.evaluate_model
+
+    def spy(model, tokens, lengths, *a, **kw):
+        scored.append(list(lengths))
+        return real(model, tokens, lengths, *a, **kw)
+
+    monkeypatch.setattr(posbench.run, "evaluate_model", spy)
+    lengths = yaml.safe_load(open(SMOKE))["eval"]["lengths"]
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--lengths", ",".join(map(str, lengths + [56])),
+                 "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert scored == [[56]]
+
+
+def test_evaluate_on_another_device(smoke, tmp_path):
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    assert invoke("evaluate", run, "--lengths", "32", "--device", "cpu").exit_code == 0
+    if not torch.cuda.is_available():
+        res = invoke("evaluate", run, "--lengths", "32", "--device", "cuda")
+        assert res.exit_code == 2 and "no CUDA device is available here" in res.output
