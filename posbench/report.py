@@ -82,16 +82,27 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     train_len = df.groupby("scheme")["train_len"].first().reindex(order)
     status = df.pivot_table(index="scheme", columns="length", values="status", aggfunc="first")
     status = status.reindex(index=order, columns=lengths)
+    scored = ok.pivot_table(index="scheme", columns="length", values="seed", aggfunc="nunique")
+    scored = scored.reindex(index=order, columns=lengths)
     out = pd.DataFrame(index=order)
     out.index.name = "scheme"
     for L in lengths:
         out[L] = mean[L]
         out[f"std {L}"] = std[L]
         out[f"status {L}"] = status[L]
-    base = [mean.loc[s, train_len[s]] if train_len[s] in mean.columns else math.nan for s in order]
-    out["ratio"] = [mean.loc[s, lengths[-1]] / b if b == b else math.nan for s, b in zip(order, base)]
+        out[f"n {L}"] = scored[L]  # seeds behind the mean, when fewer than the row's
+    out["ratio"] = [_ratio(ok[ok["scheme"] == s], train_len[s], lengths[-1]) for s in order]
     out["seeds"] = seeds
     return out
+
+
+def _ratio(rows: pd.DataFrame, base: int, longest: int) -> float:
+    """ppl(longest) / ppl(base) over the seeds scored at both, so that a length only some
+    seeds reached is not divided by another set of seeds' mean."""
+    a = rows[rows["length"] == base].set_index("seed")["ppl"]
+    b = rows[rows["length"] == longest].set_index("seed")["ppl"]
+    both = a.index.intersection(b.index)
+    return b[both].mean() / a[both].mean() if len(both) else math.nan
 
 
 def cell(table: pd.DataFrame, scheme: str, L: int, missing: str = "") -> str:
@@ -104,7 +115,9 @@ def cell(table: pd.DataFrame, scheme: str, L: int, missing: str = "") -> str:
         return "nan"
     if st != "ok" or v != v:
         return missing or st
-    return f"{v:.2f} ± {sd:.2f}" if sd == sd else f"{v:.2f}"
+    text = f"{v:.2f} ± {sd:.2f}" if sd == sd else f"{v:.2f}"
+    n, of = table.loc[scheme, f"n {L}"], table.loc[scheme, "seeds"]
+    return text if n == of else f"{text} ({n:.0f} of {of} seeds)"
 
 
 def lengths_of(table: pd.DataFrame) -> list[int]:

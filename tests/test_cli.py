@@ -661,3 +661,17 @@ def test_evaluate_on_another_device(smoke, tmp_path):
     if not torch.cuda.is_available():
         res = invoke("evaluate", run, "--lengths", "32", "--device", "cuda")
         assert res.exit_code == 2 and "no CUDA device is available here" in res.output
+
+
+def test_a_length_only_some_seeds_reached_says_so_and_its_ratio_uses_those_seeds(tmp_path, corpus_file):
+    out = tmp_path / "r"
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--seeds", "0,1", "--set", "train.steps=3",
+                 "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    exp = out / "smoke"
+    assert invoke("evaluate", exp / "alibi-seed0", "--lengths", "80").exit_code == 0
+    assert invoke("report", exp).exit_code == 0
+    rows = {(r["seed"], int(r["length"])): float(r["ppl"]) for r in csv.DictReader((exp / "alibi-seed0" / "eval.csv").open())}
+    md = (exp / "summary.md").read_text()
+    assert f"{rows['0', 80]:.2f} (1 of 2 seeds)" in md
+    assert f"{rows['0', 80] / rows['0', 32]:.2f}" in md.split("| alibi |")[1].splitlines()[0]
