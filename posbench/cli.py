@@ -141,7 +141,8 @@ def _comparison_table(table, title: str) -> Table:
     from posbench.report import cell, lengths_of
 
     lengths = lengths_of(table)
-    t = Table(title=title, caption="— : the scheme cannot encode that length (beyond-max-len); blank: not evaluated")
+    t = Table(title=title, caption="— : the scheme cannot encode that length (beyond-max-len); nan: the loss blew up; "
+                                         "blank: not evaluated")
     t.add_column("scheme", style="bold", no_wrap=True, min_width=max(len(s) for s in table.index))
     for L in lengths:
         t.add_column(str(L), justify="right")
@@ -262,27 +263,17 @@ def evaluate(
     """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
 
     --rope-scaling yarn scores a rope checkpoint rescaled at evaluation time: rows rope+yarn."""
-    from posbench.data import load_corpus
-    from posbench.config import config_from_dict, dump_yaml
-    from posbench.run import evaluate_into, load_run, write_atomic
+    from posbench.run import evaluate_run
 
     with user_errors():
         _set_threads(threads)
         kinds = _csv_names(rope_scaling)
         if rope_factor is not None and not kinds:
             raise PosbenchError("--rope-factor needs --rope-scaling, e.g. --rope-scaling yarn")
-        rc, model = load_run(run_dir)
-        if device is not None:  # a run trained on a GPU can be scored on a laptop
-            rc = config_from_dict({**rc.to_dict(), "train": {**rc.to_dict()["train"], "device": device}})
-        Ls = _csv_ints(lengths, "--lengths") or rc.eval.lengths
-        short = [L for L in Ls if L < rc.model.train_len]
-        if short or not Ls:
-            raise PosbenchError(
-                f"--lengths {lengths}: every length must be >= the training length {rc.model.train_len}"
-            )
-        rows = evaluate_into(rc, run_dir, model, load_corpus(rc.data), Ls, kinds or [None], rope_factor)
-        if not (Path(run_dir) / "config.yaml").is_file():  # restored from the checkpoint's own
-            write_atomic(Path(run_dir) / "config.yaml", dump_yaml(rc))
+        if device is not None and device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+            raise PosbenchError(f"--device {device}: expected auto, cpu or cuda")
+        Ls = _csv_ints(lengths, "--lengths")
+        rc, rows = evaluate_run(run_dir, Ls, kinds or [None], rope_factor, device)
         t = Table(title=f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}")
         for c in ("scheme", "length", "loss", "ppl", "status"):
             t.add_column(c, justify="left" if c == "scheme" else "right")

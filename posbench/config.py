@@ -178,8 +178,8 @@ class ExperimentConfig:
                 raise PosbenchError(
                     f"eval.rope_scaling: unknown kind '{kind}'{hint}; valid: {', '.join(sorted(known))}"
                 )
-        if self.model.train_len not in self.eval.lengths:  # the base of every ratio is always scored
-            self.eval.lengths = sorted([self.model.train_len, *self.eval.lengths])
+        # the training length, the base of every ratio, is always scored; columns read in order
+        self.eval.lengths = sorted({self.model.train_len, *self.eval.lengths})
         short = [n for n in self.eval.lengths if n < self.model.train_len]
         if short:
             raise PosbenchError(

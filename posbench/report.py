@@ -31,14 +31,14 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
             )
         raw = read_yaml(rdir / "config.yaml")  # malformed or not text: one line naming it
         configs.append(config_from_dict(raw, source=str(rdir / "config.yaml")))
-        part = experiment_part(raw)
+        part = experiment_part(configs[-1].to_dict())
         if first is None:
             first = (rdir, part)
         elif part != first[1]:
+            diff = differences(first[1], part, (first[0].name, f"in {rdir.name}"))
             raise PosbenchError(
-                f"{exp_dir}: {rdir.name} and {first[0].name} were trained under different settings "
-                f"({', '.join(differences(first[1], part))}); a table compares runs that differ "
-                f"only in scheme and seed"
+                f"{exp_dir}: runs trained under different settings ({', '.join(diff)}); "
+                f"a table compares runs that differ only in scheme and seed"
             )
         rows += read_eval(rdir)
     if not rows:
@@ -78,12 +78,17 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     lengths = sorted(df["length"].unique())
     mean = mean.reindex(index=order, columns=lengths)
     std = std.reindex(index=order, columns=lengths)
-    seeds = df.groupby("scheme")["seed"].nunique().reindex(order)
+    # a variant row (rope+yarn) counts against its base scheme's seeds: those are its checkpoints
+    base_seeds = df.groupby(df["scheme"].str.split("+").str[0])["seed"].nunique()
+    seeds = pd.Series([base_seeds[s.split("+")[0]] for s in order], index=order)
     train_len = df.groupby("scheme")["train_len"].first().reindex(order)
     status = df.pivot_table(index="scheme", columns="length", values="status", aggfunc="first")
     status = status.reindex(index=order, columns=lengths)
     scored = ok.pivot_table(index="scheme", columns="length", values="seed", aggfunc="nunique")
     scored = scored.reindex(index=order, columns=lengths)
+    blown = df[df["status"] == "non-finite"]
+    blown = blown.pivot_table(index="scheme", columns="length", values="seed", aggfunc="nunique")
+    blown = blown.reindex(index=order, columns=lengths)
     out = pd.DataFrame(index=order)
     out.index.name = "scheme"
     for L in lengths:
@@ -91,7 +96,12 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
         out[f"std {L}"] = std[L]
         out[f"status {L}"] = status[L]
         out[f"n {L}"] = scored[L]  # seeds behind the mean, when fewer than the row's
-    out["ratio"] = [_ratio(ok[ok["scheme"] == s], train_len[s], lengths[-1]) for s in order]
+        out[f"nonfinite {L}"] = blown[L]  # seeds whose loss blew up there
+    out["ratio"] = [
+        math.nan if (blown.loc[s].reindex([train_len[s], lengths[-1]]).fillna(0) > 0).any()  # none hidden
+        else _ratio(ok[ok["scheme"] == s], train_len[s], lengths[-1])
+        for s in order
+    ]
     out["seeds"] = seeds
     return out
 
@@ -106,17 +116,20 @@ def _ratio(rows: pd.DataFrame, base: int, longest: int) -> float:
 
 
 def cell(table: pd.DataFrame, scheme: str, L: int, missing: str = "") -> str:
-    """'12.34', '12.34 ± 0.10' over seeds; 'nan' where the loss blew up; the status (or
-    `missing`) where the scheme could not be scored; blank where that length was never evaluated."""
+    """'12.34', '12.34 ± 0.10' over seeds, with '(1 of 3 seeds)' when fewer seeds than the row's
+    reached the length and '; 1 non-finite' when some blew up there; 'nan' when all did; the
+    status (or `missing`) where the scheme could not be scored; blank where never evaluated."""
     v, sd, st = table.loc[scheme, L], table.loc[scheme, f"std {L}"], table.loc[scheme, f"status {L}"]
     if not isinstance(st, str):
         return ""
-    if st == "non-finite":
-        return "nan"
-    if st != "ok" or v != v:
-        return missing or st
+    blown = table.loc[scheme, f"nonfinite {L}"]
+    blown = 0 if blown != blown else int(blown)
+    if v != v:  # no seed scored here
+        return "nan" if blown else (missing or st)
     text = f"{v:.2f} ± {sd:.2f}" if sd == sd else f"{v:.2f}"
     n, of = table.loc[scheme, f"n {L}"], table.loc[scheme, "seeds"]
+    if blown:
+        return f"{text} ({n:.0f} of {of} seeds; {blown} non-finite)"
     return text if n == of else f"{text} ({n:.0f} of {of} seeds)"
 
 
@@ -155,13 +168,14 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
 
 
 def _tokens_note(df: pd.DataFrame) -> str:
+    """The evaluation tokens, or a warning naming rows scored on others."""
     counts = sorted(set(df["tokens"]))
     if len(counts) == 1:
         return f"the same {counts[0]} validation tokens at every length"
     odd = df[df["tokens"] != df["tokens"].mode()[0]]
     where = ", ".join(f"{r.scheme} seed {r.seed} at {r.length}" for r in odd.head(3).itertuples())
     return (f"NOT the same validation tokens everywhere ({', '.join(map(str, counts))}; e.g. {where}): "
-            f"posbench evaluate those runs to score them alike")
+            f"rerun extrapolate with one eval.tokens to score every run alike")
 
 
 def markdown(table: pd.DataFrame, configs: list, df: pd.DataFrame) -> str:

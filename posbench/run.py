@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -72,7 +73,9 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise PosbenchError(f"train.device={name}: no CUDA device is available here")
+        raise PosbenchError(
+            f"train.device={name}: no CUDA device is available here (evaluate takes --device cpu)"
+        )
     return torch.device(name)
 
 
@@ -243,7 +246,7 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
         rec = config_from_dict(read_yaml(record), source=str(record))
         ours, theirs = _weights_part(cfg.to_dict()), _weights_part(rec.to_dict())
         if ours != theirs:
-            diff = ", ".join(differences(ours, theirs))
+            diff = ", ".join(differences(ours, theirs, ("model.pt", "in config.yaml")))
             raise PosbenchError(f"{record} does not describe model.pt ({diff}); restore or delete it")
         cfg = rec
     return cfg, model
@@ -259,6 +262,8 @@ def _weights_part(d: dict) -> dict:
 
 def eval_tokens(corpus: Corpus, cfg: ExperimentConfig, lengths: list[int]) -> torch.Tensor:
     """The validation tokens scored at every length: the first eval.tokens (+1 for targets)."""
+    if cfg.eval.tokens < max(lengths):
+        raise PosbenchError(f"eval.tokens={cfg.eval.tokens} is fewer than eval length {max(lengths)}")
     n = min(cfg.eval.tokens, len(corpus.val) - 1)
     if n < max(lengths):
         raise PosbenchError(
@@ -374,9 +379,9 @@ def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]
                     raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
                 new = rc.to_dict()
                 if _training_part(old) != _training_part(new):
-                    diff = [k for k in _training_part(new) if old.get(k) != new[k]]
+                    diff = differences(_training_part(old), _training_part(new), (rdir.name, "here"))
                     raise PosbenchError(
-                        f"{rdir} was trained under a different config ({', '.join(diff)} differ); "
+                        f"{rdir} was trained under a different config ({', '.join(diff)}); "
                         f"choose another experiment name with --set name=NEW, or delete that folder"
                     )
                 done = True
@@ -394,13 +399,13 @@ def _check_same_experiment(cfg: ExperimentConfig, exp: Path) -> None:
         if cfg_file.parent.name.startswith("."):
             continue
         try:
-            old = experiment_part(read_yaml(cfg_file))
+            old = experiment_part(config_from_dict(read_yaml(cfg_file)).to_dict())
         except PosbenchError:
             continue  # a damaged run folder is reported when it is planned
         if old != new:
-            diff = differences(old, new)
+            diff = differences(old, new, names=(cfg_file.parent.name, "here"))
             raise PosbenchError(
-                f"{exp} holds runs trained under other settings ({cfg_file.parent.name}: {', '.join(diff)}); "
+                f"{exp} holds runs trained under other settings ({', '.join(diff)}); "
                 f"its runs must differ only in scheme and seed: choose another name with --set name=NEW"
             )
 
@@ -415,15 +420,15 @@ def experiment_part(d: dict) -> dict:
     return part
 
 
-def differences(old: dict, new: dict, where: str = "") -> list[str]:
-    """Dotted keys whose values differ, e.g. ['model.train_len=32 (now 64)']."""
+def differences(a: dict, b: dict, names=("old", "new"), where: str = "") -> list[str]:
+    """Dotted keys whose values differ, e.g. ['model.train_len: 32 in alibi-seed0, 64 here']."""
     out = []
-    for k in sorted(set(old) | set(new), key=str):
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += differences(a, b, f"{where}{k}.")
-        elif a != b:
-            out.append(f"{where}{k}={a} (now {b})")
+    for k in sorted(set(a) | set(b), key=str):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += differences(x, y, names, f"{where}{k}.")
+        elif x != y:
+            out.append(f"{where}{k}: {x} in {names[0]}, {y} {names[1]}")
     return out
 
 
@@ -479,7 +484,8 @@ def evaluate_into(
     tokens = eval_tokens(corpus, rc, lengths)
     labels = {variant_label(rc.model.scheme, v, factor) for v in variants}
     n = len(tokens) - 1
-    stale = {int(r["length"]) for r in read_eval(rdir) if r["scheme"] in labels and int(r["tokens"]) != n}
+    stale = {int(r["length"]) for r in read_eval(rdir)
+             if r["scheme"] in labels and int(r["tokens"]) != n and int(r["length"]) <= n}  # fmt: skip
     if stale - set(lengths):  # rows scored on other tokens do not compare with these: redo them
         lengths = sorted(set(lengths) | stale)
         tokens = eval_tokens(corpus, rc, lengths)
@@ -493,6 +499,30 @@ def evaluate_into(
     merged = sorted(keep + rows, key=lambda r: (r["scheme"] != base, r["scheme"], int(r["length"])))
     write_rows(rdir / "eval.csv", merged, EVAL_COLUMNS)
     return rows
+
+
+def evaluate_run(
+    run_dir: Path,
+    lengths: Optional[list[int]],
+    variants: list[Optional[str]] = (None,),
+    factor: Optional[float] = None,
+    device: Optional[str] = None,
+) -> tuple[ExperimentConfig, list[dict]]:
+    """`posbench evaluate`: score a finished run at `lengths` (None: its config's), on `device`
+    (None: the run's own), merge the rows into its eval.csv, and restore a deleted config.yaml
+    from the checkpoint's copy. Returns the run's config and the new rows."""
+    rc, model = load_run(run_dir)
+    if not (Path(run_dir) / "config.yaml").is_file():
+        write_atomic(Path(run_dir) / "config.yaml", dump_yaml(rc))
+    if device is not None:  # a run trained on a GPU can be scored on a laptop
+        rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
+    lengths = lengths or rc.eval.lengths
+    if not lengths or min(lengths) < rc.model.train_len:
+        raise PosbenchError(
+            f"--lengths {','.join(map(str, lengths))}: every length must be >= the training length {rc.model.train_len}"
+        )
+    rows = evaluate_into(rc, Path(run_dir), model, load_corpus(rc.data), lengths, variants, factor)
+    return rc, rows
 
 
 def _unevaluated(rc, rdir: Path, model, n_tokens: int) -> dict[Optional[str], list[int]]:

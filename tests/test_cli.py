@@ -225,7 +225,7 @@ def test_failure_keeps_earlier_results(smoke, tmp_path, corpus_file):
     res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={out}",
                  "--set", f"data.path={text}", "--set", "train.steps=7")  # fmt: skip
     assert res.exit_code != 0 and "holds runs trained under other settings" in res.output
-    assert "train.steps=30 (now 7)" in " ".join(res.output.split())
+    assert "train.steps: 30 in alibi-seed0, 7 here" in " ".join(res.output.split())
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
 
 
@@ -586,7 +586,7 @@ def test_an_experiment_never_mixes_training_settings(smoke, tmp_path):
     shutil.copytree(exp, out / "smoke")
     res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--seeds", "1", "--train-len", "48",
                  "--lengths", "48,64", "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
-    assert res.exit_code == 2 and "model.train_len=32 (now 48)" in " ".join(res.output.split())
+    assert res.exit_code == 2 and "model.train_len: 32 in alibi-seed0, 48 here" in " ".join(res.output.split())
     assert not (out / "smoke" / "alibi-seed1").exists()
     other = tmp_path / "other"
     assert invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--seeds", "1", "--set", "train.steps=4",
@@ -594,7 +594,7 @@ def test_an_experiment_never_mixes_training_settings(smoke, tmp_path):
     shutil.copytree(other / "smoke" / "alibi-seed1", out / "smoke" / "alibi-seed1")
     summary = (out / "smoke" / "summary.csv").read_text()
     res = invoke("report", out / "smoke")
-    assert res.exit_code == 2 and "train.steps=30 (now 4)" in " ".join(res.output.split())
+    assert res.exit_code == 2 and "train.steps: 30 in alibi-seed0, 4 in alibi-seed1" in " ".join(res.output.split())
     assert (out / "smoke" / "summary.csv").read_text() == summary
 
 
@@ -626,7 +626,7 @@ def test_evaluate_reads_the_runs_config_and_rescores_rows_on_other_tokens(smoke,
     rec["train"]["steps"] += 1
     (run / "config.yaml").write_text(yaml.safe_dump(rec))
     res = invoke("evaluate", run, "--lengths", "32")
-    assert res.exit_code == 2 and "config.yaml does not describe model.pt (train.steps=" in " ".join(res.output.split())
+    assert res.exit_code == 2 and "config.yaml does not describe model.pt (train.steps: 30 in model.pt," in " ".join(res.output.split())
     (run / "config.yaml").unlink()
     assert invoke("evaluate", run, "--lengths", "32").exit_code == 0
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == rec["train"]["steps"] - 1
@@ -653,14 +653,19 @@ def test_growing_the_lengths_scores_only_the_new_one(smoke, tmp_path, monkeypatc
     assert scored == [[56]]
 
 
-def test_evaluate_on_another_device(smoke, tmp_path):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_run_trained_on_a_gpu_is_scored_here_with_device_cpu(smoke, tmp_path):
     exp, _, _ = smoke
     run = tmp_path / "alibi-seed0"
     shutil.copytree(exp / "alibi-seed0", run)
+    rec = yaml.safe_load((run / "config.yaml").read_text())
+    rec["train"]["device"] = "cuda"  # as if trained on a GPU (the device does not decide weights)
+    (run / "config.yaml").write_text(yaml.safe_dump(rec))
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and "no CUDA device is available here (evaluate takes --device cpu)" in res.output
     assert invoke("evaluate", run, "--lengths", "32", "--device", "cpu").exit_code == 0
-    if not torch.cuda.is_available():
-        res = invoke("evaluate", run, "--lengths", "32", "--device", "cuda")
-        assert res.exit_code == 2 and "no CUDA device is available here" in res.output
+    res = invoke("evaluate", run, "--lengths", "32", "--device", "tpu")
+    assert res.exit_code == 2 and "--device tpu: expected auto, cpu or cuda" in res.output
 
 
 def test_a_length_only_some_seeds_reached_says_so_and_its_ratio_uses_those_seeds(tmp_path, corpus_file):
@@ -674,4 +679,35 @@ def test_a_length_only_some_seeds_reached_says_so_and_its_ratio_uses_those_seeds
     rows = {(r["seed"], int(r["length"])): float(r["ppl"]) for r in csv.DictReader((exp / "alibi-seed0" / "eval.csv").open())}
     md = (exp / "summary.md").read_text()
     assert f"{rows['0', 80]:.2f} (1 of 2 seeds)" in md
-    assert f"{rows['0', 80] / rows['0', 32]:.2f}" in md.split("| alibi |")[1].splitlines()[0]
+    cells = [c.strip() for c in md.split("| alibi |")[1].splitlines()[0].split("|")]
+    assert cells[-2] == f"{rows['0', 80] / rows['0', 32]:.2f}"  # the ratio column, over seed 0
+
+
+def test_the_table_shows_seeds_that_blew_up_and_hides_no_ratio_behind_them():
+    """Seed 0 blew up at 64, seed 1 did not: the cell shows seed 1's value and says one seed
+    blew up, and the ratio is not taken from the seed that survived."""
+    import pandas as pd
+
+    from posbench.report import cell, comparison
+
+    rows = [("alibi", s, 32, L, ppl, st) for s, L, ppl, st in [
+        (0, 32, 10.0, "ok"), (0, 64, float("nan"), "non-finite"), (1, 32, 12.0, "ok"), (1, 64, 13.0, "ok")]]
+    rows += [("rope", s, 32, L, ppl, "ok") for s, L, ppl in [(0, 32, 5.0), (0, 64, 6.0), (1, 32, 7.0)]]
+    df = pd.DataFrame(rows, columns=["scheme", "seed", "train_len", "length", "ppl", "status"])
+    table = comparison(df)
+    assert cell(table, "alibi", 64) == "13.00 (1 of 2 seeds; 1 non-finite)"
+    assert table.loc["alibi", "ratio"] != table.loc["alibi", "ratio"]  # NaN, not 13/12
+    assert cell(table, "rope", 64) == "6.00 (1 of 2 seeds)"
+    assert table.loc["rope", "ratio"] == 6.0 / 5.0  # over seed 0, the one scored at both
+
+
+def test_an_experiment_grows_by_a_scheme_with_its_own_options_and_other_threads(smoke, tmp_path):
+    """What an experiment's runs must share leaves out scheme options, threads and workers."""
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    shutil.copytree(exp, out / "smoke")
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "randomized", "--threads", "1",
+                 "--set", "scheme_options.randomized.max_pos=256", "--set", "train.workers=1",
+                 "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert (out / "smoke" / "randomized-seed0" / "model.pt").is_file()
