@@ -255,14 +255,15 @@ def evaluate(
     lengths: Annotated[Optional[str], typer.Option(help="e.g. 100,200,400")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     rope_scaling: Annotated[
-        Optional[str], typer.Option(help="score RoPE scaled at evaluation instead: linear,ntk,dynamic,yarn")
+        Optional[str], typer.Option(help="also score RoPE scaled at evaluation: linear,ntk,dynamic,yarn")
     ] = None,
     rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L per length)")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (default: the run's)")] = None,
 ):
     """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
 
-    --rope-scaling yarn scores a rope checkpoint rescaled at evaluation time: rows rope+yarn."""
+    --rope-scaling yarn also scores the rope checkpoint rescaled at evaluation time (rows
+    rope+yarn), beside plain rope, at these lengths and the training length."""
     from posbench.run import evaluate_run
 
     with user_errors():

@@ -521,6 +521,9 @@ def evaluate_run(
         raise PosbenchError(
             f"--lengths {','.join(map(str, lengths))}: every length must be >= the training length {rc.model.train_len}"
         )
+    if any(v is not None for v in variants):  # a variant row reads against the plain one, and
+        variants = [None, *(v for v in variants if v is not None)]  # both need the ratio's base
+        lengths = sorted({rc.model.train_len, *lengths})
     rows = evaluate_into(rc, Path(run_dir), model, load_corpus(rc.data), lengths, variants, factor)
     return rc, rows
 

@@ -9,6 +9,7 @@ import math
 import shutil
 
 import pytest
+import yaml
 import torch
 
 from posbench.config import load_config
@@ -603,3 +604,17 @@ def test_extrapolate_rope_scaling_adds_rows_without_retraining(tiny_runs, tmp_pa
     assert {int(r["length"]) for r in summary if r["scheme"] == "rope+dynamic"} == {32, 48, 64}
     assert not any(r["scheme"].startswith("alibi+") for r in summary)
     assert "alibi+" not in (out / "smoke" / "alibi-seed0" / "eval.csv").read_text()
+
+
+def test_evaluate_with_a_variant_scores_plain_rope_and_the_training_length_too(tiny_runs, tmp_path):
+    """So that `report` gives both rows a ratio: the variant alone at a new length left every
+    ratio blank."""
+    exp, _ = tiny_runs
+    run = tmp_path / "rope-seed0"
+    shutil.copytree(exp / "rope-seed0", run)
+    train_len = yaml.safe_load((run / "config.yaml").read_text())["model"]["train_len"]
+    res = invoke("evaluate", run, "--lengths", str(2 * train_len), "--rope-scaling", "yarn")
+    assert res.exit_code == 0, res.output
+    have = {(r["scheme"], int(r["length"])) for r in csv.DictReader((run / "eval.csv").open())}
+    for scheme in ("rope", "rope+yarn"):
+        assert {(scheme, train_len), (scheme, 2 * train_len)} <= have
