@@ -372,9 +372,10 @@ def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]
             rc = cfg.for_run(scheme, seed)
             rdir = exp / run_name(scheme, seed)
             done = False
-            if (rdir / "config.yaml").is_file() and (rdir / "model.pt").is_file():
-                try:
-                    old = read_yaml(rdir / "config.yaml")
+            if (rdir / "model.pt").is_file():
+                try:  # the record, or the checkpoint's own copy when config.yaml was lost
+                    old = (read_yaml(rdir / "config.yaml") if (rdir / "config.yaml").is_file()
+                           else load_run(rdir)[0].to_dict())  # fmt: skip
                 except PosbenchError as e:
                     raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
                 new = rc.to_dict()

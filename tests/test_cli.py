@@ -711,3 +711,14 @@ def test_an_experiment_grows_by_a_scheme_with_its_own_options_and_other_threads(
                  "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
     assert res.exit_code == 0, res.output
     assert (out / "smoke" / "randomized-seed0" / "model.pt").is_file()
+
+
+def test_a_run_that_lost_its_config_yaml_resumes_from_the_checkpoints_copy(smoke, tmp_path):
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    shutil.copytree(exp, out / "smoke")
+    (out / "smoke" / "alibi-seed0" / "config.yaml").unlink()
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}",
+                 "--set", f"data.path={text}")  # fmt: skip
+    assert res.exit_code == 0 and "already trained" in res.output, res.output
+    assert (out / "smoke" / "alibi-seed0" / "config.yaml").is_file()
