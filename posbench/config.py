@@ -71,8 +71,7 @@ class TrainConfig:
         for name in ("warmup_steps", "min_lr", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise PosbenchError(f"train.{name}={getattr(self, name)} must be >= 0")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise PosbenchError(f"train.device={self.device!r}: expected auto, cpu or cuda")
+        check_device(self.device, f"train.device={self.device!r}")
         if self.threads is not None and self.threads <= 0:
             raise PosbenchError(f"train.threads={self.threads} must be positive")
         if self.workers is not None and self.workers <= 0:
@@ -223,6 +222,12 @@ def check_trainable(cfg: "ModelConfig", device_memory: Optional[int] = None, byt
             f"model.n_layer={cfg.n_layer}, model.d_model={cfg.d_model}: about {params:.2g} parameters, "
             f"{need / 2**30:.3g} GiB {what}, more than the {have / 2**30:.0f} GiB here"
         )
+
+
+def check_device(name: str, where: str) -> None:
+    """auto, cpu, cuda or cuda:N; `where` names the setting in the error."""
+    if name not in ("auto", "cpu", "cuda") and not name.startswith("cuda:"):
+        raise PosbenchError(f"{where}: expected auto, cpu or cuda")
 
 
 def _physical_memory() -> Optional[int]:

@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from posbench.config import ExperimentConfig, check_trainable, config_from_dict, dump_yaml, read_yaml
+from posbench.config import (ExperimentConfig, check_device, check_trainable, config_from_dict, dump_yaml,
+                             read_yaml)
 from posbench.data import Corpus, batch, load_corpus
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
@@ -516,6 +517,7 @@ def evaluate_run(
     if not (Path(run_dir) / "config.yaml").is_file():
         write_atomic(Path(run_dir) / "config.yaml", dump_yaml(rc))
     if device is not None:  # a run trained on a GPU can be scored on a laptop
+        check_device(device, f"--device {device}")
         rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
     lengths = lengths or rc.eval.lengths
     if not lengths or min(lengths) < rc.model.train_len:
