@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 BiasFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
+AttendFn = Callable[..., Optional[torch.Tensor]]  # (q, k, v, qpos, kpos) -> output or None
 
 
 def causal_attention(
@@ -17,6 +18,7 @@ def causal_attention(
     pos: torch.Tensor,
     bias_fn: BiasFn,
     block: Optional[int] = None,
+    attend_fn: Optional[AttendFn] = None,
 ) -> torch.Tensor:
     """softmax(q.k / sqrt(d) + bias + causal mask) v over (B, H, T, D) tensors.
 
@@ -25,16 +27,20 @@ def causal_attention(
     """
     T = q.size(2)
     if block is None or T <= block:
-        return _attend(q, k, v, pos, pos, 0, bias_fn)
+        return _attend(q, k, v, pos, pos, 0, bias_fn, attend_fn)
     out = []
     for s in range(0, T, block):
         e = min(s + block, T)
-        out.append(_attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], pos[s:e], pos[:e], s, bias_fn))
+        out.append(_attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], pos[s:e], pos[:e], s, bias_fn, attend_fn))
     return torch.cat(out, dim=2)  # (B, H, T, D)
 
 
-def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn) -> torch.Tensor:
+def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn, attend_fn=None) -> torch.Tensor:
     """Queries q0..q0+Tq-1 attend to keys 0..Tk-1."""
+    if attend_fn is not None:
+        out = attend_fn(q, k, v, qpos, kpos)
+        if out is not None:
+            return out
     Tq, Tk = q.size(2), k.size(2)
     bias = bias_fn(q, k, qpos, kpos)  # None or (B or 1, H, Tq, Tk)
     if bias is None and Tq == Tk:

@@ -31,7 +31,10 @@ class Attention(nn.Module):
         def bias_fn(qb, kb, qpos, kpos):
             return scheme.bias(qb, kb, qpos, kpos, self.layer)
 
-        y = causal_attention(q, k, v, pos, bias_fn, block)  # (B, nh, T, hs)
+        def attend_fn(qb, kb, vb, qpos, kpos):
+            return scheme.attend(qb, kb, vb, qpos, kpos, self.layer)
+
+        y = causal_attention(q, k, v, pos, bias_fn, block, attend_fn)  # (B, nh, T, hs)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 

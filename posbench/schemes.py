@@ -6,6 +6,10 @@ A scheme touches the model in exactly three places (the x-transformers taxonomy)
   bias(q, k, qpos, kpos, layer) an additive bias on the attention logits, after the 1/sqrt(d)
                                 scaling of q.k (ALiBi, T5); it may look at q (Transformer-XL)
                                 and at k (contextual schemes)
+A fourth hook is optional and only for speed:
+  attend(q, k, v, qpos, kpos, layer)  the whole causal attention, computed some faster way;
+                                      it must equal the generic path with `bias` (tests check
+                                      it), and None, the default, means the generic path
 The base class's hooks are no-ops, which is exactly NoPE. The model calls every hook every time
 and never asks which scheme it holds. `bias` is called on blocks of queries, so it must build
 its (Tq, Tk) bias from the positions it is given, never from a cached (T, T) table.
@@ -29,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from posbench import native
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 
@@ -115,6 +120,9 @@ class PositionalScheme(nn.Module):
 
     def bias(self, q, k, qpos, kpos, layer: int) -> Optional[torch.Tensor]:
         return None  # or (B or 1, H, Tq, Tk), added to the scaled logits
+
+    def attend(self, q, k, v, qpos, kpos, layer: int) -> Optional[torch.Tensor]:
+        return None  # or (B, H, Tq, D): softmax(q.k / sqrt(d) + bias, future masked) v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,6 +640,11 @@ class CoPE(PositionalScheme):
     def bias(self, q, k, qpos, kpos, layer):
         keep = (kpos[None, :] <= qpos[:, None]).to(q.dtype)  # (Tq, Tk): 1 where a query sees a key
         return CoPEBias.apply(q, k, self.pos_emb[layer].to(q.dtype), keep)  # (B, H, Tq, Tk)
+
+    def attend(self, q, k, v, qpos, kpos, layer):
+        # the same attention, with this bias, through the C kernel posbench/native/cope.c
+        # where it applies (CPU, fp32, a C compiler); None sends it the generic way
+        return native.cope_attention(q, k, v, self.pos_emb[layer], qpos, kpos)
 
 
 class CoPEBias(torch.autograd.Function):

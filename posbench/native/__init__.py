@@ -1,0 +1,152 @@
+"""Optional C kernels: compiled on first use with the machine's C compiler, cached, and called
+through ctypes. Each has a pure-PyTorch twin that is the reference; tests check that the two
+agree, and the twin runs wherever the kernel cannot (no compiler, CUDA, bf16, POSBENCH_NATIVE=0).
+
+Only CoPE has one (cope.c): its attention needs about 25 elementwise passes over (B, H, T, T)
+tensors in PyTorch, which made it the one scheme far below NoPE's speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# tried in order; the first that compiles is kept. -march=native is why the cache key names
+# the CPU, and without -fopenmp the kernel runs on one thread
+FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp"],
+    ["-O3", "-fopenmp"],
+    ["-O3"],
+)
+
+_loaded: dict[str, Optional[ctypes.CDLL]] = {}
+unavailable: dict[str, str] = {}  # kernel name -> why its PyTorch twin runs instead
+
+
+class BuildError(Exception):
+    pass
+
+
+def load(name: str) -> Optional[ctypes.CDLL]:
+    """The compiled kernel `name`, or None (the reason goes to `unavailable[name]`)."""
+    if name not in _loaded:
+        lib = None
+        if os.environ.get("POSBENCH_NATIVE", "1") == "0":
+            unavailable[name] = "turned off by POSBENCH_NATIVE=0"
+        else:
+            try:
+                lib = _declare(name, ctypes.CDLL(str(_build(name))))
+            except (BuildError, OSError) as e:
+                unavailable[name] = str(e)
+        _loaded[name] = lib
+    return _loaded[name]
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native compiled for: a cached kernel is never run on another CPU."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _build(name: str) -> Path:
+    from posbench.data import cache_dir
+
+    source = Path(__file__).with_name(f"{name}.c")
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise BuildError(f"no C compiler found (tried {cc!r}; set CC to use another)")
+    key = hashlib.sha256(source.read_bytes() + f"{cc}\n{_cpu_fingerprint()}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "native" / key
+    lib = folder / f"{name}.so"
+    if lib.exists():
+        return lib
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BuildError(f"cannot write the kernel cache {folder}: {e.strerror}") from None
+    tmp = folder / f"tmp-{os.getpid()}-{name}.so"
+    error = ""
+    for flags in FLAG_SETS:
+        cmd = [cc, *flags, "-shared", "-fPIC", str(source), "-o", str(tmp)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            error = str(e)
+            continue
+        if done.returncode == 0:
+            os.replace(tmp, lib)  # atomic: two processes may build at once; one file wins whole
+            return lib
+        error = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    tmp.unlink(missing_ok=True)
+    raise BuildError(f"{cc} could not compile {source.name}: {error}")
+
+
+def _declare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+    if name == "cope":
+        lib.cope_forward.argtypes = [p, p, p, p, n, i, i, i, f, i]
+        lib.cope_backward.argtypes = [p, p, p, p, p, p, n, i, i, i, f, i]
+    return lib
+
+
+def cope_attention(q, k, v, table, qpos, kpos) -> Optional[torch.Tensor]:
+    """CoPE's whole causal attention through cope.c, or None where the kernel does not apply
+    (the caller then takes the PyTorch path: CoPEBias and the generic attention)."""
+    if not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == table.dtype == torch.float32):
+        return None
+    if load("cope") is None:
+        return None
+    nvis = torch.searchsorted(kpos, qpos, right=True).to(torch.int32)  # keys up to the query's position
+    return CoPEAttention.apply(q, k, v, table, nvis)
+
+
+class CoPEAttention(torch.autograd.Function):
+    """softmax(q.k / sqrt(d) + CoPE's bias, future masked) v. The products are PyTorch's;
+    cope.c does the gates, positions, interpolation and softmax, row by row, and back."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, table, nvis):
+        lib = load("cope")
+        D, P = table.shape
+        B, H, Tq, _ = q.shape
+        Tk = k.size(2)
+        q, k, v, table = q.contiguous(), k.contiguous(), v.contiguous(), table.contiguous()
+        probs = torch.matmul(q, k.transpose(-1, -2))  # (B, H, Tq, Tk): q.k in, probabilities out
+        by_pos = torch.mm(q.view(-1, D), table).view(B, H, Tq, P)  # q_i.e[p]
+        gates = torch.empty_like(probs)
+        threads = torch.get_num_threads()
+        lib.cope_forward(probs.data_ptr(), gates.data_ptr(), by_pos.data_ptr(), nvis.data_ptr(),
+                         B * H, Tq, Tk, P, D**-0.5, threads)  # fmt: skip
+        ctx.save_for_backward(q, k, v, table, probs, gates, by_pos, nvis)
+        return torch.matmul(probs, v)  # (B, H, Tq, D)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        lib = load("cope")
+        q, k, v, table, probs, gates, by_pos, nvis = ctx.saved_tensors
+        D, P = table.shape
+        B, H, Tq, Tk = probs.shape
+        d_out = d_out.contiguous()
+        d_logits = torch.matmul(d_out, v.transpose(-1, -2))  # d probs in, d (q.k) out
+        d_by_pos = torch.empty_like(by_pos)
+        lib.cope_backward(d_logits.data_ptr(), probs.data_ptr(), gates.data_ptr(), by_pos.data_ptr(),
+                          d_by_pos.data_ptr(), nvis.data_ptr(), B * H, Tq, Tk, P, D**-0.5,
+                          torch.get_num_threads())  # fmt: skip
+        d_q = torch.matmul(d_logits, k).add_(torch.mm(d_by_pos.view(-1, P), table.t()).view(B, H, Tq, D))
+        d_k = torch.matmul(d_logits.transpose(-1, -2), q)
+        d_v = torch.matmul(probs.transpose(-1, -2), d_out)
+        d_table = torch.mm(q.view(-1, D).t(), d_by_pos.view(-1, P))
+        return d_q, d_k, d_v, d_table, None
