@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
-from posbench.schemes import resolve_scheme
+from posbench.schemes import PositionalScheme, resolve_scheme
 
 TINY = dict(n_layer=2, n_head=4, d_model=32, train_len=16)
 BLOCK = 8  # the query block of the blocked attention path: smaller than every checked length
@@ -126,6 +126,46 @@ def beyond_length(model: TransformerLM, T: int) -> str:
     return f"finite logits at length {T}"
 
 
+def attend_agrees(model: TransformerLM, T: int) -> str:
+    """A scheme's own `attend` gives the logits and gradients of the generic path with its
+    `bias`, within 1e-5, whole and blocked. Schemes without one pass trivially."""
+    scheme = model.scheme
+    if type(scheme).attend is PositionalScheme.attend:
+        return "no attend hook: the generic attention path"
+    x = torch.randint(0, model.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
+    saved = model.attn_block
+
+    def run(block, generic):
+        model.attn_block = block
+        model.zero_grad(set_to_none=True)
+        if generic:
+            scheme.attend = lambda *a, **kw: None  # an instance attribute hides the method
+        try:
+            y = model(x)
+            y.square().mean().backward()
+        finally:
+            scheme.__dict__.pop("attend", None)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return y.detach(), grads
+
+    try:
+        for block, path in ((T, "whole"), (BLOCK, "blocked")):
+            (y, g), (ref_y, ref_g) = run(block, False), run(block, True)
+            gap = (y - ref_y).abs().max().item()
+            if not gap <= 1e-5:
+                raise CheckFailed(f"attend's logits differ from the bias path's by up to {gap:.2g} "
+                                  f"(T={T}, {path} attention)")  # fmt: skip
+            for n in ref_g:
+                gap = (g[n] - ref_g[n]).abs().max().item() if n in g else math.inf
+                if not gap <= 1e-5:
+                    raise CheckFailed(f"attend's gradient of {n} differs from the bias path's by up "
+                                      f"to {gap:.2g} (T={T}, {path} attention)")  # fmt: skip
+    finally:
+        model.attn_block = saved
+        model.zero_grad(set_to_none=True)
+    return f"attend agrees with the bias path within 1e-5 (T={T}, whole and blocked)"
+
+
 def run_checks(spec: str) -> list[CheckResult]:
     """Every check on `spec` (a registered name or module:Class) at a tiny size. A scheme that
     cannot be loaded raises PosbenchError; anything else that goes wrong is a failed row."""
@@ -157,12 +197,16 @@ def run_checks(spec: str) -> list[CheckResult]:
     def beyond():
         return beyond_length(got["model"].eval(), 4 * L)
 
+    def attend():
+        return attend_agrees(got["model"].train(), L * 5 // 2 if supports(got["model"], L * 5 // 2) else L)
+
     steps = [  # (name, check, the checks it needs)
         ("build", build, ()),
         ("causality", causal, ("build",)),
         ("forward", fwd, ("build",)),
         ("backward", bwd, ("forward",)),
         ("beyond length", beyond, ("build",)),
+        ("attend", attend, ("build",)),
     ]
     passed: dict[str, bool] = {}
     results = []

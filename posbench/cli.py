@@ -336,6 +336,11 @@ def bench(
                                progress=lambda m: err.print(m, highlight=False))  # fmt: skip
         write_bench(rows, out_file)
         out.print(_bench_table(rows, peak, cfg.model, torch.get_num_threads(), peer))
+        from posbench import native
+
+        for name, why in native.unavailable.items():  # its scheme's row is the PyTorch path's speed
+            out.print(f"note: the {name} C kernel did not run ({why}); {name} used its PyTorch path",
+                      highlight=False, markup=False)  # fmt: skip
         out.print(f"wrote {out_file}", highlight=False)
 
 

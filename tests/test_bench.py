@@ -43,3 +43,22 @@ def test_flops_per_token_counts_matmul_weights_and_attention():
     per_layer = 3 * C * C + C * C + 2 * 4 * C * C  # qkv, proj, the two MLP matrices
     want = 6 * (L * per_layer + 256 * C) + 12 * L * C * T  # the tied head is a 256 x C matmul
     assert model_flops_per_token(cfg, model) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("kernel", ["on", "off"])
+def test_cope_bench_rows_with_and_without_its_kernel(tmp_path, monkeypatch, kernel):
+    """CoPE's C kernel keeps evaluation memory linear too; without it the table says so."""
+    from posbench import native
+
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "unavailable", {})
+    if kernel == "off":
+        monkeypatch.setenv("POSBENCH_NATIVE", "0")
+    out = tmp_path / "bench.csv"
+    res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "cope", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    ran_twin = "note: the cope C kernel did not run (turned off by POSBENCH_NATIVE=0)" in res.output
+    assert ran_twin == (kernel == "off")
+    mem = {int(r["eval_len"]): float(r["peak_mem_mb"]) for r in csv.DictReader(out.open())
+           if r["measurement"] == "eval" and r["scheme"] == "cope"}  # fmt: skip
+    assert mem[100] < mem[1600] < mem[3200] < 2.6 * mem[1600], mem

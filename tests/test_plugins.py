@@ -172,12 +172,34 @@ class Cliff(PositionalScheme):
         return -torch.log1p(3 * self.cfg.train_len - dist)[None, None]  # (1, 1, Tq, Tk)
 """
 
+SKIPS_BIAS = """
+import torch
+import torch.nn.functional as F
+from posbench.schemes import PositionalScheme
+
+class SkipsBias(PositionalScheme):
+    # a distance bias, and an attend hook that uses the slope wrongly instead of adding the bias
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.slope = torch.nn.Parameter(torch.tensor(0.5))
+
+    def bias(self, q, k, qpos, kpos, layer):
+        return -self.slope * (qpos[:, None] - kpos[None, :]).float()[None, None]
+
+    def attend(self, q, k, v, qpos, kpos, layer):
+        if q.size(2) != k.size(2):
+            return None
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True) * (1 + self.slope)
+"""
+
 # scheme -> the checks it must fail (the others must pass), and a phrase of the reason
 BREAKS = {
     "Leaky": (LEAKY, {"causality"}, "the future leaks into the past"),
     "Unused": (UNUSED, {"backward"}, "parameters with no gradient: scheme.scale"),
     "NaN": (NAN, {"causality", "forward", "backward", "beyond length"}, "non-finite logits"),
     "Cliff": (CLIFF, {"beyond length"}, "non-finite logits at length 64"),
+    "SkipsBias": (SKIPS_BIAS, {"attend"}, "attend's logits differ from the bias path's"),
 }
 
 
@@ -188,10 +210,10 @@ def test_check_scheme_names_the_check_that_fails(on_path, name):
     res = invoke("check-scheme", f"{module}:{name}")
     assert res.exit_code == 1, res.output
     assert "Traceback" not in res.output
-    for c in ("build", "causality", "forward", "backward", "beyond length"):
+    order = ["build", "causality", "forward", "backward", "beyond length", "attend"]
+    for c in order:
         assert row(res.output, c) == ("FAIL" if c in failing else "pass"), c
     assert reason in " ".join(res.output.replace("│", " ").split()), res.output
-    order = ["build", "causality", "forward", "backward", "beyond length"]
     assert f"failed: {', '.join(c for c in order if c in failing)}" in res.output
 
 

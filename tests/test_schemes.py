@@ -44,6 +44,13 @@ def test_forward_backward_at_train_len(scheme):
 
 
 @pytest.mark.parametrize("scheme", ALL)
+def test_attend_hook_agrees_with_the_bias_path(scheme):
+    """A scheme's own faster attention (CoPE's C kernel) equals the generic path with its bias."""
+    model = build(scheme).train()
+    check.attend_agrees(model, 40 if supports(model, 40) else 16)
+
+
+@pytest.mark.parametrize("scheme", ALL)
 def test_beyond_train_len(scheme):
     """Schemes that encode any length give finite logits at 4x; the others refuse clearly."""
     check.beyond_length(build(scheme), 64)
