@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from posbench import native
+from posbench import check, native
 from posbench.attention import BiasedAttention
 from posbench.model import TransformerLM
 from posbench.schemes import CoPEBias
@@ -121,6 +121,7 @@ def test_the_model_takes_the_kernel_and_it_trains(monkeypatch):
     loss = torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
     loss.backward()
     assert len(calls) == m.cfg.n_layer
+    assert "attend agrees with the bias path" in check.attend_agrees(check.tiny_model("cope").train(), 40)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters() if p.requires_grad)
 
 
@@ -142,6 +143,8 @@ def test_off_switch_and_other_dtypes_take_the_pytorch_path(monkeypatch):
     m = TransformerLM(tiny("cope"))
     m(torch.randint(0, 256, (2, 16))).sum().backward()
     assert len(twin) == m.cfg.n_layer and not kernel
+    # and check-scheme says that its attend check compared the bias path with itself
+    assert "attend declined every call here" in check.attend_agrees(check.tiny_model("cope").train(), 16)
 
 
 def test_a_missing_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
