@@ -643,7 +643,10 @@ class CoPE(PositionalScheme):
 
     def attend(self, q, k, v, qpos, kpos, layer):
         # the same attention, with this bias, through the C kernel posbench/native/cope.c
-        # where it applies (CPU, fp32, a C compiler); None sends it the generic way
+        # where it applies (CPU, fp32, a C compiler); None sends it the generic way, as it
+        # does for a subclass that changes the bias or the positions the kernel assumes
+        if type(self).bias is not CoPE.bias or type(self).positions is not PositionalScheme.positions:
+            return None
         return native.cope_attention(q, k, v, self.pos_emb[layer], qpos, kpos)
 
 

@@ -8,7 +8,7 @@ import torch
 from posbench import check, native
 from posbench.attention import BiasedAttention
 from posbench.model import TransformerLM
-from posbench.schemes import CoPEBias
+from posbench.schemes import SCHEMES, CoPEBias
 
 from conftest import tiny
 
@@ -160,7 +160,7 @@ def test_a_missing_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no cc on this machine")
 def test_a_compiler_that_fails_is_named_and_nothing_half_built_is_left(monkeypatch, tmp_path):
     fake = tmp_path / "badcc"
-    fake.write_text("#!/bin/sh\necho 'badcc: error: refused' >&2\nexit 1\n")
+    fake.write_text("#!/bin/sh\necho 'badcc: error: refused' >&2\necho '    ^~~~' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "unavailable", {})
@@ -178,8 +178,50 @@ def test_the_build_is_cached_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path))
     runs = []
     real = subprocess.run
-    monkeypatch.setattr(native.subprocess, "run", lambda *a, **kw: runs.append(a) or real(*a, **kw))
+
+    def spy(cmd, **kw):
+        if "-shared" in cmd:  # a compile, not the --version that goes into the cache key
+            runs.append(cmd)
+        return real(cmd, **kw)
+
+    monkeypatch.setattr(native.subprocess, "run", spy)
     first = native._build("cope")
     assert first.is_file() and len(runs) >= 1
     n = len(runs)
     assert native._build("cope") == first and len(runs) == n  # no second compile
+
+
+@needs_kernel
+def test_cc_may_carry_words(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "unavailable", {})
+    monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", f"env {shutil.which('cc')}")
+    assert native.load("cope") is not None, native.unavailable
+
+
+def test_autocast_and_second_derivatives_are_refused_not_corrupted():
+    q, k, v, table = inputs(2, 4, 20, 20, 8, 8)
+    pos = torch.arange(20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert native.cope_attention(q, k, v, table, pos, pos) is None
+        with pytest.raises(RuntimeError, match="fp32 CPU tensors outside autocast"):
+            native.CoPEAttention.apply(q, k, v, table, torch.full((20,), 20, dtype=torch.int32))
+    if native.load("cope") is not None:
+        out = native.cope_attention(q, k, v, table, pos, pos)
+        (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError):
+            g.sum().backward()
+
+
+def test_a_cope_subclass_with_its_own_bias_is_not_sent_to_the_kernel():
+    class HalfCoPE(SCHEMES["cope"]):
+        def bias(self, q, k, qpos, kpos, layer):
+            return 0.5 * super().bias(q, k, qpos, kpos, layer)
+
+    scheme = HalfCoPE(tiny("cope"))
+    q, k, v, _ = inputs(1, 4, 6, 6, 8, 8)
+    pos = torch.arange(6)
+    assert scheme.attend(q, k, v, pos, pos, 0) is None
+    if native.load("cope") is not None:  # while CoPE itself takes it
+        assert SCHEMES["cope"](tiny("cope")).attend(q, k, v, pos, pos, 0) is not None

@@ -12,12 +12,15 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 # tried in order; the first that compiles is kept. -march=native is why the cache key names
 # the CPU, and without -fopenmp the kernel runs on one thread
@@ -65,22 +68,25 @@ def _build(name: str) -> Path:
     from posbench.data import cache_dir
 
     source = Path(__file__).with_name(f"{name}.c")
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        raise BuildError(f"no C compiler found (tried {cc!r}; set CC to use another)")
-    key = hashlib.sha256(source.read_bytes() + f"{cc}\n{_cpu_fingerprint()}".encode()).hexdigest()[:16]
+    cc = shlex.split(os.environ.get("CC") or "cc")  # CC may carry words: "ccache gcc"
+    if not cc or shutil.which(cc[0]) is None:
+        raise BuildError(f"no C compiler found (tried {' '.join(cc)!r}; set CC to use another)")
+    key = "\n".join([" ".join(cc), _compiler_version(cc), repr(FLAG_SETS), _cpu_fingerprint()])
+    key = hashlib.sha256(source.read_bytes() + key.encode()).hexdigest()[:16]
     folder = cache_dir() / "native" / key
     lib = folder / f"{name}.so"
     if lib.exists():
         return lib
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f"tmp-{name}-", suffix=".so", dir=folder)
+        os.close(fd)
     except OSError as e:
         raise BuildError(f"cannot write the kernel cache {folder}: {e.strerror}") from None
-    tmp = folder / f"tmp-{os.getpid()}-{name}.so"
+    tmp = Path(tmp_name)
     error = ""
     for flags in FLAG_SETS:
-        cmd = [cc, *flags, "-shared", "-fPIC", str(source), "-o", str(tmp)]
+        cmd = [*cc, *flags, "-shared", "-fPIC", str(source), "-o", str(tmp)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -89,16 +95,25 @@ def _build(name: str) -> Path:
         if done.returncode == 0:
             os.replace(tmp, lib)  # atomic: two processes may build at once; one file wins whole
             return lib
-        error = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        lines = done.stderr.strip().splitlines() or ["no message"]
+        error = next((line.strip() for line in lines if "error" in line.lower()), lines[-1].strip())
     tmp.unlink(missing_ok=True)
-    raise BuildError(f"{cc} could not compile {source.name}: {error}")
+    raise BuildError(f"{' '.join(cc)} could not compile {source.name}: {error}")
+
+
+def _compiler_version(cc: list[str]) -> str:
+    try:
+        done = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
+        return (done.stdout.splitlines() or [""])[0]
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
 
 
 def _declare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     if name == "cope":
         lib.cope_forward.argtypes = [p, p, p, p, n, i, i, i, f, i]
-        lib.cope_backward.argtypes = [p, p, p, p, p, p, n, i, i, i, f, i]
+        lib.cope_backward.argtypes = [p, p, p, p, p, p, p, n, i, i, i, f, i]
     return lib
 
 
@@ -106,6 +121,8 @@ def cope_attention(q, k, v, table, qpos, kpos) -> Optional[torch.Tensor]:
     """CoPE's whole causal attention through cope.c, or None where the kernel does not apply
     (the caller then takes the PyTorch path: CoPEBias and the generic attention)."""
     if not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == table.dtype == torch.float32):
+        return None
+    if torch.is_autocast_enabled("cpu"):  # its matmuls would hand the C bf16 buffers
         return None
     if load("cope") is None:
         return None
@@ -119,13 +136,16 @@ class CoPEAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, table, nvis):
+        if not (q.dtype == k.dtype == v.dtype == table.dtype == torch.float32) or torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("CoPEAttention takes fp32 CPU tensors outside autocast (use cope_attention)")
         lib = load("cope")
         D, P = table.shape
         B, H, Tq, _ = q.shape
         Tk = k.size(2)
         q, k, v, table = q.contiguous(), k.contiguous(), v.contiguous(), table.contiguous()
-        probs = torch.matmul(q, k.transpose(-1, -2))  # (B, H, Tq, Tk): q.k in, probabilities out
+        probs = torch.matmul(q, k.transpose(-1, -2)).contiguous()  # (B, H, Tq, Tk): q.k in, probabilities out
         by_pos = torch.mm(q.view(-1, D), table).view(B, H, Tq, P)  # q_i.e[p]
+        nvis = nvis.contiguous()  # the C reads raw memory: every array it gets is contiguous
         gates = torch.empty_like(probs)
         threads = torch.get_num_threads()
         lib.cope_forward(probs.data_ptr(), gates.data_ptr(), by_pos.data_ptr(), nvis.data_ptr(),
@@ -134,17 +154,20 @@ class CoPEAttention(torch.autograd.Function):
         return torch.matmul(probs, v)  # (B, H, Tq, D)
 
     @staticmethod
+    @once_differentiable  # the C works in place: no graph through it, so no second derivative
     def backward(ctx, d_out):
         lib = load("cope")
         q, k, v, table, probs, gates, by_pos, nvis = ctx.saved_tensors
         D, P = table.shape
         B, H, Tq, Tk = probs.shape
         d_out = d_out.contiguous()
-        d_logits = torch.matmul(d_out, v.transpose(-1, -2))  # d probs in, d (q.k) out
+        d_logits = torch.matmul(d_out, v.transpose(-1, -2)).contiguous()  # d probs in, d (q.k) out
         d_by_pos = torch.empty_like(by_pos)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads, 4, Tk)
         lib.cope_backward(d_logits.data_ptr(), probs.data_ptr(), gates.data_ptr(), by_pos.data_ptr(),
-                          d_by_pos.data_ptr(), nvis.data_ptr(), B * H, Tq, Tk, P, D**-0.5,
-                          torch.get_num_threads())  # fmt: skip
+                          d_by_pos.data_ptr(), nvis.data_ptr(), scratch.data_ptr(), B * H, Tq, Tk, P,
+                          D**-0.5, threads)  # fmt: skip
         d_q = torch.matmul(d_logits, k).add_(torch.mm(d_by_pos.view(-1, P), table.t()).view(B, H, Tq, D))
         d_k = torch.matmul(d_logits.transpose(-1, -2), q)
         d_v = torch.matmul(probs.transpose(-1, -2), d_out)

@@ -15,8 +15,12 @@
  * (same soname), so the two share one pool of threads instead of fighting over the cores.
  * Every row is computed the same way whatever the thread count, so results are reproducible. */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+#define omp_get_thread_num() 0
+#endif
 
 /* exp(x) to about 2 ulp (Cephes' expf), 8 floats at a time in GCC/Clang vector extensions */
 typedef float v8f __attribute__((vector_size(32)));
@@ -159,14 +163,16 @@ static void backward_rows(int R, float **dS, const float **Pr, float **G, const 
         for (int j = n; j < Tk; j++) dS[r][j] = 0.0f;
 }
 
-/* pairs (batch, head) of Tq rows each; row i sees the first nvis[i] keys */
+/* pairs (batch, head) of Tq rows each; row i sees the first nvis[i] keys. scratch: 4 Tk floats
+ * per thread, backward only (allocated by the caller, so nothing here can fail) */
 static void run(int backward, float *S, const float *Pr, float *G, const float *E, float *dE,
-                const int *nvis, long pairs, int Tq, int Tk, int P, float scale, int threads) {
+                const int *nvis, float *scratch, long pairs, int Tq, int Tk, int P, float scale,
+                int threads) {
     const long groups = (pairs + 3) / 4;
     (void)threads;
 #pragma omp parallel num_threads(threads)
     {
-        float *buf = backward ? malloc(sizeof(float) * 4 * (size_t)Tk) : NULL;
+        float *buf = backward ? scratch + (size_t)omp_get_thread_num() * 4 * Tk : NULL;
 #pragma omp for schedule(static)
         for (long task = 0; task < groups * Tq; task++) {
             long bh = task / Tq * 4;
@@ -192,16 +198,17 @@ static void run(int backward, float *S, const float *Pr, float *G, const float *
                     forward_rows(R, s, g, e, nvis[i], Tk, P, scale);
             }
         }
-        free(buf);
     }
 }
 
 void cope_forward(float *S, float *G, const float *E, const int *nvis, long pairs, int Tq, int Tk,
                   int P, float scale, int threads) {
-    run(0, S, NULL, G, E, NULL, nvis, pairs, Tq, Tk, P, scale, threads);
+    run(0, S, NULL, G, E, NULL, nvis, NULL, pairs, Tq, Tk, P, scale, threads);
 }
 
+/* scratch: threads * 4 * Tk floats */
 void cope_backward(float *dS, const float *Pr, float *G, const float *E, float *dE,
-                   const int *nvis, long pairs, int Tq, int Tk, int P, float scale, int threads) {
-    run(1, dS, Pr, G, E, dE, nvis, pairs, Tq, Tk, P, scale, threads);
+                   const int *nvis, float *scratch, long pairs, int Tq, int Tk, int P, float scale,
+                   int threads) {
+    run(1, dS, Pr, G, E, dE, nvis, scratch, pairs, Tq, Tk, P, scale, threads);
 }
