@@ -346,3 +346,26 @@ def test_odd_widths_are_refused_by_name(scheme, size, what):
     with pytest.raises(PosbenchError, match=f"scheme '{scheme}'.*{re.escape(what)} must be even"):
         TransformerLM(tiny(scheme, **size))
     TransformerLM(tiny(scheme, d_model=16, n_head=2))  # and an even one builds
+
+
+def test_biased_attention_zeroes_subnormal_probabilities_and_nothing_else():
+    """A steep bias (-d per step of distance) puts some probabilities in fp32's subnormal range,
+    where every product is ~100x slower; they become exact zeros, every other value is kept."""
+    from posbench.attention import TINY_PROB, BiasedAttention
+
+    T, D = 120, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, T, D, generator=g) * 0.1 for _ in range(3))
+    d = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp(min=0).float()
+    bias = (-1.0 * d)[None, None].expand(1, 2, T, T).clone().requires_grad_()
+    mask = torch.zeros(T, T).masked_fill_(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    out = BiasedAttention.apply(q, k, v, bias, mask)
+    probs = out.grad_fn.saved_tensors[3]
+    want = (q @ k.transpose(-1, -2) * D**-0.5 + bias.detach() + mask).softmax(-1)
+    tiny = (want > 0) & (want < torch.finfo(torch.float32).tiny)
+    assert tiny.any()  # the case does make subnormals
+    assert torch.equal(probs[want <= TINY_PROB], torch.zeros_like(probs[want <= TINY_PROB]))
+    assert torch.equal(probs[want > TINY_PROB], want[want > TINY_PROB])
+    assert torch.allclose(out, want @ v, atol=1e-7)
+    out.sum().backward()
+    assert torch.isfinite(bias.grad).all()
