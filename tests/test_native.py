@@ -132,9 +132,11 @@ def test_off_switch_and_other_dtypes_take_the_pytorch_path(monkeypatch):
     assert native.cope_attention(*bf16, pos, pos) is None  # fp32 on CPU only
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "unavailable", {})
-    monkeypatch.setenv("POSBENCH_NATIVE", "0")
-    assert native.cope_attention(q, k, v, table, pos, pos) is None
-    assert "POSBENCH_NATIVE=0" in native.unavailable["cope"]
+    for switch in ("off", "0"):
+        monkeypatch.setattr(native, "_loaded", {})
+        monkeypatch.setenv("POSBENCH_NATIVE", switch)
+        assert native.cope_attention(q, k, v, table, pos, pos) is None
+        assert f"POSBENCH_NATIVE={switch}" in native.unavailable["cope"]
     # the model then runs CoPE through its PyTorch twin
     twin, kernel = [], []
     real_twin, real_kernel = CoPEBias.apply, native.CoPEAttention.apply

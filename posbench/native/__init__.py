@@ -42,8 +42,9 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     """The compiled kernel `name`, or None (the reason goes to `unavailable[name]`)."""
     if name not in _loaded:
         lib = None
-        if os.environ.get("POSBENCH_NATIVE", "1") == "0":
-            unavailable[name] = "turned off by POSBENCH_NATIVE=0"
+        switch = os.environ.get("POSBENCH_NATIVE", "1")
+        if switch.strip().lower() in ("0", "false", "no", "off"):
+            unavailable[name] = f"turned off by POSBENCH_NATIVE={switch}"
         else:
             try:
                 lib = _declare(name, ctypes.CDLL(str(_build(name))))
