@@ -127,7 +127,7 @@ def cope_attention(q, k, v, table, qpos, kpos) -> Optional[torch.Tensor]:
         return None
     if load("cope") is None:
         return None
-    nvis = torch.searchsorted(kpos, qpos, right=True).to(torch.int32)  # keys up to the query's position
+    nvis = torch.searchsorted(kpos, qpos, right=True).to(torch.int32)  # (Tq,) keys each query sees
     return CoPEAttention.apply(q, k, v, table, nvis)
 
 
@@ -137,14 +137,17 @@ class CoPEAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, table, nvis):
-        if not (q.dtype == k.dtype == v.dtype == table.dtype == torch.float32) or torch.is_autocast_enabled("cpu"):
+        fp32 = q.dtype == k.dtype == v.dtype == table.dtype == torch.float32
+        if not (fp32 and q.device.type == "cpu") or torch.is_autocast_enabled("cpu"):
             raise RuntimeError("CoPEAttention takes fp32 CPU tensors outside autocast (use cope_attention)")
         lib = load("cope")
+        if lib is None:
+            raise RuntimeError(f"the cope kernel is unavailable: {unavailable.get('cope')}")
         D, P = table.shape
         B, H, Tq, _ = q.shape
         Tk = k.size(2)
         q, k, v, table = q.contiguous(), k.contiguous(), v.contiguous(), table.contiguous()
-        probs = torch.matmul(q, k.transpose(-1, -2)).contiguous()  # (B, H, Tq, Tk): q.k in, probabilities out
+        probs = torch.matmul(q, k.transpose(-1, -2)).contiguous()  # (B, H, Tq, Tk): q.k, then probs
         by_pos = torch.mm(q.view(-1, D), table).view(B, H, Tq, P)  # q_i.e[p]
         nvis = nvis.contiguous()  # the C reads raw memory: every array it gets is contiguous
         gates = torch.empty_like(probs)
