@@ -7,6 +7,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from posbench.errors import PosbenchError
+
 BiasFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
 AttendFn = Callable[..., Optional[torch.Tensor]]  # (q, k, v, qpos, kpos) -> output or None
 TINY_PROB = 1e-20  # BiasedAttention's probabilities below this are zeroed (subnormals are slow)
@@ -41,6 +43,10 @@ def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn, attend_fn=None) -> to
     if attend_fn is not None:
         out = attend_fn(q, k, v, qpos, kpos)
         if out is not None:
+            want = (*q.shape[:3], v.size(-1))  # (B, H, Tq, D)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise PosbenchError(f"the scheme's attend returned {got}, expected None or shape {want}")
             return out
     Tq, Tk = q.size(2), k.size(2)
     bias = bias_fn(q, k, qpos, kpos)  # None or (B or 1, H, Tq, Tk)

@@ -172,6 +172,7 @@ def test_a_compiler_that_fails_is_named_and_nothing_half_built_is_left(monkeypat
     assert native.load("cope") is None
     assert "could not compile cope.c: badcc: error: refused" in native.unavailable["cope"]
     assert not any((tmp_path / "cache").rglob("*.so"))
+    assert not any((tmp_path / "cache" / "native").iterdir())  # no empty key folder either
 
 
 @needs_kernel

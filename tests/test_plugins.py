@@ -193,6 +193,19 @@ class SkipsBias(PositionalScheme):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True) * (1 + self.slope)
 """
 
+DROPS_K_GRAD = """
+import torch.nn.functional as F
+from posbench.schemes import PositionalScheme
+
+class DropsKGrad(PositionalScheme):
+    # the right attention values, but no gradient through k: only gradients can tell
+
+    def attend(self, q, k, v, qpos, kpos, layer):
+        if q.size(2) != k.size(2):
+            return None
+        return F.scaled_dot_product_attention(q, k.detach(), v, is_causal=True)
+"""
+
 # scheme -> the checks it must fail (the others must pass), and a phrase of the reason
 BREAKS = {
     "Leaky": (LEAKY, {"causality"}, "the future leaks into the past"),
@@ -200,6 +213,7 @@ BREAKS = {
     "NaN": (NAN, {"causality", "forward", "backward", "beyond length"}, "non-finite logits"),
     "Cliff": (CLIFF, {"beyond length"}, "non-finite logits at length 64"),
     "SkipsBias": (SKIPS_BIAS, {"attend"}, "attend's logits differ from the bias path's"),
+    "DropsKGrad": (DROPS_K_GRAD, {"attend"}, "attend's gradient of tok.weight differs from the bias path's"),
 }
 
 
@@ -252,3 +266,17 @@ def test_console_script_imports_a_plugin_from_the_working_directory(tmp_path):
     assert outcome["main"][0] == 0, outcome["main"][1]
     assert "nothing to draw" in outcome["main"][1]  # it loaded: the plugin is a no-op
     assert outcome["app"][0] != 0 and "cannot import module 'cwd_plugin'" in outcome["app"][1]
+
+
+def test_an_attend_hook_of_the_wrong_shape_is_named(on_path):
+    module = on_path("plug_badshape", """
+from posbench.schemes import PositionalScheme
+
+class BadShape(PositionalScheme):
+    def attend(self, q, k, v, qpos, kpos, layer):
+        return q.sum(-1)
+""")
+    res = invoke("check-scheme", f"{module}:BadShape")
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert "attend returned (2, 4, 16), expected None or shape (2, 4, 16, 8)" in " ".join(
+        res.output.replace("│", " ").split())

@@ -8,6 +8,7 @@ tensors in PyTorch, which made it the one scheme far below NoPE's speed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -96,9 +97,11 @@ def _build(name: str) -> Path:
         if done.returncode == 0:
             os.replace(tmp, lib)  # atomic: two processes may build at once; one file wins whole
             return lib
-        lines = done.stderr.strip().splitlines() or ["no message"]
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}, no message"]
         error = next((line.strip() for line in lines if "error" in line.lower()), lines[-1].strip())
     tmp.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # only if empty: nothing was built under this key
     raise BuildError(f"{' '.join(cc)} could not compile {source.name}: {error}")
 
 
