@@ -220,8 +220,21 @@ def extrapolate(
             L = train_len or load_config(config, [s for s in sets if s.startswith("model.")]).model.train_len
             sets.insert(0, f"eval.lengths={length_grid(L, test_len)}")
         cfg = load_config(config, sets)
+        _kernel_notes(cfg)
         exp = run_experiment(cfg, BarReporter(err))
         _print_summary(exp)
+
+
+def _kernel_notes(cfg) -> None:
+    """Build CoPE's C kernel once, here, before any worker starts; say so if it cannot run."""
+    import torch
+
+    from posbench import native
+
+    on_cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
+    if "cope" in cfg.schemes and on_cpu and native.load("cope") is None:
+        err.print(f"note: cope trains on its PyTorch path, about 1.4x slower: its C kernel cannot run "
+                  f"({native.unavailable['cope']})", highlight=False, markup=False)  # fmt: skip
 
 
 @app.command()
@@ -248,6 +261,7 @@ def train(
                 f"{config} names {len(cfg.schemes)} schemes and {len(cfg.seeds)} seeds; "
                 "pick one run with --scheme and --seed"
             )
+        _kernel_notes(cfg)
         exp = run_experiment(cfg, BarReporter(err))
         out.print(f"run folder: {exp / run_name(cfg.schemes[0], cfg.seeds[0])}", highlight=False)
         _print_summary(exp)

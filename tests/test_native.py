@@ -229,3 +229,17 @@ def test_a_cope_subclass_with_its_own_bias_is_not_sent_to_the_kernel():
     assert scheme.attend(q, k, v, pos, pos, 0) is None
     if native.load("cope") is not None:  # while CoPE itself takes it
         assert SCHEMES["cope"](tiny("cope")).attend(q, k, v, pos, pos, 0) is not None
+
+
+@pytest.mark.parametrize("switch", ["off", "1"])
+def test_extrapolate_says_when_cope_trains_without_its_kernel(monkeypatch, tmp_path, switch):
+    from conftest import smoke_experiment
+
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "unavailable", {})
+    monkeypatch.setenv("POSBENCH_NATIVE", switch)
+    exp, res, _ = smoke_experiment(tmp_path, "--schemes", "cope,alibi")
+    assert ("note: cope trains on its PyTorch path" in res.output) == (native.load("cope") is None)
+    if switch == "off":
+        assert "turned off by POSBENCH_NATIVE=off" in res.output
+    assert (exp / "summary.csv").is_file()
