@@ -227,11 +227,10 @@ def extrapolate(
 
 def _kernel_notes(cfg) -> None:
     """Build CoPE's C kernel once, here, before any worker starts; say so if it cannot run."""
-    import torch
-
     from posbench import native
+    from posbench.run import pick_device
 
-    on_cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
+    on_cpu = pick_device(cfg.train.device).type == "cpu"
     if "cope" in cfg.schemes and on_cpu and native.load("cope") is None:
         err.print(f"note: cope trains on its PyTorch path, about 1.4x slower: its C kernel cannot run "
                   f"({native.unavailable['cope']})", highlight=False, markup=False)  # fmt: skip

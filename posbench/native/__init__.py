@@ -121,14 +121,16 @@ def _declare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _fits_kernel(*tensors) -> bool:
+    """fp32 CPU tensors, outside autocast (whose matmuls would hand the C bf16 buffers)."""
+    fp32_cpu = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return fp32_cpu and not torch.is_autocast_enabled("cpu")
+
+
 def cope_attention(q, k, v, table, qpos, kpos) -> Optional[torch.Tensor]:
     """CoPE's whole causal attention through cope.c, or None where the kernel does not apply
     (the caller then takes the PyTorch path: CoPEBias and the generic attention)."""
-    if not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == table.dtype == torch.float32):
-        return None
-    if torch.is_autocast_enabled("cpu"):  # its matmuls would hand the C bf16 buffers
-        return None
-    if load("cope") is None:
+    if not _fits_kernel(q, k, v, table) or load("cope") is None:
         return None
     nvis = torch.searchsorted(kpos, qpos, right=True).to(torch.int32)  # (Tq,) keys each query sees
     return CoPEAttention.apply(q, k, v, table, nvis)
@@ -140,8 +142,7 @@ class CoPEAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, table, nvis):
-        fp32 = q.dtype == k.dtype == v.dtype == table.dtype == torch.float32
-        if not (fp32 and q.device.type == "cpu") or torch.is_autocast_enabled("cpu"):
+        if not _fits_kernel(q, k, v, table):
             raise RuntimeError("CoPEAttention takes fp32 CPU tensors outside autocast (use cope_attention)")
         lib = load("cope")
         if lib is None:

@@ -68,6 +68,15 @@ static inline v8f vexp(v8f x) {
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* position c, clamped to P-1, lies between table rows lo and hi = lo+1 (hi = lo at the clamp);
+ * returns the weight of hi */
+INLINE float interpolation(double c, int P, int *lo, int *hi) {
+    double p = c < P - 1 ? c : P - 1;
+    *lo = (int)p;
+    *hi = *lo < P - 1 ? *lo + 1 : *lo;
+    return (float)(p - *lo);
+}
+
 /* The scans carry one running sum per row, each step waiting on the last. The same query
  * row of R (batch, head) pairs sees the same keys, so R rows are scanned side by side: R
  * independent chains that the CPU overlaps. R is 4, or 1 for what is left over. */
@@ -78,9 +87,8 @@ INLINE void scan_forward(int R, float **S, float **G, const float **E, int n, in
     for (int j = n - 1; j >= 0; j--) {
         for (int r = 0; r < R; r++) {
             c[r] += G[r][j];
-            double p = c[r] < P - 1 ? c[r] : P - 1;
-            int lo = (int)p, hi = lo < P - 1 ? lo + 1 : lo;
-            float w = (float)(p - lo);
+            int lo, hi;
+            float w = interpolation(c[r], P, &lo, &hi);
             float s = S[r][j] + E[r][lo] + w * (E[r][hi] - E[r][lo]);
             S[r][j] = s;
             m[r] = s > m[r] ? s : m[r];
@@ -95,9 +103,8 @@ INLINE void scan_backward(int R, float **dS, float **G, const float **E, float *
     for (int j = n - 1; j >= 0; j--) {
         for (int r = 0; r < R; r++) {
             c[r] += G[r][j];
-            double p = c[r] < P - 1 ? c[r] : P - 1;
-            int lo = (int)p, hi = lo < P - 1 ? lo + 1 : lo;
-            float w = (float)(p - lo), d = dS[r][j];
+            int lo, hi;
+            float w = interpolation(c[r], P, &lo, &hi), d = dS[r][j];
             dE[r][lo] += d - d * w;
             dE[r][hi] += d * w;
             dpos[r][j] = d * (E[r][hi] - E[r][lo]); /* 0 once clamped, where hi == lo */
