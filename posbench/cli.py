@@ -331,7 +331,9 @@ def bench(
     config: Annotated[Optional[Path], typer.Option(help="a YAML config for the model size")] = None,
     set_: Sets = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
-    out_file: Annotated[Path, typer.Option("--out", help="where bench.csv goes")] = Path("results/bench/bench.csv"),
+    out_file: Annotated[Path, typer.Option("--out", help="the CSV to write, or a folder for bench.csv")] = Path(
+        "results/bench/bench.csv"
+    ),
 ):
     """Training tokens/s (vs NoPE and a peer), FLOP utilisation, and eval memory up to 64x."""
     import torch
@@ -343,6 +345,7 @@ def bench(
         if schemes is not None:
             sets.append(f"schemes={json.dumps(_scheme_list(schemes))}")  # quoted: YAML reads it as given
         cfg = load_config(config, sets)
+        out_file = _writable_csv(out_file)  # before the minutes of timing, not after
         _set_threads(threads)
         settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
         rows, peak = run_bench(cfg.model, cfg.schemes, settings, peer,
@@ -355,6 +358,18 @@ def bench(
             out.print(f"note: the {name} C kernel did not run ({why}); {name} used its PyTorch path",
                       highlight=False, markup=False)  # fmt: skip
         out.print(f"wrote {out_file}", highlight=False)
+
+
+def _writable_csv(path: Path) -> Path:
+    """`path`, or path/bench.csv when it is a folder; its folder exists and is writable."""
+    if path.is_dir():
+        path = path / "bench.csv"
+    if path.is_dir():
+        raise PosbenchError(f"--out {path}: is a folder")
+    path.parent.mkdir(parents=True, exist_ok=True)  # an OSError here is one line too
+    if not os.access(path.parent, os.W_OK):
+        raise PosbenchError(f"--out {path}: cannot write in {path.parent}")
+    return path
 
 
 def _bench_table(rows, peak, mc, threads, peer) -> Table:

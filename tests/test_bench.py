@@ -76,3 +76,20 @@ def test_cope_eval_memory_stays_linear_through_its_kernel():
             mp.setattr(native.CoPEAttention, "apply", lambda *a: calls.append(1) or real(*a))
             eval_peak_memory_mb(model, 600)
         assert calls
+
+
+def test_out_may_name_a_folder_and_a_bad_out_fails_before_any_timing(tmp_path, monkeypatch):
+    from posbench import bench
+
+    res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "nope", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert [r["scheme"] for r in csv.DictReader((tmp_path / "bench.csv").open())][0] == "nope"
+
+    timed = []
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: timed.append(1))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("kept")
+    res = CliRunner().invoke(app, ["bench", "--quick", "--out", str(blocker / "bench.csv")])
+    assert res.exit_code != 0 and "Traceback" not in res.output and "a-file" in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and not timed
+    assert blocker.read_text() == "kept"
