@@ -146,6 +146,24 @@ def xtransformers_model(scheme: str, cfg: ModelConfig) -> Optional[nn.Module]:
                               attn_layers=decoder, **wrapper)  # fmt: skip
 
 
+def _peer_step(scheme: str, cfg: ModelConfig, batch_size: int) -> Optional[Callable[[], None]]:
+    """The peer's training step for this scheme (None if it has no such scheme), tried once
+    here so that a shape the peer cannot build is one clear error, not a crash mid-timing."""
+    try:
+        model = xtransformers_model(scheme, cfg)
+        if model is None:
+            return None
+        step = _train_step_fn(model, batch_size, cfg.train_len)
+        step()
+    except Exception as e:  # the peer's own code: any failure is its, not the user's config
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PosbenchError(
+            f"--peer x-transformers cannot train {scheme} at this size "
+            f"(d_model {cfg.d_model}, {cfg.n_head} heads): {type(e).__name__}: {first}"
+        ) from None
+    return step
+
+
 def _import_peer(peer: str):
     if peer not in PEERS:
         raise PosbenchError(f"--peer {peer}: unknown peer; valid peers: {', '.join(PEERS)}")
@@ -167,8 +185,10 @@ def run_bench(
     settings: BenchSettings,
     peer: Optional[str] = None,
     progress: Callable[[str], None] = lambda msg: None,
+    options: Optional[dict[str, dict]] = None,
 ) -> tuple[list[dict], float]:
-    """Rows of bench.csv and the measured matmul peak (FLOP/s)."""
+    """Rows of bench.csv and the measured matmul peak (FLOP/s). `options`: each scheme's own
+    (the config's scheme_options), so the numbers describe the models a run would train."""
     if peer:
         _import_peer(peer)
     schemes = ["nope"] + [s for s in schemes if s != "nope"]  # NoPE is every ratio's baseline
@@ -176,13 +196,13 @@ def run_bench(
     models, steps = {}, {"matmul peak": matmul_step_fn()}
     for s in schemes:
         torch.manual_seed(0)
-        mc = dataclasses.replace(cfg, scheme=s, options={})
+        mc = dataclasses.replace(cfg, scheme=s, options=dict((options or {}).get(s, {})))
         models[s] = TransformerLM(mc)
         steps[s] = _train_step_fn(models[s], settings.batch_size, T)
         if peer:
-            other = xtransformers_model(s, mc)
+            other = _peer_step(s, mc, settings.batch_size)
             if other is not None:
-                steps[f"peer:{s}"] = _train_step_fn(other, settings.batch_size, T)
+                steps[f"peer:{s}"] = other
     progress(f"timing training steps: {len(steps) - 1} models and the matmul peak x {settings.rounds} rounds")
     sec = time_interleaved(steps, settings)
     peak = 2 * PEAK_N**3 / sec["matmul peak"]
@@ -202,7 +222,7 @@ def run_bench(
         model = models[s].eval()
         if model.max_len is not None and model.max_len < longest and "max_len" in model.scheme.options:
             # a table as long as the longest length: what the memory of that length would be
-            mc = dataclasses.replace(cfg, scheme=s, options={"max_len": longest})
+            mc = dataclasses.replace(model.cfg, options={**model.cfg.options, "max_len": longest})
             model = TransformerLM(mc).eval()
         for m in settings.multiples:
             L = m * T

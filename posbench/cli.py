@@ -30,7 +30,7 @@ err = Console(stderr=True, emoji=False)
 
 
 @contextlib.contextmanager
-def user_errors():
+def user_errors(on_interrupt: str = "finished runs are kept; rerun the same command to resume"):
     """A domain error becomes one line and a non-zero exit, never a traceback."""
     try:
         yield
@@ -39,7 +39,7 @@ def user_errors():
     except PosbenchError as e:
         _error(str(e))
     except KeyboardInterrupt:
-        err.print("interrupted: finished runs are kept; rerun the same command to resume")
+        err.print(f"interrupted: {on_interrupt}")
         raise typer.Exit(code=130)
     except OSError as e:  # a full disk, an unwritable out_dir, an unreadable file
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
@@ -340,16 +340,17 @@ def bench(
 
     from posbench.bench import BenchSettings, run_bench, write_bench
 
-    with user_errors():
+    with user_errors(on_interrupt="nothing was written; an earlier bench.csv is kept"):
         sets = list(set_ or [])
         if schemes is not None:
             sets.append(f"schemes={json.dumps(_scheme_list(schemes))}")  # quoted: YAML reads it as given
         cfg = load_config(config, sets)
-        out_file = _writable_csv(out_file)  # before the minutes of timing, not after
         _set_threads(threads)
+        out_file = _writable_csv(out_file)  # before the minutes of timing, not after
         settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
         rows, peak = run_bench(cfg.model, cfg.schemes, settings, peer,
-                               progress=lambda m: err.print(m, highlight=False))  # fmt: skip
+                               progress=lambda m: err.print(m, highlight=False),
+                               options=cfg.scheme_options)  # fmt: skip
         write_bench(rows, out_file)
         out.print(_bench_table(rows, peak, cfg.model, torch.get_num_threads(), peer))
         from posbench import native
@@ -361,14 +362,19 @@ def bench(
 
 
 def _writable_csv(path: Path) -> Path:
-    """`path`, or path/bench.csv when it is a folder; its folder exists and is writable."""
+    """`path`, or path/bench.csv when it is a folder. The CSV is written beside itself and renamed
+    over the old one, so it must be a plain file (or nothing yet) in a folder that can be made
+    and written; a symlink is followed, so its target is what gets replaced."""
     if path.is_dir():
         path = path / "bench.csv"
-    if path.is_dir():
-        raise PosbenchError(f"--out {path}: is a folder")
-    path.parent.mkdir(parents=True, exist_ok=True)  # an OSError here is one line too
-    if not os.access(path.parent, os.W_OK):
-        raise PosbenchError(f"--out {path}: cannot write in {path.parent}")
+    path = path.resolve()
+    if path.exists() and not path.is_file():
+        raise PosbenchError(f"--out {path}: exists and is not a plain file")
+    folder = path.parent
+    while not folder.exists():  # the nearest folder that exists must let us make the rest
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise PosbenchError(f"--out {path}: cannot write in {folder}")
     return path
 
 

@@ -1,8 +1,10 @@
 """The benchmark's quick mode, once: every scheme gets a throughput row and memory rows."""
 
 import csv
+import os
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from posbench.bench import BENCH_COLUMNS, model_flops_per_token
@@ -93,3 +95,51 @@ def test_out_may_name_a_folder_and_a_bad_out_fails_before_any_timing(tmp_path, m
     assert res.exit_code != 0 and "Traceback" not in res.output and "a-file" in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1 and not timed
     assert blocker.read_text() == "kept"
+
+
+def test_bench_builds_each_scheme_with_the_configs_options(tmp_path, monkeypatch):
+    from posbench import bench
+
+    built = []
+    real = bench.TransformerLM
+    monkeypatch.setattr(bench, "TransformerLM", lambda mc: built.append((mc.scheme, mc.options)) or real(mc))
+    res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "t5", "--out", str(tmp_path),
+                                   "--set", "scheme_options.t5.num_buckets=8"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert ("t5", {"num_buckets": 8}) in built and ("nope", {}) in built
+
+
+def test_a_peer_that_cannot_build_the_shape_is_one_line(tmp_path, monkeypatch):
+    from posbench import bench
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            return 1 // 0  # what x-transformers' rotary embedding did at head dim 2
+
+    monkeypatch.setattr(bench, "_import_peer", lambda peer: None)
+    monkeypatch.setattr(bench, "xtransformers_model", lambda s, mc: Broken() if s == "rope" else None)
+    res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "rope", "--peer", "x-transformers",
+                                   "--out", str(tmp_path)])  # fmt: skip
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "--peer x-transformers cannot train rope at this size" in res.output
+    assert "ZeroDivisionError" in res.output and not (tmp_path / "bench.csv").exists()
+
+
+def test_out_replaces_a_symlinks_target_and_refuses_a_pipe(tmp_path):
+    target = tmp_path / "real.csv"
+    target.write_text("old")
+    link = tmp_path / "link.csv"
+    link.symlink_to(target)
+    res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "nope", "--out", str(link)])
+    assert res.exit_code == 0, res.output
+    assert link.is_symlink() and target.read_text().startswith("scheme,")
+
+    pipe = tmp_path / "pipe"  # like /dev/null: renaming a file over it would destroy it
+    os.mkfifo(pipe)
+    res = CliRunner().invoke(app, ["bench", "--quick", "--out", str(pipe)])
+    assert res.exit_code == 2 and f"{pipe}: exists and is not a plain file" in res.output
+    assert pipe.is_fifo()
