@@ -74,7 +74,8 @@ def _build(name: str) -> Path:
     if not cc or shutil.which(cc[0]) is None:
         raise BuildError(f"no C compiler found (tried {' '.join(cc)!r}; set CC to use another)")
     key = "\n".join([" ".join(cc), _compiler_version(cc), repr(FLAG_SETS), _cpu_fingerprint()])
-    key = hashlib.sha256(source.read_bytes() + key.encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # vmath.h
+    key = hashlib.sha256(source.read_bytes() + headers + key.encode()).hexdigest()[:16]
     folder = cache_dir() / "native" / key
     lib = folder / f"{name}.so"
     if lib.exists():
@@ -113,11 +114,19 @@ def _compiler_version(cc: list[str]) -> str:
         return ""
 
 
+P, I, F, N = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long  # pointer, int, float, long
+# each kernel's C functions and their argument types; a module with a kernel adds its entry
+SIGNATURES: dict[str, dict[str, list]] = {
+    "cope": {
+        "cope_forward": [P, P, P, P, N, I, I, I, F, I],
+        "cope_backward": [P, P, P, P, P, P, P, N, I, I, I, F, I],
+    },
+}
+
+
 def _declare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-    if name == "cope":
-        lib.cope_forward.argtypes = [p, p, p, p, n, i, i, i, f, i]
-        lib.cope_backward.argtypes = [p, p, p, p, p, p, p, n, i, i, i, f, i]
+    for fn, argtypes in SIGNATURES.get(name, {}).items():
+        getattr(lib, fn).argtypes = argtypes
     return lib
 
 
