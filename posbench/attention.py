@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from posbench import native
 from posbench.errors import PosbenchError
 
 BiasFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
@@ -50,6 +51,9 @@ def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn, attend_fn=None) -> to
             return out
     Tq, Tk = q.size(2), k.size(2)
     bias = bias_fn(q, k, qpos, kpos)  # None or (B or 1, H, Tq, Tk)
+    out = native.attention(q, k, v, bias, q0)  # fp32 on a CPU: the C kernel, fused
+    if out is not None:
+        return out
     if bias is None and Tq == Tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     # causality is by index, not by position value, so schemes may renumber positions

@@ -1,4 +1,5 @@
-"""The optional C kernel (posbench/native/cope.c) against its PyTorch twin, and its fallbacks."""
+"""The optional C kernels (posbench/native/cope.c, attention.c) against their PyTorch twins, and
+their fallbacks."""
 
 import shutil
 
@@ -243,3 +244,133 @@ def test_extrapolate_says_when_cope_trains_without_its_kernel(monkeypatch, tmp_p
     if switch == "off":
         assert "turned off by POSBENCH_NATIVE=off" in res.output
     assert (exp / "summary.csv").is_file()
+
+
+# ---- attention.c: every scheme's causal attention (no bias, a fixed bias or a learned one) ----
+
+needs_attention_kernel = pytest.mark.skipif(
+    native.load("attention") is None, reason=f"no attention kernel here: {native.unavailable.get('attention')}"
+)
+
+
+def plain_attention(q, k, v, bias, q0):
+    """The definition, in fp64: softmax(q.k / sqrt(d) + bias, keys after the query masked) v."""
+    q, k, v = q.double(), k.double(), v.double()
+    Tq, Tk = q.size(2), k.size(2)
+    s = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
+    if bias is not None:
+        s = s + bias.double()
+    future = torch.arange(Tk)[None, :] > torch.arange(q0, q0 + Tq)[:, None]
+    return s.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+
+def qkv_views(B, H, Tq, Tk, D, seed=0):
+    """q, k, v as the model hands them over: head-major views of one (B, T, 3, H, D) projection,
+    so rows are strided; q holds the last Tq positions (a query block when Tq < Tk)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, Tk, 3, H, D, generator=g)
+    views = qkv[:, Tk - Tq :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    return [t.transpose(1, 2).detach().requires_grad_() for t in views]  # (B, H, T, D)
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize(
+    "B,H,Tq,Tk,D,bias",
+    [
+        (2, 3, 13, 13, 8, None),  # rows not a multiple of the 4-row tile, the tiny models' head dim
+        (2, 4, 100, 100, 32, None),  # the default size
+        (2, 4, 100, 100, 32, "shared"),  # a bias shared by the batch (alibi, t5, kerple, fire)
+        (3, 2, 37, 37, 16, "batch"),  # a bias per batch row (xl, cope's twin)
+        (2, 2, 5, 21, 24, "shared"),  # a query block: queries 16..20 against keys 0..20
+        (1, 2, 70, 200, 32, "shared"),  # a long block, past one 64-row work item
+        (1, 1, 1, 1, 8, "batch"),  # one query, one key
+        (2, 1, 40, 40, 136, None),  # a head dim that has no specialised tile
+    ],
+)
+def test_attention_kernel_matches_the_definition(B, H, Tq, Tk, D, bias):
+    """Output and the gradients of q, k, v and the bias within 1e-5 of fp64 softmax attention."""
+    q, k, v = qkv_views(B, H, Tq, Tk, D)
+    g = torch.Generator().manual_seed(1)
+    if bias is not None:
+        bias = (torch.randn(1 if bias == "shared" else B, H, Tq, Tk, generator=g) * 2).requires_grad_()
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    d_out = torch.randn(B, H, Tq, D, generator=g)
+    results = []
+    for fn in (native.attention, plain_attention):
+        out = fn(q, k, v, bias, Tk - Tq)
+        results.append([out.detach()] + list(torch.autograd.grad(out, leaves, d_out.to(out.dtype))))
+    for name, a, b in zip(["out", "d_q", "d_k", "d_v", "d_bias"], *results):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        a, b = a.double(), b.double()  # the reference's gradients come back in the leaves' fp32
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (name, (a - b).abs().max().item())
+
+
+@needs_attention_kernel
+def test_attention_kernel_at_a_hand_worked_point():
+    """One head of width 8, three keys, the last query: weights exp(s_j) / sum, computed by hand."""
+    import math
+
+    q = torch.zeros(1, 1, 3, 8)
+    k = torch.zeros(1, 1, 3, 8)
+    v = torch.zeros(1, 1, 3, 8)
+    q[0, 0, 2, 0], k[0, 0, :, 0] = 2.0, torch.tensor([1.0, -1.0, 0.5])
+    v[0, 0, :, 1] = torch.tensor([3.0, -2.0, 1.0])
+    bias = torch.tensor([0.0, 0.25, -1.0]).expand(1, 1, 3, 3)
+    out = native.attention(q, k, v, bias, 0)
+    s = [2.0 * kj / math.sqrt(8) + b for kj, b in zip([1.0, -1.0, 0.5], [0.0, 0.25, -1.0])]
+    w = [math.exp(x) for x in s]
+    assert out[0, 0, 2, 1].item() == pytest.approx(sum(wj * vj for wj, vj in zip(w, [3.0, -2.0, 1.0])) / sum(w), abs=1e-6)
+    assert out[0, 0, 0, 1].item() == pytest.approx(3.0, abs=1e-6)  # the first query sees only key 0
+
+
+@needs_attention_kernel
+def test_attention_kernel_gives_the_same_bits_on_one_thread_and_two():
+    q, k, v = qkv_views(3, 4, 50, 50, 16)
+    bias = torch.randn(1, 4, 50, 50).requires_grad_()
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        out = native.attention(q, k, v, bias, 0)
+        outs.append([out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v, bias))])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize("scheme", ["nope", "alibi", "t5"])  # no bias, a fixed bias, a learned one
+def test_the_model_attends_through_the_kernel(monkeypatch, scheme):
+    calls = []
+    real = native.Attention.apply
+    monkeypatch.setattr(native.Attention, "apply", lambda *a: calls.append(a[3] is not None) or real(*a))
+    torch.manual_seed(0)
+    m = TransformerLM(tiny(scheme))
+    x = torch.randint(0, 256, (2, 17))
+    torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    assert calls == [scheme != "nope"] * m.cfg.n_layer
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+def test_attention_falls_back_where_the_kernel_does_not_apply(monkeypatch):
+    q, k, v = qkv_views(1, 2, 6, 6, 8)
+    assert native.attention(*(t.detach().bfloat16() for t in (q, k, v)), None, 0) is None
+    assert native.attention(*(t.detach()[..., :4] for t in (q, k, v)), None, 0) is None  # head dim 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert native.attention(q, k, v, None, 0) is None
+        with pytest.raises(RuntimeError, match="fp32 CPU tensors outside autocast"):
+            native.Attention.apply(q, k, v, None, 0)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "unavailable", {})
+    monkeypatch.setenv("POSBENCH_NATIVE", "off")
+    assert native.attention(q, k, v, None, 0) is None
+    assert "POSBENCH_NATIVE=off" in native.unavailable["attention"]
+    # and the model then attends through SDPA, with the same result as the definition
+    m = TransformerLM(tiny("alibi"))
+    assert torch.isfinite(m(torch.randint(0, 256, (2, 16)))).all()
+
+
+@needs_attention_kernel
+def test_attention_kernel_refuses_a_second_derivative():
+    q, k, v = qkv_views(1, 2, 6, 6, 8)
+    (g,) = torch.autograd.grad(native.attention(q, k, v, None, 0).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()

@@ -2,8 +2,11 @@
 through ctypes. Each has a pure-PyTorch twin that is the reference; tests check that the two
 agree, and the twin runs wherever the kernel cannot (no compiler, CUDA, bf16, POSBENCH_NATIVE=0).
 
-Only CoPE has one (cope.c): its attention needs about 25 elementwise passes over (B, H, T, T)
-tensors in PyTorch, which made it the one scheme far below NoPE's speed.
+- cope.c: CoPE's attention, which needs about 25 elementwise passes over (B, H, T, T) tensors in
+  PyTorch and made it the one scheme far below NoPE's speed;
+- attention.c: every other scheme's causal attention (no bias, a fixed bias or a learned one),
+  fused, in place of SDPA's CPU kernel and BiasedAttention, whose small block products dominate
+  at the lengths posbench trains.
 """
 
 from __future__ import annotations
@@ -121,12 +124,20 @@ SIGNATURES: dict[str, dict[str, list]] = {
         "cope_forward": [P, P, P, P, N, I, I, I, F, I],
         "cope_backward": [P, P, P, P, P, P, P, N, I, I, I, F, I],
     },
+    "attention": {
+        "attention_scratch": (N, [I, I]),  # (return type, argument types) where it returns one
+        "attention_forward": [P, P, P, P, P, P, P, I, I, I, I, I, I, F, P, I],
+        "attention_backward": [P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, F, P, I],
+    },
 }
 
 
 def _declare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:
-    for fn, argtypes in SIGNATURES.get(name, {}).items():
+    for fn, sig in SIGNATURES.get(name, {}).items():
+        restype, argtypes = sig if isinstance(sig, tuple) else (None, sig)
         getattr(lib, fn).argtypes = argtypes
+        if restype is not None:
+            getattr(lib, fn).restype = restype
     return lib
 
 
@@ -190,3 +201,85 @@ class CoPEAttention(torch.autograd.Function):
         d_v = torch.matmul(probs.transpose(-1, -2), d_out)
         d_table = torch.mm(q.view(-1, D).t(), d_by_pos.view(-1, P))
         return d_q, d_k, d_v, d_table, None
+
+
+ATTENTION_HEAD_DIMS = range(8, 257, 8)  # attention.c's register tiles take 8 floats at a time
+
+
+def attention(q, k, v, bias, q0: int) -> Optional[torch.Tensor]:
+    """softmax(q.k / sqrt(d) + bias, future masked) v through attention.c, for queries q0..q0+Tq-1
+    against keys 0..Tk-1 (q0 + Tq = Tk) and a bias of shape (B or 1, H, Tq, Tk) or None; None
+    where the kernel does not apply (the caller then takes SDPA or BiasedAttention)."""
+    D = q.size(-1)
+    tensors = (q, k, v) if bias is None else (q, k, v, bias)
+    if D not in ATTENTION_HEAD_DIMS or not _fits_kernel(*tensors) or load("attention") is None:
+        return None
+    if bias is not None:
+        bias = bias.expand(q.size(0), q.size(1), q.size(2), k.size(2))  # batch and heads may be shared
+    return Attention.apply(q, k, v, bias, q0)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride along its last dim: the C reads rows of (batch, head) pairs in place."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _head_major(B, H, T, D) -> torch.Tensor:
+    """A (B, H, T, D) view of (B, T, H, D) memory: the layout the output projection reads."""
+    return torch.empty(B, T, H, D).transpose(1, 2)
+
+
+def _strides(*tensors) -> torch.Tensor:
+    """(batch, head, row) strides of each (B, H, T, D) tensor; a missing one is zeros."""
+    return torch.tensor([t.stride()[:3] if t is not None else (0, 0, 0) for t in tensors], dtype=torch.long)
+
+
+class Attention(torch.autograd.Function):
+    """Causal attention, optionally biased, forward and backward in attention.c. The backward
+    recomputes the probabilities from the saved log-sum-exp, so nothing (T, T) is kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, q0):
+        if not _fits_kernel(q, k, v, *([] if bias is None else [bias])):
+            raise RuntimeError("Attention takes fp32 CPU tensors outside autocast (use native.attention)")
+        lib = load("attention")
+        if lib is None:
+            raise RuntimeError(f"the attention kernel is unavailable: {unavailable.get('attention')}")
+        q, k, v = _rows(q), _rows(k), _rows(v)
+        bias = None if bias is None else _rows(bias)
+        B, H, Tq, D = q.shape
+        Tk = k.size(2)
+        out = _head_major(B, H, Tq, D)
+        lse = torch.empty(B, H, Tq)  # log-sum-exp of each row's scores
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads, lib.attention_scratch(Tk, D))
+        st = _strides(q, k, v, bias, out)
+        lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
+                              lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, q0, D**-0.5,
+                              scratch.data_ptr(), threads)  # fmt: skip
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.q0, ctx.bias_shape = q0, None if bias is None else bias.shape
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        lib = load("attention")
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        B, H, Tq, D = q.shape
+        Tk = k.size(2)
+        d_out = _rows(d_out)
+        d_q, d_k, d_v = _head_major(B, H, Tq, D), _head_major(B, H, Tk, D), _head_major(B, H, Tk, D)
+        d_s = torch.empty(B, H, Tq, Tk) if ctx.needs_input_grad[3] else None  # the bias's gradient
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads, lib.attention_scratch(Tk, D))
+        st = _strides(q, k, v, bias, out, d_out, d_q, d_k, d_v)
+        lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
+                               d_out.data_ptr(), d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(),
+                               lse.data_ptr(), _ptr(d_s), st.data_ptr(), B, H, Tq, Tk, D, ctx.q0,
+                               D**-0.5, scratch.data_ptr(), threads)  # fmt: skip
+        return d_q, d_k, d_v, d_s, None
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()

@@ -1,0 +1,289 @@
+/* Causal attention in C: softmax(q.k s + bias, future masked) v, s = 1 / sqrt(head dim), and its
+ * backward, fused so that a (batch, head) pair's keys and values stay in cache while its rows are
+ * scored. At the lengths posbench trains (~100) PyTorch's CPU attention is dominated by the
+ * overhead of its many small block products; here each is a register tile of 4 query rows.
+ * The reference is posbench/attention.py (SDPA, and BiasedAttention for a learned bias);
+ * tests/test_native.py checks this file against it, values and gradients.
+ *
+ * For query row i (global index q0 + i) and the n_i = q0 + i + 1 keys it sees:
+ *   forward   S_ij = s q_i.k_j + b_ij,  P_ij = exp(S_ij - lse_i),  o_i = sum_j P_ij v_j,
+ *             lse_i = log sum_j exp(S_ij)                      (saved for the backward)
+ *   backward  P recomputed from lse, dP_ij = do_i.v_j, D_i = do_i.o_i, dS_ij = P_ij (dP_ij - D_i)
+ *             db_ij = dS_ij,  dq_i = s sum_j dS_ij k_j,  dk_j = s sum_i dS_ij q_i,
+ *             dv_j = sum_i P_ij do_i
+ * Every tensor is passed with its (batch, head, row) strides and a contiguous last dim, so the
+ * head-major views of the qkv projection are read in place. Probabilities below exp(-60) are
+ * exact zeros (subnormal floats make every product with them ~100x slower; see TINY_PROB).
+ * Work is split over OpenMP threads (torch's own pool, see cope.c) by whole rows or pairs, each
+ * computed the same way whatever the thread count, so results are reproducible. */
+#include <math.h>
+
+#include "vmath.h"
+#ifdef _OPENMP
+#include <omp.h>
+#else
+#define omp_get_thread_num() 0
+#endif
+
+enum { Q, K, V, BIAS, OUT, DOUT, DQ, DK, DV }; /* rows of the stride table */
+#define R 4                                    /* query rows per register tile */
+#define CHUNK 64                               /* query rows per forward work item */
+#define MAXV 32                                /* head dim at most 8 * MAXV = 256 */
+#define CUTOFF -60.0f                          /* exp below this is taken as 0 */
+
+typedef struct {
+    const float *t[9];  /* q, k, v, bias, out, dout, dq, dk, dv (bias may be NULL) */
+    const long *st;     /* 9 x 3 strides: batch, head, row */
+    float *lse, *ds;    /* (B, H, Tq); dS as (B, H, Tq, Tk), or NULL */
+    int H, Tq, Tk, D, q0;
+    float scale;
+} Args;
+
+/* row i of tensor `which` for pair (b, h) */
+INLINE float *row(const Args *a, int which, int b, int h, int i) {
+    const long *s = a->st + 3 * which;
+    return (float *)a->t[which] + b * s[0] + h * s[1] + i * s[2];
+}
+
+INLINE v8f load(const float *p) {
+    v8f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+INLINE void store(float *p, v8f x) { memcpy(p, &x, sizeof x); }
+
+/* keys j < n of pair (b, h), transposed into T[d * ld + j], zero-padded to ld (a multiple of 16) */
+static void pack_t(const Args *a, int which, int b, int h, int n, int ld, float *T) {
+    for (int j = 0; j < n; j++) {
+        const float *x = row(a, which, b, h, j);
+        for (int d = 0; d < a->D; d++) T[d * ld + j] = x[d];
+    }
+    for (int d = 0; d < a->D; d++) memset(T + d * ld + n, 0, sizeof(float) * (ld - n));
+}
+
+/* S[r * ld + j] = scale * x_r . T[:, j] for 4 rows x_r and columns j < nc (nc rounded to 16) */
+INLINE void rows_times_t(const float *x[R], const float *T, int ld, int nc, int D, float scale,
+                         float *S) {
+    for (int j = 0; j < nc; j += 16) {
+        v8f acc[R][2] = {{0}};
+        for (int d = 0; d < D; d++) {
+            v8f t0 = load(T + d * ld + j), t1 = load(T + d * ld + j + 8);
+            for (int r = 0; r < R; r++) {
+                acc[r][0] += x[r][d] * t0;
+                acc[r][1] += x[r][d] * t1;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            store(S + r * ld + j, acc[r][0] * scale);
+            store(S + r * ld + j + 8, acc[r][1] * scale);
+        }
+    }
+}
+
+/* y_r = scale * sum_{j < n} W[r * ld + j] M_j for 4 rows, M_j = row j of tensor `which` */
+INLINE void weights_times_rows(const Args *a, int which, int b, int h, const float *W, int ld,
+                               int n, int D, float scale, float *y[R]) {
+    const int nv = D / 8;
+    v8f acc[R][MAXV] = {{0}};
+    for (int j = 0; j < n; j++) {
+        const float *m = row(a, which, b, h, j);
+        for (int c = 0; c < nv; c++) {
+            v8f x = load(m + 8 * c);
+            for (int r = 0; r < R; r++) acc[r][c] += W[r * ld + j] * x;
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nv; c++) store(y[r] + 8 * c, acc[r][c] * scale);
+}
+
+/* M_j += scale * sum_r W[r * ld + j] x_r for j < n: the transposed product, into rows of M */
+INLINE void accumulate_rows(const Args *a, int which, int b, int h, const float *W, int ld, int n,
+                            int D, float scale, const float *x[R]) {
+    const int nv = D / 8;
+    v8f xs[R][MAXV];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nv; c++) xs[r][c] = load(x[r] + 8 * c) * scale;
+    for (int j = 0; j < n; j++) {
+        float *m = row(a, which, b, h, j);
+        for (int c = 0; c < nv; c++) {
+            v8f acc = load(m + 8 * c);
+            for (int r = 0; r < R; r++) acc += W[r * ld + j] * xs[r][c];
+            store(m + 8 * c, acc);
+        }
+    }
+}
+
+/* S row r gets the bias of query i over its n keys; columns n..ld-1 get -inf */
+INLINE void add_bias(const Args *a, int b, int h, int i, int n, int ld, float *s) {
+    if (a->t[BIAS]) {
+        const float *bias = row(a, BIAS, b, h, i);
+        for (int j = 0; j < n; j++) s[j] += bias[j];
+    }
+    for (int j = n; j < ld; j++) s[j] = -INFINITY;
+}
+
+/* the largest of s[0..nc-1], nc a multiple of 8 (a scalar loop is one long chain of maxes) */
+INLINE float row_max(const float *s, int nc) {
+    v8f m = load(s);
+    for (int j = 8; j < nc; j += 8) {
+        v8f x = load(s + j);
+        v8i more = x > m;
+        m = (v8f)((more & (v8i)x) | (~more & (v8i)m));
+    }
+    float out = m[0];
+    for (int c = 1; c < 8; c++) out = m[c] > out ? m[c] : out;
+    return out;
+}
+
+INLINE v8f exp_or_zero(v8f x) {
+    v8i small = x < CUTOFF;
+    return (v8f)(~small & (v8i)vexp(x));
+}
+
+/* The query rows i0..i0+3 of pair (b, h) (rows past Tq repeat the last and are not written) */
+INLINE int tile_rows(const Args *a, int which, int b, int h, int i0, int n[R], const float *x[R]) {
+    int hi = 0;
+    for (int r = 0; r < R; r++) {
+        int i = i0 + r < a->Tq ? i0 + r : a->Tq - 1;
+        n[r] = a->q0 + i + 1 < a->Tk ? a->q0 + i + 1 : a->Tk;
+        x[r] = row(a, which, b, h, i);
+        hi = n[r] > hi ? n[r] : hi;
+    }
+    return hi; /* keys the tile sees */
+}
+
+INLINE int round16(int n) { return (n + 15) & ~15; }
+
+INLINE void forward_chunk(const Args *a, int b, int h, int i0, int i1, float *buf, int D) {
+    const int nk = a->q0 + i1 < a->Tk ? a->q0 + i1 : a->Tk, ld = round16(nk);
+    float *KT = buf, *S = buf + D * ld;
+    pack_t(a, K, b, h, nk, ld, KT);
+    for (int i = i0; i < i1; i += R) {
+        int n[R];
+        const float *q[R];
+        float *o[R];
+        int hi = tile_rows(a, Q, b, h, i, n, q), nc = round16(hi);
+        rows_times_t(q, KT, ld, nc, D, a->scale, S);
+        for (int r = 0; r < R; r++) {
+            int ir = i + r < a->Tq ? i + r : a->Tq - 1;
+            float *s = S + r * ld, sum = 0.0f;
+            add_bias(a, b, h, ir, n[r], nc, s);
+            float m = row_max(s, nc);
+            MAP8(nc, s, s, exp_or_zero(x - m));
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < n[r]; j++) sum += s[j];
+            float inv = 1.0f / sum;
+#pragma omp simd
+            for (int j = 0; j < nc; j++) s[j] *= inv;
+            if (i + r < a->Tq) a->lse[((long)b * a->H + h) * a->Tq + i + r] = m + logf(sum);
+            o[r] = i + r < a->Tq ? row(a, OUT, b, h, i + r) : S + R * ld; /* spare row: dropped */
+        }
+        weights_times_rows(a, V, b, h, S, ld, hi, D, 1.0f, o);
+    }
+}
+
+INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
+    const int nk = a->q0 + a->Tq < a->Tk ? a->q0 + a->Tq : a->Tk, ld = round16(nk);
+    float *KT = buf, *VT = buf + D * ld, *P = VT + D * ld, *dS = P + R * ld;
+    float *spare = dS + R * ld; /* D floats for rows past Tq */
+    pack_t(a, K, b, h, nk, ld, KT);
+    pack_t(a, V, b, h, nk, ld, VT);
+    for (int j = 0; j < a->Tk; j++) {
+        memset(row(a, DK, b, h, j), 0, sizeof(float) * D);
+        memset(row(a, DV, b, h, j), 0, sizeof(float) * D);
+    }
+    for (int i = 0; i < a->Tq; i += R) {
+        int n[R];
+        const float *q[R], *dout[R];
+        float *dq[R];
+        int hi = tile_rows(a, Q, b, h, i, n, q), nc = round16(hi);
+        tile_rows(a, DOUT, b, h, i, n, dout);
+        rows_times_t(q, KT, ld, nc, D, a->scale, P);
+        rows_times_t(dout, VT, ld, nc, D, 1.0f, dS); /* dP */
+        for (int r = 0; r < R; r++) {
+            int ir = i + r < a->Tq ? i + r : a->Tq - 1, valid = i + r < a->Tq;
+            float *p = P + r * ld, *ds = dS + r * ld, delta = 0.0f;
+            float lse = a->lse[((long)b * a->H + h) * a->Tq + ir];
+            const float *o = row(a, OUT, b, h, ir);
+            add_bias(a, b, h, ir, n[r], nc, p);
+            MAP8(nc, p, p, exp_or_zero(x - lse));
+            for (int d = 0; d < D; d++) delta += dout[r][d] * o[d];
+            /* a row past Tq repeats the last row: zero weights keep it out of dk and dv */
+            float keep = valid ? 1.0f : 0.0f;
+#pragma omp simd
+            for (int j = 0; j < nc; j++) {
+                p[j] *= keep;
+                ds[j] = p[j] * (ds[j] - delta);
+            }
+            if (a->ds && valid) {
+                float *out = a->ds + (((long)b * a->H + h) * a->Tq + ir) * a->Tk;
+                memcpy(out, ds, sizeof(float) * n[r]);
+                memset(out + n[r], 0, sizeof(float) * (a->Tk - n[r]));
+            }
+            dq[r] = valid ? row(a, DQ, b, h, ir) : spare;
+        }
+        weights_times_rows(a, K, b, h, dS, ld, hi, D, a->scale, dq);
+        accumulate_rows(a, DK, b, h, dS, ld, hi, D, a->scale, q);
+        accumulate_rows(a, DV, b, h, P, ld, hi, D, 1.0f, dout);
+    }
+}
+
+/* the head dim as a compile-time constant where it is a common one, so tiles stay in registers */
+#define BY_HEAD_DIM(CALL)        \
+    switch (a->D) {              \
+    case 16: CALL(16); break;    \
+    case 32: CALL(32); break;    \
+    case 64: CALL(64); break;    \
+    case 128: CALL(128); break;  \
+    default: CALL(a->D); break;  \
+    }
+
+static void forward_item(const Args *a, int b, int h, int i0, int i1, float *buf) {
+#define FWD(Dc) forward_chunk(a, b, h, i0, i1, buf, Dc)
+    BY_HEAD_DIM(FWD)
+#undef FWD
+}
+
+static void backward_item(const Args *a, int b, int h, float *buf) {
+#define BWD(Dc) backward_pair(a, b, h, buf, Dc)
+    BY_HEAD_DIM(BWD)
+#undef BWD
+}
+
+/* scratch per thread, in floats: what attention_scratch returns */
+long attention_scratch(int Tk, int D) { return (long)(2 * D + 2 * R + 1) * round16(Tk) + D; }
+
+void attention_forward(const float *q, const float *k, const float *v, const float *bias,
+                       float *out, float *lse, const long *st, int B, int H, int Tq, int Tk,
+                       int D, int q0, float scale, float *scratch, int threads) {
+    Args a = {{q, k, v, bias, out}, st, lse, NULL, H, Tq, Tk, D, q0, scale};
+    const long per = attention_scratch(Tk, D), chunks = (Tq + CHUNK - 1) / CHUNK;
+    (void)threads;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = scratch + per * omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (long item = 0; item < (long)B * H * chunks; item++) {
+            long pair = item / chunks;
+            int i0 = (int)(item % chunks) * CHUNK, i1 = i0 + CHUNK < Tq ? i0 + CHUNK : Tq;
+            forward_item(&a, (int)(pair / H), (int)(pair % H), i0, i1, buf);
+        }
+    }
+}
+
+/* ds: (B, H, Tq, Tk) for the bias's gradient, or NULL */
+void attention_backward(const float *q, const float *k, const float *v, const float *bias,
+                        const float *out, const float *dout, float *dq, float *dk, float *dv,
+                        float *lse, float *ds, const long *st, int B, int H, int Tq, int Tk,
+                        int D, int q0, float scale, float *scratch, int threads) {
+    Args a = {{q, k, v, bias, out, dout, dq, dk, dv}, st, lse, ds, H, Tq, Tk, D, q0, scale};
+    const long per = attention_scratch(Tk, D);
+    (void)threads;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = scratch + per * omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (long pair = 0; pair < (long)B * H; pair++) backward_item(&a, (int)(pair / H), (int)(pair % H), buf);
+    }
+}
