@@ -282,7 +282,7 @@ def qkv_views(B, H, Tq, Tk, D, seed=0):
         (2, 4, 100, 100, 32, "shared"),  # a bias shared by the batch (alibi, t5, kerple, fire)
         (3, 2, 37, 37, 16, "batch"),  # a bias per batch row (xl, cope's twin)
         (2, 2, 5, 21, 24, "shared"),  # a query block: queries 16..20 against keys 0..20
-        (1, 2, 70, 200, 32, "shared"),  # a long block, past one 64-row work item
+        (1, 2, 150, 200, 32, "shared"),  # a long block, past one 128-row work item
         (1, 1, 1, 1, 8, "batch"),  # one query, one key
         (2, 1, 40, 40, 136, None),  # a head dim that has no specialised tile
     ],

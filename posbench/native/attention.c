@@ -27,8 +27,8 @@
 
 enum { Q, K, V, BIAS, OUT, DOUT, DQ, DK, DV }; /* rows of the stride table */
 #define R 4                                    /* query rows per register tile */
-#define CHUNK 64                               /* query rows per forward work item */
-#define MAXV 32                                /* head dim at most 8 * MAXV = 256 */
+#define CHUNK 128                              /* query rows per forward work item */
+#define MAXV 16                                /* head dim at most 16 * MAXV = 256 */
 #define CUTOFF -60.0f                          /* exp below this is taken as 0 */
 
 typedef struct {
@@ -45,13 +45,26 @@ INLINE float *row(const Args *a, int which, int b, int h, int i) {
     return (float *)a->t[which] + b * s[0] + h * s[1] + i * s[2];
 }
 
+/* 16 floats: one AVX-512 register, or two AVX2 ones where that is what the CPU has */
+typedef float v16f __attribute__((vector_size(64)));
+
 INLINE v8f load(const float *p) {
     v8f x;
     memcpy(&x, p, sizeof x);
     return x;
 }
 
-INLINE void store(float *p, v8f x) { memcpy(p, &x, sizeof x); }
+/* the first w of 16 floats (w is 16 or 8 for head dims that are multiples of 8), zeros after */
+INLINE v16f load16(const float *p, int w) {
+    v16f x = {0};
+    memcpy(&x, p, sizeof(float) * w);
+    return x;
+}
+
+INLINE void store16(float *p, v16f x, int w) { memcpy(p, &x, sizeof(float) * w); }
+
+/* width of head-dim chunk c: 16, or 8 for the last chunk of a head dim that is 8 mod 16 */
+INLINE int chunk(int D, int c) { return D - 16 * c < 16 ? D - 16 * c : 16; }
 
 /* keys j < n of pair (b, h), transposed into T[d * ld + j], zero-padded to ld (a multiple of 16) */
 static void pack_t(const Args *a, int which, int b, int h, int n, int ld, float *T) {
@@ -66,69 +79,68 @@ static void pack_t(const Args *a, int which, int b, int h, int n, int ld, float 
 INLINE void rows_times_t(const float *x[R], const float *T, int ld, int nc, int D, float scale,
                          float *S) {
     for (int j = 0; j < nc; j += 16) {
-        v8f acc[R][2] = {{0}};
-        for (int d = 0; d < D; d++) {
-            v8f t0 = load(T + d * ld + j), t1 = load(T + d * ld + j + 8);
+        /* even and odd d in separate sums: 8 independent chains keep both FMA units busy */
+        v16f even[R] = {0}, odd[R] = {0};
+        for (int d = 0; d < D; d += 2) {
+            v16f t0 = load16(T + d * ld + j, 16), t1 = load16(T + (d + 1) * ld + j, 16);
             for (int r = 0; r < R; r++) {
-                acc[r][0] += x[r][d] * t0;
-                acc[r][1] += x[r][d] * t1;
+                even[r] += x[r][d] * t0;
+                odd[r] += x[r][d + 1] * t1;
             }
         }
-        for (int r = 0; r < R; r++) {
-            store(S + r * ld + j, acc[r][0] * scale);
-            store(S + r * ld + j + 8, acc[r][1] * scale);
-        }
+        for (int r = 0; r < R; r++) store16(S + r * ld + j, (even[r] + odd[r]) * scale, 16);
     }
 }
 
-/* y_r = scale * sum_{j < n} W[r * ld + j] M_j for 4 rows, M_j = row j of tensor `which` */
+/* y_r = scale_r * sum_{j < n} W[r * ld + j] M_j for 4 rows, M_j = row j of tensor `which` */
 INLINE void weights_times_rows(const Args *a, int which, int b, int h, const float *W, int ld,
-                               int n, int D, float scale, float *y[R]) {
-    const int nv = D / 8;
-    v8f acc[R][MAXV] = {{0}};
+                               int n, int D, const float scale[R], float *y[R]) {
+    const int nv = (D + 15) / 16;
+    v16f acc[R][MAXV] = {{0}};
     for (int j = 0; j < n; j++) {
         const float *m = row(a, which, b, h, j);
         for (int c = 0; c < nv; c++) {
-            v8f x = load(m + 8 * c);
+            v16f x = load16(m + 16 * c, chunk(D, c));
             for (int r = 0; r < R; r++) acc[r][c] += W[r * ld + j] * x;
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < nv; c++) store(y[r] + 8 * c, acc[r][c] * scale);
+        for (int c = 0; c < nv; c++) store16(y[r] + 16 * c, acc[r][c] * scale[r], chunk(D, c));
 }
 
 /* M_j += scale * sum_r W[r * ld + j] x_r for j < n: the transposed product, into rows of M */
 INLINE void accumulate_rows(const Args *a, int which, int b, int h, const float *W, int ld, int n,
                             int D, float scale, const float *x[R]) {
-    const int nv = D / 8;
-    v8f xs[R][MAXV];
+    const int nv = (D + 15) / 16;
+    v16f xs[R][MAXV];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < nv; c++) xs[r][c] = load(x[r] + 8 * c) * scale;
+        for (int c = 0; c < nv; c++) xs[r][c] = load16(x[r] + 16 * c, chunk(D, c)) * scale;
     for (int j = 0; j < n; j++) {
         float *m = row(a, which, b, h, j);
         for (int c = 0; c < nv; c++) {
-            v8f acc = load(m + 8 * c);
+            v16f acc = load16(m + 16 * c, chunk(D, c));
             for (int r = 0; r < R; r++) acc += W[r * ld + j] * xs[r][c];
-            store(m + 8 * c, acc);
+            store16(m + 16 * c, acc, chunk(D, c));
         }
     }
 }
 
-/* S row r gets the bias of query i over its n keys; columns n..ld-1 get -inf */
-INLINE void add_bias(const Args *a, int b, int h, int i, int n, int ld, float *s) {
+/* S row r gets the bias of query i over its n keys */
+INLINE void add_bias(const Args *a, int b, int h, int i, int n, float *s) {
     if (a->t[BIAS]) {
         const float *bias = row(a, BIAS, b, h, i);
         for (int j = 0; j < n; j++) s[j] += bias[j];
     }
-    for (int j = n; j < ld; j++) s[j] = -INFINITY;
 }
 
-/* the largest of s[0..nc-1], nc a multiple of 8 (a scalar loop is one long chain of maxes) */
-INLINE float row_max(const float *s, int nc) {
-    v8f m = load(s);
-    for (int j = 8; j < nc; j += 8) {
+static const v8i LANES = {0, 1, 2, 3, 4, 5, 6, 7};
+
+/* the largest of the n visible s[j] (the row runs on to nc, a multiple of 8) */
+INLINE float row_max(const float *s, int n, int nc) {
+    v8f m = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (int j = 0; j < nc; j += 8) {
         v8f x = load(s + j);
-        v8i more = x > m;
+        v8i more = (LANES + j < n) & (x > m);
         m = (v8f)((more & (v8i)x) | (~more & (v8i)m));
     }
     float out = m[0];
@@ -139,6 +151,27 @@ INLINE float row_max(const float *s, int nc) {
 INLINE v8f exp_or_zero(v8f x) {
     v8i small = x < CUTOFF;
     return (v8f)(~small & (v8i)vexp(x));
+}
+
+/* s[j] = exp(s[j] - m) for the n visible keys, 0 for the rest of the row up to nc; the sum */
+INLINE float exp_row(float *s, int n, int nc, float m) {
+    v8f acc = {0};
+    for (int j = 0; j < nc; j += 8) {
+        v8f e = (v8f)((LANES + j < n) & (v8i)exp_or_zero(load(s + j) - m));
+        memcpy(s + j, &e, sizeof e);
+        acc += e;
+    }
+    float sum = 0.0f;
+    for (int c = 0; c < 8; c++) sum += acc[c];
+    return sum;
+}
+
+INLINE float dot(const float *x, const float *y, int D) {
+    v16f acc = {0};
+    for (int c = 0; c < (D + 15) / 16; c++) acc += load16(x + 16 * c, chunk(D, c)) * load16(y + 16 * c, chunk(D, c));
+    float sum = 0.0f;
+    for (int c = 0; c < 16; c++) sum += acc[c];
+    return sum;
 }
 
 /* The query rows i0..i0+3 of pair (b, h) (rows past Tq repeat the last and are not written) */
@@ -165,21 +198,17 @@ INLINE void forward_chunk(const Args *a, int b, int h, int i0, int i1, float *bu
         float *o[R];
         int hi = tile_rows(a, Q, b, h, i, n, q), nc = round16(hi);
         rows_times_t(q, KT, ld, nc, D, a->scale, S);
+        float inv[R]; /* each row's 1 / sum: applied to its output, not to every probability */
         for (int r = 0; r < R; r++) {
             int ir = i + r < a->Tq ? i + r : a->Tq - 1;
-            float *s = S + r * ld, sum = 0.0f;
-            add_bias(a, b, h, ir, n[r], nc, s);
-            float m = row_max(s, nc);
-            MAP8(nc, s, s, exp_or_zero(x - m));
-#pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < n[r]; j++) sum += s[j];
-            float inv = 1.0f / sum;
-#pragma omp simd
-            for (int j = 0; j < nc; j++) s[j] *= inv;
+            float *s = S + r * ld;
+            add_bias(a, b, h, ir, n[r], s);
+            float m = row_max(s, n[r], nc), sum = exp_row(s, n[r], nc, m);
+            inv[r] = 1.0f / sum;
             if (i + r < a->Tq) a->lse[((long)b * a->H + h) * a->Tq + i + r] = m + logf(sum);
             o[r] = i + r < a->Tq ? row(a, OUT, b, h, i + r) : S + R * ld; /* spare row: dropped */
         }
-        weights_times_rows(a, V, b, h, S, ld, hi, D, 1.0f, o);
+        weights_times_rows(a, V, b, h, S, ld, hi, D, inv, o);
     }
 }
 
@@ -203,19 +232,14 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
         rows_times_t(dout, VT, ld, nc, D, 1.0f, dS); /* dP */
         for (int r = 0; r < R; r++) {
             int ir = i + r < a->Tq ? i + r : a->Tq - 1, valid = i + r < a->Tq;
-            float *p = P + r * ld, *ds = dS + r * ld, delta = 0.0f;
+            float *p = P + r * ld, *ds = dS + r * ld;
             float lse = a->lse[((long)b * a->H + h) * a->Tq + ir];
-            const float *o = row(a, OUT, b, h, ir);
-            add_bias(a, b, h, ir, n[r], nc, p);
-            MAP8(nc, p, p, exp_or_zero(x - lse));
-            for (int d = 0; d < D; d++) delta += dout[r][d] * o[d];
-            /* a row past Tq repeats the last row: zero weights keep it out of dk and dv */
-            float keep = valid ? 1.0f : 0.0f;
+            add_bias(a, b, h, ir, n[r], p);
+            /* a row past Tq repeats the last: no visible keys, so it adds nothing to dk and dv */
+            exp_row(p, valid ? n[r] : 0, nc, lse);
+            float delta = dot(dout[r], row(a, OUT, b, h, ir), D);
 #pragma omp simd
-            for (int j = 0; j < nc; j++) {
-                p[j] *= keep;
-                ds[j] = p[j] * (ds[j] - delta);
-            }
+            for (int j = 0; j < nc; j++) ds[j] = p[j] * (ds[j] - delta);
             if (a->ds && valid) {
                 float *out = a->ds + (((long)b * a->H + h) * a->Tq + ir) * a->Tk;
                 memcpy(out, ds, sizeof(float) * n[r]);
@@ -223,7 +247,8 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
             }
             dq[r] = valid ? row(a, DQ, b, h, ir) : spare;
         }
-        weights_times_rows(a, K, b, h, dS, ld, hi, D, a->scale, dq);
+        const float scales[R] = {a->scale, a->scale, a->scale, a->scale};
+        weights_times_rows(a, K, b, h, dS, ld, hi, D, scales, dq);
         accumulate_rows(a, DK, b, h, dS, ld, hi, D, a->scale, q);
         accumulate_rows(a, DV, b, h, P, ld, hi, D, 1.0f, dout);
     }
