@@ -18,11 +18,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
+from posbench.native.layers import cross_entropy
 
 BENCH_COLUMNS = ["scheme", "measurement", "tokens_per_s", "ratio_vs_nope", "mfu",
                  "peer_tokens_per_s", "peer_ratio", "eval_len", "peak_mem_mb"]  # fmt: skip
@@ -68,7 +68,9 @@ def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], No
 
     def step():
         logits = model(x[:, :-1])  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        # F.cross_entropy through layers.c on CPU, for posbench and the peer alike: the same
+        # loss on the same logits, so the peer ratio compares the models, not the loss
+        loss = cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

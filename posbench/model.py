@@ -10,6 +10,7 @@ import torch.nn as nn
 from posbench.attention import causal_attention
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
+from posbench.native.layers import GELU  # nn.GELU through C on CPU (LayerNorm stays torch's: see there)
 from posbench.schemes import PositionalScheme, build_scheme
 
 
@@ -46,7 +47,7 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = nn.Sequential(
             nn.Linear(cfg.d_model, 4 * cfg.d_model),
-            nn.GELU(),
+            GELU(),
             nn.Linear(4 * cfg.d_model, cfg.d_model),
         )
         self.drop = nn.Dropout(cfg.dropout)

@@ -28,6 +28,7 @@ from posbench.config import (ExperimentConfig, check_device, check_trainable, co
 from posbench.data import Corpus, batch, load_corpus
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
+from posbench.native.layers import cross_entropy
 from posbench.schemes import SCHEMES, resolve_scheme, variant_label
 
 EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
@@ -179,7 +180,7 @@ def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, log_p
             x, y = x.to(device), y.to(device)
             with autocast(device):
                 logits = _compiled_call(forward, x) if tc.compile and step == 0 else forward(x)  # (B, T, V)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss = cross_entropy(logits.float().flatten(0, 1), y.flatten())  # F.cross_entropy, fused in C on CPU
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if tc.grad_clip > 0:

@@ -1,0 +1,159 @@
+"""GELU, LayerNorm and cross-entropy through the C kernel layers.c, as drop-in replacements.
+
+`GELU` and `LayerNorm` are nn.GELU and nn.LayerNorm (same parameters, same state_dict keys)
+whose forward runs layers.c where it applies: fp32 CPU tensors outside autocast, with the
+kernel built. Anywhere else, and for what the kernel does not cover (tanh GELU, a LayerNorm
+without weight or bias or over more than the last dim), they are the torch modules themselves,
+which are also the reference. `cross_entropy` is F.cross_entropy's mean the same way.
+
+Each call is a Python autograd node, and in a training step the tensors between calls push the
+interpreter's own data out of cache: a node costs ~45 us there, against ~5 in a loop, and that
+is what a kernel has to win back (hence the short Python below). The model takes GELU and the
+training loss; its LayerNorms stay torch's, since at its size (1600 x 128) this LayerNorm, twice
+as fast as torch's alone, made the NoPE step 0.1-0.5 ms slower in interleaved A/B runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from posbench import native
+from posbench.native import SIGNATURES, I, N, P
+
+SIGNATURES["layers"] = {
+    "gelu_forward": [P, P, N, I],
+    "gelu_backward": [P, P, P, N, I],
+    "layernorm_forward": [P, P, P, P, P, P, N, I, ctypes.c_float, I],
+    "layernorm_backward": [P, P, P, P, P, P, P, P, N, I, I],
+    "xent_forward": [P, P, P, P, P, N, I, N, I],
+}
+IGNORE_INDEX = -100  # F.cross_entropy's default
+
+
+def _lib(*tensors):
+    """layers.c, or None where the torch op must run (not fp32 CPU, autocast, no kernel)."""
+    return native.load("layers") if native._fits_kernel(*tensors) else None
+
+
+def _kernel():
+    lib = native.load("layers")
+    if lib is None:
+        raise RuntimeError(f"the layers kernel is unavailable: {native.unavailable.get('layers')}")
+    return lib
+
+
+class GELUFunction(torch.autograd.Function):
+    """y = x Phi(x), the exact (erf) GELU; the backward recomputes Phi and phi from x."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        _kernel().gelu_forward(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
+        ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    @once_differentiable  # the C computes the derivative as numbers: no graph through it
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch.empty_like(x)
+        _kernel().gelu_backward(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), x.numel(), torch.get_num_threads())
+        return dx
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """LayerNorm over the last dim, with weight and bias; mean and rstd are kept per row."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        x = x.contiguous()
+        C = x.size(-1)
+        rows = x.numel() // C
+        y = torch.empty_like(x)
+        stats = x.new_empty(2, rows)  # (2, rows): mean, rstd
+        mean = stats.data_ptr()
+        _kernel().layernorm_forward(x.data_ptr(), weight.contiguous().data_ptr(), bias.contiguous().data_ptr(),
+                                    y.data_ptr(), mean, mean + 4 * rows, rows, C, eps,
+                                    torch.get_num_threads())  # fmt: skip
+        ctx.save_for_backward(x, weight.contiguous(), stats)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, stats = ctx.saved_tensors
+        C, rows = weight.numel(), stats.size(1)
+        dy = dy.contiguous()
+        dx, dw, db = torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
+        mean = stats.data_ptr()
+        if _kernel().layernorm_backward(dy.data_ptr(), x.data_ptr(), weight.data_ptr(), mean, mean + 4 * rows,
+                                        dx.data_ptr(), dw.data_ptr(), db.data_ptr(), rows, C,
+                                        torch.get_num_threads()):  # fmt: skip
+            raise MemoryError("layers.c: no memory for LayerNorm's partial sums")
+        return dx, dw, db, None
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Mean cross-entropy over rows of (N, V) logits. The forward also writes the gradient,
+    (softmax - onehot) / rows counted, so the backward only scales it by the incoming grad."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        logits, targets = logits.contiguous(), targets.contiguous()
+        N, V = logits.shape
+        grad = torch.empty_like(logits)  # (N, V)
+        rowloss, loss = logits.new_empty(N), logits.new_empty(())
+        bad = _kernel().xent_forward(logits.data_ptr(), targets.data_ptr(), grad.data_ptr(), rowloss.data_ptr(),
+                                     loss.data_ptr(), N, V, IGNORE_INDEX, torch.get_num_threads())  # fmt: skip
+        if bad:
+            wrong = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= V)
+            raise IndexError(f"Target {targets[wrong][0].item()} is out of bounds.")  # torch's words
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dloss):
+        (grad,) = ctx.saved_tensors
+        return grad * dloss, None
+
+
+class GELU(nn.GELU):
+    """nn.GELU (exact, erf form) through layers.c where it applies."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.approximate == "none" and _lib(x) is not None:
+            return GELUFunction.apply(x)
+        return super().forward(x)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm through layers.c where it applies: over the last dim, with weight and bias."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if w is not None and b is not None and x.shape[-1:] == self.normalized_shape and _lib(x, w, b) is not None:
+            return LayerNormFunction.apply(x, w, b, self.eps)
+        return super().forward(x)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """F.cross_entropy(logits, targets): the mean over rows of (N, V) logits against (N,) int64
+    targets (-100 ignored), through layers.c where it applies."""
+    fits = (
+        logits.dim() == 2
+        and targets.shape == logits.shape[:1]
+        and targets.dtype == torch.int64
+        and targets.device.type == "cpu"
+        and logits.numel() > 0
+    )
+    if fits and _lib(logits) is not None:
+        return CrossEntropyFunction.apply(logits, targets)
+    return F.cross_entropy(logits, targets)

@@ -1,0 +1,209 @@
+"""The C kernel layers.c (GELU, LayerNorm, cross-entropy) against the torch ops it stands in for."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from posbench import bench, native
+from posbench.model import TransformerLM
+from posbench.native import layers
+from posbench.native.layers import GELU, CrossEntropyFunction, GELUFunction, LayerNorm, LayerNormFunction
+
+from conftest import smoke_experiment, tiny
+
+needs_kernel = pytest.mark.skipif(
+    native.load("layers") is None, reason=f"no layers kernel here: {native.unavailable.get('layers')}"
+)
+
+
+def close(got, want, tol=1e-5):
+    """Within tol of want, relative to want's largest value where that exceeds 1 (a gradient
+    summed over many rows is large, and torch's own sum is no closer than that)."""
+    return (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+
+
+def grads(fn, *inputs, upstream=None):
+    """fn(*inputs) and the gradient of every input (and of fn's parameters, if it is a module)."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    params = list(fn.parameters()) if isinstance(fn, nn.Module) else []
+    for p in params:
+        p.grad = None
+    out = fn(*leaves)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)) if upstream is None else upstream)
+    return [out.detach()] + [t.grad for t in leaves] + [p.grad.clone() for p in params]
+
+
+def counting(monkeypatch, fn_class):
+    calls = []
+    real = fn_class.apply
+    monkeypatch.setattr(fn_class, "apply", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+SHAPES = [(1, 13), (7,), (5, 16), (3, 33, 40), (400, 129)]  # a single row; sizes off multiples of 8 and 16
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gelu_matches_torch(monkeypatch, shape):
+    calls = counting(monkeypatch, GELUFunction)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 4  # tails to |x| ~ 16
+    got, want = grads(GELU(), x), grads(nn.GELU(), x)
+    assert calls, "the kernel did not run"
+    for name, a, b in zip(["y", "dx"], got, want):
+        assert close(a, b), (name, (a - b).abs().max().item())
+
+
+@needs_kernel
+def test_gelu_is_accurate_into_the_tails_and_never_subnormal():
+    """Within 3e-7 of float64 (relative above 1) in values and slopes, as torch's own erf. Below
+    0 the GELU is x times a tiny tail, which 0.5 (1 + erf) loses to cancellation (all of it by
+    x = -6); the kernel takes the tail directly, so it stays within 1% there, gives exact zeros
+    past |x| = 10, and never a subnormal (a product with one is ~100x slower on x86)."""
+    x = torch.cat([torch.linspace(-30, 30, 6001), torch.tensor([0.0, -0.0, 1e-30, -1e-30])]).double()
+    (y, dx) = grads(GELU(), x.float(), upstream=torch.ones(x.shape))
+    (ref, dref) = grads(nn.GELU(), x, upstream=torch.ones(x.shape, dtype=torch.float64))
+    for got, want in ((y, ref), (dx, dref)):
+        assert ((got.double() - want).abs() / want.abs().clamp(min=1)).max() < 3e-7
+    tail = (x < -1) & (x > -6)
+    assert ((y.double()[tail] - ref[tail]).abs() / ref[tail].abs()).max() < 1e-2
+    tiny = torch.finfo(torch.float32).tiny
+    for t in (y, dx):
+        assert not ((t != 0) & (t.abs() < tiny)).any()
+    assert (y[x < -10] == 0).all() and (dx[x < -10] == 0).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES[:1] + SHAPES[2:] + [(1600, 128)])
+@pytest.mark.parametrize("offset", [0.0, 3.0])
+def test_layernorm_matches_torch(monkeypatch, shape, offset):
+    calls = counting(monkeypatch, LayerNormFunction)
+    C = shape[-1]
+    ours, ref = LayerNorm(C), nn.LayerNorm(C)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(C, generator=g))
+        ours.bias.copy_(torch.randn(C, generator=g))
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(shape, generator=g) * 2 + offset
+    got, want = grads(ours, x), grads(ref, x)
+    assert calls, "the kernel did not run"
+    for name, a, b in zip(["y", "dx", "dweight", "dbias"], got, want):
+        assert close(a, b), (name, (a - b).abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,V", [(1, 7), (5, 300), (33, 17), (1600, 256)])
+def test_cross_entropy_matches_torch(monkeypatch, N, V):
+    calls = counting(monkeypatch, CrossEntropyFunction)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(N, V, generator=g) * 3
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[1::4] = -100  # ignore_index rows leave the mean
+    scale = torch.tensor(2.5)  # the loss scaled: the backward multiplies its saved gradient
+    got = grads(lambda z: layers.cross_entropy(z, targets), logits, upstream=scale)
+    want = grads(lambda z: F.cross_entropy(z, targets), logits, upstream=scale)
+    assert calls, "the kernel did not run"
+    for name, a, b in zip(["loss", "dlogits"], got, want):
+        assert close(a, b), (name, (a - b).abs().max().item())
+
+
+@needs_kernel
+def test_cross_entropy_edge_cases_are_torchs():
+    z = torch.randn(3, 5)
+    for t in (torch.tensor([0, 1, 5]), torch.tensor([0, -5, 1])):
+        with pytest.raises(IndexError, match=f"Target {t[t.ne(-100) & (t.lt(0) | t.ge(5))][0]} is out of bounds"):
+            layers.cross_entropy(z, t)
+    every_row_ignored = torch.full((3,), -100)
+    (loss, dz) = grads(lambda z: layers.cross_entropy(z, every_row_ignored), z, upstream=torch.tensor(1.0))
+    assert loss.isnan() and (dz == 0).all()  # as F.cross_entropy: 0/0, and no gradient
+
+
+@needs_kernel
+def test_the_kernels_give_the_same_bits_on_one_thread_and_two():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1000, 96, generator=g)  # 1000 rows: LayerNorm's chunks of rows split unevenly
+    targets = torch.randint(0, 96, (1000,), generator=g)
+    ln = LayerNorm(96)
+    runs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        runs.append(grads(GELU(), x) + grads(ln, x) + grads(lambda z: layers.cross_entropy(z, targets), x))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_off_switch_and_other_dtypes_take_the_torch_path(monkeypatch):
+    gelu, ce, ln = (counting(monkeypatch, f) for f in (GELUFunction, CrossEntropyFunction, LayerNormFunction))
+    x = torch.randn(6, 8)
+    t = torch.randint(0, 8, (6,))
+    xb = x.bfloat16()
+    assert torch.equal(GELU()(xb), nn.GELU()(xb))
+    assert torch.equal(LayerNorm(8).bfloat16()(xb), nn.LayerNorm(8).bfloat16()(xb))
+    assert torch.equal(layers.cross_entropy(xb, t), F.cross_entropy(xb, t))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        GELU()(x), LayerNorm(8)(x), layers.cross_entropy(x, t)
+    # what the kernel does not cover: the tanh GELU, a LayerNorm without weight or bias or over
+    # two dims, targets that are not int64 or logits that are not (N, V)
+    assert torch.equal(GELU(approximate="tanh")(x), nn.GELU(approximate="tanh")(x))
+    for kw in ({"elementwise_affine": False}, {"bias": False}):
+        assert torch.equal(LayerNorm(8, **kw)(x), nn.LayerNorm(8, **kw)(x))
+    assert torch.equal(LayerNorm((6, 8))(x), nn.LayerNorm((6, 8))(x))
+    assert torch.equal(layers.cross_entropy(x, t.to(torch.uint8)), F.cross_entropy(x, t.to(torch.uint8)))
+    x3, t3 = torch.randn(2, 8, 3), torch.randint(0, 8, (2, 3))
+    assert torch.equal(layers.cross_entropy(x3, t3), F.cross_entropy(x3, t3))
+    assert not gelu and not ce and not ln
+    for switch in ("off", "0"):
+        monkeypatch.setattr(native, "_loaded", {})
+        monkeypatch.setattr(native, "unavailable", {})
+        monkeypatch.setenv("POSBENCH_NATIVE", switch)
+        assert native.load("layers") is None
+        assert f"POSBENCH_NATIVE={switch}" in native.unavailable["layers"]
+        assert torch.equal(GELU()(x), nn.GELU()(x))
+        assert torch.equal(LayerNorm(8)(x), nn.LayerNorm(8)(x))
+        assert torch.equal(layers.cross_entropy(x, t), F.cross_entropy(x, t))
+    assert not gelu and not ce and not ln
+    with pytest.raises(RuntimeError, match="layers kernel is unavailable: turned off"):
+        GELUFunction.apply(x)
+
+
+@needs_kernel
+def test_second_derivatives_are_refused_not_wrong():
+    x = torch.randn(4, 8, requires_grad=True)
+    for fn in (GELU(), LayerNorm(8), lambda z: layers.cross_entropy(z, torch.arange(4))):
+        y = fn(x)
+        (g,) = torch.autograd.grad(y, x, torch.ones_like(y, requires_grad=True), create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            g.sum().backward()
+
+
+@needs_kernel
+def test_the_model_runs_its_gelus_through_the_kernel_and_keeps_torchs_state_dict(monkeypatch):
+    calls = counting(monkeypatch, GELUFunction)
+    torch.manual_seed(0)
+    model = TransformerLM(tiny("nope"))
+    tokens = torch.randint(0, 256, (2, 16))
+    logits = model(tokens)
+    assert len(calls) == model.cfg.n_layer
+    # the same weights in a model built with torch's own modules: same keys, same logits
+    monkeypatch.setattr("posbench.model.GELU", nn.GELU)
+    plain = TransformerLM(tiny("nope"))
+    assert not any(isinstance(m, GELU) for m in plain.modules())
+    plain.load_state_dict(model.state_dict())  # strict: every key the same
+    assert close(plain(tokens), logits)
+    # and LayerNorm, which the model leaves to torch (see layers.py), loads torch's weights
+    ln = LayerNorm(32)
+    ln.load_state_dict(nn.LayerNorm(32).state_dict())
+    assert list(ln.state_dict()) == ["weight", "bias"]
+
+
+@needs_kernel
+def test_training_and_the_bench_step_take_the_fused_loss(monkeypatch, tmp_path):
+    calls = counting(monkeypatch, CrossEntropyFunction)
+    torch.manual_seed(0)
+    step = bench._train_step_fn(TransformerLM(tiny("nope")), 2, 16)
+    step()
+    assert len(calls) == 1
+    smoke_experiment(tmp_path, "--schemes", "nope", "--set", "train.steps=3", "--set", "train.workers=1")
+    assert len(calls) == 1 + 3  # run.py's training loss, once per step (evaluation sums with torch)
