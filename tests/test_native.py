@@ -243,6 +243,10 @@ def test_extrapolate_says_when_cope_trains_without_its_kernel(monkeypatch, tmp_p
     assert ("note: cope trains on its PyTorch path" in res.output) == (native.load("cope") is None)
     if switch == "off":
         assert "turned off by POSBENCH_NATIVE=off" in res.output
+        for name in ("attention", "layers"):  # every scheme's kernels are named too
+            assert f"training takes PyTorch's ops where {name}.c would run" in res.output
+    else:
+        assert "training takes PyTorch's ops" not in res.output or native.load("attention") is None
     assert (exp / "summary.csv").is_file()
 
 
@@ -374,3 +378,16 @@ def test_attention_kernel_refuses_a_second_derivative():
     (g,) = torch.autograd.grad(native.attention(q, k, v, None, 0).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError):
         g.sum().backward()
+
+
+def test_torch_compile_traces_the_pytorch_path_and_agrees_with_eager():
+    """--compile: the tracer cannot follow the kernels' raw pointers (it crashed the process),
+    so under torch.compile every kernel declines and the compiled model is torch's own."""
+    torch.manual_seed(0)
+    model = TransformerLM(tiny("alibi"))
+    x = torch.randint(0, 256, (2, 16))
+    compiled = torch.compile(model)
+    y = compiled(x)
+    y.square().mean().backward()
+    assert torch.allclose(y, model(x), atol=1e-5)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -6,7 +6,9 @@ agree, and the twin runs wherever the kernel cannot (no compiler, CUDA, bf16, PO
   PyTorch and made it the one scheme far below NoPE's speed;
 - attention.c: every other scheme's causal attention (no bias, a fixed bias or a learned one),
   fused, in place of SDPA's CPU kernel and BiasedAttention, whose small block products dominate
-  at the lengths posbench trains.
+  at the lengths posbench trains;
+- layers.c: the MLP's GELU and the training loss (cross-entropy), and a LayerNorm that measured
+  no gain inside a training step and is not used (posbench/native/layers.py).
 """
 
 from __future__ import annotations
@@ -129,7 +131,15 @@ SIGNATURES: dict[str, dict[str, list]] = {
         "attention_forward": [P, P, P, P, P, P, P, I, I, I, I, I, I, F, P, I],
         "attention_backward": [P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, F, P, I],
     },
+    "layers": {  # used by posbench/native/layers.py
+        "gelu_forward": [P, P, N, I],
+        "gelu_backward": [P, P, P, N, I],
+        "layernorm_forward": [P, P, P, P, P, P, N, I, F, I],
+        "layernorm_backward": [P, P, P, P, P, P, P, P, N, I, I],
+        "xent_forward": [P, P, P, P, P, N, I, N, I],
+    },
 }
+KERNELS = ("attention", "layers", "cope")  # every .c here; cope's runs for CoPE alone
 
 
 def _declare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -142,7 +152,10 @@ def _declare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _fits_kernel(*tensors) -> bool:
-    """fp32 CPU tensors, outside autocast (whose matmuls would hand the C bf16 buffers)."""
+    """fp32 CPU tensors, outside autocast (whose matmuls would hand the C bf16 buffers) and
+    outside torch.compile (its tracer cannot follow raw pointers into C: it crashed)."""
+    if torch.compiler.is_compiling():
+        return False
     fp32_cpu = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
     return fp32_cpu and not torch.is_autocast_enabled("cpu")
 

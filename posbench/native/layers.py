@@ -15,23 +15,13 @@ as fast as torch's alone, made the NoPE step 0.1-0.5 ms slower in interleaved A/
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from posbench import native
-from posbench.native import SIGNATURES, I, N, P
 
-SIGNATURES["layers"] = {
-    "gelu_forward": [P, P, N, I],
-    "gelu_backward": [P, P, P, N, I],
-    "layernorm_forward": [P, P, P, P, P, P, N, I, ctypes.c_float, I],
-    "layernorm_backward": [P, P, P, P, P, P, P, P, N, I, I],
-    "xent_forward": [P, P, P, P, P, N, I, N, I],
-}
 IGNORE_INDEX = -100  # F.cross_entropy's default
 
 
