@@ -3,8 +3,8 @@
 The machine is shared and noisy, so every number that matters is a ratio taken in one process:
 each scheme against NoPE, posbench against a peer library, model FLOP/s against a large fp32
 matmul measured in the same run. Schemes, peers and the matmul are timed in interleaved rounds
-(matmul, nope, t5, ..., matmul, nope, t5, ...) and each keeps its fastest round, so a burst of
-load hits all of them alike.
+(matmul, nope, t5, ..., then t5, matmul, nope, ...) and each keeps its fastest round, so a burst of
+load hits all of them alike; the order is shuffled each round, so no model always follows the matmul.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import sys
 import time
 from typing import Callable, Optional
@@ -86,11 +87,16 @@ def time_interleaved(steps: dict[str, Callable[[], None]], s: BenchSettings) -> 
         for _ in range(s.warmup):
             fn()
     times: dict[str, list[float]] = {k: [] for k in steps}
+    order, shuffle = list(steps), random.Random(0).shuffle
     for _ in range(s.rounds):
-        for name, fn in steps.items():
+        # a new order each round (the same in every run): whatever runs right after the 2048²
+        # matmul finds its data pushed out of cache, and with one fixed order that was always
+        # NoPE, the baseline of every ratio (~5% slower)
+        shuffle(order)
+        for name in order:
             t = time.perf_counter()
             for _ in range(s.steps):
-                fn()
+                steps[name]()
             times[name].append((time.perf_counter() - t) / s.steps)
     return {k: min(v) for k, v in times.items()}
 

@@ -143,3 +143,22 @@ def test_out_replaces_a_symlinks_target_and_refuses_a_pipe(tmp_path):
     res = CliRunner().invoke(app, ["bench", "--quick", "--out", str(pipe)])
     assert res.exit_code == 2 and f"{pipe}: exists and is not a plain file" in res.output
     assert pipe.is_fifo()
+
+
+def test_interleaved_rounds_shuffle_the_order_so_no_function_always_follows_another():
+    """The function timed right after the 2048² matmul finds the cache flushed; it used to be
+    NoPE in every round, which lowered the baseline of every ratio by ~5%."""
+    from posbench.bench import BenchSettings, time_interleaved
+
+    calls = []
+    names = ("matmul", "nope", "t5", "rope")
+    steps = {name: (lambda name=name: calls.append(name)) for name in names}
+    sec = time_interleaved(steps, BenchSettings(steps=1, rounds=12, warmup=0))
+    assert sorted(sec) == sorted(names)
+    rounds = [calls[i : i + 4] for i in range(0, len(calls), 4)]
+    assert len(rounds) == 12 and all(sorted(r) == sorted(names) for r in rounds)  # each once a round
+    after_matmul = {r[r.index("matmul") + 1] for r in rounds if r[-1] != "matmul"}
+    assert after_matmul == {"nope", "t5", "rope"}
+    calls.clear()
+    time_interleaved(steps, BenchSettings(steps=1, rounds=12, warmup=0))
+    assert [calls[i : i + 4] for i in range(0, len(calls), 4)] == rounds  # the same orders every run
