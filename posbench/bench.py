@@ -91,7 +91,7 @@ def time_interleaved(steps: dict[str, Callable[[], None]], s: BenchSettings) -> 
     for _ in range(s.rounds):
         # a new order each round (the same in every run): whatever runs right after the 2048²
         # matmul finds its data pushed out of cache, and with one fixed order that was always
-        # NoPE, the baseline of every ratio (~5% slower)
+        # NoPE, the baseline of every ratio (~3% slower)
         shuffle(order)
         for name in order:
             t = time.perf_counter()
