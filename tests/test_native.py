@@ -391,3 +391,18 @@ def test_torch_compile_traces_the_pytorch_path_and_agrees_with_eager():
     y.square().mean().backward()
     assert torch.allclose(y, model(x), atol=1e-5)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@needs_attention_kernel
+def test_attention_kernel_ignores_huge_scores_of_future_keys():
+    """Keys a query cannot see yet may score anything; with scores ~1e4 above the visible ones,
+    letting them into a row's maximum would underflow every visible weight to 0."""
+    q, k, v = qkv_views(2, 2, 12, 12, 16)
+    with torch.no_grad():
+        k[:, :, 6:] *= 1e4
+        q[:, :, :6].abs_()
+        k[:, :, 6:].abs_()  # so their scores are large and positive for queries 0..5
+    out = native.attention(q, k, v, None, 0)
+    want = plain_attention(q, k, v, None, 0)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[:, :, :6].double(), want[:, :, :6], atol=1e-5)

@@ -45,15 +45,6 @@ INLINE float *row(const Args *a, int which, int b, int h, int i) {
     return (float *)a->t[which] + b * s[0] + h * s[1] + i * s[2];
 }
 
-/* 16 floats: one AVX-512 register, or two AVX2 ones where that is what the CPU has */
-typedef float v16f __attribute__((vector_size(64)));
-
-INLINE v8f load(const float *p) {
-    v8f x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
 /* the first w of 16 floats (w is 16 or 8 for head dims that are multiples of 8), zeros after */
 INLINE v16f load16(const float *p, int w) {
     v16f x = {0};
@@ -68,10 +59,10 @@ INLINE int chunk(int D, int c) { return D - 16 * c < 16 ? D - 16 * c : 16; }
 
 /* keys j < n of pair (b, h), transposed into T[d * ld + j], zero-padded to ld (a multiple of 16) */
 static void pack_t(const Args *a, int which, int b, int h, int n, int ld, float *T) {
-    for (int j = 0; j < n; j++) {
-        const float *x = row(a, which, b, h, j);
-        for (int d = 0; d < a->D; d++) T[d * ld + j] = x[d];
-    }
+    const float *x = row(a, which, b, h, 0);
+    const long rs = a->st[3 * which + 2];
+    for (int d = 0; d < a->D; d++) /* contiguous writes: faster than contiguous reads here */
+        for (int j = 0; j < n; j++) T[d * ld + j] = x[j * rs + d];
     for (int d = 0; d < a->D; d++) memset(T + d * ld + n, 0, sizeof(float) * (ld - n));
 }
 
@@ -133,36 +124,33 @@ INLINE void add_bias(const Args *a, int b, int h, int i, int n, float *s) {
     }
 }
 
-static const v8i LANES = {0, 1, 2, 3, 4, 5, 6, 7};
+static const v16i LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-/* the largest of the n visible s[j] (the row runs on to nc, a multiple of 8) */
+/* the largest of the n visible s[j] (the row runs on to nc, a multiple of 16) */
 INLINE float row_max(const float *s, int n, int nc) {
-    v8f m = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    for (int j = 0; j < nc; j += 8) {
-        v8f x = load(s + j);
-        v8i more = (LANES + j < n) & (x > m);
-        m = (v8f)((more & (v8i)x) | (~more & (v8i)m));
+    v16f m = (v16f){0} - INFINITY;
+    for (int j = 0; j < nc; j += 16) {
+        v16f x = load16(s + j, 16);
+        v16i more = (LANES + j < n) & (x > m);
+        m = (v16f)((more & (v16i)x) | (~more & (v16i)m));
     }
     float out = m[0];
-    for (int c = 1; c < 8; c++) out = m[c] > out ? m[c] : out;
+    for (int c = 1; c < 16; c++) out = m[c] > out ? m[c] : out;
     return out;
 }
 
-INLINE v8f exp_or_zero(v8f x) {
-    v8i small = x < CUTOFF;
-    return (v8f)(~small & (v8i)vexp(x));
-}
-
-/* s[j] = exp(s[j] - m) for the n visible keys, 0 for the rest of the row up to nc; the sum */
+/* s[j] = exp(s[j] - m) for the n visible keys, 0 for the rest of the row up to nc; the sum.
+ * Below e^CUTOFF it is an exact 0: never a subnormal */
 INLINE float exp_row(float *s, int n, int nc, float m) {
-    v8f acc = {0};
-    for (int j = 0; j < nc; j += 8) {
-        v8f e = (v8f)((LANES + j < n) & (v8i)exp_or_zero(load(s + j) - m));
-        memcpy(s + j, &e, sizeof e);
+    v16f acc = {0};
+    for (int j = 0; j < nc; j += 16) {
+        v16f x = load16(s + j, 16) - m;
+        v16f e = (v16f)((LANES + j < n) & (x >= CUTOFF) & (v16i)vexp16(x));
+        store16(s + j, e, 16);
         acc += e;
     }
     float sum = 0.0f;
-    for (int c = 0; c < 8; c++) sum += acc[c];
+    for (int c = 0; c < 16; c++) sum += acc[c];
     return sum;
 }
 

@@ -6,28 +6,33 @@
 #include <stdint.h>
 #include <string.h>
 
-/* exp(x) to about 2 ulp (Cephes' expf), 8 floats at a time in GCC/Clang vector extensions */
+/* 8 and 16 floats: the compiler maps them onto whatever -march=native offers */
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
-static inline v8f vexp(v8f x) {
-    const v8f lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-    const v8f hi = -lo + 1.0f;
-    v8i m = x < lo;
-    x = (v8f)((m & (v8i)lo) | (~m & (v8i)x));
-    m = x > hi;
-    x = (v8f)((m & (v8i)hi) | (~m & (v8i)x));
-    v8f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
-    v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23; /* 2^n */
-    return p * (v8f)bits;
-}
+/* exp(x) to about 2 ulp (Cephes' expf), defined once for each vector width */
+#define DEFINE_VEXP(NAME, VF, VI)                                                       \
+    static inline VF NAME(VF x) {                                                       \
+        const VF lo = (VF){0} - 87.3f, hi = -lo + 1.0f;                                 \
+        VI m = x < lo;                                                                  \
+        x = (VF)((m & (VI)lo) | (~m & (VI)x));                                          \
+        m = x > hi;                                                                     \
+        x = (VF)((m & (VI)hi) | (~m & (VI)x));                                          \
+        VF n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x/ln2) */ \
+        VF r = x - n * 0.693359375f + n * 2.12194440e-4f;                               \
+        VF p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                 \
+        p = p * r + 8.3334519073e-3f;                                                   \
+        p = p * r + 4.1665795894e-2f;                                                   \
+        p = p * r + 1.6666665459e-1f;                                                   \
+        p = p * r + 5.0000001201e-1f;                                                   \
+        p = p * r * r + r + 1.0f;                                                       \
+        VI bits = (__builtin_convertvector(n, VI) + 127) << 23; /* 2^n */               \
+        return p * (VF)bits;                                                            \
+    }
+DEFINE_VEXP(vexp, v8f, v8i)
+DEFINE_VEXP(vexp16, v16f, v16i)
 
 /* out[j] = EXPR(x = in[j]) for j < n, 8 at a time; the tail goes through a padded copy */
 #define MAP8(n, in, out, EXPR)                                   \
