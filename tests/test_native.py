@@ -151,6 +151,7 @@ def test_off_switch_and_other_dtypes_take_the_pytorch_path(monkeypatch):
 
 
 def test_a_missing_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    monkeypatch.delenv("POSBENCH_NATIVE", raising=False)  # the suite may run with kernels off
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "unavailable", {})
     monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path))
@@ -166,6 +167,7 @@ def test_a_compiler_that_fails_is_named_and_nothing_half_built_is_left(monkeypat
     fake = tmp_path / "badcc"
     fake.write_text("#!/bin/sh\necho 'badcc: error: refused' >&2\necho '    ^~~~' >&2\nexit 1\n")
     fake.chmod(0o755)
+    monkeypatch.delenv("POSBENCH_NATIVE", raising=False)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "unavailable", {})
     monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path / "cache"))
