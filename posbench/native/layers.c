@@ -20,25 +20,15 @@
  * it runs on the widest vectors the CPU has: 16 floats with AVX-512, where vmath.h's v8f has 8. */
 #ifdef __AVX512F__
 #define GW 16
+typedef v16f gvf;
+typedef v16i gvi;
+#define gexp vexp16
 #else
 #define GW 8
+typedef v8f gvf;
+typedef v8i gvi;
+#define gexp vexp
 #endif
-typedef float gvf __attribute__((vector_size(4 * GW)));
-typedef int32_t gvi __attribute__((vector_size(4 * GW)));
-
-/* exp(h) for h <= 0 (Cephes' expf, as vexp in vmath.h, at this width and without its clamps):
- * about 2 ulp for h >= -87; below that the result is garbage, which the caller masks off */
-INLINE gvf gexp(gvf h) {
-    gvf n = (h * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(h / ln 2) */
-    gvf r = h - n * 0.693359375f + n * 2.12194440e-4f;
-    gvf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (gvf)((__builtin_convertvector(n, gvi) + 127) << 23); /* times 2^n */
-}
 
 /* Phi(-|x|), the normal CDF's small tail, from erfc by Abramowitz-Stegun 7.1.26 (error below
  * 1.5e-7 in erf, the formula of torch's vectorised erf; the 1/2 of Phi = erfc/2 and the 1/sqrt 2
