@@ -408,3 +408,24 @@ def test_attention_kernel_ignores_huge_scores_of_future_keys():
     want = plain_attention(q, k, v, None, 0)
     assert torch.isfinite(out).all()
     assert torch.allclose(out[:, :, :6].double(), want[:, :, :6], atol=1e-5)
+
+
+@needs_attention_kernel
+def test_attention_kernel_lets_a_nan_through_as_the_definition_does():
+    """A NaN score must reach the output (a blow-up is a result), not be masked out as if it
+    were a future key."""
+    q, k, v = qkv_views(1, 1, 4, 4, 8)
+    bias = torch.zeros(1, 1, 4, 4)
+    bias[0, 0, 3, 1] = float("nan")
+    out = native.attention(q, k, v, bias, 0)
+    want = plain_attention(q, k, v, bias, 0)
+    assert torch.isnan(out[0, 0, 3]).all() and torch.isnan(want[0, 0, 3]).all()
+    assert torch.allclose(out[0, 0, :3].double(), want[0, 0, :3], atol=1e-5)
+
+
+def test_attention_kernel_declines_shapes_it_would_misread():
+    q, k, v = qkv_views(2, 1, 5, 5, 8)
+    one = k.detach()[:1]  # a batch of 1 that SDPA would broadcast; the C would read past it
+    assert native.attention(q, one, one, None, 0) is None
+    assert native.attention(q, k, v.detach()[..., :4].repeat(1, 1, 1, 4), None, 0) is None  # v wider
+    assert native.attention(q[:, :, 1:], k, v, None, 0) is None  # q0 + Tq != Tk

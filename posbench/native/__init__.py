@@ -223,12 +223,13 @@ def attention(q, k, v, bias, q0: int) -> Optional[torch.Tensor]:
     """softmax(q.k / sqrt(d) + bias, future masked) v through attention.c, for queries q0..q0+Tq-1
     against keys 0..Tk-1 (q0 + Tq = Tk) and a bias of shape (B or 1, H, Tq, Tk) or None; None
     where the kernel does not apply (the caller then takes SDPA or BiasedAttention)."""
-    D = q.size(-1)
+    B, H, Tq, D = q.shape
     tensors = (q, k, v) if bias is None else (q, k, v, bias)
-    if D not in ATTENTION_HEAD_DIMS or not _fits_kernel(*tensors) or load("attention") is None:
+    shaped = k.shape == v.shape == (B, H, q0 + Tq, D)  # no broadcasting: the C indexes every pair
+    if not shaped or D not in ATTENTION_HEAD_DIMS or not _fits_kernel(*tensors) or load("attention") is None:
         return None
-    if bias is not None:
-        bias = bias.expand(q.size(0), q.size(1), q.size(2), k.size(2))  # batch and heads may be shared
+    if bias is not None:  # batch and heads may be shared (stride 0); rows made contiguous first,
+        bias = _rows(bias).expand(B, H, Tq, q0 + Tq)  # or the expand would be copied B times
     return Attention.apply(q, k, v, bias, q0)
 
 

@@ -145,7 +145,7 @@ INLINE float exp_row(float *s, int n, int nc, float m) {
     v16f acc = {0};
     for (int j = 0; j < nc; j += 16) {
         v16f x = load16(s + j, 16) - m;
-        v16f e = (v16f)((LANES + j < n) & (x >= CUTOFF) & (v16i)vexp16(x));
+        v16f e = (v16f)((LANES + j < n) & ~(x < CUTOFF) & (v16i)vexp16(x)); /* NaN stays NaN */
         store16(s + j, e, 16);
         acc += e;
     }
