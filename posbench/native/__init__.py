@@ -60,6 +60,14 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     return _loaded[name]
 
 
+def require(name: str) -> ctypes.CDLL:
+    """The compiled kernel `name`, for code that has already chosen it: a missing one is a bug."""
+    lib = load(name)
+    if lib is None:
+        raise RuntimeError(f"the {name} kernel is unavailable: {unavailable.get(name)}")
+    return lib
+
+
 def _cpu_fingerprint() -> str:
     """What -march=native compiled for: a cached kernel is never run on another CPU."""
     flags = ""
@@ -120,8 +128,8 @@ def _compiler_version(cc: list[str]) -> str:
 
 
 P, I, F, N = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long  # pointer, int, float, long
-# each kernel's C functions and their argument types; a module with a kernel adds its entry
-SIGNATURES: dict[str, dict[str, list]] = {
+# each kernel's C functions: argument types, or (return type, argument types)
+SIGNATURES: dict[str, dict[str, list | tuple]] = {
     "cope": {
         "cope_forward": [P, P, P, P, N, I, I, I, F, I],
         "cope_backward": [P, P, P, P, P, P, P, N, I, I, I, F, I],
@@ -177,9 +185,7 @@ class CoPEAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, table, nvis):
         if not _fits_kernel(q, k, v, table):
             raise RuntimeError("CoPEAttention takes fp32 CPU tensors outside autocast (use cope_attention)")
-        lib = load("cope")
-        if lib is None:
-            raise RuntimeError(f"the cope kernel is unavailable: {unavailable.get('cope')}")
+        lib = require("cope")
         D, P = table.shape
         B, H, Tq, _ = q.shape
         Tk = k.size(2)
@@ -256,9 +262,7 @@ class Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, q0):
         if not _fits_kernel(q, k, v, *([] if bias is None else [bias])):
             raise RuntimeError("Attention takes fp32 CPU tensors outside autocast (use native.attention)")
-        lib = load("attention")
-        if lib is None:
-            raise RuntimeError(f"the attention kernel is unavailable: {unavailable.get('attention')}")
+        lib = require("attention")
         q, k, v = _rows(q), _rows(k), _rows(v)
         bias = None if bias is None else _rows(bias)
         B, H, Tq, D = q.shape
@@ -272,7 +276,7 @@ class Attention(torch.autograd.Function):
                               lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, q0, D**-0.5,
                               scratch.data_ptr(), threads)  # fmt: skip
         ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.q0, ctx.bias_shape = q0, None if bias is None else bias.shape
+        ctx.q0 = q0
         return out
 
     @staticmethod

@@ -31,10 +31,7 @@ def _lib(*tensors):
 
 
 def _kernel():
-    lib = native.load("layers")
-    if lib is None:
-        raise RuntimeError(f"the layers kernel is unavailable: {native.unavailable.get('layers')}")
-    return lib
+    return native.require("layers")
 
 
 class GELUFunction(torch.autograd.Function):
