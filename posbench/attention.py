@@ -23,15 +23,17 @@ def causal_attention(
     bias_fn: BiasFn,
     block: Optional[int] = None,
     attend_fn: Optional[AttendFn] = None,
+    packed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """softmax(q.k / sqrt(d) + bias + causal mask) v over (B, H, T, D) tensors.
 
     With `block`, queries are processed `block` at a time against the keys they can see, so no
-    (T, T) tensor per head is ever built and memory grows linearly with T.
+    (T, T) tensor per head is ever built and memory grows linearly with T. `packed`: the (B, T, 3C)
+    projection whose views q, k and v are, if they are (see native.attention).
     """
     T = q.size(2)
     if block is None or T <= block:
-        return _attend(q, k, v, pos, pos, 0, bias_fn, attend_fn)
+        return _attend(q, k, v, pos, pos, 0, bias_fn, attend_fn, packed)
     out = []
     for s in range(0, T, block):
         e = min(s + block, T)
@@ -39,7 +41,7 @@ def causal_attention(
     return torch.cat(out, dim=2)  # (B, H, T, D)
 
 
-def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn, attend_fn=None) -> torch.Tensor:
+def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn, attend_fn=None, packed=None) -> torch.Tensor:
     """Queries q0..q0+Tq-1 attend to keys 0..Tk-1."""
     if attend_fn is not None:
         out = attend_fn(q, k, v, qpos, kpos)
@@ -51,7 +53,7 @@ def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn, attend_fn=None) -> to
             return out
     Tq, Tk = q.size(2), k.size(2)
     bias = bias_fn(q, k, qpos, kpos)  # None or (B or 1, H, Tq, Tk)
-    out = native.attention(q, k, v, bias, q0)  # fp32 on a CPU: the C kernel, fused
+    out = native.attention(q, k, v, bias, q0, packed)  # fp32 on a CPU: the C kernel, fused
     if out is not None:
         return out
     if bias is None and Tq == Tk:

@@ -10,7 +10,8 @@ import torch.nn as nn
 from posbench.attention import causal_attention
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
-from posbench.native.layers import GELU  # nn.GELU through C on CPU (LayerNorm stays torch's: see there)
+from posbench.native import qkv_views
+from posbench.native.layers import MLP  # LayerNorm stays torch's: see layers.py
 from posbench.schemes import PositionalScheme, build_scheme
 
 
@@ -25,9 +26,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, block) -> torch.Tensor:
         B, T, C = x.size()
         scheme = self.scheme[0]
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        q, k = scheme.rotate(q, k, pos, self.layer)  # (B, nh, T, hs)
+        qkv = self.qkv(x)  # (B, T, 3C)
+        q, k, v = qkv_views(qkv, self.n_head)  # (B, nh, T, hs)
+        q2, k2 = scheme.rotate(q, k, pos, self.layer)
+        # unrotated, the attention kernel may take qkv whole (one gradient tensor, no split backward)
+        packed = qkv if q2 is q and k2 is k else None
 
         def bias_fn(qb, kb, qpos, kpos):
             return scheme.bias(qb, kb, qpos, kpos, self.layer)
@@ -35,7 +38,7 @@ class Attention(nn.Module):
         def attend_fn(qb, kb, vb, qpos, kpos):
             return scheme.attend(qb, kb, vb, qpos, kpos, self.layer)
 
-        y = causal_attention(q, k, v, pos, bias_fn, block, attend_fn)  # (B, nh, T, hs)
+        y = causal_attention(q2, k2, v, pos, bias_fn, block, attend_fn, packed)  # (B, nh, T, hs)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -45,11 +48,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg, layer, scheme)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, 4 * cfg.d_model),
-            GELU(),
-            nn.Linear(4 * cfg.d_model, cfg.d_model),
-        )
+        self.mlp = MLP(cfg.d_model, 4 * cfg.d_model)  # Linear, GELU, Linear: one C-fused node on CPU
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, pos, block):

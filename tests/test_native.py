@@ -343,17 +343,56 @@ def test_attention_kernel_gives_the_same_bits_on_one_thread_and_two():
 
 
 @needs_attention_kernel
-@pytest.mark.parametrize("scheme", ["nope", "alibi", "t5"])  # no bias, a fixed bias, a learned one
-def test_the_model_attends_through_the_kernel(monkeypatch, scheme):
+@pytest.mark.parametrize(
+    "scheme,packed",  # no bias, a fixed bias, a learned one: q, k, v unrotated, qkv taken whole;
+    [("nope", True), ("alibi", True), ("t5", True), ("rope", False)],  # rotated: q, k, v apart
+)
+def test_the_model_attends_through_the_kernel(monkeypatch, scheme, packed):
     calls = []
-    real = native.Attention.apply
-    monkeypatch.setattr(native.Attention, "apply", lambda *a: calls.append(a[3] is not None) or real(*a))
+    for fn, bias_at in ((native.Attention, 3), (native.PackedAttention, 1)):
+        real = fn.apply
+        monkeypatch.setattr(fn, "apply", lambda *a, f=fn, i=bias_at, r=real: calls.append((f, a[i] is not None)) or r(*a))
     torch.manual_seed(0)
     m = TransformerLM(tiny(scheme))
     x = torch.randint(0, 256, (2, 17))
     torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
-    assert calls == [scheme != "nope"] * m.cfg.n_layer
+    fn = native.PackedAttention if packed else native.Attention
+    assert calls == [(fn, scheme in ("alibi", "t5"))] * m.cfg.n_layer
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize("bias", [None, "shared", "learned"])
+def test_packed_attention_gives_the_bits_of_separate_q_k_v(bias):
+    """Taking qkv whole changes where the gradient is written, not one number of it."""
+    B, T, H, D = 2, 37, 3, 16
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(B, T, 3 * H * D, generator=g).requires_grad_()
+    b = None if bias is None else (torch.randn(1, H, T, T, generator=g).requires_grad_(bias == "learned"))
+    d_out = torch.randn(B, H, T, D, generator=g)
+    q, k, v = native.qkv_views(qkv, H)
+    packed = native.attention(q, k, v, b, 0, packed=qkv)
+    assert packed.grad_fn.name() == "PackedAttentionBackward"
+    grads_packed = torch.autograd.grad(packed, [qkv] + ([b] if bias == "learned" else []), d_out)
+    apart = [t.detach().clone().requires_grad_() for t in native.qkv_views(qkv, H)]
+    out = native.attention(*apart, b, 0)
+    assert out.grad_fn.name() == "AttentionBackward"
+    grads = torch.autograd.grad(out, apart + ([b] if bias == "learned" else []), d_out)
+    assert torch.equal(packed, out)
+    assert torch.equal(grads_packed[0], torch.cat([t.transpose(1, 2).flatten(2) for t in grads[:3]], dim=2))
+    if bias == "learned":
+        assert torch.equal(grads_packed[1], grads[3])
+
+
+@needs_attention_kernel
+def test_packed_attention_only_for_the_exact_views_of_qkv():
+    B, T, H, D = 1, 9, 2, 8
+    qkv = torch.randn(B, T, 3 * H * D, requires_grad=True)
+    q, k, v = native.qkv_views(qkv, H)
+    other = torch.randn(B, T, 3 * H * D, requires_grad=True)
+    for args in [(k, q, v), (q * 1, k, v), (*native.qkv_views(other, H),), (q[:, :, 1:], k, v)]:
+        out = native.attention(*args, None, T - args[0].size(2), packed=qkv)
+        assert out.grad_fn.name() == "AttentionBackward"
 
 
 def test_attention_falls_back_where_the_kernel_does_not_apply(monkeypatch):

@@ -8,7 +8,15 @@ import torch.nn.functional as F
 from posbench import bench, native
 from posbench.model import TransformerLM
 from posbench.native import layers
-from posbench.native.layers import GELU, CrossEntropyFunction, GELUFunction, LayerNorm, LayerNormFunction
+from posbench.native.layers import (
+    GELU,
+    MLP,
+    CrossEntropyFunction,
+    GELUFunction,
+    LayerNorm,
+    LayerNormFunction,
+    MLPFunction,
+)
 
 from conftest import smoke_experiment, tiny
 
@@ -53,6 +61,32 @@ def test_gelu_matches_torch(monkeypatch, shape):
     assert calls, "the kernel did not run"
     for name, a, b in zip(["y", "dx"], got, want):
         assert close(a, b), (name, (a - b).abs().max().item())
+
+
+def torch_mlp(mlp: MLP) -> nn.Sequential:
+    """The same weights in torch's own Linear, GELU, Linear."""
+    plain = nn.Sequential(nn.Linear(mlp[0].in_features, mlp[0].out_features), nn.GELU(),
+                          nn.Linear(mlp[2].in_features, mlp[2].out_features))  # fmt: skip
+    plain.load_state_dict(mlp.state_dict())  # strict: the same keys
+    return plain.to(mlp[0].weight.dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "shape,hidden",  # rows off the 64-row chunks of the bias's sum; hidden off multiples of 8 and 16
+    [((2, 50, 32), 128), ((1, 1, 8), 20), ((3, 70, 24), 100), ((130, 16), 72)],
+)
+def test_mlp_matches_torch_in_values_and_every_gradient(monkeypatch, shape, hidden):
+    calls = counting(monkeypatch, MLPFunction)
+    torch.manual_seed(0)
+    mlp = MLP(shape[-1], hidden)
+    nn.init.normal_(mlp[0].bias)  # nonzero biases: the C adds fc1's inside the GELU
+    nn.init.normal_(mlp[2].bias)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 2
+    got, want = grads(mlp, x), grads(torch_mlp(mlp), x)
+    assert calls, "the kernel did not run"
+    for name, a, b in zip(["y", "dx", "dw1", "db1", "dw2", "db2"], got, want):
+        assert a.shape == b.shape and close(a, b), (name, (a - b).abs().max().item())
 
 
 @needs_kernel
@@ -129,31 +163,45 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_two():
     runs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        runs.append(grads(GELU(), x) + grads(ln, x) + grads(lambda z: layers.cross_entropy(z, targets), x))
+        torch.manual_seed(0)
+        mlp = MLP(96, 200)
+        nn.init.normal_(mlp[0].bias)
+        y, dx, _, db1, _, db2 = grads(mlp, x)  # the weights' gradients are MKL's sums over rows,
+        # split by thread count, in the MLP as in torch's own nn.Linear: not the kernel's to fix
+        runs.append(grads(GELU(), x) + grads(ln, x) + grads(lambda z: layers.cross_entropy(z, targets), x)
+                    + [y, dx, db1, db2])  # fmt: skip
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
 
 def test_off_switch_and_other_dtypes_take_the_torch_path(monkeypatch):
-    gelu, ce, ln = (counting(monkeypatch, f) for f in (GELUFunction, CrossEntropyFunction, LayerNormFunction))
+    gelu, ce, ln, mlp = (counting(monkeypatch, f) for f in (GELUFunction, CrossEntropyFunction, LayerNormFunction,
+                                                            MLPFunction))  # fmt: skip
     x = torch.randn(6, 8)
     t = torch.randint(0, 8, (6,))
     xb = x.bfloat16()
     assert torch.equal(GELU()(xb), nn.GELU()(xb))
+    fused = MLP(8, 32).bfloat16()
+    assert torch.equal(fused(xb), torch_mlp(fused)(xb))
     assert torch.equal(LayerNorm(8).bfloat16()(xb), nn.LayerNorm(8).bfloat16()(xb))
     assert torch.equal(layers.cross_entropy(xb, t), F.cross_entropy(xb, t))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        GELU()(x), LayerNorm(8)(x), layers.cross_entropy(x, t)
+        GELU()(x), LayerNorm(8)(x), layers.cross_entropy(x, t), MLP(8, 32)(x)
     # what the kernel does not cover: the tanh GELU, a LayerNorm without weight or bias or over
     # two dims, targets that are not int64 or logits that are not (N, V)
     assert torch.equal(GELU(approximate="tanh")(x), nn.GELU(approximate="tanh")(x))
+    tanh = MLP(8, 32)
+    tanh[1].approximate = "tanh"
+    plain = torch_mlp(tanh)
+    plain[1].approximate = "tanh"
+    assert torch.equal(tanh(x), plain(x))
     for kw in ({"elementwise_affine": False}, {"bias": False}):
         assert torch.equal(LayerNorm(8, **kw)(x), nn.LayerNorm(8, **kw)(x))
     assert torch.equal(LayerNorm((6, 8))(x), nn.LayerNorm((6, 8))(x))
     assert torch.equal(layers.cross_entropy(x, t.to(torch.uint8)), F.cross_entropy(x, t.to(torch.uint8)))
     x3, t3 = torch.randn(2, 8, 3), torch.randint(0, 8, (2, 3))
     assert torch.equal(layers.cross_entropy(x3, t3), F.cross_entropy(x3, t3))
-    assert not gelu and not ce and not ln
+    assert not gelu and not ce and not ln and not mlp
     for switch in ("off", "0"):
         monkeypatch.setattr(native, "_loaded", {})
         monkeypatch.setattr(native, "unavailable", {})
@@ -163,7 +211,9 @@ def test_off_switch_and_other_dtypes_take_the_torch_path(monkeypatch):
         assert torch.equal(GELU()(x), nn.GELU()(x))
         assert torch.equal(LayerNorm(8)(x), nn.LayerNorm(8)(x))
         assert torch.equal(layers.cross_entropy(x, t), F.cross_entropy(x, t))
-    assert not gelu and not ce and not ln
+        fused = MLP(8, 32)
+        assert torch.equal(fused(x), torch_mlp(fused)(x))
+    assert not gelu and not ce and not ln and not mlp
     with pytest.raises(RuntimeError, match="layers kernel is unavailable: turned off"):
         GELUFunction.apply(x)
 
@@ -171,7 +221,7 @@ def test_off_switch_and_other_dtypes_take_the_torch_path(monkeypatch):
 @needs_kernel
 def test_second_derivatives_are_refused_not_wrong():
     x = torch.randn(4, 8, requires_grad=True)
-    for fn in (GELU(), LayerNorm(8), lambda z: layers.cross_entropy(z, torch.arange(4))):
+    for fn in (GELU(), LayerNorm(8), lambda z: layers.cross_entropy(z, torch.arange(4)), MLP(8, 16)):
         y = fn(x)
         (g,) = torch.autograd.grad(y, x, torch.ones_like(y, requires_grad=True), create_graph=True)
         with pytest.raises(RuntimeError, match="once_differentiable"):
@@ -179,17 +229,17 @@ def test_second_derivatives_are_refused_not_wrong():
 
 
 @needs_kernel
-def test_the_model_runs_its_gelus_through_the_kernel_and_keeps_torchs_state_dict(monkeypatch):
-    calls = counting(monkeypatch, GELUFunction)
+def test_the_model_runs_its_mlps_through_the_kernel_and_keeps_torchs_state_dict(monkeypatch):
+    calls = counting(monkeypatch, MLPFunction)
     torch.manual_seed(0)
     model = TransformerLM(tiny("nope"))
     tokens = torch.randint(0, 256, (2, 16))
     logits = model(tokens)
     assert len(calls) == model.cfg.n_layer
     # the same weights in a model built with torch's own modules: same keys, same logits
-    monkeypatch.setattr("posbench.model.GELU", nn.GELU)
+    monkeypatch.setattr("posbench.model.MLP", lambda c, h: nn.Sequential(nn.Linear(c, h), nn.GELU(), nn.Linear(h, c)))
     plain = TransformerLM(tiny("nope"))
-    assert not any(isinstance(m, GELU) for m in plain.modules())
+    assert not any(isinstance(m, (MLP, GELU)) for m in plain.modules())
     plain.load_state_dict(model.state_dict())  # strict: every key the same
     assert close(plain(tokens), logits)
     # and LayerNorm, which the model leaves to torch (see layers.py), loads torch's weights

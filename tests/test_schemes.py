@@ -76,7 +76,7 @@ def test_blocked_attention_matches_whole(scheme, T):
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
 
 
-def reference_attention(q, k, v, pos, bias_fn, block, attend_fn=None):
+def reference_attention(q, k, v, pos, bias_fn, block, attend_fn=None, packed=None):
     """Plain attention: the whole (T, T) score matrix, the bias, the mask, a softmax."""
     T = q.size(2)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))  # (B, H, T, T)
@@ -132,7 +132,7 @@ def test_rope_preserves_norms():
     assert torch.allclose(qr[:, :, 0], q[:, :, 0])  # position 0 is the identity
 
 
-def _unmasked(q, k, v, pos, bias_fn, block, attend_fn=None):
+def _unmasked(q, k, v, pos, bias_fn, block, attend_fn=None, packed=None):
     b = bias_fn(q, k, pos, pos)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=b)
 

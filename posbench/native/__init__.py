@@ -142,6 +142,8 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
     "layers": {  # used by posbench/native/layers.py
         "gelu_forward": [P, P, N, I],
         "gelu_backward": [P, P, P, N, I],
+        "gelu_bias_forward": [P, P, P, N, I, I],
+        "gelu_bias_backward": [P, P, P, P, P, N, I, I],
         "layernorm_forward": [P, P, P, P, P, P, N, I, F, I],
         "layernorm_backward": [P, P, P, P, P, P, P, P, N, I, I],
         "xent_forward": [P, P, P, P, P, N, I, N, I],
@@ -225,10 +227,14 @@ class CoPEAttention(torch.autograd.Function):
 ATTENTION_HEAD_DIMS = range(8, 257, 8)  # attention.c's register tiles take 8 floats at a time
 
 
-def attention(q, k, v, bias, q0: int) -> Optional[torch.Tensor]:
+def attention(q, k, v, bias, q0: int, packed: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """softmax(q.k / sqrt(d) + bias, future masked) v through attention.c, for queries q0..q0+Tq-1
     against keys 0..Tk-1 (q0 + Tq = Tk) and a bias of shape (B or 1, H, Tq, Tk) or None; None
-    where the kernel does not apply (the caller then takes SDPA or BiasedAttention)."""
+    where the kernel does not apply (the caller then takes SDPA or BiasedAttention).
+
+    `packed`: the (B, T, 3 H D) projection that q, k and v are the head-major views of, if they
+    are. The kernel then takes it whole and returns its gradient as one tensor, where three
+    separate ones would make autograd's split backward copy them into one (a cat per layer)."""
     B, H, Tq, D = q.shape
     tensors = (q, k, v) if bias is None else (q, k, v, bias)
     shaped = k.shape == v.shape == (B, H, q0 + Tq, D)  # no broadcasting: the C indexes every pair
@@ -236,7 +242,27 @@ def attention(q, k, v, bias, q0: int) -> Optional[torch.Tensor]:
         return None
     if bias is not None:  # batch and heads may be shared (stride 0); rows made contiguous first,
         bias = _rows(bias).expand(B, H, Tq, q0 + Tq)  # or the expand would be copied B times
+    if packed is not None and q0 == 0 and _views_of(packed, q, k, v):
+        return PackedAttention.apply(packed, bias, H)
     return Attention.apply(q, k, v, bias, q0)
+
+
+def qkv_views(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (B, H, T, D) query, key and value views of a (B, T, 3 H D) projection."""
+    B, T, C3 = qkv.shape
+    return tuple(t.view(B, T, n_head, C3 // (3 * n_head)).transpose(1, 2) for t in qkv.split(C3 // 3, dim=2))
+
+
+def _views_of(packed, q, k, v) -> bool:
+    """Whether q, k and v are exactly qkv_views(packed): the same memory, the same layout."""
+    if packed.dim() != 3 or not packed.is_contiguous():
+        return False
+    B, H, T, D = q.shape
+    if packed.shape != (B, T, 3 * H * D):
+        return False
+    want = (T * 3 * H * D, D, 3 * H * D, 1)
+    base = packed.data_ptr()
+    return all(t.stride() == want and t.data_ptr() == base + 4 * i * H * D for i, t in enumerate((q, k, v)))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -254,49 +280,83 @@ def _strides(*tensors) -> torch.Tensor:
     return torch.tensor([t.stride()[:3] if t is not None else (0, 0, 0) for t in tensors], dtype=torch.long)
 
 
+def _forward(q, k, v, bias, q0):
+    """attention.c's forward: the output, the log-sum-exp, and q, k, v and bias as the C read them."""
+    if not _fits_kernel(q, k, v, *([] if bias is None else [bias])):
+        raise RuntimeError("Attention takes fp32 CPU tensors outside autocast (use native.attention)")
+    lib = require("attention")
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    bias = None if bias is None else _rows(bias)
+    B, H, Tq, D = q.shape
+    Tk = k.size(2)
+    out = _head_major(B, H, Tq, D)
+    lse = torch.empty(B, H, Tq)  # log-sum-exp of each row's scores
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads, lib.attention_scratch(Tk, D))
+    st = _strides(q, k, v, bias, out)
+    lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
+                          lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, q0, D**-0.5,
+                          scratch.data_ptr(), threads)  # fmt: skip
+    return out, lse, (q, k, v, bias)
+
+
+def _backward(q0, q, k, v, bias, out, lse, d_out, d_q, d_k, d_v, want_bias_grad: bool):
+    """attention.c's backward into d_q, d_k, d_v (any (B, H, T, D) views); the bias's gradient."""
+    lib = load("attention")
+    B, H, Tq, D = q.shape
+    Tk = k.size(2)
+    d_out = _rows(d_out)
+    d_s = torch.empty(B, H, Tq, Tk) if want_bias_grad else None  # the bias's gradient
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads, lib.attention_scratch(Tk, D))
+    st = _strides(q, k, v, bias, out, d_out, d_q, d_k, d_v)
+    lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
+                           d_out.data_ptr(), d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(),
+                           lse.data_ptr(), _ptr(d_s), st.data_ptr(), B, H, Tq, Tk, D, q0,
+                           D**-0.5, scratch.data_ptr(), threads)  # fmt: skip
+    return d_s
+
+
 class Attention(torch.autograd.Function):
     """Causal attention, optionally biased, forward and backward in attention.c. The backward
     recomputes the probabilities from the saved log-sum-exp, so nothing (T, T) is kept."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, q0):
-        if not _fits_kernel(q, k, v, *([] if bias is None else [bias])):
-            raise RuntimeError("Attention takes fp32 CPU tensors outside autocast (use native.attention)")
-        lib = require("attention")
-        q, k, v = _rows(q), _rows(k), _rows(v)
-        bias = None if bias is None else _rows(bias)
-        B, H, Tq, D = q.shape
-        Tk = k.size(2)
-        out = _head_major(B, H, Tq, D)
-        lse = torch.empty(B, H, Tq)  # log-sum-exp of each row's scores
-        threads = torch.get_num_threads()
-        scratch = torch.empty(threads, lib.attention_scratch(Tk, D))
-        st = _strides(q, k, v, bias, out)
-        lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
-                              lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, q0, D**-0.5,
-                              scratch.data_ptr(), threads)  # fmt: skip
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+        out, lse, read = _forward(q, k, v, bias, q0)
+        ctx.save_for_backward(*read, out, lse)
         ctx.q0 = q0
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
-        lib = load("attention")
         q, k, v, bias, out, lse = ctx.saved_tensors
         B, H, Tq, D = q.shape
         Tk = k.size(2)
-        d_out = _rows(d_out)
         d_q, d_k, d_v = _head_major(B, H, Tq, D), _head_major(B, H, Tk, D), _head_major(B, H, Tk, D)
-        d_s = torch.empty(B, H, Tq, Tk) if ctx.needs_input_grad[3] else None  # the bias's gradient
-        threads = torch.get_num_threads()
-        scratch = torch.empty(threads, lib.attention_scratch(Tk, D))
-        st = _strides(q, k, v, bias, out, d_out, d_q, d_k, d_v)
-        lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
-                               d_out.data_ptr(), d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(),
-                               lse.data_ptr(), _ptr(d_s), st.data_ptr(), B, H, Tq, Tk, D, ctx.q0,
-                               D**-0.5, scratch.data_ptr(), threads)  # fmt: skip
+        d_s = _backward(ctx.q0, q, k, v, bias, out, lse, d_out, d_q, d_k, d_v, ctx.needs_input_grad[3])
         return d_q, d_k, d_v, d_s, None
+
+
+class PackedAttention(torch.autograd.Function):
+    """Attention over qkv_views(qkv, H), with the gradient of qkv written in place as one tensor."""
+
+    @staticmethod
+    def forward(ctx, qkv, bias, H):
+        out, lse, (*_, bias) = _forward(*qkv_views(qkv, H), bias, 0)
+        ctx.save_for_backward(qkv, bias, out, lse)
+        ctx.H = H
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        qkv, bias, out, lse = ctx.saved_tensors
+        d_qkv = torch.empty_like(qkv)
+        d_s = _backward(0, *qkv_views(qkv, ctx.H), bias, out, lse, d_out, *qkv_views(d_qkv, ctx.H),
+                        ctx.needs_input_grad[1])  # fmt: skip
+        return d_qkv, d_s, None
 
 
 def _ptr(t: Optional[torch.Tensor]):

@@ -4,6 +4,7 @@
  * tests/test_native_layers.py checks the two against each other, values and gradients.
  *
  *   gelu       y = x Phi(x); backward dx = dy (Phi(x) + x phi(x)), exp(-x^2/2) serving both
+ *   gelu_bias  the same of h + b, b per column (the MLP's first bias); backward also sums db
  *   layernorm  y = (x - mean) rstd w + b per row; backward dx, and dw, db summed over rows
  *   xent       per row lse - z[target], and the gradient (softmax - onehot) / rows counted
  *
@@ -83,6 +84,74 @@ void gelu_forward(const float *x, float *y, long n, int threads) { gelu(0, x, NU
 
 void gelu_backward(const float *x, const float *dy, float *dx, long n, int threads) {
     gelu(1, x, dy, dx, n, threads);
+}
+
+/* The MLP's first layer with its bias folded in: y = gelu(h + b) over rows x cols, b per column,
+ * where h is the bias-free product x W^T. Its backward, dh = dy gelu'(h + b) (dh may be dy: in
+ * place), also sums dh over rows into db, per chunk of GB_CHUNK rows and the chunks in order, in
+ * double, so db is the same bits whatever the thread count. This spares the product's bias copy
+ * and the separate pass over dh that would sum db. Returns 1 if out of memory. */
+#define GB_CHUNK 64
+
+INLINE void gelu_bias_row(int backward, const float *h, const float *b, const float *dy, float *out,
+                          float *db, int cols) {
+    int j = 0;
+    for (; j + GW <= cols; j += GW) {
+        gvf a, c, d = {0};
+        memcpy(&a, h + j, sizeof a);
+        memcpy(&c, b + j, sizeof c);
+        if (backward) memcpy(&d, dy + j, sizeof d);
+        gvf y = gelu_lanes(backward, a + c, d);
+        memcpy(out + j, &y, sizeof y);
+        if (db) {
+            gvf s;
+            memcpy(&s, db + j, sizeof s);
+            s += y;
+            memcpy(db + j, &s, sizeof s);
+        }
+    }
+    if (j < cols) { /* the row's tail through padded copies */
+        float hs[GW] = {0}, bs[GW] = {0}, ds[GW] = {0}, ys[GW];
+        const size_t n = sizeof(float) * (cols - j);
+        gvf a, c, d;
+        memcpy(hs, h + j, n);
+        memcpy(bs, b + j, n);
+        if (backward) memcpy(ds, dy + j, n);
+        memcpy(&a, hs, sizeof a);
+        memcpy(&c, bs, sizeof c);
+        memcpy(&d, ds, sizeof d);
+        gvf y = gelu_lanes(backward, a + c, d);
+        memcpy(ys, &y, sizeof y);
+        memcpy(out + j, ys, n);
+        if (db)
+            for (int t = 0; t < cols - j; t++) db[j + t] += ys[t];
+    }
+}
+
+void gelu_bias_forward(const float *h, const float *b, float *y, long rows, int cols, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long i = 0; i < rows; i++) gelu_bias_row(0, h + i * cols, b, NULL, y + i * cols, NULL, cols);
+}
+
+int gelu_bias_backward(const float *h, const float *b, const float *dy, float *dh, float *db, long rows,
+                       int cols, int threads) {
+    const long chunks = (rows + GB_CHUNK - 1) / GB_CHUNK;
+    float *partial = calloc((size_t)cols * (chunks ? chunks : 1), sizeof(float)); /* db per chunk */
+    if (!partial) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long c = 0; c < chunks; c++) {
+        const long end = (c + 1) * GB_CHUNK < rows ? (c + 1) * GB_CHUNK : rows;
+        for (long i = c * GB_CHUNK; i < end; i++)
+            gelu_bias_row(1, h + i * cols, b, dy + i * cols, dh + i * cols, partial + c * cols, cols);
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int j = 0; j < cols; j++) {
+        double s = 0.0;
+        for (long c = 0; c < chunks; c++) s += partial[c * cols + j];
+        db[j] = (float)s;
+    }
+    free(partial);
+    return 0;
 }
 
 /* LayerNorm's loops are plain C under omp simd, which GCC vectorises 8 wide even where AVX-512

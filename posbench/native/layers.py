@@ -55,6 +55,38 @@ class GELUFunction(torch.autograd.Function):
         return dx
 
 
+class MLPFunction(torch.autograd.Function):
+    """fc2(gelu(fc1(x))) as one autograd node, where torch's would be five (two addmm, their
+    transposes, the GELU). fc1's product is bias-free and the C adds its bias inside the GELU,
+    whose backward also sums that bias's gradient: one pass over the (rows, 4C) hidden layer
+    fewer each way. Kept for the backward, as torch keeps them: x, the product h, and gelu(h + b1)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (rows, C)
+        h = torch.mm(x2, w1.t())  # (rows, hidden), before the bias
+        y = torch.empty_like(h)
+        b1 = b1.contiguous()
+        _kernel().gelu_bias_forward(h.data_ptr(), b1.data_ptr(), y.data_ptr(), h.size(0), h.size(1),
+                                    torch.get_num_threads())  # fmt: skip
+        ctx.save_for_backward(x2, w1, b1, w2, h, y)
+        return torch.addmm(b2, y, w2.t()).view(*shape[:-1], w2.size(0))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        x2, w1, b1, w2, h, y = ctx.saved_tensors
+        d2 = d_out.reshape(-1, d_out.size(-1))  # (rows, C_out)
+        d_h = torch.mm(d2, w2)  # d gelu's output; the C turns it into d h in place
+        d_b1 = torch.empty_like(b1)
+        if _kernel().gelu_bias_backward(h.data_ptr(), b1.data_ptr(), d_h.data_ptr(), d_h.data_ptr(),
+                                        d_b1.data_ptr(), h.size(0), h.size(1), torch.get_num_threads()):  # fmt: skip
+            raise MemoryError("layers.c: no memory for the GELU bias's partial sums")
+        d_x = torch.mm(d_h, w1).view(*d_out.shape[:-1], w1.size(1)) if ctx.needs_input_grad[0] else None
+        return d_x, torch.mm(d_h.t(), x2), d_b1, torch.mm(d2.t(), y), d2.sum(0)
+
+
 class LayerNormFunction(torch.autograd.Function):
     """LayerNorm over the last dim, with weight and bias; mean and rstd are kept per row."""
 
@@ -118,6 +150,21 @@ class GELU(nn.GELU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.approximate == "none" and _lib(x) is not None:
             return GELUFunction.apply(x)
+        return super().forward(x)
+
+
+class MLP(nn.Sequential):
+    """nn.Sequential(Linear(C, hidden), GELU(), Linear(hidden, C)), with its parameters and
+    state_dict keys, run as one MLPFunction where layers.c applies."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__(nn.Linear(d_model, hidden), GELU(), nn.Linear(hidden, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, act, fc2 = self
+        params = (fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+        if act.approximate == "none" and x.dim() >= 2 and x.numel() > 0 and _lib(x, *params) is not None:
+            return MLPFunction.apply(x, *params)
         return super().forward(x)
 
 
