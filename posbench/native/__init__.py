@@ -143,7 +143,7 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
         "gelu_forward": [P, P, N, I],
         "gelu_backward": [P, P, P, N, I],
         "gelu_bias_forward": [P, P, P, N, I, I],
-        "gelu_bias_backward": [P, P, P, P, P, N, I, I],
+        "gelu_bias_backward": [P, P, P, P, N, I, I],
         "layernorm_forward": [P, P, P, P, P, P, N, I, F, I],
         "layernorm_backward": [P, P, P, P, P, P, P, P, N, I, I],
         "xent_forward": [P, P, P, P, P, N, I, N, I],

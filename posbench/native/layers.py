@@ -57,31 +57,30 @@ class GELUFunction(torch.autograd.Function):
 
 class MLPFunction(torch.autograd.Function):
     """fc2(gelu(fc1(x))) as one autograd node, where torch's would be five (two addmm, their
-    transposes, the GELU). fc1's product is bias-free and the C adds its bias inside the GELU,
-    whose backward also sums that bias's gradient: one pass over the (rows, 4C) hidden layer
-    fewer each way. Kept for the backward, as torch keeps them: x, the product h, and gelu(h + b1)."""
+    transposes, the GELU). fc1's product is bias-free: the C adds the bias inside the GELU and
+    writes the GELU's slope over the product, so the backward multiplies by it (no erf or exp
+    again) and sums the bias's gradient in the same pass. Kept: x, the slope, gelu(h + b1)."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (rows, C)
-        h = torch.mm(x2, w1.t())  # (rows, hidden), before the bias
-        y = torch.empty_like(h)
-        b1 = b1.contiguous()
-        _kernel().gelu_bias_forward(h.data_ptr(), b1.data_ptr(), y.data_ptr(), h.size(0), h.size(1),
-                                    torch.get_num_threads())  # fmt: skip
-        ctx.save_for_backward(x2, w1, b1, w2, h, y)
+        slope = torch.mm(x2, w1.t())  # (rows, hidden): the product h, before the bias
+        y = torch.empty_like(slope)
+        _kernel().gelu_bias_forward(slope.data_ptr(), b1.contiguous().data_ptr(), y.data_ptr(), slope.size(0),
+                                    slope.size(1), torch.get_num_threads())  # fmt: skip
+        ctx.save_for_backward(x2, w1, w2, slope, y)  # slope now holds gelu'(h + b1)
         return torch.addmm(b2, y, w2.t()).view(*shape[:-1], w2.size(0))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
-        x2, w1, b1, w2, h, y = ctx.saved_tensors
+        x2, w1, w2, slope, y = ctx.saved_tensors
         d2 = d_out.reshape(-1, d_out.size(-1))  # (rows, C_out)
         d_h = torch.mm(d2, w2)  # d gelu's output; the C turns it into d h in place
-        d_b1 = torch.empty_like(b1)
-        if _kernel().gelu_bias_backward(h.data_ptr(), b1.data_ptr(), d_h.data_ptr(), d_h.data_ptr(),
-                                        d_b1.data_ptr(), h.size(0), h.size(1), torch.get_num_threads()):  # fmt: skip
+        d_b1 = w1.new_empty(w1.size(0))
+        if _kernel().gelu_bias_backward(slope.data_ptr(), d_h.data_ptr(), d_h.data_ptr(), d_b1.data_ptr(),
+                                        d_h.size(0), d_h.size(1), torch.get_num_threads()):  # fmt: skip
             raise MemoryError("layers.c: no memory for the GELU bias's partial sums")
         d_x = torch.mm(d_h, w1).view(*d_out.shape[:-1], w1.size(1)) if ctx.needs_input_grad[0] else None
         return d_x, torch.mm(d_h.t(), x2), d_b1, torch.mm(d2.t(), y), d2.sum(0)
