@@ -26,7 +26,7 @@
 #endif
 
 enum { Q, K, V, BIAS, OUT, DOUT, DQ, DK, DV }; /* rows of the stride table */
-#define R 4                                    /* query rows per register tile */
+#define R 8                                    /* query rows per register tile */
 #define CHUNK 128                              /* query rows per forward work item */
 #define MAXV 16                                /* head dim at most 16 * MAXV = 256 */
 #define CUTOFF -60.0f                          /* exp below this is taken as 0 */
@@ -99,15 +99,15 @@ INLINE void weights_times_rows(const Args *a, int which, int b, int h, const flo
         for (int c = 0; c < nv; c++) store16(y[r] + 16 * c, acc[r][c] * scale[r], chunk(D, c));
 }
 
-/* M_j += scale * sum_r W[r * ld + j] x_r for j < n: the transposed product, into rows of M */
-INLINE void accumulate_rows(const Args *a, int which, int b, int h, const float *W, int ld, int n,
-                            int D, float scale, const float *x[R]) {
+/* M_j += scale * sum_r W[r * ld + j] x_r for j < n: the transposed product, into the rows of M
+ * (D floats each, contiguous: a pair's dk or dv, which stay in L1 as the tiles go by) */
+INLINE void accumulate_rows(float *M, const float *W, int ld, int n, int D, float scale, const float *x[R]) {
     const int nv = (D + 15) / 16;
     v16f xs[R][MAXV];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < nv; c++) xs[r][c] = load16(x[r] + 16 * c, chunk(D, c)) * scale;
     for (int j = 0; j < n; j++) {
-        float *m = row(a, which, b, h, j);
+        float *m = M + (long)j * D;
         for (int c = 0; c < nv; c++) {
             v16f acc = load16(m + 16 * c, chunk(D, c));
             for (int r = 0; r < R; r++) acc += W[r * ld + j] * xs[r][c];
@@ -204,12 +204,10 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
     const int nk = a->q0 + a->Tq < a->Tk ? a->q0 + a->Tq : a->Tk, ld = round16(nk);
     float *KT = buf, *VT = buf + D * ld, *P = VT + D * ld, *dS = P + R * ld;
     float *spare = dS + R * ld; /* D floats for rows past Tq */
+    float *dK = spare + D, *dV = dK + (long)a->Tk * D; /* (Tk, D) each, copied out at the end */
     pack_t(a, K, b, h, nk, ld, KT);
     pack_t(a, V, b, h, nk, ld, VT);
-    for (int j = 0; j < a->Tk; j++) {
-        memset(row(a, DK, b, h, j), 0, sizeof(float) * D);
-        memset(row(a, DV, b, h, j), 0, sizeof(float) * D);
-    }
+    memset(dK, 0, sizeof(float) * 2 * a->Tk * D);
     for (int i = 0; i < a->Tq; i += R) {
         int n[R];
         const float *q[R], *dout[R];
@@ -235,10 +233,15 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
             }
             dq[r] = valid ? row(a, DQ, b, h, ir) : spare;
         }
-        const float scales[R] = {a->scale, a->scale, a->scale, a->scale};
+        float scales[R];
+        for (int r = 0; r < R; r++) scales[r] = a->scale;
         weights_times_rows(a, K, b, h, dS, ld, hi, D, scales, dq);
-        accumulate_rows(a, DK, b, h, dS, ld, hi, D, a->scale, q);
-        accumulate_rows(a, DV, b, h, P, ld, hi, D, 1.0f, dout);
+        accumulate_rows(dK, dS, ld, hi, D, a->scale, q);
+        accumulate_rows(dV, P, ld, hi, D, 1.0f, dout);
+    }
+    for (int j = 0; j < a->Tk; j++) {
+        memcpy(row(a, DK, b, h, j), dK + (long)j * D, sizeof(float) * D);
+        memcpy(row(a, DV, b, h, j), dV + (long)j * D, sizeof(float) * D);
     }
 }
 
@@ -265,7 +268,7 @@ static void backward_item(const Args *a, int b, int h, float *buf) {
 }
 
 /* scratch per thread, in floats: what attention_scratch returns */
-long attention_scratch(int Tk, int D) { return (long)(2 * D + 2 * R + 1) * round16(Tk) + D; }
+long attention_scratch(int Tk, int D) { return (long)(4 * D + 2 * R + 1) * round16(Tk) + D; }
 
 void attention_forward(const float *q, const float *k, const float *v, const float *bias,
                        float *out, float *lse, const long *st, int B, int H, int Tq, int Tk,
