@@ -53,7 +53,7 @@ class Block(nn.Module):
 
     def forward(self, x, pos, block):
         x = x + self.drop(self.attn(self.ln1(x), pos, block))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        return x + self.drop(self.mlp(x, self.ln2))  # mlp(ln2(x)), the LayerNorm fused in on CPU
 
 
 class TransformerLM(nn.Module):

@@ -72,21 +72,42 @@ def torch_mlp(mlp: MLP) -> nn.Sequential:
 
 
 @needs_kernel
+@pytest.mark.parametrize("norm", [False, True])  # mlp(x), and mlp(x, ln) with the LayerNorm fused in
 @pytest.mark.parametrize(
     "shape,hidden",  # rows off the 64-row chunks of the bias's sum; hidden off multiples of 8 and 16
     [((2, 50, 32), 128), ((1, 1, 8), 20), ((3, 70, 24), 100), ((130, 16), 72)],
 )
-def test_mlp_matches_torch_in_values_and_every_gradient(monkeypatch, shape, hidden):
+def test_mlp_matches_torch_in_values_and_every_gradient(monkeypatch, shape, hidden, norm):
     calls = counting(monkeypatch, MLPFunction)
     torch.manual_seed(0)
     mlp = MLP(shape[-1], hidden)
     nn.init.normal_(mlp[0].bias)  # nonzero biases: the C adds fc1's inside the GELU
     nn.init.normal_(mlp[2].bias)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 2
-    got, want = grads(mlp, x), grads(torch_mlp(mlp), x)
+    ln = nn.LayerNorm(shape[-1])
+    nn.init.normal_(ln.weight)
+    nn.init.normal_(ln.bias)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 2 + 0.5
+    plain = torch_mlp(mlp)
+    if norm:
+        got, want = grads(_Fused(mlp, ln), x), grads(nn.Sequential(ln, plain), x)
+    else:
+        got, want = grads(mlp, x), grads(plain, x)
     assert calls, "the kernel did not run"
-    for name, a, b in zip(["y", "dx", "dw1", "db1", "dw2", "db2"], got, want):
+    names = ["y", "dx"] + (["d ln.w", "d ln.b"] if norm else []) + ["dw1", "db1", "dw2", "db2"]
+    assert len(got) == len(want) == len(names)
+    for name, a, b in zip(names, got, want):
         assert a.shape == b.shape and close(a, b), (name, (a - b).abs().max().item())
+
+
+class _Fused(nn.Module):
+    """mlp(x, ln), with ln's parameters listed before mlp's, as nn.Sequential(ln, mlp) lists them."""
+
+    def __init__(self, mlp, ln):
+        super().__init__()
+        self.ln, self.mlp = ln, mlp
+
+    def forward(self, x):
+        return self.mlp(x, self.ln)
 
 
 @needs_kernel
@@ -168,8 +189,9 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_two():
         nn.init.normal_(mlp[0].bias)
         y, dx, _, db1, _, db2 = grads(mlp, x)  # the weights' gradients are MKL's sums over rows,
         # split by thread count, in the MLP as in torch's own nn.Linear: not the kernel's to fix
+        ny, ndx, dlw, dlb, _, ndb1, _, ndb2 = grads(_Fused(mlp, LayerNorm(96)), x)  # the LayerNorm fused in
         runs.append(grads(GELU(), x) + grads(ln, x) + grads(lambda z: layers.cross_entropy(z, targets), x)
-                    + [y, dx, db1, db2])  # fmt: skip
+                    + [y, dx, db1, db2, ny, ndx, dlw, dlb, ndb1, ndb2])  # fmt: skip
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -190,6 +212,8 @@ def test_off_switch_and_other_dtypes_take_the_torch_path(monkeypatch):
     # what the kernel does not cover: the tanh GELU, a LayerNorm without weight or bias or over
     # two dims, targets that are not int64 or logits that are not (N, V)
     assert torch.equal(GELU(approximate="tanh")(x), nn.GELU(approximate="tanh")(x))
+    fused, norm = MLP(8, 32).bfloat16(), nn.LayerNorm(8).bfloat16()
+    assert torch.equal(fused(xb, norm), torch_mlp(fused)(norm(xb)))
     tanh = MLP(8, 32)
     tanh[1].approximate = "tanh"
     plain = torch_mlp(tanh)
@@ -211,11 +235,26 @@ def test_off_switch_and_other_dtypes_take_the_torch_path(monkeypatch):
         assert torch.equal(GELU()(x), nn.GELU()(x))
         assert torch.equal(LayerNorm(8)(x), nn.LayerNorm(8)(x))
         assert torch.equal(layers.cross_entropy(x, t), F.cross_entropy(x, t))
-        fused = MLP(8, 32)
+        fused, norm = MLP(8, 32), nn.LayerNorm(8)
         assert torch.equal(fused(x), torch_mlp(fused)(x))
+        assert torch.equal(fused(x, norm), torch_mlp(fused)(norm(x)))
     assert not gelu and not ce and not ln and not mlp
     with pytest.raises(RuntimeError, match="layers kernel is unavailable: turned off"):
         GELUFunction.apply(x)
+
+
+@needs_kernel
+def test_mlp_runs_a_norm_the_kernel_does_not_cover_apart(monkeypatch):
+    """A LayerNorm without bias, or another norm: applied by torch, then the fused MLP."""
+    calls = []
+    real = MLPFunction.apply
+    monkeypatch.setattr(MLPFunction, "apply", lambda *a: calls.append(a[1]) or real(*a))
+    x = torch.randn(6, 8)
+    for norm in (nn.LayerNorm(8, bias=False), nn.RMSNorm(8)):
+        fused = MLP(8, 32)
+        with torch.no_grad():
+            assert torch.equal(fused(x, norm), fused(norm(x)))
+    assert calls == [None] * 4  # all four through the kernel, none with a LayerNorm inside
 
 
 @needs_kernel
@@ -237,7 +276,11 @@ def test_the_model_runs_its_mlps_through_the_kernel_and_keeps_torchs_state_dict(
     logits = model(tokens)
     assert len(calls) == model.cfg.n_layer
     # the same weights in a model built with torch's own modules: same keys, same logits
-    monkeypatch.setattr("posbench.model.MLP", lambda c, h: nn.Sequential(nn.Linear(c, h), nn.GELU(), nn.Linear(h, c)))
+    class PlainMLP(nn.Sequential):  # torch's modules, and its LayerNorm apart
+        def forward(self, x, norm):
+            return super().forward(norm(x))
+
+    monkeypatch.setattr("posbench.model.MLP", lambda c, h: PlainMLP(nn.Linear(c, h), nn.GELU(), nn.Linear(h, c)))
     plain = TransformerLM(tiny("nope"))
     assert not any(isinstance(m, (MLP, GELU)) for m in plain.modules())
     plain.load_state_dict(model.state_dict())  # strict: every key the same

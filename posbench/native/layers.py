@@ -1,19 +1,22 @@
-"""GELU, LayerNorm and cross-entropy through the C kernel layers.c, as drop-in replacements.
+"""GELU, LayerNorm, the MLP and cross-entropy through the C kernel layers.c, as drop-in replacements.
 
-`GELU` and `LayerNorm` are nn.GELU and nn.LayerNorm (same parameters, same state_dict keys)
-whose forward runs layers.c where it applies: fp32 CPU tensors outside autocast, with the
-kernel built. Anywhere else, and for what the kernel does not cover (tanh GELU, a LayerNorm
-without weight or bias or over more than the last dim), they are the torch modules themselves,
-which are also the reference. `cross_entropy` is F.cross_entropy's mean the same way.
+`GELU`, `LayerNorm` and `MLP` are nn.GELU, nn.LayerNorm and nn.Sequential(Linear, GELU, Linear)
+(same parameters, same state_dict keys) whose forward runs layers.c where it applies: fp32 CPU
+tensors outside autocast, with the kernel built. Anywhere else, and for what the kernel does not
+cover (tanh GELU, a LayerNorm without weight or bias or over more than the last dim), they are
+the torch modules themselves, which are also the reference. `cross_entropy` is F.cross_entropy's
+mean the same way.
 
 Each call is a Python autograd node, and in a training step the tensors between calls push the
 interpreter's own data out of cache: a node costs ~45 us there, against ~5 in a loop, and that
-is what a kernel has to win back (hence the short Python below). The model takes GELU and the
-training loss; its LayerNorms stay torch's, since at its size (1600 x 128) this LayerNorm, twice
-as fast as torch's alone, made the NoPE step 0.1-0.5 ms slower in interleaved A/B runs.
-"""
+is what a kernel has to win back (hence the short Python below). So the model's MLP is one node
+with its LayerNorm inside (`mlp(x, ln2)`): a LayerNorm node of its own, twice as fast as torch's
+alone, made the NoPE step 0.1-0.5 ms slower; folded into the MLP's node it made it ~2% faster.
+""""""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -56,34 +59,57 @@ class GELUFunction(torch.autograd.Function):
 
 
 class MLPFunction(torch.autograd.Function):
-    """fc2(gelu(fc1(x))) as one autograd node, where torch's would be five (two addmm, their
-    transposes, the GELU). fc1's product is bias-free: the C adds the bias inside the GELU and
-    writes the GELU's slope over the product, so the backward multiplies by it (no erf or exp
-    again) and sums the bias's gradient in the same pass. Kept: x, the slope, gelu(h + b1)."""
+    """fc2(gelu(fc1(norm(x)))) as one autograd node, where torch's would be six (a LayerNorm,
+    two addmm, their transposes, the GELU); norm is a LayerNorm (ln_w, ln_b, eps), or none when
+    ln_w is None. fc1's product is bias-free: the C adds the bias inside the GELU and writes the
+    GELU's slope over the product, so the backward multiplies by it (no erf or exp again) and
+    sums the bias's gradient in the same pass. Kept: x, norm(x), each row's mean and 1 / std,
+    the slope, and gelu(h + b1)."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2):
+    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps):
         shape = x.shape
+        threads = torch.get_num_threads()
         x2 = x.reshape(-1, shape[-1])  # (rows, C)
-        slope = torch.mm(x2, w1.t())  # (rows, hidden): the product h, before the bias
+        xn, stats = x2, None
+        if ln_w is not None:
+            x2 = x2.contiguous()
+            xn, stats = torch.empty_like(x2), x2.new_empty(2, x2.size(0))  # stats: mean, 1 / std
+            _kernel().layernorm_forward(x2.data_ptr(), ln_w.data_ptr(), ln_b.data_ptr(), xn.data_ptr(),
+                                        stats[0].data_ptr(), stats[1].data_ptr(), x2.size(0), x2.size(1), eps,
+                                        threads)  # fmt: skip
+        slope = torch.mm(xn, w1.t())  # (rows, hidden): the product h, before the bias
         y = torch.empty_like(slope)
-        _kernel().gelu_bias_forward(slope.data_ptr(), b1.contiguous().data_ptr(), y.data_ptr(), slope.size(0),
-                                    slope.size(1), torch.get_num_threads())  # fmt: skip
-        ctx.save_for_backward(x2, w1, w2, slope, y)  # slope now holds gelu'(h + b1)
+        _kernel().gelu_bias_forward(slope.data_ptr(), b1.data_ptr(), y.data_ptr(), slope.size(0), slope.size(1),
+                                    threads)  # fmt: skip
+        ctx.save_for_backward(x2, ln_w, stats, xn, w1, w2, slope, y)  # slope now holds gelu'(h + b1)
         return torch.addmm(b2, y, w2.t()).view(*shape[:-1], w2.size(0))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
-        x2, w1, w2, slope, y = ctx.saved_tensors
+        x2, ln_w, stats, xn, w1, w2, slope, y = ctx.saved_tensors
+        threads = torch.get_num_threads()
         d2 = d_out.reshape(-1, d_out.size(-1))  # (rows, C_out)
         d_h = torch.mm(d2, w2)  # d gelu's output; the C turns it into d h in place
         d_b1 = w1.new_empty(w1.size(0))
         if _kernel().gelu_bias_backward(slope.data_ptr(), d_h.data_ptr(), d_h.data_ptr(), d_b1.data_ptr(),
-                                        d_h.size(0), d_h.size(1), torch.get_num_threads()):  # fmt: skip
+                                        d_h.size(0), d_h.size(1), threads):  # fmt: skip
             raise MemoryError("layers.c: no memory for the GELU bias's partial sums")
-        d_x = torch.mm(d_h, w1).view(*d_out.shape[:-1], w1.size(1)) if ctx.needs_input_grad[0] else None
-        return d_x, torch.mm(d_h.t(), x2), d_b1, torch.mm(d2.t(), y), d2.sum(0)
+        d_w1 = torch.mm(xn.t(), d_h).t()  # (hidden, C) as the transpose of (C, hidden): MKL's faster order
+        d_w2, d_b2 = torch.mm(d2.t(), y), d2.sum(0)
+        d_x = d_lw = d_lb = None
+        if ctx.needs_input_grad[0] or ln_w is not None:
+            d_x = torch.mm(d_h, w1)  # d norm(x)
+            if ln_w is not None:
+                d_xn, d_x = d_x, torch.empty_like(d_x)
+                d_lw, d_lb = torch.empty_like(ln_w), torch.empty_like(ln_w)
+                if _kernel().layernorm_backward(d_xn.data_ptr(), x2.data_ptr(), ln_w.data_ptr(), stats[0].data_ptr(),
+                                                stats[1].data_ptr(), d_x.data_ptr(), d_lw.data_ptr(),
+                                                d_lb.data_ptr(), x2.size(0), x2.size(1), threads):  # fmt: skip
+                    raise MemoryError("layers.c: no memory for LayerNorm's partial sums")
+            d_x = d_x.view(*d_out.shape[:-1], w1.size(1))
+        return d_x, d_lw, d_lb, d_w1, d_b1, d_w2, d_b2, None
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -154,17 +180,32 @@ class GELU(nn.GELU):
 
 class MLP(nn.Sequential):
     """nn.Sequential(Linear(C, hidden), GELU(), Linear(hidden, C)), with its parameters and
-    state_dict keys, run as one MLPFunction where layers.c applies."""
+    state_dict keys, run as one MLPFunction where layers.c applies. `forward(x, norm)` applies
+    an nn.LayerNorm first, fused into the same node where it can be."""
 
     def __init__(self, d_model: int, hidden: int):
         super().__init__(nn.Linear(d_model, hidden), GELU(), nn.Linear(hidden, d_model))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: Optional[nn.LayerNorm] = None) -> torch.Tensor:
         fc1, act, fc2 = self
-        params = (fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-        if act.approximate == "none" and x.dim() >= 2 and x.numel() > 0 and _lib(x, *params) is not None:
-            return MLPFunction.apply(x, *params)
-        return super().forward(x)
+        if norm is not None and not _layernorm_fits(norm, x):
+            x, norm = norm(x), None  # a norm the C does not cover runs apart
+        params = [fc1.weight, fc1.bias, fc2.weight, fc2.bias]
+        ln = [None, None, 0.0] if norm is None else [norm.weight, norm.bias, norm.eps]
+        tensors = [x, *params, *ln[:2]] if norm is not None else [x, *params]
+        if act.approximate == "none" and x.dim() >= 2 and x.numel() > 0 and _lib(*tensors) is not None:
+            return MLPFunction.apply(x, ln[0], ln[1], *params, ln[2])
+        return super().forward(x if norm is None else norm(x))
+
+
+def _layernorm_fits(norm: nn.LayerNorm, x: torch.Tensor) -> bool:
+    """What layers.c's LayerNorm covers: over the last dim, with weight and bias."""
+    return (
+        type(norm) in (nn.LayerNorm, LayerNorm)
+        and norm.weight is not None
+        and norm.bias is not None
+        and x.shape[-1:] == norm.normalized_shape
+    )
 
 
 class LayerNorm(nn.LayerNorm):
