@@ -9,10 +9,12 @@ mean the same way.
 
 Each call is a Python autograd node, and in a training step the tensors between calls push the
 interpreter's own data out of cache: a node costs ~45 us there, against ~5 in a loop, and that
-is what a kernel has to win back (hence the short Python below). So the model's MLP is one node
-with its LayerNorm inside (`mlp(x, ln2)`): a LayerNorm node of its own, twice as fast as torch's
-alone, made the NoPE step 0.1-0.5 ms slower; folded into the MLP's node it made it ~2% faster.
-""""""
+is what a kernel has to win back (hence the short Python below). So the MLP's LayerNorm runs
+inside the MLP's node (`mlp(x, ln2)`): a LayerNorm node of its own, twice as fast as torch's
+alone, made the NoPE step 0.1-0.5 ms slower; inside the MLP it made it ~2% faster. Folded the
+same way into the qkv projection and the output head, it measured no change (within 1%, five
+interleaved A/Bs), so those two stay torch's.
+"""
 
 from __future__ import annotations
 
@@ -74,10 +76,7 @@ class MLPFunction(torch.autograd.Function):
         xn, stats = x2, None
         if ln_w is not None:
             x2 = x2.contiguous()
-            xn, stats = torch.empty_like(x2), x2.new_empty(2, x2.size(0))  # stats: mean, 1 / std
-            _kernel().layernorm_forward(x2.data_ptr(), ln_w.data_ptr(), ln_b.data_ptr(), xn.data_ptr(),
-                                        stats[0].data_ptr(), stats[1].data_ptr(), x2.size(0), x2.size(1), eps,
-                                        threads)  # fmt: skip
+            xn, stats = _layernorm(x2, ln_w, ln_b, eps)  # stats: mean, 1 / std
         slope = torch.mm(xn, w1.t())  # (rows, hidden): the product h, before the bias
         y = torch.empty_like(slope)
         _kernel().gelu_bias_forward(slope.data_ptr(), b1.data_ptr(), y.data_ptr(), slope.size(0), slope.size(1),
@@ -96,20 +95,38 @@ class MLPFunction(torch.autograd.Function):
         if _kernel().gelu_bias_backward(slope.data_ptr(), d_h.data_ptr(), d_h.data_ptr(), d_b1.data_ptr(),
                                         d_h.size(0), d_h.size(1), threads):  # fmt: skip
             raise MemoryError("layers.c: no memory for the GELU bias's partial sums")
-        d_w1 = torch.mm(xn.t(), d_h).t()  # (hidden, C) as the transpose of (C, hidden): MKL's faster order
-        d_w2, d_b2 = torch.mm(d2.t(), y), d2.sum(0)
+        d_w1, d_w2, d_b2 = _weight_grad(d_h, xn), _weight_grad(d2, y), d2.sum(0)
         d_x = d_lw = d_lb = None
         if ctx.needs_input_grad[0] or ln_w is not None:
             d_x = torch.mm(d_h, w1)  # d norm(x)
             if ln_w is not None:
-                d_xn, d_x = d_x, torch.empty_like(d_x)
-                d_lw, d_lb = torch.empty_like(ln_w), torch.empty_like(ln_w)
-                if _kernel().layernorm_backward(d_xn.data_ptr(), x2.data_ptr(), ln_w.data_ptr(), stats[0].data_ptr(),
-                                                stats[1].data_ptr(), d_x.data_ptr(), d_lw.data_ptr(),
-                                                d_lb.data_ptr(), x2.size(0), x2.size(1), threads):  # fmt: skip
-                    raise MemoryError("layers.c: no memory for LayerNorm's partial sums")
+                d_x, d_lw, d_lb = _layernorm_backward(d_x, x2, ln_w, stats)
             d_x = d_x.view(*d_out.shape[:-1], w1.size(1))
         return d_x, d_lw, d_lb, d_w1, d_b1, d_w2, d_b2, None
+
+
+def _layernorm(x2, ln_w, ln_b, eps):
+    """layers.c's LayerNorm of contiguous (rows, C) x2: the output, and (2, rows) mean, 1 / std."""
+    xn, stats = torch.empty_like(x2), x2.new_empty(2, x2.size(0))
+    _kernel().layernorm_forward(x2.data_ptr(), ln_w.data_ptr(), ln_b.data_ptr(), xn.data_ptr(), stats[0].data_ptr(),
+                                stats[1].data_ptr(), x2.size(0), x2.size(1), eps, torch.get_num_threads())  # fmt: skip
+    return xn, stats
+
+
+def _layernorm_backward(d_xn, x2, ln_w, stats):
+    """The gradients of x2, the weight and the bias, from that of the LayerNorm's output."""
+    d_x, d_lw, d_lb = torch.empty_like(d_xn), torch.empty_like(ln_w), torch.empty_like(ln_w)
+    if _kernel().layernorm_backward(d_xn.data_ptr(), x2.data_ptr(), ln_w.data_ptr(), stats[0].data_ptr(),
+                                    stats[1].data_ptr(), d_x.data_ptr(), d_lw.data_ptr(), d_lb.data_ptr(),
+                                    x2.size(0), x2.size(1), torch.get_num_threads()):  # fmt: skip
+        raise MemoryError("layers.c: no memory for LayerNorm's partial sums")
+    return d_x, d_lw, d_lb
+
+
+def _weight_grad(d2, x2):
+    """d2^T x2, the (out, in) gradient of a Linear's weight. Where out > in, MKL is ~10% faster
+    at the transposed product (in, out), and the transpose is handed back as it is."""
+    return torch.mm(x2.t(), d2).t() if d2.size(1) > x2.size(1) else torch.mm(d2.t(), x2)
 
 
 class LayerNormFunction(torch.autograd.Function):
