@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from posbench import native
+from posbench.native.layers import rope  # x * cos + rotate_half(x) * sin, fused on CPU
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 
@@ -298,9 +299,6 @@ def rel_shift(rev: torch.Tensor) -> torch.Tensor:
     return rev.flatten(-2)[..., Tq - 1 : Tq - 1 + Tq * Tk].view(*lead, Tq, Tk)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
 
 
 ROPE_SCALINGS = (None, "linear", "ntk", "dynamic", "yarn")
@@ -398,7 +396,7 @@ class RoPE(PositionalScheme):
 
     def rotate(self, q, k, pos, layer):
         cos, sin = self.once_per_forward((pos,), lambda: self.angles(pos, q.size(-1), q.dtype))
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return rope(q, cos, sin), rope(k, cos, sin)  # x * cos + rotate_half(x) * sin
 
     def frequencies(self, D: int, seq_len: int) -> tuple[torch.Tensor, float]:
         v = self.variant
@@ -428,8 +426,8 @@ class XPos(RoPE):
 
     def rotate(self, q, k, pos, layer):
         cos, sin, up = self.once_per_forward((pos,), lambda: self.xpos(pos, q.size(-1), q.dtype))
-        q = (q * cos + rotate_half(q) * sin) * up  # (B, H, T, D)
-        k = (k * cos + rotate_half(k) * sin) / up
+        q = rope(q, cos, sin) * up  # (B, H, T, D)
+        k = rope(k, cos, sin) / up
         return q, k
 
     def xpos(self, pos, D, dtype):

@@ -16,6 +16,9 @@ from posbench.native.layers import (
     LayerNorm,
     LayerNormFunction,
     MLPFunction,
+    RopeFunction,
+    rope,
+    rotate_half,
 )
 
 from conftest import smoke_experiment, tiny
@@ -110,6 +113,69 @@ class _Fused(nn.Module):
         return self.mlp(x, self.ln)
 
 
+def head_major(B, T, H, D, seed=0):
+    """A (B, H, T, D) view of (B, T, 3 H D) memory, as the model's q and k are."""
+    qkv = torch.randn(B, T, 3 * H * D, generator=torch.Generator().manual_seed(seed))
+    return qkv[..., H * D : 2 * H * D].view(B, T, H, D).transpose(1, 2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,T,H,D", [(2, 7, 3, 10), (1, 1, 1, 2), (3, 33, 4, 32)])  # halves of 5, 1, 16
+def test_rope_matches_its_formula_in_fp64(monkeypatch, B, T, H, D):
+    """x * cos + rotate_half(x) * sin, and its gradient, within 1e-6 of float64 autograd; tables
+    of any values (xPos scales them, YaRN too), not only cosines and sines."""
+    calls = counting(monkeypatch, RopeFunction)
+    g = torch.Generator().manual_seed(1)
+    cos, sin, d_out = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    x = head_major(B, T, H, D).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    want = x64 * cos.double() + rotate_half(x64) * sin.double()
+    want.backward(d_out.double())
+    got = rope(x, cos, sin)
+    got.backward(d_out)
+    assert calls, "the kernel did not run"
+    assert (got.double() - want).abs().max().item() < 1e-6
+    assert (x.grad.double() - x64.grad).abs().max().item() < 1e-6
+
+
+@needs_kernel
+def test_rope_at_a_hand_worked_point():
+    """Position 1, angle 0.5, one pair (x1, x2) = (1, 2): (cos - 2 sin, 2 cos + sin)."""
+    import math
+
+    x = torch.zeros(1, 1, 2, 2)
+    x[0, 0, 1] = torch.tensor([1.0, 2.0])
+    cos = torch.tensor([[1.0, 1.0], [math.cos(0.5)] * 2])
+    sin = torch.tensor([[0.0, 0.0], [math.sin(0.5)] * 2])
+    y = rope(x, cos, sin)
+    c, s = math.cos(0.5), math.sin(0.5)
+    assert y[0, 0, 1].tolist() == pytest.approx([c - 2 * s, 2 * c + s], abs=1e-6)
+    assert y[0, 0, 0].tolist() == [0.0, 0.0]
+
+
+@needs_kernel
+def test_rope_falls_back_where_the_kernel_does_not_apply(monkeypatch):
+    calls = counting(monkeypatch, RopeFunction)
+    x, cos, sin = head_major(2, 5, 2, 8), torch.randn(5, 8), torch.randn(5, 8)
+    want = x * cos + rotate_half(x) * sin
+    assert torch.equal(rope(x, cos, sin.requires_grad_()), want)  # a table that learns
+    x64, cos64, sin64 = x.double(), cos.double(), sin.detach().double()
+    assert torch.equal(rope(x64, cos64, sin64), x64 * cos64 + rotate_half(x64) * sin64)  # not fp32
+    assert torch.equal(rope(x[..., :7], cos[:, :7], sin.detach()[:, :7]),
+                       x[..., :7] * cos[:, :7] + rotate_half(x[..., :7]) * sin.detach()[:, :7])  # odd D
+    assert not calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", ["rope", "xpos"])
+def test_rope_schemes_rotate_through_the_kernel(monkeypatch, scheme):
+    calls = counting(monkeypatch, RopeFunction)
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(scheme))
+    model(torch.randint(0, 256, (2, 16))).square().mean().backward()
+    assert len(calls) == 2 * model.cfg.n_layer  # q and k in every layer
+
+
 @needs_kernel
 def test_gelu_is_accurate_into_the_tails_and_never_subnormal():
     """Within 3e-7 of float64 (relative above 1) in values and slopes, as torch's own erf. Below
@@ -181,6 +247,7 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_two():
     x = torch.randn(1000, 96, generator=g)  # 1000 rows: LayerNorm's chunks of rows split unevenly
     targets = torch.randint(0, 96, (1000,), generator=g)
     ln = LayerNorm(96)
+    cos, sin = torch.randn(50, 12, generator=g), torch.randn(50, 12, generator=g)  # RoPE's tables
     runs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -190,8 +257,9 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_two():
         y, dx, _, db1, _, db2 = grads(mlp, x)  # the weights' gradients are MKL's sums over rows,
         # split by thread count, in the MLP as in torch's own nn.Linear: not the kernel's to fix
         ny, ndx, dlw, dlb, _, ndb1, _, ndb2 = grads(_Fused(mlp, LayerNorm(96)), x)  # the LayerNorm fused in
+        rot = grads(lambda z: rope(z.view(4, 50, 5, 12).transpose(1, 2), cos, sin), x[:200, :60].reshape(4, 50, 60))
         runs.append(grads(GELU(), x) + grads(ln, x) + grads(lambda z: layers.cross_entropy(z, targets), x)
-                    + [y, dx, db1, db2, ny, ndx, dlw, dlb, ndb1, ndb2])  # fmt: skip
+                    + [y, dx, db1, db2, ny, ndx, dlw, dlb, ndb1, ndb2] + rot)  # fmt: skip
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 

@@ -147,6 +147,7 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
         "layernorm_forward": [P, P, P, P, P, P, N, I, F, I],
         "layernorm_backward": [P, P, P, P, P, P, P, P, N, I, I],
         "xent_forward": [P, P, P, P, P, N, I, N, I],
+        "rope_rotate": [P, P, P, P, P, P, I, I, I, I, I, I],
     },
 }
 KERNELS = ("attention", "layers", "cope")  # every .c here; cope's runs for CoPE alone

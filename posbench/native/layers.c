@@ -1,4 +1,4 @@
-/* GELU, LayerNorm and cross-entropy in C, fp32: elementwise and row-wise layers outside the
+/* GELU, LayerNorm, cross-entropy and RoPE's rotation in C, fp32: elementwise and row-wise layers outside the
  * matrix products, each forward and backward one pass over the data. The Python side,
  * and the PyTorch ops that are the reference and the fallback, are in layers.py beside this;
  * tests/test_native_layers.py checks the two against each other, values and gradients.
@@ -8,6 +8,7 @@
  *              backward, which also sums db
  *   layernorm  y = (x - mean) rstd w + b per row; backward dx, and dw, db summed over rows
  *   xent       per row lse - z[target], and the gradient (softmax - onehot) / rows counted
+ *   rope       y = x cos + rotate_half(x) sin per row; backward the transposed map
  *
  * Work is split over OpenMP threads (torch's own runtime once loaded after torch: see the top
  * of cope.c). Every output is computed the same way whatever the thread count, so the results
@@ -283,4 +284,30 @@ int xent_forward(const float *z, const int64_t *target, float *grad, float *rowl
     for (long i = 0; i < rows; i++) total += rowloss[i];
     *loss = (float)(total / counted); /* 0/0 = nan when every row is ignored, as torch */
     return 0;
+}
+
+/* RoPE's rotation of rows of D floats (D even, h = D / 2 the half), with tables c, s of D floats
+ * per position t:
+ *   forward    y = x c + rotate_half(x) s, rotate_half(x) = (-x2, x1) for the halves x1, x2
+ *   transpose  dx = g c + (g2 s2, -g1 s1), the same map transposed: the backward
+ * x and y are (B, H, T, D) with (batch, head, row) strides xs, ys and a unit last stride (the
+ * head-major views the model makes), c and s contiguous (T, D). Rows are independent. */
+void rope_rotate(const float *x, const long *xs, float *y, const long *ys, const float *c, const float *s,
+                 int B, int H, int T, int D, int transpose, int threads) {
+    const int h = D / 2;
+    const float sign = transpose ? -1.0f : 1.0f;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long row = 0; row < (long)B * H * T; row++) {
+        const int t = (int)(row % T), hd = (int)(row / T % H), b = (int)(row / T / H);
+        const float *xr = x + b * xs[0] + hd * xs[1] + t * xs[2], *cr = c + (long)t * D, *sr = s + (long)t * D;
+        float *yr = y + b * ys[0] + hd * ys[1] + t * ys[2];
+        /* forward: s of the output's own dimension; transpose: s of the input's (the other half) */
+        const float *s1 = transpose ? sr + h : sr, *s2 = transpose ? sr : sr + h;
+#pragma omp simd
+        for (int d = 0; d < h; d++) {
+            const float x1 = xr[d], x2 = xr[d + h];
+            yr[d] = x1 * cr[d] - sign * x2 * s1[d];
+            yr[d + h] = x2 * cr[d + h] + sign * x1 * s2[d];
+        }
+    }
 }

@@ -186,6 +186,57 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad * dloss, None
 
 
+class RopeFunction(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin for (B, H, T, D) x and fixed (T, D) tables, in one pass;
+    the backward is the transposed map, also one pass. The output's memory is (B, T, H, D), the
+    layout of the projection it came from, so attention reads it as it read x."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        y = native._head_major(*x.shape)
+        _rope(x, y, cos, sin, transpose=False)
+        ctx.save_for_backward(cos, sin)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dx = native._head_major(*dy.shape)
+        _rope(dy, dx, cos, sin, transpose=True)
+        return dx, None, None
+
+
+def _rope(x, y, cos, sin, transpose: bool):
+    B, H, T, D = x.shape
+    st = native._strides(x, y)
+    _kernel().rope_rotate(x.data_ptr(), st[0].data_ptr(), y.data_ptr(), st[1].data_ptr(), cos.data_ptr(),
+                          sin.data_ptr(), B, H, T, D, int(transpose), torch.get_num_threads())  # fmt: skip
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin: RoPE's rotation of (B, H, T, D) x by (T, D) tables,
+    through layers.c where it applies (fp32 CPU, tables that need no gradient)."""
+    fits = (
+        x.dim() == 4
+        and x.size(-1) % 2 == 0
+        and cos.shape == sin.shape == x.shape[2:]
+        and not (cos.requires_grad or sin.requires_grad)
+        and x.numel() > 0
+    )
+    if fits and _lib(x, cos, sin) is not None:
+        return RopeFunction.apply(x, cos, sin)
+    return x * cos + rotate_half(x) * sin
+
+
 class GELU(nn.GELU):
     """nn.GELU (exact, erf form) through layers.c where it applies."""
 
