@@ -251,7 +251,7 @@ def attention(q, k, v, bias, q0: int, packed: Optional[torch.Tensor] = None) -> 
 def qkv_views(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (B, H, T, D) query, key and value views of a (B, T, 3 H D) projection."""
     B, T, C3 = qkv.shape
-    return tuple(t.view(B, T, n_head, C3 // (3 * n_head)).transpose(1, 2) for t in qkv.split(C3 // 3, dim=2))
+    return qkv.view(B, T, 3, n_head, C3 // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
 
 
 def _views_of(packed, q, k, v) -> bool:
