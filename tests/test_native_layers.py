@@ -315,14 +315,35 @@ def test_off_switch_and_other_dtypes_take_the_torch_path(monkeypatch):
 def test_mlp_runs_a_norm_the_kernel_does_not_cover_apart(monkeypatch):
     """A LayerNorm without bias, or another norm: applied by torch, then the fused MLP."""
     calls = []
-    real = MLPFunction.apply
-    monkeypatch.setattr(MLPFunction, "apply", lambda *a: calls.append(a[1]) or real(*a))
+    real = layers._mlp_forward
+    monkeypatch.setattr(layers, "_mlp_forward", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     x = torch.randn(6, 8)
     for norm in (nn.LayerNorm(8, bias=False), nn.RMSNorm(8)):
         fused = MLP(8, 32)
         with torch.no_grad():
             assert torch.equal(fused(x, norm), fused(norm(x)))
     assert calls == [None] * 4  # all four through the kernel, none with a LayerNorm inside
+
+
+@needs_kernel
+def test_mlp_in_evaluation_gives_the_training_path_s_bits_and_keeps_nothing(monkeypatch):
+    """Without gradients the MLP is no autograd node and lets each buffer go once used: the
+    same output bits, and the peak memory of torch's modules, not two (rows, C) tensors more."""
+    from posbench.bench import eval_peak_memory_mb
+
+    torch.manual_seed(0)
+    mlp, ln = MLP(32, 128), nn.LayerNorm(32)
+    x = torch.randn(4, 50, 32)
+    with_grad = mlp(x, ln)
+    assert with_grad.grad_fn is not None and with_grad.grad_fn.name() == "MLPFunctionBackward"
+    with torch.no_grad():
+        without = mlp(x, ln)
+    assert without.grad_fn is None and torch.equal(with_grad.detach(), without)
+
+    model = TransformerLM(tiny("nope")).eval()
+    fused = eval_peak_memory_mb(model, 300)
+    monkeypatch.setattr(MLP, "forward", lambda self, z, norm: torch_mlp(self)(norm(z)))
+    assert fused <= eval_peak_memory_mb(model, 300) * 1.001
 
 
 @needs_kernel

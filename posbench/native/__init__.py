@@ -135,7 +135,7 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
         "cope_backward": [P, P, P, P, P, P, P, N, I, I, I, F, I],
     },
     "attention": {
-        "attention_scratch": (N, [I, I]),  # (return type, argument types) where it returns one
+        "attention_scratch": (N, [I, I, I]),  # (return type, argument types) where it returns one
         "attention_forward": [P, P, P, P, P, P, P, I, I, I, I, I, I, F, P, I],
         "attention_backward": [P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, F, P, I],
     },
@@ -293,7 +293,7 @@ def _forward(q, k, v, bias, q0):
     out = _head_major(B, H, Tq, D)
     lse = torch.empty(B, H, Tq)  # log-sum-exp of each row's scores
     threads = torch.get_num_threads()
-    scratch = torch.empty(threads, lib.attention_scratch(Tk, D))
+    scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 0))
     st = _strides(q, k, v, bias, out)
     lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
                           lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, q0, D**-0.5,
@@ -309,7 +309,7 @@ def _backward(q0, q, k, v, bias, out, lse, d_out, d_q, d_k, d_v, want_bias_grad:
     d_out = _rows(d_out)
     d_s = torch.empty(B, H, Tq, Tk) if want_bias_grad else None  # the bias's gradient
     threads = torch.get_num_threads()
-    scratch = torch.empty(threads, lib.attention_scratch(Tk, D))
+    scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 1))
     st = _strides(q, k, v, bias, out, d_out, d_q, d_k, d_v)
     lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
                            d_out.data_ptr(), d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(),

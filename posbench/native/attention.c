@@ -267,14 +267,18 @@ static void backward_item(const Args *a, int b, int h, float *buf) {
 #undef BWD
 }
 
-/* scratch per thread, in floats: what attention_scratch returns */
-long attention_scratch(int Tk, int D) { return (long)(4 * D + 2 * R + 1) * round16(Tk) + D; }
+/* scratch per thread, in floats: the forward's K^T, S (R rows) and a spare row; the backward's
+ * K^T, V^T, P, dS, a spare row, and dk and dv (Tk x D each) */
+long attention_scratch(int Tk, int D, int backward) {
+    const long ld = round16(Tk);
+    return backward ? (2 * D + 2 * R) * ld + D + 2L * Tk * D : (D + R + 1) * ld + D;
+}
 
 void attention_forward(const float *q, const float *k, const float *v, const float *bias,
                        float *out, float *lse, const long *st, int B, int H, int Tq, int Tk,
                        int D, int q0, float scale, float *scratch, int threads) {
     Args a = {{q, k, v, bias, out}, st, lse, NULL, H, Tq, Tk, D, q0, scale};
-    const long per = attention_scratch(Tk, D), chunks = (Tq + CHUNK - 1) / CHUNK;
+    const long per = attention_scratch(Tk, D, 0), chunks = (Tq + CHUNK - 1) / CHUNK;
     (void)threads;
 #pragma omp parallel num_threads(threads)
     {
@@ -294,7 +298,7 @@ void attention_backward(const float *q, const float *k, const float *v, const fl
                         float *lse, float *ds, const long *st, int B, int H, int Tq, int Tk,
                         int D, int q0, float scale, float *scratch, int threads) {
     Args a = {{q, k, v, bias, out, dout, dq, dk, dv}, st, lse, ds, H, Tq, Tk, D, q0, scale};
-    const long per = attention_scratch(Tk, D);
+    const long per = attention_scratch(Tk, D, 1);
     (void)threads;
 #pragma omp parallel num_threads(threads)
     {

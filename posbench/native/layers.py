@@ -70,24 +70,14 @@ class MLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps):
-        shape = x.shape
-        threads = torch.get_num_threads()
-        x2 = x.reshape(-1, shape[-1])  # (rows, C)
-        xn, stats = x2, None
-        if ln_w is not None:
-            x2 = x2.contiguous()
-            xn, stats = _layernorm(x2, ln_w, ln_b, eps)  # stats: mean, 1 / std
-        slope = torch.mm(xn, w1.t())  # (rows, hidden): the product h, before the bias
-        y = torch.empty_like(slope)
-        _kernel().gelu_bias_forward(slope.data_ptr(), b1.data_ptr(), y.data_ptr(), slope.size(0), slope.size(1),
-                                    threads)  # fmt: skip
-        ctx.save_for_backward(x2, ln_w, stats, xn, w1, w2, slope, y)  # slope now holds gelu'(h + b1)
-        return torch.addmm(b2, y, w2.t()).view(*shape[:-1], w2.size(0))
+        out, kept = _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep=True)
+        ctx.save_for_backward(*kept[:1], ln_w, *kept[1:], w1, w2)
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
-        x2, ln_w, stats, xn, w1, w2, slope, y = ctx.saved_tensors
+        x2, ln_w, stats, xn, slope, y, w1, w2 = ctx.saved_tensors
         threads = torch.get_num_threads()
         d2 = d_out.reshape(-1, d_out.size(-1))  # (rows, C_out)
         d_h = torch.mm(d2, w2)  # d gelu's output; the C turns it into d h in place
@@ -103,6 +93,27 @@ class MLPFunction(torch.autograd.Function):
                 d_x, d_lw, d_lb = _layernorm_backward(d_x, x2, ln_w, stats)
             d_x = d_x.view(*d_out.shape[:-1], w1.size(1))
         return d_x, d_lw, d_lb, d_w1, d_b1, d_w2, d_b2, None
+
+
+def _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep: bool):
+    """MLPFunction's forward: the output, and what the backward needs (x, norm(x), the rows'
+    mean and 1 / std, the GELU's slope and output) when `keep`; without it (no gradient wanted)
+    each is let go as soon as it is used, so evaluation holds no more than torch's modules do."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # (rows, C)
+    xn, stats = x2, None
+    if ln_w is not None:
+        x2 = x2.contiguous()
+        xn, stats = _layernorm(x2, ln_w, ln_b, eps)  # stats: mean, 1 / std
+    slope = torch.mm(xn, w1.t())  # (rows, hidden): the product h, before the bias
+    kept = (x2, stats, xn) if keep else ()
+    del xn
+    y = torch.empty_like(slope)
+    _kernel().gelu_bias_forward(slope.data_ptr(), b1.data_ptr(), y.data_ptr(), slope.size(0), slope.size(1),
+                                torch.get_num_threads())  # fmt: skip
+    kept = (*kept, slope, y) if keep else ()  # slope now holds gelu'(h + b1)
+    del slope
+    return torch.addmm(b2, y, w2.t()).view(*shape[:-1], w2.size(0)), kept
 
 
 def _layernorm(x2, ln_w, ln_b, eps):
@@ -262,7 +273,9 @@ class MLP(nn.Sequential):
         ln = [None, None, 0.0] if norm is None else [norm.weight, norm.bias, norm.eps]
         tensors = [x, *params, *ln[:2]] if norm is not None else [x, *params]
         if act.approximate == "none" and x.dim() >= 2 and x.numel() > 0 and _lib(*tensors) is not None:
-            return MLPFunction.apply(x, ln[0], ln[1], *params, ln[2])
+            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                return MLPFunction.apply(x, ln[0], ln[1], *params, ln[2])
+            return _mlp_forward(x, ln[0], ln[1], *params, ln[2], keep=False)[0]  # evaluation
         return super().forward(x if norm is None else norm(x))
 
 
