@@ -72,6 +72,34 @@ def test_kernel_matches_pytorch_twin(B, H, Tq, Tk, q0, P):
 
 
 @needs_kernel
+@pytest.mark.parametrize("D,Tq,Tk", [(32, 40, 40), (24, 37, 37), (16, 9, 30)])  # the default width; 8 mod 16; a block
+def test_kernel_on_strided_views_as_the_model_passes_them(D, Tq, Tk):
+    """q, k, v as head-major views of one (B, T, 3, H, D) projection (strided rows, as the
+    model passes them), against the definition in fp64 (the twin run in float64): values
+    and every gradient within 1e-5 of the largest. The fp32 twin itself is no closer: CoPE's
+    positions are sums of gates, and the table is read between two of its rows."""
+    B, H, P = 2, 3, 16
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(B, Tk, 3, H, D, generator=g)
+    views = (qkv[:, Tk - Tq :, 0], qkv[:, :, 1], qkv[:, :, 2])
+    table = torch.randn(D, P, generator=g) * 0.5
+    d_out = torch.randn(B, H, Tq, D, generator=g)
+    kpos = torch.arange(Tk)
+    results = []
+    for fn, dtype in ((native.cope_attention, torch.float32), (pytorch_cope_attention, torch.float64)):
+        leaves = [t.transpose(1, 2).detach().to(dtype).requires_grad_() for t in views]
+        leaves.append(table.detach().to(dtype).requires_grad_())
+        if dtype == torch.float32:
+            assert leaves[0].stride(2) == 3 * H * D  # strided rows, as the model's
+        out = fn(*leaves, kpos[Tk - Tq :], kpos)
+        out.backward(d_out.to(dtype))
+        results.append([out.detach().double()] + [t.grad.double() for t in leaves])
+    for name, a, b in zip(["out", "d_q", "d_k", "d_v", "d_table"], *results):
+        err, scale = (a - b).abs().max().item(), max(1.0, b.abs().max().item())
+        assert err <= 1e-5 * scale, (name, err, scale)
+
+
+@needs_kernel
 def test_kernel_is_exact_at_hand_worked_point():
     """One head, one dim: gates sigmoid(q.k), positions summed from the key to the query, the
     table read between floor and ceil, then softmax; computed here in plain Python."""
