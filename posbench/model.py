@@ -11,7 +11,7 @@ from posbench.attention import causal_attention
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.native import qkv_views
-from posbench.native.layers import MLP  # LayerNorm stays torch's: see layers.py
+from posbench.native.layers import MLP  # ln2 + MLP in one C-fused node on CPU; see layers.py
 from posbench.schemes import PositionalScheme, build_scheme
 
 

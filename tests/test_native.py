@@ -425,6 +425,8 @@ def test_packed_attention_only_for_the_exact_views_of_qkv():
 
 def test_attention_falls_back_where_the_kernel_does_not_apply(monkeypatch):
     q, k, v = qkv_views(1, 2, 6, 6, 8)
+    k4, v4 = k[:, :, :4], v[:, :, :4]  # more queries than keys: q0 = -2 would index before key 0
+    assert native.attention(q, k4, v4, None, -2) is None
     assert native.attention(*(t.detach().bfloat16() for t in (q, k, v)), None, 0) is None
     assert native.attention(*(t.detach()[..., :4] for t in (q, k, v)), None, 0) is None  # head dim 4
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -177,6 +177,41 @@ def test_rope_schemes_rotate_through_the_kernel(monkeypatch, scheme):
 
 
 @needs_kernel
+def test_kernels_write_fp32_whatever_the_default_dtype(monkeypatch):
+    """Buffers the C fills are made fp32 explicitly: with float64 as torch's default dtype, fp32
+    inputs still give fp32 outputs with the right values (the C would write fp32 into float64)."""
+    x, cos, sin = head_major(2, 5, 2, 8), torch.randn(5, 8), torch.randn(5, 8)
+    want_rope = x * cos + rotate_half(x) * sin
+    q, k, v = (head_major(2, 6, 2, 8, seed=i) for i in range(3))
+    want_att = native.attention(q, k, v, None, 0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        got_rope = rope(x, cos, sin)
+        got_att = native.attention(q, k, v, None, 0)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert got_rope.dtype == got_att.dtype == torch.float32
+    assert torch.allclose(got_rope, want_rope, atol=1e-6) and torch.equal(got_att, want_att)
+
+
+@needs_kernel
+def test_mlp_with_frozen_weights_returns_only_the_gradients_asked_for():
+    torch.manual_seed(0)
+    mlp, ln = MLP(16, 64), nn.LayerNorm(16)
+    for p in mlp.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(3, 10, 16, requires_grad=True)
+    mlp(x, ln).square().sum().backward()
+    assert all(p.grad is None for p in mlp.parameters())
+    x64 = x.detach().double().requires_grad_()
+    ln64, plain64 = nn.LayerNorm(16).double(), torch_mlp(mlp).double()
+    ln64.load_state_dict(ln.state_dict())
+    plain64(ln64(x64)).square().sum().backward()
+    for got, want in ((x.grad, x64.grad), (ln.weight.grad, ln64.weight.grad), (ln.bias.grad, ln64.bias.grad)):
+        assert close(got.double(), want)
+
+
+@needs_kernel
 def test_gelu_is_accurate_into_the_tails_and_never_subnormal():
     """Within 3e-7 of float64 (relative above 1) in values and slopes, as torch's own erf. Below
     0 the GELU is x times a tiny tail, which 0.5 (1 + erf) loses to cancellation (all of it by

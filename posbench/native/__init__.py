@@ -7,8 +7,8 @@ agree, and the twin runs wherever the kernel cannot (no compiler, CUDA, bf16, PO
 - attention.c: every other scheme's causal attention (no bias, a fixed bias or a learned one),
   fused, in place of SDPA's CPU kernel and BiasedAttention, whose small block products dominate
   at the lengths posbench trains;
-- layers.c: the MLP's GELU and the training loss (cross-entropy), and a LayerNorm that measured
-  no gain inside a training step and is not used (posbench/native/layers.py).
+- layers.c: the MLP (its LayerNorm and its GELU with fc1's bias folded in, in one autograd
+  node), RoPE's rotation and the training loss (cross-entropy); see posbench/native/layers.py.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class CoPEAttention(torch.autograd.Function):
         d_logits = torch.matmul(d_out, v.transpose(-1, -2)).contiguous()  # d probs in, d (q.k) out
         d_by_pos = torch.empty_like(by_pos)
         threads = torch.get_num_threads()
-        scratch = torch.empty(threads, 4, Tk)
+        scratch = torch.empty(threads, 4, Tk, dtype=torch.float32)
         lib.cope_backward(d_logits.data_ptr(), probs.data_ptr(), gates.data_ptr(), by_pos.data_ptr(),
                           d_by_pos.data_ptr(), nvis.data_ptr(), scratch.data_ptr(), B * H, Tq, Tk, P,
                           D**-0.5, threads)  # fmt: skip
@@ -238,7 +238,7 @@ def attention(q, k, v, bias, q0: int, packed: Optional[torch.Tensor] = None) -> 
     separate ones would make autograd's split backward copy them into one (a cat per layer)."""
     B, H, Tq, D = q.shape
     tensors = (q, k, v) if bias is None else (q, k, v, bias)
-    shaped = k.shape == v.shape == (B, H, q0 + Tq, D)  # no broadcasting: the C indexes every pair
+    shaped = q0 >= 0 and k.shape == v.shape == (B, H, q0 + Tq, D)  # no broadcasting: the C indexes every pair
     if not shaped or D not in ATTENTION_HEAD_DIMS or not _fits_kernel(*tensors) or load("attention") is None:
         return None
     if bias is not None:  # batch and heads may be shared (stride 0); rows made contiguous first,
@@ -273,7 +273,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _head_major(B, H, T, D) -> torch.Tensor:
     """A (B, H, T, D) view of (B, T, H, D) memory: the layout the output projection reads."""
-    return torch.empty(B, T, H, D).transpose(1, 2)
+    return torch.empty(B, T, H, D, dtype=torch.float32).transpose(1, 2)  # fp32 whatever the default dtype
 
 
 def _strides(*tensors) -> torch.Tensor:
@@ -291,9 +291,9 @@ def _forward(q, k, v, bias, q0):
     B, H, Tq, D = q.shape
     Tk = k.size(2)
     out = _head_major(B, H, Tq, D)
-    lse = torch.empty(B, H, Tq)  # log-sum-exp of each row's scores
+    lse = torch.empty(B, H, Tq, dtype=torch.float32)  # log-sum-exp of each row's scores
     threads = torch.get_num_threads()
-    scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 0))
+    scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 0), dtype=torch.float32)
     st = _strides(q, k, v, bias, out)
     lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
                           lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, q0, D**-0.5,
@@ -307,9 +307,9 @@ def _backward(q0, q, k, v, bias, out, lse, d_out, d_q, d_k, d_v, want_bias_grad:
     B, H, Tq, D = q.shape
     Tk = k.size(2)
     d_out = _rows(d_out)
-    d_s = torch.empty(B, H, Tq, Tk) if want_bias_grad else None  # the bias's gradient
+    d_s = torch.empty(B, H, Tq, Tk, dtype=torch.float32) if want_bias_grad else None  # the bias's gradient
     threads = torch.get_num_threads()
-    scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 1))
+    scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 1), dtype=torch.float32)
     st = _strides(q, k, v, bias, out, d_out, d_q, d_k, d_v)
     lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
                            d_out.data_ptr(), d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(),
