@@ -34,9 +34,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from posbench import native
-from posbench.native.layers import rope  # x * cos + rotate_half(x) * sin, fused on CPU
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
+from posbench.native.layers import rope  # x * cos + rotate_half(x) * sin, fused on CPU
 
 
 class PositionalScheme(nn.Module):
@@ -297,8 +297,6 @@ def rel_shift(rev: torch.Tensor) -> torch.Tensor:
     *lead, Tq, Tk1 = rev.shape
     Tk = Tk1 - 1
     return rev.flatten(-2)[..., Tq - 1 : Tq - 1 + Tq * Tk].view(*lead, Tq, Tk)
-
-
 
 
 ROPE_SCALINGS = (None, "linear", "ntk", "dynamic", "yarn")

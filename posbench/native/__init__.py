@@ -256,14 +256,13 @@ def qkv_views(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _views_of(packed, q, k, v) -> bool:
     """Whether q, k and v are exactly qkv_views(packed): the same memory, the same layout."""
-    if packed.dim() != 3 or not packed.is_contiguous():
-        return False
     B, H, T, D = q.shape
-    if packed.shape != (B, T, 3 * H * D):
+    if packed.shape != (B, T, 3 * H * D) or not packed.is_contiguous():
         return False
-    want = (T * 3 * H * D, D, 3 * H * D, 1)
-    base = packed.data_ptr()
-    return all(t.stride() == want and t.data_ptr() == base + 4 * i * H * D for i, t in enumerate((q, k, v)))
+    return all(
+        t.shape == w.shape and t.stride() == w.stride() and t.data_ptr() == w.data_ptr()
+        for t, w in zip((q, k, v), qkv_views(packed, H))
+    )
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -71,13 +71,13 @@ class MLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps):
         out, kept = _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep=True)
-        ctx.save_for_backward(*kept[:1], ln_w, *kept[1:], w1, w2)
+        ctx.save_for_backward(*kept, ln_w, w1, w2)  # x, stats, norm(x), slope, gelu(h + b1)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
-        x2, ln_w, stats, xn, slope, y, w1, w2 = ctx.saved_tensors
+        x2, stats, xn, slope, y, ln_w, w1, w2 = ctx.saved_tensors
         threads = torch.get_num_threads()
         d2 = d_out.reshape(-1, d_out.size(-1))  # (rows, C_out)
         d_h = torch.mm(d2, w2)  # d gelu's output; the C turns it into d h in place
@@ -208,7 +208,7 @@ class RopeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        x = x if x.stride(-1) == 1 else x.contiguous()
+        x = native._rows(x)
         cos, sin = cos.contiguous(), sin.contiguous()
         y = native._head_major(*x.shape)
         _rope(x, y, cos, sin, transpose=False)
@@ -219,7 +219,7 @@ class RopeFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dy = native._rows(dy)
         dx = native._head_major(*dy.shape)
         _rope(dy, dx, cos, sin, transpose=True)
         return dx, None, None
@@ -274,12 +274,12 @@ class MLP(nn.Sequential):
         if norm is not None and not _layernorm_fits(norm, x):
             x, norm = norm(x), None  # a norm the C does not cover runs apart
         params = [fc1.weight, fc1.bias, fc2.weight, fc2.bias]
-        ln = [None, None, 0.0] if norm is None else [norm.weight, norm.bias, norm.eps]
-        tensors = [x, *params, *ln[:2]] if norm is not None else [x, *params]
+        ln_w, ln_b, eps = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
+        tensors = [x, *params] + ([] if norm is None else [ln_w, ln_b])
         if act.approximate == "none" and x.dim() >= 2 and x.numel() > 0 and _lib(*tensors) is not None:
             if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-                return MLPFunction.apply(x, ln[0], ln[1], *params, ln[2])
-            return _mlp_forward(x, ln[0], ln[1], *params, ln[2], keep=False)[0]  # evaluation
+                return MLPFunction.apply(x, ln_w, ln_b, *params, eps)
+            return _mlp_forward(x, ln_w, ln_b, *params, eps, keep=False)[0]  # evaluation
         return super().forward(x if norm is None else norm(x))
 
 
