@@ -26,7 +26,7 @@ from posbench.model import TransformerLM
 from posbench.native.layers import cross_entropy
 
 BENCH_COLUMNS = ["scheme", "measurement", "tokens_per_s", "ratio_vs_nope", "mfu",
-                 "peer_tokens_per_s", "peer_ratio", "eval_len", "peak_mem_mb"]  # fmt: skip
+                 "peer_tokens_per_s", "peer_ratio", "eval_len", "peak_mem_mb", "device"]  # fmt: skip
 EVAL_MULTIPLES = (1, 4, 16, 64)
 PEERS = ("x-transformers",)
 
@@ -45,13 +45,20 @@ class BenchSettings:
         return cls(batch_size=4, steps=2, rounds=1, warmup=1, multiples=(1, 16, 32))
 
 
-PEAK_N = 2048  # the matmul that MFU is measured against: 2048 x 2048 by 2048 x 2048, fp32
+PEAK_N = 2048  # the matmul that MFU is measured against on a CPU: 2048 x 2048 by 2048 x 2048, fp32
+PEAK_N_CUDA = 8192  # on a GPU, in bf16 (training runs under bf16 autocast there): 2048 is too small to fill it
 
 
-def matmul_step_fn(n: int = PEAK_N) -> Callable[[], None]:
-    """One large fp32 matmul. It is timed in the same interleaved rounds as the training steps,
-    so the peak and the model's FLOP/s see the same load and their ratio (MFU) is fair."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def peak_size(device: torch.device) -> int:
+    return PEAK_N_CUDA if device.type == "cuda" else PEAK_N
+
+
+def matmul_step_fn(n: int = PEAK_N, device: torch.device = torch.device("cpu")) -> Callable[[], None]:
+    """One large matmul in the dtype training computes in: fp32 on a CPU, bf16 on a GPU. It is
+    timed in the same interleaved rounds as the training steps, so the peak and the model's
+    FLOP/s see the same load and their ratio (MFU) is fair."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     return lambda: a @ b
 
 
@@ -63,15 +70,21 @@ def model_flops_per_token(cfg: ModelConfig, model: nn.Module) -> float:
 
 
 def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], None]:
+    """One AdamW step on random tokens, on the model's device, as run.py trains (bf16 autocast
+    on a GPU, fp32 on a CPU)."""
+    from posbench.run import autocast
+
+    device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (batch_size, T + 1), generator=gen)
+    x = torch.randint(0, 256, (batch_size, T + 1), generator=gen).to(device)
 
     def step():
-        logits = model(x[:, :-1])  # (B, T, V)
-        # F.cross_entropy through layers.c on CPU, for posbench and the peer alike: the same
-        # loss on the same logits, so the peer ratio compares the models, not the loss
-        loss = cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        with autocast(device):
+            logits = model(x[:, :-1])  # (B, T, V)
+            # F.cross_entropy through layers.c on CPU, for posbench and the peer alike: the same
+            # loss on the same logits, so the peer ratio compares the models, not the loss
+            loss = cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -80,12 +93,16 @@ def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], No
     return step
 
 
-def time_interleaved(steps: dict[str, Callable[[], None]], s: BenchSettings) -> dict[str, float]:
+def time_interleaved(
+    steps: dict[str, Callable[[], None]], s: BenchSettings, sync: Callable[[], None] = lambda: None
+) -> dict[str, float]:
     """Seconds per step of each function: the fastest of its interleaved rounds. Load from
-    other processes only ever adds time, so the minimum is the least contaminated estimate."""
+    other processes only ever adds time, so the minimum is the least contaminated estimate.
+    `sync` waits for queued work (a GPU's), so a round's clock stops when its steps are done."""
     for fn in steps.values():
         for _ in range(s.warmup):
             fn()
+    sync()
     times: dict[str, list[float]] = {k: [] for k in steps}
     order, shuffle = list(steps), random.Random(0).shuffle
     for _ in range(s.rounds):
@@ -97,16 +114,30 @@ def time_interleaved(steps: dict[str, Callable[[], None]], s: BenchSettings) -> 
             t = time.perf_counter()
             for _ in range(s.steps):
                 steps[name]()
+            sync()
             times[name].append((time.perf_counter() - t) / s.steps)
     return {k: min(v) for k, v in times.items()}
 
 
 def eval_peak_memory_mb(model: TransformerLM, T: int) -> float:
-    """Peak bytes held by tensors during one no-grad forward of length T, from the profiler's
-    allocation events (the process's RSS is too coarse and never goes down)."""
+    """Peak bytes held by tensors during one no-grad forward of length T, beyond what was held
+    before it (the weights). On a CPU from the profiler's allocation events (the process's RSS
+    is too coarse and never goes down); on a GPU from the CUDA allocator's peak, under the bf16
+    autocast that evaluation runs in."""
     from torch.profiler import ProfilerActivity, profile
 
-    x = torch.randint(0, 256, (1, T))
+    device = next(model.parameters()).device
+    x = torch.randint(0, 256, (1, T)).to(device)
+    if device.type == "cuda":
+        from posbench.run import autocast
+
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.no_grad(), autocast(device):
+            model(x)
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
     with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.no_grad():
             model(x)
@@ -154,13 +185,14 @@ def xtransformers_model(scheme: str, cfg: ModelConfig) -> Optional[nn.Module]:
                               attn_layers=decoder, **wrapper)  # fmt: skip
 
 
-def _peer_step(scheme: str, cfg: ModelConfig, batch_size: int) -> Optional[Callable[[], None]]:
+def _peer_step(scheme: str, cfg: ModelConfig, batch_size: int, device: torch.device) -> Optional[Callable[[], None]]:
     """The peer's training step for this scheme (None if it has no such scheme), tried once
     here so that a shape the peer cannot build is one clear error, not a crash mid-timing."""
     try:
         model = xtransformers_model(scheme, cfg)
         if model is None:
             return None
+        model.to(device)
         step = _train_step_fn(model, batch_size, cfg.train_len)
         step()
     except Exception as e:  # the peer's own code: any failure is its, not the user's config
@@ -194,26 +226,30 @@ def run_bench(
     peer: Optional[str] = None,
     progress: Callable[[str], None] = lambda msg: None,
     options: Optional[dict[str, dict]] = None,
+    device: torch.device = torch.device("cpu"),
 ) -> tuple[list[dict], float]:
     """Rows of bench.csv and the measured matmul peak (FLOP/s). `options`: each scheme's own
-    (the config's scheme_options), so the numbers describe the models a run would train."""
+    (the config's scheme_options), so the numbers describe the models a run would train.
+    `device`: cpu (fp32, the tested default) or cuda (bf16 autocast, as training runs there)."""
     if peer:
         _import_peer(peer)
     schemes = ["nope"] + [s for s in schemes if s != "nope"]  # NoPE is every ratio's baseline
     T = cfg.train_len
-    models, steps = {}, {"matmul peak": matmul_step_fn()}
+    n = peak_size(device)
+    models, steps = {}, {"matmul peak": matmul_step_fn(n, device)}
     for s in schemes:
         torch.manual_seed(0)
         mc = dataclasses.replace(cfg, scheme=s, options=dict((options or {}).get(s, {})))
-        models[s] = TransformerLM(mc)
+        models[s] = TransformerLM(mc).to(device)
         steps[s] = _train_step_fn(models[s], settings.batch_size, T)
         if peer:
-            other = _peer_step(s, mc, settings.batch_size)
+            other = _peer_step(s, mc, settings.batch_size, device)
             if other is not None:
                 steps[f"peer:{s}"] = other
     progress(f"timing training steps: {len(steps) - 1} models and the matmul peak x {settings.rounds} rounds")
-    sec = time_interleaved(steps, settings)
-    peak = 2 * PEAK_N**3 / sec["matmul peak"]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sec = time_interleaved(steps, settings, sync)
+    peak = 2 * n**3 / sec["matmul peak"]
     tokens = settings.batch_size * T
     rows = []
     for s in schemes:
@@ -224,6 +260,7 @@ def run_bench(
             "ratio_vs_nope": sec["nope"] / sec[s],
             "mfu": tps * model_flops_per_token(models[s].cfg, models[s]) / peak,
             "peer_tokens_per_s": peer_tps, "peer_ratio": tps / peer_tps if peer_tps else None,
+            "device": device_name(device),
         })  # fmt: skip
     longest = max(settings.multiples) * T
     for s in schemes:
@@ -231,16 +268,28 @@ def run_bench(
         if model.max_len is not None and model.max_len < longest and "max_len" in model.scheme.options:
             # a table as long as the longest length: what the memory of that length would be
             mc = dataclasses.replace(model.cfg, options={**model.cfg.options, "max_len": longest})
-            model = TransformerLM(mc).eval()
+            model = TransformerLM(mc).to(device).eval()
         for m in settings.multiples:
             L = m * T
             progress(f"evaluation memory: {s} at {L}")
             if model.max_len is not None and L > model.max_len:
-                rows.append({"scheme": s, "measurement": "eval", "eval_len": L, "peak_mem_mb": None})
-                continue
-            rows.append({"scheme": s, "measurement": "eval", "eval_len": L,
-                         "peak_mem_mb": eval_peak_memory_mb(model, L)})  # fmt: skip
+                mb = None
+            else:
+                mb = eval_peak_memory_mb(model, L)
+            rows.append({"scheme": s, "measurement": "eval", "eval_len": L, "peak_mem_mb": mb,
+                         "device": device_name(device)})  # fmt: skip
     return rows, peak
+
+
+def device_name(device: torch.device) -> str:
+    """What the numbers were measured on: the GPU's name, or the CPU's model and thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return f"{model or 'CPU'}, {torch.get_num_threads()} threads"
 
 
 def write_bench(rows: list[dict], path) -> None:

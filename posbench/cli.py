@@ -336,6 +336,7 @@ def bench(
     config: Annotated[Optional[Path], typer.Option(help="a YAML config for the model size")] = None,
     set_: Sets = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (default: the config's train.device)")] = None,
     out_file: Annotated[Path, typer.Option("--out", help="the CSV to write, or a folder for bench.csv")] = Path(
         "results/bench/bench.csv"
     ),
@@ -344,20 +345,28 @@ def bench(
     import torch
 
     from posbench.bench import BenchSettings, run_bench, write_bench
+    from posbench.run import pick_device
 
     with user_errors(on_interrupt="nothing was written; an earlier bench.csv is kept"):
         sets = list(set_ or [])
         if schemes is not None:
             sets.append(f"schemes={json.dumps(_scheme_list(schemes))}")  # quoted: YAML reads it as given
+        if device is not None:
+            sets.append(f"train.device={device}")  # checked with the config's own
+        # the bench evaluates at its own multiples of train_len and never reads eval.*, so the
+        # config's test lengths must not stop a longer train_len (--set model.train_len=1024
+        # against the default [100..200]): one length longer than any train_len, and its tokens
+        sets += [f"eval.lengths=[{2**40}]", f"eval.tokens={2**40}"]
         cfg = load_config(config, sets)
         _set_threads(threads)
+        dev = pick_device(cfg.train.device, "bench takes --device cpu")
         out_file = _writable_csv(out_file)  # before the minutes of timing, not after
         settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
         rows, peak = run_bench(cfg.model, cfg.schemes, settings, peer,
                                progress=lambda m: err.print(m, highlight=False),
-                               options=cfg.scheme_options)  # fmt: skip
+                               options=cfg.scheme_options, device=dev)  # fmt: skip
         write_bench(rows, out_file)
-        out.print(_bench_table(rows, peak, cfg.model, torch.get_num_threads(), peer))
+        out.print(_bench_table(rows, peak, cfg.model, dev, peer))
         from posbench import native
 
         for name, why in native.unavailable.items():  # its scheme's row is the PyTorch path's speed
@@ -383,14 +392,18 @@ def _writable_csv(path: Path) -> Path:
     return path
 
 
-def _bench_table(rows, peak, mc, threads, peer) -> Table:
+def _bench_table(rows, peak, mc, device, peer) -> Table:
     train = [r for r in rows if r["measurement"] == "train"]
     lengths = sorted({r["eval_len"] for r in rows if r["measurement"] == "eval"})
     mem = {(r["scheme"], r["eval_len"]): r["peak_mem_mb"] for r in rows if r["measurement"] == "eval"}
+    where = rows[0]["device"] if rows else str(device)
+    if device.type == "cuda":
+        where, peak_text = f"{where}, bf16 autocast", f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
+    else:
+        peak_text = f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s"
     t = Table(
         title=f"posbench bench: {mc.n_layer} layers, d_model {mc.d_model}, {mc.n_head} heads, "
-        f"T={mc.train_len}, {threads} threads; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s"
-        + (f"; peer: {peer}" if peer else ""),
+        f"T={mc.train_len}; {where}; {peak_text}" + (f"; peer: {peer}" if peer else ""),
         caption="eval memory: peak tensor memory of one no-grad forward, batch 1",
     )
     cols = ["scheme", "tokens/s", "x NoPE", "MFU"]
@@ -404,7 +417,8 @@ def _bench_table(rows, peak, mc, threads, peer) -> Table:
         return "—" if v is None else format(v, fmt)
 
     for r in train:
-        cells = [r["scheme"], f(r["tokens_per_s"], ".0f"), f(r["ratio_vs_nope"], ".2f"), f(r["mfu"], ".0%")]
+        mfu = f(r["mfu"], ".0%" if r["mfu"] >= 0.1 else ".1%" if r["mfu"] >= 0.01 else ".2%")  # a GPU's can be tiny
+        cells = [r["scheme"], f(r["tokens_per_s"], ".0f"), f(r["ratio_vs_nope"], ".2f"), mfu]
         if peer:
             cells += [f(r["peer_tokens_per_s"], ".0f"), f(r["peer_ratio"], ".2f")]
         cells += [f(mem.get((r["scheme"], L)), ".1f") for L in lengths]

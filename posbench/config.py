@@ -226,8 +226,8 @@ def check_trainable(cfg: "ModelConfig", device_memory: Optional[int] = None, byt
 
 def check_device(name: str, where: str) -> None:
     """auto, cpu, cuda or cuda:N; `where` names the setting in the error."""
-    if name not in ("auto", "cpu", "cuda") and not name.startswith("cuda:"):
-        raise PosbenchError(f"{where}: expected auto, cpu or cuda")
+    if name not in ("auto", "cpu", "cuda") and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise PosbenchError(f"{where}: expected auto, cpu, cuda or cuda:N")
 
 
 def _physical_memory() -> Optional[int]:

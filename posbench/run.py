@@ -71,13 +71,13 @@ class QueueReporter(Reporter):
 # --- small pieces ----------------------------------------------------------------------------
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, hint: str = "evaluate takes --device cpu") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise PosbenchError(
-            f"train.device={name}: no CUDA device is available here (evaluate takes --device cpu)"
-        )
+        raise PosbenchError(f"train.device={name}: no CUDA device is available here ({hint})")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise PosbenchError(f"train.device={name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return torch.device(name)
 
 

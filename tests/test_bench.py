@@ -162,3 +162,32 @@ def test_interleaved_rounds_shuffle_the_order_so_no_function_always_follows_anot
     calls.clear()
     time_interleaved(steps, BenchSettings(steps=1, rounds=12, warmup=0))
     assert [calls[i : i + 4] for i in range(0, len(calls), 4)] == rounds  # the same orders every run
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_bench_on_a_missing_gpu_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "bench.csv"
+    res = CliRunner().invoke(app, ["bench", "--quick", "--device", "cuda", "--out", str(out)])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "train.device=cuda: no CUDA device is available here (bench takes --device cpu)" in res.output
+    assert not out.exists()
+
+
+def test_rows_name_the_cpu_and_its_threads(tmp_path):
+    from posbench.bench import BenchSettings, device_name, run_bench
+
+    s = BenchSettings(batch_size=2, steps=1, rounds=1, warmup=0, multiples=(1,))
+    rows, peak = run_bench(ModelConfig(n_layer=1, d_model=32, n_head=2), ["nope"], s)
+    assert peak > 0
+    assert {r["device"] for r in rows} == {device_name(torch.device("cpu"))}
+    assert device_name(torch.device("cpu")).endswith(f", {torch.get_num_threads()} threads")
+
+
+def test_a_longer_train_len_is_not_stopped_by_the_configs_test_lengths(tmp_path):
+    """The bench measures at its own multiples; the default eval.lengths (100..200) are not its."""
+    out = tmp_path / "bench.csv"
+    res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "nope", "--set", "model.train_len=300",
+                                   "--set", "model.n_layer=1", "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    lens = sorted(int(r["eval_len"]) for r in csv.DictReader(out.open()) if r["measurement"] == "eval")
+    assert lens == [300, 4800, 9600]

@@ -666,7 +666,7 @@ def test_a_run_trained_on_a_gpu_is_scored_here_with_device_cpu(smoke, tmp_path):
     assert res.exit_code == 2 and "no CUDA device is available here (evaluate takes --device cpu)" in res.output
     assert invoke("evaluate", run, "--lengths", "32", "--device", "cpu").exit_code == 0
     res = invoke("evaluate", run, "--lengths", "32", "--device", "tpu")
-    assert res.exit_code == 2 and "--device tpu: expected auto, cpu or cuda" in res.output
+    assert res.exit_code == 2 and "--device tpu: expected auto, cpu, cuda or cuda:N" in res.output
 
 
 def test_a_length_only_some_seeds_reached_says_so_and_its_ratio_uses_those_seeds(tmp_path, corpus_file):

@@ -1,0 +1,79 @@
+"""The GPU path, on a machine that has one (skipped elsewhere, so CI's CPU never runs these).
+
+Every scheme's CUDA model must compute what its CPU twin does (the CPU path is checked against
+plain attention in test_schemes.py), through SDPA's kernels and query blocks, and must train
+under the bf16 autocast that run.py uses there.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posbench import check
+from posbench.attention import BiasedAttention, _attend
+from posbench.schemes import SCHEMES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+ALL = sorted(SCHEMES)
+
+
+def _outputs_and_grads(model, x, block):
+    model.zero_grad()
+    model.attn_block = block
+    y = model(x)
+    y.square().mean().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return y.detach().cpu(), grads.cpu()
+
+
+@pytest.mark.parametrize("scheme", ALL)
+@pytest.mark.parametrize("T", [24, 21])  # a multiple of the block and not
+def test_cuda_fp32_matches_the_cpu(scheme, T):
+    cpu = check.tiny_model(scheme, train_len=T)
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
+    for block in (8, 10_000):
+        y0, g0 = _outputs_and_grads(cpu, x, block)
+        y1, g1 = _outputs_and_grads(gpu, x.cuda(), block)
+        assert torch.allclose(y1, y0, atol=2e-5), (block, (y1 - y0).abs().max())
+        assert torch.allclose(g1, g0, atol=2e-5), (block, (g1 - g0).abs().max())
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_cuda_trains_under_bf16_autocast(scheme):
+    model = check.tiny_model(scheme).cuda().train()
+    x = torch.randint(0, model.cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(x[:, :-1])
+    assert logits.dtype == torch.bfloat16
+    F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+@pytest.mark.parametrize("Tq,Tk", [(37, 37), (16, 53)])  # whole, and a later block of queries
+@pytest.mark.parametrize("shared", [True, False])  # one bias for the batch (T5), or per row (XL)
+def test_a_learned_bias_per_row_takes_sdpa_and_its_gradient_matches_the_math_path(Tq, Tk, shared):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 3, Tq, 16, device="cuda", generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 3, Tk, 16, device="cuda", generator=g, requires_grad=True) for _ in range(2))
+    bias = torch.randn(1 if shared else 2, 3, Tq, Tk, device="cuda", generator=g, requires_grad=True)
+    pos, q0 = torch.arange(Tk, device="cuda"), Tk - Tq
+    calls = []
+    real = BiasedAttention.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(BiasedAttention, "apply", lambda *a: calls.append(1) or real(*a))
+        got = _attend(q, k, v, pos[q0:], pos, q0, lambda *a: bias)
+    # a bias per batch row goes to SDPA, which returns its gradient; a shared one (T5's) to the
+    # hand-written math path, which measured faster for it
+    assert calls == ([1] if shared else [])
+    future = torch.arange(Tk, device="cuda")[None, :] > torch.arange(q0, Tk, device="cuda")[:, None]
+    mask = torch.zeros(Tq, Tk, device="cuda").masked_fill_(future, float("-inf"))
+    want = BiasedAttention.apply(q, k, v, bias, mask)
+    assert torch.allclose(got, want, atol=2e-5)
+    gots = torch.autograd.grad(got.square().sum(), (q, k, v, bias))
+    wants = torch.autograd.grad(want.square().sum(), (q, k, v, bias))
+    for a, b in zip(gots, wants):  # a shared bias's gradient sums the batch: its rounding, twice
+        assert torch.allclose(a, b, atol=5e-5), (a - b).abs().max()
