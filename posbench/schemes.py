@@ -288,6 +288,18 @@ class TransformerXL(PositionalScheme):
         rev = torch.bmm(qv, rk).view(H, B, Tq, Tk + 1)  # (H, B, Tq, Tk + 1)
         return rel_shift(rev).transpose(0, 1)  # (B, H, Tq, Tk): [i, j] is distance qpos_i - kpos_j
 
+    def attend(self, q, k, v, qpos, kpos, layer):
+        # the same scores through posbench/native/attention.c where it applies (CPU, fp32, a C
+        # compiler), the position term computed inside its tiles, so the (T, T) bias above is
+        # never written; None sends it the generic way, as it does for a subclass that changes
+        # the bias or the positions
+        if type(self).bias is not TransformerXL.bias or type(self).positions is not PositionalScheme.positions:
+            return None
+        H, D, Tk = q.size(1), q.size(3), k.size(2)
+        r = sinusoid(torch.arange(Tk, device=q.device), self.cfg.d_model)  # (Tk, C): row d, distance d
+        rk = self.w_r[layer](r.to(q.dtype)).view(Tk, H, D).transpose(0, 1)  # (H, Tk, D)
+        return native.relative_attention(q, k, v, q + (self.v - self.u).to(q.dtype), rk)  # q + v
+
 
 def rel_shift(rev: torch.Tensor) -> torch.Tensor:
     """(..., Tq, Tk+1) -> (..., Tq, Tk) with out[..., i, j] = rev[..., i, Tq-1-i+j]: Transformer-XL's

@@ -339,6 +339,85 @@ def test_attention_kernel_matches_the_definition(B, H, Tq, Tk, D, bias):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (name, (a - b).abs().max().item())
 
 
+def plain_relative_attention(q, k, v, qr, rk):
+    """The definition, in fp64: score_ij = (q_i.k_j + qr_i.rk[i - j]) / sqrt(d), with a gather
+    by distance (Transformer-XL's position term written the slow, obvious way)."""
+    q, k, v, qr, rk = (t.double() for t in (q, k, v, qr, rk))
+    B, H, Tq, D = q.shape
+    Tk = k.size(2)
+    i, j = torch.arange(Tk - Tq, Tk)[:, None], torch.arange(Tk)[None, :]
+    by_distance = torch.einsum("bhid,hed->bhie", qr, rk)  # (B, H, Tq, Tk): qr_i . rk[e]
+    pos = by_distance.gather(3, (i - j).clamp(min=0).expand(B, H, Tq, Tk))
+    s = (q @ k.transpose(-1, -2) + pos) / D**0.5
+    return s.masked_fill(j > i, float("-inf")).softmax(-1) @ v
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize(
+    "B,H,Tq,Tk,D",
+    [
+        (2, 3, 13, 13, 8),  # rows not a multiple of the tile, the tiny models' head dim
+        (2, 4, 100, 100, 32),  # the default size
+        (2, 2, 5, 21, 24),  # a query block: queries 16..20 against keys 0..20
+        (1, 2, 150, 200, 32),  # a long block, past one 128-row work item
+        (1, 1, 1, 1, 8),  # one query, one key
+        (2, 1, 40, 40, 136),  # a head dim that has no specialised tile
+    ],
+)
+def test_relative_term_matches_the_definition(B, H, Tq, Tk, D):
+    """attention.c with a relative term (XL's position term inside the tiles): output and the
+    gradients of q, k, v, qr and rk within 1e-5 of the fp64 definition."""
+    q, k, v = qkv_views(B, H, Tq, Tk, D)
+    g = torch.Generator().manual_seed(1)
+    qr = torch.randn(B, H, Tq, D, generator=g).requires_grad_()
+    rk = torch.randn(Tk, H, D, generator=g).transpose(0, 1).requires_grad_()  # strided, as XL's
+    d_out = torch.randn(B, H, Tq, D, generator=g)
+    results = []
+    for fn in (native.relative_attention, plain_relative_attention):
+        out = fn(q, k, v, qr, rk)
+        results.append([out.detach()] + list(torch.autograd.grad(out, (q, k, v, qr, rk), d_out.to(out.dtype))))
+    for name, a, b in zip(["out", "d_q", "d_k", "d_v", "d_qr", "d_rk"], *results):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        a, b = a.double(), b.double()
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (name, (a - b).abs().max().item())
+
+
+@needs_attention_kernel
+def test_relative_term_gives_the_same_bits_on_one_thread_and_two():
+    q, k, v = qkv_views(3, 4, 50, 50, 16)
+    qr = torch.randn(3, 4, 50, 16).requires_grad_()
+    rk = torch.randn(4, 50, 16).requires_grad_()
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        out = native.relative_attention(q, k, v, qr, rk)
+        outs.append([out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v, qr, rk))])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@needs_attention_kernel
+def test_xl_attends_through_the_relative_term_and_a_subclass_does_not(monkeypatch):
+    from posbench.schemes import TransformerXL
+
+    calls = []
+    real = native.RelativeAttention.apply
+    monkeypatch.setattr(native.RelativeAttention, "apply", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    m = TransformerLM(tiny("xl"))
+    x = torch.randint(0, 256, (2, 17))
+    torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    assert len(calls) == m.cfg.n_layer
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+    class Shifted(TransformerXL):  # its own bias: the kernel would compute the parent's
+        def bias(self, q, k, qpos, kpos, layer):
+            return super().bias(q, k, qpos, kpos, layer) + 1.0
+
+    calls.clear()
+    assert Shifted(m.cfg).attend(*[torch.zeros(1, 2, 4, 8)] * 3, torch.arange(4), torch.arange(4), 0) is None
+
+
 @needs_attention_kernel
 def test_attention_kernel_at_a_hand_worked_point():
     """One head of width 8, three keys, the last query: weights exp(s_j) / sum, computed by hand."""

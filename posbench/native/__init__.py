@@ -135,9 +135,9 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
         "cope_backward": [P, P, P, P, P, P, P, N, I, I, I, F, I],
     },
     "attention": {
-        "attention_scratch": (N, [I, I, I]),  # (return type, argument types) where it returns one
-        "attention_forward": [P, P, P, P, P, P, P, I, I, I, I, I, I, F, P, I],
-        "attention_backward": [P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, F, P, I],
+        "attention_scratch": (N, [I, I, I, I]),  # (return type, argument types) where it returns one
+        "attention_forward": [P] * 9 + [I, I, I, I, I, I, F, P, I],
+        "attention_backward": [P] * 16 + [I, I, I, I, I, I, F, P, I],
     },
     "layers": {  # used by posbench/native/layers.py
         "gelu_forward": [P, P, N, I],
@@ -280,41 +280,50 @@ def _strides(*tensors) -> torch.Tensor:
     return torch.tensor([t.stride()[:3] if t is not None else (0, 0, 0) for t in tensors], dtype=torch.long)
 
 
-def _forward(q, k, v, bias, q0):
-    """attention.c's forward: the output, the log-sum-exp, and q, k, v and bias as the C read them."""
-    if not _fits_kernel(q, k, v, *([] if bias is None else [bias])):
+def _forward(q, k, v, bias, q0, rel=(None, None)):
+    """attention.c's forward: the output, the log-sum-exp, and q, k, v, bias and the relative
+    term's (qr, rk) as the C read them."""
+    extra = [t for t in (bias, *rel) if t is not None]
+    if not _fits_kernel(q, k, v, *extra):
         raise RuntimeError("Attention takes fp32 CPU tensors outside autocast (use native.attention)")
     lib = require("attention")
     q, k, v = _rows(q), _rows(k), _rows(v)
     bias = None if bias is None else _rows(bias)
+    qr, rk = (None if t is None else _rows(t) for t in rel)
     B, H, Tq, D = q.shape
     Tk = k.size(2)
     out = _head_major(B, H, Tq, D)
     lse = torch.empty(B, H, Tq, dtype=torch.float32)  # log-sum-exp of each row's scores
     threads = torch.get_num_threads()
-    scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 0), dtype=torch.float32)
-    st = _strides(q, k, v, bias, out)
-    lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
-                          lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, q0, D**-0.5,
-                          scratch.data_ptr(), threads)  # fmt: skip
-    return out, lse, (q, k, v, bias)
+    scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 0, qr is not None), dtype=torch.float32)
+    st = _strides(q, k, v, bias, out, None, None, None, None, qr, rk)
+    lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), _ptr(qr), _ptr(rk),
+                          out.data_ptr(), lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, q0,
+                          D**-0.5, scratch.data_ptr(), threads)  # fmt: skip
+    return out, lse, (q, k, v, bias, qr, rk)
 
 
-def _backward(q0, q, k, v, bias, out, lse, d_out, d_q, d_k, d_v, want_bias_grad: bool):
-    """attention.c's backward into d_q, d_k, d_v (any (B, H, T, D) views); the bias's gradient."""
+def _backward(q0, q, k, v, bias, out, lse, d_out, d_q, d_k, d_v, want_bias_grad: bool,
+              rel=(None, None)):  # fmt: skip
+    """attention.c's backward into d_q, d_k, d_v (any (B, H, T, D) views); the bias's gradient;
+    with a relative term (qr, rk), also qr's gradient and rk's per batch row, (B, H, Tk, D)."""
     lib = load("attention")
     B, H, Tq, D = q.shape
     Tk = k.size(2)
     d_out = _rows(d_out)
     d_s = torch.empty(B, H, Tq, Tk, dtype=torch.float32) if want_bias_grad else None  # the bias's gradient
+    qr, rk = rel
+    d_qr = None if qr is None else torch.empty(B, H, Tq, D, dtype=torch.float32)
+    d_rk = None if qr is None else torch.empty(B, H, Tk, D, dtype=torch.float32)
     threads = torch.get_num_threads()
-    scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 1), dtype=torch.float32)
-    st = _strides(q, k, v, bias, out, d_out, d_q, d_k, d_v)
-    lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), out.data_ptr(),
-                           d_out.data_ptr(), d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(),
-                           lse.data_ptr(), _ptr(d_s), st.data_ptr(), B, H, Tq, Tk, D, q0,
-                           D**-0.5, scratch.data_ptr(), threads)  # fmt: skip
-    return d_s
+    scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 1, qr is not None), dtype=torch.float32)
+    st = _strides(q, k, v, bias, out, d_out, d_q, d_k, d_v, qr, rk, d_qr, d_rk)
+    lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), _ptr(qr), _ptr(rk),
+                           out.data_ptr(), d_out.data_ptr(), d_q.data_ptr(), d_k.data_ptr(),
+                           d_v.data_ptr(), _ptr(d_qr), _ptr(d_rk), lse.data_ptr(), _ptr(d_s),
+                           st.data_ptr(), B, H, Tq, Tk, D, q0, D**-0.5, scratch.data_ptr(),
+                           threads)  # fmt: skip
+    return d_s if qr is None else (d_s, d_qr, d_rk)
 
 
 class Attention(torch.autograd.Function):
@@ -324,7 +333,7 @@ class Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, q0):
         out, lse, read = _forward(q, k, v, bias, q0)
-        ctx.save_for_backward(*read, out, lse)
+        ctx.save_for_backward(*read[:4], out, lse)
         ctx.q0 = q0
         return out
 
@@ -344,7 +353,7 @@ class PackedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, bias, H):
-        out, lse, (*_, bias) = _forward(*qkv_views(qkv, H), bias, 0)
+        out, lse, (_, _, _, bias, _, _) = _forward(*qkv_views(qkv, H), bias, 0)
         ctx.save_for_backward(qkv, bias, out, lse)
         ctx.H = H
         return out
@@ -357,6 +366,40 @@ class PackedAttention(torch.autograd.Function):
         d_s = _backward(0, *qkv_views(qkv, ctx.H), bias, out, lse, d_out, *qkv_views(d_qkv, ctx.H),
                         ctx.needs_input_grad[1])  # fmt: skip
         return d_qkv, d_s, None
+
+
+def relative_attention(q, k, v, qr, rk) -> Optional[torch.Tensor]:
+    """softmax((q.k + qr.rk[i - j]) / sqrt(d), future masked) v through attention.c: a relative
+    term whose (T, T) scores are never written (Transformer-XL's position term). Queries are
+    the last Tq of the Tk positions; rk is (H, Tk, D), row d for distance d. None where the
+    kernel does not apply."""
+    B, H, Tq, D = q.shape
+    Tk = k.size(2)
+    shaped = k.shape == v.shape == (B, H, Tk, D) and Tq <= Tk and qr.shape == q.shape and rk.shape == (H, Tk, D)
+    if not shaped or D not in ATTENTION_HEAD_DIMS or not _fits_kernel(q, k, v, qr, rk) or load("attention") is None:
+        return None
+    return RelativeAttention.apply(q, k, v, qr, rk)
+
+
+class RelativeAttention(torch.autograd.Function):
+    """Causal attention with a relative term, forward and backward in attention.c."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qr, rk):
+        q0 = k.size(2) - q.size(2)
+        out, lse, (q, k, v, _, qr, rk) = _forward(q, k, v, None, q0, (qr, rk.expand(q.size(0), *rk.shape)))
+        ctx.save_for_backward(q, k, v, qr, rk, out, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        q, k, v, qr, rk, out, lse = ctx.saved_tensors
+        B, H, Tq, D = q.shape
+        Tk = k.size(2)
+        d_q, d_k, d_v = _head_major(B, H, Tq, D), _head_major(B, H, Tk, D), _head_major(B, H, Tk, D)
+        _, d_qr, d_rk = _backward(Tk - Tq, q, k, v, None, out, lse, d_out, d_q, d_k, d_v, False, (qr, rk))
+        return d_q, d_k, d_v, d_qr, d_rk.sum(0)
 
 
 def _ptr(t: Optional[torch.Tensor]):

@@ -11,6 +11,11 @@
  *   backward  P recomputed from lse, dP_ij = do_i.v_j, D_i = do_i.o_i, dS_ij = P_ij (dP_ij - D_i)
  *             db_ij = dS_ij,  dq_i = s sum_j dS_ij k_j,  dk_j = s sum_i dS_ij q_i,
  *             dv_j = sum_i P_ij do_i
+ * With a relative term (Transformer-XL's position term: qr and rk given), each score also gets
+ *   s qr_i.rk[q0 + i - j]        (rk: one row per distance 0..Tk-1, shared by the batch)
+ * computed in the same register tiles from a reversed, transposed copy of rk, so the (T, T)
+ * bias is never written, and its backward gives dqr_i = s sum_j dS_ij rk[q0+i-j] and
+ * drk[d] = s sum_{i-j=d} dS_ij qr_i (per batch row; the caller sums them).
  * Every tensor is passed with its (batch, head, row) strides and a contiguous last dim, so the
  * head-major views of the qkv projection are read in place. Probabilities below exp(-60) are
  * exact zeros (subnormal floats make every product with them ~100x slower; see TINY_PROB).
@@ -25,7 +30,7 @@
 #define omp_get_thread_num() 0
 #endif
 
-enum { Q, K, V, BIAS, OUT, DOUT, DQ, DK, DV }; /* rows of the stride table */
+enum { Q, K, V, BIAS, OUT, DOUT, DQ, DK, DV, QR, RK, DQR, DRK }; /* rows of the stride table */
 /* query rows per register tile: 8 where AVX-512 has 32 vector registers for the 16 partial sums
  * of a tile (8% less backward at the default size), 4 elsewhere (AVX2's 16 would spill) */
 #ifdef __AVX512F__
@@ -36,10 +41,11 @@ enum { Q, K, V, BIAS, OUT, DOUT, DQ, DK, DV }; /* rows of the stride table */
 #define CHUNK 128                              /* query rows per forward work item */
 #define MAXV 16                                /* head dim at most 16 * MAXV = 256 */
 #define CUTOFF -60.0f                          /* exp below this is taken as 0 */
+#define PAD 16 /* zero columns before the reversed rk: a tile's window starts up to R-1 early */
 
 typedef struct {
-    const float *t[9];  /* q, k, v, bias, out, dout, dq, dk, dv (bias may be NULL) */
-    const long *st;     /* 9 x 3 strides: batch, head, row */
+    const float *t[13]; /* q, k, v, bias, out, dout, dq, dk, dv, qr, rk, dqr, drk (bias, qr... may be NULL) */
+    const long *st;     /* 13 x 3 strides: batch, head, row */
     float *lse, *ds;    /* (B, H, Tq); dS as (B, H, Tq, Tk), or NULL */
     int H, Tq, Tk, D, q0;
     float scale;
@@ -96,6 +102,22 @@ INLINE void weights_times_rows(const Args *a, int which, int b, int h, const flo
     v16f acc[R][MAXV] = {{0}};
     for (int j = 0; j < n; j++) {
         const float *m = row(a, which, b, h, j);
+        for (int c = 0; c < nv; c++) {
+            v16f x = load16(m + 16 * c, chunk(D, c));
+            for (int r = 0; r < R; r++) acc[r][c] += W[r * ld + j] * x;
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nv; c++) store16(y[r] + 16 * c, acc[r][c] * scale[r], chunk(D, c));
+}
+
+/* the same over the rows of a plain (n, D) matrix M */
+INLINE void weights_times_mat(const float *M, const float *W, int ld, int n, int D, const float scale[R],
+                              float *y[R]) {
+    const int nv = (D + 15) / 16;
+    v16f acc[R][MAXV] = {{0}};
+    for (int j = 0; j < n; j++) {
+        const float *m = M + (long)j * D;
         for (int c = 0; c < nv; c++) {
             v16f x = load16(m + 16 * c, chunk(D, c));
             for (int r = 0; r < R; r++) acc[r][c] += W[r * ld + j] * x;
@@ -182,16 +204,53 @@ INLINE int tile_rows(const Args *a, int which, int b, int h, int i0, int n[R], c
 
 INLINE int round16(int n) { return (n + 15) & ~15; }
 
+/* columns of the reversed rk: PAD zeros, Tk distances (Tk-1 first), zeros that a window's
+ * last 16-wide load may reach (see rel_scores) */
+INLINE int rel_ld(int Tk) { return PAD + round16(Tk) + 32; }
+
+/* rk's Tk rows reversed: column PAD + Tk-1-d of RT holds distance d, transposed (RT[dd * ldr + c])
+ * for the score tiles; the same, untransposed (RR[c * D + dd]), for the products back */
+static void pack_rel(const Args *a, int b, int h, int ldr, float *RT, float *RR) {
+    const int D = a->D, Tk = a->Tk;
+    memset(RT, 0, sizeof(float) * D * ldr);
+    if (RR) memset(RR, 0, sizeof(float) * D * ldr);
+    for (int d = 0; d < Tk; d++) {
+        const float *x = row(a, RK, b, h, d);
+        const int c = PAD + Tk - 1 - d;
+        for (int dd = 0; dd < D; dd++) RT[dd * ldr + c] = x[dd];
+        if (RR) memcpy(RR + (long)c * D, x, sizeof(float) * D);
+    }
+}
+
+/* the relative scores of the tile at row i: row r's score for key j lands in
+ * W[r * ldr + R-1-r + j] (rows skewed so that one window of the table serves them all);
+ * returns the window's first column */
+INLINE int rel_scores(const Args *a, int i, const float *qr[R], const float *RT, int ldr, int nc,
+                      int D, float *W) {
+    const int start = PAD + (a->Tk - 1 - a->q0 - i) - (R - 1); /* distance q0+i+R-1 to key 0 */
+    rows_times_t(qr, RT + start, ldr, nc + 16, D, a->scale, W);
+    return start;
+}
+
 INLINE void forward_chunk(const Args *a, int b, int h, int i0, int i1, float *buf, int D) {
     const int nk = a->q0 + i1 < a->Tk ? a->q0 + i1 : a->Tk, ld = round16(nk);
     float *KT = buf, *S = buf + D * ld;
+    const int rel = a->t[QR] != NULL, ldr = rel_ld(a->Tk);
+    float *RT = S + (R + 1) * ld + D, *W = RT + D * ldr; /* rel only */
     pack_t(a, K, b, h, nk, ld, KT);
+    if (rel) pack_rel(a, b, h, ldr, RT, NULL);
     for (int i = i0; i < i1; i += R) {
         int n[R];
-        const float *q[R];
+        const float *q[R], *qr[R];
         float *o[R];
         int hi = tile_rows(a, Q, b, h, i, n, q), nc = round16(hi);
         rows_times_t(q, KT, ld, nc, D, a->scale, S);
+        if (rel) {
+            tile_rows(a, QR, b, h, i, n, qr);
+            rel_scores(a, i, qr, RT, ldr, nc, D, W);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < nc; j++) S[r * ld + j] += W[r * ldr + R - 1 - r + j];
+        }
         float inv[R]; /* each row's 1 / sum: applied to its output, not to every probability */
         for (int r = 0; r < R; r++) {
             int ir = i + r < a->Tq ? i + r : a->Tq - 1;
@@ -211,16 +270,28 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
     float *KT = buf, *VT = buf + D * ld, *P = VT + D * ld, *dS = P + R * ld;
     float *spare = dS + R * ld; /* D floats for rows past Tq */
     float *dK = spare + D, *dV = dK + (long)a->Tk * D; /* (Tk, D) each, copied out at the end */
+    const int rel = a->t[QR] != NULL, ldr = rel_ld(a->Tk);
+    float *RT = dV + (long)a->Tk * D, *RR = RT + D * ldr, *dRR = RR + D * ldr, *W = dRR + D * ldr;
     pack_t(a, K, b, h, nk, ld, KT);
     pack_t(a, V, b, h, nk, ld, VT);
     memset(dK, 0, sizeof(float) * 2 * a->Tk * D);
+    if (rel) {
+        pack_rel(a, b, h, ldr, RT, RR);
+        memset(dRR, 0, sizeof(float) * D * ldr);
+    }
     for (int i = 0; i < a->Tq; i += R) {
-        int n[R];
-        const float *q[R], *dout[R];
-        float *dq[R];
+        int n[R], start = 0;
+        const float *q[R], *dout[R], *qr[R];
+        float *dq[R], *dqr[R];
         int hi = tile_rows(a, Q, b, h, i, n, q), nc = round16(hi);
         tile_rows(a, DOUT, b, h, i, n, dout);
         rows_times_t(q, KT, ld, nc, D, a->scale, P);
+        if (rel) {
+            tile_rows(a, QR, b, h, i, n, qr);
+            start = rel_scores(a, i, qr, RT, ldr, nc, D, W);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < nc; j++) P[r * ld + j] += W[r * ldr + R - 1 - r + j];
+        }
         rows_times_t(dout, VT, ld, nc, D, 1.0f, dS); /* dP */
         for (int r = 0; r < R; r++) {
             int ir = i + r < a->Tq ? i + r : a->Tq - 1, valid = i + r < a->Tq;
@@ -244,11 +315,23 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
         weights_times_rows(a, K, b, h, dS, ld, hi, D, scales, dq);
         accumulate_rows(dK, dS, ld, hi, D, a->scale, q);
         accumulate_rows(dV, P, ld, hi, D, 1.0f, dout);
+        if (rel) { /* dS skewed as the scores were: then one window of rk serves every row */
+            memset(W, 0, sizeof(float) * R * ldr);
+            for (int r = 0; r < R; r++) {
+                memcpy(W + r * ldr + R - 1 - r, dS + r * ld, sizeof(float) * nc);
+                dqr[r] = i + r < a->Tq ? (float *)row(a, DQR, b, h, i + r) : spare;
+            }
+            weights_times_mat(RR + (long)start * D, W, ldr, nc + R - 1, D, scales, dqr);
+            accumulate_rows(dRR + (long)start * D, W, ldr, nc + R - 1, D, a->scale, qr);
+        }
     }
     for (int j = 0; j < a->Tk; j++) {
         memcpy(row(a, DK, b, h, j), dK + (long)j * D, sizeof(float) * D);
         memcpy(row(a, DV, b, h, j), dV + (long)j * D, sizeof(float) * D);
     }
+    if (rel)
+        for (int d = 0; d < a->Tk; d++)
+            memcpy(row(a, DRK, b, h, d), dRR + (long)(PAD + a->Tk - 1 - d) * D, sizeof(float) * D);
 }
 
 /* the head dim as a compile-time constant where it is a common one, so tiles stay in registers */
@@ -274,17 +357,21 @@ static void backward_item(const Args *a, int b, int h, float *buf) {
 }
 
 /* scratch per thread, in floats: the forward's K^T, S (R rows) and a spare row; the backward's
- * K^T, V^T, P, dS, a spare row, and dk and dv (Tk x D each) */
-long attention_scratch(int Tk, int D, int backward) {
-    const long ld = round16(Tk);
-    return backward ? (2 * D + 2 * R) * ld + D + 2L * Tk * D : (D + R + 1) * ld + D;
+ * K^T, V^T, P, dS, a spare row, and dk and dv (Tk x D each); with a relative term, its tables
+ * (the forward's RT and skewed scores, the backward's RT, RR, dRR and skewed scores) */
+long attention_scratch(int Tk, int D, int backward, int rel) {
+    const long ld = round16(Tk), ldr = rel_ld(Tk);
+    const long extra = rel ? (backward ? 3 * D + R : D + R) * ldr : 0;
+    return extra + (backward ? (2 * D + 2 * R) * ld + D + 2L * Tk * D : (D + R + 1) * ld + D);
 }
 
+/* qr, rk: the relative term, or NULL (then the strides' rows for them are ignored) */
 void attention_forward(const float *q, const float *k, const float *v, const float *bias,
-                       float *out, float *lse, const long *st, int B, int H, int Tq, int Tk,
-                       int D, int q0, float scale, float *scratch, int threads) {
-    Args a = {{q, k, v, bias, out}, st, lse, NULL, H, Tq, Tk, D, q0, scale};
-    const long per = attention_scratch(Tk, D, 0), chunks = (Tq + CHUNK - 1) / CHUNK;
+                       const float *qr, const float *rk, float *out, float *lse, const long *st,
+                       int B, int H, int Tq, int Tk, int D, int q0, float scale, float *scratch,
+                       int threads) {
+    Args a = {{q, k, v, bias, out, NULL, NULL, NULL, NULL, qr, rk}, st, lse, NULL, H, Tq, Tk, D, q0, scale};
+    const long per = attention_scratch(Tk, D, 0, qr != NULL), chunks = (Tq + CHUNK - 1) / CHUNK;
     (void)threads;
 #pragma omp parallel num_threads(threads)
     {
@@ -298,13 +385,15 @@ void attention_forward(const float *q, const float *k, const float *v, const flo
     }
 }
 
-/* ds: (B, H, Tq, Tk) for the bias's gradient, or NULL */
+/* ds: (B, H, Tq, Tk) for the bias's gradient, or NULL; dqr, drk: the relative term's (drk per
+ * batch row), with qr and rk, or NULL */
 void attention_backward(const float *q, const float *k, const float *v, const float *bias,
-                        const float *out, const float *dout, float *dq, float *dk, float *dv,
-                        float *lse, float *ds, const long *st, int B, int H, int Tq, int Tk,
-                        int D, int q0, float scale, float *scratch, int threads) {
-    Args a = {{q, k, v, bias, out, dout, dq, dk, dv}, st, lse, ds, H, Tq, Tk, D, q0, scale};
-    const long per = attention_scratch(Tk, D, 1);
+                        const float *qr, const float *rk, const float *out, const float *dout,
+                        float *dq, float *dk, float *dv, float *dqr, float *drk, float *lse,
+                        float *ds, const long *st, int B, int H, int Tq, int Tk, int D, int q0,
+                        float scale, float *scratch, int threads) {
+    Args a = {{q, k, v, bias, out, dout, dq, dk, dv, qr, rk, dqr, drk}, st, lse, ds, H, Tq, Tk, D, q0, scale};
+    const long per = attention_scratch(Tk, D, 1, qr != NULL);
     (void)threads;
 #pragma omp parallel num_threads(threads)
     {
