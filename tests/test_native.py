@@ -106,12 +106,12 @@ def test_kernel_is_exact_at_hand_worked_point():
     import math
 
     qv, ks, vs, e = 2.0, [0.3, -0.4, 1.0], [1.0, -2.0, 0.5], [0.0, 0.7, -0.2, 0.4]
-    q = torch.tensor([[[[qv]]]])  # query 2 of 3, sees all keys
-    k = torch.tensor(ks).view(1, 1, 3, 1)
-    v = torch.tensor(vs).view(1, 1, 3, 1)
-    table = torch.tensor([e])  # (D=1, P=4)
-    out = native.cope_attention(q, k, v, table, torch.tensor([2]), torch.arange(3))
-    logits = [qv * kj for kj in ks]  # head dim 1: no scaling
+    D = 8  # the kernel's narrowest head; every vector is zero past its first entry
+    q = torch.zeros(1, 1, 1, D)
+    k, v, table = torch.zeros(1, 1, 3, D), torch.zeros(1, 1, 3, D), torch.zeros(D, 4)
+    q[..., 0], k[..., 0], v[..., 0], table[0] = qv, torch.tensor(ks), torch.tensor(vs), torch.tensor(e)
+    out = native.cope_attention(q, k, v, table, torch.tensor([2]), torch.arange(3))[..., 0]  # query 2 of 3
+    logits = [qv * kj / math.sqrt(D) for kj in ks]
     gates = [1 / (1 + math.exp(-x)) for x in logits]
     scores = []
     for j in range(3):
@@ -122,6 +122,19 @@ def test_kernel_is_exact_at_hand_worked_point():
     w = [math.exp(s) for s in scores]
     want = sum(wj * vj for wj, vj in zip(w, vs)) / sum(w)
     assert out.item() == pytest.approx(want, abs=1e-6)
+
+
+@needs_kernel
+def test_kernel_declines_what_it_would_misread():
+    """It takes keys at positions 0..Tk-1 and queries at the last Tq of them, heads a multiple
+    of 8 wide; anything else is left to the PyTorch path."""
+    q, k, v, table = inputs(1, 2, 6, 6, 8, 8)
+    pos = torch.arange(6)
+    assert native.cope_attention(q, k, v, table, pos, pos) is not None
+    assert native.cope_attention(q, k, v, table, pos + 1, pos + 1) is None  # shifted positions
+    assert native.cope_attention(q[:, :, :3], k, v, table, pos[:3], pos) is None  # not the last queries
+    q4, k4, v4, t4 = inputs(1, 2, 6, 6, 4, 8)
+    assert native.cope_attention(q4, k4, v4, t4, pos, pos) is None  # head dim 4
 
 
 @needs_kernel
@@ -155,7 +168,7 @@ def test_the_model_takes_the_kernel_and_it_trains(monkeypatch):
 
 
 def test_off_switch_and_other_dtypes_take_the_pytorch_path(monkeypatch):
-    q, k, v, table = inputs(1, 2, 5, 5, 4, 8)
+    q, k, v, table = inputs(1, 2, 5, 5, 8, 8)
     pos = torch.arange(5)
     bf16 = [t.detach().bfloat16() for t in (q, k, v, table)]
     assert native.cope_attention(*bf16, pos, pos) is None  # fp32 on CPU only
@@ -241,7 +254,7 @@ def test_autocast_and_second_derivatives_are_refused_not_corrupted():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert native.cope_attention(q, k, v, table, pos, pos) is None
         with pytest.raises(RuntimeError, match="fp32 CPU tensors outside autocast"):
-            native.CoPEAttention.apply(q, k, v, table, torch.full((20,), 20, dtype=torch.int32))
+            native.CoPEAttention.apply(q, k, v, table)
     if native.load("cope") is not None:
         out = native.cope_attention(q, k, v, table, pos, pos)
         (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)

@@ -131,8 +131,9 @@ P, I, F, N = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long  # poi
 # each kernel's C functions: argument types, or (return type, argument types)
 SIGNATURES: dict[str, dict[str, list | tuple]] = {
     "cope": {
-        "cope_forward": [P, P, P, P, N, I, I, I, F, I],
-        "cope_backward": [P, P, P, P, P, P, P, N, I, I, I, F, I],
+        "cope_scratch": (N, [I, I, I, I]),
+        "cope_forward": [P] * 7 + [I, I, I, I, I, I, I, F, P, I],
+        "cope_backward": [P] * 12 + [I, I, I, I, I, I, I, F, P, I],
     },
     "attention": {
         "attention_scratch": (N, [I, I, I, I]),  # (return type, argument types) where it returns one
@@ -173,56 +174,60 @@ def _fits_kernel(*tensors) -> bool:
 
 def cope_attention(q, k, v, table, qpos, kpos) -> Optional[torch.Tensor]:
     """CoPE's whole causal attention through cope.c, or None where the kernel does not apply
-    (the caller then takes the PyTorch path: CoPEBias and the generic attention)."""
-    if not _fits_kernel(q, k, v, table) or load("cope") is None:
+    (the caller then takes the PyTorch path: CoPEBias and the generic attention). The kernel
+    takes positions 0..Tk-1 for the keys and the last Tq of them for the queries."""
+    B, H, Tq, D = q.shape
+    Tk = k.size(2)
+    shaped = k.shape == v.shape == (B, H, Tk, D) and Tq <= Tk and table.dim() == 2 and table.size(0) == D
+    if not shaped or D not in ATTENTION_HEAD_DIMS or not _fits_kernel(q, k, v, table) or load("cope") is None:
         return None
-    nvis = torch.searchsorted(kpos, qpos, right=True).to(torch.int32)  # (Tq,) keys each query sees
-    return CoPEAttention.apply(q, k, v, table, nvis)
+    if not (torch.equal(kpos, torch.arange(Tk, device=kpos.device)) and torch.equal(qpos, kpos[Tk - Tq :])):
+        return None
+    return CoPEAttention.apply(q, k, v, table)
 
 
 class CoPEAttention(torch.autograd.Function):
-    """softmax(q.k / sqrt(d) + CoPE's bias, future masked) v. The products are PyTorch's;
-    cope.c does the gates, positions, interpolation and softmax, row by row, and back."""
+    """softmax(q.k / sqrt(d) + CoPE's bias, future masked) v, forward and backward in cope.c,
+    in attention.c's register tiles: the backward recomputes gates, positions and
+    probabilities from the saved log-sum-exp, so nothing (T, T) is kept or written."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, nvis):
+    def forward(ctx, q, k, v, table):
         if not _fits_kernel(q, k, v, table):
             raise RuntimeError("CoPEAttention takes fp32 CPU tensors outside autocast (use cope_attention)")
         lib = require("cope")
-        D, P = table.shape
-        B, H, Tq, _ = q.shape
-        Tk = k.size(2)
-        q, k, v, table = q.contiguous(), k.contiguous(), v.contiguous(), table.contiguous()
-        probs = torch.matmul(q, k.transpose(-1, -2)).contiguous()  # (B, H, Tq, Tk): q.k, then probs
-        by_pos = torch.mm(q.view(-1, D), table).view(B, H, Tq, P)  # q_i.e[p]
-        nvis = nvis.contiguous()  # the C reads raw memory: every array it gets is contiguous
-        gates = torch.empty_like(probs)
+        q, k, v, table = _rows(q), _rows(k), _rows(v), table.contiguous()
+        B, H, Tq, D = q.shape
+        Tk, P = k.size(2), table.size(1)
+        out = _head_major(B, H, Tq, D)
+        lse = torch.empty(B, H, Tq, dtype=torch.float32)
         threads = torch.get_num_threads()
-        lib.cope_forward(probs.data_ptr(), gates.data_ptr(), by_pos.data_ptr(), nvis.data_ptr(),
-                         B * H, Tq, Tk, P, D**-0.5, threads)  # fmt: skip
-        ctx.save_for_backward(q, k, v, table, probs, gates, by_pos, nvis)
-        return torch.matmul(probs, v)  # (B, H, Tq, D)
+        scratch = torch.empty(threads, lib.cope_scratch(Tk, D, P, 0), dtype=torch.float32)
+        st = _strides(q, k, v, None, out)
+        lib.cope_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), out.data_ptr(),
+                         lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, P, Tk - Tq, D**-0.5,
+                         scratch.data_ptr(), threads)  # fmt: skip
+        ctx.save_for_backward(q, k, v, table, out, lse)
+        return out
 
     @staticmethod
     @once_differentiable  # the C works in place: no graph through it, so no second derivative
     def backward(ctx, d_out):
         lib = load("cope")
-        q, k, v, table, probs, gates, by_pos, nvis = ctx.saved_tensors
-        D, P = table.shape
-        B, H, Tq, Tk = probs.shape
-        d_out = d_out.contiguous()
-        d_logits = torch.matmul(d_out, v.transpose(-1, -2)).contiguous()  # d probs in, d (q.k) out
-        d_by_pos = torch.empty_like(by_pos)
+        q, k, v, table, out, lse = ctx.saved_tensors
+        B, H, Tq, D = q.shape
+        Tk, P = k.size(2), table.size(1)
+        d_out = _rows(d_out)
+        d_q, d_k, d_v = _head_major(B, H, Tq, D), _head_major(B, H, Tk, D), _head_major(B, H, Tk, D)
+        d_table = torch.empty(B * H, P, D, dtype=torch.float32)  # per pair, summed below
         threads = torch.get_num_threads()
-        scratch = torch.empty(threads, 4, Tk, dtype=torch.float32)
-        lib.cope_backward(d_logits.data_ptr(), probs.data_ptr(), gates.data_ptr(), by_pos.data_ptr(),
-                          d_by_pos.data_ptr(), nvis.data_ptr(), scratch.data_ptr(), B * H, Tq, Tk, P,
-                          D**-0.5, threads)  # fmt: skip
-        d_q = torch.matmul(d_logits, k).add_(torch.mm(d_by_pos.view(-1, P), table.t()).view(B, H, Tq, D))
-        d_k = torch.matmul(d_logits.transpose(-1, -2), q)
-        d_v = torch.matmul(probs.transpose(-1, -2), d_out)
-        d_table = torch.mm(q.view(-1, D).t(), d_by_pos.view(-1, P))
-        return d_q, d_k, d_v, d_table, None
+        scratch = torch.empty(threads, lib.cope_scratch(Tk, D, P, 1), dtype=torch.float32)
+        st = _strides(q, k, v, None, out, d_out, d_q, d_k, d_v)
+        lib.cope_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), out.data_ptr(),
+                          d_out.data_ptr(), d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(),
+                          d_table.data_ptr(), lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, P,
+                          Tk - Tq, D**-0.5, scratch.data_ptr(), threads)  # fmt: skip
+        return d_q, d_k, d_v, d_table.sum(0).t()
 
 
 ATTENTION_HEAD_DIMS = range(8, 257, 8)  # attention.c's register tiles take 8 floats at a time

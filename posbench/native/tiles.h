@@ -1,0 +1,195 @@
+/* The register tiles that attention.c and cope.c build their kernels from: a (batch, head)
+ * pair's keys packed transposed, R query rows scored against them at once, and the products
+ * back. Tensors come as (B, H, T, D) with (batch, head, row) strides and a contiguous last dim.
+ * The cache key of every kernel covers this header. */
+#ifndef POSBENCH_TILES_H
+#define POSBENCH_TILES_H
+#include <math.h>
+
+#include "vmath.h"
+#ifdef _OPENMP
+#include <omp.h>
+#else
+#define omp_get_thread_num() 0
+#endif
+
+enum { Q, K, V, BIAS, OUT, DOUT, DQ, DK, DV, QR, RK, DQR, DRK }; /* rows of the stride table */
+/* query rows per register tile: 8 where AVX-512 has 32 vector registers for the 16 partial sums
+ * of a tile (8% less backward at the default size), 4 elsewhere (AVX2's 16 would spill) */
+#ifdef __AVX512F__
+#define R 8
+#else
+#define R 4
+#endif
+#define CHUNK 128                              /* query rows per forward work item */
+#define MAXV 16                                /* head dim at most 16 * MAXV = 256 */
+#define CUTOFF -60.0f                          /* exp below this is taken as 0 */
+
+typedef struct {
+    const float *t[13]; /* q, k, v, bias, out, dout, dq, dk, dv, qr, rk, dqr, drk (bias, qr... may be NULL) */
+    const long *st;     /* 13 x 3 strides: batch, head, row */
+    float *lse, *ds;    /* (B, H, Tq); dS as (B, H, Tq, Tk), or NULL */
+    int H, Tq, Tk, D, q0;
+    float scale;
+    const float *table; /* cope.c: the (D, P) position table, its gradient per pair (B, H, P, D) */
+    float *dtable;
+    int P;
+} Args;
+
+/* row i of tensor `which` for pair (b, h) */
+INLINE float *row(const Args *a, int which, int b, int h, int i) {
+    const long *s = a->st + 3 * which;
+    return (float *)a->t[which] + b * s[0] + h * s[1] + i * s[2];
+}
+
+/* the first w of 16 floats (w is 16 or 8 for head dims that are multiples of 8), zeros after */
+INLINE v16f load16(const float *p, int w) {
+    v16f x = {0};
+    memcpy(&x, p, sizeof(float) * w);
+    return x;
+}
+
+INLINE void store16(float *p, v16f x, int w) { memcpy(p, &x, sizeof(float) * w); }
+
+/* width of head-dim chunk c: 16, or 8 for the last chunk of a head dim that is 8 mod 16 */
+INLINE int chunk(int D, int c) { return D - 16 * c < 16 ? D - 16 * c : 16; }
+
+/* keys j < n of pair (b, h), transposed into T[d * ld + j], zero-padded to ld (a multiple of 16) */
+static void pack_t(const Args *a, int which, int b, int h, int n, int ld, float *T) {
+    const float *x = row(a, which, b, h, 0);
+    const long rs = a->st[3 * which + 2];
+    for (int d = 0; d < a->D; d++) /* contiguous writes: faster than contiguous reads here */
+        for (int j = 0; j < n; j++) T[d * ld + j] = x[j * rs + d];
+    for (int d = 0; d < a->D; d++) memset(T + d * ld + n, 0, sizeof(float) * (ld - n));
+}
+
+/* S[r * ld + j] = scale * x_r . T[:, j] for R rows x_r and columns j < nc (nc rounded to 16) */
+INLINE void rows_times_t(const float *x[R], const float *T, int ld, int nc, int D, float scale,
+                         float *S) {
+    for (int j = 0; j < nc; j += 16) {
+        /* even and odd d in separate sums: 8 independent chains keep both FMA units busy */
+        v16f even[R] = {0}, odd[R] = {0};
+        for (int d = 0; d < D; d += 2) {
+            v16f t0 = load16(T + d * ld + j, 16), t1 = load16(T + (d + 1) * ld + j, 16);
+            for (int r = 0; r < R; r++) {
+                even[r] += x[r][d] * t0;
+                odd[r] += x[r][d + 1] * t1;
+            }
+        }
+        for (int r = 0; r < R; r++) store16(S + r * ld + j, (even[r] + odd[r]) * scale, 16);
+    }
+}
+
+/* y_r = scale_r * sum_{j < n} W[r * ld + j] M_j for R rows, M_j = row j of tensor `which` */
+INLINE void weights_times_rows(const Args *a, int which, int b, int h, const float *W, int ld,
+                               int n, int D, const float scale[R], float *y[R]) {
+    const int nv = (D + 15) / 16;
+    v16f acc[R][MAXV] = {{0}};
+    for (int j = 0; j < n; j++) {
+        const float *m = row(a, which, b, h, j);
+        for (int c = 0; c < nv; c++) {
+            v16f x = load16(m + 16 * c, chunk(D, c));
+            for (int r = 0; r < R; r++) acc[r][c] += W[r * ld + j] * x;
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nv; c++) store16(y[r] + 16 * c, acc[r][c] * scale[r], chunk(D, c));
+}
+
+/* the same over the rows of a plain (n, D) matrix M */
+INLINE void weights_times_mat(const float *M, const float *W, int ld, int n, int D, const float scale[R],
+                              float *y[R]) {
+    const int nv = (D + 15) / 16;
+    v16f acc[R][MAXV] = {{0}};
+    for (int j = 0; j < n; j++) {
+        const float *m = M + (long)j * D;
+        for (int c = 0; c < nv; c++) {
+            v16f x = load16(m + 16 * c, chunk(D, c));
+            for (int r = 0; r < R; r++) acc[r][c] += W[r * ld + j] * x;
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nv; c++) store16(y[r] + 16 * c, acc[r][c] * scale[r], chunk(D, c));
+}
+
+/* M_j += scale * sum_r W[r * ld + j] x_r for j < n: the transposed product, into the rows of M
+ * (D floats each, contiguous: a pair's dk or dv, which stay in L1 as the tiles go by) */
+INLINE void accumulate_rows(float *M, const float *W, int ld, int n, int D, float scale, const float *x[R]) {
+    const int nv = (D + 15) / 16;
+    v16f xs[R][MAXV];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nv; c++) xs[r][c] = load16(x[r] + 16 * c, chunk(D, c)) * scale;
+    for (int j = 0; j < n; j++) {
+        float *m = M + (long)j * D;
+        for (int c = 0; c < nv; c++) {
+            v16f acc = load16(m + 16 * c, chunk(D, c));
+            for (int r = 0; r < R; r++) acc += W[r * ld + j] * xs[r][c];
+            store16(m + 16 * c, acc, chunk(D, c));
+        }
+    }
+}
+
+
+static const v16i LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* the largest of the n visible s[j] (the row runs on to nc, a multiple of 16) */
+INLINE float row_max(const float *s, int n, int nc) {
+    v16f m = (v16f){0} - INFINITY;
+    for (int j = 0; j < nc; j += 16) {
+        v16f x = load16(s + j, 16);
+        v16i more = (LANES + j < n) & (x > m);
+        m = (v16f)((more & (v16i)x) | (~more & (v16i)m));
+    }
+    float out = m[0];
+    for (int c = 1; c < 16; c++) out = m[c] > out ? m[c] : out;
+    return out;
+}
+
+/* s[j] = exp(s[j] - m) for the n visible keys, 0 for the rest of the row up to nc; the sum.
+ * Below e^CUTOFF it is an exact 0: never a subnormal */
+INLINE float exp_row(float *s, int n, int nc, float m) {
+    v16f acc = {0};
+    for (int j = 0; j < nc; j += 16) {
+        v16f x = load16(s + j, 16) - m;
+        v16f e = (v16f)((LANES + j < n) & ~(x < CUTOFF) & (v16i)vexp16(x)); /* NaN stays NaN */
+        store16(s + j, e, 16);
+        acc += e;
+    }
+    float sum = 0.0f;
+    for (int c = 0; c < 16; c++) sum += acc[c];
+    return sum;
+}
+
+INLINE float dot(const float *x, const float *y, int D) {
+    v16f acc = {0};
+    for (int c = 0; c < (D + 15) / 16; c++) acc += load16(x + 16 * c, chunk(D, c)) * load16(y + 16 * c, chunk(D, c));
+    float sum = 0.0f;
+    for (int c = 0; c < 16; c++) sum += acc[c];
+    return sum;
+}
+
+/* The query rows i0..i0+R-1 of pair (b, h) (rows past Tq repeat the last and are not written) */
+INLINE int tile_rows(const Args *a, int which, int b, int h, int i0, int n[R], const float *x[R]) {
+    int hi = 0;
+    for (int r = 0; r < R; r++) {
+        int i = i0 + r < a->Tq ? i0 + r : a->Tq - 1;
+        n[r] = a->q0 + i + 1 < a->Tk ? a->q0 + i + 1 : a->Tk;
+        x[r] = row(a, which, b, h, i);
+        hi = n[r] > hi ? n[r] : hi;
+    }
+    return hi; /* keys the tile sees */
+}
+
+INLINE int round16(int n) { return (n + 15) & ~15; }
+
+/* the head dim as a compile-time constant where it is a common one, so tiles stay in registers */
+#define BY_HEAD_DIM(CALL)        \
+    switch (a->D) {              \
+    case 16: CALL(16); break;    \
+    case 32: CALL(32); break;    \
+    case 64: CALL(64); break;    \
+    case 128: CALL(128); break;  \
+    default: CALL(a->D); break;  \
+    }
+
+#endif
