@@ -337,6 +337,7 @@ def bench(
     set_: Sets = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (default: the config's train.device)")] = None,
+    rounds: Annotated[Optional[int], typer.Option(help="interleaved timing rounds (default 30; 1 with --quick)")] = None,
     out_file: Annotated[Path, typer.Option("--out", help="the CSV to write, or a folder for bench.csv")] = Path(
         "results/bench/bench.csv"
     ),
@@ -362,6 +363,10 @@ def bench(
         dev = pick_device(cfg.train.device, "bench takes --device cpu")
         out_file = _writable_csv(out_file)  # before the minutes of timing, not after
         settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
+        if rounds is not None:
+            if rounds < 1:
+                raise PosbenchError(f"--rounds {rounds}: at least one round is needed")
+            settings.rounds = rounds
         rows, peak = run_bench(cfg.model, cfg.schemes, settings, peer,
                                progress=lambda m: err.print(m, highlight=False),
                                options=cfg.scheme_options, device=dev)  # fmt: skip

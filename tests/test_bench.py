@@ -191,3 +191,19 @@ def test_a_longer_train_len_is_not_stopped_by_the_configs_test_lengths(tmp_path)
     assert res.exit_code == 0, res.output
     lens = sorted(int(r["eval_len"]) for r in csv.DictReader(out.open()) if r["measurement"] == "eval")
     assert lens == [300, 4800, 9600]
+
+
+def test_rounds_is_checked_and_used(tmp_path, monkeypatch):
+    out = tmp_path / "bench.csv"
+    res = CliRunner().invoke(app, ["bench", "--quick", "--rounds", "0", "--out", str(out)])
+    assert res.exit_code != 0 and "--rounds 0: at least one round is needed" in res.output
+    assert "Traceback" not in res.output and not out.exists()
+    import posbench.bench as bench
+
+    seen = []
+    real = bench.time_interleaved
+    monkeypatch.setattr(bench, "time_interleaved", lambda steps, s, *a: seen.append(s.rounds) or real(steps, s, *a))
+    res = CliRunner().invoke(app, ["bench", "--quick", "--rounds", "2", "--schemes", "nope", "--set",
+                                   "model.n_layer=1", "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert seen == [2]
