@@ -141,28 +141,42 @@ def test_kernel_declines_what_it_would_misread():
 def test_kernel_gives_the_same_bits_on_one_thread_and_two():
     q, k, v, table = inputs(2, 4, 40, 40, 8, 16)
     pos = torch.arange(40)
-    outs = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
+
+    def run():
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, table)]
         out = native.cope_attention(*leaves, pos, pos)
         out.sum().backward()
-        outs.append([out.detach()] + [t.grad for t in leaves])
+        return [out.detach()] + [t.grad for t in leaves]
+
+    assert_same_bits_on_one_thread_and_two(run)
+
+
+def assert_same_bits_on_one_thread_and_two(run):
+    """run() -> tensors: the same bits whether torch (and so the kernels) use 1 thread or 2."""
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        outs.append(run())
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 
 
+def calls_in_a_training_step(monkeypatch, function, scheme):
+    """The tiny model of `scheme` after one loss.backward(), and how often function.apply ran."""
+    calls = []
+    real = function.apply
+    monkeypatch.setattr(function, "apply", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    m = TransformerLM(tiny(scheme))
+    x = torch.randint(0, 256, (2, 17))
+    torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    return m, len(calls)
+
+
 @needs_kernel
 def test_the_model_takes_the_kernel_and_it_trains(monkeypatch):
-    calls = []
-    real = native.CoPEAttention.apply
-    monkeypatch.setattr(native.CoPEAttention, "apply", lambda *a: calls.append(1) or real(*a))
-    torch.manual_seed(0)
-    m = TransformerLM(tiny("cope"))
-    x = torch.randint(0, 256, (2, 17))
-    loss = torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-    loss.backward()
-    assert len(calls) == m.cfg.n_layer
+    m, calls = calls_in_a_training_step(monkeypatch, native.CoPEAttention, "cope")
+    assert calls == m.cfg.n_layer
     assert "attend agrees with the bias path" in check.attend_agrees(check.tiny_model("cope").train(), 40)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters() if p.requires_grad)
 
@@ -400,34 +414,26 @@ def test_relative_term_gives_the_same_bits_on_one_thread_and_two():
     q, k, v = qkv_views(3, 4, 50, 50, 16)
     qr = torch.randn(3, 4, 50, 16).requires_grad_()
     rk = torch.randn(4, 50, 16).requires_grad_()
-    outs = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
+
+    def run():
         out = native.relative_attention(q, k, v, qr, rk)
-        outs.append([out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v, qr, rk))])
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+        return [out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v, qr, rk))]
+
+    assert_same_bits_on_one_thread_and_two(run)
 
 
 @needs_attention_kernel
 def test_xl_attends_through_the_relative_term_and_a_subclass_does_not(monkeypatch):
     from posbench.schemes import TransformerXL
 
-    calls = []
-    real = native.RelativeAttention.apply
-    monkeypatch.setattr(native.RelativeAttention, "apply", lambda *a: calls.append(1) or real(*a))
-    torch.manual_seed(0)
-    m = TransformerLM(tiny("xl"))
-    x = torch.randint(0, 256, (2, 17))
-    torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
-    assert len(calls) == m.cfg.n_layer
+    m, calls = calls_in_a_training_step(monkeypatch, native.RelativeAttention, "xl")
+    assert calls == m.cfg.n_layer
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
 
     class Shifted(TransformerXL):  # its own bias: the kernel would compute the parent's
         def bias(self, q, k, qpos, kpos, layer):
             return super().bias(q, k, qpos, kpos, layer) + 1.0
 
-    calls.clear()
     assert Shifted(m.cfg).attend(*[torch.zeros(1, 2, 4, 8)] * 3, torch.arange(4), torch.arange(4), 0) is None
 
 
@@ -453,13 +459,12 @@ def test_attention_kernel_at_a_hand_worked_point():
 def test_attention_kernel_gives_the_same_bits_on_one_thread_and_two():
     q, k, v = qkv_views(3, 4, 50, 50, 16)
     bias = torch.randn(1, 4, 50, 50).requires_grad_()
-    outs = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
+
+    def run():
         out = native.attention(q, k, v, bias, 0)
-        outs.append([out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v, bias))])
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+        return [out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v, bias))]
+
+    assert_same_bits_on_one_thread_and_two(run)
 
 
 @needs_attention_kernel

@@ -70,7 +70,7 @@ INLINE void forward_chunk(const Args *a, int b, int h, int i0, int i1, float *bu
     if (rel) pack_rel(a, b, h, ldr, RT, NULL);
     for (int i = i0; i < i1; i += R) {
         int n[R];
-        const float *q[R], *qr[R];
+        const float *q[R], *qr[R] = {0};
         float *o[R];
         int hi = tile_rows(a, Q, b, h, i, n, q), nc = round16(hi);
         rows_times_t(q, KT, ld, nc, D, a->scale, S);
@@ -110,7 +110,7 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
     }
     for (int i = 0; i < a->Tq; i += R) {
         int n[R], start = 0;
-        const float *q[R], *dout[R], *qr[R];
+        const float *q[R], *dout[R], *qr[R] = {0};
         float *dq[R], *dqr[R];
         int hi = tile_rows(a, Q, b, h, i, n, q), nc = round16(hi);
         tile_rows(a, DOUT, b, h, i, n, dout);
@@ -163,18 +163,7 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
             memcpy(row(a, DRK, b, h, d), dRR + (long)(PAD + a->Tk - 1 - d) * D, sizeof(float) * D);
 }
 
-
-static void forward_item(const Args *a, int b, int h, int i0, int i1, float *buf) {
-#define FWD(Dc) forward_chunk(a, b, h, i0, i1, buf, Dc)
-    BY_HEAD_DIM(FWD)
-#undef FWD
-}
-
-static void backward_item(const Args *a, int b, int h, float *buf) {
-#define BWD(Dc) backward_pair(a, b, h, buf, Dc)
-    BY_HEAD_DIM(BWD)
-#undef BWD
-}
+DEFINE_ITEMS
 
 /* scratch per thread, in floats: the forward's K^T, S (R rows) and a spare row; the backward's
  * K^T, V^T, P, dS, a spare row, and dk and dv (Tk x D each); with a relative term, its tables
@@ -191,18 +180,7 @@ void attention_forward(const float *q, const float *k, const float *v, const flo
                        int B, int H, int Tq, int Tk, int D, int q0, float scale, float *scratch,
                        int threads) {
     Args a = {{q, k, v, bias, out, NULL, NULL, NULL, NULL, qr, rk}, st, lse, NULL, H, Tq, Tk, D, q0, scale};
-    const long per = attention_scratch(Tk, D, 0, qr != NULL), chunks = (Tq + CHUNK - 1) / CHUNK;
-    (void)threads;
-#pragma omp parallel num_threads(threads)
-    {
-        float *buf = scratch + per * omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (long item = 0; item < (long)B * H * chunks; item++) {
-            long pair = item / chunks;
-            int i0 = (int)(item % chunks) * CHUNK, i1 = i0 + CHUNK < Tq ? i0 + CHUNK : Tq;
-            forward_item(&a, (int)(pair / H), (int)(pair % H), i0, i1, buf);
-        }
-    }
+    run_chunks(&a, B, forward_item, scratch, attention_scratch(Tk, D, 0, qr != NULL), threads);
 }
 
 /* ds: (B, H, Tq, Tk) for the bias's gradient, or NULL; dqr, drk: the relative term's (drk per
@@ -213,12 +191,5 @@ void attention_backward(const float *q, const float *k, const float *v, const fl
                         float *ds, const long *st, int B, int H, int Tq, int Tk, int D, int q0,
                         float scale, float *scratch, int threads) {
     Args a = {{q, k, v, bias, out, dout, dq, dk, dv, qr, rk, dqr, drk}, st, lse, ds, H, Tq, Tk, D, q0, scale};
-    const long per = attention_scratch(Tk, D, 1, qr != NULL);
-    (void)threads;
-#pragma omp parallel num_threads(threads)
-    {
-        float *buf = scratch + per * omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (long pair = 0; pair < (long)B * H; pair++) backward_item(&a, (int)(pair / H), (int)(pair % H), buf);
-    }
+    run_pairs(&a, B, backward_item, scratch, attention_scratch(Tk, D, 1, qr != NULL), threads);
 }

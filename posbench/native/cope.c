@@ -219,17 +219,7 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
     memcpy(a->dtable + ((long)b * a->H + h) * P * D, dT, sizeof(float) * P * D);
 }
 
-static void forward_item(const Args *a, int b, int h, int i0, int i1, float *buf) {
-#define FWD(Dc) forward_chunk(a, b, h, i0, i1, buf, Dc)
-    BY_HEAD_DIM(FWD)
-#undef FWD
-}
-
-static void backward_item(const Args *a, int b, int h, float *buf) {
-#define BWD(Dc) backward_pair(a, b, h, buf, Dc)
-    BY_HEAD_DIM(BWD)
-#undef BWD
-}
+DEFINE_ITEMS
 
 /* scratch per thread, in floats (the layouts of forward_chunk and backward_pair) */
 long cope_scratch(int Tk, int D, int P, int backward) {
@@ -242,18 +232,7 @@ void cope_forward(const float *q, const float *k, const float *v, const float *t
                   float *lse, const long *st, int B, int H, int Tq, int Tk, int D, int P, int q0,
                   float scale, float *scratch, int threads) {
     Args a = {{q, k, v, NULL, out}, st, lse, NULL, H, Tq, Tk, D, q0, scale, table, NULL, P};
-    const long per = cope_scratch(Tk, D, P, 0), chunks = (Tq + CHUNK - 1) / CHUNK;
-    (void)threads;
-#pragma omp parallel num_threads(threads)
-    {
-        float *buf = scratch + per * omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (long item = 0; item < (long)B * H * chunks; item++) {
-            long pair = item / chunks;
-            int i0 = (int)(item % chunks) * CHUNK, i1 = i0 + CHUNK < Tq ? i0 + CHUNK : Tq;
-            forward_item(&a, (int)(pair / H), (int)(pair % H), i0, i1, buf);
-        }
-    }
+    run_chunks(&a, B, forward_item, scratch, cope_scratch(Tk, D, P, 0), threads);
 }
 
 /* dtable: the table's gradient per pair, (B, H, P, D); the caller sums the pairs */
@@ -262,12 +241,5 @@ void cope_backward(const float *q, const float *k, const float *v, const float *
                    float *dtable, float *lse, const long *st, int B, int H, int Tq, int Tk, int D,
                    int P, int q0, float scale, float *scratch, int threads) {
     Args a = {{q, k, v, NULL, out, dout, dq, dk, dv}, st, lse, NULL, H, Tq, Tk, D, q0, scale, table, dtable, P};
-    const long per = cope_scratch(Tk, D, P, 1);
-    (void)threads;
-#pragma omp parallel num_threads(threads)
-    {
-        float *buf = scratch + per * omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (long pair = 0; pair < (long)B * H; pair++) backward_item(&a, (int)(pair / H), (int)(pair % H), buf);
-    }
+    run_pairs(&a, B, backward_item, scratch, cope_scratch(Tk, D, P, 1), threads);
 }

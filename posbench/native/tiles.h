@@ -192,4 +192,48 @@ INLINE int round16(int n) { return (n + 15) & ~15; }
     default: CALL(a->D); break;  \
     }
 
+
+/* forward_item and backward_item over a file's forward_chunk and backward_pair, the head dim a
+ * compile-time constant where it is a common one. A kernel defines those two, then DEFINE_ITEMS */
+#define FWD_CALL(Dc) forward_chunk(a, b, h, i0, i1, buf, Dc)
+#define BWD_CALL(Dc) backward_pair(a, b, h, buf, Dc)
+#define DEFINE_ITEMS                                                                    \
+    static void forward_item(const Args *a, int b, int h, int i0, int i1, float *buf) { \
+        BY_HEAD_DIM(FWD_CALL)                                                           \
+    }                                                                                   \
+    static void backward_item(const Args *a, int b, int h, float *buf) { BY_HEAD_DIM(BWD_CALL) }
+
+typedef void (*ChunkFn)(const Args *a, int b, int h, int i0, int i1, float *buf);
+typedef void (*PairFn)(const Args *a, int b, int h, float *buf);
+
+/* the forward's work: every CHUNK rows of every (batch, head) pair, split over the threads in
+ * a fixed order; each thread has `per` floats of scratch */
+static void run_chunks(const Args *a, int B, ChunkFn fn, float *scratch, long per, int threads) {
+    const int H = a->H, Tq = a->Tq;
+    const long chunks = (Tq + CHUNK - 1) / CHUNK;
+    (void)threads;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = scratch + per * omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (long item = 0; item < (long)B * H * chunks; item++) {
+            long pair = item / chunks;
+            int i0 = (int)(item % chunks) * CHUNK, i1 = i0 + CHUNK < Tq ? i0 + CHUNK : Tq;
+            fn(a, (int)(pair / H), (int)(pair % H), i0, i1, buf);
+        }
+    }
+}
+
+/* the backward's work: every (batch, head) pair whole (its key and value gradients sum over
+ * all its rows), split over the threads */
+static void run_pairs(const Args *a, int B, PairFn fn, float *scratch, long per, int threads) {
+    (void)threads;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = scratch + per * omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (long pair = 0; pair < (long)B * a->H; pair++) fn(a, (int)(pair / a->H), (int)(pair % a->H), buf);
+    }
+}
+
 #endif
