@@ -295,6 +295,8 @@ class TransformerXL(PositionalScheme):
         # the bias or the positions
         if type(self).bias is not TransformerXL.bias or type(self).positions is not PositionalScheme.positions:
             return None
+        if not native.attention_applies(q, k, v):  # before building rk and q + v for nothing
+            return None
         H, D, Tk = q.size(1), q.size(3), k.size(2)
         r = sinusoid(torch.arange(Tk, device=q.device), self.cfg.d_model)  # (Tk, C): row d, distance d
         rk = self.w_r[layer](r.to(q.dtype)).view(Tk, H, D).transpose(0, 1)  # (H, Tk, D)

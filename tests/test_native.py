@@ -1,6 +1,7 @@
 """The optional C kernels (posbench/native/cope.c, attention.c) against their PyTorch twins, and
 their fallbacks."""
 
+import os
 import shutil
 
 import pytest
@@ -135,6 +136,7 @@ def test_kernel_declines_what_it_would_misread():
     assert native.cope_attention(q[:, :, :3], k, v, table, pos[:3], pos) is None  # not the last queries
     q4, k4, v4, t4 = inputs(1, 2, 6, 6, 4, 8)
     assert native.cope_attention(q4, k4, v4, t4, pos, pos) is None  # head dim 4
+    assert native.cope_attention(q, k, v, table[:, :0], pos, pos) is None  # a table of no positions
 
 
 @needs_kernel
@@ -595,3 +597,42 @@ def test_attention_kernel_declines_shapes_it_would_misread():
     assert native.attention(q, one, one, None, 0) is None
     assert native.attention(q, k, v.detach()[..., :4].repeat(1, 1, 1, 4), None, 0) is None  # v wider
     assert native.attention(q[:, :, 1:], k, v, None, 0) is None  # q0 + Tq != Tk
+
+
+@needs_attention_kernel
+@pytest.mark.skipif(
+    "avx512f" not in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else True,
+    reason="the 4-row tiles are what this CPU builds anyway",
+)
+def test_the_four_row_tiles_of_avx2_cpus_match_the_definition_too(monkeypatch, tmp_path):
+    """Built without AVX-512 (as on most laptops: R = 4 rows a tile, AVX2 gathers), attention
+    with a bias, with XL's relative term, and CoPE give what the eight-row build checked above
+    gives: the fp64 definitions within 1e-5."""
+    monkeypatch.setattr(native, "FLAG_SETS", (["-O3", "-march=native", "-mno-avx512f", "-fopenmp"],))
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "unavailable", {})
+    monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path))
+    B, H, Tq, Tk, D = 2, 3, 21, 37, 24  # a query block whose rows are not a multiple of 4
+    q, k, v = qkv_views(B, H, Tq, Tk, D)
+    g = torch.Generator().manual_seed(3)
+    bias = torch.randn(1, H, Tq, Tk, generator=g).requires_grad_()
+    qr = torch.randn(B, H, Tq, D, generator=g).requires_grad_()
+    rk = torch.randn(H, Tk, D, generator=g).requires_grad_()
+    checks = [
+        (lambda: native.attention(q, k, v, bias, Tk - Tq), lambda: plain_attention(q, k, v, bias, Tk - Tq), (q, k, v, bias)),
+        (lambda: native.relative_attention(q, k, v, qr, rk), lambda: plain_relative_attention(q, k, v, qr, rk), (q, k, v, qr, rk)),
+    ]  # fmt: skip
+    for fast, slow, leaves in checks:
+        got, want = fast(), slow()
+        assert got is not None
+        got = [got, *torch.autograd.grad(got.sum(), leaves)]
+        want = [want, *torch.autograd.grad(want.sum(), leaves)]
+        for a, b in zip(got, want):
+            assert torch.allclose(a.double(), b.double(), atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    assert native.load("cope") is not None, native.unavailable
+    cq, ck, cv, table = inputs(2, 3, 9, 30, 8, 16, scale=1.5)
+    kpos = torch.arange(30)
+    d_out = torch.randn(2, 3, 9, 8, generator=g)
+    got, want = both(cq, ck, cv, table, kpos[21:], kpos, d_out)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()

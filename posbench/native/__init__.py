@@ -179,6 +179,7 @@ def cope_attention(q, k, v, table, qpos, kpos) -> Optional[torch.Tensor]:
     B, H, Tq, D = q.shape
     Tk = k.size(2)
     shaped = k.shape == v.shape == (B, H, Tk, D) and Tq <= Tk and table.dim() == 2 and table.size(0) == D
+    shaped = shaped and table.size(1) >= 1  # a table with no positions would be read at -1
     if not shaped or D not in ATTENTION_HEAD_DIMS or not _fits_kernel(q, k, v, table) or load("cope") is None:
         return None
     if not (torch.equal(kpos, torch.arange(Tk, device=kpos.device)) and torch.equal(qpos, kpos[Tk - Tq :])):
@@ -371,6 +372,12 @@ class PackedAttention(torch.autograd.Function):
         d_s = _backward(0, *qkv_views(qkv, ctx.H), bias, out, lse, d_out, *qkv_views(d_qkv, ctx.H),
                         ctx.needs_input_grad[1])  # fmt: skip
         return d_qkv, d_s, None
+
+
+def attention_applies(q, k, v) -> bool:
+    """Whether attention.c can take these q, k, v at all (fp32 on a CPU outside autocast, a head
+    dim it tiles, the kernel built): a cheap check before preparing its other inputs."""
+    return q.size(-1) in ATTENTION_HEAD_DIMS and _fits_kernel(q, k, v) and load("attention") is not None
 
 
 def relative_attention(q, k, v, qr, rk) -> Optional[torch.Tensor]:
