@@ -51,13 +51,15 @@ static void pack_rel(const Args *a, int b, int h, int ldr, float *RT, float *RR)
     }
 }
 
-/* the relative scores of the tile at row i: row r's score for key j lands in
- * W[r * ldr + R-1-r + j] (rows skewed so that one window of the table serves them all);
- * returns the window's first column */
+/* the relative scores of the tile at row i, added to its scores S: row r's score for key j is
+ * first computed into W[r * ldr + R-1-r + j] (rows skewed so that one window of the table
+ * serves them all); returns the window's first column */
 INLINE int rel_scores(const Args *a, int i, const float *qr[R], const float *RT, int ldr, int nc,
-                      int D, float *W) {
+                      int D, float *W, float *S, int ld) {
     const int start = PAD + (a->Tk - 1 - a->q0 - i) - (R - 1); /* distance q0+i+R-1 to key 0 */
     rows_times_t(qr, RT + start, ldr, nc + 16, D, a->scale, W);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < nc; j++) S[r * ld + j] += W[r * ldr + R - 1 - r + j];
     return start;
 }
 
@@ -76,9 +78,7 @@ INLINE void forward_chunk(const Args *a, int b, int h, int i0, int i1, float *bu
         rows_times_t(q, KT, ld, nc, D, a->scale, S);
         if (rel) {
             tile_rows(a, QR, b, h, i, n, qr);
-            rel_scores(a, i, qr, RT, ldr, nc, D, W);
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < nc; j++) S[r * ld + j] += W[r * ldr + R - 1 - r + j];
+            rel_scores(a, i, qr, RT, ldr, nc, D, W, S, ld);
         }
         float inv[R]; /* each row's 1 / sum: applied to its output, not to every probability */
         for (int r = 0; r < R; r++) {
@@ -117,9 +117,7 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
         rows_times_t(q, KT, ld, nc, D, a->scale, P);
         if (rel) {
             tile_rows(a, QR, b, h, i, n, qr);
-            start = rel_scores(a, i, qr, RT, ldr, nc, D, W);
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < nc; j++) P[r * ld + j] += W[r * ldr + R - 1 - r + j];
+            start = rel_scores(a, i, qr, RT, ldr, nc, D, W, P, ld);
         }
         rows_times_t(dout, VT, ld, nc, D, 1.0f, dS); /* dP */
         for (int r = 0; r < R; r++) {
@@ -150,7 +148,7 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
                 memcpy(W + r * ldr + R - 1 - r, dS + r * ld, sizeof(float) * nc);
                 dqr[r] = i + r < a->Tq ? (float *)row(a, DQR, b, h, i + r) : spare;
             }
-            weights_times_mat(RR + (long)start * D, W, ldr, nc + R - 1, D, scales, dqr);
+            weights_times_mat(RR + (long)start * D, D, W, ldr, nc + R - 1, D, scales, dqr);
             accumulate_rows(dRR + (long)start * D, W, ldr, nc + R - 1, D, a->scale, qr);
         }
     }

@@ -145,6 +145,16 @@ INLINE void scan_back(float *dS, const float *GT, const float *E, float *dE, flo
         for (int j = 0; j < hi; j++) dS[r * ld + j] = DT[j * R + r];
 }
 
+/* a tile's scores S (rows of ld) from its query rows q: s q.k against the packed keys KT, plus
+ * the position term, with its gates G (transposed), its q.e[p] in E and BT as scratch */
+INLINE void scores(const float *q[R], const int n[R], int hi, const float *KT, const float *ET, float *S,
+                   float *G, float *E, float *BT, int ld, int ldp, int D, int P, float scale) {
+    rows_times_t(q, KT, ld, round16(hi), D, scale, S); /* L s */
+    rows_times_t(q, ET, ldp, ldp, D, 1.0f, E);         /* q.e[p] */
+    gates(S, G, ld, n, hi);
+    scan_scores(S, G, E, BT, ld, ldp, hi, P);
+}
+
 INLINE void forward_chunk(const Args *a, int b, int h, int i0, int i1, float *buf, int D) {
     const int nk = a->q0 + i1 < a->Tk ? a->q0 + i1 : a->Tk, ld = round16(nk), P = a->P, ldp = round16(P);
     float *KT = buf, *S = KT + D * ld, *G = S + R * ld, *BT = G + R * ld, *ET = BT + R * ld, *E = ET + D * ldp;
@@ -156,10 +166,7 @@ INLINE void forward_chunk(const Args *a, int b, int h, int i0, int i1, float *bu
         const float *q[R];
         float *o[R], inv[R];
         int hi = tile_rows(a, Q, b, h, i, n, q), nc = round16(hi);
-        rows_times_t(q, KT, ld, nc, D, a->scale, S); /* L s */
-        rows_times_t(q, ET, ldp, ldp, D, 1.0f, E);   /* q.e[p] */
-        gates(S, G, ld, n, hi);
-        scan_scores(S, G, E, BT, ld, ldp, hi, P);
+        scores(q, n, hi, KT, ET, S, G, E, BT, ld, ldp, D, P, a->scale);
         for (int r = 0; r < R; r++) {
             float *s = S + r * ld, m = row_max(s, n[r], nc), sum = exp_row(s, n[r], nc, m);
             inv[r] = 1.0f / sum;
@@ -188,10 +195,7 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
         float *dq[R];
         int hi = tile_rows(a, Q, b, h, i, n, q), nc = round16(hi);
         tile_rows(a, DOUT, b, h, i, n, dout);
-        rows_times_t(q, KT, ld, nc, D, a->scale, Pr);
-        rows_times_t(q, ET, ldp, ldp, D, 1.0f, E);
-        gates(Pr, G, ld, n, hi);
-        scan_scores(Pr, G, E, DT, ld, ldp, hi, P);
+        scores(q, n, hi, KT, ET, Pr, G, E, DT, ld, ldp, D, P, a->scale);
         rows_times_t(dout, VT, ld, nc, D, 1.0f, dS); /* dP */
         for (int r = 0; r < R; r++) {
             int ir = i + r < a->Tq ? i + r : a->Tq - 1, valid = i + r < a->Tq;
@@ -205,7 +209,7 @@ INLINE void backward_pair(const Args *a, int b, int h, float *buf, int D) {
         }
         scan_back(dS, G, E, dE, DT, PT, ld, ldp, hi, P, a->scale); /* dS: now d L */
         weights_times_rows(a, K, b, h, dS, ld, hi, D, ones, dq);
-        weights_times_mat(EM, dE, ldp, P, D, ones, t);
+        weights_times_mat(EM, D, dE, ldp, P, D, ones, t);
         for (int r = 0; r < R; r++)
             for (int d = 0; d < D; d++) dq[r][d] += t[r][d];
         accumulate_rows(dK, dS, ld, hi, D, 1.0f, q);

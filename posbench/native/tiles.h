@@ -80,13 +80,13 @@ INLINE void rows_times_t(const float *x[R], const float *T, int ld, int nc, int 
     }
 }
 
-/* y_r = scale_r * sum_{j < n} W[r * ld + j] M_j for R rows, M_j = row j of tensor `which` */
-INLINE void weights_times_rows(const Args *a, int which, int b, int h, const float *W, int ld,
-                               int n, int D, const float scale[R], float *y[R]) {
+/* y_r = scale_r * sum_{j < n} W[r * ld + j] M_j for R rows, M_j = M + j * rs (D floats) */
+INLINE void weights_times_mat(const float *M, long rs, const float *W, int ld, int n, int D,
+                              const float scale[R], float *y[R]) {
     const int nv = (D + 15) / 16;
     v16f acc[R][MAXV] = {{0}};
     for (int j = 0; j < n; j++) {
-        const float *m = row(a, which, b, h, j);
+        const float *m = M + j * rs;
         for (int c = 0; c < nv; c++) {
             v16f x = load16(m + 16 * c, chunk(D, c));
             for (int r = 0; r < R; r++) acc[r][c] += W[r * ld + j] * x;
@@ -96,20 +96,10 @@ INLINE void weights_times_rows(const Args *a, int which, int b, int h, const flo
         for (int c = 0; c < nv; c++) store16(y[r] + 16 * c, acc[r][c] * scale[r], chunk(D, c));
 }
 
-/* the same over the rows of a plain (n, D) matrix M */
-INLINE void weights_times_mat(const float *M, const float *W, int ld, int n, int D, const float scale[R],
-                              float *y[R]) {
-    const int nv = (D + 15) / 16;
-    v16f acc[R][MAXV] = {{0}};
-    for (int j = 0; j < n; j++) {
-        const float *m = M + (long)j * D;
-        for (int c = 0; c < nv; c++) {
-            v16f x = load16(m + 16 * c, chunk(D, c));
-            for (int r = 0; r < R; r++) acc[r][c] += W[r * ld + j] * x;
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < nv; c++) store16(y[r] + 16 * c, acc[r][c] * scale[r], chunk(D, c));
+/* the same over the rows of tensor `which` for pair (b, h) */
+INLINE void weights_times_rows(const Args *a, int which, int b, int h, const float *W, int ld,
+                               int n, int D, const float scale[R], float *y[R]) {
+    weights_times_mat(row(a, which, b, h, 0), a->st[3 * which + 2], W, ld, n, D, scale, y);
 }
 
 /* M_j += scale * sum_r W[r * ld + j] x_r for j < n: the transposed product, into the rows of M
