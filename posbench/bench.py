@@ -24,6 +24,7 @@ from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.native.layers import cross_entropy
+from posbench.run import autocast
 
 BENCH_COLUMNS = ["scheme", "measurement", "tokens_per_s", "ratio_vs_nope", "mfu",
                  "peer_tokens_per_s", "peer_ratio", "eval_len", "peak_mem_mb", "device"]  # fmt: skip
@@ -75,8 +76,6 @@ def model_flops_per_token(cfg: ModelConfig, model: nn.Module) -> float:
 def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], None]:
     """One AdamW step on random tokens, on the model's device, as run.py trains (bf16 autocast
     on a GPU, fp32 on a CPU)."""
-    from posbench.run import autocast
-
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(0)
@@ -132,8 +131,6 @@ def eval_peak_memory_mb(model: TransformerLM, T: int) -> float:
     device = next(model.parameters()).device
     x = torch.randint(0, 256, (1, T)).to(device)
     if device.type == "cuda":
-        from posbench.run import autocast
-
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -172,6 +172,12 @@ def _fits_kernel(*tensors) -> bool:
     return fp32_cpu and not torch.is_autocast_enabled("cpu")
 
 
+def _applies(kernel: str, D: int, *tensors) -> bool:
+    """Whether `kernel` can take these tensors at all: a head dim its register tiles take, fp32
+    on a CPU outside autocast, and the kernel built."""
+    return D in ATTENTION_HEAD_DIMS and _fits_kernel(*tensors) and load(kernel) is not None
+
+
 def cope_attention(q, k, v, table, qpos, kpos) -> Optional[torch.Tensor]:
     """CoPE's whole causal attention through cope.c, or None where the kernel does not apply
     (the caller then takes the PyTorch path: CoPEBias and the generic attention). The kernel
@@ -180,7 +186,7 @@ def cope_attention(q, k, v, table, qpos, kpos) -> Optional[torch.Tensor]:
     Tk = k.size(2)
     shaped = k.shape == v.shape == (B, H, Tk, D) and Tq <= Tk and table.dim() == 2 and table.size(0) == D
     shaped = shaped and table.size(1) >= 1  # a table with no positions would be read at -1
-    if not shaped or D not in ATTENTION_HEAD_DIMS or not _fits_kernel(q, k, v, table) or load("cope") is None:
+    if not shaped or not _applies("cope", D, q, k, v, table):
         return None
     if not (torch.equal(kpos, torch.arange(Tk, device=kpos.device)) and torch.equal(qpos, kpos[Tk - Tq :])):
         return None
@@ -219,7 +225,7 @@ class CoPEAttention(torch.autograd.Function):
         B, H, Tq, D = q.shape
         Tk, P = k.size(2), table.size(1)
         d_out = _rows(d_out)
-        d_q, d_k, d_v = _head_major(B, H, Tq, D), _head_major(B, H, Tk, D), _head_major(B, H, Tk, D)
+        d_q, d_k, d_v = _grads_of(q, k)
         d_table = torch.empty(B * H, P, D, dtype=torch.float32)  # per pair, summed below
         threads = torch.get_num_threads()
         scratch = torch.empty(threads, lib.cope_scratch(Tk, D, P, 1), dtype=torch.float32)
@@ -245,7 +251,7 @@ def attention(q, k, v, bias, q0: int, packed: Optional[torch.Tensor] = None) -> 
     B, H, Tq, D = q.shape
     tensors = (q, k, v) if bias is None else (q, k, v, bias)
     shaped = q0 >= 0 and k.shape == v.shape == (B, H, q0 + Tq, D)  # no broadcasting: the C indexes every pair
-    if not shaped or D not in ATTENTION_HEAD_DIMS or not _fits_kernel(*tensors) or load("attention") is None:
+    if not shaped or not _applies("attention", D, *tensors):
         return None
     if bias is not None:  # batch and heads may be shared (stride 0); rows made contiguous first,
         bias = _rows(bias).expand(B, H, Tq, q0 + Tq)  # or the expand would be copied B times
@@ -279,6 +285,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _head_major(B, H, T, D) -> torch.Tensor:
     """A (B, H, T, D) view of (B, T, H, D) memory: the layout the output projection reads."""
     return torch.empty(B, T, H, D, dtype=torch.float32).transpose(1, 2)  # fp32 whatever the default dtype
+
+
+def _grads_of(q, k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty gradients of q, k and v (v shaped as k) in the layout the kernels write."""
+    return _head_major(*q.shape), _head_major(*k.shape), _head_major(*k.shape)
 
 
 def _strides(*tensors) -> torch.Tensor:
@@ -347,9 +358,7 @@ class Attention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out):
         q, k, v, bias, out, lse = ctx.saved_tensors
-        B, H, Tq, D = q.shape
-        Tk = k.size(2)
-        d_q, d_k, d_v = _head_major(B, H, Tq, D), _head_major(B, H, Tk, D), _head_major(B, H, Tk, D)
+        d_q, d_k, d_v = _grads_of(q, k)
         d_s = _backward(ctx.q0, q, k, v, bias, out, lse, d_out, d_q, d_k, d_v, ctx.needs_input_grad[3])
         return d_q, d_k, d_v, d_s, None
 
@@ -377,7 +386,7 @@ class PackedAttention(torch.autograd.Function):
 def attention_applies(q, k, v) -> bool:
     """Whether attention.c can take these q, k, v at all (fp32 on a CPU outside autocast, a head
     dim it tiles, the kernel built): a cheap check before preparing its other inputs."""
-    return q.size(-1) in ATTENTION_HEAD_DIMS and _fits_kernel(q, k, v) and load("attention") is not None
+    return _applies("attention", q.size(-1), q, k, v)
 
 
 def relative_attention(q, k, v, qr, rk) -> Optional[torch.Tensor]:
@@ -388,7 +397,7 @@ def relative_attention(q, k, v, qr, rk) -> Optional[torch.Tensor]:
     B, H, Tq, D = q.shape
     Tk = k.size(2)
     shaped = k.shape == v.shape == (B, H, Tk, D) and Tq <= Tk and qr.shape == q.shape and rk.shape == (H, Tk, D)
-    if not shaped or D not in ATTENTION_HEAD_DIMS or not _fits_kernel(q, k, v, qr, rk) or load("attention") is None:
+    if not shaped or not _applies("attention", D, q, k, v, qr, rk):
         return None
     return RelativeAttention.apply(q, k, v, qr, rk)
 
@@ -407,10 +416,8 @@ class RelativeAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out):
         q, k, v, qr, rk, out, lse = ctx.saved_tensors
-        B, H, Tq, D = q.shape
-        Tk = k.size(2)
-        d_q, d_k, d_v = _head_major(B, H, Tq, D), _head_major(B, H, Tk, D), _head_major(B, H, Tk, D)
-        _, d_qr, d_rk = _backward(Tk - Tq, q, k, v, None, out, lse, d_out, d_q, d_k, d_v, False, (qr, rk))
+        d_q, d_k, d_v = _grads_of(q, k)
+        _, d_qr, d_rk = _backward(k.size(2) - q.size(2), q, k, v, None, out, lse, d_out, d_q, d_k, d_v, False, (qr, rk))
         return d_q, d_k, d_v, d_qr, d_rk.sum(0)
 
 

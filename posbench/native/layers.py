@@ -284,22 +284,22 @@ class MLP(nn.Sequential):
 
 
 def _layernorm_fits(norm: nn.LayerNorm, x: torch.Tensor) -> bool:
+    """Whether the MLP may run `norm` inside its node: torch's or our LayerNorm itself (not a
+    subclass with its own forward), over what layers.c covers."""
+    return type(norm) in (nn.LayerNorm, LayerNorm) and _layernorm_covers(norm, x)
+
+
+def _layernorm_covers(norm: nn.LayerNorm, x: torch.Tensor) -> bool:
     """What layers.c's LayerNorm covers: over the last dim, with weight and bias."""
-    return (
-        type(norm) in (nn.LayerNorm, LayerNorm)
-        and norm.weight is not None
-        and norm.bias is not None
-        and x.shape[-1:] == norm.normalized_shape
-    )
+    return norm.weight is not None and norm.bias is not None and x.shape[-1:] == norm.normalized_shape
 
 
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm through layers.c where it applies: over the last dim, with weight and bias."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
-        if w is not None and b is not None and x.shape[-1:] == self.normalized_shape and _lib(x, w, b) is not None:
-            return LayerNormFunction.apply(x, w, b, self.eps)
+        if _layernorm_covers(self, x) and _lib(x, self.weight, self.bias) is not None:
+            return LayerNormFunction.apply(x, self.weight, self.bias, self.eps)
         return super().forward(x)
 
 
