@@ -599,16 +599,24 @@ def test_attention_kernel_declines_shapes_it_would_misread():
     assert native.attention(q[:, :, 1:], k, v, None, 0) is None  # q0 + Tq != Tk
 
 
+HAS_AVX512 = os.path.exists("/proc/cpuinfo") and "avx512f" in open("/proc/cpuinfo").read()
+
+
 @needs_attention_kernel
-@pytest.mark.skipif(
-    "avx512f" not in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else True,
-    reason="the 4-row tiles are what this CPU builds anyway",
-)
-def test_the_four_row_tiles_of_avx2_cpus_match_the_definition_too(monkeypatch, tmp_path):
-    """Built without AVX-512 (as on most laptops: R = 4 rows a tile, AVX2 gathers), attention
-    with a bias, with XL's relative term, and CoPE give what the eight-row build checked above
-    gives: the fp64 definitions within 1e-5."""
-    monkeypatch.setattr(native, "FLAG_SETS", (["-O3", "-march=native", "-mno-avx512f", "-fopenmp"],))
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(["-O3", "-march=native", "-mno-avx512f", "-fopenmp"], id="avx2",
+                     marks=pytest.mark.skipif(not HAS_AVX512, reason="the 4-row tiles are what this CPU builds anyway")),
+        pytest.param(["-O3", "-fopenmp"], id="generic"),  # no -march: scalar transposes and gathers
+    ],
+)  # fmt: skip
+def test_the_four_row_tiles_of_avx2_cpus_match_the_definition_too(monkeypatch, tmp_path, flags):
+    """Built without AVX-512 (as on most laptops: R = 4 rows a tile, AVX2 gathers and 8 x 8
+    transposes), or for no particular CPU (the plain C loops those replace), attention with a
+    bias, with XL's relative term, and CoPE give what the native build checked above gives:
+    the fp64 definitions within 1e-5."""
+    monkeypatch.setattr(native, "FLAG_SETS", (flags,))
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "unavailable", {})
     monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path))

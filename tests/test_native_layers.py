@@ -266,6 +266,24 @@ def test_cross_entropy_matches_torch(monkeypatch, N, V):
 
 
 @needs_kernel
+def test_cross_entropy_gradient_at_unit_upstream_survives_reuse():
+    """loss.backward() hands back the saved gradient itself: it must equal torch's, and stay
+    so through a second backward of the same graph and an accumulation into the same leaf."""
+    g = torch.Generator().manual_seed(4)
+    z = (torch.randn(40, 9, generator=g) * 2).requires_grad_()
+    targets = torch.randint(0, 9, (40,), generator=g)
+    loss = layers.cross_entropy(z, targets)
+    loss.backward(retain_graph=True)
+    first = z.grad.clone()
+    (want,) = torch.autograd.grad(F.cross_entropy(z, targets), z)
+    assert close(first, want)
+    loss.backward(retain_graph=True)  # accumulates: twice the gradient; the saved one untouched
+    assert close(z.grad, 2 * want)
+    loss.backward(torch.tensor(-0.5))
+    assert close(z.grad, 1.5 * want)
+
+
+@needs_kernel
 def test_cross_entropy_edge_cases_are_torchs():
     z = torch.randn(3, 5)
     for t in (torch.tensor([0, 1, 5]), torch.tensor([0, -5, 1])):

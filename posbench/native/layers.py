@@ -198,7 +198,10 @@ class CrossEntropyFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dloss):
         (grad,) = ctx.saved_tensors
-        return grad * dloss, None
+        # loss.backward() sends 1: the saved gradient is the answer as it is, which spares a
+        # (N, V) pass (~0.7% of a step). Autograd only reads it (ctx keeps it referenced, so
+        # it is never accumulated into in place), and a second backward finds it unchanged
+        return (grad if dloss.item() == 1.0 else grad * dloss), None
 
 
 class RopeFunction(torch.autograd.Function):
