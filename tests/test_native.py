@@ -579,6 +579,16 @@ def test_attention_kernel_ignores_huge_scores_of_future_keys():
 
 
 @needs_attention_kernel
+def test_attention_kernel_takes_steep_scores():
+    """Scores in the hundreds, either sign: each row's softmax is taken from its maximum, or
+    exp overflows (the row's max is a reduction across vector lanes, easy to get wrong)."""
+    q, k, v = qkv_views(2, 3, 37, 37, 32)
+    bias = 400 * torch.randn(1, 3, 37, 37, generator=torch.Generator().manual_seed(5))
+    out = native.attention(q, k, v, bias, 0)  # within fp32's rounding of such scores
+    assert torch.allclose(out.double(), plain_attention(q, k, v, bias, 0), atol=1e-4)
+
+
+@needs_attention_kernel
 def test_attention_kernel_lets_a_nan_through_as_the_definition_does():
     """A NaN score must reach the output (a blow-up is a result), not be masked out as if it
     were a future key."""
@@ -626,6 +636,9 @@ def test_the_four_row_tiles_of_avx2_cpus_match_the_definition_too(monkeypatch, t
     bias = torch.randn(1, H, Tq, Tk, generator=g).requires_grad_()
     qr = torch.randn(B, H, Tq, D, generator=g).requires_grad_()
     rk = torch.randn(H, Tk, D, generator=g).requires_grad_()
+    steep = 400 * bias.detach()  # scores in the hundreds: exp overflows unless each row's max is right
+    got = native.attention(q, k, v, steep, Tk - Tq)  # within fp32's rounding of such scores
+    assert torch.allclose(got.double(), plain_attention(q, k, v, steep, Tk - Tq), atol=1e-4)
     checks = [
         (lambda: native.attention(q, k, v, bias, Tk - Tq), lambda: plain_attention(q, k, v, bias, Tk - Tq), (q, k, v, bias)),
         (lambda: native.relative_attention(q, k, v, qr, rk), lambda: plain_relative_attention(q, k, v, qr, rk), (q, k, v, qr, rk)),

@@ -7,6 +7,9 @@
 #include <math.h>
 
 #include "vmath.h"
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #else
@@ -55,7 +58,6 @@ INLINE void store16(float *p, v16f x, int w) { memcpy(p, &x, sizeof(float) * w);
 INLINE int chunk(int D, int c) { return D - 16 * c < 16 ? D - 16 * c : 16; }
 
 #ifdef __AVX2__
-#include <immintrin.h>
 /* T[c * ld + r] = x[r * rs + c] for r, c < 8: an 8 x 8 block transposed in registers */
 INLINE void transpose8(const float *x, long rs, float *T, int ld) {
     __m256 r0 = _mm256_loadu_ps(x), r1 = _mm256_loadu_ps(x + rs), r2 = _mm256_loadu_ps(x + 2 * rs),
@@ -176,6 +178,48 @@ INLINE void accumulate_rows(float *M, const float *W, int ld, int n, int D, floa
 
 static const v16i LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+/* a vector's 16 lanes summed, and their largest, as trees of halves: four dependent steps where
+ * a lane-by-lane loop was fifteen (with exp_row's, a quarter of the forward's time). In
+ * registers with AVX (through memory, the halves' loads stall on the whole vector's store) */
+#if defined(__AVX512F__)
+INLINE float hsum16(v16f x) { return _mm512_reduce_add_ps((__m512)x); }
+INLINE float hmax16(v16f x) { return _mm512_reduce_max_ps((__m512)x); }
+#elif defined(__AVX2__)
+INLINE __m128 halves8(v16f x, int max) { /* the 16 lanes folded to 4 */
+    __m256 lo, hi;
+    memcpy(&lo, &x, sizeof lo);
+    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+    __m256 h = max ? _mm256_max_ps(lo, hi) : _mm256_add_ps(lo, hi);
+    __m128 a = _mm256_castps256_ps128(h), b = _mm256_extractf128_ps(h, 1);
+    return max ? _mm_max_ps(a, b) : _mm_add_ps(a, b);
+}
+INLINE float hsum16(v16f x) {
+    __m128 v = halves8(x, 0);
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+INLINE float hmax16(v16f x) {
+    __m128 v = halves8(x, 1);
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
+}
+#else
+INLINE float hsum16(v16f x) {
+    float t[16];
+    memcpy(t, &x, sizeof t);
+    for (int w = 8; w > 0; w /= 2)
+        for (int c = 0; c < w; c++) t[c] += t[c + w];
+    return t[0];
+}
+INLINE float hmax16(v16f x) {
+    float t[16];
+    memcpy(t, &x, sizeof t);
+    for (int w = 8; w > 0; w /= 2)
+        for (int c = 0; c < w; c++) t[c] = t[c + w] > t[c] ? t[c + w] : t[c];
+    return t[0];
+}
+#endif
+
 /* the largest of the n visible s[j] (the row runs on to nc, a multiple of 16) */
 INLINE float row_max(const float *s, int n, int nc) {
     v16f m = (v16f){0} - INFINITY;
@@ -184,9 +228,7 @@ INLINE float row_max(const float *s, int n, int nc) {
         v16i more = (LANES + j < n) & (x > m);
         m = (v16f)((more & (v16i)x) | (~more & (v16i)m));
     }
-    float out = m[0];
-    for (int c = 1; c < 16; c++) out = m[c] > out ? m[c] : out;
-    return out;
+    return hmax16(m);
 }
 
 /* s[j] = exp(s[j] - m) for the n visible keys, 0 for the rest of the row up to nc; the sum.
@@ -199,17 +241,13 @@ INLINE float exp_row(float *s, int n, int nc, float m) {
         store16(s + j, e, 16);
         acc += e;
     }
-    float sum = 0.0f;
-    for (int c = 0; c < 16; c++) sum += acc[c];
-    return sum;
+    return hsum16(acc);
 }
 
 INLINE float dot(const float *x, const float *y, int D) {
     v16f acc = {0};
     for (int c = 0; c < (D + 15) / 16; c++) acc += load16(x + 16 * c, chunk(D, c)) * load16(y + 16 * c, chunk(D, c));
-    float sum = 0.0f;
-    for (int c = 0; c < 16; c++) sum += acc[c];
-    return sum;
+    return hsum16(acc);
 }
 
 /* The query rows i0..i0+R-1 of pair (b, h) (rows past Tq repeat the last and are not written) */
