@@ -53,7 +53,9 @@ class Block(nn.Module):
 
     def forward(self, x, pos, block):
         x = x + self.drop(self.attn(self.ln1(x), pos, block))
-        return x + self.drop(self.mlp(x, self.ln2))  # mlp(ln2(x)), the LayerNorm fused in on CPU
+        if self.drop.p == 0 or not self.training:  # x + mlp(ln2(x)), the LayerNorm and add fused in on CPU
+            return self.mlp(x, self.ln2, residual=True)
+        return x + self.drop(self.mlp(x, self.ln2))
 
 
 class TransformerLM(nn.Module):

@@ -75,12 +75,13 @@ def torch_mlp(mlp: MLP) -> nn.Sequential:
 
 
 @needs_kernel
+@pytest.mark.parametrize("residual", [False, True])  # mlp(...), and x + mlp(...) with the add fused in
 @pytest.mark.parametrize("norm", [False, True])  # mlp(x), and mlp(x, ln) with the LayerNorm fused in
 @pytest.mark.parametrize(
     "shape,hidden",  # rows off the 64-row chunks of the bias's sum; hidden off multiples of 8 and 16
     [((2, 50, 32), 128), ((1, 1, 8), 20), ((3, 70, 24), 100), ((130, 16), 72)],
 )
-def test_mlp_matches_torch_in_values_and_every_gradient(monkeypatch, shape, hidden, norm):
+def test_mlp_matches_torch_in_values_and_every_gradient(monkeypatch, shape, hidden, norm, residual):
     calls = counting(monkeypatch, MLPFunction)
     torch.manual_seed(0)
     mlp = MLP(shape[-1], hidden)
@@ -91,11 +92,11 @@ def test_mlp_matches_torch_in_values_and_every_gradient(monkeypatch, shape, hidd
     nn.init.normal_(ln.bias)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 2 + 0.5
     plain = torch_mlp(mlp)
-    if norm:
-        got, want = grads(_Fused(mlp, ln), x), grads(nn.Sequential(ln, plain), x)
-    else:
-        got, want = grads(mlp, x), grads(plain, x)
+    fused, ref = _Fused(mlp, ln if norm else None, residual), nn.Sequential(ln, plain) if norm else plain
+    got, want = grads(fused, x), grads(_Residual(ref) if residual else ref, x)
     assert calls, "the kernel did not run"
+    with torch.no_grad():  # evaluation: no autograd node, the same bits
+        assert torch.equal(fused(x), got[0])
     names = ["y", "dx"] + (["d ln.w", "d ln.b"] if norm else []) + ["dw1", "db1", "dw2", "db2"]
     assert len(got) == len(want) == len(names)
     for name, a, b in zip(names, got, want):
@@ -103,14 +104,26 @@ def test_mlp_matches_torch_in_values_and_every_gradient(monkeypatch, shape, hidd
 
 
 class _Fused(nn.Module):
-    """mlp(x, ln), with ln's parameters listed before mlp's, as nn.Sequential(ln, mlp) lists them."""
+    """mlp(x, ln, residual), with ln's parameters listed before mlp's, as nn.Sequential(ln, mlp)
+    lists them."""
 
-    def __init__(self, mlp, ln):
+    def __init__(self, mlp, ln, residual=False):
         super().__init__()
-        self.ln, self.mlp = ln, mlp
+        self.ln, self.mlp, self.residual = ln, mlp, residual
 
     def forward(self, x):
-        return self.mlp(x, self.ln)
+        return self.mlp(x, self.ln, residual=self.residual)
+
+
+class _Residual(nn.Module):
+    """x + inner(x)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return x + self.inner(x)
 
 
 def head_major(B, T, H, D, seed=0):
@@ -375,7 +388,8 @@ def test_mlp_runs_a_norm_the_kernel_does_not_cover_apart(monkeypatch):
         fused = MLP(8, 32)
         with torch.no_grad():
             assert torch.equal(fused(x, norm), fused(norm(x)))
-    assert calls == [None] * 4  # all four through the kernel, none with a LayerNorm inside
+            assert torch.equal(fused(x, norm, residual=True), x + fused(norm(x)))  # x, not norm(x)
+    assert calls == [None] * 8  # all eight through the kernel, none with a LayerNorm inside
 
 
 @needs_kernel
@@ -395,7 +409,11 @@ def test_mlp_in_evaluation_gives_the_training_path_s_bits_and_keeps_nothing(monk
 
     model = TransformerLM(tiny("nope")).eval()
     fused = eval_peak_memory_mb(model, 300)
-    monkeypatch.setattr(MLP, "forward", lambda self, z, norm: torch_mlp(self)(norm(z)))
+    def torch_forward(self, z, norm, residual=False):
+        out = torch_mlp(self)(norm(z))
+        return z + out if residual else out
+
+    monkeypatch.setattr(MLP, "forward", torch_forward)
     assert fused <= eval_peak_memory_mb(model, 300) * 1.001
 
 
@@ -419,8 +437,8 @@ def test_the_model_runs_its_mlps_through_the_kernel_and_keeps_torchs_state_dict(
     assert len(calls) == model.cfg.n_layer
     # the same weights in a model built with torch's own modules: same keys, same logits
     class PlainMLP(nn.Sequential):  # torch's modules, and its LayerNorm apart
-        def forward(self, x, norm):
-            return super().forward(norm(x))
+        def forward(self, x, norm, residual=False):
+            return x + super().forward(norm(x)) if residual else super().forward(norm(x))
 
     monkeypatch.setattr("posbench.model.MLP", lambda c, h: PlainMLP(nn.Linear(c, h), nn.GELU(), nn.Linear(h, c)))
     plain = TransformerLM(tiny("nope"))

@@ -6,7 +6,9 @@
  *   gelu       y = x Phi(x); backward dx = dy (Phi(x) + x phi(x)), exp(-x^2/2) serving both
  *   gelu_bias  the same of h + b, b per column (the MLP's first bias), keeping the slope for the
  *              backward, which also sums db
- *   layernorm  y = (x - mean) rstd w + b per row; backward dx, and dw, db summed over rows
+ *   layernorm  y = (x - mean) rstd w + b per row; backward dx, and dw, db summed over rows.
+ *              For the MLP's residual: the forward may also write x + a vector, and the
+ *              backward add the residual's gradient into dx
  *   xent       per row lse - z[target], and the gradient (softmax - onehot) / rows counted
  *   rope       y = x cos + rotate_half(x) sin per row; backward the transposed map
  *
@@ -173,7 +175,8 @@ WIDE int gelu_bias_backward(const float *g, const float *dy, float *dh, float *d
  * order of the spread, so that var = E[d^2] - E[d]^2 cancels little (as accurate as torch's
  * Welford here: within 2e-6 at unit scale). */
 WIDE void layernorm_forward(const float *x, const float *w, const float *b, float *y, float *mean,
-                            float *rstd, long rows, int C, float eps, int threads) {
+                            float *rstd, const float *addb, float *res, long rows, int C, float eps,
+                            int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long i = 0; i < rows; i++) {
         const float *xr = x + i * C;
@@ -193,6 +196,11 @@ WIDE void layernorm_forward(const float *x, const float *w, const float *b, floa
         const float rs = 1.0f / sqrtf((var > 0.0f ? var : 0.0f) + eps);
 #pragma omp simd
         for (int j = 0; j < C; j++) yr[j] = (xr[j] - m) * rs * w[j] + b[j];
+        if (res) { /* the residual, x + addb, for the MLP to add its product into */
+            float *rr = res + i * C;
+#pragma omp simd
+            for (int j = 0; j < C; j++) rr[j] = xr[j] + addb[j];
+        }
         mean[i] = m;
         rstd[i] = rs;
     }
@@ -205,8 +213,8 @@ WIDE void layernorm_forward(const float *x, const float *w, const float *b, floa
  * rows, and the chunks' sums added in order, in double: the chunks depend on the row count
  * only, so dw and db are the same bits whatever the thread count. Returns 1 if out of memory. */
 WIDE int layernorm_backward(const float *dy, const float *x, const float *w, const float *mean,
-                            const float *rstd, float *dx, float *dw, float *db, long rows, int C,
-                            int threads) {
+                            const float *rstd, const float *dres, float *dx, float *dw, float *db,
+                            long rows, int C, int threads) {
     const long chunks = (rows + LN_CHUNK - 1) / LN_CHUNK;
     float *partial = malloc(sizeof(float) * 2 * C * (chunks ? chunks : 1)); /* dw, db per chunk */
     if (!partial) return 1;
@@ -228,8 +236,14 @@ WIDE int layernorm_backward(const float *dy, const float *x, const float *w, con
             }
             a /= C;
             bs /= C;
+            const float *dr = dres ? dres + i * C : NULL;
+            if (dr) {
 #pragma omp simd
-            for (int j = 0; j < C; j++) d[j] = rs * (g[j] * w[j] - a - (xr[j] - m) * rs * bs);
+                for (int j = 0; j < C; j++) d[j] = rs * (g[j] * w[j] - a - (xr[j] - m) * rs * bs) + dr[j];
+            } else {
+#pragma omp simd
+                for (int j = 0; j < C; j++) d[j] = rs * (g[j] * w[j] - a - (xr[j] - m) * rs * bs);
+            }
         }
     }
     for (int j = 0; j < C; j++) {

@@ -66,12 +66,15 @@ class MLPFunction(torch.autograd.Function):
     ln_w is None. fc1's product is bias-free: the C adds the bias inside the GELU and writes the
     GELU's slope over the product, so the backward multiplies by it (no erf or exp again) and
     sums the bias's gradient in the same pass. Kept: x, norm(x), each row's mean and 1 / std,
-    the slope, and gelu(h + b1)."""
+    the slope, and gelu(h + b1). With `residual`, x + that: fc2's product is added into x + b2
+    in place (the LayerNorm's pass writes it), where fc2's bias copy and the block's own add
+    were two more passes, and x's two gradients are summed in the LayerNorm's backward."""
 
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps):
-        out, kept = _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep=True)
+    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, residual=False):
+        out, kept = _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep=True, residual=residual)
         ctx.save_for_backward(*kept, ln_w, w1, w2)  # x, stats, norm(x), slope, gelu(h + b1)
+        ctx.residual = residual
         return out
 
     @staticmethod
@@ -91,23 +94,28 @@ class MLPFunction(torch.autograd.Function):
         d_b2 = d2.sum(0) if need[6] else None
         d_x = d_lw = d_lb = None
         if need[0] or need[1] or need[2]:
-            d_x = torch.mm(d_h, w1)  # d norm(x)
+            d_res = d2.contiguous() if ctx.residual else None  # the residual's gradient, added to x's
             if ln_w is not None:
-                d_x, d_lw, d_lb = _layernorm_backward(d_x, x2, ln_w, stats)
+                d_x, d_lw, d_lb = _layernorm_backward(torch.mm(d_h, w1), x2, ln_w, stats, d_res)  # d norm(x)
+            else:
+                d_x = torch.mm(d_h, w1) if d_res is None else torch.addmm(d_res, d_h, w1)
             d_x = d_x.view(*d_out.shape[:-1], w1.size(1))
-        return d_x, d_lw, d_lb, d_w1, d_b1, d_w2, d_b2, None
+        return d_x, d_lw, d_lb, d_w1, d_b1, d_w2, d_b2, None, None
 
 
-def _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep: bool):
+def _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep: bool, residual: bool = False):
     """MLPFunction's forward: the output, and what the backward needs (x, norm(x), the rows'
     mean and 1 / std, the GELU's slope and output) when `keep`; without it (no gradient wanted)
-    each is let go as soon as it is used, so evaluation holds no more than torch's modules do."""
+    each is let go as soon as it is used, so evaluation holds no more than torch's modules do.
+    With `residual`, the output is x + the MLP's."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # (rows, C)
-    xn, stats = x2, None
+    xn, stats, res = x2, None, None
     if ln_w is not None:
         x2 = x2.contiguous()
-        xn, stats = _layernorm(x2, ln_w, ln_b, eps)  # stats: mean, 1 / std
+        xn, stats, res = _layernorm(x2, ln_w, ln_b, eps, b2 if residual else None)  # stats: mean, 1 / std
+    elif residual:
+        res = x2 + b2
     slope = torch.mm(xn, w1.t())  # (rows, hidden): the product h, before the bias
     kept = (x2, stats, xn) if keep else ()
     del xn
@@ -116,23 +124,32 @@ def _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep: bool):
                                 torch.get_num_threads())  # fmt: skip
     kept = (*kept, slope, y) if keep else ()  # slope now holds gelu'(h + b1)
     del slope
-    return torch.addmm(b2, y, w2.t()).view(*shape[:-1], w2.size(0)), kept
+    out = torch.addmm(b2, y, w2.t()) if res is None else res.addmm_(y, w2.t())  # in place: x + b2 + y w2^T
+    return out.view(*shape[:-1], w2.size(0)), kept
 
 
-def _layernorm(x2, ln_w, ln_b, eps):
-    """layers.c's LayerNorm of contiguous (rows, C) x2: the output, and (2, rows) mean, 1 / std."""
+def _layernorm(x2, ln_w, ln_b, eps, add=None):
+    """layers.c's LayerNorm of contiguous (rows, C) x2: the output, and (2, rows) mean, 1 / std;
+    with `add`, a (C,) vector, also x2 + add (else None), written in the same pass."""
     xn, stats = torch.empty_like(x2), x2.new_empty(2, x2.size(0))
+    res = None if add is None else torch.empty_like(x2)
     _kernel().layernorm_forward(x2.data_ptr(), ln_w.data_ptr(), ln_b.data_ptr(), xn.data_ptr(), stats[0].data_ptr(),
-                                stats[1].data_ptr(), x2.size(0), x2.size(1), eps, torch.get_num_threads())  # fmt: skip
-    return xn, stats
+                                stats[1].data_ptr(), _ptr(add), _ptr(res), x2.size(0), x2.size(1), eps,
+                                torch.get_num_threads())  # fmt: skip
+    return xn, stats, res
 
 
-def _layernorm_backward(d_xn, x2, ln_w, stats):
-    """The gradients of x2, the weight and the bias, from that of the LayerNorm's output."""
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.contiguous().data_ptr()
+
+
+def _layernorm_backward(d_xn, x2, ln_w, stats, d_res=None):
+    """The gradients of x2, the weight and the bias, from that of the LayerNorm's output; with
+    `d_res`, a gradient that also reaches x2 (the residual's), added into x2's."""
     d_x, d_lw, d_lb = torch.empty_like(d_xn), torch.empty_like(ln_w), torch.empty_like(ln_w)
     if _kernel().layernorm_backward(d_xn.data_ptr(), x2.data_ptr(), ln_w.data_ptr(), stats[0].data_ptr(),
-                                    stats[1].data_ptr(), d_x.data_ptr(), d_lw.data_ptr(), d_lb.data_ptr(),
-                                    x2.size(0), x2.size(1), torch.get_num_threads()):  # fmt: skip
+                                    stats[1].data_ptr(), _ptr(d_res), d_x.data_ptr(), d_lw.data_ptr(),
+                                    d_lb.data_ptr(), x2.size(0), x2.size(1), torch.get_num_threads()):  # fmt: skip
         raise MemoryError("layers.c: no memory for LayerNorm's partial sums")
     return d_x, d_lw, d_lb
 
@@ -156,7 +173,7 @@ class LayerNormFunction(torch.autograd.Function):
         stats = x.new_empty(2, rows)  # (2, rows): mean, rstd
         mean = stats.data_ptr()
         _kernel().layernorm_forward(x.data_ptr(), weight.contiguous().data_ptr(), bias.contiguous().data_ptr(),
-                                    y.data_ptr(), mean, mean + 4 * rows, rows, C, eps,
+                                    y.data_ptr(), mean, mean + 4 * rows, None, None, rows, C, eps,
                                     torch.get_num_threads())  # fmt: skip
         ctx.save_for_backward(x, weight.contiguous(), stats)
         return y
@@ -170,7 +187,7 @@ class LayerNormFunction(torch.autograd.Function):
         dx, dw, db = torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
         mean = stats.data_ptr()
         if _kernel().layernorm_backward(dy.data_ptr(), x.data_ptr(), weight.data_ptr(), mean, mean + 4 * rows,
-                                        dx.data_ptr(), dw.data_ptr(), db.data_ptr(), rows, C,
+                                        None, dx.data_ptr(), dw.data_ptr(), db.data_ptr(), rows, C,
                                         torch.get_num_threads()):  # fmt: skip
             raise MemoryError("layers.c: no memory for LayerNorm's partial sums")
         return dx, dw, db, None
@@ -267,23 +284,26 @@ class GELU(nn.GELU):
 class MLP(nn.Sequential):
     """nn.Sequential(Linear(C, hidden), GELU(), Linear(hidden, C)), with its parameters and
     state_dict keys, run as one MLPFunction where layers.c applies. `forward(x, norm)` applies
-    an nn.LayerNorm first, fused into the same node where it can be."""
+    an nn.LayerNorm first, fused into the same node where it can be; `residual=True` returns
+    x + that, the add fused in too."""
 
     def __init__(self, d_model: int, hidden: int):
         super().__init__(nn.Linear(d_model, hidden), GELU(), nn.Linear(hidden, d_model))
 
-    def forward(self, x: torch.Tensor, norm: Optional[nn.LayerNorm] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: Optional[nn.LayerNorm] = None, residual: bool = False) -> torch.Tensor:
         fc1, act, fc2 = self
-        if norm is not None and not _layernorm_fits(norm, x):
-            x, norm = norm(x), None  # a norm the C does not cover runs apart
+        if norm is not None and not _layernorm_fits(norm, x):  # a norm the C does not cover runs apart
+            out = self(norm(x))
+            return x + out if residual else out
         params = [fc1.weight, fc1.bias, fc2.weight, fc2.bias]
         ln_w, ln_b, eps = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
         tensors = [x, *params] + ([] if norm is None else [ln_w, ln_b])
         if act.approximate == "none" and x.dim() >= 2 and x.numel() > 0 and _lib(*tensors) is not None:
             if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-                return MLPFunction.apply(x, ln_w, ln_b, *params, eps)
-            return _mlp_forward(x, ln_w, ln_b, *params, eps, keep=False)[0]  # evaluation
-        return super().forward(x if norm is None else norm(x))
+                return MLPFunction.apply(x, ln_w, ln_b, *params, eps, residual)
+            return _mlp_forward(x, ln_w, ln_b, *params, eps, keep=False, residual=residual)[0]  # evaluation
+        out = super().forward(x if norm is None else norm(x))
+        return x + out if residual else out
 
 
 def _layernorm_fits(norm: nn.LayerNorm, x: torch.Tensor) -> bool:
