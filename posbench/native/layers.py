@@ -107,14 +107,17 @@ def _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep: bool, residual: bool 
     """MLPFunction's forward: the output, and what the backward needs (x, norm(x), the rows'
     mean and 1 / std, the GELU's slope and output) when `keep`; without it (no gradient wanted)
     each is let go as soon as it is used, so evaluation holds no more than torch's modules do.
-    With `residual`, the output is x + the MLP's."""
+    With `residual`, the output is x + the MLP's: fc2's product goes into x + b2 in place, which
+    training has the LayerNorm's pass write and evaluation makes once the hidden layer's product
+    is let go (the same bits, and no (rows, C) more held at the peak than torch's modules)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # (rows, C)
     xn, stats, res = x2, None, None
+    pre_add = residual and keep
     if ln_w is not None:
         x2 = x2.contiguous()
-        xn, stats, res = _layernorm(x2, ln_w, ln_b, eps, b2 if residual else None)  # stats: mean, 1 / std
-    elif residual:
+        xn, stats, res = _layernorm(x2, ln_w, ln_b, eps, b2 if pre_add else None)  # stats: mean, 1 / std
+    elif pre_add:
         res = x2 + b2
     slope = torch.mm(xn, w1.t())  # (rows, hidden): the product h, before the bias
     kept = (x2, stats, xn) if keep else ()
@@ -124,6 +127,8 @@ def _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep: bool, residual: bool 
                                 torch.get_num_threads())  # fmt: skip
     kept = (*kept, slope, y) if keep else ()  # slope now holds gelu'(h + b1)
     del slope
+    if residual and res is None:
+        res = x2 + b2
     out = torch.addmm(b2, y, w2.t()) if res is None else res.addmm_(y, w2.t())  # in place: x + b2 + y w2^T
     return out.view(*shape[:-1], w2.size(0)), kept
 
