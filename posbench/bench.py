@@ -77,7 +77,8 @@ def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], No
     """One AdamW step on random tokens, on the model's device, as run.py trains (bf16 autocast
     on a GPU, fp32 on a CPU)."""
     device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    params = list(model.parameters())  # once: model.parameters() walks every module each call
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (batch_size, T + 1), generator=gen).to(device)
 
@@ -89,7 +90,7 @@ def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], No
             loss = cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
 
     return step

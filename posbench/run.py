@@ -159,8 +159,9 @@ def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, log_p
     torch.manual_seed(seed)
     model = TransformerLM(cfg.model).to(device)
     gen = torch.Generator().manual_seed(seed)  # the data order depends on the seed alone
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    params = list(model.parameters())  # once: model.parameters() walks every module each call
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=tc.lr,
@@ -184,7 +185,7 @@ def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, log_p
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if tc.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+                torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
             opt.step()
             if step % tc.log_every == 0 or step == tc.steps - 1:
                 value = loss.item()
