@@ -137,7 +137,7 @@ def _layernorm(x2, ln_w, ln_b, eps, add=None):
     """layers.c's LayerNorm of contiguous (rows, C) x2: the output, and (2, rows) mean, 1 / std;
     with `add`, a (C,) vector, also x2 + add (else None), written in the same pass."""
     xn, stats = torch.empty_like(x2), x2.new_empty(2, x2.size(0))
-    res = None if add is None else torch.empty_like(x2)
+    res, add = (None, None) if add is None else (torch.empty_like(x2), add.contiguous())  # held while the C reads
     _kernel().layernorm_forward(x2.data_ptr(), ln_w.data_ptr(), ln_b.data_ptr(), xn.data_ptr(), stats[0].data_ptr(),
                                 stats[1].data_ptr(), _ptr(add), _ptr(res), x2.size(0), x2.size(1), eps,
                                 torch.get_num_threads())  # fmt: skip
@@ -145,7 +145,10 @@ def _layernorm(x2, ln_w, ln_b, eps, add=None):
 
 
 def _ptr(t: Optional[torch.Tensor]):
-    return None if t is None else t.contiguous().data_ptr()
+    """t's data for the C, which reads it as contiguous; None for none."""
+    if t is not None and not t.is_contiguous():
+        raise ValueError("layers.c reads contiguous tensors")  # a copy made here would be freed before the C ran
+    return None if t is None else t.data_ptr()
 
 
 def _layernorm_backward(d_xn, x2, ln_w, stats, d_res=None):
