@@ -127,8 +127,6 @@ def eval_peak_memory_mb(model: TransformerLM, T: int) -> float:
     before it (the weights). On a CPU from the profiler's allocation events (the process's RSS
     is too coarse and never goes down); on a GPU from the CUDA allocator's peak, under the bf16
     autocast that evaluation runs in."""
-    from torch.profiler import ProfilerActivity, profile
-
     device = next(model.parameters()).device
     x = torch.randint(0, 256, (1, T)).to(device)
     if device.type == "cuda":
@@ -139,16 +137,24 @@ def eval_peak_memory_mb(model: TransformerLM, T: int) -> float:
             model(x)
         torch.cuda.synchronize(device)
         return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    with torch.no_grad():
+        return peak_tensor_bytes(lambda: model(x)) / 2**20
+
+
+def peak_tensor_bytes(fn: Callable[[], object]) -> int:
+    """The most bytes that the tensors fn() makes on the CPU hold at once, from the profiler's
+    allocation events (what was held before fn ran is not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
     with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.no_grad():
-            model(x)
+        fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     held = peak = 0
     for e in events:
         held += e.nbytes()
         peak = max(peak, held)
-    return peak / 2**20
+    return peak
 
 
 @contextlib.contextmanager

@@ -392,20 +392,6 @@ def test_mlp_runs_a_norm_the_kernel_does_not_cover_apart(monkeypatch):
     assert calls == [None] * 8  # all eight through the kernel, none with a LayerNorm inside
 
 
-def peak_bytes(fn) -> int:
-    """The most bytes fn's new tensors held at once (the profiler's allocation events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    held = peak = 0
-    for e in events:
-        held += e.nbytes()
-        peak = max(peak, held)
-    return peak
-
-
 @needs_kernel
 def test_mlp_in_evaluation_gives_the_training_path_s_bits_and_keeps_nothing(monkeypatch):
     """Without gradients the MLP is no autograd node and lets each buffer go once used: the
@@ -426,7 +412,7 @@ def test_mlp_in_evaluation_gives_the_training_path_s_bits_and_keeps_nothing(monk
     rows, hidden = x.numel() // 32, 128
     with torch.no_grad():
         assert close(mlp(x, ln, residual=True), with_grad.detach() + x)
-        assert peak_bytes(lambda: mlp(x, ln, residual=True)) <= (2 * hidden + 2) * rows * 4
+        assert bench.peak_tensor_bytes(lambda: mlp(x, ln, residual=True)) <= (2 * hidden + 2) * rows * 4
 
     model = TransformerLM(tiny("nope")).eval()
     fused = eval_peak_memory_mb(model, 300)

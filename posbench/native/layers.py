@@ -108,17 +108,15 @@ def _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep: bool, residual: bool 
     mean and 1 / std, the GELU's slope and output) when `keep`; without it (no gradient wanted)
     each is let go as soon as it is used, so evaluation holds no more than torch's modules do.
     With `residual`, the output is x + the MLP's: fc2's product goes into x + b2 in place, which
-    training has the LayerNorm's pass write and evaluation makes once the hidden layer's product
-    is let go (the same bits, and no (rows, C) more held at the peak than torch's modules)."""
+    a fused LayerNorm's pass writes in training, and which is made otherwise once the hidden
+    layer's product is let go (the same bits, and in evaluation no (rows, C) more held at the
+    peak than torch's modules)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # (rows, C)
     xn, stats, res = x2, None, None
-    pre_add = residual and keep
     if ln_w is not None:
         x2 = x2.contiguous()
-        xn, stats, res = _layernorm(x2, ln_w, ln_b, eps, b2 if pre_add else None)  # stats: mean, 1 / std
-    elif pre_add:
-        res = x2 + b2
+        xn, stats, res = _layernorm(x2, ln_w, ln_b, eps, b2 if residual and keep else None)  # stats: mean, 1 / std
     slope = torch.mm(xn, w1.t())  # (rows, hidden): the product h, before the bias
     kept = (x2, stats, xn) if keep else ()
     del xn
@@ -139,16 +137,9 @@ def _layernorm(x2, ln_w, ln_b, eps, add=None):
     xn, stats = torch.empty_like(x2), x2.new_empty(2, x2.size(0))
     res, add = (None, None) if add is None else (torch.empty_like(x2), add.contiguous())  # held while the C reads
     _kernel().layernorm_forward(x2.data_ptr(), ln_w.data_ptr(), ln_b.data_ptr(), xn.data_ptr(), stats[0].data_ptr(),
-                                stats[1].data_ptr(), _ptr(add), _ptr(res), x2.size(0), x2.size(1), eps,
+                                stats[1].data_ptr(), native._ptr(add), native._ptr(res), x2.size(0), x2.size(1), eps,
                                 torch.get_num_threads())  # fmt: skip
     return xn, stats, res
-
-
-def _ptr(t: Optional[torch.Tensor]):
-    """t's data for the C, which reads it as contiguous; None for none."""
-    if t is not None and not t.is_contiguous():
-        raise ValueError("layers.c reads contiguous tensors")  # a copy made here would be freed before the C ran
-    return None if t is None else t.data_ptr()
 
 
 def _layernorm_backward(d_xn, x2, ln_w, stats, d_res=None):
@@ -156,7 +147,7 @@ def _layernorm_backward(d_xn, x2, ln_w, stats, d_res=None):
     `d_res`, a gradient that also reaches x2 (the residual's), added into x2's."""
     d_x, d_lw, d_lb = torch.empty_like(d_xn), torch.empty_like(ln_w), torch.empty_like(ln_w)
     if _kernel().layernorm_backward(d_xn.data_ptr(), x2.data_ptr(), ln_w.data_ptr(), stats[0].data_ptr(),
-                                    stats[1].data_ptr(), _ptr(d_res), d_x.data_ptr(), d_lw.data_ptr(),
+                                    stats[1].data_ptr(), native._ptr(d_res), d_x.data_ptr(), d_lw.data_ptr(),
                                     d_lb.data_ptr(), x2.size(0), x2.size(1), torch.get_num_threads()):  # fmt: skip
         raise MemoryError("layers.c: no memory for LayerNorm's partial sums")
     return d_x, d_lw, d_lb
