@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -11,7 +12,7 @@ from posbench.attention import causal_attention
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.native import qkv_views
-from posbench.native.layers import MLP  # ln2 + MLP in one C-fused node on CPU; see layers.py
+from posbench.native.layers import MLP, linear_add, norm_linear  # C-fused on CPU; see layers.py
 from posbench.schemes import PositionalScheme, build_scheme
 
 
@@ -23,10 +24,15 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.scheme = [scheme]  # a list, so the shared scheme is not registered once per layer
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, block) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, block, norm: Optional[nn.LayerNorm] = None) -> torch.Tensor:
+        """attn(x), or with `norm`, x + attn(norm(x)): the LayerNorm, the projections and the
+        residual then run in C-fused nodes on a CPU (layers.norm_linear, layers.linear_add)."""
         B, T, C = x.size()
         scheme = self.scheme[0]
-        qkv = self.qkv(x)  # (B, T, 3C)
+        if norm is None:
+            qkv, res = self.qkv(x), None  # (B, T, 3C)
+        else:
+            qkv, res = norm_linear(x, norm, self.qkv, self.proj.bias)  # res: x + the proj's bias, or None
         q, k, v = qkv_views(qkv, self.n_head)  # (B, nh, T, hs)
         q2, k2 = scheme.rotate(q, k, pos, self.layer)
         # unrotated, the attention kernel may take qkv whole (one gradient tensor, no split backward)
@@ -39,6 +45,8 @@ class Attention(nn.Module):
             return scheme.attend(qb, kb, vb, qpos, kpos, self.layer)
 
         y = causal_attention(q2, k2, v, pos, bias_fn, block, attend_fn, packed)  # (B, nh, T, hs)
+        if norm is not None:
+            return linear_add(y, self.proj, x, res)  # x + proj(y)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -52,9 +60,10 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, pos, block):
+        if self.drop.p == 0 or not self.training:  # the LayerNorms and residual adds fused in on CPU
+            x = self.attn(x, pos, block, norm=self.ln1)  # x + attn(ln1(x))
+            return self.mlp(x, self.ln2, residual=True)  # x + mlp(ln2(x))
         x = x + self.drop(self.attn(self.ln1(x), pos, block))
-        if self.drop.p == 0 or not self.training:  # x + mlp(ln2(x)), the LayerNorm and add fused in on CPU
-            return self.mlp(x, self.ln2, residual=True)
         return x + self.drop(self.mlp(x, self.ln2))
 
 

@@ -324,8 +324,11 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_two():
         # split by thread count, in the MLP as in torch's own nn.Linear: not the kernel's to fix
         ny, ndx, dlw, dlb, _, ndb1, _, ndb2 = grads(_Fused(mlp, LayerNorm(96)), x)  # the LayerNorm fused in
         rot = grads(lambda z: rope(z.view(4, 50, 5, 12).transpose(1, 2), cos, sin), x[:200, :60].reshape(4, 50, 60))
+        # the attention's fused sides: output, x's gradient, the LayerNorm's and the proj bias's
+        sides = grads(_AttentionSides(96, 4, True, "head-major"), x.view(10, 100, 96))
         runs.append(grads(GELU(), x) + grads(ln, x) + grads(lambda z: layers.cross_entropy(z, targets), x)
-                    + [y, dx, db1, db2, ny, ndx, dlw, dlb, ndb1, ndb2] + rot)  # fmt: skip
+                    + [y, dx, db1, db2, ny, ndx, dlw, dlb, ndb1, ndb2] + rot
+                    + [sides[i] for i in (0, 1, 2, 3, 7)])  # fmt: skip
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -467,3 +470,123 @@ def test_training_and_the_bench_step_take_the_fused_loss(monkeypatch, tmp_path):
     assert len(calls) == 1
     smoke_experiment(tmp_path, "--schemes", "nope", "--set", "train.steps=3", "--set", "train.workers=1")
     assert len(calls) == 1 + 3  # run.py's training loss, once per step (evaluation sums with torch)
+
+
+class _AttentionSides(nn.Module):
+    """x + proj(f(qkv(ln(x)))) for a fixed f from the (B, T, 3 H D) projection to a (B, H, T, D)
+    output: through norm_linear and linear_add (`fused`), or torch's modules. `layout`: f's
+    output as attention.c writes it (a view of (B, T, H, D) memory) or contiguous (B, H, T, D)."""
+
+    def __init__(self, C, H, fused, layout):
+        super().__init__()
+        torch.manual_seed(0)
+        self.ln, self.qkv, self.proj = nn.LayerNorm(C), nn.Linear(C, 3 * C), nn.Linear(C, C)
+        for p in (self.ln.weight, self.ln.bias, self.qkv.bias, self.proj.bias):
+            nn.init.normal_(p)  # nonzero: a bias in the wrong place shows
+        self.H, self.fused, self.layout = H, fused, layout
+
+    def f(self, qkv):
+        q, k, v = native.qkv_views(qkv, self.H)
+        y = q * k.sigmoid() + v  # (B, H, T, D), as views: the memory of (B, T, H, D)
+        return y if self.layout == "head-major" else y.contiguous()
+
+    def forward(self, x):
+        if not self.fused:
+            B, T, C = x.shape
+            return x + self.proj(self.f(self.qkv(self.ln(x))).transpose(1, 2).reshape(B, T, C))
+        qkv, res = layers.norm_linear(x, self.ln, self.qkv, self.proj.bias)
+        return layers.linear_add(self.f(qkv), self.proj, x, res)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", ["head-major", "contiguous"])
+@pytest.mark.parametrize("B,T,H,D", [(2, 50, 4, 8), (1, 1, 2, 8), (3, 37, 3, 16), (1, 130, 1, 24)])
+def test_the_attention_s_fused_sides_match_torch_in_values_and_every_gradient(monkeypatch, B, T, H, D, layout):
+    """norm_linear + linear_add against x + proj(f(qkv(ln(x)))): the output and the gradients of
+    x and of all six parameters (the residual's gradient goes through the LayerNorm's backward,
+    and its sum over rows is the proj bias's); without gradients, the training path's bits."""
+    ins, outs = counting(monkeypatch, layers.NormLinearFunction), counting(monkeypatch, layers.LinearAddFunction)
+    x = torch.randn(B, T, H * D, generator=torch.Generator().manual_seed(0)) * 2 + 0.5
+    fused, ref = _AttentionSides(H * D, H, True, layout), _AttentionSides(H * D, H, False, layout)
+    got, want = grads(fused, x), grads(ref, x)
+    assert len(ins) == len(outs) == 1
+    names = ["y", "dx", "d ln.w", "d ln.b", "d qkv.w", "d qkv.b", "d proj.w", "d proj.b"]
+    assert len(got) == len(want) == len(names)
+    for name, a, b in zip(names, got, want):
+        assert a.shape == b.shape and close(a, b), (name, (a - b).abs().max().item())
+    with torch.no_grad():
+        assert torch.equal(fused(x), got[0])
+    assert len(ins) == len(outs) == 1  # no autograd node without gradients
+
+
+@needs_kernel
+def test_the_fused_sides_fall_back_to_torch_where_the_kernel_does_not_apply(monkeypatch):
+    ins, outs = counting(monkeypatch, layers.NormLinearFunction), counting(monkeypatch, layers.LinearAddFunction)
+    x = torch.randn(2, 9, 16)
+    fused, ref = _AttentionSides(16, 2, True, "head-major"), _AttentionSides(16, 2, False, "head-major")
+    for norm in (nn.LayerNorm(16, bias=False), nn.RMSNorm(16)):  # norms the C does not cover
+        fused.ln = ref.ln = norm
+        assert torch.equal(fused(x), ref(x))
+    fused.ln = ref.ln = nn.LayerNorm(16)
+    assert torch.equal(fused.bfloat16()(x.bfloat16()), ref.bfloat16()(x.bfloat16()))
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("POSBENCH_NATIVE", "0")
+    fused, ref = fused.float(), ref.float()
+    assert torch.equal(fused(x), ref(x))
+    assert not ins and not outs
+
+
+@needs_kernel
+def test_the_model_runs_its_attention_sides_through_the_kernel(monkeypatch):
+    """Once per layer each, the same logits and gradients as the blocks written with torch's
+    modules, and with dropout in training the LayerNorm and residual apart, as before."""
+    from posbench.model import Block
+
+    ins, outs = counting(monkeypatch, layers.NormLinearFunction), counting(monkeypatch, layers.LinearAddFunction)
+    torch.manual_seed(0)
+    model = TransformerLM(tiny("nope"))
+    for blk in model.blocks:  # nonzero biases: one added twice, or not at all, shows
+        for p in (blk.ln1.bias, blk.attn.qkv.bias, blk.attn.proj.bias):
+            nn.init.normal_(p)
+    tokens = torch.randint(0, 256, (2, 16))
+    upstream = torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        model.zero_grad()
+        logits = model(tokens)
+        logits.backward(upstream)
+        return [logits.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    got = run()
+    assert len(ins) == len(outs) == model.cfg.n_layer
+
+    def plain_forward(self, x, pos, block):
+        x = x + self.attn(self.ln1(x), pos, block)
+        return x + self.mlp(x, self.ln2)
+
+    monkeypatch.setattr(Block, "forward", plain_forward)
+    want = run()
+    assert len(ins) == len(outs) == model.cfg.n_layer  # the plain blocks took neither
+    for (name, _), a, b in zip([("logits", None), *model.named_parameters()], got, want):
+        assert close(a, b), (name, (a - b).abs().max().item())
+
+    monkeypatch.undo()
+    ins, outs = counting(monkeypatch, layers.NormLinearFunction), counting(monkeypatch, layers.LinearAddFunction)
+    TransformerLM(tiny("nope", dropout=0.1)).train()(tokens).sum().backward()
+    assert not ins and not outs
+
+
+@needs_kernel
+def test_the_fused_attention_sides_keep_evaluation_memory(monkeypatch):
+    from posbench.bench import eval_peak_memory_mb
+    from posbench.model import Block
+
+    model = TransformerLM(tiny("nope")).eval()
+    fused = eval_peak_memory_mb(model, 300)
+
+    def plain_forward(self, x, pos, block):
+        x = x + self.attn(self.ln1(x), pos, block)
+        return self.mlp(x, self.ln2, residual=True)
+
+    monkeypatch.setattr(Block, "forward", plain_forward)
+    assert fused <= eval_peak_memory_mb(model, 300) * 1.001

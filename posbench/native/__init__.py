@@ -146,7 +146,7 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
         "gelu_bias_forward": [P, P, P, N, I, I],
         "gelu_bias_backward": [P, P, P, P, N, I, I],
         "layernorm_forward": [P, P, P, P, P, P, P, P, N, I, F, I],
-        "layernorm_backward": [P, P, P, P, P, P, P, P, P, N, I, I],
+        "layernorm_backward": [P, P, P, P, P, P, P, P, P, P, N, I, I],
         "xent_forward": [P, P, P, P, P, N, I, N, I],
         "rope_rotate": [P, P, P, P, P, P, I, I, I, I, I, I],
     },

@@ -208,20 +208,23 @@ WIDE void layernorm_forward(const float *x, const float *w, const float *b, floa
 
 #define LN_CHUNK 32 /* rows per partial sum of dw and db */
 
-/* dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w, xhat = (x - mean) rstd;
- * dw = sum over rows of dy xhat, db = sum of dy. These two are summed per chunk of LN_CHUNK
- * rows, and the chunks' sums added in order, in double: the chunks depend on the row count
- * only, so dw and db are the same bits whatever the thread count. Returns 1 if out of memory. */
+/* dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w, xhat = (x - mean) rstd, plus dres
+ * (a gradient that also reaches x: the residual's) where given; dw = sum over rows of dy xhat,
+ * db = sum of dy, and with dres_sum also the sum of dres over rows (the gradient of the bias
+ * added into the residual). These are summed per chunk of LN_CHUNK rows, and the chunks' sums
+ * added in order, in double: the chunks depend on the row count only, so they are the same
+ * bits whatever the thread count. Returns 1 if out of memory. */
 WIDE int layernorm_backward(const float *dy, const float *x, const float *w, const float *mean,
                             const float *rstd, const float *dres, float *dx, float *dw, float *db,
-                            long rows, int C, int threads) {
+                            float *dres_sum, long rows, int C, int threads) {
     const long chunks = (rows + LN_CHUNK - 1) / LN_CHUNK;
-    float *partial = malloc(sizeof(float) * 2 * C * (chunks ? chunks : 1)); /* dw, db per chunk */
+    const int parts = dres && dres_sum ? 3 : 2; /* dw, db and the column sums of dres per chunk */
+    float *partial = malloc(sizeof(float) * parts * C * (chunks ? chunks : 1));
     if (!partial) return 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long c = 0; c < chunks; c++) {
-        float *pw = partial + 2 * c * C, *pb = pw + C;
-        memset(pw, 0, sizeof(float) * 2 * C);
+        float *pw = partial + parts * c * C, *pb = pw + C, *pr = parts == 3 ? pb + C : NULL;
+        memset(pw, 0, sizeof(float) * parts * C);
         const long end = (c + 1) * LN_CHUNK < rows ? (c + 1) * LN_CHUNK : rows;
         for (long i = c * LN_CHUNK; i < end; i++) {
             const float *g = dy + i * C, *xr = x + i * C, m = mean[i], rs = rstd[i];
@@ -237,7 +240,13 @@ WIDE int layernorm_backward(const float *dy, const float *x, const float *w, con
             a /= C;
             bs /= C;
             const float *dr = dres ? dres + i * C : NULL;
-            if (dr) {
+            if (dr && pr) {
+#pragma omp simd
+                for (int j = 0; j < C; j++) {
+                    d[j] = rs * (g[j] * w[j] - a - (xr[j] - m) * rs * bs) + dr[j];
+                    pr[j] += dr[j];
+                }
+            } else if (dr) {
 #pragma omp simd
                 for (int j = 0; j < C; j++) d[j] = rs * (g[j] * w[j] - a - (xr[j] - m) * rs * bs) + dr[j];
             } else {
@@ -247,13 +256,15 @@ WIDE int layernorm_backward(const float *dy, const float *x, const float *w, con
         }
     }
     for (int j = 0; j < C; j++) {
-        double sw = 0.0, sb = 0.0;
+        double sw = 0.0, sb = 0.0, sr = 0.0;
         for (long c = 0; c < chunks; c++) {
-            sw += partial[2 * c * C + j];
-            sb += partial[(2 * c + 1) * C + j];
+            sw += partial[parts * c * C + j];
+            sb += partial[(parts * c + 1) * C + j];
+            if (parts == 3) sr += partial[(parts * c + 2) * C + j];
         }
         dw[j] = (float)sw;
         db[j] = (float)sb;
+        if (parts == 3) dres_sum[j] = (float)sr;
     }
     free(partial);
     return 0;

@@ -91,15 +91,15 @@ class MLPFunction(torch.autograd.Function):
         need = ctx.needs_input_grad  # x, ln_w, ln_b, w1, b1, w2, b2
         d_w1 = _weight_grad(d_h, xn) if need[3] else None
         d_w2 = _weight_grad(d2, y) if need[5] else None
-        d_b2 = d2.sum(0) if need[6] else None
-        d_x = d_lw = d_lb = None
+        d_x = d_lw = d_lb = d_b2 = None
         if need[0] or need[1] or need[2]:
             d_res = d2.contiguous() if ctx.residual else None  # the residual's gradient, added to x's
-            if ln_w is not None:
-                d_x, d_lw, d_lb = _layernorm_backward(torch.mm(d_h, w1), x2, ln_w, stats, d_res)  # d norm(x)
+            if ln_w is not None:  # d norm(x); with the residual, its sum over rows is b2's gradient
+                d_x, d_lw, d_lb, d_b2 = _layernorm_backward(torch.mm(d_h, w1), x2, ln_w, stats, d_res)
             else:
                 d_x = torch.mm(d_h, w1) if d_res is None else torch.addmm(d_res, d_h, w1)
             d_x = d_x.view(*d_out.shape[:-1], w1.size(1))
+        d_b2 = (d2.sum(0) if d_b2 is None else d_b2) if need[6] else None
         return d_x, d_lw, d_lb, d_w1, d_b1, d_w2, d_b2, None, None
 
 
@@ -131,11 +131,13 @@ def _mlp_forward(x, ln_w, ln_b, w1, b1, w2, b2, eps, keep: bool, residual: bool 
     return out.view(*shape[:-1], w2.size(0)), kept
 
 
-def _layernorm(x2, ln_w, ln_b, eps, add=None):
+def _layernorm(x2, ln_w, ln_b, eps, add=None, res_shape=None):
     """layers.c's LayerNorm of contiguous (rows, C) x2: the output, and (2, rows) mean, 1 / std;
-    with `add`, a (C,) vector, also x2 + add (else None), written in the same pass."""
+    with `add`, a (C,) vector, also x2 + add (else None), written in the same pass, in a tensor
+    of its own of `res_shape` (default x2's)."""
     xn, stats = torch.empty_like(x2), x2.new_empty(2, x2.size(0))
-    res, add = (None, None) if add is None else (torch.empty_like(x2), add.contiguous())  # held while the C reads
+    res = None if add is None else x2.new_empty(x2.shape if res_shape is None else res_shape)
+    add = None if add is None else add.contiguous()  # held while the C reads
     _kernel().layernorm_forward(x2.data_ptr(), ln_w.data_ptr(), ln_b.data_ptr(), xn.data_ptr(), stats[0].data_ptr(),
                                 stats[1].data_ptr(), native._ptr(add), native._ptr(res), x2.size(0), x2.size(1), eps,
                                 torch.get_num_threads())  # fmt: skip
@@ -144,13 +146,102 @@ def _layernorm(x2, ln_w, ln_b, eps, add=None):
 
 def _layernorm_backward(d_xn, x2, ln_w, stats, d_res=None):
     """The gradients of x2, the weight and the bias, from that of the LayerNorm's output; with
-    `d_res`, a gradient that also reaches x2 (the residual's), added into x2's."""
+    `d_res`, a contiguous gradient that also reaches x2 (the residual's), added into x2's, and
+    its sum over rows (the gradient of a bias added into the residual; else None)."""
     d_x, d_lw, d_lb = torch.empty_like(d_xn), torch.empty_like(ln_w), torch.empty_like(ln_w)
+    d_sum = None if d_res is None else torch.empty_like(ln_w)
     if _kernel().layernorm_backward(d_xn.data_ptr(), x2.data_ptr(), ln_w.data_ptr(), stats[0].data_ptr(),
                                     stats[1].data_ptr(), native._ptr(d_res), d_x.data_ptr(), d_lw.data_ptr(),
-                                    d_lb.data_ptr(), x2.size(0), x2.size(1), torch.get_num_threads()):  # fmt: skip
+                                    d_lb.data_ptr(), native._ptr(d_sum), x2.size(0), x2.size(1),
+                                    torch.get_num_threads()):  # fmt: skip
         raise MemoryError("layers.c: no memory for LayerNorm's partial sums")
-    return d_x, d_lw, d_lb
+    return d_x, d_lw, d_lb, d_sum
+
+
+class NormLinearFunction(torch.autograd.Function):
+    """(linear(norm(x)), x + add) as one autograd node: norm a LayerNorm (ln_w, ln_b, eps), linear
+    the attention's qkv projection (w, b), add the output projection's bias. The LayerNorm's pass
+    writes x + add too: the block's residual, into which LinearAddFunction adds the output
+    projection's product in place, as the MLP does its own. Its gradient arrives here, summed
+    into x's in the LayerNorm's backward, where autograd would add x's two gradients apart."""
+
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, w, b, add, eps):
+        x2 = x.reshape(-1, x.size(-1)).contiguous()  # (rows, C)
+        xn, stats, res = _layernorm(x2, ln_w, ln_b, eps, add, res_shape=x.shape)
+        out = torch.addmm(b, xn, w.t())  # (rows, out)
+        ctx.save_for_backward(x2, stats, xn, ln_w, w)
+        return out.view(*x.shape[:-1], w.size(0)), res  # res is its own tensor: LinearAdd writes it
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out, d_res):
+        x2, stats, xn, ln_w, w = ctx.saved_tensors
+        d2 = d_out.reshape(-1, d_out.size(-1))
+        d_r = d_res.reshape(-1, d_res.size(-1))
+        need = ctx.needs_input_grad  # x, ln_w, ln_b, w, b, add
+        d_w = _weight_grad(d2, xn) if need[3] else None
+        d_b = d2.sum(0) if need[4] else None
+        d_x = d_lw = d_lb = d_add = None
+        if need[0] or need[1] or need[2]:  # the residual's gradient summed into x's, and over rows into add's
+            d_x, d_lw, d_lb, d_add = _layernorm_backward(torch.mm(d2, w), x2, ln_w, stats, d_r.contiguous())
+            d_x = d_x.view(d_res.shape)
+        d_add = (d_r.sum(0) if d_add is None else d_add) if need[5] else None
+        return d_x, d_lw, d_lb, d_w, d_b, d_add, None
+
+
+class LinearAddFunction(torch.autograd.Function):
+    """res + y w^T, added into res in place: the output projection (no bias: NormLinearFunction
+    put it in res) and the block's residual. y is the attention's (B, H, T, D) output, read as
+    the (B, T, H D) rows it is stored as (a copy only where it is stored otherwise)."""
+
+    @staticmethod
+    def forward(ctx, res, y, w):
+        B, H, T, D = y.shape
+        y2 = y.transpose(1, 2).reshape(B * T, H * D)
+        res.view(-1, res.size(-1)).addmm_(y2, w.t())
+        ctx.mark_dirty(res)
+        ctx.save_for_backward(y2, w)
+        ctx.shape = (B, T, H, D)
+        return res
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        y2, w = ctx.saved_tensors
+        d2 = d_out.reshape(-1, d_out.size(-1))
+        d_y = torch.mm(d2, w).view(ctx.shape).transpose(1, 2) if ctx.needs_input_grad[1] else None
+        d_w = _weight_grad(d2, y2) if ctx.needs_input_grad[2] else None
+        return d_out, d_y, d_w
+
+
+def norm_linear(x: torch.Tensor, norm: nn.LayerNorm, linear: nn.Linear, add: torch.Tensor):
+    """(linear(norm(x)), x + add), the attention's input side, through layers.c where it applies:
+    the LayerNorm's pass writes x + add too, for linear_add to finish the residual in. In
+    training that is one NormLinearFunction node. Anywhere else, torch's modules, and None."""
+    fits = _layernorm_fits(norm, x) and linear.bias is not None and add is not None and x.numel() > 0
+    tensors = [x, norm.weight, norm.bias, linear.weight, linear.bias, add] if fits else []
+    if not fits or _lib(*tensors) is None:
+        return linear(norm(x)), None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return NormLinearFunction.apply(x, norm.weight, norm.bias, linear.weight, linear.bias, add, norm.eps)
+    x2 = x.reshape(-1, x.size(-1)).contiguous()
+    xn, _, res = _layernorm(x2, norm.weight, norm.bias, norm.eps, add, res_shape=x.shape)
+    return torch.addmm(linear.bias, xn, linear.weight.t()).view(*x.shape[:-1], linear.out_features), res
+
+
+def linear_add(y: torch.Tensor, linear: nn.Linear, x: torch.Tensor, res: Optional[torch.Tensor]) -> torch.Tensor:
+    """x + linear(y) for the attention's (B, H, T, D) output y. With norm_linear's res (x plus
+    linear's bias), the product is added into res in place (a LinearAddFunction node in
+    training, where res has a graph); without, torch's modules."""
+    if res is None:
+        B, H, T, D = y.shape
+        return x + linear(y.transpose(1, 2).reshape(B, T, H * D))
+    if res.requires_grad:
+        return LinearAddFunction.apply(res, y, linear.weight)
+    B, H, T, D = y.shape
+    res.view(-1, res.size(-1)).addmm_(y.transpose(1, 2).reshape(B * T, H * D), linear.weight.t())
+    return res
 
 
 def _weight_grad(d2, x2):
@@ -186,7 +277,7 @@ class LayerNormFunction(torch.autograd.Function):
         dx, dw, db = torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
         mean = stats.data_ptr()
         if _kernel().layernorm_backward(dy.data_ptr(), x.data_ptr(), weight.data_ptr(), mean, mean + 4 * rows,
-                                        None, dx.data_ptr(), dw.data_ptr(), db.data_ptr(), rows, C,
+                                        None, dx.data_ptr(), dw.data_ptr(), db.data_ptr(), None, rows, C,
                                         torch.get_num_threads()):  # fmt: skip
             raise MemoryError("layers.c: no memory for LayerNorm's partial sums")
         return dx, dw, db, None
