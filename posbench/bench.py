@@ -24,6 +24,7 @@ from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.native.layers import cross_entropy
+from posbench.native.optim import clip_and_step
 from posbench.run import autocast
 
 BENCH_COLUMNS = ["scheme", "measurement", "tokens_per_s", "ratio_vs_nope", "mfu",
@@ -90,8 +91,7 @@ def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], No
             loss = cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        clip_and_step(opt, params, 1.0)  # clip_grad_norm_ and opt.step(), in C on CPU, as run.py
 
     return step
 

@@ -29,6 +29,7 @@ from posbench.data import Corpus, batch, load_corpus
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.native.layers import cross_entropy
+from posbench.native.optim import clip_and_step
 from posbench.schemes import SCHEMES, resolve_scheme, variant_label
 
 EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
@@ -184,9 +185,7 @@ def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, log_p
             loss = cross_entropy(logits.float().flatten(0, 1), y.flatten())  # F.cross_entropy, fused in C on CPU
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if tc.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-            opt.step()
+            clip_and_step(opt, params, tc.grad_clip)  # clip_grad_norm_ (if > 0) and opt.step(), in C on CPU
             if step % tc.log_every == 0 or step == tc.steps - 1:
                 value = loss.item()
                 if not math.isfinite(value):

@@ -36,6 +36,11 @@ FLAG_SETS = (
     ["-O3"],
 )
 
+# flags of one kernel's own, after each set: optim.c's sqrt vectorizes only where it need not set
+# errno (GCC's optimize pragma cannot turn that off); in the other kernels a vectorized libm call
+# could change results, so they keep the default
+EXTRA_FLAGS = {"optim": ["-fno-math-errno"]}
+
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 unavailable: dict[str, str] = {}  # kernel name -> why its PyTorch twin runs instead
 
@@ -86,7 +91,8 @@ def _build(name: str) -> Path:
     cc = shlex.split(os.environ.get("CC") or "cc")  # CC may carry words: "ccache gcc"
     if not cc or shutil.which(cc[0]) is None:
         raise BuildError(f"no C compiler found (tried {' '.join(cc)!r}; set CC to use another)")
-    key = "\n".join([" ".join(cc), _compiler_version(cc), repr(FLAG_SETS), _cpu_fingerprint()])
+    extra = EXTRA_FLAGS.get(name, [])
+    key = "\n".join([" ".join(cc), _compiler_version(cc), repr(FLAG_SETS), repr(extra), _cpu_fingerprint()])
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # vmath.h
     key = hashlib.sha256(source.read_bytes() + headers + key.encode()).hexdigest()[:16]
     folder = cache_dir() / "native" / key
@@ -102,7 +108,7 @@ def _build(name: str) -> Path:
     tmp = Path(tmp_name)
     error = ""
     for flags in FLAG_SETS:
-        cmd = [*cc, *flags, "-shared", "-fPIC", str(source), "-o", str(tmp)]
+        cmd = [*cc, *flags, *extra, "-shared", "-fPIC", str(source), "-o", str(tmp)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -140,6 +146,9 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
         "attention_forward": [P] * 9 + [I, I, I, I, I, I, F, P, I],
         "attention_backward": [P] * 16 + [I, I, I, I, I, I, F, P, I],
     },
+    "optim": {  # used by posbench/native/optim.py
+        "clip_adamw": (I, [P, P, P, P, P, P, P, I, F, P, I]),
+    },
     "layers": {  # used by posbench/native/layers.py
         "gelu_forward": [P, P, N, I],
         "gelu_backward": [P, P, P, N, I],
@@ -151,7 +160,7 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
         "rope_rotate": [P, P, P, P, P, P, I, I, I, I, I, I],
     },
 }
-KERNELS = ("attention", "layers", "cope")  # every .c here; cope's runs for CoPE alone
+KERNELS = ("attention", "layers", "cope", "optim")  # every .c here; cope's runs for CoPE alone
 
 
 def _declare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:
