@@ -143,6 +143,7 @@ def test_torch_runs_where_the_kernel_does_not_apply(monkeypatch):
     calls = counting(monkeypatch)
     cases = [
         (dict(kind=torch.optim.SGD), None),
+        ({}, lambda ps: ps + ps[:1]),  # a parameter listed twice: torch's clip counts it twice
         (dict(amsgrad=True), None),
         (dict(maximize=True), None),
         (dict(dtype=torch.float64), None),
@@ -151,6 +152,9 @@ def test_torch_runs_where_the_kernel_does_not_apply(monkeypatch):
     ]
     for kw, subset in cases:
         (a, oa), (b, ob) = setup(**kw), setup(**kw)
+        state_at_torchs_step = []
+        real_step = oa.step
+        oa.step = lambda *x, **k: state_at_torchs_step.append(len(oa.state)) or real_step(*x, **k)
         for step in range(2):
             give_grads(a, step, 3.0)
             give_grads(b, step, 3.0)
@@ -158,6 +162,13 @@ def test_torch_runs_where_the_kernel_does_not_apply(monkeypatch):
             torch_step(ob, subset(b) if subset else b, 1.0)
         for x, y in zip(a, b):
             assert torch.equal(x, y), kw
+        # the fallback left the state for torch to make (a GPU's fused AdamW puts its step on
+        # the device; one made here first, on the CPU, would reach its kernel)
+        assert state_at_torchs_step[:1] == [0], kw
+        for x, y in zip(a, b):
+            if x in ob.state or y in ob.state:
+                assert {k: (v.dtype, v.device) for k, v in oa.state[x].items()} == \
+                       {k: (v.dtype, v.device) for k, v in ob.state[y].items()}
     assert calls and not any(calls)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("POSBENCH_NATIVE", "0")
@@ -197,3 +208,36 @@ def test_a_build_for_no_particular_cpu_steps_alike(monkeypatch, tmp_path):
     assert calls == [True] * 3 and list(tmp_path.glob("native/*/optim.so"))
     for x, y in zip(a, b):
         assert close(x, y)
+
+
+@needs_kernel
+def test_the_fused_adamw_training_uses_is_matched_too():
+    (a, oa), (b, ob) = setup(fused=True), setup(fused=True)
+    for step in range(5):
+        give_grads(a, step, 3.0)
+        give_grads(b, step, 3.0)
+        clip_and_step(oa, a, 1.0)
+        torch_step(ob, b, 1.0)
+    for x, y in zip(a, b):
+        assert close(x, y)
+
+
+@needs_kernel
+def test_a_state_the_c_cannot_update_and_step_hooks_go_to_torch(monkeypatch):
+    """A state of the wrong size (say, loaded from another model) reaches torch, which refuses
+    it, not the C, which would write past its end; hooks run, as torch's step runs them."""
+    calls = counting(monkeypatch)
+    ps, opt = setup()
+    give_grads(ps, 0, 1.0)
+    clip_and_step(opt, ps, 1.0)
+    opt.state[ps[0]]["exp_avg_sq"] = torch.zeros(3)
+    give_grads(ps, 1, 1.0)
+    with pytest.raises(RuntimeError):
+        clip_and_step(opt, ps, 1.0)
+    assert calls == [True, False]
+    ps, opt = setup()
+    seen = []
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(1))
+    give_grads(ps, 0, 1.0)
+    clip_and_step(opt, ps, 1.0)
+    assert seen == [1] and calls[-1] is False

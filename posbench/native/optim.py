@@ -5,9 +5,10 @@ followed by `opt.step()`, for a torch.optim.AdamW, which stays the optimizer: it
 hyperparameters and state (step, exp_avg, exp_avg_sq, in torch's own format) are read and
 written as torch's step would, so either path may take any step. The C applies to fp32 CPU
 parameters, gradients and state, dense and contiguous, of an AdamW without amsgrad, maximize,
-capturable or differentiable, whose parameters are exactly `params`; anywhere else torch's two
-calls run. At posbench's default size those two took ~1.2 ms of a ~23 ms step (28 norms, 28
-scalings, and the optimizer's Python around its fused kernel), this ~0.45.
+capturable or differentiable, with no step hooks, whose parameters are exactly `params`;
+anywhere else (a GPU among them) torch's two calls run, and the state is left for torch to
+make. At posbench's default size those two took ~1.3 ms of a ~23 ms step (28 norms, 28
+scalings, and the optimizer's Python around its fused kernel), this ~0.65.
 
 One difference: torch's clipping scales the gradients in place, the C leaves them as they were
 (they are not read after the step: the next backward replaces them).
@@ -35,7 +36,7 @@ def clip_and_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], max_no
 
 def _step_in_c(opt, params, max_norm) -> bool:
     """The step through optim.c, if it applies (False, nothing changed, where it does not)."""
-    if type(opt) is not torch.optim.AdamW or torch.compiler.is_compiling():
+    if type(opt) is not torch.optim.AdamW or torch.compiler.is_compiling() or _hooked(opt):
         return False
     lib = native.load("optim")
     if lib is None:
@@ -52,20 +53,23 @@ def _step_in_c(opt, params, max_norm) -> bool:
         with_grad = [p for p in group["params"] if p.grad is not None]
         ps += with_grad
         hyper += row * len(with_grad)
-    if count != len(params) or {id(p) for p in ps} != {id(p) for p in params if p.grad is not None}:
-        return False  # the clipping's set and the optimizer's differ: torch's two calls keep them apart
+    ids = {id(p) for p in ps}
+    if count != len(params) or len(ids) != len(ps) or ids != {id(p) for p in params if p.grad is not None}:
+        return False  # the clipping's set and the optimizer's differ (or repeat): torch's two calls
+    if not _plain(ps, [p.grad for p in ps]):
+        return False  # checked before the state is touched: a GPU's fused AdamW makes its own
     state = opt.state
+    for p in ps:  # an existing state must be one the C can update in place, every tensor of it
+        st = state.get(p)
+        if st and not (_plain([st.get("exp_avg"), st.get("exp_avg_sq")], shape=p.shape) and _one_float(st.get("step"))):
+            return False
     for p in ps:
-        if p not in state:  # torch's own initial state (AdamW's, fused or not: a float32 step)
+        if p not in state:  # torch's own initial state (AdamW's, fused or not, on a CPU: a float32 step)
             state[p] = {"step": torch.tensor(0.0, dtype=F32), "exp_avg": torch.zeros_like(p),
                         "exp_avg_sq": torch.zeros_like(p)}  # fmt: skip
     sts = [state[p] for p in ps]
     tensors = (ps, [p.grad for p in ps], [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts])
     steps = [s["step"] for s in sts]
-    if not (_plain(*tensors) and all(t.dtype == F32 and t.device.type == "cpu" and t.numel() == 1 for t in steps)):
-        return False
-    if any(p.shape != e.shape for p, e in zip(ps, tensors[2])):
-        return False
     n = len(ps)
     arrays = [(ctypes.c_void_p * n)(*[t.data_ptr() for t in ts]) for ts in (*tensors, steps)]
     sizes = (ctypes.c_long * n)(*[p.numel() for p in ps])
@@ -73,13 +77,32 @@ def _step_in_c(opt, params, max_norm) -> bool:
     if lib.clip_adamw(*arrays, sizes, (ctypes.c_double * len(hyper))(*hyper), n, float(max_norm),
                       ctypes.byref(norm), torch.get_num_threads()):  # fmt: skip
         raise MemoryError("optim.c: no memory for the step's chunk list")
+    opt._opt_called = True  # what Optimizer.step's wrapper records for an LR scheduler's check
     return True
 
 
-def _plain(*lists) -> bool:
-    """Every tensor fp32, on the CPU, dense and contiguous, as the C reads and writes them."""
+def _hooked(opt) -> bool:
+    """Whether step hooks are registered (on this optimizer or on all): torch's step runs them."""
+    from torch.optim import optimizer as o
+
+    return bool(opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+                or o._global_optimizer_pre_hooks or o._global_optimizer_post_hooks)  # fmt: skip
+
+
+def _plain(*lists, shape=None) -> bool:
+    """Every tensor fp32, on the CPU, dense and contiguous, as the C reads and writes them (and
+    of `shape`, where given)."""
     return all(
-        t.dtype == F32 and t.layout == torch.strided and t.device.type == "cpu" and t.is_contiguous()
+        isinstance(t, torch.Tensor)
+        and t.dtype == F32
+        and t.layout == torch.strided
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and (shape is None or t.shape == shape)
         for ts in lists
         for t in ts
     )
+
+
+def _one_float(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == F32 and t.device.type == "cpu" and t.numel() == 1
