@@ -147,7 +147,7 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
         "attention_backward": [P] * 16 + [I, I, I, I, I, I, F, P, I],
     },
     "optim": {  # used by posbench/native/optim.py
-        "clip_adamw": (I, [P, P, P, P, P, P, P, I, F, P, I]),
+        "clip_adamw": (I, [P, P, P, P, P, P, P, I, F, I]),
     },
     "layers": {  # used by posbench/native/layers.py
         "gelu_forward": [P, P, N, I],

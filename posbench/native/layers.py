@@ -167,11 +167,9 @@ class NormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, w, b, add, eps):
-        x2 = x.reshape(-1, x.size(-1)).contiguous()  # (rows, C)
-        xn, stats, res = _layernorm(x2, ln_w, ln_b, eps, add, res_shape=x.shape)
-        out = torch.addmm(b, xn, w.t())  # (rows, out)
-        ctx.save_for_backward(x2, stats, xn, ln_w, w)
-        return out.view(*x.shape[:-1], w.size(0)), res  # res is its own tensor: LinearAdd writes it
+        out, res, kept = _norm_linear(x, ln_w, ln_b, w, b, add, eps)
+        ctx.save_for_backward(*kept, ln_w, w)  # x, stats, norm(x)
+        return out, res  # res is its own tensor (not a view): LinearAdd writes it in place
 
     @staticmethod
     @once_differentiable
@@ -188,6 +186,15 @@ class NormLinearFunction(torch.autograd.Function):
             d_x = d_x.view(d_res.shape)
         d_add = (d_r.sum(0) if d_add is None else d_add) if need[5] else None
         return d_x, d_lw, d_lb, d_w, d_b, d_add, None
+
+
+def _norm_linear(x, ln_w, ln_b, w, b, add, eps):
+    """NormLinearFunction's forward, and norm_linear's without gradients (the same bits): the
+    output, x + add, and what the backward needs (x, the rows' mean and 1 / std, norm(x))."""
+    x2 = x.reshape(-1, x.size(-1)).contiguous()  # (rows, C)
+    xn, stats, res = _layernorm(x2, ln_w, ln_b, eps, add, res_shape=x.shape)
+    out = torch.addmm(b, xn, w.t())  # (rows, out)
+    return out.view(*x.shape[:-1], w.size(0)), res, (x2, stats, xn)
 
 
 class LinearAddFunction(torch.autograd.Function):
@@ -223,11 +230,10 @@ def norm_linear(x: torch.Tensor, norm: nn.LayerNorm, linear: nn.Linear, add: tor
     tensors = [x, norm.weight, norm.bias, linear.weight, linear.bias, add] if fits else []
     if not fits or _lib(*tensors) is None:
         return linear(norm(x)), None
+    args = (x, norm.weight, norm.bias, linear.weight, linear.bias, add, norm.eps)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return NormLinearFunction.apply(x, norm.weight, norm.bias, linear.weight, linear.bias, add, norm.eps)
-    x2 = x.reshape(-1, x.size(-1)).contiguous()
-    xn, _, res = _layernorm(x2, norm.weight, norm.bias, norm.eps, add, res_shape=x.shape)
-    return torch.addmm(linear.bias, xn, linear.weight.t()).view(*x.shape[:-1], linear.out_features), res
+        return NormLinearFunction.apply(*args)
+    return _norm_linear(*args)[:2]  # evaluation: nothing kept
 
 
 def linear_add(y: torch.Tensor, linear: nn.Linear, x: torch.Tensor, res: Optional[torch.Tensor]) -> torch.Tensor:

@@ -3,7 +3,7 @@
  * amsgrad, not maximizing) over every parameter tensor in one call. torch takes ~30 calls of
  * its own for the clipping (a norm per tensor, then a scaling per tensor) and an optimizer step
  * whose Python costs as much as its kernel at posbench's sizes. The Python side, and the torch
- * path that is its reference and fallback, are in optim.py beside this; tests/test_native_layers.py
+ * path that is its reference and fallback, are in optim.py beside this; tests/test_native_optim.py
  * checks the two against each other.
  *
  *   norm   sqrt(sum of g^2 over every tensor), in double; coef = min(max_norm / (norm + 1e-6), 1)
@@ -41,11 +41,10 @@ static chunk_t *make_chunks(const long *n, int count, long *total) {
     return c;
 }
 
-/* hyper: per tensor lr, beta1, beta2, eps, weight_decay. norm_out: the gradients' global norm
- * (computed only with max_norm > 0; else left alone). Returns 1 if out of memory (nothing
+/* hyper: per tensor lr, beta1, beta2, eps, weight_decay. Returns 1 if out of memory (nothing
  * changed), else 0. */
 int clip_adamw(float *const *p, const float *const *g, float *const *m, float *const *v, float *const *step,
-               const long *n, const double *hyper, int count, float max_norm, float *norm_out, int threads) {
+               const long *n, const double *hyper, int count, float max_norm, int threads) {
     long nc = 0;
     chunk_t *c = make_chunks(n, count, &nc);
     double *sq = malloc(sizeof(double) * (nc ? nc : 1));
@@ -69,7 +68,6 @@ int clip_adamw(float *const *p, const float *const *g, float *const *m, float *c
         double total = 0.0;
         for (long k = 0; k < nc; k++) total += sq[k];
         const float norm = (float)sqrt(total);
-        *norm_out = norm;
         coef = max_norm / (norm + 1e-6f);
         coef = coef > 1.0f ? 1.0f : coef; /* a NaN stays NaN, as torch.clamp(max=1) */
     }

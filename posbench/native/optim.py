@@ -61,7 +61,8 @@ def _step_in_c(opt, params, max_norm) -> bool:
     state = opt.state
     for p in ps:  # an existing state must be one the C can update in place, every tensor of it
         st = state.get(p)
-        if st and not (_plain([st.get("exp_avg"), st.get("exp_avg_sq")], shape=p.shape) and _one_float(st.get("step"))):
+        if st and not (_plain([st.get("exp_avg"), st.get("exp_avg_sq")], shape=p.shape)
+                       and _plain([st.get("step")], shape=())):  # fmt: skip
             return False
     for p in ps:
         if p not in state:  # torch's own initial state (AdamW's, fused or not, on a CPU: a float32 step)
@@ -73,9 +74,8 @@ def _step_in_c(opt, params, max_norm) -> bool:
     n = len(ps)
     arrays = [(ctypes.c_void_p * n)(*[t.data_ptr() for t in ts]) for ts in (*tensors, steps)]
     sizes = (ctypes.c_long * n)(*[p.numel() for p in ps])
-    norm = ctypes.c_float(0.0)
     if lib.clip_adamw(*arrays, sizes, (ctypes.c_double * len(hyper))(*hyper), n, float(max_norm),
-                      ctypes.byref(norm), torch.get_num_threads()):  # fmt: skip
+                      torch.get_num_threads()):  # fmt: skip
         raise MemoryError("optim.c: no memory for the step's chunk list")
     opt._opt_called = True  # what Optimizer.step's wrapper records for an LR scheduler's check
     return True
@@ -102,7 +102,3 @@ def _plain(*lists, shape=None) -> bool:
         for ts in lists
         for t in ts
     )
-
-
-def _one_float(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype == F32 and t.device.type == "cpu" and t.numel() == 1
