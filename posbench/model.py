@@ -12,7 +12,7 @@ from posbench.attention import causal_attention
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.native import qkv_views
-from posbench.native.layers import MLP, linear_add, norm_linear  # C-fused on CPU; see layers.py
+from posbench.native.layers import MLP, grad_layout, linear_add, norm_linear  # C-fused on CPU; see layers.py
 from posbench.schemes import PositionalScheme, build_scheme
 
 
@@ -85,6 +85,10 @@ class TransformerLM(nn.Module):
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        for blk in self.blocks:  # after the init, so the same seed gives the same values
+            grad_layout(blk.mlp[0])
+            if cfg.dropout == 0:  # qkv's gradient comes from norm_linear's node (with dropout, torch's)
+                grad_layout(blk.attn.qkv)
 
     @staticmethod
     def _init(m):

@@ -590,3 +590,34 @@ def test_the_fused_attention_sides_keep_evaluation_memory(monkeypatch):
 
     monkeypatch.setattr(Block, "forward", plain_forward)
     assert fused <= eval_peak_memory_mb(model, 300) * 1.001
+
+
+@needs_kernel
+def test_weights_whose_gradient_comes_transposed_are_stored_so_and_train_to_the_same_bits():
+    """fc1's and qkv's (out > in) weights are stored as their gradients come from _weight_grad,
+    so autograd keeps each gradient as it is (a contiguous weight would get a copy). The values
+    and the training are a contiguous model's, bit for bit; the state_dict loads either way."""
+    torch.manual_seed(0)
+    model = TransformerLM(tiny("nope"))
+    torch.manual_seed(0)
+    plain = TransformerLM(tiny("nope"))
+    for p in plain.parameters():
+        p.data = p.data.contiguous()
+    transposed = {n for n, p in model.named_parameters() if not p.is_contiguous()}
+    layers_ = range(model.cfg.n_layer)
+    assert transposed == {f"blocks.{i}.{w}.weight" for i in layers_ for w in ("mlp.0", "attn.qkv")}
+    steps = [bench._train_step_fn(m, 2, 16) for m in (model, plain)]
+    for _ in range(3):
+        for step in steps:
+            step()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+        assert p.grad.stride() == p.stride(), name  # autograd kept the gradient as it came
+    again = TransformerLM(tiny("nope"))
+    again.load_state_dict(plain.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(again.parameters(), model.parameters()))
+    # with dropout, qkv's gradient comes from torch's Linear (contiguous): qkv stays contiguous
+    dropped = TransformerLM(tiny("nope", dropout=0.1))
+    assert {n for n, p in dropped.named_parameters() if not p.is_contiguous()} == {
+        f"blocks.{i}.mlp.0.weight" for i in layers_
+    }

@@ -241,3 +241,51 @@ def test_a_state_the_c_cannot_update_and_step_hooks_go_to_torch(monkeypatch):
     give_grads(ps, 0, 1.0)
     clip_and_step(opt, ps, 1.0)
     assert seen == [1] and calls[-1] is False
+
+
+def transposed(t):
+    """The same values, stored as the transpose of a contiguous tensor (grad_layout's layout)."""
+    return t.detach().t().contiguous().t().requires_grad_(t.requires_grad)
+
+
+@needs_kernel
+def test_weights_stored_transposed_step_in_c_as_torch_does(monkeypatch):
+    """A parameter stored transposed, with its gradient and state alike (as the model's fc1 and
+    qkv weights train): the C takes the step, element by element the same as torch's; a
+    gradient or a state laid out otherwise than its parameter goes to torch, the same bits."""
+    calls = counting(monkeypatch)
+    (a, oa), (b, ob) = setup(), setup()
+    for ps, opt in ((a, oa), (b, ob)):
+        ps[0].data = transposed(ps[0]).data  # (300, 70) with strides (1, 300)
+        ps[5].data = transposed(ps[5]).data
+    for step in range(4):
+        give_grads(a, step, 3.0)
+        give_grads(b, step, 3.0)
+        for ps in (a, b):
+            ps[0].grad, ps[5].grad = transposed(ps[0].grad), transposed(ps[5].grad)
+        clip_and_step(oa, a, 1.0)
+        torch_step(ob, b, 1.0)
+    assert calls == [True] * 4
+    assert oa.state[a[0]]["exp_avg"].stride() == a[0].stride() == (1, 300)
+    for x, y in zip(a, b):
+        assert close(x, y)
+    give_grads(a, 9, 3.0)  # contiguous gradients for transposed parameters: torch's step
+    give_grads(b, 9, 3.0)
+    clip_and_step(oa, a, 1.0)
+    torch_step(ob, b, 1.0)
+    assert calls[-1] is False and all(close(x, y) for x, y in zip(a, b))
+    for ps in (a, b):
+        ps[0].grad, ps[5].grad = transposed(ps[0].grad), transposed(ps[5].grad)
+    oa.state[a[0]]["exp_avg"] = oa.state[a[0]]["exp_avg"].contiguous()  # say, from an older checkpoint
+    ob.state[b[0]]["exp_avg"] = ob.state[b[0]]["exp_avg"].contiguous()
+    clip_and_step(oa, a, 1.0)
+    torch_step(ob, b, 1.0)
+    assert calls[-1] is False and all(close(x, y) for x, y in zip(a, b))
+
+
+def test_plain_is_dense_and_laid_out_like_its_parameter():
+    x = torch.zeros(4, 6)
+    assert optim._plain(x) and optim._plain(x.t()) and optim._plain(torch.zeros(()), like=optim._SCALAR)
+    assert not optim._plain(x[:, :3]) and not optim._plain(x[::2]) and not optim._plain(torch.zeros(6).expand(4, 6))
+    assert optim._plain(transposed(x), like=transposed(x)) and not optim._plain(x, like=transposed(x))
+    assert not optim._plain(x.double()) and not optim._plain(torch.zeros(4, 6, 1)[..., 0].t(), like=x)

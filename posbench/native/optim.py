@@ -4,7 +4,8 @@
 followed by `opt.step()`, for a torch.optim.AdamW, which stays the optimizer: its param groups,
 hyperparameters and state (step, exp_avg, exp_avg_sq, in torch's own format) are read and
 written as torch's step would, so either path may take any step. The C applies to fp32 CPU
-parameters, gradients and state, dense and contiguous, of an AdamW without amsgrad, maximize,
+parameters, gradients and state, dense and laid out alike (each gradient and state tensor as its
+parameter: grad_layout stores some weights transposed), of an AdamW without amsgrad, maximize,
 capturable or differentiable, with no step hooks, whose parameters are exactly `params`;
 anywhere else (a GPU among them) torch's two calls run, and the state is left for torch to
 make. At posbench's default size those two took ~1.3 ms of a ~23 ms step (28 norms, 28
@@ -56,13 +57,13 @@ def _step_in_c(opt, params, max_norm) -> bool:
     ids = {id(p) for p in ps}
     if count != len(params) or len(ids) != len(ps) or ids != {id(p) for p in params if p.grad is not None}:
         return False  # the clipping's set and the optimizer's differ (or repeat): torch's two calls
-    if not _plain(ps, [p.grad for p in ps]):
+    if not all(_plain(p) and _plain(p.grad, like=p) for p in ps):
         return False  # checked before the state is touched: a GPU's fused AdamW makes its own
     state = opt.state
     for p in ps:  # an existing state must be one the C can update in place, every tensor of it
         st = state.get(p)
-        if st and not (_plain([st.get("exp_avg"), st.get("exp_avg_sq")], shape=p.shape)
-                       and _plain([st.get("step")], shape=())):  # fmt: skip
+        if st and not (_plain(st.get("exp_avg"), like=p) and _plain(st.get("exp_avg_sq"), like=p)
+                       and _plain(st.get("step"), like=_SCALAR)):  # fmt: skip
             return False
     for p in ps:
         if p not in state:  # torch's own initial state (AdamW's, fused or not, on a CPU: a float32 step)
@@ -89,16 +90,21 @@ def _hooked(opt) -> bool:
                 or o._global_optimizer_pre_hooks or o._global_optimizer_post_hooks)  # fmt: skip
 
 
-def _plain(*lists, shape=None) -> bool:
-    """Every tensor fp32, on the CPU, dense and contiguous, as the C reads and writes them (and
-    of `shape`, where given)."""
-    return all(
-        isinstance(t, torch.Tensor)
-        and t.dtype == F32
-        and t.layout == torch.strided
-        and t.device.type == "cpu"
-        and t.is_contiguous()
-        and (shape is None or t.shape == shape)
-        for ts in lists
-        for t in ts
-    )
+_SCALAR = torch.tensor(0.0)  # what a step tensor must look like: 0-d
+
+
+def _plain(t, like: torch.Tensor | None = None) -> bool:
+    """Whether t is fp32, on the CPU and dense (its numel values one block from data_ptr, in
+    any order of dims), as the C reads and writes it; with `like`, also of like's shape and
+    strides, so that the C's i-th value of each is the same element."""
+    if not (isinstance(t, torch.Tensor) and t.dtype == F32 and t.layout == torch.strided and t.device.type == "cpu"):
+        return False
+    if like is not None and (t.shape != like.shape or t.stride() != like.stride()):
+        return False
+    step = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size > 1:
+            if stride != step:
+                return False
+            step *= size
+    return True
