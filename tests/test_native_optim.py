@@ -283,9 +283,11 @@ def test_weights_stored_transposed_step_in_c_as_torch_does(monkeypatch):
     assert calls[-1] is False and all(close(x, y) for x, y in zip(a, b))
 
 
-def test_plain_is_dense_and_laid_out_like_its_parameter():
+def test_plain_is_dense_and_alike_is_laid_out_like_its_parameter():
     x = torch.zeros(4, 6)
-    assert optim._plain(x) and optim._plain(x.t()) and optim._plain(torch.zeros(()), like=optim._SCALAR)
+    assert optim._plain(x) and optim._plain(x.t()) and optim._plain(torch.zeros(3, 4, 5).permute(2, 0, 1))
     assert not optim._plain(x[:, :3]) and not optim._plain(x[::2]) and not optim._plain(torch.zeros(6).expand(4, 6))
-    assert optim._plain(transposed(x), like=transposed(x)) and not optim._plain(x, like=transposed(x))
-    assert not optim._plain(x.double()) and not optim._plain(torch.zeros(4, 6, 1)[..., 0].t(), like=x)
+    assert not optim._plain(x.double()) and not optim._plain(x.to_sparse()) and not optim._plain(None)
+    assert optim._alike(transposed(x), transposed(x)) and not optim._alike(x, transposed(x))
+    assert optim._alike(torch.zeros(()), optim._SCALAR) and not optim._alike(torch.zeros(1), optim._SCALAR)
+    assert not optim._alike(x.double(), x) and not optim._alike(torch.zeros(6, 4), x) and not optim._alike(None, x)

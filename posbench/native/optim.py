@@ -57,13 +57,13 @@ def _step_in_c(opt, params, max_norm) -> bool:
     ids = {id(p) for p in ps}
     if count != len(params) or len(ids) != len(ps) or ids != {id(p) for p in params if p.grad is not None}:
         return False  # the clipping's set and the optimizer's differ (or repeat): torch's two calls
-    if not all(_plain(p) and _plain(p.grad, like=p) for p in ps):
-        return False  # checked before the state is touched: a GPU's fused AdamW makes its own
     state = opt.state
-    for p in ps:  # an existing state must be one the C can update in place, every tensor of it
-        st = state.get(p)
-        if st and not (_plain(st.get("exp_avg"), like=p) and _plain(st.get("exp_avg_sq"), like=p)
-                       and _plain(st.get("step"), like=_SCALAR)):  # fmt: skip
+    for p in ps:  # checked before the state is touched: a GPU's fused AdamW makes its own
+        if not (_plain(p) and _alike(p.grad, p)):
+            return False
+        st = state.get(p)  # an existing state must be one the C can update in place, every tensor of it
+        if st and not (_alike(st.get("exp_avg"), p) and _alike(st.get("exp_avg_sq"), p)
+                       and _alike(st.get("step"), _SCALAR)):  # fmt: skip
             return False
     for p in ps:
         if p not in state:  # torch's own initial state (AdamW's, fused or not, on a CPU: a float32 step)
@@ -93,14 +93,25 @@ def _hooked(opt) -> bool:
 _SCALAR = torch.tensor(0.0)  # what a step tensor must look like: 0-d
 
 
-def _plain(t, like: torch.Tensor | None = None) -> bool:
+# Both checks run for every tensor of every step (~140 at the default size): hence the cheapest
+# attributes (is_cpu, not device.type) and the layout walk only for what is not contiguous
+
+
+def _plain(t) -> bool:
     """Whether t is fp32, on the CPU and dense (its numel values one block from data_ptr, in
-    any order of dims), as the C reads and writes it; with `like`, also of like's shape and
-    strides, so that the C's i-th value of each is the same element."""
-    if not (isinstance(t, torch.Tensor) and t.dtype == F32 and t.layout == torch.strided and t.device.type == "cpu"):
-        return False
-    if like is not None and (t.shape != like.shape or t.stride() != like.stride()):
-        return False
+    any order of dims), as the C reads and writes it."""
+    ok = isinstance(t, torch.Tensor) and t.dtype is F32 and t.is_cpu and t.layout is torch.strided
+    return ok and (t.is_contiguous() or _dense(t))
+
+
+def _alike(t, like: torch.Tensor) -> bool:
+    """Whether t is fp32, on the CPU, of like's shape and strides: dense where like is, and the
+    C's i-th value of each is the same element."""
+    ok = isinstance(t, torch.Tensor) and t.dtype is F32 and t.is_cpu and t.layout is torch.strided
+    return ok and t.shape == like.shape and t.stride() == like.stride()
+
+
+def _dense(t) -> bool:
     step = 1
     for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
         if size > 1:
