@@ -1,66 +1,91 @@
-"""The one causal attention function every scheme goes through, blocked over queries."""
+"""Causal attention behind one switch, `model.attention`: eager, sdpa, native, flex, or auto.
+
+Every backend computes softmax(q.k / sqrt(d) + bias, future masked) v, where the bias comes
+from the scheme's `bias` hook. `eager` writes that formula out and is the reference; the others
+are tested equal to it. Queries are processed in blocks once T is long, so no (T, T) tensor per
+head is ever built and memory grows linearly with the length.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import functools
+import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from posbench import native
+from posbench.config import ATTENTION_BACKENDS as BACKENDS
 from posbench.errors import PosbenchError
 
-BiasFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
-AttendFn = Callable[..., Optional[torch.Tensor]]  # (q, k, v, qpos, kpos) -> output or None
 TINY_PROB = 1e-20  # BiasedAttention's probabilities below this are zeroed (subnormals are slow)
 
 
-def causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pos: torch.Tensor,
-    bias_fn: BiasFn,
-    block: Optional[int] = None,
-    attend_fn: Optional[AttendFn] = None,
-    packed: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """softmax(q.k / sqrt(d) + bias + causal mask) v over (B, H, T, D) tensors.
+def backend_for(name: str, device: torch.device, head_dim: int, compiled: bool = False) -> str:
+    """The backend that `name` runs as here. auto: the C kernels on a CPU in fp32 where they
+    build, else SDPA. A backend named outright that cannot run here is an error, never a quiet
+    substitute, because a run's records name the backend that computed it."""
+    if name not in BACKENDS:
+        raise PosbenchError(f"model.attention={name!r}: expected one of {', '.join(BACKENDS)}")
+    compiling = compiled or torch.compiler.is_compiling()  # the tracer cannot follow pointers into C
+    why_not_native = native.why_not(head_dim, device, compiling)
+    if name == "auto":
+        return "sdpa" if why_not_native else "native"
+    if name == "native" and why_not_native:
+        raise PosbenchError(f"model.attention=native cannot run here: {why_not_native}; use auto, sdpa or eager")
+    return name
 
-    With `block`, queries are processed `block` at a time against the keys they can see, so no
-    (T, T) tensor per head is ever built and memory grows linearly with T. `packed`: the (B, T, 3C)
-    projection whose views q, k and v are, if they are (see native.attention).
-    """
+
+def causal_attention(q, k, v, pos, scheme, layer: int, backend: str, block: Optional[int] = None):
+    """Attention over (B, H, T, D) tensors with `scheme`'s bias, `block` queries at a time."""
     T = q.size(2)
     if block is None or T <= block:
-        return _attend(q, k, v, pos, pos, 0, bias_fn, attend_fn, packed)
+        return _attend(q, k, v, pos, pos, 0, scheme, layer, backend)
     out = []
     for s in range(0, T, block):
         e = min(s + block, T)
-        out.append(_attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], pos[s:e], pos[:e], s, bias_fn, attend_fn))
+        out.append(_attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], pos[s:e], pos[:e], s, scheme, layer, backend))
     return torch.cat(out, dim=2)  # (B, H, T, D)
 
 
-def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn, attend_fn=None, packed=None) -> torch.Tensor:
-    """Queries q0..q0+Tq-1 attend to keys 0..Tk-1."""
-    if attend_fn is not None:
-        out = attend_fn(q, k, v, qpos, kpos)
+def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> torch.Tensor:
+    """Queries q0..q0+Tq-1 attend to keys 0..Tk-1 (q0 + Tq = Tk)."""
+    if backend == "native":  # a scheme's own kernel first; None declines
+        out = scheme.attend(q, k, v, qpos, kpos, layer)
         if out is not None:
             want = (*q.shape[:3], v.size(-1))  # (B, H, Tq, D)
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise PosbenchError(f"the scheme's attend returned {got}, expected None or shape {want}")
             return out
+    bias = scheme.bias(q, k, qpos, kpos, layer)  # None or (B or 1, H, Tq, Tk)
+    return ATTENTION[backend](q, k, v, bias, q0)
+
+
+def future_mask(Tq: int, Tk: int, q0: int, device) -> torch.Tensor:
+    """(Tq, Tk), True where key j is in query q0+i's future. Causality is by index, not by
+    position value, so schemes may renumber positions."""
+    qi = torch.arange(q0, q0 + Tq, device=device)
+    return torch.arange(Tk, device=device)[None, :] > qi[:, None]
+
+
+def eager(q, k, v, bias, q0: int) -> torch.Tensor:
+    """The formula as written, left to autograd: the reference for every other backend."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.size(-1) ** -0.5  # (B, H, Tq, Tk)
+    if bias is not None:
+        scores = scores + bias
+    scores = scores.masked_fill(future_mask(q.size(2), k.size(2), q0, q.device), float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)  # (B, H, Tq, D)
+
+
+def sdpa(q, k, v, bias, q0: int) -> torch.Tensor:
+    """torch's scaled_dot_product_attention; a bias that needs its gradient goes through
+    BiasedAttention, since SDPA cannot return a mask's gradient."""
     Tq, Tk = q.size(2), k.size(2)
-    bias = bias_fn(q, k, qpos, kpos)  # None or (B or 1, H, Tq, Tk)
-    out = native.attention(q, k, v, bias, q0, packed)  # fp32 on a CPU: the C kernel, fused
-    if out is not None:
-        return out
     if bias is None and Tq == Tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    # causality is by index, not by position value, so schemes may renumber positions
-    qi = torch.arange(q0, q0 + Tq, device=q.device)
-    future = torch.arange(Tk, device=q.device)[None, :] > qi[:, None]  # (Tq, Tk)
+    future = future_mask(Tq, Tk, q0, q.device)
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=~future)
     # an additive 0/-inf mask: adding it is ~7x faster than masked_fill with a broadcast bool mask
@@ -69,11 +94,53 @@ def _attend(q, k, v, qpos, kpos, q0: int, bias_fn: BiasFn, attend_fn=None, packe
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias + mask)
     if q.device.type == "cuda" and bias.size(0) == q.size(0) > 1:
         # on a GPU, SDPA's memory-efficient kernel returns a float mask's gradient itself and
-        # never keeps the (T, T) probabilities. Only for a bias per batch row (XL's): a bias
-        # shared by the batch (T5's) ran 1.5x slower that way than through the math path below
-        # (H100, 12 layers, d_model 768, T=1024, batch 16)
+        # never keeps the (T, T) probabilities; for a bias per batch row (XL's) it is faster
+        # than the math below, for a bias shared by the batch (T5's) slower
         return F.scaled_dot_product_attention(q, k, v, attn_mask=(bias + mask).to(q.dtype))
     return BiasedAttention.apply(q, k, v, bias, mask)
+
+
+def native_attention(q, k, v, bias, q0: int) -> torch.Tensor:
+    """posbench/native/attention.c, fused (see posbench/native/__init__.py)."""
+    out = native.attention(q, k, v, bias, q0)
+    if out is None:
+        shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, bias {None if bias is None else tuple(bias.shape)}"
+        raise PosbenchError(f"model.attention=native: the C kernel cannot take these tensors ({shapes}, "
+                            f"{q.dtype}); use auto, sdpa or eager")  # fmt: skip
+    return out
+
+
+def flex(q, k, v, bias, q0: int) -> torch.Tensor:
+    """torch's FlexAttention, the bias read by a score_mod and the causal mask as a block mask.
+    Compiled on a GPU; on a CPU torch runs its unfused reference, which suits checking, not speed."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    Tq, Tk = q.size(2), k.size(2)
+
+    def causal(b, h, i, j):
+        return i + q0 >= j
+
+    score_mod = None
+    if bias is not None:
+        batched = bias.size(0) > 1
+
+        def score_mod(score, b, h, i, j):
+            return score + bias[b if batched else 0, h, i, j]
+
+    mask = create_block_mask(causal, None, None, Tq, Tk, device=q.device)
+    with warnings.catch_warnings():  # uncompiled on a CPU, by choice
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return _flex_fn(q.device.type)(q, k, v, score_mod=score_mod, block_mask=mask)
+
+
+@functools.cache
+def _flex_fn(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+
+
+ATTENTION = {"eager": eager, "sdpa": sdpa, "native": native_attention, "flex": flex}
 
 
 class BiasedAttention(torch.autograd.Function):

@@ -19,16 +19,16 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
-from posbench.native.layers import cross_entropy
-from posbench.native.optim import clip_and_step
-from posbench.run import autocast
+from posbench.files import write_rows
+from posbench.train import autocast
 
 BENCH_COLUMNS = ["scheme", "measurement", "tokens_per_s", "ratio_vs_nope", "mfu",
-                 "peer_tokens_per_s", "peer_ratio", "eval_len", "peak_mem_mb", "device"]  # fmt: skip
+                 "peer_tokens_per_s", "peer_ratio", "eval_len", "peak_mem_mb", "device", "attention"]  # fmt: skip
 EVAL_MULTIPLES = (1, 4, 16, 64)
 PEERS = ("x-transformers",)
 
@@ -75,8 +75,8 @@ def model_flops_per_token(cfg: ModelConfig, model: nn.Module) -> float:
 
 
 def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], None]:
-    """One AdamW step on random tokens, on the model's device, as run.py trains (bf16 autocast
-    on a GPU, fp32 on a CPU)."""
+    """One AdamW step on random tokens, on the model's device, as posbench/train.py trains (bf16
+    autocast on a GPU, fp32 on a CPU); posbench's models and the peer's take the same step."""
     device = next(model.parameters()).device
     params = list(model.parameters())  # once: model.parameters() walks every module each call
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
@@ -86,12 +86,11 @@ def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], No
     def step():
         with autocast(device):
             logits = model(x[:, :-1])  # (B, T, V)
-            # F.cross_entropy through layers.c on CPU, for posbench and the peer alike: the same
-            # loss on the same logits, so the peer ratio compares the models, not the loss
-            loss = cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+            loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        clip_and_step(opt, params, 1.0)  # clip_grad_norm_ and opt.step(), in C on CPU, as run.py
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
 
     return step
 
@@ -267,7 +266,7 @@ def run_bench(
             "ratio_vs_nope": sec["nope"] / sec[s],
             "mfu": tps * model_flops_per_token(models[s].cfg, models[s]) / peak,
             "peer_tokens_per_s": peer_tps, "peer_ratio": tps / peer_tps if peer_tps else None,
-            "device": device_name(device),
+            "device": device_name(device), "attention": models[s].backend(device),
         })  # fmt: skip
     longest = max(settings.multiples) * T
     for s in schemes:
@@ -284,7 +283,7 @@ def run_bench(
             else:
                 mb = eval_peak_memory_mb(model, L)
             rows.append({"scheme": s, "measurement": "eval", "eval_len": L, "peak_mem_mb": mb,
-                         "device": device_name(device)})  # fmt: skip
+                         "device": device_name(device), "attention": model.backend(device)})  # fmt: skip
     return rows, peak
 
 
@@ -302,8 +301,6 @@ def device_name(device: torch.device) -> str:
 def write_bench(rows: list[dict], path) -> None:
     """bench.csv: one row per (scheme, measurement); blank where a value does not apply."""
     from pathlib import Path
-
-    from posbench.run import write_rows
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import os
 import sys
@@ -161,16 +160,23 @@ def _comparison_table(table, title: str) -> Table:
 def _print_summary(exp: Path) -> None:
     from posbench.report import write_summary
 
+    from posbench.report import backends_note
+
     df, configs, table = write_summary(exp)
     train_len = int(df["train_len"].iloc[0])
     protocol = configs[0].eval.protocol
-    out.print(_comparison_table(table, f"perplexity, trained at {train_len} ({protocol})"))
+    title = f"perplexity, trained at {train_len} ({protocol}; attention: {backends_note(df)})"
+    out.print(_comparison_table(table, title))
     for name in ("summary.csv", "summary.md", "summary.png"):
         if (exp / name).exists():
             out.print(f"wrote {exp / name}", highlight=False)
 
 
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: key=value")]
+AttentionOpt = Annotated[
+    Optional[str], typer.Option(help="attention backend: auto, eager, sdpa, native or flex (model.attention)")
+]
+Compile = Annotated[bool, typer.Option("--compile", help="torch.compile for training (off: no gain on CPU)")]
 
 
 @app.command()
@@ -184,90 +190,82 @@ def extrapolate(
     set_: Sets = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda")] = None,
+    attention: AttentionOpt = None,
     rope_scaling: Annotated[
         Optional[str], typer.Option(help="also score rope runs scaled at evaluation, e.g. yarn,ntk")
     ] = None,
     rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L)")] = None,
-    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile for training (off: no gain on CPU)")] = False,
+    compile_: Compile = False,
 ):
     """Train one model per scheme at the training length and compare them at longer lengths."""
-    from posbench.run import run_experiment
+    from posbench.runs import check_experiment, run_experiment
 
     with user_errors():
-        sets = []
-        if train_len is not None:
-            sets.append(f"model.train_len={train_len}")
-        if schemes is not None:
-            sets.append(f"schemes={json.dumps(_scheme_list(schemes))}")  # quoted: YAML reads it as given
-        if seeds is not None:
-            sets.append(f"seeds={_csv_ints(seeds, '--seeds')}")
-        if lengths is not None:
-            sets.append(f"eval.lengths={_csv_ints(lengths, '--lengths')}")
-        if threads is not None:
-            sets.append(f"train.threads={threads}")
-        if device is not None:
-            sets.append(f"train.device={device}")
-        if rope_scaling is not None:
-            sets.append(f"eval.rope_scaling=[{','.join(_csv_names(rope_scaling))}]")
-        if rope_factor is not None:
-            sets.append(f"eval.rope_factor={rope_factor}")
-        if compile_:
-            sets.append("train.compile=true")
-        sets += set_ or []
         if test_len is not None and lengths is not None:
             raise PosbenchError("--test-len and --lengths both set the evaluation lengths; give one")
-        if test_len is not None:
-            L = train_len or load_config(config, [s for s in sets if s.startswith("model.")]).model.train_len
-            sets.insert(0, f"eval.lengths={length_grid(L, test_len)}")
-        cfg = load_config(config, sets)
+        values = {
+            "model.train_len": train_len,
+            "schemes": _scheme_list(schemes) if schemes is not None else None,
+            "seeds": _csv_ints(seeds, "--seeds"),
+            "eval.lengths": _csv_ints(lengths, "--lengths"),
+            "train.threads": threads,
+            "train.device": device,
+            "model.attention": attention,
+            "eval.rope_scaling": _csv_names(rope_scaling) if rope_scaling is not None else None,
+            "eval.rope_factor": rope_factor,
+            "train.compile": compile_ or None,
+        }
+        if test_len is not None:  # the grid runs from the training length the rest resolves to
+            L = load_config(config, set_ or [], values).model.train_len
+            values["eval.lengths"] = length_grid(L, test_len)
+        cfg = load_config(config, set_ or [], values, check=check_experiment)
         _kernel_notes(cfg)
         exp = run_experiment(cfg, BarReporter(err))
         _print_summary(exp)
 
 
 def _kernel_notes(cfg) -> None:
-    """Build the C kernels once, here, before any worker starts; say which cannot run."""
+    """Build the C kernels once, here, before any worker starts; say where auto cannot use them."""
     from posbench import native
-    from posbench.run import pick_device
+    from posbench.train import pick_device
 
-    if pick_device(cfg.train.device).type != "cpu":
-        return  # on a GPU every scheme takes torch's own kernels
-    for name in native.KERNELS:
-        if name == "cope" and "cope" not in cfg.schemes or native.load(name) is not None:
-            continue
-        what = ("cope trains on its PyTorch path, about 1.4x slower" if name == "cope" else
-                f"training takes PyTorch's ops where {name}.c would run, a few % slower")  # fmt: skip
-        err.print(f"note: {what}: its C kernel cannot run ({native.unavailable[name]})",
+    device = pick_device(cfg.train.device)
+    if cfg.model.attention != "auto" or device.type != "cpu":
+        return  # a backend named outright is checked when the model runs; a GPU takes SDPA
+    why = native.why_not(cfg.model.head_dim, device)
+    if why:
+        err.print(f"note: attention runs on SDPA, a few times slower on a CPU: the native backend cannot run ({why})",
                   highlight=False, markup=False)  # fmt: skip
+    elif "cope" in cfg.schemes and native.load("cope") is None:
+        err.print(f"note: cope trains on its PyTorch bias, several times slower: its C kernel cannot run "
+                  f"({native.unavailable['cope']})", highlight=False, markup=False)  # fmt: skip
 
 
 @app.command()
 def train(
-    config: Annotated[Path, typer.Argument(help="a YAML config")],
-    scheme: Annotated[Optional[str], typer.Option(help="which scheme (a name or module:Class)")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="which seed")] = None,
+    config: Annotated[Optional[Path], typer.Argument(help="a YAML config (default: the defaults)")] = None,
+    scheme: Annotated[Optional[str], typer.Option(help="one scheme (a name or module:Class)")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="one seed")] = None,
     set_: Sets = None,
-    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile for training (off: no gain on CPU)")] = False,
+    attention: AttentionOpt = None,
+    compile_: Compile = False,
 ):
-    """Train (and evaluate at the config's lengths) one run of a config."""
-    from posbench.run import run_experiment, run_name
+    """Train (and evaluate at the config's lengths) the runs of a config, or one of them."""
+    from posbench.runs import check_experiment, run_experiment, run_name
 
     with user_errors():
-        sets = ["train.compile=true"] if compile_ else []
-        sets += list(set_ or [])
-        if scheme is not None:
-            sets.append(f"schemes={json.dumps([scheme])}")
-        if seed is not None:
-            sets.append(f"seeds=[{seed}]")
-        cfg = load_config(config, sets)
-        if len(cfg.schemes) * len(cfg.seeds) != 1:
-            raise PosbenchError(
-                f"{config} names {len(cfg.schemes)} schemes and {len(cfg.seeds)} seeds; "
-                "pick one run with --scheme and --seed"
-            )
+        values = {
+            "schemes": [scheme] if scheme is not None else None,
+            "seeds": [seed] if seed is not None else None,
+            "model.attention": attention,
+            "train.compile": compile_ or None,
+        }
+        cfg = load_config(config, set_ or [], values, check=check_experiment)
         _kernel_notes(cfg)
         exp = run_experiment(cfg, BarReporter(err))
-        out.print(f"run folder: {exp / run_name(cfg.schemes[0], cfg.seeds[0])}", highlight=False)
+        for s in cfg.schemes:
+            for n in cfg.seeds:
+                out.print(f"run folder: {exp / run_name(s, n)}", highlight=False)
         _print_summary(exp)
 
 
@@ -281,12 +279,13 @@ def evaluate(
     ] = None,
     rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L per length)")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (default: the run's)")] = None,
+    attention: AttentionOpt = None,
 ):
     """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
 
     --rope-scaling yarn also scores the rope checkpoint rescaled at evaluation time (rows
     rope+yarn), beside plain rope, at these lengths and the training length."""
-    from posbench.run import evaluate_run
+    from posbench.runs import evaluate_run
 
     with user_errors():
         _set_threads(threads)
@@ -294,8 +293,9 @@ def evaluate(
         if rope_factor is not None and not kinds:
             raise PosbenchError("--rope-factor needs --rope-scaling, e.g. --rope-scaling yarn")
         Ls = _csv_ints(lengths, "--lengths")
-        rc, rows = evaluate_run(run_dir, Ls, kinds or [None], rope_factor, device)
-        t = Table(title=f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}")
+        rc, rows = evaluate_run(run_dir, Ls, kinds or [None], rope_factor, device, attention)
+        how = rows[0]["attention"] if rows else rc.model.attention
+        t = Table(title=f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}; attention {how}")
         for c in ("scheme", "length", "loss", "ppl", "status"):
             t.add_column(c, justify="left" if c == "scheme" else "right")
         for r in rows:
@@ -337,6 +337,7 @@ def bench(
     set_: Sets = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (default: the config's train.device)")] = None,
+    attention: AttentionOpt = None,
     rounds: Annotated[Optional[int], typer.Option(help="interleaved timing rounds (default 30; 1 with --quick)")] = None,
     out_file: Annotated[Path, typer.Option("--out", help="the CSV to write, or a folder for bench.csv")] = Path(
         "results/bench/bench.csv"
@@ -346,19 +347,21 @@ def bench(
     import torch
 
     from posbench.bench import BenchSettings, run_bench, write_bench
-    from posbench.run import pick_device
+    from posbench.runs import check_experiment
+    from posbench.train import pick_device
 
     with user_errors(on_interrupt="nothing was written; an earlier bench.csv is kept"):
-        sets = list(set_ or [])
-        if schemes is not None:
-            sets.append(f"schemes={json.dumps(_scheme_list(schemes))}")  # quoted: YAML reads it as given
-        if device is not None:
-            sets.append(f"train.device={device}")  # checked with the config's own
-        # the bench evaluates at its own multiples of train_len and never reads eval.*, so the
-        # config's test lengths must not stop a longer train_len (--set model.train_len=1024
-        # against the default [100..200]): one length longer than any train_len, and its tokens
-        sets += [f"eval.lengths=[{2**40}]", f"eval.tokens={2**40}"]
-        cfg = load_config(config, sets)
+        values = {
+            "schemes": _scheme_list(schemes) if schemes is not None else None,
+            "train.device": device,  # checked with the config's own
+            "model.attention": attention,
+            # the bench evaluates at its own multiples of train_len and never reads eval.*, so the
+            # config's test lengths must not stop a longer train_len (--set model.train_len=1024
+            # against the default [100..200]): one length longer than any train_len, and its tokens
+            "eval.lengths": [2**40],
+            "eval.tokens": 2**40,
+        }
+        cfg = load_config(config, set_ or [], values, check=check_experiment)
         _set_threads(threads)
         dev = pick_device(cfg.train.device, "bench takes --device cpu")
         out_file = _writable_csv(out_file)  # before the minutes of timing, not after
@@ -372,11 +375,7 @@ def bench(
                                options=cfg.scheme_options, device=dev)  # fmt: skip
         write_bench(rows, out_file)
         out.print(_bench_table(rows, peak, cfg.model, dev, peer))
-        from posbench import native
-
-        for name, why in native.unavailable.items():  # its scheme's row is the PyTorch path's speed
-            out.print(f"note: the {name} C kernel did not run ({why}); {name} used its PyTorch path",
-                      highlight=False, markup=False)  # fmt: skip
+        _kernel_notes(cfg)
         out.print(f"wrote {out_file}", highlight=False)
 
 
@@ -397,6 +396,10 @@ def _writable_csv(path: Path) -> Path:
     return path
 
 
+def _backends(rows) -> str:
+    return ", ".join(sorted({r["attention"] for r in rows}))
+
+
 def _bench_table(rows, peak, mc, device, peer) -> Table:
     train = [r for r in rows if r["measurement"] == "train"]
     lengths = sorted({r["eval_len"] for r in rows if r["measurement"] == "eval"})
@@ -408,7 +411,7 @@ def _bench_table(rows, peak, mc, device, peer) -> Table:
         peak_text = f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s"
     t = Table(
         title=f"posbench bench: {mc.n_layer} layers, d_model {mc.d_model}, {mc.n_head} heads, "
-        f"T={mc.train_len}; {where}; {peak_text}" + (f"; peer: {peer}" if peer else ""),
+        f"T={mc.train_len}; {where}; attention {_backends(rows)}; {peak_text}" + (f"; peer: {peer}" if peer else ""),
         caption="eval memory: peak tensor memory of one no-grad forward, batch 1",
     )
     cols = ["scheme", "tokens/s", "x NoPE", "MFU"]

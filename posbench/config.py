@@ -10,13 +10,16 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
 from posbench.errors import PosbenchError
 
+Check = Callable[["ExperimentConfig"], None]
+
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]
+ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "native", "flex")  # see posbench/attention.py
 
 
 @dataclass
@@ -31,6 +34,9 @@ class ModelConfig:
     vocab_size: int = 256  # bytes
     dropout: float = 0.0  # off: short runs on a small corpus barely overfit
     options: dict = field(default_factory=dict)  # the scheme's own options, e.g. t5 max_distance
+    # the attention call: auto (the C kernels on a CPU in fp32, else SDPA), eager (the plain
+    # formula, the reference), sdpa, native or flex; a run's records name the one that ran
+    attention: str = "auto"
 
     def __post_init__(self):
         _positive(self, "model", ["n_layer", "n_head", "d_model", "train_len", "vocab_size"])
@@ -40,6 +46,10 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise PosbenchError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise PosbenchError(
+                f"model.attention={self.attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}"
+            )
         if self.vocab_size < 256:
             raise PosbenchError(f"model.vocab_size={self.vocab_size}: the corpus is bytes, so it must be >= 256")
         check_trainable(self, bytes_per_param=4)  # its weights alone; training checks for 16
@@ -155,28 +165,9 @@ class ExperimentConfig:
             raise PosbenchError("seeds is empty")
         _unique(self.schemes, "schemes")  # the same run twice: two writers of one folder
         _unique(self.seeds, "seeds")
-        import torch
-
-        for seed in self.seeds:
-            try:
-                torch.Generator().manual_seed(seed)
-            except (RuntimeError, OverflowError, ValueError):
-                raise PosbenchError(f"seeds: {seed} is not a seed torch takes") from None
-        from posbench.schemes import SCHEMES, build_scheme, resolve_scheme
-
-        for s in self.schemes:
-            build_scheme(self.model_for(s))  # builds it once: bad options fail here, early
-        for s, opts in self.scheme_options.items():  # options of unselected schemes are kept, checked
-            if s not in self.schemes:
-                resolve_scheme(s).validate_options(opts, where=f"scheme_options.{s}")
-        known = {v for c in [*SCHEMES.values(), *map(resolve_scheme, self.schemes)] for v in c.eval_variants}
-        for kind in self.eval.rope_scaling:
-            if kind not in known:
-                close = difflib.get_close_matches(kind, sorted(known), n=1, cutoff=0.5)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise PosbenchError(
-                    f"eval.rope_scaling: unknown kind '{kind}'{hint}; valid: {', '.join(sorted(known))}"
-                )
+        for seed in self.seeds:  # the range torch.manual_seed takes
+            if not -(2**63) <= seed < 2**64:
+                raise PosbenchError(f"seeds: {seed} is not a seed torch takes")
         # the training length, the base of every ratio, is always scored; columns read in order
         self.eval.lengths = sorted({self.model.train_len, *self.eval.lengths})
         short = [n for n in self.eval.lengths if n < self.model.train_len]
@@ -335,9 +326,14 @@ def _build(cls, raw: dict, where: str = ""):
     return cls(**kwargs)
 
 
-def config_from_dict(raw: dict, source: Optional[str] = None) -> ExperimentConfig:
+def config_from_dict(raw: dict, source: Optional[str] = None, check: Optional[Check] = None) -> ExperimentConfig:
+    """A validated config from a raw dict; `check` adds checks that need more than this module
+    (posbench.runs.check_experiment builds every scheme once)."""
     try:
-        return _build(ExperimentConfig, raw)
+        cfg = _build(ExperimentConfig, raw)
+        if check is not None:
+            check(cfg)
+        return cfg
     except PosbenchError as e:
         raise PosbenchError(f"{source}: {e}" if source else str(e)) from None
 
@@ -386,13 +382,18 @@ def apply_override(raw: dict, assignment: str) -> None:
     if "=" not in assignment:
         raise PosbenchError(f"--set {assignment!r}: expected key=value, e.g. train.steps=300")
     key, text = assignment.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise PosbenchError(f"--set {assignment!r}: the key is empty")
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
+    assign(raw, key.strip(), value, f"--set {assignment!r}")
+
+
+def assign(raw: dict, key: str, value: Any, where: Optional[str] = None) -> None:
+    """raw[a][b] = value for the dotted key a.b, making sections as needed."""
+    where = where or key
+    if not key:
+        raise PosbenchError(f"{where}: the key is empty")
     node = raw
     parts = key.split(".")
     for p in parts[:-1]:
@@ -403,24 +404,34 @@ def apply_override(raw: dict, assignment: str) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> ExperimentConfig:
-    """Defaults, then the YAML file (if any), then each --set override, validated together."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] = (),
+    values: Optional[dict[str, Any]] = None,
+    check: Optional[Check] = None,
+) -> ExperimentConfig:
+    """Defaults, then the YAML file (if any), then the command line's typed `values` (dotted key
+    -> value), then each --set override, validated together (with `check`, if given)."""
     raw = read_yaml(path) if path else {}
     file_alone = copy.deepcopy(raw)
-    if any(o.startswith("schemes=") for o in overrides) and isinstance(raw.get("model"), dict):
+    values = {k: v for k, v in (values or {}).items() if v is not None}
+    new_schemes = "schemes" in values or any(o.startswith("schemes=") for o in overrides)
+    if new_schemes and isinstance(raw.get("model"), dict):
         # a run's own config.yaml names its scheme twice; a new choice of schemes replaces both
         raw["model"].pop("scheme", None)
         raw["model"].pop("options", None)
+    for key, value in values.items():
+        assign(raw, key, copy.deepcopy(value))
     for o in overrides:
         apply_override(raw, o)
     try:
-        return config_from_dict(raw)
+        return config_from_dict(raw, check=check)
     except PosbenchError as e:
         # say where the bad value came from: the file, or the command line's flags and --set
         blame = str(path) if path else "config"
-        if overrides:
+        if overrides or values:
             try:
-                config_from_dict(file_alone)
+                config_from_dict(file_alone, check=check)
                 blame = "command line"
             except PosbenchError as alone:
                 if str(alone) != str(e):  # the file has its own fault, but this one is the flags'

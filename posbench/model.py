@@ -1,19 +1,24 @@
-"""A small pre-LayerNorm decoder-only transformer LM that calls a scheme's three hooks."""
+"""The transformer: a small pre-LayerNorm decoder-only LM, plain PyTorch, that calls a scheme's hooks.
+
+Edit this file to change the model: the MLP, the norm, the init. Positional schemes plug in
+through their hooks (posbench/schemes/), and attention through the backend named by
+model.attention (posbench/attention.py).
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.nn import functional as F
 
-from posbench.attention import causal_attention
+from posbench.attention import backend_for, causal_attention
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
-from posbench.native import qkv_views
-from posbench.native.layers import MLP, grad_layout, linear_add, norm_linear  # C-fused on CPU; see layers.py
 from posbench.schemes import PositionalScheme, build_scheme
+
+Norm = nn.LayerNorm  # every block's two norms and the final one; nn.RMSNorm works as well
 
 
 class Attention(nn.Module):
@@ -24,47 +29,42 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.scheme = [scheme]  # a list, so the shared scheme is not registered once per layer
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, block, norm: Optional[nn.LayerNorm] = None) -> torch.Tensor:
-        """attn(x), or with `norm`, x + attn(norm(x)): the LayerNorm, the projections and the
-        residual then run in C-fused nodes on a CPU (layers.norm_linear, layers.linear_add)."""
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, backend: str, block) -> torch.Tensor:
         B, T, C = x.size()
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         scheme = self.scheme[0]
-        if norm is None:
-            qkv, res = self.qkv(x), None  # (B, T, 3C)
-        else:
-            qkv, res = norm_linear(x, norm, self.qkv, self.proj.bias)  # res: x + the proj's bias, or None
-        q, k, v = qkv_views(qkv, self.n_head)  # (B, nh, T, hs)
-        q2, k2 = scheme.rotate(q, k, pos, self.layer)
-        # unrotated, the attention kernel may take qkv whole (one gradient tensor, no split backward)
-        packed = qkv if q2 is q and k2 is k else None
+        q, k = scheme.rotate(q, k, pos, self.layer)
+        y = causal_attention(q, k, v, pos, scheme, self.layer, backend, block)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side again
+        return self.proj(y)
 
-        def bias_fn(qb, kb, qpos, kpos):
-            return scheme.bias(qb, kb, qpos, kpos, self.layer)
 
-        def attend_fn(qb, kb, vb, qpos, kpos):
-            return scheme.attend(qb, kb, vb, qpos, kpos, self.layer)
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
-        y = causal_attention(q2, k2, v, pos, bias_fn, block, attend_fn, packed)  # (B, nh, T, hs)
-        if norm is not None:
-            return linear_add(y, self.proj, x, res)  # x + proj(y)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, scheme: PositionalScheme):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.ln1 = Norm(cfg.d_model)
         self.attn = Attention(cfg, layer, scheme)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg.d_model, 4 * cfg.d_model)  # Linear, GELU, Linear: one C-fused node on CPU
+        self.ln2 = Norm(cfg.d_model)
+        self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, pos, block):
-        if self.drop.p == 0 or not self.training:  # the LayerNorms and residual adds fused in on CPU
-            x = self.attn(x, pos, block, norm=self.ln1)  # x + attn(ln1(x))
-            return self.mlp(x, self.ln2, residual=True)  # x + mlp(ln2(x))
-        x = x + self.drop(self.attn(self.ln1(x), pos, block))
-        return x + self.drop(self.mlp(x, self.ln2))
+    def forward(self, x, pos, backend, block):
+        x = x + self.drop(self.attn(self.ln1(x), pos, backend, block))
+        x = x + self.drop(self.mlp(self.ln2(x)))
+        return x
 
 
 class TransformerLM(nn.Module):
@@ -77,18 +77,14 @@ class TransformerLM(nn.Module):
         self.scheme = build_scheme(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i, self.scheme) for i in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = Norm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied, as in GPT-2 and nanoGPT
         self.attn_block = 256  # queries per attention block once T exceeds it (linear memory)
         self.apply(self._init)
-        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+        for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.startswith("blocks.") and name.endswith("proj.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
-        for blk in self.blocks:  # after the init, so the same seed gives the same values
-            grad_layout(blk.mlp[0])
-            if cfg.dropout == 0:  # qkv's gradient comes from norm_linear's node (with dropout, torch's)
-                grad_layout(blk.attn.qkv)
 
     @staticmethod
     def _init(m):
@@ -101,6 +97,10 @@ class TransformerLM(nn.Module):
     def max_len(self):
         return self.scheme.max_len
 
+    def backend(self, device: torch.device, compiled: bool = False) -> str:
+        """The attention backend model.attention runs as on `device` (see attention.backend_for)."""
+        return backend_for(self.cfg.attention, device, self.cfg.head_dim, compiled)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         B, T = tokens.size()
         if self.max_len is not None and T > self.max_len:
@@ -108,11 +108,12 @@ class TransformerLM(nn.Module):
                 f"scheme '{self.cfg.scheme}' cannot represent position {T - 1}: "
                 f"it encodes at most {self.max_len} positions"
             )
+        backend = self.backend(tokens.device)
         pos = self.scheme.positions(T, tokens.device)  # (T,)
         x = self.drop(self.scheme.embed(self.tok(tokens), pos))  # (B, T, C)
         block = self.attn_block if T > self.attn_block else None
         for blk in self.blocks:
-            x = blk(x, pos, block)
+            x = blk(x, pos, backend, block)
         return self.head(self.ln_f(x))  # (B, T, V)
 
     def num_params(self) -> int:

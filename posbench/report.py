@@ -9,8 +9,9 @@ import pandas as pd
 
 from posbench.config import config_from_dict, read_yaml
 from posbench.errors import PosbenchError
-from posbench.run import (EVAL_COLUMNS, PROTOCOL_NAMES, atomic, differences, experiment_part, read_eval,
-                          write_atomic)
+from posbench.evaluate import PROTOCOL_NAMES
+from posbench.files import atomic, write_atomic
+from posbench.runs import EVAL_COLUMNS, UNRECORDED, differences, experiment_part, read_eval, trained_with
 
 
 def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
@@ -18,7 +19,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
     exp_dir = Path(exp_dir)
     if not exp_dir.is_dir():
         raise PosbenchError(f"{exp_dir}: no such experiment directory")
-    rows, configs, first = [], [], None
+    rows, configs, trained, first = [], [], {}, None
     for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         has = {f: (rdir / f).is_file() for f in ("config.yaml", "eval.csv", "model.pt")}
         if not any(has.values()):
@@ -41,6 +42,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
                 f"a table compares runs that differ only in scheme and seed"
             )
         rows += read_eval(rdir)
+        trained[rdir.name] = trained_with(rdir)
     if not rows:
         raise PosbenchError(
             f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)"
@@ -54,6 +56,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
     df["scheme"] = pd.Categorical(df["scheme"], categories=order, ordered=True)
     df = df.sort_values(["scheme", "seed", "length"]).reset_index(drop=True)
     df["scheme"] = df["scheme"].astype(str)
+    df.attrs["trained_with"] = trained  # run folder -> the backend it trained with (None: unrecorded)
     return df, configs
 
 
@@ -157,6 +160,7 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
         f"- evaluation: {e.protocol} ({PROTOCOL_NAMES[e.protocol]}), {_tokens_note(df)}; cells are "
         f"perplexity per byte (mean ± std over seeds when there are several)",
     ]
+    lines.append(f"- attention: {backends_note(df)}")
     variants = sorted({s for s in df["scheme"] if "+" in s})
     if variants:
         lines.append(
@@ -165,6 +169,23 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
             f"length, or the s after @"
         )
     return lines
+
+
+def backends_note(df: pd.DataFrame) -> str:
+    """Which attention backend trained and scored the runs; backends differ in the last bits,
+    so a table made with several says which run used which."""
+    scored = sorted(set(df["attention"]))
+    trained = df.attrs.get("trained_with", {})
+    used = sorted({b or UNRECORDED for b in trained.values()})
+    if len(scored) == 1 and len(used) <= 1:
+        how = scored[0]
+        return f"{how} backend (model.attention)" if used in ([], [how]) else f"trained with {used[0]}, scored with {how}"
+    by_run = {}
+    for name, b in sorted(trained.items()):
+        by_run.setdefault(b or UNRECORDED, []).append(name)
+    train_text = "; ".join(f"{b}: {', '.join(names)}" for b, names in by_run.items())
+    return (f"DIFFERENT backends across runs (they differ in the last bits): trained with {train_text}; "
+            f"scored with {', '.join(scored)}")
 
 
 def _tokens_note(df: pd.DataFrame) -> str:

@@ -15,7 +15,7 @@ import torch
 from posbench.config import load_config
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
-from posbench.run import evaluate_model
+from posbench.evaluate import evaluate_model
 from posbench.schemes import SCHEMES, CoPEBias, catalogue, resolve_scheme, rope_frequencies
 
 from conftest import SMOKE, invoke, smoke_experiment, tiny

@@ -310,9 +310,9 @@ def test_worker_plan(monkeypatch):
     """One process per core when runs are big enough to repay a worker's start, never more
     processes than runs to train, and the cores shared out as threads."""
     from posbench.config import ExperimentConfig
-    from posbench.run import worker_plan
+    from posbench.workers import worker_plan
 
-    monkeypatch.setattr("posbench.run.cpu_cores", lambda: 4)
+    monkeypatch.setattr("posbench.workers.cpu_cores", lambda: 4)
     cfg = ExperimentConfig()
     cfg.train.device = "cpu"
     assert worker_plan(cfg, 8) == (4, 1)
@@ -634,19 +634,19 @@ def test_evaluate_reads_the_runs_config_and_rescores_rows_on_other_tokens(smoke,
 
 
 def test_growing_the_lengths_scores_only_the_new_one(smoke, tmp_path, monkeypatch):
-    import posbench.run
+    import posbench.runs
 
     exp, _, text = smoke
     out = tmp_path / "grow"
     shutil.copytree(exp, out / "smoke")
     scored = []
-    real = posbench.run.evaluate_model
+    real = posbench.runs.evaluate_model
 
     def spy(model, tokens, lengths, *a, **kw):
         scored.append(list(lengths))
         return real(model, tokens, lengths, *a, **kw)
 
-    monkeypatch.setattr(posbench.run, "evaluate_model", spy)
+    monkeypatch.setattr(posbench.runs, "evaluate_model", spy)
     lengths = yaml.safe_load(open(SMOKE))["eval"]["lengths"]
     res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--lengths", ",".join(map(str, lengths + [56])),
                  "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip

@@ -1,14 +1,10 @@
-"""Optional C kernels: compiled on first use with the machine's C compiler, cached, and called
-through ctypes. Each has a pure-PyTorch twin that is the reference; tests check that the two
-agree, and the twin runs wherever the kernel cannot (no compiler, CUDA, bf16, POSBENCH_NATIVE=0).
+"""The `native` attention backend: C kernels compiled on first use with the machine's C compiler,
+cached, and called through ctypes, on CPU tensors in fp32. The eager formula in
+posbench/attention.py is their reference; tests check every kernel against it.
 
-- cope.c: CoPE's attention, which needs about 25 elementwise passes over (B, H, T, T) tensors in
-  PyTorch and made it the one scheme far below NoPE's speed;
-- attention.c: every other scheme's causal attention (no bias, a fixed bias or a learned one),
-  fused, in place of SDPA's CPU kernel and BiasedAttention, whose small block products dominate
-  at the lengths posbench trains;
-- layers.c: the MLP (its LayerNorm and its GELU with fc1's bias folded in, in one autograd
-  node), RoPE's rotation and the training loss (cross-entropy); see posbench/native/layers.py.
+- attention.c: causal attention with no bias, a fixed bias or a learned one, fused, and
+  Transformer-XL's relative position term computed inside its tiles;
+- cope.c: CoPE's whole attention, behind CoPE's `attend` hook.
 """
 
 from __future__ import annotations
@@ -28,6 +24,8 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from posbench.files import cache_dir
+
 # tried in order; the first that compiles is kept. -march=native is why the cache key names
 # the CPU, and without -fopenmp the kernel runs on one thread
 FLAG_SETS = (
@@ -35,11 +33,6 @@ FLAG_SETS = (
     ["-O3", "-fopenmp"],
     ["-O3"],
 )
-
-# flags of one kernel's own, after each set: optim.c's sqrt vectorizes only where it need not set
-# errno (GCC's optimize pragma cannot turn that off); in the other kernels a vectorized libm call
-# could change results, so they keep the default
-EXTRA_FLAGS = {"optim": ["-fno-math-errno"]}
 
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 unavailable: dict[str, str] = {}  # kernel name -> why its PyTorch twin runs instead
@@ -85,14 +78,11 @@ def _cpu_fingerprint() -> str:
 
 
 def _build(name: str) -> Path:
-    from posbench.data import cache_dir
-
     source = Path(__file__).with_name(f"{name}.c")
     cc = shlex.split(os.environ.get("CC") or "cc")  # CC may carry words: "ccache gcc"
     if not cc or shutil.which(cc[0]) is None:
         raise BuildError(f"no C compiler found (tried {' '.join(cc)!r}; set CC to use another)")
-    extra = EXTRA_FLAGS.get(name, [])
-    key = "\n".join([" ".join(cc), _compiler_version(cc), repr(FLAG_SETS), repr(extra), _cpu_fingerprint()])
+    key = "\n".join([" ".join(cc), _compiler_version(cc), repr(FLAG_SETS), _cpu_fingerprint()])
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # vmath.h
     key = hashlib.sha256(source.read_bytes() + headers + key.encode()).hexdigest()[:16]
     folder = cache_dir() / "native" / key
@@ -108,7 +98,7 @@ def _build(name: str) -> Path:
     tmp = Path(tmp_name)
     error = ""
     for flags in FLAG_SETS:
-        cmd = [*cc, *flags, *extra, "-shared", "-fPIC", str(source), "-o", str(tmp)]
+        cmd = [*cc, *flags, "-shared", "-fPIC", str(source), "-o", str(tmp)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -146,21 +136,8 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
         "attention_forward": [P] * 9 + [I, I, I, I, I, I, F, P, I],
         "attention_backward": [P] * 16 + [I, I, I, I, I, I, F, P, I],
     },
-    "optim": {  # used by posbench/native/optim.py
-        "clip_adamw": (I, [P, P, P, P, P, P, P, I, F, I]),
-    },
-    "layers": {  # used by posbench/native/layers.py
-        "gelu_forward": [P, P, N, I],
-        "gelu_backward": [P, P, P, N, I],
-        "gelu_bias_forward": [P, P, P, N, I, I],
-        "gelu_bias_backward": [P, P, P, P, N, I, I],
-        "layernorm_forward": [P, P, P, P, P, P, P, P, N, I, F, I],
-        "layernorm_backward": [P, P, P, P, P, P, P, P, P, P, N, I, I],
-        "xent_forward": [P, P, P, P, P, N, I, N, I],
-        "rope_rotate": [P, P, P, P, P, P, I, I, I, I, I, I],
-    },
 }
-KERNELS = ("attention", "layers", "cope", "optim")  # every .c here; cope's runs for CoPE alone
+KERNELS = ("attention", "cope")  # every .c here; cope's runs for CoPE alone
 
 
 def _declare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -249,13 +226,26 @@ class CoPEAttention(torch.autograd.Function):
 ATTENTION_HEAD_DIMS = range(8, 257, 8)  # attention.c's register tiles take 8 floats at a time
 
 
-def attention(q, k, v, bias, q0: int, packed: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def why_not(head_dim: int, device: torch.device, compiling: bool = False) -> Optional[str]:
+    """Why the native backend cannot run a model with this head size here, or None if it can."""
+    if device.type != "cpu":
+        return f"it runs on a CPU, not {device.type}"
+    if compiling:
+        return "torch.compile cannot trace into the C kernels"
+    if head_dim not in ATTENTION_HEAD_DIMS:
+        return f"the head size {head_dim} is not a multiple of 8 between 8 and 256"
+    if load("attention") is None:
+        return f"the attention kernel is unavailable ({unavailable['attention']})"
+    return None
+
+
+def attention(q, k, v, bias, q0: int) -> Optional[torch.Tensor]:
     """softmax(q.k / sqrt(d) + bias, future masked) v through attention.c, for queries q0..q0+Tq-1
     against keys 0..Tk-1 (q0 + Tq = Tk) and a bias of shape (B or 1, H, Tq, Tk) or None; None
-    where the kernel does not apply (the caller then takes SDPA or BiasedAttention).
+    where the kernel does not apply.
 
-    `packed`: the (B, T, 3 H D) projection that q, k and v are the head-major views of, if they
-    are. The kernel then takes it whole and returns its gradient as one tensor, where three
+    Where q, k and v are the head-major views of one (B, T, 3 H D) projection (the model's qkv),
+    the kernel takes that projection whole and returns its gradient as one tensor, where three
     separate ones would make autograd's split backward copy them into one (a cat per layer)."""
     B, H, Tq, D = q.shape
     tensors = (q, k, v) if bias is None else (q, k, v, bias)
@@ -264,6 +254,7 @@ def attention(q, k, v, bias, q0: int, packed: Optional[torch.Tensor] = None) -> 
         return None
     if bias is not None:  # batch and heads may be shared (stride 0); rows made contiguous first,
         bias = _rows(bias).expand(B, H, Tq, q0 + Tq)  # or the expand would be copied B times
+    packed = q._base
     if packed is not None and q0 == 0 and _views_of(packed, q, k, v):
         return PackedAttention.apply(packed, bias, H)
     return Attention.apply(q, k, v, bias, q0)

@@ -1,0 +1,415 @@
+"""Run folders: checkpoints, records, planning and resume, and the experiment that runs them all.
+
+A run folder holds config.yaml (fully resolved), model.pt (weights plus that same config),
+train_log.jsonl (step, loss, lr, seconds, attention backend) and eval.csv (its evaluation rows,
+each naming the backend that scored it). Folders are built under a temporary name and renamed
+when whole, so an interrupted run leaves nothing that could pass for a finished one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import difflib
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from posbench.config import (ExperimentConfig, check_device, check_trainable, config_from_dict, dump_yaml,
+                             read_yaml)
+from posbench.data import Corpus, load_corpus
+from posbench.errors import PosbenchError
+from posbench.evaluate import eval_tokens, evaluate_model
+from posbench.files import TMP_PREFIX, atomic, write_atomic, write_rows
+from posbench.model import TransformerLM
+from posbench.schemes import SCHEMES, build_scheme, resolve_scheme, variant_label
+from posbench.train import Reporter, pick_device, train_model
+from posbench.workers import run_in_workers, worker_plan
+
+EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status", "attention"]
+STATUSES = ("ok", "beyond-max-len", "non-finite")  # scored; cannot encode the length; blew up
+UNRECORDED = "unrecorded"  # the backend of rows written before eval.csv named it
+
+
+def check_experiment(cfg: ExperimentConfig) -> None:
+    """What config.py cannot check alone: every scheme builds with its options (so bad options
+    fail before anything trains), and every eval.rope_scaling kind belongs to some scheme."""
+    for s in cfg.schemes:
+        build_scheme(cfg.model_for(s))
+    for s, opts in cfg.scheme_options.items():  # options of unselected schemes are kept, checked
+        if s not in cfg.schemes:
+            resolve_scheme(s).validate_options(opts, where=f"scheme_options.{s}")
+    known = {v for c in [*SCHEMES.values(), *map(resolve_scheme, cfg.schemes)] for v in c.eval_variants}
+    for kind in cfg.eval.rope_scaling:
+        if kind not in known:
+            close = difflib.get_close_matches(kind, sorted(known), n=1, cutoff=0.5)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise PosbenchError(
+                f"eval.rope_scaling: unknown kind '{kind}'{hint}; valid: {', '.join(sorted(known))}"
+            )
+
+
+def safe_name(text: str) -> str:
+    """A folder name from anything, e.g. a plugin's module:Class."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def run_name(scheme: str, seed: int) -> str:
+    return f"{safe_name(scheme)}-seed{seed}"
+
+
+def partial_dir(rdir: Path) -> Path:
+    """The hidden folder a run is built in before it is renamed to `rdir`."""
+    return rdir.with_name("." + rdir.name + ".partial")
+
+
+def save_checkpoint(path: Path, model: TransformerLM, cfg: ExperimentConfig) -> None:
+    with atomic(path) as tmp:
+        torch.save({"config": cfg.to_dict(), "model": model.state_dict()}, tmp)
+
+
+def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
+    """A checkpoint carries its own config: nothing else is needed to rebuild the model."""
+    ckpt_path = Path(run_dir) / "model.pt"
+    if not Path(run_dir).is_dir():
+        raise PosbenchError(f"{run_dir}: no such run directory")
+    if not ckpt_path.is_file():
+        raise PosbenchError(f"{run_dir}: holds no checkpoint (model.pt); train it first")
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        cfg = config_from_dict(ckpt["config"], source=str(ckpt_path))
+        model = TransformerLM(cfg.model)
+    except PosbenchError:
+        raise
+    except Exception as e:  # torch raises many kinds for a truncated or foreign file
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise PosbenchError(f"{ckpt_path}: corrupt or not a posbench checkpoint ({reason})") from None
+    try:
+        model.load_state_dict(ckpt["model"])
+    except Exception as e:
+        reason = str(e).strip().splitlines()[-1].strip()[:120]
+        raise PosbenchError(
+            f"{ckpt_path}: its weights do not fit scheme '{cfg.model.scheme}' as this posbench "
+            f"builds it ({reason}); it was saved by another version: retrain it"
+        ) from None
+    if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
+        raise PosbenchError(f"{ckpt_path}: holds non-finite weights (NaN or inf); retrain it")
+    record = Path(run_dir) / "config.yaml"
+    if record.is_file():  # the run's record: its data and eval settings are the current ones
+        rec = config_from_dict(read_yaml(record), source=str(record))
+        ours, theirs = _weights_part(cfg.to_dict()), _weights_part(rec.to_dict())
+        if ours != theirs:
+            diff = ", ".join(differences(ours, theirs, ("model.pt", "in config.yaml")))
+            raise PosbenchError(f"{record} does not describe model.pt ({diff}); restore or delete it")
+        cfg = rec
+    return cfg, model
+
+
+def _weights_part(d: dict) -> dict:
+    """What a checkpoint's weights came from, given its text: the data may move or change."""
+    return {k: v for k, v in _training_part(d).items() if k != "data"}
+
+
+def eval_rows(cfg: ExperimentConfig, rows: list[dict], label: Optional[str] = None) -> list[dict]:
+    """Rows of one run; `label` names an evaluation-time variant's rows, e.g. rope+yarn."""
+    ident = {"scheme": label or cfg.model.scheme, "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
+    return [{**ident, **r} for r in rows]
+
+
+def read_eval(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "eval.csv"
+    if not path.is_file():
+        return []
+    bad = PosbenchError(f"{path}: malformed evaluation rows; delete it and run evaluate again")
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            header = reader.fieldnames
+    except (UnicodeDecodeError, csv.Error):
+        raise bad from None
+    if header == EVAL_COLUMNS[:-1]:  # written before the backend was recorded
+        for r in rows:
+            r["attention"] = UNRECORDED
+    elif header != EVAL_COLUMNS:
+        raise bad
+    if not rows:  # a run is never dropped from a table in silence
+        raise bad
+    for r in rows:
+        if r.get("status") == "ok" and r.get("loss") in ("", "nan", "inf"):  # how older versions wrote it
+            r["status"] = "non-finite"
+        try:
+            int(r["length"]), int(r["tokens"]), int(r["seed"]), int(r["train_len"])
+            if r["status"] not in STATUSES or (r["status"] == "ok" and not math.isfinite(float(r["loss"]))):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise bad from None
+    return rows
+
+
+def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]]:
+    """(resolved config, run folder, already trained?) for every (scheme, seed), checked before
+    anything is written: a folder trained under another config is an error, not overwritten."""
+    check_experiment(cfg)
+    exp = Path(cfg.out_dir) / cfg.name
+    _check_same_experiment(cfg, exp)
+    plan = []
+    for scheme in cfg.schemes:
+        for seed in cfg.seeds:
+            rc = cfg.for_run(scheme, seed)
+            rdir = exp / run_name(scheme, seed)
+            done = False
+            if (rdir / "model.pt").is_file():
+                try:  # the record, or the checkpoint's own copy when config.yaml was lost
+                    old = (read_yaml(rdir / "config.yaml") if (rdir / "config.yaml").is_file()
+                           else load_run(rdir)[0].to_dict())  # fmt: skip
+                except PosbenchError as e:
+                    raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
+                new = rc.to_dict()
+                if _training_part(old) != _training_part(new):
+                    diff = differences(_training_part(old), _training_part(new), (rdir.name, "here"))
+                    raise PosbenchError(
+                        f"{rdir} was trained under a different config ({', '.join(diff)}); "
+                        f"choose another experiment name with --set name=NEW, or delete that folder"
+                    )
+                done = True
+            elif rdir.exists() and any(rdir.iterdir()):
+                raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
+            plan.append((rc, rdir, done))
+    return plan
+
+
+def _check_same_experiment(cfg: ExperimentConfig, exp: Path) -> None:
+    """An experiment's runs differ in scheme and seed only; a run trained at another length or
+    size would be averaged with them as if it were another seed."""
+    new = experiment_part(cfg.to_dict())
+    for cfg_file in sorted(exp.glob("*/config.yaml")):
+        if cfg_file.parent.name.startswith("."):
+            continue
+        try:
+            old = experiment_part(config_from_dict(read_yaml(cfg_file)).to_dict())
+        except PosbenchError:
+            continue  # a damaged run folder is reported when it is planned
+        if old != new:
+            diff = differences(old, new, names=(cfg_file.parent.name, "here"))
+            raise PosbenchError(
+                f"{exp} holds runs trained under other settings ({', '.join(diff)}); "
+                f"its runs must differ only in scheme and seed: choose another name with --set name=NEW"
+            )
+
+
+def experiment_part(d: dict) -> dict:
+    """What every run of one experiment shares: the training part without scheme and seed."""
+    part = _training_part(d)
+    for key in ("schemes", "seeds", "scheme_options"):
+        part.pop(key, None)
+    if isinstance(part.get("model"), dict):
+        part["model"] = {k: v for k, v in part["model"].items() if k not in ("scheme", "options")}
+    return part
+
+
+def differences(a: dict, b: dict, names=("old", "new"), where: str = "") -> list[str]:
+    """Dotted keys whose values differ, e.g. ['model.train_len: 32 in alibi-seed0, 64 here']."""
+    out = []
+    for k in sorted(set(a) | set(b), key=str):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += differences(x, y, names, f"{where}{k}.")
+        elif x != y:
+            out.append(f"{where}{k}: {x} in {names[0]}, {y} {names[1]}")
+    return out
+
+
+def _training_part(d: dict) -> dict:
+    """What decides the weights: everything but the evaluation settings, where the results
+    live (a copied or renamed experiment folder still resumes) and how fast it ran (the
+    attention backend changes only the last bits; the records name the one that ran)."""
+    part = {k: v for k, v in d.items() if k not in ("eval", "name", "out_dir")}
+    if isinstance(part.get("model"), dict):
+        part["model"] = {k: v for k, v in part["model"].items() if k != "attention"}
+    if isinstance(part.get("train"), dict):
+        part["train"] = {k: v for k, v in part["train"].items()
+                         if k not in ("threads", "workers", "device", "compile", "log_every")}  # fmt: skip
+    return part
+
+
+def train_run(rc: ExperimentConfig, rdir: Path, corpus: Corpus, reporter: Reporter) -> TransformerLM:
+    """Train into a hidden folder and rename it into place once config, log and weights exist."""
+    partial = partial_dir(rdir)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        write_atomic(partial / "config.yaml", dump_yaml(rc))
+        model = train_model(rc, corpus, reporter, partial / "train_log.jsonl")
+        save_checkpoint(partial / "model.pt", model, rc)
+        if rdir.exists():
+            shutil.rmtree(rdir)
+        partial.rename(rdir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return model
+
+
+def evaluate_into(
+    rc,
+    rdir: Path,
+    model,
+    corpus: Corpus,
+    lengths: list[int],
+    variants: list[Optional[str]] = (None,),
+    factor: Optional[float] = None,
+) -> list[dict]:
+    """Evaluate at `lengths`, as trained (None) and as each named evaluation-time variant, and
+    merge the rows into the run's eval.csv: a (scheme label, length) row replaces its old one.
+    The plain rows come first, then each variant's, so the file reads as a table."""
+    unknown = [v for v in variants if v is not None and v not in model.scheme.eval_variants]
+    if unknown:
+        have = ", ".join(model.scheme.eval_variants) or "none"
+        raise PosbenchError(
+            f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have})"
+        )
+    if factor is not None and not factor >= 1.0:
+        raise PosbenchError(f"rope factor {factor}: must be >= 1")
+    device = pick_device(rc.train.device)
+    tokens = eval_tokens(corpus, rc, lengths)
+    labels = {variant_label(rc.model.scheme, v, factor) for v in variants}
+    n = len(tokens) - 1
+    stale = {int(r["length"]) for r in read_eval(rdir)
+             if r["scheme"] in labels and int(r["tokens"]) != n and int(r["length"]) <= n}  # fmt: skip
+    if stale - set(lengths):  # rows scored on other tokens do not compare with these: redo them
+        lengths = sorted(set(lengths) | stale)
+        tokens = eval_tokens(corpus, rc, lengths)
+    rows = []
+    for v in variants:
+        scored = evaluate_model(model, tokens, lengths, rc.eval.batch_size, device, v, factor)
+        rows += eval_rows(rc, scored, variant_label(rc.model.scheme, v, factor))
+    new = {(r["scheme"], int(r["length"])) for r in rows}
+    keep = [r for r in read_eval(rdir) if (r["scheme"], int(r["length"])) not in new]
+    base = rc.model.scheme
+    merged = sorted(keep + rows, key=lambda r: (r["scheme"] != base, r["scheme"], int(r["length"])))
+    write_rows(rdir / "eval.csv", merged, EVAL_COLUMNS)
+    return rows
+
+
+def evaluate_run(
+    run_dir: Path,
+    lengths: Optional[list[int]],
+    variants: list[Optional[str]] = (None,),
+    factor: Optional[float] = None,
+    device: Optional[str] = None,
+    attention: Optional[str] = None,
+) -> tuple[ExperimentConfig, list[dict]]:
+    """`posbench evaluate`: score a finished run at `lengths` (None: its config's), on `device`
+    (None: the run's own) with the `attention` backend (None: the run's model.attention), merge
+    the rows into its eval.csv, and restore a deleted config.yaml from the checkpoint's copy.
+    Returns the run's config and the new rows."""
+    rc, model = load_run(run_dir)
+    if not (Path(run_dir) / "config.yaml").is_file():
+        write_atomic(Path(run_dir) / "config.yaml", dump_yaml(rc))
+    if device is not None:  # a run trained on a GPU can be scored on a laptop
+        check_device(device, f"--device {device}")
+        rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
+    if attention is not None:  # how it is scored, not what it learned: the weights are the same
+        model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
+    lengths = lengths or rc.eval.lengths
+    if not lengths or min(lengths) < rc.model.train_len:
+        raise PosbenchError(
+            f"--lengths {','.join(map(str, lengths))}: every length must be >= the training length {rc.model.train_len}"
+        )
+    if any(v is not None for v in variants):  # a variant row reads against the plain one, and
+        variants = [None, *(v for v in variants if v is not None)]  # both need the ratio's base
+        lengths = sorted({rc.model.train_len, *lengths})
+    rows = evaluate_into(rc, Path(run_dir), model, load_corpus(rc.data), lengths, variants, factor)
+    return rc, rows
+
+
+def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[Optional[str], list[int]]:
+    """For each variant (None: as trained), the lengths still lacking a row scored on these
+    tokens by this attention backend; eval.rope_scaling kinds apply to a run only if its
+    scheme declares them."""
+    variants = [None] + [v for v in rc.eval.rope_scaling if v in model.scheme.eval_variants]
+    have = {(r["scheme"], int(r["length"]), int(r["tokens"]), r["attention"]) for r in read_eval(rdir)}
+    missing = {}
+    for v in variants:
+        label = variant_label(rc.model.scheme, v, rc.eval.rope_factor)
+        lengths = [L for L in rc.eval.lengths if (label, L, n_tokens, backend) not in have]
+        if lengths:
+            missing[v] = lengths
+    return missing
+
+
+def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
+    """Train what is missing, evaluate everything at cfg.eval.lengths; returns the folder."""
+    plan = plan_runs(cfg)
+    kinds = set(cfg.eval.rope_scaling)
+    if kinds and not any(kinds & set(resolve_scheme(s).eval_variants) for s in cfg.schemes):
+        owners = [name for name, cls in SCHEMES.items() if kinds & set(cls.eval_variants)]
+        reporter.note(
+            f"eval.rope_scaling {cfg.eval.rope_scaling}: no scheme run here has these "
+            f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
+        )
+    device = pick_device(cfg.train.device)
+    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    for rc, _, done in plan:
+        if not done:
+            check_trainable(rc.model, gpu)  # a model too big is refused, not allocated
+    corpus = load_corpus(cfg.data)  # fails before any folder is made
+    n_tokens = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1  # the same for every run
+    workers, threads = worker_plan(cfg, sum(not done for _, _, done in plan))
+    exp = Path(cfg.out_dir) / cfg.name
+    created = not exp.exists()
+    exp.mkdir(parents=True, exist_ok=True)
+    try:
+        if workers > 1:
+            jobs = [(rdir.name, (rc, rdir, done, n_tokens)) for rc, rdir, done in plan]
+            run_in_workers(run_job, jobs, lambda: _remove_partials(plan), reporter, workers, threads)
+        else:
+            if threads:
+                torch.set_num_threads(threads)
+            for rc, rdir, done in plan:
+                run_one(rc, rdir, done, corpus, n_tokens, reporter)
+    except BaseException:
+        if created and not any(p for p in exp.iterdir() if not p.name.startswith(".")):
+            shutil.rmtree(exp, ignore_errors=True)
+        raise
+    return exp
+
+
+def run_one(rc, rdir: Path, done: bool, corpus: Corpus, n_tokens: int, reporter: Reporter) -> None:
+    """Train one run if it is not trained yet, then score whatever it still lacks."""
+    if done:
+        _, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
+        reporter.note(f"{rdir.name}: already trained, reusing its checkpoint")
+    else:
+        model = train_run(rc, rdir, corpus, reporter)
+    backend = model.backend(pick_device(rc.train.device))
+    for variant, lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():  # only what is missing
+        evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor)
+    write_atomic(rdir / "config.yaml", dump_yaml(rc))  # eval settings may have changed
+
+
+def run_job(rc, rdir: Path, done: bool, n_tokens: int, reporter: Reporter) -> None:
+    """run_one in a worker process, which reads the corpus from the cache itself."""
+    run_one(rc, rdir, done, load_corpus(rc.data), n_tokens, reporter)
+
+
+def _remove_partials(plan) -> None:
+    """What killed runs leave: hidden partial folders and temporary files."""
+    for _, rdir, _ in plan:
+        shutil.rmtree(partial_dir(rdir), ignore_errors=True)
+        for tmp in rdir.glob(TMP_PREFIX + "*") if rdir.is_dir() else []:
+            tmp.unlink(missing_ok=True)
+
+
+def trained_with(rdir: Path) -> Optional[str]:
+    """The attention backend a run trained with, from its train_log.jsonl (None if unrecorded)."""
+    with contextlib.suppress(OSError, ValueError, IndexError, KeyError, TypeError):
+        first = (Path(rdir) / "train_log.jsonl").read_text().splitlines()[0]
+        return json.loads(first)["attention"]
+    return None

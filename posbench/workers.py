@@ -1,0 +1,129 @@
+"""Several runs at once: a pool of worker processes, progress relayed to the parent's reporter."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Callable, Optional
+
+import torch
+
+from posbench.config import ExperimentConfig
+from posbench.errors import PosbenchError
+from posbench.train import Reporter, pick_device
+
+SMALL_RUN_TOKENS = 200_000  # below this a run trains in about the 2 s a worker takes to start
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what this process may use, e.g. in a container
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def worker_plan(cfg: ExperimentConfig, to_train: int) -> tuple[int, Optional[int]]:
+    """(processes, torch threads in each). A model this small scales poorly over threads: on 2
+    cores, two runs at once with 1 thread each finish sooner than one after the other with 2
+    threads. A GPU gets 1 process, and runs too small to repay a worker's start
+    (configs/smoke.yaml) stay in this process."""
+    tc = cfg.train
+    workers = tc.workers
+    if workers is None:
+        small = tc.steps * tc.batch_size * cfg.model.train_len < SMALL_RUN_TOKENS
+        workers = 1 if small or pick_device(tc.device).type != "cpu" else cpu_cores()
+    workers = max(1, min(workers, to_train))
+    threads = tc.threads or (max(1, cpu_cores() // workers) if workers > 1 else None)
+    return workers, threads
+
+
+class QueueReporter(Reporter):
+    """A worker process's reporter: every call goes to the parent, which replays it."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def start(self, label, total):
+        self.queue.put(("start", label, total))
+
+    def step(self, label, step, loss):
+        self.queue.put(("step", label, step, loss))
+
+    def finish(self, label):
+        self.queue.put(("finish", label))
+
+    def note(self, message):
+        self.queue.put(("note", message))
+
+
+def _worker_main(work: Callable, threads: Optional[int], jobs, events) -> None:
+    """A worker process: call work(*args, reporter) for each (index, (label, args)) until None.
+    Ctrl-C is the parent's to handle; it stops workers by killing them and cleans up after them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threads:
+        torch.set_num_threads(threads)
+    reporter = QueueReporter(events)
+    while (item := jobs.get()) is not None:
+        i, (label, args) = item
+        try:
+            work(*args, reporter)
+            events.put(("done", i))
+        except PosbenchError as e:
+            events.put(("failed", i, str(e)))
+        except Exception as e:  # a bug, not the user's input: keep its type for the report
+            events.put(("failed", i, f"{label}: {type(e).__name__}: {e}"))
+
+
+def run_in_workers(work: Callable, jobs: list[tuple], cleanup: Callable[[], None], reporter: Reporter,
+                   workers: int, threads: Optional[int]) -> None:  # fmt: skip
+    """work(*args, reporter) for each (label, args) job, in `workers` processes. `work` must be a module-level
+    function (the spawned workers import it by name). After the first error no new job starts;
+    the jobs under way finish and are kept, and the error is raised here. An interrupt kills
+    the workers at once and calls `cleanup` to remove what their unfinished jobs had written."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")  # fork after torch has started its threads can deadlock
+    job_queue, events = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_worker_main, args=(work, threads, job_queue, events), daemon=True)
+             for _ in range(workers)]  # fmt: skip
+    todo = list(enumerate(jobs))
+    error, busy = None, 0
+    try:
+        for p in procs:
+            p.start()
+        for _ in range(workers):
+            item = todo.pop(0) if todo else None
+            job_queue.put(item)
+            busy += item is not None
+        while busy:
+            try:
+                kind, *args = events.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    raise PosbenchError(
+                        f"a worker process died (exit code {dead[0].exitcode}), perhaps out of "
+                        "memory; rerun with --set train.workers=1 to see the error"
+                    )
+                continue
+            if kind in ("done", "failed"):
+                if kind == "failed" and error is None:
+                    error = args[1]
+                nxt = todo.pop(0) if todo and error is None else None
+                job_queue.put(nxt)
+                busy -= nxt is None
+            else:
+                getattr(reporter, kind)(*args)
+        for p in procs:
+            p.join()
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+        cleanup()
+        raise
+    if error is not None:
+        raise PosbenchError(error)

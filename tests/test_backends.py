@@ -1,0 +1,213 @@
+"""The attention switch: every backend equals the eager formula, for every scheme; runs record theirs."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from posbench import attention, native
+from posbench.check import BLOCK, tiny_model
+from posbench.config import ATTENTION_BACKENDS, ModelConfig, load_config
+from posbench.errors import PosbenchError
+from posbench.schemes import SCHEMES
+
+CPU = torch.device("cpu")
+NATIVE = native.why_not(8, CPU) is None  # the tiny model's head size
+OTHERS = ["sdpa", "flex"] + (["native"] if NATIVE else [])
+
+
+def run(model, backend, x, w, block):
+    """Logits and every parameter's gradient under `backend`, `block` queries at a time."""
+    model.cfg = dataclasses.replace(model.cfg, attention=backend)
+    model.attn_block = block
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    (y * w).sum().backward()  # a random projection: every gradient of order 1
+    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("backend", OTHERS)
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_every_backend_equals_eager_in_outputs_and_gradients(scheme, backend):
+    torch.manual_seed(0)
+    model = tiny_model(scheme).train()
+    T = 40 if model.max_len is None or model.max_len >= 40 else model.max_len
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (2, T), generator=gen)
+    w = torch.randn(2, T, 256, generator=gen)
+    for block in (T, BLOCK):  # whole, and in query blocks
+        torch.manual_seed(2)  # randomized draws its training positions: the same draw for both
+        y, g = run(model, backend, x, w, block)
+        torch.manual_seed(2)
+        ref_y, ref_g = run(model, "eager", x, w, block)
+        assert (y - ref_y).abs().max().item() <= 1e-5, (scheme, backend, block)
+        assert g.keys() == ref_g.keys()
+        for n in ref_g:
+            gap = (g[n] - ref_g[n]).abs().max().item()
+            assert gap <= 1e-5 * (1 + ref_g[n].abs().max().item()), (scheme, backend, block, n, gap)
+
+
+def test_eager_is_the_formula_written_out():
+    """A hand-worked case: one head, two keys, so the softmax can be checked by hand."""
+    q = torch.tensor([[[[1.0, 0.0], [0.0, 2.0]]]])  # (1, 1, 2, 2)
+    k = torch.tensor([[[[1.0, 1.0], [2.0, 0.0]]]])
+    v = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]])
+    bias = torch.tensor([[[[0.0, 0.0], [0.5, 0.0]]]])
+    out = attention.eager(q, k, v, bias, 0)
+    s = torch.tensor([2.0 / 2**0.5 + 0.5, 0.0])  # query 1 against keys 0 and 1
+    p = s.softmax(0)
+    assert torch.allclose(out[0, 0, 0], v[0, 0, 0])  # query 0 sees key 0 alone
+    assert torch.allclose(out[0, 0, 1], p[0] * v[0, 0, 0] + p[1] * v[0, 0, 1])
+
+
+def test_auto_picks_native_on_a_cpu_where_it_builds_and_sdpa_where_it_cannot(monkeypatch):
+    assert attention.backend_for("auto", CPU, 32) == ("native" if NATIVE else "sdpa")
+    assert attention.backend_for("auto", CPU, 12) == "sdpa"  # not a multiple of 8
+    assert attention.backend_for("auto", torch.device("cuda"), 32) == "sdpa"
+    assert attention.backend_for("auto", CPU, 32, compiled=True) == "sdpa"
+    monkeypatch.setattr(native, "_loaded", {"attention": None})
+    monkeypatch.setitem(native.unavailable, "attention", "turned off by POSBENCH_NATIVE=0")
+    assert attention.backend_for("auto", CPU, 32) == "sdpa"
+    with pytest.raises(PosbenchError, match="model.attention=native cannot run here: the attention kernel"):
+        attention.backend_for("native", CPU, 32)
+
+
+def test_native_named_outright_where_it_cannot_run_is_one_clear_error():
+    with pytest.raises(PosbenchError, match="head size 12"):
+        attention.backend_for("native", CPU, 12)
+    with pytest.raises(PosbenchError, match="runs on a CPU, not cuda"):
+        attention.backend_for("native", torch.device("cuda"), 32)
+
+
+def test_an_unknown_backend_is_refused_by_the_config():
+    with pytest.raises(PosbenchError, match="model.attention='fast': expected one of auto, eager, sdpa"):
+        ModelConfig(attention="fast")
+    with pytest.raises(PosbenchError, match="command line: model.attention"):
+        load_config(None, values={"model.attention": "fast"})
+    assert ATTENTION_BACKENDS == ("auto", "eager", "sdpa", "native", "flex")
+
+
+# --- the model is plain PyTorch: a researcher swaps its parts in model.py alone -------------
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        hidden = 8 * cfg.d_model // 3
+        self.gate = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.proj = nn.Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
+
+
+def test_a_swiglu_rmsnorm_model_trains_and_evaluates_through_the_normal_code(monkeypatch, tmp_path):
+    import posbench.model
+    from posbench.runs import run_experiment
+    from posbench.train import Reporter
+
+    monkeypatch.setattr(posbench.model, "MLP", SwiGLU)
+    monkeypatch.setattr(posbench.model, "Norm", nn.RMSNorm)
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = load_config(None, values={
+        "out_dir": str(tmp_path / "results"), "name": "swiglu", "schemes": ["alibi", "rope"],
+        "data.path": str(tmp_path / "text.txt"), "model.n_layer": 1, "model.d_model": 48,
+        "model.train_len": 32, "train.steps": 20, "train.batch_size": 8, "train.warmup_steps": 2,
+        "train.workers": 1, "eval.lengths": [32, 64], "eval.tokens": 256,
+    })  # fmt: skip
+    exp = run_experiment(cfg, Reporter())
+    for scheme in ("alibi", "rope"):
+        rdir = exp / f"{scheme}-seed0"
+        state = torch.load(rdir / "model.pt", weights_only=True)["model"]
+        assert "blocks.0.mlp.gate.weight" in state and "blocks.0.ln1.bias" not in state  # RMSNorm: no bias
+        log = [json.loads(line) for line in (rdir / "train_log.jsonl").read_text().splitlines()]
+        assert log[-1]["loss"] < log[0]["loss"]  # it learned something
+        rows = (rdir / "eval.csv").read_text().splitlines()
+        assert len(rows) == 3 and all(",ok," in r for r in rows[1:])
+
+
+def test_the_model_file_imports_no_kernel():
+    import posbench.model
+
+    source = open(posbench.model.__file__).read()
+    assert "native" not in source and "ctypes" not in source
+    assert "x = x + self.drop(self.attn(self.ln1(x)" in source
+
+
+def test_the_package_has_no_import_circle():
+    """Module-level imports between posbench's modules form no cycle."""
+    import ast
+    import pathlib
+
+    import posbench
+
+    root = pathlib.Path(posbench.__file__).parent
+    graph = {}
+    for path in root.rglob("*.py"):
+        mod = ".".join(("posbench", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("posbench"):
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("posbench"))
+        graph[mod] = deps
+    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in graph[m]:
+            if state.get(d) == "open":
+                raise AssertionError(" -> ".join(path[path.index(d):] + [d]) if d in path else f"{m} -> {d}")
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+    config_deps = graph["posbench.config"]
+    assert config_deps <= {"posbench.errors"}, config_deps
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+def test_runs_record_their_backend_and_a_mixed_report_says_so(tmp_path, capsys):
+    from posbench.report import write_summary
+    from posbench.runs import evaluate_run, run_experiment
+    from posbench.train import Reporter
+
+    (tmp_path / "text.txt").write_text("abcdefghij " * 400)
+    values = {
+        "out_dir": str(tmp_path), "name": "mixed", "schemes": ["nope", "alibi"],
+        "data.path": str(tmp_path / "text.txt"), "model.n_layer": 1, "model.d_model": 32,
+        "model.train_len": 16, "train.steps": 3, "train.batch_size": 4, "train.warmup_steps": 1,
+        "eval.lengths": [16, 32], "eval.tokens": 128, "model.attention": "eager",
+    }  # fmt: skip
+    exp = run_experiment(load_config(None, values=values), Reporter())
+    for run in ("nope-seed0", "alibi-seed0"):
+        assert json.loads((exp / run / "train_log.jsonl").read_text().splitlines()[0])["attention"] == "eager"
+        assert (exp / run / "eval.csv").read_text().splitlines()[1].endswith(",ok,eager")
+    df, _, _ = write_summary(exp)
+    assert set(df["attention"]) == {"eager"}
+    assert "- attention: eager backend (model.attention)" in (exp / "summary.md").read_text()
+
+    evaluate_run(exp / "alibi-seed0", [16, 32], attention="sdpa")  # scored again another way
+    write_summary(exp)
+    text = (exp / "summary.md").read_text()
+    assert "DIFFERENT backends across runs" in text and "scored with eager, sdpa" in text
+    assert "summary.csv" and "sdpa" in (exp / "summary.csv").read_text()
+
+    # a rerun asking for another backend rescores with it, and the checkpoints are reused
+    values["model.attention"] = "sdpa"
+    run_experiment(load_config(None, values=values), Reporter())
+    df, _, _ = write_summary(exp)
+    assert set(df["attention"]) == {"sdpa"}
+    assert "trained with eager, scored with sdpa" in (exp / "summary.md").read_text()
