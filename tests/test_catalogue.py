@@ -12,11 +12,12 @@ import pytest
 import yaml
 import torch
 
+from posbench import native
 from posbench.config import load_config
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.evaluate import evaluate_model
-from posbench.schemes import SCHEMES, CoPEBias, catalogue, resolve_scheme, rope_frequencies
+from posbench.schemes import SCHEMES, catalogue, resolve_scheme, rope_frequencies
 
 from conftest import SMOKE, invoke, smoke_experiment, tiny
 
@@ -481,38 +482,40 @@ def test_cope_ignores_keys_after_the_query():
     assert torch.allclose(b1[:2, :2], b2[:2, :2]) and not torch.isclose(b1[2, 0], b2[2, 0])
 
 
-def cope_bias_by_autograd(q, k, table, qpos, kpos):
-    """The paper's listing, left to autograd: the reference for CoPEBias's hand-written backward."""
-    future = kpos[None, :] > qpos[:, None]
-    gates = ((q @ k.transpose(-1, -2)) * q.size(-1) ** -0.5).sigmoid().masked_fill(future, 0.0)
-    pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=table.size(1) - 1)
-    by_pos = q @ table
-    lo, hi = pos.floor(), pos.ceil()
-    w = pos - lo
-    return by_pos.gather(-1, hi.long()) * w + by_pos.gather(-1, lo.long()) * (1 - w)
-
-
+@pytest.mark.skipif(native.load("cope") is None, reason=f"no CoPE kernel here: {native.unavailable.get('cope')}")
 @pytest.mark.parametrize("q0,npos", [(0, 64), (0, 5), (7, 5)])
-def test_cope_backward_matches_autograd(q0, npos):
-    """Values and all three gradients, with (npos 5) and without clamping, for a whole square
-    and for a block of queries 7..19 against keys 0..19."""
+def test_cope_kernel_matches_attention_with_the_paper_bias(q0, npos):
+    """cope.c's attention equals softmax(q.k / sqrt(d) + CoPE.bias, future masked) v, CoPE.bias
+    being the paper's listing left to autograd: the output and the gradients of q, k, v and
+    the table, with (npos 5) and without clamping, for a whole square and for a block of
+    queries 7..19 against keys 0..19."""
     torch.manual_seed(0)
-    T, D = 20, 8
-    q = torch.randn(2, 3, T - q0, D, requires_grad=True)
-    k = torch.randn(2, 3, T, D, requires_grad=True)
-    table = torch.randn(D, npos, requires_grad=True)
+    B, H, T, D = 2, 3, 20, 8
+    scheme = SCHEMES["cope"](tiny("cope", n_head=H, d_model=H * D, options={"npos_max": npos}))
+    table = scheme.pos_emb[0]  # (D, npos)
+    with torch.no_grad():
+        table.normal_()
+    q = torch.randn(B, H, T - q0, D, requires_grad=True)
+    k = torch.randn(B, H, T, D, requires_grad=True)
+    v = torch.randn(B, H, T, D, requires_grad=True)
     qpos, kpos = torch.arange(q0, T), torch.arange(T)
-    keep = (kpos[None, :] <= qpos[:, None]).float()
-    d_out = torch.randn(2, 3, T - q0, T)
-    got = CoPEBias.apply(q, k, table, keep)
-    grads = torch.autograd.grad(got, (q, k, table), d_out)
-    want = cope_bias_by_autograd(q, k, table, qpos, kpos)
-    want_grads = torch.autograd.grad(want, (q, k, table), d_out)
-    assert torch.allclose(got, want, atol=1e-5)
-    for g, w in zip(grads, want_grads):
-        assert torch.allclose(g, w, atol=1e-4), (g - w).abs().max()
+    d_out = torch.randn(B, H, T - q0, D)
+
+    def by_bias():
+        logits = q @ k.transpose(-1, -2) * D**-0.5 + scheme.bias(q, k, qpos, kpos, 0)  # (B, H, Tq, T)
+        future = kpos[None, :] > qpos[:, None]
+        return logits.masked_fill(future, float("-inf")).softmax(-1) @ v  # (B, H, Tq, D)
+
+    results = []
+    for attention in (lambda: native.cope_attention(q, k, v, table, qpos, kpos), by_bias):
+        out = attention()
+        assert out is not None  # the kernel took these inputs rather than decline
+        results.append((out, *torch.autograd.grad(out, (q, k, v, table), d_out)))
+    for what, got, want in zip(("output", "q", "k", "v", "table"), *results):
+        assert torch.allclose(got, want, atol=1e-5), (what, (got - want).abs().max())
     if npos == 5:
-        assert (want.detach() == (q @ table)[..., -1:].detach()).any()  # some positions did clamp
+        bias = scheme.bias(q, k, qpos, kpos, 0).detach()
+        assert (bias == (q @ table)[..., -1:].detach()).any()  # some positions did clamp
 
 
 # --- RoPE scaled at evaluation time, from the command line -----------------------------------

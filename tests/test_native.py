@@ -10,7 +10,7 @@ import torch
 from posbench import check, native
 from posbench.attention import BiasedAttention
 from posbench.model import TransformerLM
-from posbench.schemes import SCHEMES, CoPEBias
+from posbench.schemes import SCHEMES, cope
 
 from conftest import tiny
 
@@ -20,10 +20,10 @@ needs_kernel = pytest.mark.skipif(
 
 
 def pytorch_cope_attention(q, k, v, table, qpos, kpos):
-    """The PyTorch twin: CoPE's bias (CoPEBias) through the generic grad-bias attention."""
+    """The PyTorch twin: CoPE's bias (the paper's formula) through the generic grad-bias attention."""
     keep = (kpos[None, :] <= qpos[:, None]).to(q.dtype)
     mask = torch.zeros_like(keep).masked_fill_(keep == 0, float("-inf"))
-    return BiasedAttention.apply(q, k, v, CoPEBias.apply(q, k, table, keep), mask)
+    return BiasedAttention.apply(q, k, v, cope.cope_bias(q, k, table, qpos, kpos), mask)
 
 
 def inputs(B, H, Tq, Tk, D, P, seed=0, scale=1.0):
@@ -197,8 +197,8 @@ def test_off_switch_and_other_dtypes_take_the_pytorch_path(monkeypatch):
         assert f"POSBENCH_NATIVE={switch}" in native.unavailable["cope"]
     # the model then runs CoPE through its PyTorch twin
     twin, kernel = [], []
-    real_twin, real_kernel = CoPEBias.apply, native.CoPEAttention.apply
-    monkeypatch.setattr(CoPEBias, "apply", lambda *a: twin.append(1) or real_twin(*a))
+    real_twin, real_kernel = cope.cope_bias, native.CoPEAttention.apply
+    monkeypatch.setattr(cope, "cope_bias", lambda *a: twin.append(1) or real_twin(*a))
     monkeypatch.setattr(native.CoPEAttention, "apply", lambda *a: kernel.append(1) or real_kernel(*a))
     m = TransformerLM(tiny("cope"))
     m(torch.randint(0, 256, (2, 16))).sum().backward()

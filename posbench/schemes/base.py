@@ -1,0 +1,153 @@
+"""The base every positional scheme subclasses: its hooks, its options and its evaluation-time variants."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from posbench.config import ModelConfig
+from posbench.errors import PosbenchError
+
+
+class PositionalScheme(nn.Module):
+    """Base of every scheme. Subclass it, override any of the three hooks, and register a name
+    or load it as module:Class (README, "Write your own scheme").
+
+    A scheme touches the model in exactly three places (the x-transformers taxonomy):
+      embed(x, pos)                 add an absolute signal to the token embeddings
+      rotate(q, k, pos, layer)      transform q and k in every layer (RoPE, Transformer-XL's u)
+      bias(q, k, qpos, kpos, layer) an additive bias on the attention logits, after the 1/sqrt(d)
+                                    scaling of q.k (ALiBi, T5); it may look at q (Transformer-XL)
+                                    and at k (contextual schemes)
+    A fourth hook is optional and only for speed:
+      attend(q, k, v, qpos, kpos, layer)  the scheme's own fast kernel for the whole causal
+                                          attention, softmax(q.k / sqrt(d) + bias, future masked) v.
+                                          Only the `native` attention backend tries it
+                                          (model.attention: auto | eager | sdpa | native | flex);
+                                          eager, the plain reference formula, and sdpa and flex use
+                                          `bias` only. None, the default, declines, and the backend
+                                          then uses `bias`. `posbench check-scheme` verifies attend
+                                          against bias.
+    The base class's hooks are no-ops, which is exactly NoPE. The model calls every hook every
+    time and never asks which scheme it holds. `bias` is called on blocks of queries, so it must
+    build its (Tq, Tk) bias from the positions it is given, never from a cached (T, T) table.
+
+    A scheme may also declare evaluation-time variants (`eval_variants`): a change applied to a
+    trained checkpoint while it is evaluated, with no retraining, reported as rows named
+    `<scheme>+<variant>`. RoPE's are the inference-time scalings of transformers'
+    ROPE_INIT_FUNCTIONS.
+    """
+
+    description = "no positional information at all; the causal mask alone leaks order"
+    options: dict = {}  # option name -> default value; YAML `scheme_options.<name>` overrides
+    eval_variants: dict = {}  # variant name -> description; evaluated as rows "<scheme>+<name>"
+    variant: Optional["EvalVariant"] = None  # the variant being evaluated, set by eval_variant()
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.validate_options(cfg.options, where=f"scheme_options.{cfg.scheme}")
+        self.cfg = cfg
+        self.opt = {**self.options, **cfg.options}
+
+    @classmethod
+    def validate_options(cls, given: dict, where: str) -> None:
+        for key, value in given.items():
+            if key not in cls.options:
+                close = difflib.get_close_matches(key, list(cls.options), n=1, cutoff=0.5)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                valid = ", ".join(cls.options) or "none"
+                raise PosbenchError(f"{where}.{key}: unknown option{hint}; valid options: {valid}")
+            default = cls.options[key]
+            if default is not None and not isinstance(value, type(default)):
+                if not (isinstance(default, float) and isinstance(value, int)):
+                    raise PosbenchError(
+                        f"{where}.{key}: expected {type(default).__name__}, got {value!r}"
+                    )
+            # sizes, distances, bases and scales: every numeric option with a positive
+            # default is a positive quantity (a subclass may check more in its __init__)
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if numeric and isinstance(default, (int, float)) and default > 0 and not value > 0:
+                raise PosbenchError(f"{where}.{key}={value} must be positive")
+
+    @property
+    def max_len(self) -> Optional[int]:
+        """Longest sequence this scheme can encode; None means any length."""
+        return None
+
+    def once_per_forward(self, key: tuple, make):
+        """`make()`, reused while the same position tensors come back. The model hands one
+        `pos` object to every layer of a forward pass, so work shared by the layers (RoPE's
+        angles, a bias shared by all layers) is done once per forward, never across two."""
+        memo = getattr(self, "_memo", None)
+        if memo is not None and len(memo[0]) == len(key) and all(a is b for a, b in zip(memo[0], key)):
+            return memo[1]
+        value = make()
+        self._memo = (key, value)  # holding the key keeps its ids from being reused
+        return value
+
+    @contextlib.contextmanager
+    def eval_variant(self, name: Optional[str], train_len: int, length: int, factor=None):
+        """Within the block, the hooks evaluate as variant `name` of a model trained at
+        `train_len`, scored at `length` (None: the scheme as trained). `factor` fixes the
+        variant's scale; None lets the variant derive it from length / train_len."""
+        if name is None:
+            yield
+            return
+        if name not in self.eval_variants:
+            have = ", ".join(self.eval_variants) or "none"
+            raise PosbenchError(
+                f"scheme '{self.cfg.scheme}' has no evaluation-time variant '{name}' "
+                f"(its variants: {have})"
+            )
+        self.variant, self._memo = EvalVariant(name, train_len, length, factor), None
+        try:
+            yield
+        finally:
+            self.variant, self._memo = None, None
+
+    def positions(self, T: int, device) -> torch.Tensor:
+        return torch.arange(T, device=device)  # (T,)
+
+    def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return x  # (B, T, C)
+
+    def rotate(self, q, k, pos, layer: int):
+        return q, k  # (B, H, T, D) each
+
+    def bias(self, q, k, qpos, kpos, layer: int) -> Optional[torch.Tensor]:
+        return None  # or (B or 1, H, Tq, Tk), added to the scaled logits
+
+    def attend(self, q, k, v, qpos, kpos, layer: int) -> Optional[torch.Tensor]:
+        return None  # or (B, H, Tq, D): softmax(q.k / sqrt(d) + bias, future masked) v
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalVariant:
+    name: str
+    train_len: int  # L, the length the checkpoint was trained at
+    length: int  # L', the evaluation length
+    factor: Optional[float] = None  # a fixed scale; None = derived from L' / L
+
+
+def variant_label(scheme: str, variant: Optional[str], factor: Optional[float] = None) -> str:
+    """The scheme column of a row: `rope`, `rope+yarn`, or `rope+yarn@4` for a fixed factor 4."""
+    if variant is None:
+        return scheme
+    return f"{scheme}+{variant}" + (f"@{factor:g}" if factor is not None else "")
+
+
+class NoPE(PositionalScheme):
+    pass
+
+
+def require_even(cfg: ModelConfig, what: str, value: int) -> None:
+    """Sin/cos pairs and rotations take dimensions two at a time."""
+    if value % 2:
+        raise PosbenchError(
+            f"scheme '{cfg.scheme}' pairs dimensions as sin/cos or rotations, so {what}={value} must be even"
+        )

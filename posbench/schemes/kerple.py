@@ -1,0 +1,52 @@
+"""KERPLE: learned kernels of distance as a bias, logarithmic and power."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from posbench.schemes.base import PositionalScheme
+
+
+class KerpleLog(PositionalScheme):
+    """KERPLE, logarithmic kernel (Chi et al. 2022): bias -r1_h * log(1 + r2_h * |i-j|), with
+    r1, r2 > 0 learned per head and per layer. As in the reference (chijames/KERPLE
+    `megatron/mpu/layers.py`, ParallelKerpleLog, one module per layer): r1 starts U(0, 2), r2
+    U(0, 1), and both are clamped to >= 0.01 in place before use while training, so a head at
+    the floor can still learn its way back; evaluation clamps the values it uses."""
+
+    description = "learned log-distance bias -r1*log(1+r2*|i-j|) per head (Chi 2022, KERPLE)"
+    eps = 1e-2  # the reference's floor for r1 and r2
+    r1_init, r2_init, r2_max = 2.0, 1.0, None  # r1 ~ U(0, 2), r2 ~ U(0, 1), r2 unbounded
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.r1 = nn.Parameter(torch.rand(cfg.n_layer, cfg.n_head) * self.r1_init)  # (n_layer, H)
+        self.r2 = nn.Parameter(torch.rand(cfg.n_layer, cfg.n_head) * self.r2_init)  # (n_layer, H)
+
+    def bias(self, q, k, qpos, kpos, layer):
+        if self.training:  # `.data`: autograd's saved copies from earlier blocks stay valid
+            self.r1.data[layer].clamp_(min=self.eps)
+            self.r2.data[layer].clamp_(min=self.eps, max=self.r2_max)
+        r1 = self.r1[layer].clamp(min=self.eps)[:, None, None]  # (H, 1, 1)
+        r2 = self.r2[layer].clamp(min=self.eps, max=self.r2_max)[:, None, None]
+        dist = (qpos[:, None] - kpos[None, :]).clamp(min=0).float()  # (Tq, Tk); future is masked
+        return self.kernel(r1, r2, dist).unsqueeze(0).to(q.dtype)  # (1, H, Tq, Tk)
+
+    @staticmethod
+    def kernel(r1, r2, dist):
+        return -r1 * torch.log1p(r2 * dist)
+
+
+class KerplePower(KerpleLog):
+    """KERPLE, power kernel (Chi et al. 2022): bias -r1_h * |i-j|^r2_h with r1 > 0 and
+    0 < r2 <= 2 learned per head (r2 = 1 is ALiBi with a learned slope). Reference:
+    ParallelKerplePower in chijames/KERPLE `megatron/mpu/layers.py`, where the slope (our r1)
+    starts U(0, 1) and the power (our r2) U(0, 2), clamped to [0.01, 2]."""
+
+    description = "learned power-distance bias -r1*|i-j|^r2 per head (Chi 2022, KERPLE)"
+    r1_init, r2_init, r2_max = 1.0, 2.0, 2.0
+
+    @staticmethod
+    def kernel(r1, r2, dist):
+        return -r1 * dist.pow(r2)  # 0^r2 = 0 on the diagonal, with a zero gradient

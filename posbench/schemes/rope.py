@@ -1,0 +1,160 @@
+"""Rotary schemes: RoPE with its inference-time scalings, and xPos."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from posbench.errors import PosbenchError
+from posbench.schemes.base import PositionalScheme, require_even
+
+
+ROPE_SCALINGS = (None, "linear", "ntk", "dynamic", "yarn")
+
+
+def rope_frequencies(
+    head_dim: int,
+    base: float = 10000.0,
+    scaling: Optional[str] = None,
+    factor: float = 1.0,
+    original_max_len: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    truncate: bool = True,
+) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies theta_k = base^(-2k/d), k < d/2, as scaled at inference time,
+    and the attention factor that multiplies cos and sin. Each kind is the default plus a small
+    change, as in transformers' ROPE_INIT_FUNCTIONS (`src/transformers/modeling_rope_utils.py`):
+
+      linear   theta_k / s (position interpolation)
+      ntk      base' = base * s^(d/(d-2)) (NTK-aware; transformers has no static entry for it,
+               this is x-transformers' `base_rescale_factor`)
+      dynamic  base' = base * (s*n/L - (s-1))^(d/(d-2)), n = seq_len if seq_len > L else L
+      yarn     theta_k/s below dimension `low`, theta_k above `high`, a linear ramp between;
+               low/high where the training length L turns 32 (beta_fast) and 1 (beta_slow)
+               times round; attention factor 0.1*ln(s) + 1 (1 when s <= 1)
+
+    s = `factor`, L = `original_max_len` (the training length). YaRN matches
+    `_compute_yarn_parameters` as of transformers 4.55-4.57, after its `truncate` option
+    (default True: floor/ceil the ramp ends) was added; for s >= 1 that is also 4.45's result.
+    Computed in float64, returned as float32 (d/2,).
+    """
+    if scaling not in ROPE_SCALINGS:
+        raise PosbenchError(
+            f"unknown RoPE scaling '{scaling}'; valid: {', '.join(str(k) for k in ROPE_SCALINGS[1:])}"
+        )
+    d = head_dim
+    if scaling in ("ntk", "dynamic") and d <= 2:
+        raise PosbenchError(f"{scaling} RoPE scaling needs a head dimension above 2, not {d}")
+    if scaling in ("dynamic", "yarn") and not original_max_len:
+        raise PosbenchError(f"{scaling} RoPE scaling needs the training length (original_max_len)")
+    exponent = torch.arange(0, d, 2, dtype=torch.float64) / d  # (d/2,) = 2k/d
+    attention = 1.0
+    if scaling == "ntk":
+        base = base * factor ** (d / (d - 2))
+    elif scaling == "dynamic":
+        n = seq_len if seq_len is not None and seq_len > original_max_len else original_max_len
+        base = base * (factor * n / original_max_len - (factor - 1)) ** (d / (d - 2))
+    inv = base**-exponent  # (d/2,)
+    if scaling == "linear":
+        inv = inv / factor
+    elif scaling == "yarn":
+        low, high = _yarn_ramp_ends(d, base, original_max_len, truncate)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # (d/2,)
+        inv = inv / factor * ramp + inv * (1 - ramp)  # 0: keep theta_k (fast dims), 1: theta_k / s
+        attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv.float(), attention
+
+
+def _yarn_ramp_ends(d: int, base: float, L: int, truncate: bool) -> tuple[float, float]:
+    """The dimensions where a length-L window holds 32 (beta_fast) and 1 (beta_slow) turns:
+    dim(r) = d * ln(L / (2 pi r)) / (2 ln base), floored/ceiled, clipped to [0, d-1]."""
+
+    def dim(turns):
+        return d * math.log(L / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim(32), dim(1)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    return low, (high + 0.001 if high == low else high)  # transformers' guard against 0/0
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dim: dim k is paired with dim k + d/2."""
+    x1, x2 = x.chunk(2, dim=-1)  # (..., D/2) each
+    return torch.cat([-x2, x1], dim=-1)  # (..., D)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates each pair (x_k, x_{k+d/2}) of (B, H, T, D) x by the angle whose cos and sin are
+    (T, D) tables holding each angle twice, once per half."""
+    return x * cos + rotate_half(x) * sin  # (B, H, T, D)
+
+
+class RoPE(PositionalScheme):
+    """Rotates dims (k, k + d/2) of q and k by angle p * theta_k, theta_k = base^(-2k/d). This
+    pairs the halves (like transformers and x-transformers) instead of neighbours (2k, 2k+1);
+    the two are the same rotation up to a fixed permutation of dims, which the q/k projections
+    absorb. At evaluation, its variants rescale theta_k (see `rope_frequencies`) with
+    s = L'/L (evaluation length over training length) unless a factor is fixed; `dynamic`
+    uses transformers' factor (default 1) and grows s with each forward's own length."""
+
+    description = "rotates q and k by position-proportional angles; q.k depends on i-j (Su 2021)"
+    options = {"base": 10000.0}
+    eval_variants = {
+        "linear": "RoPE with positions interpolated, theta/s (Chen 2023)",
+        "ntk": "RoPE with an NTK-aware base, base*s^(d/(d-2)) (bloc97 2023)",
+        "dynamic": "RoPE with dynamic NTK, s grown with each forward's length (emozilla 2023)",
+        "yarn": "RoPE with YaRN's per-dimension ramp and attention factor (Peng 2023)",
+    }
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if self.opt["base"] <= 1:  # theta_k = base^(-2k/d) must fall with k; YaRN divides by log(base)
+            raise PosbenchError(f"scheme_options.{cfg.scheme}.base={self.opt['base']} must be > 1")
+        require_even(cfg, "the head size model.d_model / model.n_head", cfg.head_dim)
+
+    def rotate(self, q, k, pos, layer):
+        cos, sin = self.once_per_forward((pos,), lambda: self.angles(pos, q.size(-1), q.dtype))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (B, H, T, D) each
+
+    def frequencies(self, D: int, seq_len: int) -> tuple[torch.Tensor, float]:
+        v = self.variant
+        if v is None:
+            return rope_frequencies(D, self.opt["base"])
+        default = 1.0 if v.name == "dynamic" else v.length / v.train_len
+        factor = default if v.factor is None else v.factor
+        return rope_frequencies(D, self.opt["base"], v.name, factor, v.train_len, seq_len)
+
+    def angles(self, pos, D, dtype):
+        inv, attention = self.frequencies(D, pos.numel())
+        ang = pos.float()[:, None] * inv.to(pos.device)[None, :]  # (T, D/2)
+        cos, sin = ang.cos() * attention, ang.sin() * attention  # transformers scales both
+        return cos.repeat(1, 2).to(dtype), sin.repeat(1, 2).to(dtype)  # (T, D) each
+
+
+class XPos(RoPE):
+    """xPos (Sun et al. 2023): RoPE whose score q_i.k_j is also scaled by zeta_k^((i-j)/gamma),
+    zeta_k = (2k + 0.4 d) / (1.4 d) < 1 per frequency k, gamma = scale_base (512), so far
+    keys are damped, more so in the fast dimensions. As in x-transformers' `rotary_xpos`, q is
+    multiplied by zeta^(p/gamma) and k by zeta^(-p/gamma) after the rotation, with p counted
+    from the middle of the sequence (which cancels in i-j and keeps the powers small)."""
+
+    description = "RoPE times a per-dimension decay zeta_k^((i-j)/gamma) (Sun 2023, xPos)"
+    options = {"base": 10000.0, "scale_base": 512.0}
+    eval_variants = {}  # RoPE's scalings were not defined for xPos's decay
+
+    def rotate(self, q, k, pos, layer):
+        cos, sin, up = self.once_per_forward((pos,), lambda: self.xpos(pos, q.size(-1), q.dtype))
+        q = apply_rotary(q, cos, sin) * up  # (B, H, T, D)
+        k = apply_rotary(k, cos, sin) / up
+        return q, k
+
+    def xpos(self, pos, D, dtype):
+        cos, sin = self.angles(pos, D, dtype)  # (T, D) each
+        zeta = (torch.arange(0, D, 2, device=pos.device).float() + 0.4 * D) / (1.4 * D)  # (D/2,)
+        power = (pos - pos.max() // 2).float() / self.opt["scale_base"]  # (T,)
+        up = zeta[None, :] ** power[:, None]  # (T, D/2)
+        return cos, sin, up.repeat(1, 2).to(dtype)
