@@ -22,14 +22,15 @@ from posbench.errors import PosbenchError
 TINY_PROB = 1e-20  # BiasedAttention's probabilities below this are zeroed (subnormals are slow)
 
 
-def backend_for(name: str, device: torch.device, head_dim: int, compiled: bool = False) -> str:
+def backend_for(name: str, device: torch.device, head_dim: int, compiled: bool = False,
+                dtype: torch.dtype = torch.float32) -> str:  # fmt: skip
     """The backend that `name` runs as here. auto: the C kernels on a CPU in fp32 where they
     build, else SDPA. A backend named outright that cannot run here is an error, never a quiet
     substitute, because a run's records name the backend that computed it."""
     if name not in BACKENDS:
         raise PosbenchError(f"model.attention={name!r}: expected one of {', '.join(BACKENDS)}")
     compiling = compiled or torch.compiler.is_compiling()  # the tracer cannot follow pointers into C
-    why_not_native = native.why_not(head_dim, device, compiling)
+    why_not_native = native.why_not(head_dim, device, compiling, dtype)
     if name == "auto":
         return "sdpa" if why_not_native else "native"
     if name == "native" and why_not_native:
@@ -112,9 +113,13 @@ def native_attention(q, k, v, bias, q0: int) -> torch.Tensor:
 
 def flex(q, k, v, bias, q0: int) -> torch.Tensor:
     """torch's FlexAttention, the bias read by a score_mod and the causal mask as a block mask.
-    Compiled on a GPU; on a CPU torch runs its unfused reference, which suits checking, not speed."""
+    Compiled on a GPU; on a CPU torch runs its unfused reference forward, which suits checking,
+    not speed, and has no backward."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+        raise PosbenchError("model.attention=flex: torch has no FlexAttention backward on a CPU, so it cannot "
+                            "train here; train with auto, sdpa or eager (flex can evaluate)")  # fmt: skip
     Tq, Tk = q.size(2), k.size(2)
 
     def causal(b, h, i, j):

@@ -215,8 +215,9 @@ def extrapolate(
             "eval.rope_factor": rope_factor,
             "train.compile": compile_ or None,
         }
-        if test_len is not None:  # the grid runs from the training length the rest resolves to
-            L = load_config(config, set_ or [], values).model.train_len
+        if test_len is not None:  # the grid runs from the training length, however it is given
+            model_sets = [o for o in set_ or [] if o.startswith("model.")]
+            L = train_len or load_config(config, model_sets).model.train_len
             values["eval.lengths"] = length_grid(L, test_len)
         cfg = load_config(config, set_ or [], values, check=check_experiment)
         _kernel_notes(cfg)

@@ -99,7 +99,7 @@ class TransformerLM(nn.Module):
 
     def backend(self, device: torch.device, compiled: bool = False) -> str:
         """The attention backend model.attention runs as on `device` (see attention.backend_for)."""
-        return backend_for(self.cfg.attention, device, self.cfg.head_dim, compiled)
+        return backend_for(self.cfg.attention, device, self.cfg.head_dim, compiled, self.tok.weight.dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         B, T = tokens.size()

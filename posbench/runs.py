@@ -385,6 +385,7 @@ def run_one(rc, rdir: Path, done: bool, corpus: Corpus, n_tokens: int, reporter:
     """Train one run if it is not trained yet, then score whatever it still lacks."""
     if done:
         _, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
+        model.cfg = dataclasses.replace(model.cfg, attention=rc.model.attention)  # scored as asked now
         reporter.note(f"{rdir.name}: already trained, reusing its checkpoint")
     else:
         model = train_run(rc, rdir, corpus, reporter)

@@ -19,13 +19,15 @@ NATIVE = native.why_not(8, CPU) is None  # the tiny model's head size
 OTHERS = ["sdpa", "flex"] + (["native"] if NATIVE else [])
 
 
-def run(model, backend, x, w, block):
+def run(model, backend, x, w, block, grad=True):
     """Logits and every parameter's gradient under `backend`, `block` queries at a time."""
     model.cfg = dataclasses.replace(model.cfg, attention=backend)
     model.attn_block = block
     model.zero_grad(set_to_none=True)
-    y = model(x)
-    (y * w).sum().backward()  # a random projection: every gradient of order 1
+    with torch.set_grad_enabled(grad):
+        y = model(x)
+    if grad:
+        (y * w).sum().backward()  # a random projection: every gradient of order 1
     return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -38,16 +40,24 @@ def test_every_backend_equals_eager_in_outputs_and_gradients(scheme, backend):
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (2, T), generator=gen)
     w = torch.randn(2, T, 256, generator=gen)
+    grad = backend != "flex"  # torch has FlexAttention's forward on a CPU, not its backward
     for block in (T, BLOCK):  # whole, and in query blocks
         torch.manual_seed(2)  # randomized draws its training positions: the same draw for both
-        y, g = run(model, backend, x, w, block)
+        y, g = run(model, backend, x, w, block, grad)
         torch.manual_seed(2)
-        ref_y, ref_g = run(model, "eager", x, w, block)
+        ref_y, ref_g = run(model, "eager", x, w, block, grad)
         assert (y - ref_y).abs().max().item() <= 1e-5, (scheme, backend, block)
         assert g.keys() == ref_g.keys()
         for n in ref_g:
             gap = (g[n] - ref_g[n]).abs().max().item()
             assert gap <= 1e-5 * (1 + ref_g[n].abs().max().item()), (scheme, backend, block, n, gap)
+
+
+def test_flex_cannot_train_on_a_cpu_and_says_so():
+    model = tiny_model("t5").train()
+    model.cfg = dataclasses.replace(model.cfg, attention="flex")
+    with pytest.raises(PosbenchError, match="no FlexAttention backward on a CPU"):
+        model(torch.zeros(1, 8, dtype=torch.long))
 
 
 def test_eager_is_the_formula_written_out():

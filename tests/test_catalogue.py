@@ -17,6 +17,7 @@ from posbench.config import load_config
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.evaluate import evaluate_model
+from posbench.runs import check_experiment
 from posbench.schemes import SCHEMES, catalogue, resolve_scheme, rope_frequencies
 
 from conftest import SMOKE, invoke, smoke_experiment, tiny
@@ -248,7 +249,7 @@ def test_catalogue_lists_at_least_16_entries_with_rope_variants_marked():
 
 def test_rope_scaling_config_is_checked_by_name():
     with pytest.raises(PosbenchError) as e:
-        load_config(None, ["eval.rope_scaling=[yarm]"])
+        load_config(None, ["eval.rope_scaling=[yarm]"], check=check_experiment)
     assert "eval.rope_scaling: unknown kind 'yarm' (did you mean 'yarn'?)" in str(e.value)
     with pytest.raises(PosbenchError, match="eval.rope_factor=0.5 must be >= 1"):
         load_config(None, ["eval.rope_factor=0.5"])
@@ -550,7 +551,7 @@ def test_evaluate_rope_scaling_adds_rows_and_report_rebuilds_them(tiny_runs, tmp
     res = invoke("report", exp)
     assert res.exit_code == 0, res.output
     summary = read_rows(exp / "summary.csv")
-    assert list(summary[0]) == ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
+    assert list(summary[0]) == ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status", "attention"]
     schemes = list(dict.fromkeys(r["scheme"] for r in summary))
     assert schemes == ["rope", "rope+linear", "rope+yarn", "alibi"]  # variants follow their scheme
     md = (exp / "summary.md").read_text()

@@ -29,7 +29,7 @@ def test_extrapolate_writes_every_promised_file(smoke):
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         assert cfg["model"]["scheme"] == scheme and cfg["seeds"] == [0]
         log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
-        assert set(log[0]) == {"step", "loss", "lr", "seconds"}
+        assert set(log[0]) == {"step", "loss", "lr", "seconds", "attention"}
         assert log[-1]["step"] == cfg["train"]["steps"] - 1
         ckpt = torch.load(run / "model.pt", weights_only=True)
         assert ckpt["config"] == cfg  # the checkpoint carries its own resolved config
@@ -41,7 +41,7 @@ def test_extrapolate_writes_every_promised_file(smoke):
 def test_summary_csv_is_long_format_with_status(smoke):
     exp, _, _ = smoke
     rows = list(csv.DictReader((exp / "summary.csv").open()))
-    assert list(rows[0]) == ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status"]
+    assert list(rows[0]) == ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status", "attention"]
     assert len(rows) == len(SEED_SCHEMES) * 3
     by = {(r["scheme"], int(r["length"])): r for r in rows}
     assert by[("learned", 32)]["status"] == "ok"
@@ -117,9 +117,19 @@ def test_train_one_run(tmp_path, corpus_file):
     assert sorted(p.name for p in (out / "smoke").iterdir() if p.is_dir()) == ["alibi-seed2"]
 
 
-def test_train_needs_one_run(tmp_path):
-    res = invoke("train", SMOKE, "--set", f"out_dir={tmp_path / 'r'}")
-    assert res.exit_code != 0 and "pick one run with --scheme" in res.output
+def test_train_with_no_config_trains_the_defaults_and_one_run_on_request(tmp_path, corpus_file):
+    quick = ["--set", f"out_dir={tmp_path / 'r'}", "--set", f"data.path={corpus_file}", "--set", "train.steps=2",
+             "--set", "eval.tokens=400", "--set", "train.workers=1"]  # fmt: skip
+    res = invoke("train", "--scheme", "alibi", *quick)
+    assert res.exit_code == 0, res.output
+    runs = sorted(p.name for p in (tmp_path / "r" / "default").iterdir() if p.is_dir())
+    assert runs == ["alibi-seed0"]
+    cfg = yaml.safe_load((tmp_path / "r" / "default" / "alibi-seed0" / "config.yaml").read_text())
+    assert cfg["model"]["d_model"] == 128 and cfg["eval"]["lengths"] == [100, 125, 150, 200]  # the defaults
+    res = invoke("train", SMOKE, "--set", f"out_dir={tmp_path / 's'}", "--set", f"data.path={corpus_file}",
+                 "--set", "schemes=[nope, alibi]")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (tmp_path / "s" / "smoke").iterdir() if p.is_dir()) == ["alibi-seed0", "nope-seed0"]
 
 
 def test_schemes_lists_every_registered_scheme_with_a_description():

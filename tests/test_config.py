@@ -13,6 +13,7 @@ from posbench.config import (
     load_config,
 )
 from posbench.errors import PosbenchError
+from posbench.runs import check_experiment
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -96,7 +97,7 @@ def test_bad_values_name_the_culprit(sets, message):
     if sets[0].startswith("scheme_options.rope"):
         sets = sets + ["schemes=[alibi]"]  # options of a scheme that is not run are still checked
     with pytest.raises(PosbenchError) as e:
-        load_config(None, sets)
+        load_config(None, sets, check=check_experiment)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
 

@@ -179,7 +179,7 @@ def calls_in_a_training_step(monkeypatch, function, scheme):
 def test_the_model_takes_the_kernel_and_it_trains(monkeypatch):
     m, calls = calls_in_a_training_step(monkeypatch, native.CoPEAttention, "cope")
     assert calls == m.cfg.n_layer
-    assert "attend agrees with the bias path" in check.attend_agrees(check.tiny_model("cope").train(), 40)
+    assert "attend agrees with the eager formula" in check.attend_agrees(check.tiny_model("cope").train(), 40)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters() if p.requires_grad)
 
 
@@ -195,7 +195,7 @@ def test_off_switch_and_other_dtypes_take_the_pytorch_path(monkeypatch):
         monkeypatch.setenv("POSBENCH_NATIVE", switch)
         assert native.cope_attention(q, k, v, table, pos, pos) is None
         assert f"POSBENCH_NATIVE={switch}" in native.unavailable["cope"]
-    # the model then runs CoPE through its PyTorch twin
+    # the model then runs CoPE on SDPA with its PyTorch bias
     twin, kernel = [], []
     real_twin, real_kernel = cope.cope_bias, native.CoPEAttention.apply
     monkeypatch.setattr(cope, "cope_bias", lambda *a: twin.append(1) or real_twin(*a))
@@ -203,8 +203,8 @@ def test_off_switch_and_other_dtypes_take_the_pytorch_path(monkeypatch):
     m = TransformerLM(tiny("cope"))
     m(torch.randint(0, 256, (2, 16))).sum().backward()
     assert len(twin) == m.cfg.n_layer and not kernel
-    # and check-scheme says that its attend check compared the bias path with itself
-    assert "attend declined every call here" in check.attend_agrees(check.tiny_model("cope").train(), 16)
+    # and check-scheme says that it could not try attend here
+    assert "native backend only, which cannot run here" in check.attend_agrees(check.tiny_model("cope").train(), 16)
 
 
 def test_a_missing_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
@@ -292,20 +292,20 @@ def test_a_cope_subclass_with_its_own_bias_is_not_sent_to_the_kernel():
 
 
 @pytest.mark.parametrize("switch", ["off", "1"])
-def test_extrapolate_says_when_cope_trains_without_its_kernel(monkeypatch, tmp_path, switch):
+def test_extrapolate_says_when_auto_cannot_use_the_kernels(monkeypatch, tmp_path, switch):
     from conftest import smoke_experiment
 
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "unavailable", {})
     monkeypatch.setenv("POSBENCH_NATIVE", switch)
     exp, res, _ = smoke_experiment(tmp_path, "--schemes", "cope,alibi")
-    assert ("note: cope trains on its PyTorch path" in res.output) == (native.load("cope") is None)
-    if switch == "off":
-        assert "turned off by POSBENCH_NATIVE=off" in res.output
-        for name in ("attention", "layers"):  # every scheme's kernels are named too
-            assert f"training takes PyTorch's ops where {name}.c would run" in res.output
+    text = " ".join(res.output.split())
+    if switch == "off":  # auto takes SDPA, says why, and the records say so
+        assert "attention runs on SDPA" in text and "turned off by POSBENCH_NATIVE=off" in text
+        assert "attention: sdpa backend" in (exp / "summary.md").read_text()
     else:
-        assert "training takes PyTorch's ops" not in res.output or native.load("attention") is None
+        assert ("attention runs on SDPA" in text) == (native.load("attention") is None)
+        assert ("cope trains on its PyTorch bias" in text) == (native.load("cope") is None)
     assert (exp / "summary.csv").is_file()
 
 
@@ -498,7 +498,7 @@ def test_packed_attention_gives_the_bits_of_separate_q_k_v(bias):
     b = None if bias is None else (torch.randn(1, H, T, T, generator=g).requires_grad_(bias == "learned"))
     d_out = torch.randn(B, H, T, D, generator=g)
     q, k, v = native.qkv_views(qkv, H)
-    packed = native.attention(q, k, v, b, 0, packed=qkv)
+    packed = native.attention(q, k, v, b, 0)  # q, k and v are views of qkv: it is taken whole
     assert packed.grad_fn.name() == "PackedAttentionBackward"
     grads_packed = torch.autograd.grad(packed, [qkv] + ([b] if bias == "learned" else []), d_out)
     apart = [t.detach().clone().requires_grad_() for t in native.qkv_views(qkv, H)]
@@ -517,9 +517,11 @@ def test_packed_attention_only_for_the_exact_views_of_qkv():
     qkv = torch.randn(B, T, 3 * H * D, requires_grad=True)
     q, k, v = native.qkv_views(qkv, H)
     other = torch.randn(B, T, 3 * H * D, requires_grad=True)
-    for args in [(k, q, v), (q * 1, k, v), (*native.qkv_views(other, H),), (q[:, :, 1:], k, v)]:
-        out = native.attention(*args, None, T - args[0].size(2), packed=qkv)
+    mixed = (q, *native.qkv_views(other, H)[1:])
+    for args in [(k, q, v), (q * 1, k, v), mixed, (q[:, :, 1:], k, v)]:
+        out = native.attention(*args, None, T - args[0].size(2))
         assert out.grad_fn.name() == "AttentionBackward"
+    assert native.attention(q, k, v, None, 0).grad_fn.name() == "PackedAttentionBackward"
 
 
 def test_attention_falls_back_where_the_kernel_does_not_apply(monkeypatch):

@@ -212,8 +212,8 @@ BREAKS = {
     "Unused": (UNUSED, {"backward"}, "parameters with no gradient: scheme.scale"),
     "NaN": (NAN, {"causality", "forward", "backward", "beyond length"}, "non-finite logits"),
     "Cliff": (CLIFF, {"beyond length"}, "non-finite logits at length 64"),
-    "SkipsBias": (SKIPS_BIAS, {"attend"}, "attend's logits differ from the bias path's"),
-    "DropsKGrad": (DROPS_K_GRAD, {"attend"}, "attend's gradient of tok.weight differs from the bias path's"),
+    "SkipsBias": (SKIPS_BIAS, {"attend"}, "attend's logits differ from the eager formula's"),
+    "DropsKGrad": (DROPS_K_GRAD, {"attend"}, "attend's gradient of tok.weight differs from the eager formula's"),
 }
 
 

@@ -5,14 +5,15 @@ import re
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import posbench.attention
 import posbench.model
-from posbench import check
+from posbench import check, native
 from posbench.attention import causal_attention
 from posbench.errors import PosbenchError
-from posbench.schemes import SCHEMES, alibi_slopes, sinusoid, t5_relative_bucket
+from posbench.schemes import SCHEMES, PositionalScheme, alibi_slopes, sinusoid, t5_relative_bucket
 
 from conftest import tiny
 
@@ -76,40 +77,6 @@ def test_blocked_attention_matches_whole(scheme, T):
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
 
 
-def reference_attention(q, k, v, pos, bias_fn, block, attend_fn=None, packed=None):
-    """Plain attention: the whole (T, T) score matrix, the bias, the mask, a softmax."""
-    T = q.size(2)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))  # (B, H, T, T)
-    bias = bias_fn(q, k, pos, pos)
-    if bias is not None:
-        scores = scores + bias
-    future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
-
-
-@pytest.mark.parametrize("scheme", ALL)
-@pytest.mark.parametrize("T", [24, 21])  # a multiple of the block and not
-def test_fast_attention_matches_reference(monkeypatch, scheme, T):
-    """The fast paths (SDPA kernels, the grad-bias path, query blocks) equal plain attention
-    within 1e-5 in fp32, in the outputs and in every parameter's gradient."""
-    model = build(scheme, train_len=T)
-    x = torch.randint(0, 256, (2, T))
-    results = []
-    for attn, block in ((reference_attention, None), (posbench.attention.causal_attention, 8),
-                        (posbench.attention.causal_attention, 10_000)):  # fmt: skip
-        monkeypatch.setattr(posbench.model, "causal_attention", attn)
-        model.zero_grad()
-        model.attn_block = block or 10_000
-        y = model(x)
-        y.square().mean().backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        results.append((y.detach(), grads))
-    (ref_y, ref_g), *fast = results
-    for y, g in fast:
-        assert torch.allclose(y, ref_y, atol=1e-5)
-        assert torch.allclose(g, ref_g, atol=1e-5)
-
-
 def test_rope_scores_depend_only_on_distance():
     """q_m.k_n after rotation is a function of m-n: equal along every diagonal."""
     scheme = SCHEMES["rope"](tiny("rope"))
@@ -132,8 +99,8 @@ def test_rope_preserves_norms():
     assert torch.allclose(qr[:, :, 0], q[:, :, 0])  # position 0 is the identity
 
 
-def _unmasked(q, k, v, pos, bias_fn, block, attend_fn=None, packed=None):
-    b = bias_fn(q, k, pos, pos)
+def _unmasked(q, k, v, pos, scheme, layer, backend, block):
+    b = scheme.bias(q, k, pos, pos, layer)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=b)
 
 
@@ -252,18 +219,25 @@ def test_learned_refuses_beyond_its_table_instead_of_clamping():
 def test_attention_function_matches_plain_softmax():
     """The one attention function is softmax(qk/sqrt(d) + bias + mask) v, blocked or not."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 13, 4) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, 13, 8) for _ in range(3))
     bias = torch.randn(1, 3, 13, 13)
     pos = torch.arange(13)
 
-    def bias_fn(qb, kb, qp, kp):
-        return bias[:, :, qp][:, :, :, kp]
+    class Fixed(PositionalScheme):
+        def __init__(self):
+            nn.Module.__init__(self)
 
-    s = q @ k.transpose(-1, -2) / 2 + bias
+        def bias(self, qb, kb, qp, kp, layer):
+            return bias[:, :, qp][:, :, :, kp]
+
+    s = q @ k.transpose(-1, -2) / 8**0.5 + bias
     s = s.masked_fill(torch.ones(13, 13, dtype=torch.bool).triu(1), float("-inf"))
     want = s.softmax(-1) @ v
-    for block in (None, 4, 13):
-        assert torch.allclose(causal_attention(q, k, v, pos, bias_fn, block), want, atol=1e-5)
+    backends = ["eager", "sdpa", "flex"] + (["native"] if native.why_not(8, torch.device("cpu")) is None else [])
+    for backend in backends:
+        for block in (None, 4, 13):
+            got = causal_attention(q, k, v, pos, Fixed(), 0, backend, block)
+            assert torch.allclose(got, want, atol=1e-5), (backend, block)
 
 
 def test_xl_bias_of_a_query_block_equals_those_rows_of_the_whole_bias():

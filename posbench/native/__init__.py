@@ -166,7 +166,7 @@ def _applies(kernel: str, D: int, *tensors) -> bool:
 
 def cope_attention(q, k, v, table, qpos, kpos) -> Optional[torch.Tensor]:
     """CoPE's whole causal attention through cope.c, or None where the kernel does not apply
-    (the caller then takes the PyTorch path: CoPEBias and the generic attention). The kernel
+    (the caller then takes the generic path with CoPE.bias). The kernel
     takes positions 0..Tk-1 for the keys and the last Tq of them for the queries."""
     B, H, Tq, D = q.shape
     Tk = k.size(2)
@@ -226,10 +226,13 @@ class CoPEAttention(torch.autograd.Function):
 ATTENTION_HEAD_DIMS = range(8, 257, 8)  # attention.c's register tiles take 8 floats at a time
 
 
-def why_not(head_dim: int, device: torch.device, compiling: bool = False) -> Optional[str]:
+def why_not(head_dim: int, device: torch.device, compiling: bool = False,
+            dtype: torch.dtype = torch.float32) -> Optional[str]:  # fmt: skip
     """Why the native backend cannot run a model with this head size here, or None if it can."""
     if device.type != "cpu":
         return f"it runs on a CPU, not {device.type}"
+    if dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+        return "it computes in fp32 only, outside autocast"
     if compiling:
         return "torch.compile cannot trace into the C kernels"
     if head_dim not in ATTENTION_HEAD_DIMS:
@@ -254,9 +257,11 @@ def attention(q, k, v, bias, q0: int) -> Optional[torch.Tensor]:
         return None
     if bias is not None:  # batch and heads may be shared (stride 0); rows made contiguous first,
         bias = _rows(bias).expand(B, H, Tq, q0 + Tq)  # or the expand would be copied B times
-    packed = q._base
-    if packed is not None and q0 == 0 and _views_of(packed, q, k, v):
-        return PackedAttention.apply(packed, bias, H)
+    base = q._base  # nn.Linear's output, or the 2-D product it is a view of
+    if base is not None and q0 == 0 and base.is_contiguous() and base.numel() == 3 * q.numel():
+        packed = base.view(B, Tq, 3 * H * D)
+        if _views_of(packed, q, k, v):
+            return PackedAttention.apply(packed, bias, H)
     return Attention.apply(q, k, v, bias, q0)
 
 

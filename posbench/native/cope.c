@@ -1,8 +1,8 @@
 /* CoPE's whole causal attention in C, in the register tiles of tiles.h (as attention.c), so no
  * (T, T) tensor is ever written: gates, positions and probabilities live in a tile's rows, and
  * the backward recomputes them from the saved log-sum-exp. The formula and the pure-PyTorch
- * reference are CoPE and CoPEBias in posbench/schemes.py; tests/test_native.py checks this file
- * against them, values and gradients.
+ * reference are CoPE's bias in posbench/schemes/cope.py; tests check this file against it,
+ * values and gradients.
  *
  * For query row i (global index q0 + i), its n = q0 + i + 1 visible keys, L_j = q_i.k_j and
  * E_p = q_i.e[p] (e: the (D, P) table, column p a position's vector):
