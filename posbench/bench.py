@@ -37,9 +37,7 @@ PEERS = ("x-transformers",)
 class BenchSettings:
     batch_size: int = 32
     steps: int = 4  # timed steps per round
-    # many short rounds: a burst of load spoils a few, the minimum skips them. 30, not 15: over
-    # three runs each, the spread of the ratios to NoPE and the peer halved (cope 0.84-0.86
-    # against 0.83-0.89 in eight runs of 15), for a run of ~100 s instead of ~55
+    # many short rounds: a burst of load spoils a few, the minimum skips them
     rounds: int = 30
     warmup: int = 3
     multiples: tuple = EVAL_MULTIPLES

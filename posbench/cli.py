@@ -345,7 +345,6 @@ def bench(
     ),
 ):
     """Training tokens/s (vs NoPE and a peer), FLOP utilisation, and eval memory up to 64x."""
-    import torch
 
     from posbench.bench import BenchSettings, run_bench, write_bench
     from posbench.runs import check_experiment

@@ -221,6 +221,7 @@ def plot(table: pd.DataFrame, path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return False
     lengths = lengths_of(table)
@@ -231,6 +232,9 @@ def plot(table: pd.DataFrame, path: Path) -> bool:
     ax.set_xlabel("evaluation length (bytes)")
     ax.set_ylabel("perplexity per byte")
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 6, 8, 10 rather than 6 x 10^0
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

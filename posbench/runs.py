@@ -107,6 +107,7 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
             diff = ", ".join(differences(ours, theirs, ("model.pt", "in config.yaml")))
             raise PosbenchError(f"{record} does not describe model.pt ({diff}); restore or delete it")
         cfg = rec
+        model.cfg = dataclasses.replace(model.cfg, attention=rec.model.attention)
     return cfg, model
 
 

@@ -12,7 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from posbench import check
-from posbench.attention import BiasedAttention, _attend
+import dataclasses
+
+from posbench import attention
+from posbench.attention import BiasedAttention
 from posbench.schemes import SCHEMES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -60,12 +63,12 @@ def test_a_learned_bias_per_row_takes_sdpa_and_its_gradient_matches_the_math_pat
     q = torch.randn(2, 3, Tq, 16, device="cuda", generator=g, requires_grad=True)
     k, v = (torch.randn(2, 3, Tk, 16, device="cuda", generator=g, requires_grad=True) for _ in range(2))
     bias = torch.randn(1 if shared else 2, 3, Tq, Tk, device="cuda", generator=g, requires_grad=True)
-    pos, q0 = torch.arange(Tk, device="cuda"), Tk - Tq
+    q0 = Tk - Tq
     calls = []
     real = BiasedAttention.apply
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(BiasedAttention, "apply", lambda *a: calls.append(1) or real(*a))
-        got = _attend(q, k, v, pos[q0:], pos, q0, lambda *a: bias)
+        got = attention.sdpa(q, k, v, bias, q0)
     # a bias per batch row goes to SDPA, which returns its gradient; a shared one (T5's) to the
     # hand-written math path, which measured faster for it
     assert calls == ([1] if shared else [])
@@ -77,3 +80,16 @@ def test_a_learned_bias_per_row_takes_sdpa_and_its_gradient_matches_the_math_pat
     wants = torch.autograd.grad(want.square().sum(), (q, k, v, bias))
     for a, b in zip(gots, wants):  # a shared bias's gradient sums the batch: its rounding, twice
         assert torch.allclose(a, b, atol=5e-5), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("scheme", ["nope", "alibi", "t5", "kerple_log", "fire"])
+def test_cuda_flex_equals_eager_in_outputs_and_gradients(scheme):
+    model = check.tiny_model(scheme, train_len=40).cuda().train()
+    x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0)).cuda()
+    results = []
+    for backend in ("eager", "flex"):
+        model.cfg = dataclasses.replace(model.cfg, attention=backend)
+        results.append(_outputs_and_grads(model, x, 16))
+    (y0, g0), (y1, g1) = results
+    assert torch.allclose(y1, y0, atol=2e-5), (y1 - y0).abs().max()
+    assert torch.allclose(g1, g0, atol=2e-5), (g1 - g0).abs().max()

@@ -82,8 +82,8 @@ INLINE void transpose8(const float *x, long rs, float *T, int ld) {
 #endif
 
 /* keys j < n of pair (b, h), transposed into T[d * ld + j], zero-padded to ld (a multiple of
- * 16). With AVX2, 8 x 8 blocks at a time in registers: the scalar loop alone was ~10% of the
- * attention kernels' time (forward 7.5% faster, backward 3%, interleaved A/B of the builds) */
+ * 16). With AVX2, 8 x 8 blocks at a time in registers: a scalar transpose is a large share of
+ * the attention kernels' time */
 static void pack_t(const Args *a, int which, int b, int h, int n, int ld, float *T) {
     const float *x = row(a, which, b, h, 0);
     const long rs = a->st[3 * which + 2];
