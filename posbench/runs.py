@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from posbench.attention import backend_for
 from posbench.config import (ExperimentConfig, check_device, check_trainable, config_from_dict, dump_yaml,
                              read_yaml)
 from posbench.data import Corpus, load_corpus
@@ -360,6 +361,12 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
     for rc, _, done in plan:
         if not done:
             check_trainable(rc.model, gpu)  # a model too big is refused, not allocated
+    # a backend that cannot run here is refused before anything trains
+    backend = backend_for(cfg.model.attention, device, cfg.model.head_dim, cfg.train.compile)
+    if backend == "flex" and device.type == "cpu" and not all(done for _, _, done in plan):
+        raise PosbenchError("model.attention=flex: torch has no FlexAttention backward on a CPU, so it cannot "
+                            "train here; train with auto, sdpa or eager (flex can evaluate: posbench evaluate "
+                            "RUN --attention flex)")  # fmt: skip
     corpus = load_corpus(cfg.data)  # fails before any folder is made
     n_tokens = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1  # the same for every run
     workers, threads = worker_plan(cfg, sum(not done for _, _, done in plan))

@@ -221,3 +221,20 @@ def test_runs_record_their_backend_and_a_mixed_report_says_so(tmp_path, capsys):
     df, _, _ = write_summary(exp)
     assert set(df["attention"]) == {"sdpa"}
     assert "trained with eager, scored with sdpa" in (exp / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("backend,message", [
+    ("flex", "model.attention=flex: torch has no FlexAttention backward on a CPU"),
+    ("native", "model.attention=native cannot run here: the attention kernel is unavailable"),
+])  # fmt: skip
+def test_a_backend_that_cannot_train_here_is_one_line_and_nothing_is_written(monkeypatch, tmp_path, backend, message):
+    from conftest import SMOKE, invoke
+
+    if backend == "native":
+        monkeypatch.setattr(native, "_loaded", {})
+        monkeypatch.setattr(native, "unavailable", {})
+        monkeypatch.setenv("POSBENCH_NATIVE", "0")
+    res = invoke("extrapolate", "--config", SMOKE, "--attention", backend, "--set", f"out_dir={tmp_path / 'r'}")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) <= 3
+    assert not (tmp_path / "r").exists()
