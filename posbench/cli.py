@@ -165,7 +165,7 @@ def _print_summary(exp: Path) -> None:
     df, configs, table = write_summary(exp)
     train_len = int(df["train_len"].iloc[0])
     protocol = configs[0].eval.protocol
-    title = f"perplexity, trained at {train_len} ({protocol}; attention: {backends_note(df)})"
+    title = f"perplexity, trained at {train_len} ({protocol}; attention: {backends_note(df, short=True)})"
     out.print(_comparison_table(table, title))
     for name in ("summary.csv", "summary.md", "summary.png"):
         if (exp / name).exists():

@@ -171,21 +171,35 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
     return lines
 
 
-def backends_note(df: pd.DataFrame) -> str:
-    """Which attention backend trained and scored the runs; backends differ in the last bits,
-    so a table made with several says which run used which."""
-    scored = sorted(set(df["attention"]))
-    trained = df.attrs.get("trained_with", {})
-    used = sorted({b or UNRECORDED for b in trained.values()})
-    if len(scored) == 1 and len(used) <= 1:
-        how = scored[0]
-        return f"{how} backend (model.attention)" if used in ([], [how]) else f"trained with {used[0]}, scored with {how}"
-    by_run = {}
+def backends_note(df: pd.DataFrame, short: bool = False) -> str:
+    """Which attention backend trained and scored the runs. Backends differ in the last bits,
+    so a table made with several names which runs used which (`short`: only that they differ)."""
+    trained = {name: b or UNRECORDED for name, b in df.attrs.get("trained_with", {}).items()}
+    scored = df.groupby("attention")[["scheme", "seed"]].apply(
+        lambda g: sorted({f"{s} seed {n}" for s, n in zip(g["scheme"], g["seed"])})
+    )
+    train_set, score_set = set(trained.values()), set(scored.index)
+    if len(score_set) == 1 and len(train_set) <= 1:
+        how = scored.index[0]
+        if train_set in (set(), {how}):
+            return f"{how} backend (model.attention)"
+        return f"trained with {train_set.pop()}, scored with {how}"
+    if short:
+        return "different backends across runs, see summary.md"
+    by_train: dict[str, list[str]] = {}
     for name, b in sorted(trained.items()):
-        by_run.setdefault(b or UNRECORDED, []).append(name)
-    train_text = "; ".join(f"{b}: {', '.join(names)}" for b, names in by_run.items())
-    return (f"DIFFERENT backends across runs (they differ in the last bits): trained with {train_text}; "
-            f"scored with {', '.join(scored)}")
+        by_train.setdefault(b, []).append(name)
+    return (f"DIFFERENT backends across runs (they differ in the last bits): "
+            f"trained with {_grouped(by_train)}; scored with {_grouped(scored.to_dict())}")  # fmt: skip
+
+
+def _grouped(runs_by_backend: dict[str, list[str]]) -> str:
+    """'native', or 'flex (t5 seed 0), native (the rest)': the most used backend unlisted."""
+    if len(runs_by_backend) == 1:
+        return next(iter(runs_by_backend))
+    most = max(runs_by_backend, key=lambda b: len(runs_by_backend[b]))
+    parts = [f"{b} ({', '.join(runs)})" for b, runs in sorted(runs_by_backend.items()) if b != most]
+    return ", ".join(parts + [f"{most} (the rest)"])
 
 
 def _tokens_note(df: pd.DataFrame) -> str:
