@@ -158,16 +158,14 @@ def _comparison_table(table, title: str) -> Table:
 
 
 def _print_summary(exp: Path) -> None:
-    from posbench.report import write_summary
+    from posbench.report import backends_note, write_summary
 
-    from posbench.report import backends_note
-
-    df, configs, table = write_summary(exp)
+    df, configs, tables = write_summary(exp)
     train_len = int(df["train_len"].iloc[0])
-    protocol = configs[0].eval.protocol
-    title = f"perplexity, trained at {train_len} ({protocol}; attention: {backends_note(df, short=True)})"
-    out.print(_comparison_table(table, title))
-    for name in ("summary.csv", "summary.md", "summary.png"):
+    for label, table in tables.items():
+        title = f"perplexity, trained at {train_len} ({label}; attention: {backends_note(df, short=True)})"
+        out.print(_comparison_table(table, title))
+    for name in ("summary.csv", "summary.md", "summary.png", "positions.png"):
         if (exp / name).exists():
             out.print(f"wrote {exp / name}", highlight=False)
 
@@ -177,6 +175,8 @@ AttentionOpt = Annotated[
     Optional[str], typer.Option(help="attention backend: auto, eager, sdpa, native or flex (model.attention)")
 ]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile for training (off: no gain on CPU)")]
+Protocol = Annotated[Optional[str], typer.Option(help="nonoverlapping, sliding, or both: nonoverlapping,sliding")]
+Stride = Annotated[Optional[int], typer.Option(help="sliding windows' stride (default: train_len / 4)")]
 
 
 @app.command()
@@ -195,6 +195,8 @@ def extrapolate(
         Optional[str], typer.Option(help="also score rope runs scaled at evaluation, e.g. yarn,ntk")
     ] = None,
     rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L)")] = None,
+    protocol: Protocol = None,
+    stride: Stride = None,
     compile_: Compile = False,
 ):
     """Train one model per scheme at the training length and compare them at longer lengths."""
@@ -213,6 +215,8 @@ def extrapolate(
             "model.attention": attention,
             "eval.rope_scaling": _csv_names(rope_scaling) if rope_scaling is not None else None,
             "eval.rope_factor": rope_factor,
+            "eval.protocol": _csv_names(protocol) if protocol is not None else None,
+            "eval.stride": stride,
             "train.compile": compile_ or None,
         }
         if test_len is not None:  # the grid runs from the training length, however it is given

@@ -20,6 +20,7 @@ Check = Callable[["ExperimentConfig"], None]
 
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "native", "flex")  # see posbench/attention.py
+PROTOCOLS = ("nonoverlapping", "sliding")  # see posbench/evaluate.py
 
 
 @dataclass
@@ -102,12 +103,16 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation protocol: non-overlapping chunks of each length over the same tokens."""
+    """How models are scored: at each length, the same validation tokens, under each protocol."""
 
     lengths: list[int] = field(default_factory=lambda: [100, 125, 150, 200])
     tokens: int = 32768  # validation tokens scored at every length (the same ones)
     batch_size: int = 16
-    protocol: str = "nonoverlapping"
+    # nonoverlapping: chunks of each length, every token scored once; sliding: windows of each
+    # length advancing by `stride`, each scoring its last `stride` tokens (the first, all of
+    # its tokens). Both may be listed: each gives its own rows
+    protocol: list[str] = field(default_factory=lambda: ["nonoverlapping"])
+    stride: Optional[int] = None  # the sliding windows' stride; null = a quarter of train_len
     # evaluation-time variants scored as extra rows "<scheme>+<kind>" for every run whose
     # scheme declares them (rope: linear, ntk, dynamic, yarn); the checkpoints are not retrained
     rope_scaling: list[str] = field(default_factory=list)
@@ -126,8 +131,16 @@ class EvalConfig:
         if self.tokens < max(self.lengths):
             raise PosbenchError(f"eval.tokens={self.tokens} is fewer than the longest eval length {max(self.lengths)}")
         _unique(self.rope_scaling, "eval.rope_scaling")
-        if self.protocol != "nonoverlapping":
-            raise PosbenchError(f"eval.protocol={self.protocol!r}: only 'nonoverlapping' exists")
+        if not self.protocol:
+            raise PosbenchError("eval.protocol is empty")
+        for p in self.protocol:
+            if p not in PROTOCOLS:
+                close = difflib.get_close_matches(p, PROTOCOLS, n=1, cutoff=0.5)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise PosbenchError(f"eval.protocol: unknown protocol '{p}'{hint}; valid: {', '.join(PROTOCOLS)}")
+        _unique(self.protocol, "eval.protocol")
+        if self.stride is not None and self.stride <= 0:
+            raise PosbenchError(f"eval.stride={self.stride} must be positive")
 
 
 @dataclass
@@ -168,6 +181,14 @@ class ExperimentConfig:
         for seed in self.seeds:  # the range torch.manual_seed takes
             if not -(2**63) <= seed < 2**64:
                 raise PosbenchError(f"seeds: {seed} is not a seed torch takes")
+        if "sliding" in self.eval.protocol:
+            if self.eval.stride is None:
+                self.eval.stride = max(1, self.model.train_len // 4)
+            if self.eval.stride > self.model.train_len:
+                raise PosbenchError(
+                    f"eval.stride={self.eval.stride} is longer than the shortest window, "
+                    f"model.train_len={self.model.train_len}; a window cannot score more than its length"
+                )
         # the training length, the base of every ratio, is always scored; columns read in order
         self.eval.lengths = sorted({self.model.train_len, *self.eval.lengths})
         short = [n for n in self.eval.lengths if n < self.model.train_len]

@@ -14,7 +14,35 @@ from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.train import autocast
 
-PROTOCOL_NAMES = {"nonoverlapping": "non-overlapping chunks, every token scored"}
+PROTOCOL_NAMES = {
+    "nonoverlapping": "non-overlapping chunks, every token scored once",
+    "sliding": "sliding windows, each scoring its last stride tokens, every token scored once",
+}
+
+
+def protocol_label(protocol: str, stride) -> str:
+    """How a table names a protocol: `nonoverlapping`, or `sliding, stride 25`."""
+    return protocol if protocol == "nonoverlapping" else f"{protocol}, stride {stride}"
+
+
+def windows(n: int, L: int, protocol: str, stride: Optional[int]) -> list[tuple[int, int]]:
+    """(start, first scored) per window of the n targets: window inputs are tokens[start : start
+    + L] (shorter at the end), and it scores its positions from `first scored` on. Every target
+    is scored exactly once.
+    nonoverlapping: chunks of L, each scored whole (the last one shorter).
+    sliding: windows of L ending stride further each time; the first scores all of its L
+    targets, every later one only its last `stride`, so each scored target sees at least L -
+    stride earlier tokens (the last window scores what is left)."""
+    if protocol == "nonoverlapping":
+        return [(s, 0) for s in range(0, n, L)]
+    out = [(0, 0)]
+    end = min(L, n)
+    while end < n:
+        new_end = min(end + stride, n)
+        start = max(0, new_end - L)
+        out.append((start, end - start))
+        end = new_end
+    return out
 
 
 def eval_tokens(corpus: Corpus, cfg: ExperimentConfig, lengths: list[int]) -> torch.Tensor:
@@ -39,47 +67,59 @@ def evaluate_model(
     device: torch.device,
     variant: Optional[str] = None,
     factor: Optional[float] = None,
-) -> list[dict]:
-    """Mean next-byte loss at each length: the same tokens cut into non-overlapping chunks of
-    that length (the last one shorter), every token scored, so lengths compare directly.
-    With `variant`, the scheme's evaluation-time variant of that name is applied per length.
-    Each row names the attention backend that computed it."""
+    protocol: str = "nonoverlapping",
+    stride: Optional[int] = None,
+) -> tuple[list[dict], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Mean next-byte loss at each length over the same tokens, every token scored once (see
+    `windows` for how each protocol cuts them), so lengths compare directly. With `variant`,
+    the scheme's evaluation-time variant of that name is applied per length. Returns the rows,
+    each naming the attention backend that computed it, and per scored length the loss summed
+    at each window position and the number of tokens scored there, (L,) each."""
     model = model.to(device).eval()
     backend = model.backend(device)
     n = len(tokens) - 1
-    rows = []
+    rows, by_position = [], {}
     for L in lengths:
-        row = {"length": L, "tokens": n, "loss": float("nan"), "ppl": float("nan"), "attention": backend}
+        row = {"length": L, "protocol": protocol, "stride": stride if protocol == "sliding" else None,
+               "tokens": n, "loss": float("nan"), "ppl": float("nan"), "attention": backend}  # fmt: skip
         if model.max_len is not None and L > model.max_len:
             rows.append({**row, "status": "beyond-max-len"})
             continue
         with model.scheme.eval_variant(variant, model.cfg.train_len, L, factor):
-            loss = _mean_nll(model, tokens, L, batch_size, device)
+            sums, counts = _nll_by_position(model, tokens, L, batch_size, device, protocol, stride)
+        loss = sums.sum().item() / n
         if not math.isfinite(loss):  # a blow-up at some length is a result, not a lost row
             rows.append({**row, "status": "non-finite"})
             continue
+        by_position[L] = (sums, counts)
         rows.append({**row, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "status": "ok"})
     model.train()
-    return rows
+    return rows, by_position
 
 
-def _mean_nll(model, tokens: torch.Tensor, L: int, batch_size: int, device) -> float:
-    """All n tokens scored in non-overlapping chunks of L."""
+def _nll_by_position(model, tokens, L: int, batch_size: int, device, protocol, stride):
+    """The loss summed at each window position 0..L-1, and the tokens scored there, (L,) each."""
     n = len(tokens) - 1
-    starts = list(range(0, n, L))
-    full = [s for s in starts if s + L <= n]
-    total = 0.0
+    sums, counts = torch.zeros(L, dtype=torch.float64), torch.zeros(L, dtype=torch.long)
+    wins = windows(n, L, protocol, stride)
+    full = [w for w in wins if w[0] + L <= n]
     for i in range(0, len(full), batch_size):
-        idx = torch.tensor(full[i : i + batch_size])[:, None] + torch.arange(L + 1)  # (b, L+1)
-        win = tokens[idx].long().to(device)
-        total += _nll_sum(model, win, device)
-    if len(full) < len(starts):  # the remainder, so that every length scores all n tokens
-        win = tokens[starts[-1] :].long()[None].to(device)  # (1, n - s + 1)
-        total += _nll_sum(model, win, device)
-    return total / n
+        group = full[i : i + batch_size]
+        idx = torch.tensor([s for s, _ in group])[:, None] + torch.arange(L + 1)  # (b, L+1)
+        nll = _nll(model, tokens[idx].long().to(device), device)  # (b, L)
+        keep = torch.arange(L)[None, :] >= torch.tensor([f for _, f in group])[:, None]  # (b, L)
+        sums += (nll * keep).sum(0)
+        counts += keep.sum(0)
+    for s, first in wins[len(full):]:  # the remainder: shorter, one at a time
+        nll = _nll(model, tokens[s:].long()[None].to(device), device)[0]  # (n - s,)
+        sums[first : len(nll)] += nll[first:]
+        counts[first : len(nll)] += 1
+    return sums, counts
 
 
-def _nll_sum(model, win, device) -> float:
+def _nll(model, win, device) -> torch.Tensor:
+    """Each target's loss in nats, fp64 on the CPU: (b, T) for windows (b, T+1)."""
     with autocast(device):
-        logits = model(win[:, :-1])  # (b, L, V)
-    return F.cross_entropy(logits.float().flatten(0, 1), win[:, 1:].flatten(), reduction="sum").item()
+        logits = model(win[:, :-1])  # (b, T, V)
+    nll = F.cross_entropy(logits.float().flatten(0, 1), win[:, 1:].flatten(), reduction="none")
+    return nll.view(win.size(0), -1).double().cpu()

@@ -9,9 +9,10 @@ import pandas as pd
 
 from posbench.config import config_from_dict, read_yaml
 from posbench.errors import PosbenchError
-from posbench.evaluate import PROTOCOL_NAMES
+from posbench.evaluate import PROTOCOL_NAMES, protocol_label
 from posbench.files import atomic, write_atomic
-from posbench.runs import EVAL_COLUMNS, UNRECORDED, differences, experiment_part, read_eval, trained_with
+from posbench.runs import (EVAL_COLUMNS, POSITION_COLUMNS, UNRECORDED, differences, experiment_part, read_eval,
+                           read_positions, trained_with)
 
 
 def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
@@ -19,7 +20,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
     exp_dir = Path(exp_dir)
     if not exp_dir.is_dir():
         raise PosbenchError(f"{exp_dir}: no such experiment directory")
-    rows, configs, trained, first = [], [], {}, None
+    rows, configs, trained, runs, first = [], [], {}, {}, None
     for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         has = {f: (rdir / f).is_file() for f in ("config.yaml", "eval.csv", "model.pt")}
         if not any(has.values()):
@@ -43,6 +44,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
             )
         rows += read_eval(rdir)
         trained[rdir.name] = trained_with(rdir)
+        runs[rdir] = configs[-1].seeds[0]
     if not rows:
         raise PosbenchError(
             f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)"
@@ -57,6 +59,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
     df = df.sort_values(["scheme", "seed", "length"]).reset_index(drop=True)
     df["scheme"] = df["scheme"].astype(str)
     df.attrs["trained_with"] = trained  # run folder -> the backend it trained with (None: unrecorded)
+    df.attrs["runs"] = runs  # run folder -> its seed
     return df, configs
 
 
@@ -146,7 +149,7 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
     from posbench.model import TransformerLM
 
     c = configs[0]
-    m, t, e = c.model, c.train, c.eval
+    m, t = c.model, c.train
     params = TransformerLM(c.model_for("nope")).num_params()
     corpus = SHAKESPEARE_NAME if c.data.path is None else f"{c.data.path} (bytes)"
     tokens = t.steps * t.batch_size * m.train_len
@@ -157,8 +160,8 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
         f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
         f"= {tokens:,} tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
         f"to {t.min_lr:g}), seeds {sorted(set(df['seed']))}",
-        f"- evaluation: {e.protocol} ({PROTOCOL_NAMES[e.protocol]}), {_tokens_note(df)}; cells are "
-        f"perplexity per byte (mean ± std over seeds when there are several)",
+        f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}; cells are perplexity per byte "
+        f"(mean ± std over seeds when there are several)",
     ]
     lines.append(f"- attention: {backends_note(df)}")
     variants = sorted({s for s in df["scheme"] if "+" in s})
@@ -169,6 +172,16 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
             f"length, or the s after @"
         )
     return lines
+
+
+def protocols(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """The (protocol, stride) pairs the rows were scored under, non-overlapping first."""
+    pairs = {(p, str(st)) for p, st in zip(df["protocol"], df["stride"].fillna(""))}
+    return sorted(pairs, key=lambda ps: (ps[0] != "nonoverlapping", ps[0], ps[1]))
+
+
+def _protocols_note(df: pd.DataFrame) -> str:
+    return "; ".join(f"{protocol_label(p, st)} ({PROTOCOL_NAMES[p]})" for p, st in protocols(df))
 
 
 def backends_note(df: pd.DataFrame, short: bool = False) -> str:
@@ -213,44 +226,62 @@ def _tokens_note(df: pd.DataFrame) -> str:
             f"rerun extrapolate with one eval.tokens to score every run alike")
 
 
-def markdown(table: pd.DataFrame, configs: list, df: pd.DataFrame) -> str:
-    lengths = lengths_of(table)
+def markdown(tables: dict[str, pd.DataFrame], configs: list, df: pd.DataFrame) -> str:
+    """summary.md: what was run, then one table per protocol."""
     train_len = int(df["train_len"].iloc[0])
-    head = ["scheme"] + [str(L) for L in lengths] + [f"ppl({lengths[-1]})/ppl({train_len})"]
-    out = [f"# Length extrapolation: trained at {train_len}, evaluated up to {lengths[-1]}", ""]
-    out += describe(configs, df) + [""]
-    out.append("| " + " | ".join(head) + " |")
-    out.append("|" + "---|" * len(head))
-    for s in table.index:
-        r = table.loc[s, "ratio"]
-        cells = [cell(table, s, L) for L in lengths] + [f"{r:.2f}" if r == r else "—"]
-        out.append("| " + " | ".join([s] + cells) + " |")
+    longest = max(int(L) for L in df["length"])
+    out = [f"# Length extrapolation: trained at {train_len}, evaluated up to {longest}", ""]
+    out += describe(configs, df)
+    for label, table in tables.items():
+        lengths = lengths_of(table)
+        head = ["scheme"] + [str(L) for L in lengths] + [f"ppl({lengths[-1]})/ppl({train_len})"]
+        out += ["", f"## {label}", ""]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for s in table.index:
+            r = table.loc[s, "ratio"]
+            cells = [cell(table, s, L) for L in lengths] + [f"{r:.2f}" if r == r else "—"]
+            out.append("| " + " | ".join([s] + cells) + " |")
     return "\n".join(out) + "\n"
 
 
-def plot(table: pd.DataFrame, path: Path) -> bool:
-    """Perplexity against length, one line per scheme; skipped if matplotlib is missing."""
+def _pyplot():
+    """matplotlib's pyplot on a file-only backend, or None where matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter
     except ImportError:
-        return False
-    lengths = lengths_of(table)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for s in table.index:
-        ys = [table.loc[s, L] for L in lengths]
-        ax.plot(lengths, ys, marker="o", label=s)
-    ax.set_xlabel("evaluation length (bytes)")
-    ax.set_ylabel("perplexity per byte")
+        return None
+    return plt
+
+
+def _plain_log_axis(ax) -> None:
+    from matplotlib.ticker import FuncFormatter
+
     ax.set_yscale("log")
     plain = FuncFormatter(lambda v, _: f"{v:g}")  # 6, 8, 10 rather than 6 x 10^0
     ax.yaxis.set_major_formatter(plain)
     ax.yaxis.set_minor_formatter(plain)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+
+
+def plot(tables: dict[str, pd.DataFrame], path: Path) -> bool:
+    """Perplexity against length, one line per scheme, a panel per protocol."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4), sharey=True, squeeze=False)
+    for ax, (label, table) in zip(axes[0], tables.items()):
+        lengths = lengths_of(table)
+        for s in table.index:
+            ax.plot(lengths, [table.loc[s, L] for L in lengths], marker="o", label=s)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("evaluation length (bytes)")
+        _plain_log_axis(ax)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("perplexity per byte")
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     with atomic(path) as tmp:
         fig.savefig(tmp, dpi=100)
@@ -258,13 +289,63 @@ def plot(table: pd.DataFrame, path: Path) -> bool:
     return True
 
 
-def write_summary(exp_dir: Path) -> tuple[pd.DataFrame, list, pd.DataFrame]:
-    """summary.csv (long), summary.md and summary.png in exp_dir, from the run folders."""
+def position_losses(df: pd.DataFrame) -> pd.DataFrame:
+    """Every run's loss per window position (its positions.csv), with its seed, in long format."""
+    frames = []
+    for rdir, seed in df.attrs.get("runs", {}).items():
+        rows = read_positions(rdir)
+        if rows:
+            frames.append(pd.DataFrame(rows, columns=POSITION_COLUMNS).assign(seed=seed))
+    if not frames:
+        return pd.DataFrame(columns=[*POSITION_COLUMNS, "seed"])
+    out = pd.concat(frames, ignore_index=True)
+    out["stride"] = out["stride"].fillna("").astype(str)
+    for c in ("length", "position", "tokens"):
+        out[c] = out[c].astype(int)
+    out["loss"] = out["loss"].astype(float)
+    return out
+
+
+def plot_positions(pos: pd.DataFrame, train_len: int, path: Path) -> bool:
+    """Mean loss at each position of the longest windows, one line per scheme (mean over seeds),
+    a panel per protocol, a dashed line at the training length: where a scheme breaks."""
+    plt = _pyplot()
+    if plt is None or pos.empty:
+        return False
+    longest = pos["length"].max()
+    pos = pos[pos["length"] == longest]
+    groups = sorted(pos.groupby(["protocol", "stride"]).groups, key=lambda ps: (ps[0] != "nonoverlapping", ps))
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), sharey=True, squeeze=False)
+    for ax, (protocol, stride) in zip(axes[0], groups):
+        part = pos[(pos["protocol"] == protocol) & (pos["stride"] == stride)]
+        for s in scheme_order(set(part["scheme"])):
+            line = part[part["scheme"] == s].groupby("position")["loss"].mean()
+            ax.plot(line.index, line.values, label=s, linewidth=1)
+        ax.axvline(train_len, color="black", linestyle="--", linewidth=1, label=f"training length {train_len}")
+        ax.set_title(f"{protocol_label(protocol, stride)}: windows of {longest}", fontsize=10)
+        ax.set_xlabel("position in the window")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean loss (nats per byte)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    with atomic(path) as tmp:
+        fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_summary(exp_dir: Path) -> tuple[pd.DataFrame, list, dict[str, pd.DataFrame]]:
+    """summary.csv (long), summary.md, summary.png and positions.png in exp_dir, from the run
+    folders; returns the rows, the configs and a comparison table per protocol."""
     exp_dir = Path(exp_dir)
     df, configs = collect(exp_dir)
-    table = comparison(df)
+    tables = {}
+    for protocol, stride in protocols(df):
+        part = df[(df["protocol"] == protocol) & (df["stride"].fillna("").astype(str) == stride)]
+        tables[protocol_label(protocol, stride)] = comparison(part)
     with atomic(exp_dir / "summary.csv") as tmp:
         df.to_csv(tmp, index=False, columns=EVAL_COLUMNS)
-    write_atomic(exp_dir / "summary.md", markdown(table, configs, df))
-    plot(table, exp_dir / "summary.png")
-    return df, configs, table
+    write_atomic(exp_dir / "summary.md", markdown(tables, configs, df))
+    plot(tables, exp_dir / "summary.png")
+    plot_positions(position_losses(df), int(df["train_len"].iloc[0]), exp_dir / "positions.png")
+    return df, configs, tables

@@ -25,16 +25,19 @@ from posbench.config import (ExperimentConfig, check_device, check_trainable, co
                              read_yaml)
 from posbench.data import Corpus, load_corpus
 from posbench.errors import PosbenchError
-from posbench.evaluate import eval_tokens, evaluate_model
+from posbench.evaluate import eval_tokens, evaluate_model, windows
 from posbench.files import TMP_PREFIX, atomic, write_atomic, write_rows
 from posbench.model import TransformerLM
 from posbench.schemes import SCHEMES, build_scheme, resolve_scheme, variant_label
 from posbench.train import Reporter, pick_device, train_model
 from posbench.workers import run_in_workers, worker_plan
 
-EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status", "attention"]
+EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "protocol", "stride", "loss", "ppl", "tokens", "status",
+                "attention"]  # fmt: skip
+POSITION_COLUMNS = ["scheme", "length", "protocol", "stride", "position", "loss", "tokens"]
 STATUSES = ("ok", "beyond-max-len", "non-finite")  # scored; cannot encode the length; blew up
 UNRECORDED = "unrecorded"  # the backend of rows written before eval.csv named it
+FILLED = {"protocol": "nonoverlapping", "stride": "", "attention": UNRECORDED}  # what an older eval.csv lacks
 
 
 def check_experiment(cfg: ExperimentConfig) -> None:
@@ -135,11 +138,11 @@ def read_eval(run_dir: Path) -> list[dict]:
             header = reader.fieldnames
     except (UnicodeDecodeError, csv.Error):
         raise bad from None
-    if header == EVAL_COLUMNS[:-1]:  # written before the backend was recorded
-        for r in rows:
-            r["attention"] = UNRECORDED
-    elif header != EVAL_COLUMNS:
+    if header is None or set(EVAL_COLUMNS) - set(header) - set(FILLED) or set(header) - set(EVAL_COLUMNS):
         raise bad
+    for r in rows:
+        for column, value in FILLED.items():
+            r.setdefault(column, value)
     if not rows:  # a run is never dropped from a table in silence
         raise bad
     for r in rows:
@@ -266,10 +269,12 @@ def evaluate_into(
     lengths: list[int],
     variants: list[Optional[str]] = (None,),
     factor: Optional[float] = None,
+    protocols: Optional[list[str]] = None,
 ) -> list[dict]:
-    """Evaluate at `lengths`, as trained (None) and as each named evaluation-time variant, and
-    merge the rows into the run's eval.csv: a (scheme label, length) row replaces its old one.
-    The plain rows come first, then each variant's, so the file reads as a table."""
+    """Evaluate at `lengths` under each protocol (None: the config's), as trained (None) and as
+    each named evaluation-time variant, and merge the rows into the run's eval.csv and their
+    loss per position into positions.csv: a (scheme label, length, protocol, stride) row
+    replaces its old one. The plain rows come first, then each variant's."""
     unknown = [v for v in variants if v is not None and v not in model.scheme.eval_variants]
     if unknown:
         have = ", ".join(model.scheme.eval_variants) or "none"
@@ -287,15 +292,52 @@ def evaluate_into(
     if stale - set(lengths):  # rows scored on other tokens do not compare with these: redo them
         lengths = sorted(set(lengths) | stale)
         tokens = eval_tokens(corpus, rc, lengths)
-    rows = []
-    for v in variants:
-        scored = evaluate_model(model, tokens, lengths, rc.eval.batch_size, device, v, factor)
-        rows += eval_rows(rc, scored, variant_label(rc.model.scheme, v, factor))
-    new = {(r["scheme"], int(r["length"])) for r in rows}
-    keep = [r for r in read_eval(rdir) if (r["scheme"], int(r["length"])) not in new]
+    rows, positions = [], []
+    for protocol in protocols or rc.eval.protocol:
+        stride = rc.eval.stride if protocol == "sliding" else None
+        for v in variants:
+            label = variant_label(rc.model.scheme, v, factor)
+            scored, by_position = evaluate_model(model, tokens, lengths, rc.eval.batch_size, device, v, factor,
+                                                 protocol, stride)  # fmt: skip
+            rows += eval_rows(rc, scored, label)
+            for L, (sums, counts) in by_position.items():
+                ident = {"scheme": label, "length": L, "protocol": protocol, "stride": stride}
+                positions += [{**ident, "position": p, "loss": sums[p].item() / c.item(), "tokens": c.item()}
+                              for p, c in enumerate(counts) if c > 0]  # fmt: skip
+    new = {_row_key(r) for r in rows}
+    keep = [r for r in read_eval(rdir) if _row_key(r) not in new]
     base = rc.model.scheme
-    merged = sorted(keep + rows, key=lambda r: (r["scheme"] != base, r["scheme"], int(r["length"])))
-    write_rows(rdir / "eval.csv", merged, EVAL_COLUMNS)
+
+    def order(r):
+        return r["scheme"] != base, r["scheme"], r["protocol"], int(r["length"])
+
+    write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
+    kept = [r for r in read_positions(rdir) if _row_key(r) not in new]
+    write_rows(rdir / "positions.csv", sorted(kept + positions, key=lambda r: (*order(r), int(r["position"]))),
+               POSITION_COLUMNS)  # fmt: skip
+    return rows
+
+
+def _row_key(r: dict) -> tuple:
+    """What one evaluation row stands for: scheme label, length, protocol and stride."""
+    return r["scheme"], int(r["length"]), r["protocol"], str(r["stride"] if r["stride"] is not None else "")
+
+
+def read_positions(run_dir: Path) -> list[dict]:
+    """positions.csv's rows: the mean loss at each window position (empty if none yet)."""
+    path = Path(run_dir) / "positions.csv"
+    if not path.is_file():
+        return []
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+        if reader.fieldnames != POSITION_COLUMNS:
+            raise ValueError
+        for r in rows:
+            int(r["length"]), int(r["position"]), int(r["tokens"]), float(r["loss"])
+    except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
+        raise PosbenchError(f"{path}: malformed loss-per-position rows; delete it and run evaluate again") from None
     return rows
 
 
@@ -331,18 +373,20 @@ def evaluate_run(
     return rc, rows
 
 
-def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[Optional[str], list[int]]:
-    """For each variant (None: as trained), the lengths still lacking a row scored on these
-    tokens by this attention backend; eval.rope_scaling kinds apply to a run only if its
-    scheme declares them."""
+def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tuple, list[int]]:
+    """For each (variant, protocol) (variant None: as trained), the lengths still lacking a row
+    scored on these tokens by this attention backend; eval.rope_scaling kinds apply to a run
+    only if its scheme declares them."""
     variants = [None] + [v for v in rc.eval.rope_scaling if v in model.scheme.eval_variants]
-    have = {(r["scheme"], int(r["length"]), int(r["tokens"]), r["attention"]) for r in read_eval(rdir)}
+    have = {(*_row_key(r), int(r["tokens"]), r["attention"]) for r in read_eval(rdir)}
     missing = {}
-    for v in variants:
-        label = variant_label(rc.model.scheme, v, rc.eval.rope_factor)
-        lengths = [L for L in rc.eval.lengths if (label, L, n_tokens, backend) not in have]
-        if lengths:
-            missing[v] = lengths
+    for protocol in rc.eval.protocol:
+        stride = str(rc.eval.stride) if protocol == "sliding" else ""
+        for v in variants:
+            label = variant_label(rc.model.scheme, v, rc.eval.rope_factor)
+            lengths = [L for L in rc.eval.lengths if (label, L, protocol, stride, n_tokens, backend) not in have]
+            if lengths:
+                missing[v, protocol] = lengths
     return missing
 
 
@@ -369,6 +413,11 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
                             "RUN --attention flex)")  # fmt: skip
     corpus = load_corpus(cfg.data)  # fails before any folder is made
     n_tokens = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1  # the same for every run
+    if "sliding" in cfg.eval.protocol:  # stride 1 is exact and slow: say how slow first
+        count = sum(len(windows(n_tokens, L, "sliding", cfg.eval.stride)) for L in cfg.eval.lengths)
+        chunks = sum(len(windows(n_tokens, L, "nonoverlapping", None)) for L in cfg.eval.lengths)
+        reporter.note(f"sliding evaluation, stride {cfg.eval.stride}: {count:,} windows per run over all lengths, "
+                      f"about {count / chunks:.0f}x the forward passes of non-overlapping evaluation")  # fmt: skip
     workers, threads = worker_plan(cfg, sum(not done for _, _, done in plan))
     exp = Path(cfg.out_dir) / cfg.name
     created = not exp.exists()
@@ -398,8 +447,8 @@ def run_one(rc, rdir: Path, done: bool, corpus: Corpus, n_tokens: int, reporter:
     else:
         model = train_run(rc, rdir, corpus, reporter)
     backend = model.backend(pick_device(rc.train.device))
-    for variant, lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():  # only what is missing
-        evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor)
+    for (variant, protocol), lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():  # only what is missing
+        evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
     write_atomic(rdir / "config.yaml", dump_yaml(rc))  # eval settings may have changed
 
 

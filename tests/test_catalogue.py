@@ -407,7 +407,7 @@ def test_randomized_can_draw_at_evaluation_as_the_reference_code_does():
     assert c.shape == (60,) and not torch.equal(c[:50], a)
     assert scheme.max_len == 200 and SCHEMES["randomized"](tiny("randomized")).max_len is None
     model = TransformerLM(tiny("randomized", options={"max_pos": 20, "eval_positions": "random"}))
-    rows = evaluate_model(model, torch.randint(0, 256, (60,)), [16, 20, 24], 4, torch.device("cpu"))
+    rows, _ = evaluate_model(model, torch.randint(0, 256, (60,)), [16, 20, 24], 4, torch.device("cpu"))
     assert [r["status"] for r in rows] == ["ok", "ok", "beyond-max-len"]
     with pytest.raises(PosbenchError, match="eval_positions='sampled': expected one of consecutive, random"):
         SCHEMES["randomized"](tiny("randomized", options={"eval_positions": "sampled"}))
@@ -551,7 +551,8 @@ def test_evaluate_rope_scaling_adds_rows_and_report_rebuilds_them(tiny_runs, tmp
     res = invoke("report", exp)
     assert res.exit_code == 0, res.output
     summary = read_rows(exp / "summary.csv")
-    assert list(summary[0]) == ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status", "attention"]
+    assert list(summary[0]) == ["scheme", "seed", "train_len", "length", "protocol", "stride", "loss", "ppl", "tokens",
+                              "status", "attention"]
     schemes = list(dict.fromkeys(r["scheme"] for r in summary))
     assert schemes == ["rope", "rope+linear", "rope+yarn", "alibi"]  # variants follow their scheme
     md = (exp / "summary.md").read_text()

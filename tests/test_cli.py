@@ -41,7 +41,8 @@ def test_extrapolate_writes_every_promised_file(smoke):
 def test_summary_csv_is_long_format_with_status(smoke):
     exp, _, _ = smoke
     rows = list(csv.DictReader((exp / "summary.csv").open()))
-    assert list(rows[0]) == ["scheme", "seed", "train_len", "length", "loss", "ppl", "tokens", "status", "attention"]
+    assert list(rows[0]) == ["scheme", "seed", "train_len", "length", "protocol", "stride", "loss", "ppl", "tokens",
+                              "status", "attention"]
     assert len(rows) == len(SEED_SCHEMES) * 3
     by = {(r["scheme"], int(r["length"])): r for r in rows}
     assert by[("learned", 32)]["status"] == "ok"

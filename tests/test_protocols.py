@@ -1,0 +1,129 @@
+"""Evaluation protocols and the loss per position: every token scored once, as each protocol says."""
+
+import csv
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posbench.check import tiny_model
+from posbench.evaluate import evaluate_model, windows
+
+from conftest import SMOKE, invoke
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("protocol,stride", [("nonoverlapping", None), ("sliding", 1), ("sliding", 3), ("sliding", 7)])
+@pytest.mark.parametrize("n,L", [(40, 8), (43, 8), (8, 8), (9, 8)])
+def test_windows_score_every_target_once_with_the_context_the_protocol_promises(protocol, stride, n, L):
+    seen = []
+    for start, first in windows(n, L, protocol, stride):
+        end = min(start + L, n)
+        assert 0 <= start and first <= end - start
+        for t in range(start + first, end):
+            seen.append(t)
+            context = t - start  # tokens before target t inside its window
+            if protocol == "sliding" and t >= L:
+                assert context >= L - stride
+    assert seen == list(range(n))
+
+
+def _model_and_tokens():
+    torch.manual_seed(0)
+    model = tiny_model("alibi")  # a bias, so position matters
+    return model, torch.randint(0, 256, (65,), generator=torch.Generator().manual_seed(1))  # 64 targets
+
+
+def test_sliding_with_the_stride_of_the_window_is_non_overlapping():
+    model, tokens = _model_and_tokens()
+    a, pa = evaluate_model(model, tokens, [16, 32], 3, CPU, protocol="nonoverlapping")
+    b, pb = evaluate_model(model, tokens, [16, 32], 3, CPU, protocol="sliding", stride=16)
+    assert a[0]["loss"] == pytest.approx(b[0]["loss"], abs=1e-6)
+    assert torch.allclose(pa[16][0], pb[16][0], atol=1e-5) and torch.equal(pa[16][1], pb[16][1])
+    assert b[1]["protocol"] == "sliding" and b[1]["stride"] == 16 and a[1]["stride"] is None
+
+
+def test_stride_one_scores_each_token_on_the_window_before_it():
+    """Each token's loss, from the positions' sums, equals a plain loop that feeds the model
+    the L-1 tokens before it (all of them where fewer exist)."""
+    model, tokens = _model_and_tokens()
+    L = 16
+    (row,), by_pos = evaluate_model(model, tokens, [L], 4, CPU, protocol="sliding", stride=1)
+    n = len(tokens) - 1
+    want = []
+    with torch.no_grad():
+        for t in range(n):  # target t+1 given tokens[max(0, t-L+1) .. t]
+            start = max(0, t - L + 1)
+            logits = model(tokens[None, start : t + 1].long())
+            want.append(F.cross_entropy(logits[0, -1:], tokens[t + 1 : t + 2].long()).item())
+    sums, counts = by_pos[L]
+    # positions 0..L-2 come from the first window only; position L-1 sums every later one
+    assert counts.tolist() == [1] * (L - 1) + [n - L + 1]
+    assert torch.allclose(sums[: L - 1], torch.tensor(want[: L - 1], dtype=torch.float64), atol=1e-5)
+    assert sums[L - 1].item() == pytest.approx(sum(want[L - 1 :]), abs=1e-4)
+    assert row["loss"] == pytest.approx(sum(want) / n, abs=1e-6)
+
+
+@pytest.mark.parametrize("protocol,stride", [("nonoverlapping", None), ("sliding", 5)])
+def test_the_loss_per_position_averages_token_weighted_to_the_reported_loss(protocol, stride):
+    model, tokens = _model_and_tokens()
+    rows, by_pos = evaluate_model(model, tokens, [16, 20, 28], 4, CPU, protocol=protocol, stride=stride)
+    for row in rows:
+        sums, counts = by_pos[row["length"]]
+        assert counts.sum().item() == len(tokens) - 1
+        means = sums / counts.clamp(min=1)
+        assert (means * counts).sum().item() / counts.sum().item() == pytest.approx(row["loss"], abs=1e-9)
+
+
+def test_both_protocols_are_rows_of_one_experiment_with_positions_on_disk(tmp_path, corpus_file):
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi,rope", "--protocol", "nonoverlapping,sliding",
+                 "--stride", "8", "--set", f"out_dir={tmp_path}", "--set", f"data.path={corpus_file}")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    exp = tmp_path / "smoke"
+    rows = list(csv.DictReader((exp / "summary.csv").open()))
+    assert {(r["protocol"], r["stride"]) for r in rows} == {("nonoverlapping", ""), ("sliding", "8")}
+    assert len(rows) == 2 * 2 * 3  # schemes x protocols x lengths
+    text = (exp / "summary.md").read_text()
+    assert "## nonoverlapping" in text and "## sliding, stride 8" in text
+    assert "sliding evaluation, stride 8:" in " ".join(res.output.split())
+    assert (exp / "positions.png").is_file() and (exp / "summary.png").is_file()
+    pos = list(csv.DictReader((exp / "alibi-seed0" / "positions.csv").open()))
+    evals = list(csv.DictReader((exp / "alibi-seed0" / "eval.csv").open()))
+    for r in evals:
+        mine = [p for p in pos if (p["length"], p["protocol"], p["stride"]) == (r["length"], r["protocol"], r["stride"])]
+        assert len(mine) == int(r["length"])
+        total = sum(float(p["loss"]) * int(p["tokens"]) for p in mine) / sum(int(p["tokens"]) for p in mine)
+        assert math.isclose(total, float(r["loss"]), rel_tol=1e-9)
+    # a rerun with one protocol scores nothing new, and a report rebuilds both from the records
+    before = (exp / "alibi-seed0" / "eval.csv").read_text()
+    assert invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi,rope", "--set", f"out_dir={tmp_path}",
+                  "--set", f"data.path={corpus_file}").exit_code == 0  # fmt: skip
+    assert (exp / "alibi-seed0" / "eval.csv").read_text() == before
+    assert invoke("report", exp).exit_code == 0 and "## sliding, stride 8" in (exp / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--protocol", "slidng"], "eval.protocol: unknown protocol 'slidng' (did you mean 'sliding'?)"),
+    (["--protocol", "sliding", "--stride", "0"], "eval.stride=0 must be positive"),
+    (["--protocol", "sliding", "--stride", "33"], "eval.stride=33 is longer than the shortest window"),
+    (["--set", "eval.protocol=[]"], "eval.protocol is empty"),
+])  # fmt: skip
+def test_bad_protocols_and_strides_are_one_line_and_write_nothing(tmp_path, args, message):
+    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path / 'r'}", *args)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert message in " ".join(res.output.split())
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_eval_csv_without_the_newer_columns_reads_as_non_overlapping_and_unrecorded(tmp_path):
+    from posbench.runs import read_eval
+
+    (tmp_path / "eval.csv").write_text("scheme,seed,train_len,length,loss,ppl,tokens,status\n"
+                                       "alibi,0,32,32,3.7,40.4,2048,ok\n")  # fmt: skip
+    (row,) = read_eval(tmp_path)
+    assert (row["protocol"], row["stride"], row["attention"]) == ("nonoverlapping", "", "unrecorded")
+    (tmp_path / "eval.csv").write_text("scheme,seed,length,loss\nalibi,0,32,3.7\n")
+    with pytest.raises(Exception, match="malformed evaluation rows"):
+        read_eval(tmp_path)
