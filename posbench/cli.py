@@ -140,34 +140,42 @@ def _csv_names(text: Optional[str]) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
-def _comparison_table(table, title: str) -> Table:
-    from posbench.report import cell, lengths_of
+def _comparison_table(table, title: str, caption: str, digits: int = 2) -> Table:
+    from posbench.report import cell, is_best, lengths_of
 
     lengths = lengths_of(table)
-    t = Table(title=title, caption="— : the scheme cannot encode that length (beyond-max-len); nan: the loss blew up; "
-                                         "blank: not evaluated")
+    t = Table(title=title, caption=caption)
     t.add_column("scheme", style="bold", no_wrap=True, min_width=max(len(s) for s in table.index))
     for L in lengths:
         t.add_column(str(L), justify="right")
+    t.add_column("seeds", justify="right")
     t.add_column(f"ppl({lengths[-1]})/ppl(train)", justify="right")
     for s in table.index:
         r = table.loc[s, "ratio"]
-        cells = [cell(table, s, L, missing="—") for L in lengths]
-        t.add_row(s, *cells, f"{r:.2f}" if r == r else "—")
+        cells = [cell(table, s, L, missing="—", digits=digits) for L in lengths]
+        cells = [f"[bold]{escape(c)}[/]" if is_best(table, s, L) else escape(c) for L, c in zip(lengths, cells)]
+        t.add_row(escape(s), *cells, str(int(table.loc[s, "seeds"])), f"{r:.2f}" if r == r else "—")
     return t
 
 
-def _print_summary(exp: Path) -> None:
-    from posbench.report import backends_note, write_summary
+def _print_summary(exps, metric: str = "ppl", transpose: bool = False, out_dir: Optional[Path] = None) -> None:
+    from posbench.report import METRICS, backends_note, spread_note, write_summary
 
-    df, configs, tables = write_summary(exp)
+    df, configs, tables = write_summary(exps, metric, transpose, out_dir)
     train_len = int(df["train_len"].iloc[0])
+    caption = (f"{spread_note(tables)}. — : the scheme cannot encode that length (beyond-max-len); "
+               f"nan: the loss blew up; blank: not evaluated")  # fmt: skip
     for label, table in tables.items():
-        title = f"perplexity, trained at {train_len} ({label}; attention: {backends_note(df, short=True)})"
-        out.print(_comparison_table(table, title))
-    for name in ("summary.csv", "summary.md", "summary.png", "positions.png"):
-        if (exp / name).exists():
-            out.print(f"wrote {exp / name}", highlight=False)
+        title = (f"{METRICS[metric][0]}, trained at {train_len} ({label}; "
+                 f"attention: {backends_note(df, short=True)})")  # fmt: skip
+        out.print(_comparison_table(table, title, caption, METRICS[metric][1]))
+    folder = Path(out_dir) if out_dir else None
+    if folder is None:
+        dirs = [Path(exps)] if isinstance(exps, (str, Path)) else [Path(e) for e in exps]
+        folder = dirs[0] if len(dirs) == 1 else dirs[0].parent / "+".join(d.name for d in dirs)
+    for name in ("summary.csv", "summary.md", "summary.tex", "summary.png", "positions.png", "training.png"):
+        if (folder / name).exists():
+            out.print(f"wrote {folder / name}", highlight=False)
 
 
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: key=value")]
@@ -313,11 +321,14 @@ def evaluate(
 
 @app.command()
 def report(
-    experiment_dir: Annotated[Path, typer.Argument(help="e.g. results/default")],
+    experiment_dirs: Annotated[list[Path], typer.Argument(help="e.g. results/default; several join into one table")],
+    metric: Annotated[str, typer.Option(help="ppl, loss, or ratio (to the training length)")] = "ppl",
+    transpose: Annotated[bool, typer.Option(help="lengths as rows, schemes as columns")] = False,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="where a joined report goes")] = None,
 ):
-    """Rebuild summary.csv, summary.md and summary.png from the run folders, without training."""
+    """Rebuild the summary tables (Markdown, CSV, LaTeX) and plots from run folders, without training."""
     with user_errors():
-        _print_summary(experiment_dir)
+        _print_summary(experiment_dirs, metric, transpose, out_dir)
 
 
 @app.command()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
@@ -11,6 +13,7 @@ from posbench.config import config_from_dict, read_yaml
 from posbench.errors import PosbenchError
 from posbench.evaluate import PROTOCOL_NAMES, protocol_label
 from posbench.files import atomic, write_atomic
+from posbench.stats import mean_ci, tied_for_best
 from posbench.runs import (EVAL_COLUMNS, POSITION_COLUMNS, UNRECORDED, differences, experiment_part, read_eval,
                            read_positions, trained_with)
 
@@ -20,7 +23,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
     exp_dir = Path(exp_dir)
     if not exp_dir.is_dir():
         raise PosbenchError(f"{exp_dir}: no such experiment directory")
-    rows, configs, trained, runs, first = [], [], {}, {}, None
+    rows, configs, trained, runs, schemes, first = [], [], {}, {}, {}, None
     for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         has = {f: (rdir / f).is_file() for f in ("config.yaml", "eval.csv", "model.pt")}
         if not any(has.values()):
@@ -45,6 +48,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
         rows += read_eval(rdir)
         trained[rdir.name] = trained_with(rdir)
         runs[rdir] = configs[-1].seeds[0]
+        schemes[rdir] = configs[-1].schemes
     if not rows:
         raise PosbenchError(
             f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)"
@@ -60,6 +64,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
     df["scheme"] = df["scheme"].astype(str)
     df.attrs["trained_with"] = trained  # run folder -> the backend it trained with (None: unrecorded)
     df.attrs["runs"] = runs  # run folder -> its seed
+    df.attrs["schemes"] = schemes  # run folder -> its scheme, as a list
     return df, configs
 
 
@@ -75,15 +80,38 @@ def scheme_order(names: set) -> list[str]:
     return order + sorted(names - set(order))
 
 
+METRICS = {  # name -> (what a cell holds, how many decimals)
+    "ppl": ("perplexity per byte", 2),
+    "loss": ("loss in nats per byte", 3),
+    "ratio": ("perplexity over its perplexity at the training length", 3),
+}
+
+
+def with_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """df with a `value` column: each row's ppl, loss, or ppl over the same run's (scheme,
+    seed, protocol) ppl at the training length."""
+    if metric not in METRICS:
+        raise PosbenchError(f"--metric {metric}: expected one of {', '.join(METRICS)}")
+    df = df.copy()
+    if metric != "ratio":
+        df["value"] = df[metric]
+        return df
+    keys = ["scheme", "seed", "protocol", "stride"]
+    base = df[df["length"] == df["train_len"]].set_index(keys)["ppl"]
+    df["value"] = df["ppl"].values / base.reindex(pd.MultiIndex.from_frame(df[keys])).values
+    return df
+
+
 def comparison(df: pd.DataFrame) -> pd.DataFrame:
-    """Schemes x lengths: mean ppl over seeds, its std, and ppl(longest)/ppl(train length)."""
+    """Schemes x lengths of one protocol: the mean `value` (ppl unless with_metric chose another)
+    over seeds, its 95% interval, the schemes tied for best, and ppl(longest)/ppl(train)."""
+    if "value" not in df:
+        df = with_metric(df, "ppl")
     order = list(dict.fromkeys(df["scheme"]))
     ok = df[df["status"] == "ok"]
-    mean = ok.pivot_table(index="scheme", columns="length", values="ppl", aggfunc="mean")
-    std = ok.pivot_table(index="scheme", columns="length", values="ppl", aggfunc="std")
     lengths = sorted(df["length"].unique())
+    mean = ok.pivot_table(index="scheme", columns="length", values="value", aggfunc="mean")
     mean = mean.reindex(index=order, columns=lengths)
-    std = std.reindex(index=order, columns=lengths)
     # a variant row (rope+yarn) counts against its base scheme's seeds: those are its checkpoints
     base_seeds = df.groupby(df["scheme"].str.split("+").str[0])["seed"].nunique()
     seeds = pd.Series([base_seeds[s.split("+")[0]] for s in order], index=order)
@@ -97,18 +125,25 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     blown = blown.reindex(index=order, columns=lengths)
     out = pd.DataFrame(index=order)
     out.index.name = "scheme"
+    tests = set()
     for L in lengths:
+        at = ok[ok["length"] == L]
+        by_scheme = {s: dict(zip(g["seed"], g["value"])) for s, g in at.groupby("scheme")}
+        _, tied, test = tied_for_best(by_scheme)
+        tests.add(test)
         out[L] = mean[L]
-        out[f"std {L}"] = std[L]
+        out[f"ci {L}"] = [mean_ci(list(by_scheme[s].values()))[1] if s in by_scheme else math.nan for s in order]
         out[f"status {L}"] = status[L]
         out[f"n {L}"] = scored[L]  # seeds behind the mean, when fewer than the row's
         out[f"nonfinite {L}"] = blown[L]  # seeds whose loss blew up there
+        out[f"best {L}"] = [s in tied for s in order]
     out["ratio"] = [
         math.nan if (blown.loc[s].reindex([train_len[s], lengths[-1]]).fillna(0) > 0).any()  # none hidden
         else _ratio(ok[ok["scheme"] == s], train_len[s], lengths[-1])
         for s in order
     ]
     out["seeds"] = seeds
+    out.attrs["tests"] = tests - {"none"}
     return out
 
 
@@ -121,22 +156,40 @@ def _ratio(rows: pd.DataFrame, base: int, longest: int) -> float:
     return b[both].mean() / a[both].mean() if len(both) else math.nan
 
 
-def cell(table: pd.DataFrame, scheme: str, L: int, missing: str = "") -> str:
-    """'12.34', '12.34 ± 0.10' over seeds, with '(1 of 3 seeds)' when fewer seeds than the row's
-    reached the length and '; 1 non-finite' when some blew up there; 'nan' when all did; the
-    status (or `missing`) where the scheme could not be scored; blank where never evaluated."""
-    v, sd, st = table.loc[scheme, L], table.loc[scheme, f"std {L}"], table.loc[scheme, f"status {L}"]
+def cell(table: pd.DataFrame, scheme: str, L: int, missing: str = "", digits: int = 2) -> str:
+    """'12.34', or '12.34 ± 0.10' (the 95% interval over seeds), with '(1 of 3 seeds)' when
+    fewer seeds than the row's reached the length and '; 1 non-finite' when some blew up there;
+    'nan' when all did; the status (or `missing`) where the scheme could not be scored; blank
+    where never evaluated."""
+    v, ci, st = table.loc[scheme, L], table.loc[scheme, f"ci {L}"], table.loc[scheme, f"status {L}"]
     if not isinstance(st, str):
         return ""
     blown = table.loc[scheme, f"nonfinite {L}"]
     blown = 0 if blown != blown else int(blown)
     if v != v:  # no seed scored here
         return "nan" if blown else (missing or st)
-    text = f"{v:.2f} ± {sd:.2f}" if sd == sd else f"{v:.2f}"
+    text = f"{v:.{digits}f} ± {ci:.{digits}f}" if ci == ci else f"{v:.{digits}f}"
     n, of = table.loc[scheme, f"n {L}"], table.loc[scheme, "seeds"]
     if blown:
         return f"{text} ({n:.0f} of {of} seeds; {blown} non-finite)"
     return text if n == of else f"{text} ({n:.0f} of {of} seeds)"
+
+
+def is_best(table: pd.DataFrame, scheme: str, L: int) -> bool:
+    return bool(table.loc[scheme, f"best {L}"])
+
+
+def spread_note(tables: dict[str, pd.DataFrame]) -> str:
+    """What a cell's ± and its bold mean, or why there is no interval."""
+    seeds = max(int(t["seeds"].max()) for t in tables.values())
+    if seeds < 2:
+        return "1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each length"
+    tests = set().union(*(t.attrs.get("tests", set()) for t in tables.values()))
+    how = {"paired": "a paired t-test over seeds (the same seeds: the same init and data order)",
+           "welch": "Welch's t-test where the seed sets differ"}  # fmt: skip
+    test = "; ".join(how[t] for t in sorted(tests)) or "no test (too few seeds)"
+    return (f"mean ± 95% confidence interval over seeds (Student's t). Bold: the best scheme at each "
+            f"length and every scheme not significantly different from it (p >= 0.05, {test})")
 
 
 def lengths_of(table: pd.DataFrame) -> list[int]:
@@ -160,8 +213,7 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
         f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
         f"= {tokens:,} tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
         f"to {t.min_lr:g}), seeds {sorted(set(df['seed']))}",
-        f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}; cells are perplexity per byte "
-        f"(mean ± std over seeds when there are several)",
+        f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}",
     ]
     lines.append(f"- attention: {backends_note(df)}")
     variants = sorted({s for s in df["scheme"] if "+" in s})
@@ -226,23 +278,63 @@ def _tokens_note(df: pd.DataFrame) -> str:
             f"rerun extrapolate with one eval.tokens to score every run alike")
 
 
-def markdown(tables: dict[str, pd.DataFrame], configs: list, df: pd.DataFrame) -> str:
+def grid(table: pd.DataFrame, train_len: int, metric: str, transpose: bool = False, bold=lambda t: f"**{t}**"):
+    """The table as rows of strings (a header first): schemes x lengths, the seed count and
+    ppl(longest)/ppl(train); `transpose`: lengths x schemes. Best cells go through `bold`."""
+    lengths = lengths_of(table)
+    digits = METRICS[metric][1]
+    head = ["scheme"] + [str(L) for L in lengths] + ["seeds", f"ppl({lengths[-1]})/ppl({train_len})"]
+    rows = [head]
+    for s in table.index:
+        cells = [bold(c) if is_best(table, s, L) and c else c
+                 for L, c in ((L, cell(table, s, L, digits=digits)) for L in lengths)]  # fmt: skip
+        r = table.loc[s, "ratio"]
+        rows.append([s] + cells + [str(int(table.loc[s, "seeds"])), f"{r:.2f}" if r == r else "—"])
+    if transpose:
+        rows = [list(col) for col in zip(*rows)]
+        rows[0][0] = "length"
+    return rows
+
+
+def markdown(tables: dict[str, pd.DataFrame], configs: list, df: pd.DataFrame, metric: str = "ppl",
+             transpose: bool = False) -> str:  # fmt: skip
     """summary.md: what was run, then one table per protocol."""
     train_len = int(df["train_len"].iloc[0])
     longest = max(int(L) for L in df["length"])
     out = [f"# Length extrapolation: trained at {train_len}, evaluated up to {longest}", ""]
     out += describe(configs, df)
+    out.append(f"- cells: {METRICS[metric][0]}, {spread_note(tables)}")
     for label, table in tables.items():
-        lengths = lengths_of(table)
-        head = ["scheme"] + [str(L) for L in lengths] + [f"ppl({lengths[-1]})/ppl({train_len})"]
+        rows = grid(table, train_len, metric, transpose)
         out += ["", f"## {label}", ""]
-        out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "---|" * len(head))
-        for s in table.index:
-            r = table.loc[s, "ratio"]
-            cells = [cell(table, s, L) for L in lengths] + [f"{r:.2f}" if r == r else "—"]
-            out.append("| " + " | ".join([s] + cells) + " |")
+        out.append("| " + " | ".join(rows[0]) + " |")
+        out.append("|" + "---|" * len(rows[0]))
+        out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     return "\n".join(out) + "\n"
+
+
+def latex(tables: dict[str, pd.DataFrame], df: pd.DataFrame, metric: str = "ppl", transpose: bool = False) -> str:
+    """summary.tex: one booktabs table per protocol, ready to \\input."""
+    train_len = int(df["train_len"].iloc[0])
+
+    def tex(text: str) -> str:
+        for a, b in (("\\", "\\textbackslash{}"), ("_", "\\_"), ("%", "\\%"), ("&", "\\&"), ("#", "\\#"),
+                     ("±", "$\\pm$"), ("—", "--")):  # fmt: skip
+            text = text.replace(a, b)
+        return text
+
+    out = []
+    for label, table in tables.items():
+        marked = grid(table, train_len, metric, transpose, bold=lambda t: "\0" + t)
+        rows = [[f"\\textbf{{{tex(c[1:])}}}" if c.startswith("\0") else tex(c) for c in r] for r in marked]
+        cols = "l" + "r" * (len(rows[0]) - 1)
+        out += ["\\begin{table}[t]", "\\centering", f"\\begin{{tabular}}{{{cols}}}", "\\toprule",
+                " & ".join(rows[0]) + " \\\\", "\\midrule"]  # fmt: skip
+        out += [" & ".join(r) + " \\\\" for r in rows[1:]]
+        out += ["\\bottomrule", "\\end{tabular}",
+                f"\\caption{{{tex(METRICS[metric][0])}, trained at {train_len}; {tex(label)}. "
+                f"{tex(spread_note(tables))}.}}", "\\end{table}", ""]  # fmt: skip
+    return "\n".join(out)
 
 
 def _pyplot():
@@ -266,8 +358,9 @@ def _plain_log_axis(ax) -> None:
     ax.yaxis.set_minor_formatter(plain)
 
 
-def plot(tables: dict[str, pd.DataFrame], path: Path) -> bool:
-    """Perplexity against length, one line per scheme, a panel per protocol."""
+def plot(tables: dict[str, pd.DataFrame], path: Path, train_len: int, metric: str = "ppl") -> bool:
+    """The metric against length, one line per scheme with its 95% band over seeds, a dashed
+    line at the training length, a panel per protocol."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -275,18 +368,59 @@ def plot(tables: dict[str, pd.DataFrame], path: Path) -> bool:
     for ax, (label, table) in zip(axes[0], tables.items()):
         lengths = lengths_of(table)
         for s in table.index:
-            ax.plot(lengths, [table.loc[s, L] for L in lengths], marker="o", label=s)
+            mean = table.loc[s, lengths].astype(float).values
+            ci = table.loc[s, [f"ci {L}" for L in lengths]].astype(float).fillna(0).values
+            (line,) = ax.plot(lengths, mean, marker="o", markersize=3, label=s)
+            ax.fill_between(lengths, mean - ci, mean + ci, color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.axvline(train_len, color="black", linestyle="--", linewidth=1)
         ax.set_title(label, fontsize=10)
-        ax.set_xlabel("evaluation length (bytes)")
-        _plain_log_axis(ax)
+        ax.set_xlabel("evaluation length (bytes); dashed: the training length")
+        values = table[lengths].astype(float).values
+        finite = values[values == values]
+        if metric != "loss" and finite.size and finite.max() / max(finite.min(), 1e-9) > 3:
+            _plain_log_axis(ax)  # a wide range: a log axis, labelled 6, 8, 10
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("perplexity per byte")
+    axes[0][0].set_ylabel(METRICS[metric][0])
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     with atomic(path) as tmp:
         fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return True
+
+
+def plot_training(df: pd.DataFrame, path: Path) -> bool:
+    """Every run's training loss against its step, from train_log.jsonl, one colour per scheme."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colours = {}
+    for rdir, seed in df.attrs.get("runs", {}).items():
+        log = read_train_log(rdir)
+        if not log:
+            continue
+        scheme = next((s for s in df.attrs.get("schemes", {}).get(rdir, [])), rdir.name)
+        kw = {"color": colours[scheme]} if scheme in colours else {"label": scheme}
+        (line,) = ax.plot([r["step"] for r in log], [r["loss"] for r in log], linewidth=1, alpha=0.8, **kw)
+        colours.setdefault(scheme, line.get_color())
+    ax.set_xlabel("training step")
+    ax.set_ylabel("training loss (nats per byte)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic(path) as tmp:
+        fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def read_train_log(rdir: Path) -> list[dict]:
+    """A run's train_log.jsonl records (empty if it has none or it cannot be read)."""
+    try:
+        return [json.loads(line) for line in (Path(rdir) / "train_log.jsonl").read_text().splitlines() if line]
+    except (OSError, ValueError):
+        return []
 
 
 def position_losses(df: pd.DataFrame) -> pd.DataFrame:
@@ -334,18 +468,53 @@ def plot_positions(pos: pd.DataFrame, train_len: int, path: Path) -> bool:
     return True
 
 
-def write_summary(exp_dir: Path) -> tuple[pd.DataFrame, list, dict[str, pd.DataFrame]]:
-    """summary.csv (long), summary.md, summary.png and positions.png in exp_dir, from the run
-    folders; returns the rows, the configs and a comparison table per protocol."""
-    exp_dir = Path(exp_dir)
-    df, configs = collect(exp_dir)
+def write_summary(exp_dirs, metric: str = "ppl", transpose: bool = False, out: Optional[Path] = None):
+    """summary.csv (long), summary.md, summary.tex, summary.png, positions.png and training.png,
+    from the run folders of one experiment, or of several joined into one comparison (written
+    to `out`, by default a folder beside the first named after them all). Returns the rows,
+    the configs and a comparison table per protocol."""
+    dirs = [Path(d) for d in ([exp_dirs] if isinstance(exp_dirs, (str, Path)) else exp_dirs)]
+    df, configs = join([collect(d) for d in dirs], dirs)
+    out = Path(out) if out else (dirs[0] if len(dirs) == 1 else dirs[0].parent / "+".join(d.name for d in dirs))
+    out.mkdir(parents=True, exist_ok=True)
+    df = with_metric(df, metric)
     tables = {}
     for protocol, stride in protocols(df):
         part = df[(df["protocol"] == protocol) & (df["stride"].fillna("").astype(str) == stride)]
         tables[protocol_label(protocol, stride)] = comparison(part)
-    with atomic(exp_dir / "summary.csv") as tmp:
+    train_len = int(df["train_len"].iloc[0])
+    with atomic(out / "summary.csv") as tmp:
         df.to_csv(tmp, index=False, columns=EVAL_COLUMNS)
-    write_atomic(exp_dir / "summary.md", markdown(tables, configs, df))
-    plot(tables, exp_dir / "summary.png")
-    plot_positions(position_losses(df), int(df["train_len"].iloc[0]), exp_dir / "positions.png")
+    write_atomic(out / "summary.md", markdown(tables, configs, df, metric, transpose))
+    write_atomic(out / "summary.tex", latex(tables, df, metric, transpose))
+    plot(tables, out / "summary.png", train_len, metric)
+    plot_positions(position_losses(df), train_len, out / "positions.png")
+    plot_training(df, out / "training.png")
     return df, configs, tables
+
+
+def join(collected: list[tuple[pd.DataFrame, list]], dirs: list[Path]) -> tuple[pd.DataFrame, list]:
+    """Several experiments' rows as one comparison: refused unless they share the training
+    length and the protocols, so that every cell means the same thing."""
+    if len(collected) == 1:
+        return collected[0]
+    (first, configs), name = collected[0], dirs[0].name
+    for (df, cfgs), d in zip(collected[1:], dirs[1:]):
+        for what, a, b in (("training length", set(first["train_len"]), set(df["train_len"])),
+                           ("protocols", set(protocols(first)), set(protocols(df)))):  # fmt: skip
+            if a != b:
+                raise PosbenchError(f"cannot join {name} and {d.name}: their {what} differ "
+                                    f"({_listed(a)} against {_listed(b)})")  # fmt: skip
+        clash = set(zip(first["scheme"], first["seed"])) & set(zip(df["scheme"], df["seed"]))
+        if clash:
+            s, n = sorted(clash)[0]
+            raise PosbenchError(f"cannot join {name} and {d.name}: both hold {s} seed {n}")
+        configs = configs + cfgs
+    df = pd.concat([c[0] for c in collected], ignore_index=True)
+    df.attrs = {k: {key: v for c in collected for key, v in c[0].attrs.get(k, {}).items()}
+                for k in ("trained_with", "runs", "schemes")}  # fmt: skip
+    return df, configs
+
+
+def _listed(values: set) -> str:
+    return ", ".join(protocol_label(*v) if isinstance(v, tuple) else str(v) for v in sorted(values, key=str))
