@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test smoke bench
+.PHONY: install extrapolate test smoke bench reproduce
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -22,3 +22,7 @@ smoke: install
 bench: install
 	$(PIP) install -q -e '.[peer]'
 	posbench bench --peer x-transformers
+
+# the committed comparison in results/reference/ (about 10 minutes on 2 cores)
+reproduce: install
+	posbench extrapolate --config configs/reproduce-alibi.yaml

@@ -116,3 +116,25 @@ def test_one_seed_says_there_is_no_interval(tmp_path, corpus_file):
                  "--set", f"data.path={corpus_file}")  # fmt: skip
     assert res.exit_code == 0
     assert "1 seed: no interval; use --seeds 0,1,2" in (tmp_path / "smoke" / "summary.md").read_text()
+
+
+def test_the_committed_reference_rebuilds_to_its_committed_summary(tmp_path):
+    """results/reference holds the records of configs/reproduce-alibi.yaml (no weights): a fresh
+    report of them gives the committed tables, digit for digit."""
+    import shutil
+
+    from conftest import ROOT
+
+    committed = ROOT / "results" / "reference"
+    copy = tmp_path / "reference"
+    shutil.copytree(committed, copy)
+    for name in ("summary.csv", "summary.md", "summary.tex"):
+        (copy / name).unlink()
+    res = invoke("report", copy)
+    assert res.exit_code == 0, res.output
+    for name in ("summary.csv", "summary.md", "summary.tex"):
+        assert (copy / name).read_text() == (committed / name).read_text(), name
+    runs = sorted(p.name for p in committed.iterdir() if p.is_dir())
+    assert runs == [f"{s}-seed{n}" for s in ("alibi", "rope", "sinusoidal", "t5") for n in (0, 1, 2)]
+    for run in runs:
+        assert {"config.yaml", "eval.csv", "positions.csv", "train_log.jsonl"} <= {p.name for p in (committed / run).iterdir()}
