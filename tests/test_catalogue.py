@@ -288,45 +288,68 @@ def test_xpos_default_scale_base_is_512():
 # --- KERPLE ------------------------------------------------------------------------------------
 
 
-def kerple(name, r1, r2):
-    """Layer 1 gets these r1, r2; layer 0 gets others, which the bias of layer 1 must ignore."""
-    model = TransformerLM(tiny(name)).eval()
+def kerple(name, r1, r2, per_layer=False):
+    """A model whose r1, r2 are these (H,) values; with per_layer, those of layer 1, and layer 0
+    gets others, which the bias of layer 1 must ignore."""
+    model = TransformerLM(tiny(name, options={"per_layer": per_layer})).eval()
+    r1, r2 = torch.tensor(r1), torch.tensor(r2)
+    if per_layer:
+        r1, r2 = torch.stack([torch.full((4,), 7.0), r1]), torch.stack([torch.full((4,), 0.3), r2])
     with torch.no_grad():
-        model.scheme.r1.copy_(torch.stack([torch.full((4,), 7.0), torch.tensor(r1)]))
-        model.scheme.r2.copy_(torch.stack([torch.full((4,), 0.3), torch.tensor(r2)]))
+        model.scheme.r1.copy_(r1)
+        model.scheme.r2.copy_(r2)
     return model
 
 
-def kerple_bias(model):
-    z = torch.zeros(1, 4, 6, 8)
-    return model.scheme.bias(z, z, torch.arange(6), torch.arange(6), 1)[0]  # (H, 6, 6)
+def kerple_bias(model, layer=1):
+    z = torch.zeros(1, model.cfg.n_head, 6, 8)
+    return model.scheme.bias(z, z, torch.arange(6), torch.arange(6), layer)[0]  # (H, 6, 6)
 
 
 # at i=5, j=2 (distance 3), with r2 = 0.001 clamped to the reference's floor 0.01:
 # log:   -1*ln(1+3) = -1.386294; -2*ln(1+1.5) = -1.832581; -0.5*ln(1+6) = -0.972955;
 #        -3*ln(1+0.03) = -0.088677
+@pytest.mark.parametrize("per_layer", [False, True])
 @pytest.mark.parametrize("i,j,want", [(5, 2, [-1.386294, -1.832581, -0.972955, -0.088677]), (4, 4, [0, 0, 0, 0])])
-def test_kerple_log_formula(i, j, want):
-    b = kerple_bias(kerple("kerple_log", [1.0, 2.0, 0.5, 3.0], [1.0, 0.5, 2.0, 0.001]))
+def test_kerple_log_formula(i, j, want, per_layer):
+    b = kerple_bias(kerple("kerple_log", [1.0, 2.0, 0.5, 3.0], [1.0, 0.5, 2.0, 0.001], per_layer))
     close(b[:, i, j].tolist(), want, tol=1e-5)
 
 
 # power: -r1 * 3^r2 with r2 = 3 clamped to 2 and 0.001 to 0.01:
 # -1*3 = -3; -2*sqrt(3) = -3.464102; -0.5*3^2 = -4.5; -3*3^0.01 = -3*1.011047 = -3.033140
-def test_kerple_power_formula():
-    b = kerple_bias(kerple("kerple_power", [1.0, 2.0, 0.5, 3.0], [1.0, 0.5, 3.0, 0.001]))
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_kerple_power_formula(per_layer):
+    b = kerple_bias(kerple("kerple_power", [1.0, 2.0, 0.5, 3.0], [1.0, 0.5, 3.0, 0.001], per_layer))
     close(b[:, 5, 2].tolist(), [-3.0, -3.464102, -4.5, -3.033140], tol=1e-5)
     assert torch.all(torch.diagonal(b, dim1=1, dim2=2) == 0)
 
 
-@pytest.mark.parametrize("name,r1_max,r2_max", [("kerple_log", 2.0, 1.0), ("kerple_power", 1.0, 2.0)])
-def test_kerple_parameters_names_shapes_init_and_clamp(name, r1_max, r2_max):
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
+def test_kerple_is_one_kernel_for_the_whole_model_as_the_reference(name):
+    """chijames/KERPLE builds one kernel module and hands it to every layer: by default one
+    (H,) pair r1, r2 serves all layers, 2 x n_head parameters in all, every layer the same bias.
+    per_layer: true gives each layer its own pair, n_layer x n_head each."""
     torch.manual_seed(0)
-    model = TransformerLM(tiny(name, n_head=6, d_model=48))
+    shared = TransformerLM(tiny(name, n_layer=3, n_head=6, d_model=48))
+    assert SCHEMES[name].options["per_layer"] is False
+    assert {n: tuple(p.shape) for n, p in shared.scheme.named_parameters()} == {"r1": (6,), "r2": (6,)}
+    assert sum(p.numel() for p in shared.scheme.parameters()) == 2 * 6
+    assert torch.equal(kerple_bias(shared, 0), kerple_bias(shared, 2))
+    own = TransformerLM(tiny(name, n_layer=3, n_head=6, d_model=48, options={"per_layer": True}))
+    assert {n: tuple(p.shape) for n, p in own.scheme.named_parameters()} == {"r1": (3, 6), "r2": (3, 6)}
+    assert sum(p.numel() for p in own.scheme.parameters()) == 2 * 3 * 6
+    assert not torch.equal(kerple_bias(own, 0), kerple_bias(own, 2))
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("name,r1_max,r2_max", [("kerple_log", 2.0, 1.0), ("kerple_power", 1.0, 2.0)])
+def test_kerple_parameters_names_init_and_clamp(name, r1_max, r2_max, per_layer):
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(name, n_head=6, d_model=48, options={"per_layer": per_layer}))
     params = dict(model.named_parameters())
     r1, r2 = params["scheme.r1"], params["scheme.r2"]
-    assert r1.shape == r2.shape == (2, 6)  # (n_layer, n_head): a pair per head in every layer
-    assert not torch.equal(r1[0], r1[1])
+    assert r1.shape == r2.shape == ((2, 6) if per_layer else (6,))
     assert 0 <= r1.min() and r1.max() < r1_max and 0 <= r2.min() and r2.max() < r2_max  # reference init
     with torch.no_grad():
         r1.fill_(-1.0)
@@ -384,9 +407,9 @@ def test_randomized_positions_while_training():
     assert a.max() >= 50  # not just 0..T-1
 
 
-def test_randomized_positions_at_evaluation_and_bases():
-    model = TransformerLM(tiny("randomized", options={"base": "rope"})).eval()
-    assert torch.equal(model.scheme.positions(30, "cpu"), torch.arange(30))
+def test_randomized_bases_and_consecutive_positions_at_evaluation():
+    model = TransformerLM(tiny("randomized", options={"base": "rope", "eval_positions": "consecutive"})).eval()
+    assert torch.equal(model.scheme.positions(30, "cpu"), torch.arange(30)) and model.max_len is None
     assert SCHEMES["randomized"].options["max_pos"] == 1024
     rope = SCHEMES["rope"](tiny("rope"))
     q = torch.randn(1, 4, 5, 8)
@@ -396,21 +419,57 @@ def test_randomized_positions_at_evaluation_and_bases():
         SCHEMES["randomized"](tiny("randomized", options={"base": "alibi"}))
     with pytest.raises(PosbenchError, match="max_pos=8 is shorter than model.train_len=16"):
         SCHEMES["randomized"](tiny("randomized", options={"max_pos": 8}))
+    with pytest.raises(PosbenchError, match="eval_positions='sampled': expected one of fresh, fixed, consecutive"):
+        SCHEMES["randomized"](tiny("randomized", options={"eval_positions": "sampled"}))
 
 
-def test_randomized_can_draw_at_evaluation_as_the_reference_code_does():
-    """eval_positions: random gives a sorted draw from [0, max_pos) per length, the same one
-    every time (tables repeat), and makes max_pos the longest length it can score."""
-    scheme = SCHEMES["randomized"](tiny("randomized", options={"max_pos": 200, "eval_positions": "random"})).eval()
+def sorted_draw(p, T, M):
+    return p.shape == (T,) and p.min() >= 0 and p.max() < M and bool(torch.all(p[1:] > p[:-1]))
+
+
+def test_randomized_draws_fresh_positions_for_every_batch_at_evaluation_as_the_reference():
+    """google-deepmind/randomized_positional_encodings draws sorted random positions at
+    evaluation too, a new draw for every batch: that is the default. The k-th draw at a length
+    is the same for every model built from the config, again after eval() or restart_draws(),
+    and whatever other lengths were drawn in between, so an evaluation repeats exactly."""
+    assert SCHEMES["randomized"].options["eval_positions"] == "fresh"
+    scheme = SCHEMES["randomized"](tiny("randomized", options={"max_pos": 200})).eval()
+    a = [scheme.positions(50, "cpu") for _ in range(3)]
+    assert all(sorted_draw(p, 50, 200) for p in a) and max(p.max() for p in a) >= 50
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[1], a[2])  # fresh for every batch
+    scheme.eval()
+    b = [scheme.positions(50, "cpu"), scheme.positions(60, "cpu"), scheme.positions(50, "cpu")]
+    assert torch.equal(b[0], a[0]) and torch.equal(b[2], a[1])  # the 60 in between changes nothing
+    assert sorted_draw(b[1], 60, 200)
+    scheme.restart_draws()
+    assert torch.equal(scheme.positions(50, "cpu"), a[0])
+    other = SCHEMES["randomized"](tiny("randomized", options={"max_pos": 200})).eval()
+    assert torch.equal(other.positions(50, "cpu"), a[0])
+    assert scheme.max_len == 200
+
+    torch.manual_seed(0)
+    model = TransformerLM(tiny("randomized", options={"max_pos": 20}))
+    tokens = torch.randint(0, 256, (60,))
+    rows = [evaluate_model(model, tokens, [16, 20, 24], 2, torch.device("cpu")) for _ in range(2)]
+    assert [r["status"] for r in rows[0]] == ["ok", "ok", "beyond-max-len"]
+    assert [r["loss"] for r in rows[0][:2]] == [r["loss"] for r in rows[1][:2]]  # the same table again
+    plain = TransformerLM(tiny("randomized", options={"max_pos": 20, "eval_positions": "consecutive"}))
+    plain.load_state_dict(model.state_dict())  # the same weights scored at 0..T-1: another loss
+    assert evaluate_model(plain, tokens, [16], 2, torch.device("cpu"))[0]["loss"] != rows[0][0]["loss"]
+
+
+def test_randomized_can_draw_once_per_length_at_evaluation():
+    """eval_positions: fixed gives one sorted draw from [0, max_pos) per length, the same for
+    every batch and every time, and makes max_pos the longest length it can score."""
+    scheme = SCHEMES["randomized"](tiny("randomized", options={"max_pos": 200, "eval_positions": "fixed"})).eval()
     a, b, c = scheme.positions(50, "cpu"), scheme.positions(50, "cpu"), scheme.positions(60, "cpu")
-    assert torch.equal(a, b) and a.max() >= 50 and torch.all(a[1:] > a[:-1]) and a.max() < 200
+    assert torch.equal(a, b) and a.max() >= 50 and sorted_draw(a, 50, 200)
     assert c.shape == (60,) and not torch.equal(c[:50], a)
-    assert scheme.max_len == 200 and SCHEMES["randomized"](tiny("randomized")).max_len is None
-    model = TransformerLM(tiny("randomized", options={"max_pos": 20, "eval_positions": "random"}))
+    assert torch.equal(a, torch.randperm(200, generator=torch.Generator().manual_seed(50))[:50].sort().values)
+    assert scheme.max_len == 200
+    model = TransformerLM(tiny("randomized", options={"max_pos": 20, "eval_positions": "fixed"}))
     rows, _ = evaluate_model(model, torch.randint(0, 256, (60,)), [16, 20, 24], 4, torch.device("cpu"))
     assert [r["status"] for r in rows] == ["ok", "ok", "beyond-max-len"]
-    with pytest.raises(PosbenchError, match="eval_positions='sampled': expected one of consecutive, random"):
-        SCHEMES["randomized"](tiny("randomized", options={"eval_positions": "sampled"}))
 
 
 def test_randomized_trains_on_its_positions():

@@ -1,5 +1,6 @@
 """The science of each scheme: causality, relative invariances, reference slopes and buckets."""
 
+import dataclasses
 import math
 import re
 
@@ -69,7 +70,7 @@ def test_blocked_attention_matches_whole(scheme, T):
     for block in (None, 8):
         model.zero_grad()
         model.attn_block = block or 10_000
-        y = model(x)
+        y = check.restarted(model)(x)  # the same positions both times, for a scheme that draws them
         y.square().mean().backward()
         outs.append(y.detach())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
@@ -169,13 +170,46 @@ def test_t5_buckets_bidirectional(rel, bucket):
     assert t5_relative_bucket(torch.tensor([rel]), bidirectional=True).item() == bucket
 
 
-def test_t5_bias_reads_the_table_by_bucket():
-    scheme = SCHEMES["t5"](tiny("t5"))
+@pytest.mark.parametrize("scale,times", [("none", 1.0), ("sqrt_head_dim", 8**0.5)])  # head_dim 8
+def test_t5_bias_reads_the_table_by_bucket(scale, times):
+    scheme = SCHEMES["t5"](tiny("t5", options={"scale": scale}))
     with torch.no_grad():
         scheme.table.copy_(torch.arange(32 * 4, dtype=torch.float).view(32, 4))
     b = scheme.bias(torch.zeros(1, 4, 40, 8), torch.zeros(1, 4, 40, 8), torch.arange(40), torch.arange(40), 0)[0]
-    assert b[2, 39, 19].item() == 17 * 4 + 2  # distance 20 -> bucket 17, head 2
+    assert b[2, 39, 19].item() == pytest.approx((17 * 4 + 2) * times)  # distance 20 -> bucket 17, head 2
     assert b[0, 5, 5].item() == 0
+
+
+@pytest.mark.parametrize("name", ["t5", "hybrid"])
+def test_t5_default_is_x_transformers_relative_position_bias(name):
+    """The default T5 bias is the one x-transformers' Decoder builds (RelativePositionBias,
+    scale dim_head ** 0.5, causal), value for value given the same table, whole (T, T) map
+    included, at distances past max_distance too; and its table starts N(0, 1) as that
+    nn.Embedding does. `scale: none` and `init: zeros` give the table as is, from zero."""
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    H, D, NB, far, T = 16, 4, 16, 40, 60
+    cfg = tiny(name, n_head=H, d_model=H * D, options={"num_buckets": NB, "max_distance": far})
+    scheme = SCHEMES[name](cfg)
+    table = dict(scheme.named_parameters())["relative.table" if name == "hybrid" else "table"]  # (NB, H)
+    assert 0.85 < table.std().item() < 1.15 and abs(table.mean().item()) < 0.15  # N(0, 1), 256 draws
+    ref = xt.Decoder(dim=H * D, depth=1, heads=H, attn_dim_head=D, rel_pos_bias=True,
+                     rel_pos_num_buckets=NB, rel_pos_max_distance=far).rel_pos  # fmt: skip
+    with torch.no_grad():
+        ref.relative_attention_bias.weight.copy_(table)
+        want = ref(T, T)  # (H, T, T): [h, i, j] is query i against key j
+        pos = torch.arange(T)
+        got = scheme.bias(torch.zeros(1, H, T, D), torch.zeros(1, H, T, D), pos, pos, 0)  # (1, H, T, T)
+    assert got.shape == (1, H, T, T)
+    assert (got[0] - want).abs().max().item() < 1e-6
+
+    plain = SCHEMES[name](dataclasses.replace(cfg, options={**cfg.options, "scale": "none", "init": "zeros"}))
+    plain_table = dict(plain.named_parameters())["relative.table" if name == "hybrid" else "table"]
+    assert torch.all(plain_table == 0)
+    with torch.no_grad():
+        plain_table.copy_(table)
+        got = plain.bias(torch.zeros(1, H, T, D), torch.zeros(1, H, T, D), pos, pos, 0)
+    assert (got[0] * D**0.5 - want).abs().max().item() < 1e-6
 
 
 def test_xl_score_matches_formula():
@@ -200,6 +234,24 @@ def test_xl_score_matches_formula():
                 rel = (W @ r[i - j]).view(4, D)[h]
                 want = (q[0, h, i] + u[h]) @ k[0, h, j] + (q[0, h, i] + v[h]) @ rel
                 assert got[0, h, i, j].item() == pytest.approx(want.item() / math.sqrt(D), abs=1e-4)
+
+
+def test_xl_u_and_v_start_as_in_transformer_xl():
+    """u, v start N(0, 0.02) as kimiyoung/transformer-xl's r_w_bias, r_r_bias (its weights_init,
+    init_std 0.02), and so does W_r, through the model's init of every nn.Linear;
+    `uv_init: zeros` starts u, v at zero."""
+    torch.manual_seed(0)
+    model = posbench.model.TransformerLM(tiny("xl", n_head=8, d_model=256))
+    s = model.scheme
+    uv = torch.cat([s.u.flatten(), s.v.flatten()])  # 512 draws
+    assert s.u.shape == s.v.shape == (8, 1, 32) and not torch.equal(s.u, s.v)
+    assert 0.016 < uv.std().item() < 0.024 and abs(uv.mean().item()) < 0.004
+    w = torch.cat([m.weight.flatten() for m in s.w_r])
+    assert 0.019 < w.std().item() < 0.021
+    zeros = SCHEMES["xl"](tiny("xl", options={"uv_init": "zeros"}))
+    assert torch.all(zeros.u == 0) and torch.all(zeros.v == 0)
+    with pytest.raises(PosbenchError, match="uv_init='uniform': expected one of normal, zeros"):
+        SCHEMES["xl"](tiny("xl", options={"uv_init": "uniform"}))
 
 
 def test_sinusoid_formula():

@@ -74,6 +74,15 @@ class PositionalScheme(nn.Module):
             if numeric and isinstance(default, (int, float)) and default > 0 and not value > 0:
                 raise PosbenchError(f"{where}.{key}={value} must be positive")
 
+    def choice(self, key: str, valid) -> str:
+        """The value of option `key`, refused in one line unless it is one of `valid`."""
+        value = self.opt[key]
+        if value not in valid:
+            raise PosbenchError(
+                f"scheme_options.{self.cfg.scheme}.{key}={value!r}: expected one of {', '.join(valid)}"
+            )
+        return value
+
     @property
     def max_len(self) -> Optional[int]:
         """Longest sequence this scheme can encode; None means any length."""

@@ -42,8 +42,25 @@ def t5_relative_bucket(
 
 
 class T5Bias(PositionalScheme):
+    """T5's relative bias (Raffel et al. 2020): a learned scalar per head for each of
+    num_buckets log-spaced distance buckets, one table shared by all layers, added to the
+    logits after their 1/sqrt(d_head) scaling.
+
+    Set up as in x-transformers (lucidrains/x-transformers `x_transformers/x_transformers.py`,
+    `RelativePositionBias`, built with `scale = dim_head ** 0.5`): the bias is
+    table[bucket] * sqrt(d_head), and the table starts N(0, 1), nn.Embedding's default. T5
+    itself adds the bias to logits that are not divided by sqrt(d); the multiplier makes the
+    two parametrizations the same, so under Adam the bias moves at T5's pace.
+
+    Options:
+      scale  "sqrt_head_dim" (default): bias = table[bucket] * sqrt(d_head), as x-transformers;
+             "none": bias = table[bucket]
+      init   "normal" (default): the table starts N(0, 1); "zeros": it starts at zero
+    scale "none" with init "zeros" is a table added as is and learned from zero.
+    """
+
     description = "a learned scalar per head per log-spaced distance bucket (Raffel 2020)"
-    options = {"num_buckets": 32, "max_distance": 128}
+    options = {"num_buckets": 32, "max_distance": 128, "scale": "sqrt_head_dim", "init": "normal"}
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -53,8 +70,11 @@ class T5Bias(PositionalScheme):
                 f"scheme_options.{cfg.scheme}: need num_buckets >= 2 and max_distance > "
                 f"num_buckets/2 (the exact buckets), got {nb} and {far}"
             )
-        # shared by all layers, as in T5
-        self.table = nn.Parameter(torch.zeros(self.opt["num_buckets"], cfg.n_head))  # (NB, H)
+        scaled = self.choice("scale", ("sqrt_head_dim", "none")) == "sqrt_head_dim"
+        self.scale = cfg.head_dim**0.5 if scaled else 1.0  # the bias is table[bucket] * scale
+        normal = self.choice("init", ("normal", "zeros")) == "normal"
+        table = torch.randn(nb, cfg.n_head) if normal else torch.zeros(nb, cfg.n_head)  # (NB, H)
+        self.table = nn.Parameter(table)  # shared by all layers, as in T5
 
     def bias(self, q, k, qpos, kpos, layer):
         return self.once_per_forward((qpos, kpos), lambda: self.bucket_bias(qpos, kpos, q.dtype))
@@ -64,11 +84,15 @@ class T5Bias(PositionalScheme):
         b = t5_relative_bucket(rel, False, self.opt["num_buckets"], self.opt["max_distance"])
         # index_select, not table[b]: the same values, and its backward (an index_add) is far
         # faster than advanced indexing's (an accumulating index_put)
-        bias = self.table.index_select(0, b.flatten()).view(*b.shape, -1)  # (Tq, Tk, H)
+        table = self.table * self.scale  # (NB, H); x-transformers scales after the lookup: the same products
+        bias = table.index_select(0, b.flatten()).view(*b.shape, -1)  # (Tq, Tk, H)
         return bias.permute(2, 0, 1).unsqueeze(0).to(dtype)  # (1, H, Tq, Tk)
 
 
 class Hybrid(PositionalScheme):
+    """Sinusoidal embeddings added to the tokens, and T5Bias, with its options and setup, on
+    the logits of every layer."""
+
     description = "sinusoidal absolute embeddings plus a T5 relative bias in every layer"
     options = T5Bias.options
 

@@ -15,16 +15,29 @@ class TransformerXL(PositionalScheme):
     """score = (q_i + u).k_j + (q_i + v).W_r r(i-j), all scaled by 1/sqrt(d) (Dai 2019).
 
     The content term's u rides on q through `rotate`, so attention computes (q + u).k itself;
-    the position term is the bias, computed from that same q with u swapped for v."""
+    the position term is the bias, computed from that same q with u swapped for v.
+
+    Set up as the reference, kimiyoung/transformer-xl `pytorch/mem_transformer.py`: u and v
+    (its r_w_bias, r_r_bias) are (H, D), shared by all layers, and start N(0, 0.02) like every
+    other weight (`weights_init` in `pytorch/train.py`, init_std 0.02); W_r, one nn.Linear per
+    layer (its r_net), gets the model's N(0, 0.02) init of every nn.Linear (model.py), as there.
+
+    Options:
+      uv_init  "normal" (default): u, v start N(0, 0.02), as the reference; "zeros": they start at zero
+    """
 
     description = "content-dependent relative attention with sinusoidal distances (Dai 2019)"
+    options = {"uv_init": "normal"}
 
     def __init__(self, cfg):
         super().__init__(cfg)
         H, D, C = cfg.n_head, cfg.head_dim, cfg.d_model
         require_even(cfg, "model.d_model", C)  # r(i-j) is a sinusoid of width d_model
-        self.u = nn.Parameter(torch.zeros(H, 1, D))  # shared by all layers, as in the paper
-        self.v = nn.Parameter(torch.zeros(H, 1, D))
+        if self.choice("uv_init", ("normal", "zeros")) == "normal":  # (H, 1, D) each
+            u, v = torch.randn(H, 1, D) * 0.02, torch.randn(H, 1, D) * 0.02
+        else:
+            u, v = torch.zeros(H, 1, D), torch.zeros(H, 1, D)
+        self.u, self.v = nn.Parameter(u), nn.Parameter(v)  # shared by all layers, as in the paper
         self.w_r = nn.ModuleList([nn.Linear(C, C, bias=False) for _ in range(cfg.n_layer)])
 
     def rotate(self, q, k, pos, layer):
