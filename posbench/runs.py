@@ -42,9 +42,12 @@ FILLED = {"protocol": "nonoverlapping", "stride": "", "attention": UNRECORDED}  
 
 def check_experiment(cfg: ExperimentConfig) -> None:
     """What config.py cannot check alone: every scheme builds with its options (so bad options
-    fail before anything trains), and every eval.rope_scaling kind belongs to some scheme."""
+    fail before anything trains), and every eval.rope_scaling kind belongs to some scheme. Each
+    run's scheme options are filled in with the scheme's defaults, so that its record names
+    every choice its weights were made under."""
     for s in cfg.schemes:
         build_scheme(cfg.model_for(s))
+        cfg.scheme_options[s] = {**resolve_scheme(s).options, **cfg.scheme_options.get(s, {})}
     for s, opts in cfg.scheme_options.items():  # options of unselected schemes are kept, checked
         if s not in cfg.schemes:
             resolve_scheme(s).validate_options(opts, where=f"scheme_options.{s}")
@@ -93,6 +96,12 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
     except Exception as e:  # torch raises many kinds for a truncated or foreign file
         reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
         raise PosbenchError(f"{ckpt_path}: corrupt or not a posbench checkpoint ({reason})") from None
+    unrecorded = sorted(set(type(model.scheme).options) - set(cfg.model.options))
+    if unrecorded:  # its weights were made under defaults that this posbench may not share
+        raise PosbenchError(
+            f"{ckpt_path}: does not record scheme '{cfg.model.scheme}''s option(s) {', '.join(unrecorded)}, "
+            f"so it cannot be scored as it was trained; it was saved by another version: retrain it"
+        )
     try:
         model.load_state_dict(ckpt["model"])
     except Exception as e:

@@ -450,12 +450,12 @@ def test_randomized_draws_fresh_positions_for_every_batch_at_evaluation_as_the_r
     torch.manual_seed(0)
     model = TransformerLM(tiny("randomized", options={"max_pos": 20}))
     tokens = torch.randint(0, 256, (60,))
-    rows = [evaluate_model(model, tokens, [16, 20, 24], 2, torch.device("cpu")) for _ in range(2)]
+    rows = [evaluate_model(model, tokens, [16, 20, 24], 2, torch.device("cpu"))[0] for _ in range(2)]
     assert [r["status"] for r in rows[0]] == ["ok", "ok", "beyond-max-len"]
     assert [r["loss"] for r in rows[0][:2]] == [r["loss"] for r in rows[1][:2]]  # the same table again
     plain = TransformerLM(tiny("randomized", options={"max_pos": 20, "eval_positions": "consecutive"}))
     plain.load_state_dict(model.state_dict())  # the same weights scored at 0..T-1: another loss
-    assert evaluate_model(plain, tokens, [16], 2, torch.device("cpu"))[0]["loss"] != rows[0][0]["loss"]
+    assert evaluate_model(plain, tokens, [16], 2, torch.device("cpu"))[0][0]["loss"] != rows[0][0]["loss"]
 
 
 def test_randomized_can_draw_once_per_length_at_evaluation():

@@ -734,3 +734,23 @@ def test_a_run_that_lost_its_config_yaml_resumes_from_the_checkpoints_copy(smoke
                  "--set", f"data.path={text}")  # fmt: skip
     assert res.exit_code == 0 and "already trained" in res.output, res.output
     assert (out / "smoke" / "alibi-seed0" / "config.yaml").is_file()
+
+
+def test_a_run_records_every_scheme_option_and_a_checkpoint_without_them_is_refused(smoke, tmp_path):
+    """A checkpoint that does not say how its scheme was set up cannot be scored as trained:
+    the defaults may have moved (t5's scale did). One line, and nothing is changed."""
+    exp, _, _ = smoke
+    run = tmp_path / "t5-seed0"
+    shutil.copytree(exp / "t5-seed0", run)
+    record = yaml.safe_load((run / "config.yaml").read_text())
+    assert record["model"]["options"]["scale"] == "sqrt_head_dim" and record["model"]["options"]["init"] == "normal"
+    ckpt = torch.load(run / "model.pt", weights_only=True)
+    for key in ("scale", "init"):
+        del ckpt["config"]["model"]["options"][key]
+        del ckpt["config"]["scheme_options"]["t5"][key]
+    torch.save(ckpt, run / "model.pt")
+    (run / "config.yaml").unlink()
+    before = (run / "eval.csv").read_text()
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and "does not record scheme 't5''s option(s) init, scale" in " ".join(res.output.split())
+    assert (run / "eval.csv").read_text() == before
