@@ -379,6 +379,8 @@ def plot(tables: dict[str, pd.DataFrame], path: Path, train_len: int, metric: st
         finite = values[values == values]
         if metric != "loss" and finite.size and finite.max() / max(finite.min(), 1e-9) > 3:
             _plain_log_axis(ax)  # a wide range: a log axis, labelled 6, 8, 10
+        if finite.size:  # a wide band (few seeds, one that blew up) must not squash the means
+            ax.set_ylim(bottom=max(ax.get_ylim()[0], 0.8 * finite.min()))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(METRICS[metric][0])
     axes[0][0].legend(fontsize=8)
@@ -452,6 +454,9 @@ def plot_positions(pos: pd.DataFrame, train_len: int, path: Path) -> bool:
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), sharey=True, squeeze=False)
     for ax, (protocol, stride) in zip(axes[0], groups):
         part = pos[(pos["protocol"] == protocol) & (pos["stride"] == stride)]
+        # the positions every window scores: all of them in chunks, a sliding window's last
+        # `stride` (its first window alone scores the rest, too few tokens to draw)
+        part = part[part["tokens"] >= part["tokens"].max() / 2]
         for s in scheme_order(set(part["scheme"])):
             line = part[part["scheme"] == s].groupby("position")["loss"].mean()
             ax.plot(line.index, line.values, label=s, linewidth=1)

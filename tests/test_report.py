@@ -138,3 +138,11 @@ def test_the_committed_reference_rebuilds_to_its_committed_summary(tmp_path):
     assert runs == [f"{s}-seed{n}" for s in ("alibi", "rope", "sinusoidal", "t5") for n in (0, 1, 2)]
     for run in runs:
         assert {"config.yaml", "eval.csv", "positions.csv", "train_log.jsonl"} <= {p.name for p in (committed / run).iterdir()}
+
+
+@pytest.mark.parametrize("args", [["--seeds", ""], ["--seeds", ","], ["--set", "seeds=[]"]])
+def test_an_empty_seed_list_is_one_line_and_writes_nothing(tmp_path, args):
+    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path / 'r'}", *args)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "seeds is empty" in res.output and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
