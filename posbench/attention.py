@@ -20,6 +20,9 @@ from posbench.config import ATTENTION_BACKENDS as BACKENDS
 from posbench.errors import PosbenchError
 
 TINY_PROB = 1e-20  # BiasedAttention's probabilities below this are zeroed (subnormals are slow)
+FLEX_CANNOT_TRAIN_ON_CPU = ("model.attention=flex: torch has no FlexAttention backward on a CPU, so it cannot train "
+                            "here; train with auto, sdpa or eager (flex can evaluate: posbench evaluate RUN "
+                            "--attention flex)")  # fmt: skip
 
 
 def backend_for(name: str, device: torch.device, head_dim: int, compiled: bool = False,
@@ -118,8 +121,7 @@ def flex(q, k, v, bias, q0: int) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask
 
     if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
-        raise PosbenchError("model.attention=flex: torch has no FlexAttention backward on a CPU, so it cannot "
-                            "train here; train with auto, sdpa or eager (flex can evaluate)")  # fmt: skip
+        raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)
     Tq, Tk = q.size(2), k.size(2)
 
     def causal(b, h, i, j):

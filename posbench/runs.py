@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from posbench.attention import backend_for
+from posbench.attention import FLEX_CANNOT_TRAIN_ON_CPU, backend_for
 from posbench.config import (ExperimentConfig, check_device, check_trainable, config_from_dict, dump_yaml,
                              read_yaml)
 from posbench.data import Corpus, load_corpus
@@ -417,9 +417,7 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
     # a backend that cannot run here is refused before anything trains
     backend = backend_for(cfg.model.attention, device, cfg.model.head_dim, cfg.train.compile)
     if backend == "flex" and device.type == "cpu" and not all(done for _, _, done in plan):
-        raise PosbenchError("model.attention=flex: torch has no FlexAttention backward on a CPU, so it cannot "
-                            "train here; train with auto, sdpa or eager (flex can evaluate: posbench evaluate "
-                            "RUN --attention flex)")  # fmt: skip
+        raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)
     corpus = load_corpus(cfg.data)  # fails before any folder is made
     n_tokens = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1  # the same for every run
     if "sliding" in cfg.eval.protocol:  # stride 1 is exact and slow: say how slow first
