@@ -349,6 +349,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> bool:
+    """Write the figure whole (atomically) and free it."""
+    fig.tight_layout()
+    with atomic(path) as tmp:
+        fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def _plain_log_axis(ax) -> None:
     from matplotlib.ticker import FuncFormatter
 
@@ -384,11 +393,7 @@ def plot(tables: dict[str, pd.DataFrame], path: Path, train_len: int, metric: st
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(METRICS[metric][0])
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    with atomic(path) as tmp:
-        fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def plot_training(df: pd.DataFrame, path: Path) -> bool:
@@ -410,11 +415,7 @@ def plot_training(df: pd.DataFrame, path: Path) -> bool:
     ax.set_ylabel("training loss (nats per byte)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic(path) as tmp:
-        fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def read_train_log(rdir: Path) -> list[dict]:
@@ -466,11 +467,7 @@ def plot_positions(pos: pd.DataFrame, train_len: int, path: Path) -> bool:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("mean loss (nats per byte)")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    with atomic(path) as tmp:
-        fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def write_summary(exp_dirs, metric: str = "ppl", transpose: bool = False, out: Optional[Path] = None):
