@@ -269,9 +269,10 @@ def run_bench(
     longest = max(settings.multiples) * T
     for s in schemes:
         model = models[s].eval()
-        if model.max_len is not None and model.max_len < longest and "max_len" in model.scheme.options:
-            # a table as long as the longest length: what the memory of that length would be
-            mc = dataclasses.replace(model.cfg, options={**model.cfg.options, "max_len": longest})
+        grow = {k: longest for k in ("max_len", "max_pos") if k in model.scheme.options}  # learned, randomized
+        if model.max_len is not None and model.max_len < longest and grow:
+            # positions as many as the longest length: what the memory of that length would be
+            mc = dataclasses.replace(model.cfg, options={**model.cfg.options, **grow})
             model = TransformerLM(mc).to(device).eval()
         for m in settings.multiples:
             L = m * T

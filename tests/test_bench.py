@@ -33,6 +33,18 @@ def test_bench_quick_writes_every_row(tmp_path):
         assert mem[100] < mem[1600] < mem[3200] < 2.6 * mem[1600], (s, mem)
 
 
+@pytest.mark.parametrize("scheme", ["learned", "randomized"])
+def test_memory_of_a_scheme_with_a_position_limit_is_measured_with_one_long_enough(tmp_path, scheme):
+    """learned's table (1024) and randomized's draws (max_pos 1024) stop short of 3200; the
+    bench measures a copy whose limit is the longest length rather than leave those cells empty."""
+    out = tmp_path / "bench.csv"
+    res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", scheme, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    mem = {int(r["eval_len"]): r["peak_mem_mb"] for r in csv.DictReader(out.open())
+           if r["measurement"] == "eval" and r["scheme"] == scheme}  # fmt: skip
+    assert sorted(mem) == [100, 1600, 3200] and all(float(v) > 0 for v in mem.values()), mem
+
+
 def test_unknown_peer_is_one_line(tmp_path):
     res = CliRunner().invoke(app, ["bench", "--quick", "--peer", "nanogpt", "--out", str(tmp_path / "b.csv")])
     assert res.exit_code != 0 and "unknown peer" in res.output and "Traceback" not in res.output
