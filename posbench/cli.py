@@ -159,7 +159,7 @@ def _comparison_table(table, title: str, caption: str, digits: int = 2) -> Table
 
 
 def _print_summary(exps, metric: str = "ppl", transpose: bool = False, out_dir: Optional[Path] = None) -> None:
-    from posbench.report import METRICS, backends_note, spread_note, write_summary
+    from posbench.report import METRICS, backends_note, spread_note, summary_dir, write_summary
 
     df, configs, tables = write_summary(exps, metric, transpose, out_dir)
     train_len = int(df["train_len"].iloc[0])
@@ -169,10 +169,7 @@ def _print_summary(exps, metric: str = "ppl", transpose: bool = False, out_dir: 
         title = (f"{METRICS[metric][0]}, trained at {train_len} ({label}; "
                  f"attention: {backends_note(df, short=True)})")  # fmt: skip
         out.print(_comparison_table(table, title, caption, METRICS[metric][1]))
-    folder = Path(out_dir) if out_dir else None
-    if folder is None:
-        dirs = [Path(exps)] if isinstance(exps, (str, Path)) else [Path(e) for e in exps]
-        folder = dirs[0] if len(dirs) == 1 else dirs[0].parent / "+".join(d.name for d in dirs)
+    folder = summary_dir(exps, out_dir)
     for name in ("summary.csv", "summary.md", "summary.tex", "summary.png", "positions.png", "training.png"):
         if (folder / name).exists():
             out.print(f"wrote {folder / name}", highlight=False)

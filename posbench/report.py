@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Optional
@@ -15,7 +14,7 @@ from posbench.evaluate import PROTOCOL_NAMES, protocol_label
 from posbench.files import atomic, write_atomic
 from posbench.stats import mean_ci, tied_for_best
 from posbench.runs import (EVAL_COLUMNS, POSITION_COLUMNS, UNRECORDED, differences, experiment_part, read_eval,
-                           read_positions, trained_with)
+                           read_positions, read_train_log, trained_with)
 
 
 def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
@@ -418,14 +417,6 @@ def plot_training(df: pd.DataFrame, path: Path) -> bool:
     return _save(plt, fig, path)
 
 
-def read_train_log(rdir: Path) -> list[dict]:
-    """A run's train_log.jsonl records (empty if it has none or it cannot be read)."""
-    try:
-        return [json.loads(line) for line in (Path(rdir) / "train_log.jsonl").read_text().splitlines() if line]
-    except (OSError, ValueError):
-        return []
-
-
 def position_losses(df: pd.DataFrame) -> pd.DataFrame:
     """Every run's loss per window position (its positions.csv), with its seed, in long format."""
     frames = []
@@ -475,9 +466,9 @@ def write_summary(exp_dirs, metric: str = "ppl", transpose: bool = False, out: O
     from the run folders of one experiment, or of several joined into one comparison (written
     to `out`, by default a folder beside the first named after them all). Returns the rows,
     the configs and a comparison table per protocol."""
-    dirs = [Path(d) for d in ([exp_dirs] if isinstance(exp_dirs, (str, Path)) else exp_dirs)]
+    dirs = _dirs(exp_dirs)
     df, configs = join([collect(d) for d in dirs], dirs)
-    out = Path(out) if out else (dirs[0] if len(dirs) == 1 else dirs[0].parent / "+".join(d.name for d in dirs))
+    out = summary_dir(exp_dirs, out)
     out.mkdir(parents=True, exist_ok=True)
     df = with_metric(df, metric)
     tables = {}
@@ -493,6 +484,19 @@ def write_summary(exp_dirs, metric: str = "ppl", transpose: bool = False, out: O
     plot_positions(position_losses(df), train_len, out / "positions.png")
     plot_training(df, out / "training.png")
     return df, configs, tables
+
+
+def _dirs(exp_dirs) -> list[Path]:
+    return [Path(d) for d in ([exp_dirs] if isinstance(exp_dirs, (str, Path)) else exp_dirs)]
+
+
+def summary_dir(exp_dirs, out: Optional[Path] = None) -> Path:
+    """Where write_summary writes: `out`, the one experiment's folder, or, for several joined,
+    a folder beside the first named after them all (results/a+b)."""
+    dirs = _dirs(exp_dirs)
+    if out:
+        return Path(out)
+    return dirs[0] if len(dirs) == 1 else dirs[0].parent / "+".join(d.name for d in dirs)
 
 
 def join(collected: list[tuple[pd.DataFrame, list]], dirs: list[Path]) -> tuple[pd.DataFrame, list]:

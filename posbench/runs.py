@@ -8,7 +8,6 @@ when whole, so an interrupted run leaves nothing that could pass for a finished 
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import difflib
@@ -472,9 +471,15 @@ def _remove_partials(plan) -> None:
             tmp.unlink(missing_ok=True)
 
 
+def read_train_log(rdir: Path) -> list[dict]:
+    """A run's train_log.jsonl records (empty if it has none or it cannot be read)."""
+    try:
+        return [json.loads(line) for line in (Path(rdir) / "train_log.jsonl").read_text().splitlines() if line]
+    except (OSError, ValueError):
+        return []
+
+
 def trained_with(rdir: Path) -> Optional[str]:
     """The attention backend a run trained with, from its train_log.jsonl (None if unrecorded)."""
-    with contextlib.suppress(OSError, ValueError, IndexError, KeyError, TypeError):
-        first = (Path(rdir) / "train_log.jsonl").read_text().splitlines()[0]
-        return json.loads(first)["attention"]
-    return None
+    log = read_train_log(rdir)
+    return log[0].get("attention") if log and isinstance(log[0], dict) else None
