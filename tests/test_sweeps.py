@@ -168,21 +168,25 @@ def test_no_worker_outlives_a_parent_killed_with_sigkill(tmp_path):
 
 
 def test_two_processes_on_one_experiment_never_train_a_run_twice(tmp_path):
-    """Two real processes started together on the same config and folder: each run is trained
-    by exactly one of them, the other says so in one line, and every run ends whole."""
+    """A second real process started while the first trains, on the same config and folder:
+    each run is trained by exactly one of them, the second says in one line which run it left
+    to the first, and every run ends whole."""
     text = _text(tmp_path)
     args = ["extrapolate", "--config", SMOKE, "--schemes", "nope,alibi,rope,t5", "--set", f"out_dir={tmp_path}",
-            "--set", f"data.path={text}", "--set", "train.steps=150", "--set", "train.threads=1"]  # fmt: skip
-    procs = [_cli(*args), _cli(*args)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    for run in ("nope-seed0", "alibi-seed0", "rope-seed0", "t5-seed0"):
-        trained = [o for o in outs if f"{run.replace('-seed', ' seed ')}" in o and "resuming" not in o
-                   and f"{run}: already trained" not in o and f"{run}: another posbench process" not in o]  # fmt: skip
-        assert len(trained) == 1, (run, outs)
-        assert (tmp_path / "smoke" / run / "model.pt").is_file() and (tmp_path / "smoke" / run / "eval.csv").is_file()
-    joined = " ".join(" ".join(outs).split())
-    assert "another posbench process (pid" in joined and "Traceback" not in joined and "error" not in joined
+            "--set", f"data.path={text}", "--set", "train.steps=400", "--set", "train.threads=1"]  # fmt: skip
+    first = _cli(*args)
+    log = tmp_path / "smoke" / ".nope-seed0.partial" / "train_log.jsonl"
+    _wait_for(lambda: log.is_file() and log.stat().st_size, what="the first process training")
+    second = _cli(*args)
+    outs = [p.communicate(timeout=300)[0] for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outs
+    for scheme in ("nope", "alibi", "rope", "t5"):
+        assert sum(f"{scheme} seed 0" in o for o in outs) == 1, (scheme, outs)  # its progress bar: trained there
+        run = tmp_path / "smoke" / f"{scheme}-seed0"
+        assert (run / "model.pt").is_file() and (run / "eval.csv").is_file()
+    said = " ".join(outs[1].split())
+    assert f"another posbench process (pid {first.pid}) is running it; skipped here" in said
+    assert "Traceback" not in " ".join(outs) and "error" not in " ".join(outs)
     assert not list((tmp_path / "smoke").glob(".*.partial"))
 
 
@@ -191,7 +195,7 @@ name: grid
 out_dir: {out}
 data: {{path: {text}}}
 model: {{n_layer: 1, n_head: 2, d_model: 32, train_len: 16}}
-train: {{steps: 20, batch_size: 8, warmup_steps: 5, log_every: 5, grad_clip: {clip}}}
+train: {{steps: 20, batch_size: 8, warmup_steps: 5, log_every: 5, grad_clip: {clip}, threads: 1}}
 eval: {{lengths: [32, 48], tokens: 2048}}
 sweep:
   schemes: [alibi]
