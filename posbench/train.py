@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from posbench.config import ExperimentConfig
 from posbench.data import Corpus, batch
 from posbench.errors import PosbenchError
-from posbench.files import TMP_PREFIX
+from posbench.files import TMP_PREFIX, write_atomic
 from posbench.model import TransformerLM
 
 CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"  # mid-run state; the one before it
@@ -274,16 +274,17 @@ def load_progress(folder: Path, reporter: Optional[Reporter] = None, label: str 
 
 
 def _keep_log_before(path: Path, step: int) -> None:
+    """Drop the log's lines from `step` on, and any a kill cut short: they are trained again."""
     lines = path.read_text().splitlines(keepends=True) if path.is_file() else []
-    kept = [ln for ln in lines if ln.strip() and _step_of(ln) is not None and _step_of(ln) < step]
-    path.write_text("".join(kept))
+    steps = [_step_of(line) for line in lines]
+    write_atomic(path, "".join(line for line, n in zip(lines, steps) if n is not None and n < step))
 
 
 def _step_of(line: str) -> Optional[int]:
     try:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
-        return None  # a line cut short by a kill
+        return None  # a line cut short by a kill, or an empty one
 
 
 def _compiled_call(forward, x):

@@ -126,6 +126,7 @@ def test_ctrl_c_saves_a_checkpoint_and_a_damaged_one_falls_back_to_the_previous(
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "no good checkpoint is left; delete" in " ".join(res.output.split())
     assert (partial / "checkpoint.pt").read_bytes() == b"not a checkpoint"  # kept for the user to decide
+    assert "no good checkpoint is left" in (partial / "failed.txt").read_text()  # what status shows
 
 
 def _children(pid: int) -> list[int]:
