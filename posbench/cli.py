@@ -251,9 +251,9 @@ def sweep(
 ):
     """Train and compare every run of a config's sweep: grid, in one experiment folder.
 
-    The sweep: block maps config keys to lists, e.g. schemes: [alibi, rope], seeds: [0, 1],
-    model.train_len: [32, 64]; every combination is a run. A rerun skips finished runs and
-    resumes unfinished ones."""
+    The sweep: block maps config keys (schemes, seeds, model.train_len, any dotted key) to
+    lists of values; every combination is a run. A rerun skips finished runs and resumes
+    unfinished ones."""
     from posbench.config import load_sweep
     from posbench.runs import check_experiment, plan_sweep, run_sweep
 
