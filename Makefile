@@ -13,7 +13,9 @@ install:
 extrapolate: install
 	posbench extrapolate --train-len 100 --test-len 200
 
+# the Ray extra too, so the test of the Ray executor runs (a few seconds to install)
 test: install
+	$(PIP) install -q -e '.[ray]'
 	$(PYTHON) -m pytest
 
 smoke: install

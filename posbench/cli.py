@@ -29,7 +29,7 @@ err = Console(stderr=True, emoji=False)
 
 
 @contextlib.contextmanager
-def user_errors(on_interrupt: str = "finished runs are kept; rerun the same command to resume"):
+def user_errors(on_interrupt: str = "finished runs and checkpoints are kept; rerun the same command to resume"):
     """A domain error becomes one line and a non-zero exit, never a traceback."""
     try:
         yield
@@ -38,7 +38,7 @@ def user_errors(on_interrupt: str = "finished runs are kept; rerun the same comm
     except PosbenchError as e:
         _error(str(e))
     except KeyboardInterrupt:
-        err.print(f"interrupted: {on_interrupt}")
+        err.print(f"interrupted: {on_interrupt}", soft_wrap=True)
         raise typer.Exit(code=130)
     except OSError as e:  # a full disk, an unwritable out_dir, an unreadable file
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
@@ -159,16 +159,20 @@ def _comparison_table(table, title: str, caption: str, digits: int = 2) -> Table
 
 
 def _print_summary(exps, metric: str = "ppl", transpose: bool = False, out_dir: Optional[Path] = None) -> None:
-    from posbench.report import METRICS, backends_note, spread_note, summary_dir, write_summary
+    from posbench.report import METRICS, backends_note, diverged_note, spread_note, summary_dir, write_summary
 
     df, configs, tables = write_summary(exps, metric, transpose, out_dir)
-    train_len = int(df["train_len"].iloc[0])
     caption = (f"{spread_note(tables)}. — : the scheme cannot encode that length (beyond-max-len); "
                f"nan: the loss blew up; blank: not evaluated")  # fmt: skip
     for label, table in tables.items():
-        title = (f"{METRICS[metric][0]}, trained at {train_len} ({label}; "
+        title = (f"{METRICS[metric][0]}, trained at {table.attrs['train_len']} ({label}; "
                  f"attention: {backends_note(df, short=True)})")  # fmt: skip
         out.print(_comparison_table(table, title, caption, METRICS[metric][1]))
+    if df.attrs.get("diverged"):
+        out.print(f"diverged, so not in the table: {diverged_note(df)}", highlight=False)
+    if df.attrs.get("running"):
+        out.print(f"still running in another process, so not in the table: {', '.join(df.attrs['running'])}",
+                  highlight=False)  # fmt: skip
     folder = summary_dir(exps, out_dir)
     for name in ("summary.csv", "summary.md", "summary.tex", "summary.png", "positions.png", "training.png"):
         if (folder / name).exists():
@@ -232,6 +236,62 @@ def extrapolate(
         _kernel_notes(cfg)
         exp = run_experiment(cfg, BarReporter(err))
         _print_summary(exp)
+
+
+@app.command()
+def sweep(
+    config: Annotated[Path, typer.Argument(help="a YAML config with a sweep: block of lists")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid and what would be skipped")] = False,
+    set_: Sets = None,
+    executor: Annotated[str, typer.Option(help="local (this machine), or ray (a Ray cluster)")] = "local",
+    address: Annotated[Optional[str], typer.Option(help="the Ray cluster: auto, or ray://head:10001")] = None,
+    storage: Annotated[
+        Optional[str], typer.Option(help="where Ray tasks keep checkpoints (default: each node's cache)")
+    ] = None,
+):
+    """Train and compare every run of a config's sweep: grid, in one experiment folder.
+
+    The sweep: block maps config keys (schemes, seeds, model.train_len, any dotted key) to
+    lists of values; every combination is a run. A rerun skips finished runs and resumes
+    unfinished ones."""
+    from posbench.config import load_sweep
+    from posbench.runs import check_experiment, plan_sweep, run_sweep
+
+    with user_errors():
+        if executor not in ("local", "ray"):
+            raise PosbenchError(f"--executor {executor}: expected local or ray")
+        if executor == "local" and (address or storage):
+            raise PosbenchError("--address and --storage are for --executor ray")
+        grid = load_sweep(config, set_ or [], check=check_experiment)
+        if dry_run:
+            exp, plan = plan_sweep(grid)
+            out.print(_grid_table(exp, grid, plan))
+            return
+        _kernel_notes(grid[0][1])
+        if executor == "ray":
+            from posbench.cluster import run_sweep_on_ray
+
+            exp = run_sweep_on_ray(grid, config.read_text(), BarReporter(err), address, storage)
+        else:
+            exp = run_sweep(grid, config.read_text(), BarReporter(err))
+        _print_summary(exp)
+
+
+def _grid_table(exp: Path, grid, plan) -> Table:
+    from posbench.runs import plan_note
+
+    keys = list(grid[0][0])
+    t = Table(title=f"{exp}: {len(grid)} grid point(s), {len(plan)} run(s)")
+    t.add_column("run", overflow="fold")
+    for k in keys:
+        t.add_column(k)
+    t.add_column("would")
+    settings = {id(cfg): s for s, cfg in grid}
+    for cfg, rc, rdir, state in plan:
+        point = settings[id(cfg)]
+        values = [str(point[k]) for k in keys]
+        t.add_row(escape(rdir.name), *map(escape, values), escape(plan_note(rdir, state)))
+    return t
 
 
 def _kernel_notes(cfg) -> None:
@@ -326,6 +386,28 @@ def report(
     """Rebuild the summary tables (Markdown, CSV, LaTeX) and plots from run folders, without training."""
     with user_errors():
         _print_summary(experiment_dirs, metric, transpose, out_dir)
+
+
+STATE_STYLES = {"done": "green", "partial": "yellow", "running": "cyan", "failed": "bold red", "diverged": "red"}
+
+
+@app.command()
+def status(
+    experiment_dir: Annotated[Path, typer.Argument(help="an experiment folder, e.g. results/sweep-example")],
+):
+    """Each run of an experiment: done, partial (at which step), failed, diverged or running."""
+    from posbench.runs import run_status
+
+    with user_errors():
+        rows = run_status(experiment_dir)
+    t = Table(title=f"{experiment_dir}: {len(rows)} run(s)")
+    for c in ("run", "scheme", "seed", "train_len", "state", "detail"):
+        t.add_column(c, justify="right" if c in ("seed", "train_len") else "left", no_wrap=c == "run")
+    for r in rows:
+        state = f"[{STATE_STYLES.get(r['state'], '')}]{r['state']}[/]"
+        t.add_row(escape(r["run"]), escape(str(r["scheme"])), str(r["seed"]), str(r["train_len"]), state,
+                  escape(r["detail"]))  # fmt: skip
+    out.print(t)
 
 
 @app.command()

@@ -1,10 +1,11 @@
-"""Typed experiment configs: defaults, YAML loading, `--set` overrides and validation."""
+"""Typed experiment configs: defaults, YAML loading, `--set` overrides, validation and sweep grids."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
+import itertools
 import math
 import os
 import typing
@@ -76,10 +77,13 @@ class TrainConfig:
     workers: Optional[int] = None  # runs trained at once, one process each; None: one per core on a CPU
     compile: bool = False  # torch.compile the model for training; measured no gain on a 2-core CPU
     log_every: int = 10
+    # steps between mid-run checkpoints (the whole training state; a rerun resumes from the
+    # last one with the weights an unbroken run reaches); 0: none, a killed run starts over
+    checkpoint_every: int = 100
 
     def __post_init__(self):
         _positive(self, "train", ["steps", "batch_size", "lr", "log_every"])
-        for name in ("warmup_steps", "min_lr", "weight_decay", "grad_clip"):
+        for name in ("warmup_steps", "min_lr", "weight_decay", "grad_clip", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise PosbenchError(f"train.{name}={getattr(self, name)} must be >= 0")
         check_device(self.device, f"train.device={self.device!r}")
@@ -434,6 +438,8 @@ def load_config(
     """Defaults, then the YAML file (if any), then the command line's typed `values` (dotted key
     -> value), then each --set override, validated together (with `check`, if given)."""
     raw = read_yaml(path) if path else {}
+    if "sweep" in raw:
+        raise PosbenchError(f"{path}: holds a sweep: block; run its grid with posbench sweep {path}")
     file_alone = copy.deepcopy(raw)
     values = {k: v for k, v in (values or {}).items() if v is not None}
     new_schemes = "schemes" in values or any(o.startswith("schemes=") for o in overrides)
@@ -462,3 +468,58 @@ def load_config(
 
 def dump_yaml(cfg: ExperimentConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def load_sweep(
+    path: str | Path, overrides: list[str] = (), check: Optional[Check] = None
+) -> list[tuple[dict, ExperimentConfig]]:
+    """The grid of a config file's `sweep:` block: a (settings, validated config) pair per point,
+    the product of its lists, each value assigned to its dotted key over the rest of the file
+    and the --set overrides. The whole grid is checked before it is returned: each value on
+    its own first, so that a bad one is named with its key, then every combination."""
+    raw = read_yaml(path)
+    block = raw.pop("sweep", None)
+    if not isinstance(block, dict) or not block:
+        raise PosbenchError(f"{path}: needs a sweep: block of lists, e.g. sweep: {{model.train_len: [32, 64]}}")
+    for key, values in block.items():
+        if not isinstance(values, list) or not values:
+            raise PosbenchError(f"{path}: sweep.{key}: expected a non-empty list of values, got {values!r}")
+        twice = [v for i, v in enumerate(values) if v in values[:i]]
+        if twice:
+            raise PosbenchError(f"{path}: sweep.{key}: {twice[0]!r} listed more than once")
+
+    def point(settings: dict) -> ExperimentConfig:
+        one = copy.deepcopy(raw)
+        for key, value in settings.items():
+            assign(one, key, copy.deepcopy(value), f"sweep.{key}")
+        for o in overrides:
+            apply_override(one, o)
+        return config_from_dict(one, check=check)
+
+    def blame(settings: dict, e: PosbenchError, key: Optional[str] = None) -> PosbenchError:
+        named = [k for k in settings if k in str(e)]  # the key the message is about, if one is
+        key = key or (named[0] if len(named) == 1 else None)
+        where = f"sweep.{key}={settings[key]!r}" if key else "sweep point " + ", ".join(
+            f"{k}={v!r}" for k, v in settings.items()
+        )
+        return PosbenchError(f"{path}: {where}: {e}")
+
+    firsts = {key: values[0] for key, values in block.items()}
+    try:
+        point(firsts)
+    except PosbenchError as e:
+        raise blame(firsts, e) from None
+    for key, values in block.items():  # with the first point sound, a failure is this value's
+        for value in values[1:]:
+            try:
+                point({**firsts, key: value})
+            except PosbenchError as e:
+                raise blame({**firsts, key: value}, e, key) from None
+    grid = []
+    for combo in itertools.product(*block.values()):
+        settings = dict(zip(block, combo))
+        try:
+            grid.append((settings, point(settings)))
+        except PosbenchError as e:
+            raise blame(settings, e) from None
+    return grid

@@ -1,12 +1,14 @@
-"""Where posbench keeps its files, and how it writes them whole (no reader sees half a file)."""
+"""Where posbench keeps its files, how it writes them whole (no reader sees half a file), and run locks."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import math
 import os
 from pathlib import Path
+from typing import Optional
 
 TMP_PREFIX = "tmp-"  # atomic()'s temporary files; a killed writer can leave one behind
 
@@ -22,8 +24,9 @@ def cache_dir() -> Path:
 @contextlib.contextmanager
 def atomic(path: Path):
     """A temporary path beside `path` that replaces it only once the block has finished, so no
-    reader ever sees a half-written file. The name keeps its suffix (savefig reads it)."""
-    tmp = path.with_name(TMP_PREFIX + path.name)
+    reader ever sees a half-written file. The name keeps its suffix (savefig reads it) and
+    names this process, so two processes writing one file never share a temporary one."""
+    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
     try:
         yield tmp
         tmp.replace(path)
@@ -47,3 +50,39 @@ def write_rows(path: Path, rows: list[dict], columns: list[str]) -> None:
 
 def _missing(x) -> bool:
     return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+@contextlib.contextmanager
+def exclusive(path: Path):
+    """Hold the lock file `path` for the block: yields True if this process has it, False if
+    another holds it. It is an flock, so the kernel releases it when its holder dies, kill -9
+    included; the file itself stays, holding the last holder's pid."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield True
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def lock_holder(path: Path) -> Optional[int]:
+    """The pid holding the lock file `path` (0 if it cannot be read), or None if no one does."""
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else 0
+        return None
+    finally:
+        os.close(fd)

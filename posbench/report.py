@@ -13,20 +13,33 @@ from posbench.errors import PosbenchError
 from posbench.evaluate import PROTOCOL_NAMES, protocol_label
 from posbench.files import atomic, write_atomic
 from posbench.stats import mean_ci, tied_for_best
-from posbench.runs import (EVAL_COLUMNS, POSITION_COLUMNS, UNRECORDED, differences, experiment_part, read_eval,
-                           read_positions, read_train_log, trained_with)
+from posbench.files import lock_holder
+from posbench.runs import (DIVERGED, EVAL_COLUMNS, POSITION_COLUMNS, SWEEP_RECORD, UNRECORDED, differences,
+                           diverged_step, experiment_part, flat, lock_file, read_eval, read_positions, read_train_log,
+                           trained_with)
 
 
 def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
-    """Every run's evaluation rows (long format) and every run's resolved config."""
+    """Every run's evaluation rows (long format) and every run's resolved config. A sweep's
+    folder (it holds sweep.yaml) may hold runs trained under other settings: each row names
+    its grid point in a `point` column, e.g. 'model.train_len=64'; elsewhere they are refused."""
     exp_dir = Path(exp_dir)
     if not exp_dir.is_dir():
         raise PosbenchError(f"{exp_dir}: no such experiment directory")
-    rows, configs, trained, runs, schemes, first = [], [], {}, {}, {}, None
+    sweep = (exp_dir / SWEEP_RECORD).is_file()
+    rows, configs, trained, runs, schemes, first, parts = [], [], {}, {}, {}, None, {}
+    diverged, running = {}, []  # run folder name -> 'alibi seed 1 at step 12'; folders in progress
     for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         has = {f: (rdir / f).is_file() for f in ("config.yaml", "eval.csv", "model.pt")}
+        if (rdir / DIVERGED).is_file() and not has["model.pt"]:  # no weights, no rows: named, not scored
+            c = config_from_dict(read_yaml(rdir / "config.yaml"), source=str(rdir / "config.yaml"))
+            diverged[rdir.name] = f"{c.schemes[0]} seed {c.seeds[0]} {diverged_step(rdir)}"
+            continue
         if not any(has.values()):
             continue  # not a run folder
+        if not (has["config.yaml"] and has["eval.csv"]) and lock_holder(lock_file(rdir)) is not None:
+            running.append(rdir.name)  # another process is evaluating it
+            continue
         if not (has["config.yaml"] and has["eval.csv"]):  # a run is never left out in silence
             lacks = " and ".join(f for f in ("config.yaml", "eval.csv") if not has[f])
             raise PosbenchError(
@@ -36,35 +49,60 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
         raw = read_yaml(rdir / "config.yaml")  # malformed or not text: one line naming it
         configs.append(config_from_dict(raw, source=str(rdir / "config.yaml")))
         part = experiment_part(configs[-1].to_dict())
+        parts[rdir] = part
         if first is None:
             first = (rdir, part)
-        elif part != first[1]:
+        elif part != first[1] and not sweep:
             diff = differences(first[1], part, (first[0].name, f"in {rdir.name}"))
             raise PosbenchError(
                 f"{exp_dir}: runs trained under different settings ({', '.join(diff)}); "
                 f"a table compares runs that differ only in scheme and seed"
             )
-        rows += read_eval(rdir)
+        rows += [{**r, "point": rdir} for r in read_eval(rdir)]
         trained[rdir.name] = trained_with(rdir)
         runs[rdir] = configs[-1].seeds[0]
         schemes[rdir] = configs[-1].schemes
+    if not rows and diverged:
+        raise PosbenchError(f"{exp_dir}: every run diverged ({', '.join(diverged.values())}); lower train.lr")
     if not rows:
         raise PosbenchError(
             f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)"
         )
-    df = pd.DataFrame(rows, columns=EVAL_COLUMNS)
+    points = point_labels(parts)
+    columns = EVAL_COLUMNS + (["point"] if len(set(points.values())) > 1 else [])
+    df = pd.DataFrame([{**r, "point": points[r["point"]]} for r in rows], columns=columns)
     for c in ("seed", "train_len", "length", "tokens"):
         df[c] = df[c].astype(int)
     for c in ("loss", "ppl"):
         df[c] = pd.to_numeric(df[c], errors="coerce")
     order = scheme_order(set(df["scheme"]))
     df["scheme"] = pd.Categorical(df["scheme"], categories=order, ordered=True)
-    df = df.sort_values(["scheme", "seed", "length"]).reset_index(drop=True)
+    df = df.sort_values([c for c in ("point", "scheme", "seed", "length") if c in df]).reset_index(drop=True)
     df["scheme"] = df["scheme"].astype(str)
     df.attrs["trained_with"] = trained  # run folder -> the backend it trained with (None: unrecorded)
     df.attrs["runs"] = runs  # run folder -> its seed
     df.attrs["schemes"] = schemes  # run folder -> its scheme, as a list
+    df.attrs["diverged"] = diverged
+    df.attrs["running"] = running
+    df.attrs["points"] = points if "point" in df else {}  # run folder -> its grid point
     return df, configs
+
+
+def point_labels(parts: dict) -> dict:
+    """Run folder -> 'model.train_len=64, train.lr=0.001': the settings in which its training
+    differs from other runs' (all '' when they share them all)."""
+    flats = {rdir: flat(part) for rdir, part in parts.items()}
+    keys = sorted({k for f in flats.values() for k in f})
+    varying = [k for k in keys if len({repr(f.get(k)) for f in flats.values()}) > 1]
+    return {rdir: ", ".join(f"{k}={f.get(k)}" for k in varying) for rdir, f in flats.items()}
+
+
+def point_order(df: pd.DataFrame) -> list:
+    """The grid points in order of their settings (numbers as numbers), or [None] for none."""
+    if "point" not in df:
+        return [None]
+    first = df.groupby("point")["train_len"].first()
+    return sorted(first.index, key=lambda p: (first[p], p))
 
 
 def scheme_order(names: set) -> list[str]:
@@ -95,7 +133,7 @@ def with_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
     if metric != "ratio":
         df["value"] = df[metric]
         return df
-    keys = ["scheme", "seed", "protocol", "stride"]
+    keys = ["scheme", "seed", "protocol", "stride"] + (["point"] if "point" in df else [])
     base = df[df["length"] == df["train_len"]].set_index(keys)["ppl"]
     df["value"] = df["ppl"].values / base.reindex(pd.MultiIndex.from_frame(df[keys])).values
     return df
@@ -143,6 +181,7 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     ]
     out["seeds"] = seeds
     out.attrs["tests"] = tests - {"none"}
+    out.attrs["train_len"] = int(df["train_len"].iloc[0])  # one per table: a grid point's
     return out
 
 
@@ -195,6 +234,11 @@ def lengths_of(table: pd.DataFrame) -> list[int]:
     return [c for c in table.columns if isinstance(c, int) or str(c).isdigit()]
 
 
+def trained_at(df: pd.DataFrame) -> str:
+    """'32', or '32, 64' for a grid over training lengths."""
+    return ", ".join(str(L) for L in sorted(set(df["train_len"])))
+
+
 def describe(configs: list, df: pd.DataFrame) -> list[str]:
     """Corpus, model size, training budget and evaluation protocol, from the run configs."""
     from posbench.data import SHAKESPEARE_NAME
@@ -215,6 +259,11 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
         f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}",
     ]
     lines.append(f"- attention: {backends_note(df)}")
+    if "point" in df:
+        points = "; ".join(point_order(df))
+        lines.append(f"- grid points (a table each; the lines above describe the first run): {points}")
+    if df.attrs.get("diverged"):
+        lines.append(f"- diverged, so not in the tables: {diverged_note(df)}")
     variants = sorted({s for s in df["scheme"] if "+" in s})
     if variants:
         lines.append(
@@ -223,6 +272,11 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
             f"length, or the s after @"
         )
     return lines
+
+
+def diverged_note(df: pd.DataFrame) -> str:
+    """'alibi seed 1 at step 12, ...': the runs whose loss blew up in training."""
+    return ", ".join(df.attrs.get("diverged", {}).values())
 
 
 def protocols(df: pd.DataFrame) -> list[tuple[str, str]]:
@@ -298,13 +352,12 @@ def grid(table: pd.DataFrame, train_len: int, metric: str, transpose: bool = Fal
 def markdown(tables: dict[str, pd.DataFrame], configs: list, df: pd.DataFrame, metric: str = "ppl",
              transpose: bool = False) -> str:  # fmt: skip
     """summary.md: what was run, then one table per protocol."""
-    train_len = int(df["train_len"].iloc[0])
     longest = max(int(L) for L in df["length"])
-    out = [f"# Length extrapolation: trained at {train_len}, evaluated up to {longest}", ""]
+    out = [f"# Length extrapolation: trained at {trained_at(df)}, evaluated up to {longest}", ""]
     out += describe(configs, df)
     out.append(f"- cells: {METRICS[metric][0]}, {spread_note(tables)}")
     for label, table in tables.items():
-        rows = grid(table, train_len, metric, transpose)
+        rows = grid(table, table.attrs["train_len"], metric, transpose)
         out += ["", f"## {label}", ""]
         out.append("| " + " | ".join(rows[0]) + " |")
         out.append("|" + "---|" * len(rows[0]))
@@ -313,8 +366,7 @@ def markdown(tables: dict[str, pd.DataFrame], configs: list, df: pd.DataFrame, m
 
 
 def latex(tables: dict[str, pd.DataFrame], df: pd.DataFrame, metric: str = "ppl", transpose: bool = False) -> str:
-    """summary.tex: one booktabs table per protocol, ready to \\input."""
-    train_len = int(df["train_len"].iloc[0])
+    """summary.tex: one booktabs table per protocol (and grid point), ready to \\input."""
 
     def tex(text: str) -> str:
         for a, b in (("\\", "\\textbackslash{}"), ("_", "\\_"), ("%", "\\%"), ("&", "\\&"), ("#", "\\#"),
@@ -324,6 +376,7 @@ def latex(tables: dict[str, pd.DataFrame], df: pd.DataFrame, metric: str = "ppl"
 
     out = []
     for label, table in tables.items():
+        train_len = table.attrs["train_len"]
         marked = grid(table, train_len, metric, transpose, bold=lambda t: "\0" + t)
         rows = [[f"\\textbf{{{tex(c[1:])}}}" if c.startswith("\0") else tex(c) for c in r] for r in marked]
         cols = "l" + "r" * (len(rows[0]) - 1)
@@ -366,9 +419,9 @@ def _plain_log_axis(ax) -> None:
     ax.yaxis.set_minor_formatter(plain)
 
 
-def plot(tables: dict[str, pd.DataFrame], path: Path, train_len: int, metric: str = "ppl") -> bool:
+def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl") -> bool:
     """The metric against length, one line per scheme with its 95% band over seeds, a dashed
-    line at the training length, a panel per protocol."""
+    line at the training length, a panel per table (protocol, and grid point)."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -380,7 +433,7 @@ def plot(tables: dict[str, pd.DataFrame], path: Path, train_len: int, metric: st
             ci = table.loc[s, [f"ci {L}" for L in lengths]].astype(float).fillna(0).values
             (line,) = ax.plot(lengths, mean, marker="o", markersize=3, label=s)
             ax.fill_between(lengths, mean - ci, mean + ci, color=line.get_color(), alpha=0.15, linewidth=0)
-        ax.axvline(train_len, color="black", linestyle="--", linewidth=1)
+        ax.axvline(table.attrs["train_len"], color="black", linestyle="--", linewidth=1)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("evaluation length (bytes); dashed: the training length")
         values = table[lengths].astype(float).values
@@ -418,14 +471,16 @@ def plot_training(df: pd.DataFrame, path: Path) -> bool:
 
 
 def position_losses(df: pd.DataFrame) -> pd.DataFrame:
-    """Every run's loss per window position (its positions.csv), with its seed, in long format."""
+    """Every run's loss per window position (its positions.csv), with its seed and grid point,
+    in long format."""
     frames = []
+    points = df.attrs.get("points", {})
     for rdir, seed in df.attrs.get("runs", {}).items():
         rows = read_positions(rdir)
         if rows:
-            frames.append(pd.DataFrame(rows, columns=POSITION_COLUMNS).assign(seed=seed))
+            frames.append(pd.DataFrame(rows, columns=POSITION_COLUMNS).assign(seed=seed, point=points.get(rdir, "")))
     if not frames:
-        return pd.DataFrame(columns=[*POSITION_COLUMNS, "seed"])
+        return pd.DataFrame(columns=[*POSITION_COLUMNS, "seed", "point"])
     out = pd.concat(frames, ignore_index=True)
     out["stride"] = out["stride"].fillna("").astype(str)
     for c in ("length", "position", "tokens"):
@@ -434,18 +489,21 @@ def position_losses(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def plot_positions(pos: pd.DataFrame, train_len: int, path: Path) -> bool:
+def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path) -> bool:
     """Mean loss at each position of the longest windows, one line per scheme (mean over seeds),
-    a panel per protocol, a dashed line at the training length: where a scheme breaks."""
+    a panel per protocol (and grid point), a dashed line at the training length (`train_lens`:
+    grid point -> its length): where a scheme breaks."""
     plt = _pyplot()
     if plt is None or pos.empty:
         return False
     longest = pos["length"].max()
     pos = pos[pos["length"] == longest]
-    groups = sorted(pos.groupby(["protocol", "stride"]).groups, key=lambda ps: (ps[0] != "nonoverlapping", ps))
+    groups = sorted(pos.groupby(["point", "protocol", "stride"]).groups,
+                    key=lambda ps: (train_lens[ps[0]], ps[0], ps[1] != "nonoverlapping", ps[1:]))  # fmt: skip
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), sharey=True, squeeze=False)
-    for ax, (protocol, stride) in zip(axes[0], groups):
-        part = pos[(pos["protocol"] == protocol) & (pos["stride"] == stride)]
+    for ax, (point, protocol, stride) in zip(axes[0], groups):
+        part = pos[(pos["point"] == point) & (pos["protocol"] == protocol) & (pos["stride"] == stride)]
+        train_len = train_lens[point]
         # the positions every window scores: all of them in chunks, a sliding window's last
         # `stride` (its first window alone scores the rest, too few tokens to draw)
         part = part[part["tokens"] >= part["tokens"].max() / 2]
@@ -453,7 +511,8 @@ def plot_positions(pos: pd.DataFrame, train_len: int, path: Path) -> bool:
             line = part[part["scheme"] == s].groupby("position")["loss"].mean()
             ax.plot(line.index, line.values, label=s, linewidth=1)
         ax.axvline(train_len, color="black", linestyle="--", linewidth=1, label=f"training length {train_len}")
-        ax.set_title(f"{protocol_label(protocol, stride)}: windows of {longest}", fontsize=10)
+        where = f"{point}; " if point else ""
+        ax.set_title(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", fontsize=10)
         ax.set_xlabel("position in the window")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("mean loss (nats per byte)")
@@ -472,16 +531,22 @@ def write_summary(exp_dirs, metric: str = "ppl", transpose: bool = False, out: O
     out.mkdir(parents=True, exist_ok=True)
     df = with_metric(df, metric)
     tables = {}
-    for protocol, stride in protocols(df):
-        part = df[(df["protocol"] == protocol) & (df["stride"].fillna("").astype(str) == stride)]
-        tables[protocol_label(protocol, stride)] = comparison(part)
-    train_len = int(df["train_len"].iloc[0])
+    for point in point_order(df):
+        rows = df if point is None else df[df["point"] == point]
+        for protocol, stride in protocols(rows):
+            part = rows[(rows["protocol"] == protocol) & (rows["stride"].fillna("").astype(str) == stride)]
+            label = protocol_label(protocol, stride)
+            tables[label if point is None else f"{point}; {label}"] = comparison(part)
     with atomic(out / "summary.csv") as tmp:
-        df.to_csv(tmp, index=False, columns=EVAL_COLUMNS)
+        df.to_csv(tmp, index=False, columns=EVAL_COLUMNS + (["point"] if "point" in df else []))
     write_atomic(out / "summary.md", markdown(tables, configs, df, metric, transpose))
     write_atomic(out / "summary.tex", latex(tables, df, metric, transpose))
-    plot(tables, out / "summary.png", train_len, metric)
-    plot_positions(position_losses(df), train_len, out / "positions.png")
+    plot(tables, out / "summary.png", metric)
+    if "point" in df:
+        train_lens = df.groupby("point")["train_len"].first().to_dict()
+    else:
+        train_lens = {"": int(df["train_len"].iloc[0])}
+    plot_positions(position_losses(df), train_lens, out / "positions.png")
     plot_training(df, out / "training.png")
     return df, configs, tables
 
@@ -518,7 +583,7 @@ def join(collected: list[tuple[pd.DataFrame, list]], dirs: list[Path]) -> tuple[
         configs = configs + cfgs
     df = pd.concat([c[0] for c in collected], ignore_index=True)
     df.attrs = {k: {key: v for c in collected for key, v in c[0].attrs.get(k, {}).items()}
-                for k in ("trained_with", "runs", "schemes")}  # fmt: skip
+                for k in ("trained_with", "runs", "schemes", "diverged")}  # fmt: skip
     return df, configs
 
 

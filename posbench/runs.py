@@ -2,8 +2,10 @@
 
 A run folder holds config.yaml (fully resolved), model.pt (weights plus that same config),
 train_log.jsonl (step, loss, lr, seconds, attention backend) and eval.csv (its evaluation rows,
-each naming the backend that scored it). Folders are built under a temporary name and renamed
-when whole, so an interrupted run leaves nothing that could pass for a finished one.
+each naming the backend that scored it); a run whose loss blew up holds diverged.json instead of
+model.pt. Folders are built under a hidden name, beside their mid-run checkpoints, and renamed
+when whole, so an interrupted run leaves nothing that could pass for a finished one and a rerun
+resumes it. A lock file per run (.<run>.lock) keeps two processes from training one run.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import difflib
+import hashlib
 import json
 import math
 import shutil
@@ -25,10 +28,10 @@ from posbench.config import (ExperimentConfig, check_device, check_trainable, co
 from posbench.data import Corpus, load_corpus
 from posbench.errors import PosbenchError
 from posbench.evaluate import eval_tokens, evaluate_model, windows
-from posbench.files import TMP_PREFIX, atomic, write_atomic, write_rows
+from posbench.files import TMP_PREFIX, atomic, exclusive, lock_holder, write_atomic, write_rows
 from posbench.model import TransformerLM
 from posbench.schemes import SCHEMES, build_scheme, resolve_scheme, variant_label
-from posbench.train import Reporter, pick_device, train_model
+from posbench.train import CHECKPOINT, PREVIOUS, Diverged, Reporter, load_progress, pick_device, train_model
 from posbench.workers import run_in_workers, worker_plan
 
 EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "protocol", "stride", "loss", "ppl", "tokens", "status",
@@ -72,6 +75,15 @@ def run_name(scheme: str, seed: int) -> str:
 def partial_dir(rdir: Path) -> Path:
     """The hidden folder a run is built in before it is renamed to `rdir`."""
     return rdir.with_name("." + rdir.name + ".partial")
+
+
+def lock_file(rdir: Path) -> Path:
+    """The run's lock: whoever holds it alone may write `rdir` and its partial folder."""
+    return rdir.with_name("." + rdir.name + ".lock")
+
+
+DIVERGED, FAILED = "diverged.json", "failed.txt"  # a diverged run's record; a failed partial's error
+SWEEP_RECORD = "sweep.yaml"  # the grid a sweep's experiment folder was made by; its runs may differ
 
 
 def save_checkpoint(path: Path, model: TransformerLM, cfg: ExperimentConfig) -> None:
@@ -165,36 +177,37 @@ def read_eval(run_dir: Path) -> list[dict]:
     return rows
 
 
-def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, bool]]:
-    """(resolved config, run folder, already trained?) for every (scheme, seed), checked before
-    anything is written: a folder trained under another config is an error, not overwritten."""
+def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, str]]:
+    """(resolved config, run folder, state) for every (scheme, seed), checked before anything is
+    written: a folder trained under another config is an error, not overwritten. The state is
+    "todo", "done" (trained) or "diverged" (its loss blew up in an earlier attempt)."""
     check_experiment(cfg)
     exp = Path(cfg.out_dir) / cfg.name
     _check_same_experiment(cfg, exp)
-    plan = []
-    for scheme in cfg.schemes:
-        for seed in cfg.seeds:
-            rc = cfg.for_run(scheme, seed)
-            rdir = exp / run_name(scheme, seed)
-            done = False
-            if (rdir / "model.pt").is_file():
-                try:  # the record, or the checkpoint's own copy when config.yaml was lost
-                    old = (read_yaml(rdir / "config.yaml") if (rdir / "config.yaml").is_file()
-                           else load_run(rdir)[0].to_dict())  # fmt: skip
-                except PosbenchError as e:
-                    raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
-                new = rc.to_dict()
-                if _training_part(old) != _training_part(new):
-                    diff = differences(_training_part(old), _training_part(new), (rdir.name, "here"))
-                    raise PosbenchError(
-                        f"{rdir} was trained under a different config ({', '.join(diff)}); "
-                        f"choose another experiment name with --set name=NEW, or delete that folder"
-                    )
-                done = True
-            elif rdir.exists() and any(rdir.iterdir()):
-                raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
-            plan.append((rc, rdir, done))
-    return plan
+    runs = [(cfg.for_run(s, n), exp / run_name(s, n)) for s in cfg.schemes for n in cfg.seeds]
+    return [(rc, rdir, plan_state(rc, rdir)) for rc, rdir in runs]
+
+
+def plan_state(rc: ExperimentConfig, rdir: Path) -> str:
+    """"todo", "done" or "diverged" for the run `rc` in `rdir`; an error if the folder holds
+    another config's run or something that is not a run."""
+    if not ((rdir / "model.pt").is_file() or (rdir / DIVERGED).is_file()):
+        if rdir.exists() and any(rdir.iterdir()):
+            raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
+        return "todo"
+    try:  # the record, or the checkpoint's own copy when config.yaml was lost
+        old = (read_yaml(rdir / "config.yaml") if (rdir / "config.yaml").is_file()
+               else load_run(rdir)[0].to_dict())  # fmt: skip
+    except PosbenchError as e:
+        raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
+    new = rc.to_dict()
+    if _training_part(old) != _training_part(new):
+        diff = differences(_training_part(old), _training_part(new), (rdir.name, "here"))
+        raise PosbenchError(
+            f"{rdir} was trained under a different config ({', '.join(diff)}); "
+            f"choose another experiment name with --set name=NEW, or delete that folder"
+        )
+    return "done" if (rdir / "model.pt").is_file() else "diverged"
 
 
 def _check_same_experiment(cfg: ExperimentConfig, exp: Path) -> None:
@@ -226,6 +239,14 @@ def experiment_part(d: dict) -> dict:
     return part
 
 
+def flat(d: dict, where: str = "") -> dict:
+    """A nested config as dotted keys: {'model.train_len': 32, ...}."""
+    out = {}
+    for k, v in d.items():
+        out.update(flat(v, f"{where}{k}.") if isinstance(v, dict) and v else {f"{where}{k}": v})
+    return out
+
+
 def differences(a: dict, b: dict, names=("old", "new"), where: str = "") -> list[str]:
     """Dotted keys whose values differ, e.g. ['model.train_len: 32 in alibi-seed0, 64 here']."""
     out = []
@@ -247,26 +268,58 @@ def _training_part(d: dict) -> dict:
         part["model"] = {k: v for k, v in part["model"].items() if k != "attention"}
     if isinstance(part.get("train"), dict):
         part["train"] = {k: v for k, v in part["train"].items()
-                         if k not in ("threads", "workers", "device", "compile", "log_every")}  # fmt: skip
+                         if k not in ("threads", "workers", "device", "compile", "log_every",
+                                      "checkpoint_every")}  # fmt: skip
     return part
 
 
-def train_run(rc: ExperimentConfig, rdir: Path, corpus: Corpus, reporter: Reporter) -> TransformerLM:
-    """Train into a hidden folder and rename it into place once config, log and weights exist."""
+def train_run(rc: ExperimentConfig, rdir: Path, corpus: Corpus, reporter: Reporter) -> Optional[TransformerLM]:
+    """Train in the hidden partial folder, resuming from its checkpoint if it holds one, and
+    rename it into place once config, log and weights exist. A run whose loss blew up is
+    renamed into place too, with diverged.json for weights, and None is returned. An error
+    keeps the partial folder, with the error in failed.txt, only if it has a checkpoint."""
     partial = partial_dir(rdir)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    record = partial / "config.yaml"
+    if record.is_file() and _training_part(_read_or_empty(record)) != _training_part(rc.to_dict()):
+        reporter.note(f"{rdir.name}: its unfinished training was under other settings; starting it anew")
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True, exist_ok=True)
+    (partial / FAILED).unlink(missing_ok=True)
+    write_atomic(record, dump_yaml(rc))
     try:
-        write_atomic(partial / "config.yaml", dump_yaml(rc))
-        model = train_model(rc, corpus, reporter, partial / "train_log.jsonl")
-        save_checkpoint(partial / "model.pt", model, rc)
-        if rdir.exists():
-            shutil.rmtree(rdir)
-        partial.rename(rdir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        model = train_model(rc, corpus, reporter, partial)
+    except Diverged as e:
+        write_atomic(partial / DIVERGED, json.dumps({"status": "diverged", "step": e.step, "loss": str(e.loss)}) + "\n")
+        reporter.note(f"{rdir.name}: {e}; recorded in {rdir / DIVERGED}, the other runs go on")
+        _finish(partial, rdir)
+        return None
+    except KeyboardInterrupt:
+        raise  # its checkpoint is kept: the rerun resumes it
+    except BaseException as e:
+        if (partial / CHECKPOINT).is_file() or (partial / PREVIOUS).is_file():
+            write_atomic(partial / FAILED, (str(e).strip().splitlines() or [type(e).__name__])[0] + "\n")
+        else:  # nothing worth resuming
+            shutil.rmtree(partial, ignore_errors=True)
         raise
+    save_checkpoint(partial / "model.pt", model, rc)
+    _finish(partial, rdir)
     return model
+
+
+def _finish(partial: Path, rdir: Path) -> None:
+    """The mid-run checkpoints go, then the whole folder takes its final name."""
+    for name in (CHECKPOINT, PREVIOUS):
+        (partial / name).unlink(missing_ok=True)
+    if rdir.exists():
+        shutil.rmtree(rdir)
+    partial.rename(rdir)
+
+
+def _read_or_empty(path: Path) -> dict:
+    try:
+        return read_yaml(path)
+    except PosbenchError:
+        return {}
 
 
 def evaluate_into(
@@ -398,9 +451,81 @@ def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tup
     return missing
 
 
+def sweep_run_name(rc: ExperimentConfig, settings: dict) -> str:
+    """'alibi-seed0-train_len64-3f9c2a1e': readable, then a hash of everything that decides
+    the weights, so a folder is one config and a changed setting is a new folder."""
+    readable = [f"{safe_name(k.split('.')[-1])}{safe_name(str(v))}" for k, v in settings.items()
+                if k not in ("schemes", "seeds", "model.scheme")]  # fmt: skip
+    digest = hashlib.sha256(json.dumps(_training_part(rc.to_dict()), sort_keys=True).encode()).hexdigest()[:8]
+    return "-".join([run_name(rc.schemes[0], rc.seeds[0]), *readable, digest])
+
+
+def plan_sweep(grid: list[tuple[dict, ExperimentConfig]]) -> tuple[Path, list[tuple]]:
+    """The experiment folder of a sweep's grid (from load_sweep) and its runs, as plan_runs
+    gives them, each with its grid point's config: (point config, run config, folder, state).
+    Nothing is written; two points that would train one run are an error."""
+    first = grid[0][1]
+    exp = Path(first.out_dir) / first.name
+    plan, seen = [], {}
+    for settings, cfg in grid:
+        if (cfg.out_dir, cfg.name) != (first.out_dir, first.name):
+            raise PosbenchError("sweep: name and out_dir make the one experiment folder; they cannot be swept")
+        for s in cfg.schemes:
+            for n in cfg.seeds:
+                rc = cfg.for_run(s, n)
+                rdir = exp / sweep_run_name(rc, settings)
+                where = ", ".join(f"{k}={v}" for k, v in settings.items())
+                if rdir in seen and seen[rdir] != where:
+                    raise PosbenchError(
+                        f"sweep points {seen[rdir]} and {where} train the same run {rdir.name}: they differ "
+                        f"only in how runs are scored or run, which a sweep does not vary"
+                    )
+                if rdir not in seen:
+                    seen[rdir] = where
+                    plan.append((cfg, rc, rdir, plan_state(rc, rdir)))
+    return exp, plan
+
+
+def plan_note(rdir: Path, state: str) -> str:
+    """What a run would do now: train, resume at step N, or be skipped, and why."""
+    holder = lock_holder(lock_file(rdir))
+    if holder is not None:
+        return f"skip: another process (pid {holder or '?'}) holds it"
+    if state == "done":
+        return "skip: trained (score what it lacks)"
+    if state == "diverged":
+        return f"skip: diverged {diverged_step(rdir)}"
+    step = _checkpoint_step(partial_dir(rdir))
+    return "train" if step is None else f"resume at step {step}"
+
+
+def run_sweep(grid: list[tuple[dict, ExperimentConfig]], source: str, reporter: Reporter) -> Path:
+    """Train and evaluate what a sweep's grid still lacks, in one experiment folder; `source`
+    (the config file's text) is kept there as sweep.yaml. Returns the folder."""
+    exp, plan = plan_sweep(grid)
+    jobs = []
+    for settings, cfg in grid:
+        mine = [(rc, rdir, state) for c, rc, rdir, state in plan if c is cfg]
+        if mine:
+            jobs += [(rc, rdir, state, n) for (rc, rdir, state), n in zip(mine, prepare(cfg, mine, reporter))]
+    exp.mkdir(parents=True, exist_ok=True)
+    write_atomic(exp / SWEEP_RECORD, source)
+    run_jobs(grid[0][1], jobs, exp, reporter)
+    return exp
+
+
 def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
     """Train what is missing, evaluate everything at cfg.eval.lengths; returns the folder."""
     plan = plan_runs(cfg)
+    exp = Path(cfg.out_dir) / cfg.name
+    jobs = [(rc, rdir, state, n_tokens) for (rc, rdir, state), n_tokens in zip(plan, prepare(cfg, plan, reporter))]
+    run_jobs(cfg, jobs, exp, reporter)
+    return exp
+
+
+def prepare(cfg: ExperimentConfig, plan, reporter: Reporter) -> list[int]:
+    """Refuse before anything trains what cannot run here, say what will be slow, and return
+    the number of evaluation tokens of each planned run (the same for every run of `cfg`)."""
     kinds = set(cfg.eval.rope_scaling)
     if kinds and not any(kinds & set(resolve_scheme(s).eval_variants) for s in cfg.schemes):
         owners = [name for name, cls in SCHEMES.items() if kinds & set(cls.eval_variants)]
@@ -410,12 +535,12 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
         )
     device = pick_device(cfg.train.device)
     gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    for rc, _, done in plan:
-        if not done:
+    for rc, _, state in plan:
+        if state == "todo":
             check_trainable(rc.model, gpu)  # a model too big is refused, not allocated
     # a backend that cannot run here is refused before anything trains
     backend = backend_for(cfg.model.attention, device, cfg.model.head_dim, cfg.train.compile)
-    if backend == "flex" and device.type == "cpu" and not all(done for _, _, done in plan):
+    if backend == "flex" and device.type == "cpu" and any(state == "todo" for _, _, state in plan):
         raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)
     corpus = load_corpus(cfg.data)  # fails before any folder is made
     n_tokens = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1  # the same for every run
@@ -424,51 +549,140 @@ def run_experiment(cfg: ExperimentConfig, reporter: Reporter) -> Path:
         chunks = sum(len(windows(n_tokens, L, "nonoverlapping", None)) for L in cfg.eval.lengths)
         reporter.note(f"sliding evaluation, stride {cfg.eval.stride}: {count:,} windows per run over all lengths, "
                       f"about {count / chunks:.0f}x the forward passes of non-overlapping evaluation")  # fmt: skip
-    workers, threads = worker_plan(cfg, sum(not done for _, _, done in plan))
-    exp = Path(cfg.out_dir) / cfg.name
+    return [n_tokens] * len(plan)
+
+
+def run_jobs(cfg: ExperimentConfig, jobs: list[tuple], exp: Path, reporter: Reporter) -> None:
+    """Run (config, folder, state, evaluation tokens) jobs into `exp`, in this process or in
+    cfg.train.workers processes. An experiment folder made here and left with nothing in it
+    but lock files is removed on failure."""
+    workers, threads = worker_plan(cfg, sum(state == "todo" for _, _, state, _ in jobs))
     created = not exp.exists()
     exp.mkdir(parents=True, exist_ok=True)
     try:
         if workers > 1:
-            jobs = [(rdir.name, (rc, rdir, done, n_tokens)) for rc, rdir, done in plan]
-            run_in_workers(run_job, jobs, lambda: _remove_partials(plan), reporter, workers, threads)
+            labelled = [(rdir.name, (rc, rdir, state, n)) for rc, rdir, state, n in jobs]
+            run_in_workers(run_job, labelled, lambda: _remove_temporaries(jobs), reporter, workers, threads)
         else:
             if threads:
                 torch.set_num_threads(threads)
-            for rc, rdir, done in plan:
-                run_one(rc, rdir, done, corpus, n_tokens, reporter)
+            corpora = {}
+            for rc, rdir, state, n_tokens in jobs:
+                key = json.dumps(dataclasses.asdict(rc.data), sort_keys=True)
+                corpus = corpora.get(key) or corpora.setdefault(key, load_corpus(rc.data))
+                run_one(rc, rdir, state, corpus, n_tokens, reporter)
     except BaseException:
-        if created and not any(p for p in exp.iterdir() if not p.name.startswith(".")):
+        if created and not any(p for p in exp.iterdir() if not p.name.endswith(".lock")):
             shutil.rmtree(exp, ignore_errors=True)
         raise
-    return exp
 
 
-def run_one(rc, rdir: Path, done: bool, corpus: Corpus, n_tokens: int, reporter: Reporter) -> None:
-    """Train one run if it is not trained yet, then score whatever it still lacks."""
-    if done:
-        _, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
-        model.cfg = dataclasses.replace(model.cfg, attention=rc.model.attention)  # scored as asked now
-        reporter.note(f"{rdir.name}: already trained, reusing its checkpoint")
-    else:
-        model = train_run(rc, rdir, corpus, reporter)
-    backend = model.backend(pick_device(rc.train.device))
-    for (variant, protocol), lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():  # only what is missing
-        evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
-    write_atomic(rdir / "config.yaml", dump_yaml(rc))  # eval settings may have changed
+def run_one(rc, rdir: Path, state: str, corpus: Corpus, n_tokens: int, reporter: Reporter) -> str:
+    """Train one run if it is not trained yet, then score whatever it still lacks, holding its
+    lock throughout. Returns what happened: trained, reused, diverged, or held (another
+    process holds the run, so it is left to that process)."""
+    with exclusive(lock_file(rdir)) as held:
+        if not held:
+            pid = lock_holder(lock_file(rdir))
+            reporter.note(f"{rdir.name}: another posbench process{f' (pid {pid})' if pid else ''} is running it; "
+                          f"skipped here, rerun once that process is done")  # fmt: skip
+            return "held"
+        if state != "done" and (rdir / "model.pt").is_file():
+            state = "done"  # another process finished it since it was planned
+        if state == "diverged" or (rdir / DIVERGED).is_file():
+            reporter.note(f"{rdir.name}: diverged in an earlier attempt ({diverged_step(rdir)}); "
+                          f"delete {rdir} to train it again")  # fmt: skip
+            return "diverged"
+        if state == "done":
+            _, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
+            model.cfg = dataclasses.replace(model.cfg, attention=rc.model.attention)  # scored as asked now
+            reporter.note(f"{rdir.name}: already trained, reusing its checkpoint")
+        else:
+            model = train_run(rc, rdir, corpus, reporter)
+            if model is None:
+                return "diverged"
+        backend = model.backend(pick_device(rc.train.device))
+        for (variant, protocol), lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():  # only what is missing
+            evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
+        write_atomic(rdir / "config.yaml", dump_yaml(rc))  # eval settings may have changed
+        return "reused" if state == "done" else "trained"
 
 
-def run_job(rc, rdir: Path, done: bool, n_tokens: int, reporter: Reporter) -> None:
+def run_job(rc, rdir: Path, state: str, n_tokens: int, reporter: Reporter) -> str:
     """run_one in a worker process, which reads the corpus from the cache itself."""
-    run_one(rc, rdir, done, load_corpus(rc.data), n_tokens, reporter)
+    return run_one(rc, rdir, state, load_corpus(rc.data), n_tokens, reporter)
 
 
-def _remove_partials(plan) -> None:
-    """What killed runs leave: hidden partial folders and temporary files."""
-    for _, rdir, _ in plan:
-        shutil.rmtree(partial_dir(rdir), ignore_errors=True)
-        for tmp in rdir.glob(TMP_PREFIX + "*") if rdir.is_dir() else []:
-            tmp.unlink(missing_ok=True)
+def _remove_temporaries(jobs) -> None:
+    """What killed workers leave: temporary files. Their partial folders hold the checkpoints a
+    rerun resumes from; a run another process holds is that process's own."""
+    for _, rdir, _, _ in jobs:
+        with exclusive(lock_file(rdir)) as held:
+            if held:
+                for folder in (rdir, partial_dir(rdir)):
+                    for tmp in folder.glob(TMP_PREFIX + "*") if folder.is_dir() else []:
+                        tmp.unlink(missing_ok=True)
+
+
+def diverged_step(rdir: Path) -> str:
+    """'at step 12', from a diverged run's record."""
+    try:
+        return f"at step {json.loads((Path(rdir) / DIVERGED).read_text())['step']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "at an unrecorded step"
+
+
+def run_status(exp: Path) -> list[dict]:
+    """`posbench status`: a row per run found in the experiment folder `exp`, with its state
+    (done, partial, failed, diverged or running) and what can be said of it."""
+    exp = Path(exp)
+    if not exp.is_dir():
+        raise PosbenchError(f"{exp}: no such experiment directory")
+    rows = {}
+    for folder in sorted(p for p in exp.iterdir() if p.is_dir()):
+        hidden = folder.name.startswith(".")
+        if hidden and not folder.name.endswith(".partial"):
+            continue
+        rdir = exp / folder.name[1 : -len(".partial")] if hidden else folder
+        if not hidden and not any((folder / f).is_file() for f in ("config.yaml", "model.pt", DIVERGED)):
+            continue  # not a run folder
+        if not hidden or rdir.name not in rows:  # a finished folder outranks a partial one left beside it
+            rows[rdir.name] = _status_of(folder, rdir, hidden)
+    return [rows[name] for name in sorted(rows)]
+
+
+def _status_of(folder: Path, rdir: Path, hidden: bool) -> dict:
+    try:
+        cfg = config_from_dict(read_yaml(folder / "config.yaml"))
+        ident = {"scheme": cfg.schemes[0], "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
+        steps = cfg.train.steps
+    except PosbenchError:
+        ident, steps = {"scheme": "?", "seed": "?", "train_len": "?"}, None
+    row = {"run": rdir.name, **ident}
+    holder = lock_holder(lock_file(rdir))
+    step = _checkpoint_step(folder) if hidden else None
+    at = f"at step {step} of {steps}" if step is not None else "no checkpoint yet"
+    if holder is not None:
+        doing = f"training, {at}" if hidden else "evaluating"
+        return {**row, "state": "running", "detail": f"{doing} (pid {holder or '?'})"}
+    if not hidden:
+        if (folder / DIVERGED).is_file() and not (folder / "model.pt").is_file():
+            return {**row, "state": "diverged", "detail": diverged_step(folder)}
+        missing = [f for f in ("model.pt", "eval.csv") if not (folder / f).is_file()]
+        return {**row, "state": "done" if not missing else "partial",
+                "detail": "trained and evaluated" if not missing else f"lacks {' and '.join(missing)}"}  # fmt: skip
+    if (folder / FAILED).is_file():
+        return {**row, "state": "failed", "detail": f"{(folder / FAILED).read_text().strip()} ({at})"}
+    return {**row, "state": "partial", "detail": f"{at}; rerun to resume" if step is not None else at}
+
+
+def _checkpoint_step(folder: Path) -> Optional[int]:
+    """The step a partial folder's checkpoint resumes from (None if it has no readable one)."""
+    try:
+        state = load_progress(folder)
+    except PosbenchError:
+        return None
+    return int(state["step"]) if state is not None else None
 
 
 def read_train_log(rdir: Path) -> list[dict]:

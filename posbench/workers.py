@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -13,6 +16,8 @@ from posbench.errors import PosbenchError
 from posbench.train import Reporter, pick_device
 
 SMALL_RUN_TOKENS = 200_000  # below this a run trains in about the 2 s a worker takes to start
+STOP_GRACE_S = 3.0  # how long a stopped worker has to finish its step and save its checkpoint
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def cpu_cores() -> int:
@@ -56,22 +61,54 @@ class QueueReporter(Reporter):
         self.queue.put(("note", message))
 
 
-def _worker_main(work: Callable, threads: Optional[int], jobs, events) -> None:
+def _worker_main(work: Callable, threads: Optional[int], jobs, events, parent: int) -> None:
     """A worker process: call work(*args, reporter) for each (index, (label, args)) until None.
-    Ctrl-C is the parent's to handle; it stops workers by killing them and cleans up after them."""
+    Ctrl-C is the parent's to handle: it stops workers with SIGTERM, on which a training run
+    saves its checkpoint and the worker exits. A worker never outlives its parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _interrupt)  # training takes it over to stop at a step's end
+    _die_with(parent)
     if threads:
         torch.set_num_threads(threads)
     reporter = QueueReporter(events)
-    while (item := jobs.get()) is not None:
-        i, (label, args) = item
-        try:
-            work(*args, reporter)
-            events.put(("done", i))
-        except PosbenchError as e:
-            events.put(("failed", i, str(e)))
-        except Exception as e:  # a bug, not the user's input: keep its type for the report
-            events.put(("failed", i, f"{label}: {type(e).__name__}: {e}"))
+    try:
+        while (item := jobs.get()) is not None:
+            i, (label, args) = item
+            try:
+                work(*args, reporter)
+                events.put(("done", i))
+            except PosbenchError as e:
+                events.put(("failed", i, str(e)))
+            except Exception as e:  # a bug, not the user's input: keep its type for the report
+                events.put(("failed", i, f"{label}: {type(e).__name__}: {e}"))
+    except KeyboardInterrupt:  # stopped by the parent, checkpoint saved
+        os._exit(0)  # not via the queues' feeder threads, whose reader may be gone
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _die_with(parent: int) -> None:
+    """When the parent dies, kill -9 included, this worker gets SIGTERM from the kernel (Linux's
+    PR_SET_PDEATHSIG) and so stops as on Ctrl-C. A thread watching the parent's pid is the
+    fallback where prctl is missing, and the hard stop if the graceful one hangs."""
+    try:
+        told = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) == 0
+    except (OSError, AttributeError):  # not Linux
+        told = False
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        if not told:  # a second SIGTERM would cut the checkpoint short
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+        time.sleep(STOP_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def run_in_workers(work: Callable, jobs: list[tuple], cleanup: Callable[[], None], reporter: Reporter,
@@ -85,7 +122,7 @@ def run_in_workers(work: Callable, jobs: list[tuple], cleanup: Callable[[], None
 
     ctx = mp.get_context("spawn")  # fork after torch has started its threads can deadlock
     job_queue, events = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_worker_main, args=(work, threads, job_queue, events), daemon=True)
+    procs = [ctx.Process(target=_worker_main, args=(work, threads, job_queue, events, os.getpid()), daemon=True)
              for _ in range(workers)]  # fmt: skip
     todo = list(enumerate(jobs))
     error, busy = None, 0
@@ -118,12 +155,20 @@ def run_in_workers(work: Callable, jobs: list[tuple], cleanup: Callable[[], None
         for p in procs:
             p.join()
     except BaseException:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join()
-        cleanup()
+        try:  # SIGTERM: each saves its checkpoint at the end of its step; then they are killed
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            deadline = time.monotonic() + STOP_GRACE_S
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:  # a second Ctrl-C while waiting still leaves no worker behind
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join()
+            cleanup()
         raise
     if error is not None:
         raise PosbenchError(error)

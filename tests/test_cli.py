@@ -307,14 +307,27 @@ def test_runs_in_worker_processes_equal_runs_in_this_process(tmp_path):
     assert not list(par.glob(".*partial"))
 
 
-def test_a_failing_worker_is_one_line_and_keeps_nothing_half_done(tmp_path):
+def test_a_diverged_run_is_recorded_at_its_step_and_the_others_go_on(tmp_path):
+    """Runs in workers whose loss blows up: each is recorded as diverged at the step it happened,
+    with no weights; the other run still trains; the report names them; a rerun keeps them."""
+    import json
+
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be that is the question\n" * 400)
-    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path / 'r'}", "--set", f"data.path={text}",
-                 "--schemes", "nope,t5", "--set", "train.workers=2", "--set", "train.lr=1000000000.0",
-                 "--set", "train.grad_clip=0")  # fmt: skip
-    assert res.exit_code == 2 and "diverged" in res.output and "Traceback" not in res.output
-    assert not (tmp_path / "r" / "smoke").exists()  # nothing finished: the new experiment folder went too
+    args = ("extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path / 'r'}", "--set", f"data.path={text}",
+            "--schemes", "nope,t5", "--set", "train.workers=2", "--set", "train.lr=1000000000.0",
+            "--set", "train.grad_clip=0")  # fmt: skip
+    res = invoke(*args)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "every run diverged (nope seed 0 at step" in " ".join(res.output.split())
+    for run in ("nope-seed0", "t5-seed0"):
+        record = json.loads((tmp_path / "r" / "smoke" / run / "diverged.json").read_text())
+        log = [json.loads(line) for line in (tmp_path / "r" / "smoke" / run / "train_log.jsonl").read_text().splitlines()]
+        assert record["status"] == "diverged" and 0 < record["step"] < 30
+        assert all(r["step"] < record["step"] for r in log)  # the log stops before it
+        assert not (tmp_path / "r" / "smoke" / run / "model.pt").exists()
+    res = invoke(*args)
+    assert "nope-seed0: diverged in an earlier attempt" in " ".join(res.output.split())
 
 
 def test_worker_plan(monkeypatch):
@@ -366,8 +379,9 @@ def test_compile_wraps_the_training_forward_and_its_failure_is_one_line(tmp_path
 
 
 def test_sigterm_stops_the_workers_and_leaves_nothing_half_written(tmp_path):
-    """A real process, as a user or a scheduler would stop it: exit 130, no partial run folders,
-    no new experiment folder, and no worker left behind."""
+    """A real process, as a user or a scheduler would stop it: exit 130, saying how to resume;
+    each run's checkpoint saved in its hidden partial folder, no run folder that could pass for
+    a finished one, no temporary file, and no worker left behind."""
     import signal
     import subprocess
     import sys
@@ -382,22 +396,30 @@ def test_sigterm_stops_the_workers_and_leaves_nothing_half_written(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
-        while len(list(exp.glob(".*.partial"))) < 2 and time.time() < deadline:
+        while len(_training(exp)) < 2 and time.time() < deadline:
             time.sleep(0.2)
-        assert len(list(exp.glob(".*.partial"))) == 2, "the two workers never started"
+        assert len(_training(exp)) == 2, "the two workers never started"
         pids = [pid for pid, (ppid, _) in _processes().items() if ppid == proc.pid]
         assert len(pids) >= 2  # the two workers (and multiprocessing's resource tracker)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 130, out
-        assert "interrupted" in out and "Traceback" not in out
-        assert not exp.exists()
+        assert "interrupted" in out and "rerun the same command to resume" in out and "Traceback" not in out
+        assert sorted(p.name for p in exp.iterdir() if not p.name.endswith(".lock")) == [
+            ".alibi-seed0.partial", ".nope-seed0.partial"]  # fmt: skip
+        assert all((p / "checkpoint.pt").is_file() for p in exp.glob(".*.partial"))
+        assert not list(exp.rglob("tmp-*"))
         time.sleep(1)
         now = _processes()
         running = [pid for pid in pids if pid in now and now[pid][1] != "Z"]  # a zombie is dead, unreaped
         assert running == [], f"left running: {running}"
     finally:
         proc.kill()  # a failed check must not leave it running
+
+
+def _training(exp: Path) -> list[Path]:
+    """The partial folders whose training has logged a step."""
+    return [p for p in exp.glob(".*.partial") if (p / "train_log.jsonl").is_file() and (p / "train_log.jsonl").stat().st_size]
 
 
 def _processes() -> dict:

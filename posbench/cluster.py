@@ -1,0 +1,108 @@
+"""Sweeps on a Ray cluster: each run a task; its records come back to the driver, which writes them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Optional
+
+from posbench.config import ExperimentConfig, config_from_dict
+from posbench.data import load_corpus
+from posbench.errors import PosbenchError
+from posbench.files import cache_dir, exclusive, write_atomic
+from posbench.runs import (SWEEP_RECORD, lock_file, partial_dir, plan_state, plan_sweep, prepare, run_one,
+                           safe_name)  # fmt: skip
+from posbench.train import Reporter
+
+INSTALL = "--executor ray needs Ray, an optional extra: pip install -e '.[ray]' (or pip install ray)"
+
+
+def run_sweep_on_ray(grid: list[tuple[dict, ExperimentConfig]], source: str, reporter: Reporter,
+                     address: Optional[str] = None, storage: Optional[str] = None) -> Path:  # fmt: skip
+    """run_sweep with each unfinished run a Ray task on the cluster at `address` (None: the
+    Ray instance this process already has, or a new local one). A task trains in `storage`
+    (a path each node can write, shared or not; None: the node's posbench cache), where its
+    checkpoints let a retried task resume, and returns the run's files. The driver alone
+    writes the experiment folder, so the cluster needs no filesystem shared with it."""
+    try:
+        import ray
+    except ImportError:
+        raise PosbenchError(INSTALL) from None
+    exp, plan = plan_sweep(grid)
+    jobs = []
+    for settings, cfg in grid:
+        mine = [(rc, rdir, state) for c, rc, rdir, state in plan if c is cfg]
+        if mine:
+            jobs += [(rc, rdir, state, n) for (rc, rdir, state), n in zip(mine, prepare(cfg, mine, reporter))]
+    exp.mkdir(parents=True, exist_ok=True)
+    write_atomic(exp / SWEEP_RECORD, source)
+    started = not ray.is_initialized()
+    if started:
+        try:
+            ray.init(address=address, log_to_driver=False, include_dashboard=False)
+        except Exception as e:  # no cluster there, or one of another Ray version
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise PosbenchError(f"--address {address or '(local)'}: cannot join a Ray cluster ({first})") from None
+    task = ray.remote(train_on_node)
+    try:
+        with contextlib.ExitStack() as held:
+            pending = {}
+            for rc, rdir, state, n_tokens in jobs:
+                if state != "todo":  # scoring what a finished run lacks is quick: here
+                    run_one(rc, rdir, state, load_corpus(rc.data), n_tokens, reporter)
+                    continue
+                if not held.enter_context(exclusive(lock_file(rdir))):
+                    reporter.note(f"{rdir.name}: another posbench process is running it; skipped here")
+                    continue
+                cuda = rc.train.device.startswith("cuda")
+                options = {"num_cpus": rc.train.threads or 1, "num_gpus": 1 if cuda else 0}
+                ref = task.options(**options).remote(rc.to_dict(), exp.name, rdir.name, n_tokens, storage)
+                pending[ref] = rdir
+                wants = f"{options['num_cpus']} CPU, {options['num_gpus']} GPU"
+                reporter.note(f"{rdir.name}: sent to the cluster ({wants})")
+            try:
+                while pending:
+                    (ready,), _ = ray.wait(list(pending), num_returns=1)
+                    rdir = pending.pop(ready)
+                    try:
+                        outcome, node, files = ray.get(ready)
+                    except ray.exceptions.RayTaskError as e:
+                        cause = e.cause if isinstance(getattr(e, "cause", None), PosbenchError) else None
+                        raise PosbenchError(f"{rdir.name}: {cause or str(e).strip().splitlines()[-1]}") from None
+                    write_run(rdir, files)
+                    reporter.note(f"{rdir.name}: {outcome} on {node}")
+            except BaseException:
+                for ref in pending:
+                    ray.cancel(ref)
+                raise
+    finally:
+        if started:
+            ray.shutdown()
+    return exp
+
+
+def train_on_node(raw: dict, experiment: str, run: str, n_tokens: int, storage: Optional[str]):
+    """A Ray task: train and score one run in storage/<experiment>/<run> on this node, resuming
+    from a checkpoint a killed attempt left there; returns (what happened, this node's name,
+    the run folder's files by name)."""
+    rc = config_from_dict(raw)
+    rdir = Path(storage or cache_dir() / "ray") / safe_name(experiment) / run
+    rdir.parent.mkdir(parents=True, exist_ok=True)
+    outcome = run_one(rc, rdir, plan_state(rc, rdir), load_corpus(rc.data), n_tokens, Reporter())
+    files = {p.name: p.read_bytes() for p in rdir.iterdir() if p.is_file()}
+    return outcome, socket.gethostname(), files
+
+
+def write_run(rdir: Path, files: dict[str, bytes]) -> None:
+    """A run's files, built in its partial folder and renamed into place whole."""
+    partial = partial_dir(rdir)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for name, data in files.items():
+        (partial / name).write_bytes(data)
+    if rdir.exists():
+        shutil.rmtree(rdir)
+    os.replace(partial, rdir)

@@ -1,0 +1,328 @@
+"""Runs that survive: exact resume after a kill, no orphaned workers, one trainer per run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, SMOKE, invoke
+
+
+def _text(tmp: Path) -> Path:
+    text = tmp / "tiny.txt"
+    text.write_text("to be or not to be that is the question\n" * 400)
+    return text
+
+
+def _args(out: Path, text: Path, *more) -> list[str]:
+    """configs/smoke.yaml, one run, long enough to be killed in the middle."""
+    return ["extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}",
+            "--set", f"data.path={text}", "--set", "train.threads=1", *more]  # fmt: skip
+
+
+def _cli(*args) -> subprocess.Popen:
+    """The worktree's posbench in a process of its own, as a user starts it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "posbench.cli", *map(str, args)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _wait_for(check, timeout: float = 120, what: str = "") -> None:
+    deadline = time.time() + timeout
+    while not check():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _weights(run: Path) -> dict:
+    return torch.load(run / "model.pt", weights_only=True)["model"]
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_kill_9_then_rerun_resumes_to_the_weights_of_an_unbroken_run(tmp_path):
+    """A real process killed with SIGKILL after a checkpoint: the same command resumes from it,
+    and the weights and evaluation rows are bit-identical to a run never interrupted."""
+    text = _text(tmp_path)
+    more = ("--set", "train.steps=400", "--set", "train.checkpoint_every=25")
+    killed = tmp_path / "killed"
+    partial = killed / "smoke" / ".alibi-seed0.partial"
+    proc = _cli(*_args(killed, text, *more))
+    try:
+        _wait_for(lambda: (partial / "checkpoint.prev.pt").is_file(), what="two checkpoints")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert not (killed / "smoke" / "alibi-seed0").exists(), "it finished before it was killed"
+    rerun = _cli(*_args(killed, text, *more))
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out
+    assert "alibi seed 0: resuming from its checkpoint at step" in out
+    res = invoke(*_args(tmp_path / "whole", text, *more))
+    assert res.exit_code == 0, res.output
+    run, whole = killed / "smoke" / "alibi-seed0", tmp_path / "whole" / "smoke" / "alibi-seed0"
+    assert _same_weights(run, whole)
+    assert (run / "eval.csv").read_text() == (whole / "eval.csv").read_text()
+    steps = [line.split(",")[0] for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert steps == [line.split(",")[0] for line in (whole / "train_log.jsonl").read_text().splitlines()]
+    assert not partial.exists() and not list(run.glob("checkpoint*"))
+
+
+def _interrupt_at(monkeypatch, at: int) -> None:
+    """Ctrl-C as the progress bar passes step `at`, as a user at the keyboard would."""
+    from posbench.cli import BarReporter
+
+    step = BarReporter.step
+
+    def press(self, label, n, loss):
+        step(self, label, n, loss)
+        if n == at:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(BarReporter, "step", press)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_a_damaged_one_falls_back_to_the_previous(tmp_path, monkeypatch):
+    """Ctrl-C stops at the end of a step with a checkpoint and says how to resume. A truncated
+    checkpoint is named in one line and the one before it used: the weights still match an
+    unbroken run. With no good checkpoint left it is an error, and nothing is retrained over."""
+    text = _text(tmp_path)
+    more = ("--set", "train.steps=60", "--set", "train.checkpoint_every=10", "--set", "train.log_every=1")
+    args = _args(tmp_path / "r", text, *more)
+    partial = tmp_path / "r" / "smoke" / ".alibi-seed0.partial"
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 25)
+        res = invoke(*args)
+    assert res.exit_code == 130 and "rerun the same command to resume" in res.output
+    assert torch.load(partial / "checkpoint.pt", weights_only=True)["step"] == 25
+    assert torch.load(partial / "checkpoint.prev.pt", weights_only=True)["step"] == 20
+    data = (partial / "checkpoint.pt").read_bytes()
+    (partial / "checkpoint.pt").write_bytes(data[: len(data) // 2])
+    res = invoke(*args)
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "checkpoint.pt: corrupt or truncated checkpoint" in said and "resuming from the previous one" in said
+    assert "resuming from its checkpoint at step 20 of 60" in said
+    assert invoke(*_args(tmp_path / "whole", text, *more)).exit_code == 0
+    assert _same_weights(tmp_path / "r" / "smoke" / "alibi-seed0", tmp_path / "whole" / "smoke" / "alibi-seed0")
+
+    args = _args(tmp_path / "again", text, *more)
+    partial = tmp_path / "again" / "smoke" / ".alibi-seed0.partial"
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 25)
+        assert invoke(*args).exit_code == 130
+    for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+        (partial / name).write_bytes(b"not a checkpoint")
+    res = invoke(*args)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "no good checkpoint is left; delete" in " ".join(res.output.split())
+    assert (partial / "checkpoint.pt").read_bytes() == b"not a checkpoint"  # kept for the user to decide
+    assert "no good checkpoint is left" in (partial / "failed.txt").read_text()  # what status shows
+
+
+def _children(pid: int) -> list[int]:
+    from test_cli import _processes
+
+    return [p for p, (ppid, _) in _processes().items() if ppid == pid]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    from test_cli import _processes
+
+    now = _processes()
+    return [p for p in pids if p in now and now[p][1] != "Z"]  # a zombie is dead, unreaped
+
+
+def test_no_worker_outlives_a_parent_killed_with_sigkill(tmp_path):
+    """extrapolate with two workers, its parent killed with kill -9: within a few seconds no
+    process it started is left."""
+    text = _text(tmp_path)
+    out = tmp_path / "r"
+    proc = _cli("extrapolate", "--config", SMOKE, "--schemes", "nope,alibi", "--set", f"out_dir={out}",
+                "--set", f"data.path={text}", "--set", "train.steps=100000", "--set", "train.workers=2",
+                "--set", "train.checkpoint_every=0")  # fmt: skip
+    workers = []
+    try:
+        logs = lambda: [p for p in (out / "smoke").glob(".*.partial/train_log.jsonl") if p.stat().st_size]  # noqa: E731
+        _wait_for(lambda: len(logs()) == 2, what="two workers training")
+        workers = _children(proc.pid)
+        assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.time() + 5
+        while _alive(workers) and time.time() < deadline:
+            time.sleep(0.1)
+        assert _alive(workers) == [], f"left running {time.time() - deadline + 5:.1f} s after the parent died"
+    finally:
+        proc.kill()
+        for pid in _alive(workers):  # a failed check must not leave them running
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_two_processes_on_one_experiment_never_train_a_run_twice(tmp_path):
+    """A second real process started while the first trains, on the same config and folder:
+    each run is trained by exactly one of them, the second says in one line which run it left
+    to the first, and every run ends whole."""
+    text = _text(tmp_path)
+    args = ["extrapolate", "--config", SMOKE, "--schemes", "nope,alibi,rope,t5", "--set", f"out_dir={tmp_path}",
+            "--set", f"data.path={text}", "--set", "train.steps=400", "--set", "train.threads=1"]  # fmt: skip
+    first = _cli(*args)
+    log = tmp_path / "smoke" / ".nope-seed0.partial" / "train_log.jsonl"
+    _wait_for(lambda: log.is_file() and log.stat().st_size, what="the first process training")
+    second = _cli(*args)
+    outs = [p.communicate(timeout=300)[0] for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outs
+    for scheme in ("nope", "alibi", "rope", "t5"):
+        assert sum(f"{scheme} seed 0" in o for o in outs) == 1, (scheme, outs)  # its progress bar: trained there
+        run = tmp_path / "smoke" / f"{scheme}-seed0"
+        assert (run / "model.pt").is_file() and (run / "eval.csv").is_file()
+    said = " ".join(outs[1].split())
+    assert f"another posbench process (pid {first.pid}) is running it; skipped here" in said
+    assert "Traceback" not in " ".join(outs) and "error" not in " ".join(outs)
+    assert not list((tmp_path / "smoke").glob(".*.partial"))
+
+
+SWEEP = """
+name: grid
+out_dir: {out}
+data: {{path: {text}}}
+model: {{n_layer: 1, n_head: 2, d_model: 32, train_len: 16}}
+train: {{steps: 20, batch_size: 8, warmup_steps: 5, log_every: 5, grad_clip: {clip}, threads: 1}}
+eval: {{lengths: [32, 48], tokens: 2048}}
+sweep:
+  schemes: [alibi]
+  seeds: {seeds}
+  {key}: {values}
+"""
+
+
+def _sweep(tmp: Path, seeds="[0]", key="model.train_len", values="[16, 24]", clip=1.0) -> Path:
+    path = tmp / "sweep.yaml"
+    path.write_text(SWEEP.format(out=tmp / "r", text=_text(tmp), seeds=seeds, key=key, values=values, clip=clip))
+    return path
+
+
+def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
+    """The grid's runs go to one experiment, a readable name and a config hash each, with a
+    table per grid point; a rerun trains nothing; a new seed trains only its own runs."""
+    import pandas as pd
+
+    config = _sweep(tmp_path)
+    res = invoke("sweep", config)
+    assert res.exit_code == 0, res.output
+    exp = tmp_path / "r" / "grid"
+    runs = sorted(p.name for p in exp.iterdir() if p.is_dir())
+    assert [r[: -len("-12345678")] for r in runs] == ["alibi-seed0-train_len16", "alibi-seed0-train_len24"]
+    summary = pd.read_csv(exp / "summary.csv")
+    assert sorted(set(zip(summary["point"], summary["train_len"]))) == [("model.train_len=16", 16),
+                                                                        ("model.train_len=24", 24)]  # fmt: skip
+    md = (exp / "summary.md").read_text()
+    assert "## model.train_len=16; nonoverlapping" in md and "## model.train_len=24; nonoverlapping" in md
+    assert "trained at 16, 24" in md
+
+    res = invoke("sweep", config)
+    assert res.exit_code == 0 and res.output.count("already trained, reusing its checkpoint") == 2
+    assert "alibi seed 0" not in res.output  # no progress bar: nothing trained
+
+    config = _sweep(tmp_path, seeds="[0, 1]")
+    res = invoke("sweep", config, "--dry-run")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0 and said.count("skip: trained") == 2 and said.count("│ train │") == 2
+    res = invoke("sweep", config)
+    assert res.exit_code == 0 and res.output.count("already trained") == 2 and "alibi seed 1" in res.output
+    assert len([p for p in exp.iterdir() if p.is_dir()]) == 4
+
+
+@pytest.mark.parametrize("key, values, message", [
+    ("model.n_head", "[2, 3]", "sweep.model.n_head=3: model.d_model=32 is not divisible by model.n_head=3"),
+    ("model.n_layers", "[1]", "sweep.model.n_layers=1: model.n_layers: unknown key (did you mean 'model.n_layer'?)"),
+    ("schemes", "[alibi, nosuch]", "sweep.schemes='nosuch'"),
+    ("model.train_len", "[]", "sweep.model.train_len: expected a non-empty list"),
+])  # fmt: skip
+def test_a_bad_value_anywhere_in_the_grid_is_one_line_and_nothing_runs(tmp_path, key, values, message):
+    config = _sweep(tmp_path)
+    config.write_text(config.read_text().replace("  schemes: [alibi]\n", "") + f"  {key}: {values}\n"
+                      if key == "schemes" else config.read_text().replace("model.train_len: [16, 24]", f"{key}: {values}"))  # fmt: skip
+    res = invoke("sweep", config)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) <= 2
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_diverged_point_is_recorded_the_grid_goes_on_and_status_shows_every_state(tmp_path, monkeypatch):
+    from posbench.files import exclusive
+    from posbench.runs import lock_file, run_status
+
+    config = _sweep(tmp_path, key="train.lr", values="[0.003, 1000000000.0]", clip=0)
+    res = invoke("sweep", config)
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "diverged at step" in said and "the other runs go on" in said
+    assert "diverged, so not in the table: alibi seed 0 at step" in said
+    exp = tmp_path / "r" / "grid"
+    assert "diverged, so not in the tables: alibi seed 0 at step" in (exp / "summary.md").read_text()
+
+    rows = run_status(exp)
+    assert sorted(r["state"] for r in rows) == ["diverged", "done"]
+    assert [r["detail"] for r in rows if r["state"] == "diverged"][0].startswith("at step ")
+
+    # a partial run (stopped by Ctrl-C at step 10), a failed one, and one another process holds
+    exp = tmp_path / "r" / "st"
+    more = ("--set", "train.steps=40", "--set", "train.checkpoint_every=5", "--set", "train.log_every=1",
+            "--set", f"out_dir={tmp_path / 'r'}",
+            "--set", "name=st", "--set", f"data.path={tmp_path / 'tiny.txt'}")  # fmt: skip
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 10)
+        assert invoke("extrapolate", "--config", SMOKE, "--schemes", "nope", *more).exit_code == 130
+        assert invoke("extrapolate", "--config", SMOKE, "--schemes", "t5", *more).exit_code == 130
+    (exp / ".t5-seed0.partial" / "failed.txt").write_text("out of memory\n")
+    with exclusive(lock_file(exp / "rope-seed0")):
+        (exp / ".rope-seed0.partial").mkdir()
+        (exp / ".rope-seed0.partial" / "config.yaml").write_text((exp / ".nope-seed0.partial" / "config.yaml").read_text())
+        rows = {r["run"]: r for r in run_status(exp)}
+        res = invoke("status", exp)
+    assert res.exit_code == 0 and "partial" in res.output and "running" in res.output, res.output
+    assert (rows["nope-seed0"]["state"], rows["nope-seed0"]["detail"]) == ("partial", "at step 10 of 40; rerun to resume")
+    assert (rows["t5-seed0"]["state"], rows["t5-seed0"]["detail"]) == ("failed", "out of memory (at step 10 of 40)")
+    assert rows["rope-seed0"]["state"] == "running"
+    assert rows["rope-seed0"]["detail"] == f"training, no checkpoint yet (pid {os.getpid()})"
+
+
+def test_a_sweep_on_a_local_ray_instance_gives_the_records_a_local_sweep_gives(tmp_path, monkeypatch):
+    """Each run a Ray task on a local instance (2 CPUs): the driver writes the run folders from
+    what the tasks return, and they hold the weights and rows a local sweep makes."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # Ray's workers import this checkout's posbench
+    config = _sweep(tmp_path)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
+    try:
+        res = invoke("sweep", config, "--executor", "ray", "--storage", tmp_path / "store", "--set", "train.threads=1")
+    finally:
+        ray.shutdown()
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert said.count("sent to the cluster (1 CPU, 0 GPU)") == 2 and said.count(": trained on ") == 2
+    assert invoke("sweep", config, "--set", "train.threads=1", "--set", f"out_dir={tmp_path / 'here'}").exit_code == 0
+    runs = sorted(p.name for p in (tmp_path / "r" / "grid").iterdir() if p.is_dir())
+    assert runs == sorted(p.name for p in (tmp_path / "here" / "grid").iterdir() if p.is_dir()) and len(runs) == 2
+    for run in runs:
+        there, here = tmp_path / "r" / "grid" / run, tmp_path / "here" / "grid" / run
+        assert _same_weights(there, here)
+        assert (there / "eval.csv").read_text() == (here / "eval.csv").read_text()
+    assert (tmp_path / "r" / "grid" / "summary.md").is_file()
+
+
+def test_without_ray_the_ray_executor_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if it were not installed
+    res = invoke("sweep", _sweep(tmp_path), "--executor", "ray")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "--executor ray needs Ray, an optional extra: pip install -e '.[ray]'" in " ".join(res.output.split())
