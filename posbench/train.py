@@ -7,6 +7,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,11 +66,14 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 
-def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, log_path: Path) -> TransformerLM:
+def train_model(cfg: ExperimentConfig, corpus: Optional[Corpus], reporter: Reporter, log_path: Path,
+                batches: Optional[Callable] = None) -> TransformerLM:  # fmt: skip
     """Train cfg.model (one scheme) with seed cfg.seeds[0]; returns the model on the CPU. Each
-    line of the log names the attention backend that computed it."""
+    line of the log names the attention backend that computed it. `batches(gen)` gives (x, y),
+    with y = -100 where no loss is taken (a task's prompts and padding); None: random windows
+    of the corpus."""
     seed, tc, L = cfg.seeds[0], cfg.train, cfg.model.train_len
-    if len(corpus.train) < L + 2:
+    if batches is None and len(corpus.train) < L + 2:
         raise PosbenchError(
             f"the training split of '{corpus.name}' has {len(corpus.train)} bytes, "
             f"fewer than model.train_len+2={L + 2}"
@@ -90,7 +94,7 @@ def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, log_p
             lr = lr_at(step, tc)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y = batch(corpus.train, tc.batch_size, L, gen)
+            x, y = batch(corpus.train, tc.batch_size, L, gen) if batches is None else batches(gen)
             x, y = x.to(device), y.to(device)
             with autocast(device):
                 logits = _compiled_call(forward, x) if tc.compile and step == 0 else forward(x)  # (B, T, V)
