@@ -158,9 +158,16 @@ def _comparison_table(table, title: str, caption: str, digits: int = 2) -> Table
     return t
 
 
-def _print_summary(exps, metric: str = "ppl", transpose: bool = False, out_dir: Optional[Path] = None) -> None:
+def _print_summary(exps, metric: str = "ppl", transpose: bool = False, out_dir: Optional[Path] = None,
+                   buckets: Optional[list[int]] = None) -> None:  # fmt: skip
+    from posbench.task_report import is_task_experiment
     from posbench.report import METRICS, backends_note, diverged_note, spread_note, summary_dir, write_summary
 
+    dirs = [exps] if isinstance(exps, (str, Path)) else list(exps)
+    if is_task_experiment(dirs):
+        return _print_task_summary(dirs, metric, transpose, out_dir, buckets)
+    if buckets is not None:
+        raise PosbenchError("--buckets applies to the runs of a task, not to perplexity (task lm)")
     df, configs, tables = write_summary(exps, metric, transpose, out_dir)
     caption = (f"{spread_note(tables)}. — : the scheme cannot encode that length (beyond-max-len); "
                f"nan: the loss blew up; blank: not evaluated")  # fmt: skip
@@ -179,6 +186,29 @@ def _print_summary(exps, metric: str = "ppl", transpose: bool = False, out_dir: 
             out.print(f"wrote {folder / name}", highlight=False)
 
 
+def _print_task_summary(dirs, metric: str, transpose: bool, out_dir: Optional[Path], buckets) -> None:
+    from posbench.accuracy import task_of
+    from posbench.task_report import grid, write_summary
+    from posbench.report import summary_dir
+
+    if metric != "ppl":  # the default of --metric
+        raise PosbenchError(f"--metric {metric}: a task's runs are scored by exact match alone")
+    folder = summary_dir(dirs, out_dir)
+    long, configs, table = write_summary(dirs, folder, transpose, buckets)
+    task = task_of(configs[0])
+    rows = grid(table, transpose or len(table.attrs["buckets"]) > 12, bold=lambda c: "\0" + c)
+    t = Table(title=f"{configs[0].task}: % exact match by length (trained on 1..{task.train_max})",
+              caption="mean ± 95% interval over seeds; bold: the best and every scheme not significantly different")
+    for i, c in enumerate(rows[0]):
+        t.add_column(escape(c), justify="left" if i == 0 else "right", style="bold" if i == 0 else None)
+    for r in rows[1:]:
+        t.add_row(*(f"[bold]{escape(c[1:])}[/]" if c.startswith("\0") else escape(c) for c in r))
+    out.print(t)
+    for name in ("summary.csv", "summary.md", "summary.tex", "summary.png", "training.png"):
+        if (folder / name).exists():
+            out.print(f"wrote {folder / name}", highlight=False)
+
+
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: key=value")]
 AttentionOpt = Annotated[
     Optional[str], typer.Option(help="attention backend: auto, eager, sdpa, native or flex (model.attention)")
@@ -186,6 +216,8 @@ AttentionOpt = Annotated[
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile for training (off: no gain on CPU)")]
 Protocol = Annotated[Optional[str], typer.Option(help="nonoverlapping, sliding, or both: nonoverlapping,sliding")]
 Stride = Annotated[Optional[int], typer.Option(help="sliding windows' stride (default: train_len / 4)")]
+TaskOpt = Annotated[Optional[str], typer.Option(help="lm (perplexity, the default), copy, reverse, sort, addition, "
+                                                     "parity, passkey, recall, or module:Class")]  # fmt: skip
 
 
 @app.command()
@@ -207,8 +239,12 @@ def extrapolate(
     protocol: Protocol = None,
     stride: Stride = None,
     compile_: Compile = False,
+    task: TaskOpt = None,
 ):
-    """Train one model per scheme at the training length and compare them at longer lengths."""
+    """Train one model per scheme at the training length and compare them at longer lengths.
+
+    --task copy (reverse, sort, addition, parity, passkey, recall) trains on a synthetic task
+    instead of the corpus and scores exact-match accuracy by length."""
     from posbench.runs import check_experiment, run_experiment
 
     with user_errors():
@@ -227,7 +263,11 @@ def extrapolate(
             "eval.protocol": _csv_names(protocol) if protocol is not None else None,
             "eval.stride": stride,
             "train.compile": compile_ or None,
+            "task": task,
         }
+        if task is not None and task != "lm" and (train_len, test_len, lengths) != (None, None, None):
+            raise PosbenchError("--train-len, --test-len and --lengths set perplexity lengths; a task's are "
+                                "task_options.train_max and test_max, e.g. --set task_options.test_max=60")
         if test_len is not None:  # the grid runs from the training length, however it is given
             model_sets = [o for o in set_ or [] if o.startswith("model.")]
             L = train_len or load_config(config, model_sets).model.train_len
@@ -319,6 +359,7 @@ def train(
     set_: Sets = None,
     attention: AttentionOpt = None,
     compile_: Compile = False,
+    task: TaskOpt = None,
 ):
     """Train (and evaluate at the config's lengths) the runs of a config, or one of them."""
     from posbench.runs import check_experiment, run_experiment, run_name
@@ -329,6 +370,7 @@ def train(
             "seeds": [seed] if seed is not None else None,
             "model.attention": attention,
             "train.compile": compile_ or None,
+            "task": task,
         }
         cfg = load_config(config, set_ or [], values, check=check_experiment)
         _kernel_notes(cfg)
@@ -364,6 +406,16 @@ def evaluate(
             raise PosbenchError("--rope-factor needs --rope-scaling, e.g. --rope-scaling yarn")
         Ls = _csv_ints(lengths, "--lengths")
         rc, rows = evaluate_run(run_dir, Ls, kinds or [None], rope_factor, device, attention)
+        if rc.task != "lm":
+            t = Table(title=f"{rc.task}: {rc.model.scheme} seed {rc.seeds[0]}; attention {rows[0]['attention']}")
+            for c in ("length", "exact", "instances", "status"):
+                t.add_column(c, justify="right")
+            for r in rows:
+                ok = r["status"] == "ok"
+                t.add_row(str(r["length"]), f"{100 * r['accuracy']:.1f}%" if ok else "—", str(r["instances"]), r["status"])
+            out.print(t)
+            out.print(f"wrote {Path(run_dir) / 'eval.csv'} and {Path(run_dir) / 'samples.txt'}", highlight=False)
+            return
         how = rows[0]["attention"] if rows else rc.model.attention
         t = Table(title=f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}; attention {how}")
         for c in ("scheme", "length", "loss", "ppl", "status"):
@@ -382,10 +434,13 @@ def report(
     metric: Annotated[str, typer.Option(help="ppl, loss, or ratio (to the training length)")] = "ppl",
     transpose: Annotated[bool, typer.Option(help="lengths as rows, schemes as columns")] = False,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="where a joined report goes")] = None,
+    buckets: Annotated[
+        Optional[str], typer.Option(help="a task's length buckets by their last length, e.g. 10,20,30,40")
+    ] = None,
 ):
     """Rebuild the summary tables (Markdown, CSV, LaTeX) and plots from run folders, without training."""
     with user_errors():
-        _print_summary(experiment_dirs, metric, transpose, out_dir)
+        _print_summary(experiment_dirs, metric, transpose, out_dir, _csv_ints(buckets, "--buckets"))
 
 
 STATE_STYLES = {"done": "green", "partial": "yellow", "running": "cyan", "failed": "bold red", "diverged": "red"}

@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Optional
 
 from posbench.config import ExperimentConfig, config_from_dict
-from posbench.data import load_corpus
 from posbench.errors import PosbenchError
 from posbench.files import cache_dir, exclusive, write_atomic
-from posbench.runs import (SWEEP_RECORD, lock_file, partial_dir, plan_state, plan_sweep, prepare, run_one,
+from posbench.runs import (SWEEP_RECORD, corpus_for, lock_file, partial_dir, plan_state, plan_sweep, prepare, run_one,
                            safe_name)  # fmt: skip
 from posbench.train import Reporter
 
@@ -52,7 +51,7 @@ def run_sweep_on_ray(grid: list[tuple[dict, ExperimentConfig]], source: str, rep
             pending = {}
             for rc, rdir, state, n_tokens in jobs:
                 if state != "todo":  # scoring what a finished run lacks is quick: here
-                    run_one(rc, rdir, state, load_corpus(rc.data), n_tokens, reporter)
+                    run_one(rc, rdir, state, corpus_for(rc), n_tokens, reporter)
                     continue
                 if not held.enter_context(exclusive(lock_file(rdir))):
                     reporter.note(f"{rdir.name}: another posbench process is running it; skipped here")
@@ -91,7 +90,7 @@ def train_on_node(raw: dict, experiment: str, run: str, n_tokens: int, storage: 
     rc = config_from_dict(raw)
     rdir = Path(storage or cache_dir() / "ray") / safe_name(experiment) / run
     rdir.parent.mkdir(parents=True, exist_ok=True)
-    outcome = run_one(rc, rdir, plan_state(rc, rdir), load_corpus(rc.data), n_tokens, Reporter())
+    outcome = run_one(rc, rdir, plan_state(rc, rdir), corpus_for(rc), n_tokens, Reporter())
     files = {p.name: p.read_bytes() for p in rdir.iterdir() if p.is_file()}
     return outcome, socket.gethostname(), files
 

@@ -65,8 +65,10 @@ class ModelConfig:
 class TrainConfig:
     """Optimiser and budget: AdamW, linear warmup, cosine decay to min_lr."""
 
-    steps: int = 500
-    batch_size: int = 16  # 500 x 16 x 100 tokens: the order shows, 8 schemes train in < 5 min on 2 cores
+    # null: 500 steps of 16 for lm (500 x 16 x 100 tokens: the order shows, 8 schemes train in
+    # < 5 min on 2 cores), a task's own budget for a task (posbench/tasks.py)
+    steps: Optional[int] = None
+    batch_size: Optional[int] = None
     lr: float = 3e-3  # small models train well with a high lr; warmup keeps it stable
     min_lr: float = 3e-4
     warmup_steps: int = 50
@@ -121,6 +123,8 @@ class EvalConfig:
     # scheme declares them (rope: linear, ntk, dynamic, yarn); the checkpoints are not retrained
     rope_scaling: list[str] = field(default_factory=list)
     rope_factor: Optional[float] = None  # a fixed scale s for those rows; None = L'/L per length
+    # a task's length buckets, by their last length; empty: each length up to 40, else ten buckets
+    buckets: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         _positive(self, "eval", ["tokens", "batch_size"])
@@ -145,6 +149,11 @@ class EvalConfig:
         _unique(self.protocol, "eval.protocol")
         if self.stride is not None and self.stride <= 0:
             raise PosbenchError(f"eval.stride={self.stride} must be positive")
+        for n in self.buckets:
+            if n <= 0:
+                raise PosbenchError(f"eval.buckets: {n} is not a positive length")
+        _unique(self.buckets, "eval.buckets")
+        self.buckets = sorted(self.buckets)
 
 
 @dataclass
@@ -160,8 +169,19 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # lm: next-byte perplexity on the corpus; or a synthetic task scored by exact match at each
+    # length (posbench/tasks.py: copy, reverse, sort, addition, parity, passkey, recall, module:Class)
+    task: str = "lm"
+    task_options: dict = field(default_factory=dict)  # e.g. train_max, test_max, alphabet
 
     def __post_init__(self):
+        if self.task == "lm":
+            if self.task_options:
+                raise PosbenchError("task_options are set but task is lm: set task, e.g. task: copy")
+            if self.train.steps is None:
+                self.train.steps = 500
+            if self.train.batch_size is None:
+                self.train.batch_size = 16
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise PosbenchError(f"name={self.name!r} must be a plain folder name")
         for s, opts in self.scheme_options.items():
@@ -262,7 +282,7 @@ def _unique(values: list, where: str) -> None:
 def _positive(obj, section: str, names: list[str]) -> None:
     for n in names:
         v = getattr(obj, n)
-        if not v > 0:
+        if v is not None and not v > 0:
             raise PosbenchError(f"{section}.{n}={v} must be positive")
 
 

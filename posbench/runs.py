@@ -22,8 +22,9 @@ from typing import Optional
 
 import torch
 
+from posbench.accuracy import evaluate_task_into, read_task_eval
 from posbench.attention import FLEX_CANNOT_TRAIN_ON_CPU, backend_for
-from posbench.config import (ExperimentConfig, check_device, check_trainable, config_from_dict, dump_yaml,
+from posbench.config import (ExperimentConfig, ModelConfig, check_device, check_trainable, config_from_dict, dump_yaml,
                              read_yaml)
 from posbench.data import Corpus, load_corpus
 from posbench.errors import PosbenchError
@@ -31,6 +32,7 @@ from posbench.evaluate import eval_tokens, evaluate_model, windows
 from posbench.files import TMP_PREFIX, atomic, exclusive, lock_holder, write_atomic, write_rows
 from posbench.model import TransformerLM
 from posbench.schemes import SCHEMES, build_scheme, resolve_scheme, variant_label
+from posbench.tasks import LM, build_task
 from posbench.train import CHECKPOINT, PREVIOUS, Diverged, Reporter, load_progress, pick_device, train_model
 from posbench.workers import run_in_workers, worker_plan
 
@@ -46,7 +48,10 @@ def check_experiment(cfg: ExperimentConfig) -> None:
     """What config.py cannot check alone: every scheme builds with its options (so bad options
     fail before anything trains), and every eval.rope_scaling kind belongs to some scheme. Each
     run's scheme options are filled in with the scheme's defaults, so that its record names
-    every choice its weights were made under."""
+    every choice its weights were made under; so are a task's options, its training budget
+    and the model's train_len, the task's longest training instance."""
+    if cfg.task != LM:
+        check_task(cfg)
     for s in cfg.schemes:
         build_scheme(cfg.model_for(s))
         cfg.scheme_options[s] = {**resolve_scheme(s).options, **cfg.scheme_options.get(s, {})}
@@ -61,6 +66,26 @@ def check_experiment(cfg: ExperimentConfig) -> None:
             raise PosbenchError(
                 f"eval.rope_scaling: unknown kind '{kind}'{hint}; valid: {', '.join(sorted(known))}"
             )
+
+
+def check_task(cfg: ExperimentConfig) -> None:
+    task = build_task(cfg.task, cfg.task_options)
+    cfg.task_options = {**type(task).options, **cfg.task_options, "test_max": task.test_max}
+    if cfg.name == "default":  # lm's; a task's runs go to results/<task> unless named
+        cfg.name = safe_name(cfg.task)
+    if cfg.model.train_len not in (ModelConfig.train_len, task.train_len):
+        raise PosbenchError(
+            f"model.train_len={cfg.model.train_len}: a task derives it (task {cfg.task}: "
+            f"{task.train_len}, its longest training instance); set task_options.train_max instead"
+        )
+    cfg.model.train_len = task.train_len
+    cfg.eval.lengths = [task.train_len]  # perplexity lengths: a task is scored at its own lengths
+    cfg.train.steps = cfg.train.steps or task.budget["steps"]
+    cfg.train.batch_size = cfg.train.batch_size or task.budget["batch_size"]
+    unused = [name for name, on in (("eval.rope_scaling", cfg.eval.rope_scaling),
+                                    ("eval.protocol sliding", "sliding" in cfg.eval.protocol)) if on]  # fmt: skip
+    if unused:
+        raise PosbenchError(f"{unused[0]} applies to perplexity (task lm), not to task {cfg.task}")
 
 
 def safe_name(text: str) -> str:
@@ -264,6 +289,11 @@ def _training_part(d: dict) -> dict:
     live (a copied or renamed experiment folder still resumes) and how fast it ran (the
     attention backend changes only the last bits; the records name the one that ran)."""
     part = {k: v for k, v in d.items() if k not in ("eval", "name", "out_dir")}
+    if part.get("task", LM) == LM:  # records written before tasks existed name none
+        part.pop("task", None)
+        part.pop("task_options", None)
+    else:  # no corpus is read
+        part.pop("data", None)
     if isinstance(part.get("model"), dict):
         part["model"] = {k: v for k, v in part["model"].items() if k != "attention"}
     if isinstance(part.get("train"), dict):
@@ -287,7 +317,8 @@ def train_run(rc: ExperimentConfig, rdir: Path, corpus: Corpus, reporter: Report
     (partial / FAILED).unlink(missing_ok=True)
     write_atomic(record, dump_yaml(rc))
     try:
-        model = train_model(rc, corpus, reporter, partial)
+        batches = None if rc.task == LM else build_task(rc.task, rc.task_options).batches(rc.seeds[0], rc.train.batch_size)
+        model = train_model(rc, corpus, reporter, partial, batches)
     except Diverged as e:
         write_atomic(partial / DIVERGED, json.dumps({"status": "diverged", "step": e.step, "loss": str(e.loss)}) + "\n")
         reporter.note(f"{rdir.name}: {e}; recorded in {rdir / DIVERGED}, the other runs go on")
@@ -417,11 +448,19 @@ def evaluate_run(
     rc, model = load_run(run_dir)
     if not (Path(run_dir) / "config.yaml").is_file():
         write_atomic(Path(run_dir) / "config.yaml", dump_yaml(rc))
+    if rc.task != LM and lengths:
+        raise PosbenchError(f"--lengths: a run of task {rc.task} is scored at its task's test lengths "
+                            f"(task_options.test_max)")  # fmt: skip
     if device is not None:  # a run trained on a GPU can be scored on a laptop
         check_device(device, f"--device {device}")
         rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
     if attention is not None:  # how it is scored, not what it learned: the weights are the same
         model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
+    if rc.task != LM:
+        if any(v is not None for v in variants):
+            raise PosbenchError(f"--rope-scaling applies to perplexity (task lm), not to task {rc.task}")
+        dev = pick_device(rc.train.device)
+        return rc, evaluate_task_into(rc, Path(run_dir), model.to(dev), dev, model.backend(dev))
     lengths = lengths or rc.eval.lengths
     if not lengths or min(lengths) < rc.model.train_len:
         raise PosbenchError(
@@ -542,13 +581,18 @@ def prepare(cfg: ExperimentConfig, plan, reporter: Reporter) -> list[int]:
     backend = backend_for(cfg.model.attention, device, cfg.model.head_dim, cfg.train.compile)
     if backend == "flex" and device.type == "cpu" and any(state == "todo" for _, _, state in plan):
         raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)
-    corpus = load_corpus(cfg.data)  # fails before any folder is made
-    n_tokens = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1  # the same for every run
+    corpus, n_tokens = None, 0
+    if cfg.task == LM:
+        corpus = load_corpus(cfg.data)  # fails before any folder is made
+        n_tokens = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1  # the same for every run
     if "sliding" in cfg.eval.protocol:  # stride 1 is exact and slow: say how slow first
         count = sum(len(windows(n_tokens, L, "sliding", cfg.eval.stride)) for L in cfg.eval.lengths)
         chunks = sum(len(windows(n_tokens, L, "nonoverlapping", None)) for L in cfg.eval.lengths)
         reporter.note(f"sliding evaluation, stride {cfg.eval.stride}: {count:,} windows per run over all lengths, "
                       f"about {count / chunks:.0f}x the forward passes of non-overlapping evaluation")  # fmt: skip
+    if cfg.task != LM:
+        reporter.note(f"task {cfg.task}: train_len {cfg.model.train_len} (its longest training instance), "
+                      f"{cfg.train.steps} steps x {cfg.train.batch_size} instances per run")  # fmt: skip
     return [n_tokens] * len(plan)
 
 
@@ -568,8 +612,8 @@ def run_jobs(cfg: ExperimentConfig, jobs: list[tuple], exp: Path, reporter: Repo
                 torch.set_num_threads(threads)
             corpora = {}
             for rc, rdir, state, n_tokens in jobs:
-                key = json.dumps(dataclasses.asdict(rc.data), sort_keys=True)
-                corpus = corpora.get(key) or corpora.setdefault(key, load_corpus(rc.data))
+                key = json.dumps([rc.task, dataclasses.asdict(rc.data)], sort_keys=True)
+                corpus = corpora[key] if key in corpora else corpora.setdefault(key, corpus_for(rc))
                 run_one(rc, rdir, state, corpus, n_tokens, reporter)
     except BaseException:
         if created and not any(p for p in exp.iterdir() if not p.name.endswith(".lock")):
@@ -577,7 +621,7 @@ def run_jobs(cfg: ExperimentConfig, jobs: list[tuple], exp: Path, reporter: Repo
         raise
 
 
-def run_one(rc, rdir: Path, state: str, corpus: Corpus, n_tokens: int, reporter: Reporter) -> str:
+def run_one(rc, rdir: Path, state: str, corpus: Optional[Corpus], n_tokens: int, reporter: Reporter) -> str:
     """Train one run if it is not trained yet, then score whatever it still lacks, holding its
     lock throughout. Returns what happened: trained, reused, diverged, or held (another
     process holds the run, so it is left to that process)."""
@@ -601,16 +645,30 @@ def run_one(rc, rdir: Path, state: str, corpus: Corpus, n_tokens: int, reporter:
             model = train_run(rc, rdir, corpus, reporter)
             if model is None:
                 return "diverged"
-        backend = model.backend(pick_device(rc.train.device))
-        for (variant, protocol), lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():  # only what is missing
-            evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
+        device = pick_device(rc.train.device)
+        backend = model.backend(device)
+        if rc.task != LM:
+            try:
+                scored = {r["attention"] for r in read_task_eval(rdir)} == {backend}
+            except PosbenchError:
+                scored = False
+            if not scored:
+                evaluate_task_into(rc, rdir, model.to(device), device, backend)
+        else:
+            for (variant, protocol), lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():  # only what is missing
+                evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
         write_atomic(rdir / "config.yaml", dump_yaml(rc))  # eval settings may have changed
         return "reused" if state == "done" else "trained"
 
 
 def run_job(rc, rdir: Path, state: str, n_tokens: int, reporter: Reporter) -> str:
     """run_one in a worker process, which reads the corpus from the cache itself."""
-    return run_one(rc, rdir, state, load_corpus(rc.data), n_tokens, reporter)
+    return run_one(rc, rdir, state, corpus_for(rc), n_tokens, reporter)
+
+
+def corpus_for(rc: ExperimentConfig) -> Optional[Corpus]:
+    """The text a run trains and is scored on; a task makes its own instances and reads none."""
+    return load_corpus(rc.data) if rc.task == LM else None
 
 
 def _remove_temporaries(jobs) -> None:

@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,14 +81,17 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 
-def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, folder: Path) -> TransformerLM:
+def train_model(cfg: ExperimentConfig, corpus: Optional[Corpus], reporter: Reporter, folder: Path,
+                batches: Optional[Callable] = None) -> TransformerLM:  # fmt: skip
     """Train cfg.model (one scheme) with seed cfg.seeds[0] in `folder`; returns the model on the CPU.
-    The log (train_log.jsonl) names the attention backend of each line. Every
-    train.checkpoint_every steps, and on Ctrl-C or SIGTERM, the whole training state goes to
-    folder/checkpoint.pt; a later call resumes from it and ends with the weights an
-    uninterrupted run ends with. A NaN or inf loss raises Diverged, naming its step."""
+    The log (train_log.jsonl) names the attention backend of each line. `batches(gen)` gives
+    (x, y), with y = -100 where no loss is taken (a task's prompts and padding), and has
+    get_state/set_state; None: random windows of the corpus. Every train.checkpoint_every
+    steps, and on Ctrl-C or SIGTERM, the whole training state goes to folder/checkpoint.pt; a
+    later call resumes from it and ends with the weights an uninterrupted run ends with. A NaN
+    or inf loss raises Diverged, naming its step."""
     seed, tc, L = cfg.seeds[0], cfg.train, cfg.model.train_len
-    if len(corpus.train) < L + 2:
+    if batches is None and len(corpus.train) < L + 2:
         raise PosbenchError(
             f"the training split of '{corpus.name}' has {len(corpus.train)} bytes, "
             f"fewer than model.train_len+2={L + 2}"
@@ -104,7 +107,7 @@ def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, folde
     state = load_progress(folder, reporter, label)
     if state is not None:
         try:
-            start, spent = restore(state, model, opt, gen, device), float(state.get("seconds", 0.0))
+            start, spent = restore(state, model, opt, gen, device, batches), float(state.get("seconds", 0.0))
         except Exception as e:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()[:120]
             raise PosbenchError(f"{folder / CHECKPOINT}: does not fit this run ({reason}); "
@@ -120,7 +123,7 @@ def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, folde
     recent = []  # this stretch's losses, left on the device until a check needs them
 
     def save(next_step: int) -> None:
-        save_progress(folder, snapshot(cfg, model, opt, gen, next_step, time.perf_counter() - t0))
+        save_progress(folder, snapshot(cfg, model, opt, gen, next_step, time.perf_counter() - t0, batches))
 
     def finite(step: int) -> Optional[float]:
         """The last loss (None if none since the last call); raises Diverged at the first NaN or
@@ -143,7 +146,7 @@ def train_model(cfg: ExperimentConfig, corpus: Corpus, reporter: Reporter, folde
             lr = lr_at(step, tc)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y = batch(corpus.train, tc.batch_size, L, gen)
+            x, y = batch(corpus.train, tc.batch_size, L, gen) if batches is None else batches(gen)
             x, y = x.to(device), y.to(device)
             with autocast(device):
                 logits = _compiled_call(forward, x) if tc.compile and step == start else forward(x)  # (B, T, V)
@@ -202,7 +205,8 @@ def stop_requests():
             signal.signal(s, handler)
 
 
-def snapshot(cfg: ExperimentConfig, model, opt, gen: torch.Generator, next_step: int, seconds: float) -> dict:
+def snapshot(cfg: ExperimentConfig, model, opt, gen: torch.Generator, next_step: int, seconds: float,
+             batches=None) -> dict:  # fmt: skip
     """Everything the next steps depend on: weights, AdamW's moments and step counts, the data
     generator and every global generator a scheme or torch might draw from."""
     return {
@@ -212,17 +216,20 @@ def snapshot(cfg: ExperimentConfig, model, opt, gen: torch.Generator, next_step:
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "optimizer": opt.state_dict(),
         "data": gen.get_state(),
+        "batches": batches.get_state() if batches is not None else None,  # a task's instance stream
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
         "python": list(random.getstate()[1]),
     }
 
 
-def restore(state: dict, model, opt, gen: torch.Generator, device: torch.device) -> int:
+def restore(state: dict, model, opt, gen: torch.Generator, device: torch.device, batches=None) -> int:
     """Put a snapshot back; returns the step to continue from."""
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     gen.set_state(state["data"])
+    if batches is not None:
+        batches.set_state(state["batches"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] and device.type == "cuda":
         torch.cuda.set_rng_state_all(state["cuda"])

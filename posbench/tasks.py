@@ -1,0 +1,360 @@
+"""Synthetic tasks: the registry, one generator per task, the fixed test set and the training batches.
+
+A task makes instances as byte strings, a prompt and an answer, e.g. b"copy:abc=" + b"abc.".
+The answer always ends in END, so a model that stops one byte early or late is wrong. An
+instance has a length n (the string's length, the digits, the pairs...). Training draws n
+uniformly from 1..train_max; the test set holds up to test_count instances of every length
+1..test_max, drawn from a fixed seed, so every scheme and seed meets the same ones, and
+training never draws one of them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import math
+import random
+from typing import Optional
+
+import torch
+
+from posbench.errors import PosbenchError
+
+END = b"."  # every answer's last byte
+PAD = 0  # the byte that pads a batch's short instances; never scored
+IGNORE = -100  # the target of a position the loss skips (F.cross_entropy's ignore_index)
+TEST_SEED = "posbench-test"  # the test set's seed: fixed, so every run meets the same instances
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+class Task:
+    """Base of every task. Subclass it, set `name`, `description` and any extra `options`,
+    and write `make` and `longest` (and `space` where the instances are few). Register it in
+    TASKS, or load it as module:Class (docs/tasks.md, "Write your own task")."""
+
+    name = "task"
+    description = ""
+    syntax = b":=" + END  # bytes an alphabet may not use: they delimit the prompt and answer
+    options: dict = {"train_max": 20, "test_max": None, "test_count": 50}
+    # the training budget at the default model size, where the user leaves train.* unset
+    budget: dict = {"steps": 2000, "batch_size": 64}
+
+    def __init__(self, options: Optional[dict] = None, where: str = "task_options"):
+        options = dict(options or {})
+        self.validate_options(options, where)
+        self.opt = {**self.options, **options}
+        self.train_max = self.opt["train_max"]
+        self.test_max = self.opt["test_max"] or 2 * self.train_max
+        if self.test_max < self.train_max:
+            raise PosbenchError(
+                f"{where}.test_max={self.test_max} is shorter than train_max={self.train_max}; "
+                f"test lengths must reach at least the training ones"
+            )
+        self.check(where)
+
+    @classmethod
+    def validate_options(cls, given: dict, where: str = "task_options") -> None:
+        """Unknown keys (with a did-you-mean), wrong types and non-positive sizes, one line each."""
+        for key, value in given.items():
+            if key not in cls.options:
+                close = difflib.get_close_matches(str(key), list(cls.options), n=1, cutoff=0.5)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise PosbenchError(
+                    f"{where}.{key}: unknown option of task '{cls.name}'{hint}; valid options: {', '.join(cls.options)}"
+                )
+            default = cls.options[key]
+            if key == "test_max" and value is None:
+                continue
+            want = int if default is None else type(default)
+            if isinstance(value, bool) or not isinstance(value, want):
+                raise PosbenchError(f"{where}.{key}: expected {want.__name__}, got {value!r}")
+            if want is int and value <= 0:
+                raise PosbenchError(f"{where}.{key}={value} must be positive")
+
+    def check(self, where: str) -> None:
+        """Options that depend on each other; the alphabet checks of alphabet tasks."""
+        for key in ("alphabet", "values"):
+            if key not in self.opt:
+                continue
+            text = self.opt[key]
+            if not text or not text.isascii() or not text.isprintable():
+                raise PosbenchError(f"{where}.{key}={text!r}: expected printable ASCII characters")
+            if len(set(text)) != len(text):
+                raise PosbenchError(f"{where}.{key}={text!r} lists a character more than once")
+            clash = sorted(set(text.encode()) & set(self.syntax))
+            if clash:
+                raise PosbenchError(
+                    f"{where}.{key}={text!r} uses {bytes(clash).decode()!r}, which the task's instances use as delimiters"
+                )
+
+    # --- what a task defines ------------------------------------------------------------------
+
+    def make(self, n: int, rng: random.Random) -> tuple[bytes, bytes]:
+        """One instance of length n: (prompt, answer), the answer ending in END."""
+        raise NotImplementedError
+
+    def longest(self, n: int) -> int:
+        """The longest prompt + answer, in bytes, at length n."""
+        raise NotImplementedError
+
+    def space(self, n: int) -> Optional[int]:
+        """How many distinct instances length n has (None: too many to matter)."""
+        return None
+
+    # --- derived ---------------------------------------------------------------------------------
+
+    @property
+    def train_len(self) -> int:
+        """The longest training sequence, the model's model.train_len."""
+        return max(self.longest(n) for n in range(1, self.train_max + 1))
+
+    def test_set(self) -> list[tuple[int, bytes, bytes]]:
+        """(n, prompt, answer) for every length 1..test_max: test_count distinct instances each,
+        from TEST_SEED. Where a length has few instances (parity of 3 bits has 8), the test takes
+        at most half of them, so that training, which never draws a test instance, keeps the
+        other half of every length."""
+        out = []
+        for n in range(1, self.test_max + 1):
+            space = self.space(n)
+            want = self.opt["test_count"] if space is None else min(self.opt["test_count"], space // 2)
+            rng = random.Random(f"{TEST_SEED}-{self.name}-{n}")
+            seen: dict[bytes, tuple[bytes, bytes]] = {}
+            for _ in range(50 * want):  # a task with fewer instances than space() says stops here
+                if len(seen) >= want:
+                    break
+                prompt, answer = self.make(n, rng)
+                seen.setdefault(prompt + answer, (prompt, answer))
+            out += [(n, p, a) for p, a in seen.values()]
+        return out
+
+    def batches(self, seed: int, batch_size: int, test: Optional[list] = None) -> "Batches":
+        return Batches(self, seed, batch_size, test if test is not None else self.test_set())
+
+
+class Batches:
+    """Training batches: n ~ U(1..train_max), instances redrawn until none is a test instance,
+    padded with PAD on the right, the loss on the answer bytes alone. The order follows the seed."""
+
+
+    def __init__(self, task: Task, seed: int, batch_size: int, test: list):
+        self.task, self.batch_size = task, batch_size
+        self.rng = random.Random(seed)
+        self.held_out = {p + a for n, p, a in test if n <= task.train_max}
+
+    def instance(self, n: Optional[int] = None) -> tuple[bytes, bytes]:
+        """A training instance of length n (None: n ~ U(1..train_max)), never a test instance."""
+        while True:
+            prompt, answer = self.task.make(n or self.rng.randint(1, self.task.train_max), self.rng)
+            if prompt + answer not in self.held_out:
+                return prompt, answer
+
+    def get_state(self) -> list:
+        """Where the instance stream stands, for a training checkpoint."""
+        version, internal, gauss = self.rng.getstate()
+        return [version, list(internal), gauss]
+
+    def set_state(self, state: list) -> None:
+        version, internal, gauss = state
+        self.rng.setstate((version, tuple(internal), gauss))
+
+    def __call__(self, gen=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs (B, T) and targets (B, T), int64; targets are IGNORE outside the answers."""
+        return pack([self.instance() for _ in range(self.batch_size)])
+
+
+def pack(instances: list[tuple[bytes, bytes]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Instances as next-byte inputs and targets, (B, T) each, T the longest instance less one.
+    The target at position t is byte t+1, scored only when byte t+1 belongs to the answer."""
+    T = max(len(p) + len(a) for p, a in instances) - 1
+    x = torch.full((len(instances), T), PAD, dtype=torch.long)
+    y = torch.full((len(instances), T), IGNORE, dtype=torch.long)
+    for i, (p, a) in enumerate(instances):
+        seq = torch.tensor(list(p + a), dtype=torch.long)
+        x[i, : len(seq) - 1] = seq[:-1]
+        y[i, len(p) - 1 : len(seq) - 1] = seq[len(p) :]  # the answer's bytes, predicted from the byte before
+    return x, y
+
+
+# --- the tasks ------------------------------------------------------------------------------------
+
+
+class Copy(Task):
+    name = "copy"
+    description = "a random string -> the same string"
+    options = {**Task.options, "alphabet": LETTERS}
+
+    def make(self, n, rng):
+        s = "".join(rng.choice(self.opt["alphabet"]) for _ in range(n)).encode()
+        return f"{self.name}:".encode() + s + b"=", self.solve(s) + END
+
+    def solve(self, s: bytes) -> bytes:
+        return s
+
+    def longest(self, n):
+        return len(self.name) + 2 * n + 3
+
+    def space(self, n):
+        return len(self.opt["alphabet"]) ** n
+
+
+class Reverse(Copy):
+    name = "reverse"
+    description = "a random string -> it reversed"
+
+    def solve(self, s):
+        return s[::-1]
+
+
+class Sort(Copy):
+    name = "sort"
+    description = "a random string -> its characters sorted (in the alphabet's byte order)"
+
+    def solve(self, s):
+        return bytes(sorted(s))
+
+
+class Addition(Task):
+    name = "addition"
+    description = "two n-digit numbers -> their sum"
+    syntax = b":=+" + END
+
+    def make(self, n, rng):
+        lo = 0 if n == 1 else 10 ** (n - 1)  # n digits, no leading zero
+        a, b = rng.randrange(lo, 10**n), rng.randrange(lo, 10**n)
+        return f"add:{a}+{b}=".encode(), str(a + b).encode() + END
+
+    def longest(self, n):
+        return 4 + 2 * n + 2 + (n + 1) + 1
+
+    def space(self, n):
+        return (10 if n == 1 else 9 * 10 ** (n - 1)) ** 2
+
+
+class Parity(Task):
+    name = "parity"
+    description = "a bit string -> even or odd, its count of 1s"
+
+    def make(self, n, rng):
+        bits = "".join(rng.choice("01") for _ in range(n))
+        return f"parity:{bits}=".encode(), (b"even" if bits.count("1") % 2 == 0 else b"odd") + END
+
+    def longest(self, n):
+        return 8 + n + 5
+
+    def space(self, n):
+        return 2**n
+
+
+FILLER = "the grass is green the sky is blue the sun is yellow here we go there and back again".split()
+
+
+class Passkey(Task):
+    """Filler words with a 5-digit key at a random depth (landmark attention's passkey test)."""
+
+    name = "passkey"
+    description = "n filler words with a 5-digit key at a random depth -> the key"
+    budget = {"steps": 800, "batch_size": 32}  # its instances are 5x longer
+
+    def make(self, n, rng):
+        return self.make_at(n, rng.randint(0, n), rng.randrange(10000, 100000))
+
+    def make_at(self, n: int, depth: int, key: int) -> tuple[bytes, bytes]:
+        """The key after `depth` of the n filler words."""
+        words = [FILLER[i % len(FILLER)] for i in range(n)]
+        words.insert(depth, f"key {key}")
+        return f"passkey:{' '.join(words)}=".encode(), f"{key}".encode() + END
+
+    def longest(self, n):
+        words = [FILLER[i % len(FILLER)] for i in range(n)]
+        return 8 + len(" ".join(words + ["key 12345"])) + 1 + 6
+
+    def space(self, n):
+        return 90000 * (n + 1)
+
+
+class Recall(Task):
+    """Associative recall (zoology's MQAR, one query): n key-value pairs, then a key."""
+
+    name = "recall"
+    description = "n key-value pairs, then one of the keys -> its value"
+    syntax = b":=?" + END
+    options = {**Task.options, "alphabet": LETTERS + LETTERS.upper(), "values": "0123456789"}
+
+    def check(self, where):
+        super().check(where)
+        if self.test_max > len(self.opt["alphabet"]):
+            raise PosbenchError(
+                f"{where}.test_max={self.test_max}: recall's keys are distinct, and its alphabet has "
+                f"{len(self.opt['alphabet'])}; give a longer alphabet or a smaller test_max"
+            )
+
+    def make(self, n, rng):
+        keys = rng.sample(self.opt["alphabet"], n)
+        values = [rng.choice(self.opt["values"]) for _ in range(n)]
+        q = rng.randrange(n)
+        pairs = "".join(k + v for k, v in zip(keys, values))
+        return f"recall:{pairs}?{keys[q]}=".encode(), values[q].encode() + END
+
+    def longest(self, n):
+        return 7 + 2 * n + 3 + 2
+
+    def space(self, n):
+        return math.perm(len(self.opt["alphabet"]), n) * len(self.opt["values"]) ** n * n
+
+
+TASKS: dict[str, type[Task]] = {
+    "copy": Copy,
+    "reverse": Reverse,
+    "sort": Sort,
+    "addition": Addition,
+    "parity": Parity,
+    "passkey": Passkey,
+    "recall": Recall,
+}
+LM = "lm"  # not a task: next-byte perplexity on the corpus (posbench/evaluate.py)
+
+
+def resolve_task(name: str) -> type[Task]:
+    """A registered name, or `module:Class` naming a user's Task subclass."""
+    if name in TASKS:
+        return TASKS[name]
+    if ":" in name:
+        return _load_plugin(name)
+    close = difflib.get_close_matches(name, [LM, *TASKS], n=1, cutoff=0.5)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise PosbenchError(f"unknown task '{name}'{hint}; valid tasks: {LM}, {', '.join(TASKS)}, or module:Class")
+
+
+def build_task(name: str, options: dict) -> Task:
+    cls = resolve_task(name)
+    try:
+        return cls(options)
+    except PosbenchError:
+        raise
+    except Exception as e:
+        if name in TASKS:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise PosbenchError(f"task '{name}' failed to build ({type(e).__name__}: {first})") from None
+
+
+def _load_plugin(spec: str) -> type[Task]:
+    module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise PosbenchError(f"task '{spec}': expected module:Class, e.g. my_tasks:Increment")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise PosbenchError(f"task '{spec}': cannot import module '{module_name}' ({e})") from None
+    except Exception as e:  # the user's module itself is broken: name the error, not a traceback
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise PosbenchError(f"task '{spec}': importing module '{module_name}' failed ({type(e).__name__}: {first})") from None
+    cls = module
+    for part in class_name.split("."):
+        cls = getattr(cls, part, None)
+    if cls is None:
+        raise PosbenchError(f"task '{spec}': module '{module_name}' has no '{class_name}'")
+    if not (inspect.isclass(cls) and issubclass(cls, Task)):
+        raise PosbenchError(f"task '{spec}': {class_name} is not a subclass of posbench.tasks.Task")
+    return cls

@@ -1,0 +1,328 @@
+"""Synthetic tasks: each generator checked by independent code, exact match through the real
+decoding, the loss mask, train/test disjointness, one-line errors and a run end to end."""
+
+import collections
+import csv
+import random
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from posbench.accuracy import buckets, decode, exact, score
+from posbench.config import ModelConfig
+from posbench.errors import PosbenchError
+from posbench.model import TransformerLM
+from posbench.tasks import END, FILLER, IGNORE, PAD, TASKS, Task, build_task, pack
+
+from conftest import invoke
+
+SMALL = {"train_max": 6, "test_max": 9, "test_count": 12}
+
+
+def instances(name, n, count=40, seed=0, **options):
+    task = build_task(name, options)
+    rng = random.Random(seed)
+    return task, [task.make(n, rng) for _ in range(count)]
+
+
+def body(prompt: bytes, head: bytes) -> bytes:
+    """What lies between the task's `head:` and the final '='."""
+    assert prompt.startswith(head + b":") and prompt.endswith(b"=")
+    return prompt[len(head) + 1 : -1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 20])
+def test_copy_reverse_and_sort_answers_are_the_string_itself_reversed_and_sorted(n):
+    for name in ("copy", "reverse", "sort"):
+        _, made = instances(name, n)
+        for prompt, answer in made:
+            s = body(prompt, name.encode())
+            assert len(s) == n and set(s) <= set(b"abcdefghijklmnopqrstuvwxyz")
+            assert answer.endswith(END)
+            got = answer[:-1]
+            if name == "copy":
+                assert got == s
+            elif name == "reverse":
+                assert all(got[i] == s[n - 1 - i] for i in range(n))
+            else:
+                assert all(a <= b for a, b in zip(got, got[1:])) and collections.Counter(got) == collections.Counter(s)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 12])
+def test_addition_answers_are_the_sum_of_two_n_digit_numbers(n):
+    _, made = instances("addition", n)
+    for prompt, answer in made:
+        a, b = body(prompt, b"add").split(b"+")
+        assert len(a) == len(b) == n and (n == 1 or (a[:1] != b"0" and b[:1] != b"0"))
+        assert answer.endswith(END) and int(answer[:-1]) == int(a.decode()) + int(b.decode())
+
+
+@pytest.mark.parametrize("n", [1, 3, 20])
+def test_parity_says_whether_the_count_of_ones_is_even(n):
+    _, made = instances("parity", n)
+    for prompt, answer in made:
+        bits = body(prompt, b"parity")
+        assert len(bits) == n and set(bits) <= {ord("0"), ord("1")}
+        ones = sum(1 for c in bits if c == ord("1"))
+        assert answer == (b"odd." if ones % 2 else b"even.")
+
+
+@pytest.mark.parametrize("n,depth", [(1, 0), (1, 1), (10, 0), (10, 4), (10, 10), (33, 17)])
+def test_passkey_puts_the_key_after_exactly_depth_filler_words(n, depth):
+    task = build_task("passkey", {})
+    prompt, answer = task.make_at(n, depth, 48213)
+    words = body(prompt, b"passkey").decode().split(" ")
+    at = words.index("key")
+    assert at == depth and words[at + 1] == "48213" and answer == b"48213."
+    filler = words[:at] + words[at + 2 :]
+    assert len(filler) == n and all(w in FILLER for w in filler)
+    for prompt, answer in instances("passkey", n)[1]:  # random depths and keys
+        words = body(prompt, b"passkey").decode().split(" ")
+        assert answer == words[words.index("key") + 1].encode() + END and len(answer) == 6
+
+
+@pytest.mark.parametrize("n", [1, 2, 26, 40])
+def test_recall_answers_the_value_stored_under_the_queried_key(n):
+    _, made = instances("recall", n)
+    for prompt, answer in made:
+        m = re.fullmatch(rb"recall:(.*)\?(.)=", prompt)
+        pairs, key = m.group(1), m.group(2)
+        keys, values = pairs[0::2], pairs[1::2]
+        assert len(keys) == n and len(set(keys)) == n and key in keys
+        assert answer == values[keys.index(key) : keys.index(key) + 1] + END
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_every_instance_fits_the_task_s_stated_longest_and_train_len_is_the_longest(name):
+    task = build_task(name, {})
+    rng = random.Random(1)
+    for n in (1, 2, 5, task.train_max):
+        made = [task.make(n, rng) for _ in range(300)]
+        assert max(len(p) + len(a) for p, a in made) <= task.longest(n)
+    made = [task.make(task.train_max, rng) for _ in range(300)]
+    assert task.train_len == task.longest(task.train_max) >= max(len(p) + len(a) for p, a in made)
+
+
+@pytest.mark.parametrize("name,options,n", [("parity", {}, 3), ("copy", {"alphabet": "ab"}, 3), ("addition", {}, 1),
+                                            ("sort", {"alphabet": "xyz"}, 2)])  # fmt: skip
+def test_space_counts_the_distinct_instances(name, options, n):
+    task, made = instances(name, n, count=5000, **options)
+    assert task.space(n) == len({p + a for p, a in made})
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_training_never_draws_a_test_instance_and_the_test_set_is_fixed(name):
+    task = build_task(name, SMALL)
+    test = task.test_set()
+    assert test == build_task(name, SMALL).test_set()  # from the fixed test seed alone
+    assert {n for n, _, _ in test} == set(range(1, 10))
+    held = {p + a for _, p, a in test}
+    batches = task.batches(seed=3, batch_size=8, test=test)
+    drawn = [batches.instance() for _ in range(2000)]
+    assert not held & {p + a for p, a in drawn}
+    for n in range(1, 10):  # at most half of a small length goes to the test, and never a repeat
+        at = [p + a for m, p, a in test if m == n]
+        assert len(at) == len(set(at)) <= SMALL["test_count"]
+        if task.space(n) is not None:
+            assert len(at) <= task.space(n) // 2
+
+
+def test_tiny_lengths_still_train_parity_of_one_bit_on_the_other_instance():
+    task = build_task("parity", SMALL)
+    tested = [p + a for n, p, a in task.test_set() if n == 1]
+    assert len(tested) == 1  # two instances in all: one is tested, the other trained on
+    batches = task.batches(0, 1)
+    drawn = {p + a for p, a in (batches.instance() for _ in range(500)) if len(p) == len("parity:0=")}
+    assert drawn == {b"parity:0=even.", b"parity:1=odd."} - set(tested)
+
+
+def test_the_loss_mask_covers_exactly_the_answer_bytes():
+    made = [(b"copy:ab=", b"ab."), (b"add:7+5=", b"12."), (b"parity:1=", b"odd.")]
+    x, y = pack(made)
+    T = max(len(p) + len(a) for p, a in made) - 1
+    assert x.shape == y.shape == (3, T)
+    for i, (p, a) in enumerate(made):
+        seq = list(p + a)
+        scored = [t for t in range(T) if y[i, t] != IGNORE]
+        assert [seq[t + 1] for t in scored] == list(a)  # the answer bytes, each predicted from the byte before
+        assert scored == list(range(len(p) - 1, len(p) + len(a) - 1))
+        assert x[i, : len(seq) - 1].tolist() == seq[:-1] and (x[i, len(seq) - 1 :] == PAD).all()
+
+
+class Oracle(nn.Module):
+    """Emits the right next byte of whichever test instance it is reading, `shift` bytes off."""
+
+    def __init__(self, test, shift=0):
+        super().__init__()
+        self.answers = {p: a for _, p, a in test}
+        self.shift = shift
+
+    def forward(self, tokens):
+        B, T = tokens.shape
+        logits = torch.zeros(B, T, 256)
+        for b in range(B):
+            row = bytes(tokens[b].tolist())
+            prompt = next(p for p in self.answers if row.startswith(p))
+            answer = self.answers[prompt] + b"#" * 4
+            for t in range(len(prompt) - 1, T):
+                logits[b, t, answer[t - len(prompt) + 1 + self.shift]] = 1.0
+        return logits
+
+
+def test_an_oracle_scores_every_instance_and_one_byte_off_scores_none():
+    test = build_task("copy", SMALL).test_set() + build_task("addition", SMALL).test_set()
+    rows = score(Oracle(test), test, "cpu")
+    assert all(r["correct"] == r["instances"] > 0 for r in rows)
+    assert decode(Oracle(test), [(p, a) for _, p, a in test], "cpu") == [a for _, _, a in test]
+    for shift in (1, -1):  # a decoder that reads one position off
+        assert all(r["correct"] == 0 for r in score(Oracle(test, shift), test, "cpu"))
+
+
+def test_one_wrong_byte_costs_only_its_instance():
+    test = build_task("copy", SMALL).test_set()
+    wrong = test[5]
+
+    class MostlyRight(Oracle):
+        def forward(self, tokens):
+            logits = super().forward(tokens)
+            for b in range(tokens.size(0)):
+                if bytes(tokens[b].tolist()).startswith(wrong[1]):
+                    logits[b, -1] = 0
+                    logits[b, -1, ord("z")] = 1.0  # one byte of its answer wrong: the last one read
+            return logits
+
+    rows = {r["length"]: r for r in score(MostlyRight(test), test, "cpu")}
+    n_wrong = wrong[0]
+    assert rows[n_wrong]["correct"] == rows[n_wrong]["instances"] - 1
+    assert all(r["correct"] == r["instances"] for n, r in rows.items() if n != n_wrong)
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "rope", "learned"])
+def test_scoring_in_one_pass_equals_greedy_decoding(scheme):
+    """exact() scores teacher-forced; it must agree with real greedy decoding, instance by instance,
+    on a model that gets some right and some wrong."""
+    torch.manual_seed(0)
+    task = build_task("copy", {"train_max": 3, "test_max": 5, "test_count": 40, "alphabet": "ab"})
+    model = TransformerLM(ModelConfig(scheme=scheme, n_layer=1, d_model=32, n_head=2, train_len=task.train_len))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = task.batches(0, 32)
+    for _ in range(60):  # partly trained: a mix of right and wrong answers
+        x, y = batches()
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    pairs = [(p, a) for _, p, a in task.test_set()]
+    hits = exact(model.eval(), pairs, "cpu")
+    assert hits == [ans == a for ans, (_, a) in zip(decode(model, pairs, "cpu"), pairs)]
+    assert 0 < sum(hits) < len(hits)
+
+
+def test_buckets_are_each_length_to_40_then_ten_and_the_training_length_ends_one():
+    assert buckets(20, 40) == [(n, n) for n in range(1, 41)]
+    b = buckets(25, 100)
+    assert b[0] == (1, 10) and (21, 25) in b and (26, 30) in b and b[-1] == (91, 100)
+    assert buckets(20, 40, [10, 30]) == [(1, 10), (11, 20), (21, 30), (31, 40)]
+    for spans in (buckets(20, 40), b, buckets(7, 100, [50])):  # they tile 1..test_max
+        assert [n for lo, hi in spans for n in range(lo, hi + 1)] == list(range(1, spans[-1][1] + 1))
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "train.steps=30",
+        "--set", "train.warmup_steps=5", "--set", "task_options.train_max=4", "--set", "task_options.test_max=7",
+        "--set", "task_options.test_count=8"]  # fmt: skip
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--task", "copi"], "unknown task 'copi' (did you mean 'copy'?)"),
+    (["--task", "copy", "--set", "task_options.train_mx=5"], "task_options.train_mx: unknown option of task 'copy' (did you mean 'train_max'?)"),
+    (["--task", "copy", "--set", "task_options.test_max=10", "--set", "task_options.train_max=20"],
+     "task_options.test_max=10 is shorter than train_max=20"),
+    (["--task", "posbench.config:ModelConfig"], "ModelConfig is not a subclass of posbench.tasks.Task"),
+    (["--task", "copy", "--set", "task_options.alphabet=ab=c"], "uses '=', which the task's instances use as delimiters"),
+    (["--task", "recall", "--set", "task_options.test_max=60"], "recall's keys are distinct"),
+    (["--task", "copy", "--train-len", "50"], "a task's are task_options.train_max and test_max"),
+    (["--task", "copy", "--set", "model.train_len=50"], "model.train_len=50: a task derives it"),
+    (["--task", "copy", "--rope-scaling", "yarn"], "eval.rope_scaling applies to perplexity"),
+    (["--set", "task_options.train_max=5"], "task_options are set but task is lm"),
+])  # fmt: skip
+def test_bad_task_input_is_one_line_and_writes_nothing(tmp_path, args, message):
+    res = invoke("extrapolate", "--set", f"out_dir={tmp_path / 'r'}", *args)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_task_runs_end_to_end_resumes_and_reports(tmp_path):
+    out = tmp_path / "r"
+    args = ["extrapolate", "--task", "reverse", "--schemes", "alibi,learned", "--seeds", "0,1",
+            "--set", f"out_dir={out}", "--set", "scheme_options.learned.max_len=20", *TINY]  # fmt: skip
+    res = invoke(*args)
+    assert res.exit_code == 0, res.output
+    assert "train_len 18 (its longest training instance)" in " ".join(res.output.split())
+    exp = out / "reverse"  # a task's runs go to results/<task>
+    runs = sorted(p.name for p in exp.iterdir() if p.is_dir())
+    assert runs == ["alibi-seed0", "alibi-seed1", "learned-seed0", "learned-seed1"]
+    rows = {r: list(csv.DictReader((exp / r / "eval.csv").open())) for r in runs}
+    for r in runs:  # the same test lengths and counts in every run
+        assert [(x["length"], x["instances"]) for x in rows[r]] == [(x["length"], x["instances"]) for x in rows[runs[0]]]
+        assert {x["task"] for x in rows[r]} == {"reverse"} and {x["metric"] for x in rows[r]} == {"exact_match"}
+    # learned's table of 20 positions reaches reverse:abcde=edcba. (22 bytes, read to its 21st) but not n = 6
+    status = {int(x["length"]): x["status"] for x in rows["learned-seed0"]}
+    assert status == {1: "ok", 2: "ok", 3: "ok", 4: "ok", 5: "ok", 6: "beyond-max-len", 7: "beyond-max-len"}
+    prompts = [[ln for ln in (exp / r / "samples.txt").read_text().splitlines() if ln.startswith("prompt")] for r in runs]
+    assert prompts[0] and all(p == prompts[0] for p in prompts)  # the same instances for every scheme and seed
+    config = (exp / "alibi-seed0" / "config.yaml").read_text()
+    assert "task: reverse" in config and "test_max: 7" in config and "train_len: 18" in config
+    summary = list(csv.DictReader((exp / "summary.csv").open()))
+    assert {"task", "metric", "bucket", "split", "value"} <= set(summary[0])
+    assert {r["split"] for r in summary if r["bucket"] in ("5", "6", "7")} == {"out"}
+    assert {r["split"] for r in summary if r["bucket"] in ("1", "4")} == {"in"}
+    md = (exp / "summary.md").read_text()
+    assert "| in-dist |" in md and "| 7 | " in md and "—" in md
+    before = (exp / "summary.csv").read_text()
+
+    res = invoke(*args)  # resume: nothing retrained, nothing rescored
+    assert res.exit_code == 0 and res.output.count("already trained") == 4
+    (exp / "summary.csv").unlink()
+    assert invoke("report", exp).exit_code == 0
+    assert (exp / "summary.csv").read_text() == before
+    res = invoke("report", exp, "--buckets", "2,4")
+    assert res.exit_code == 0, res.output
+    assert {r["bucket"] for r in csv.DictReader((exp / "summary.csv").open())} == {"1-2", "3-4", "5-7", "in", "out"}
+    res = invoke("evaluate", exp / "alibi-seed0")
+    assert res.exit_code == 0 and "samples.txt" in res.output
+
+
+def test_a_user_s_task_loads_as_module_colon_class(tmp_path, monkeypatch):
+    (tmp_path / "my_tasks.py").write_text(
+        "from posbench.tasks import END, Task\n\n"
+        "class Increment(Task):\n"
+        "    name = 'increment'\n"
+        "    description = 'a number -> the number plus one'\n\n"
+        "    def make(self, n, rng):\n"
+        "        x = rng.randrange(10 ** n)\n"
+        "        return f'inc:{x:0{n}d}='.encode(), str(x + 1).encode() + END\n\n"
+        "    def longest(self, n):\n"
+        "        return 4 + n + 1 + (n + 1) + 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = invoke("extrapolate", "--task", "my_tasks:Increment", "--schemes", "nope", "--set", f"out_dir={tmp_path / 'r'}",
+                 *TINY)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "inc:" in (tmp_path / "r" / "my_tasks_Increment" / "nope-seed0" / "samples.txt").read_text()
+
+
+def test_a_task_plugin_that_fails_to_build_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "bad_tasks.py").write_text(
+        "from posbench.tasks import Task\n\nclass Broken(Task):\n    def __init__(self, options):\n        raise ValueError('nope')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = invoke("extrapolate", "--task", "bad_tasks:Broken", "--set", f"out_dir={tmp_path / 'r'}")
+    assert res.exit_code == 2 and "task 'bad_tasks:Broken' failed to build (ValueError: nope)" in res.output
+    with pytest.raises(PosbenchError, match="no 'Missing'"):
+        build_task("bad_tasks:Missing", {})
+    assert issubclass(TASKS["copy"], Task)
