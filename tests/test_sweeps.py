@@ -326,3 +326,20 @@ def test_without_ray_the_ray_executor_is_one_line(tmp_path, monkeypatch):
     res = invoke("sweep", _sweep(tmp_path), "--executor", "ray")
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "--executor ray needs Ray, an optional extra: pip install -e '.[ray]'" in " ".join(res.output.split())
+
+
+def test_a_task_run_interrupted_resumes_to_the_weights_of_an_unbroken_run(tmp_path, monkeypatch):
+    """A task's instance stream is part of the checkpoint: a copy run stopped by Ctrl-C and rerun
+    ends bit-identical to one never stopped (drawing fresh instances after the resume would not)."""
+    args = lambda out: ["extrapolate", "--task", "copy", "--schemes", "alibi", "--set", f"out_dir={out}",  # noqa: E731
+                        "--set", "task_options.train_max=5", "--set", "task_options.test_count=4",
+                        "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
+                        "--set", "train.steps=40", "--set", "train.batch_size=8", "--set", "train.warmup_steps=5",
+                        "--set", "train.checkpoint_every=10", "--set", "train.log_every=1"]  # fmt: skip
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 15)
+        assert invoke(*args(tmp_path / "r")).exit_code == 130
+    res = invoke(*args(tmp_path / "r"))
+    assert res.exit_code == 0 and "resuming from its checkpoint at step 15 of 40" in " ".join(res.output.split())
+    assert invoke(*args(tmp_path / "whole")).exit_code == 0
+    assert _same_weights(tmp_path / "r" / "copy" / "alibi-seed0", tmp_path / "whole" / "copy" / "alibi-seed0")
