@@ -194,16 +194,17 @@ def _print_task_summary(dirs, metric: str, transpose: bool, out_dir: Optional[Pa
     if metric != "ppl":  # the default of --metric
         raise PosbenchError(f"--metric {metric}: a task's runs are scored by exact match alone")
     folder = summary_dir(dirs, out_dir)
-    long, configs, table = write_summary(dirs, folder, transpose, buckets)
-    task = task_of(configs[0])
-    rows = grid(table, transpose or len(table.attrs["buckets"]) > 12, bold=lambda c: "\0" + c)
-    t = Table(title=f"{configs[0].task}: % exact match by length (trained on 1..{task.train_max})",
-              caption="mean ± 95% interval over seeds; bold: the best and every scheme not significantly different")
-    for i, c in enumerate(rows[0]):
-        t.add_column(escape(c), justify="left" if i == 0 else "right", style="bold" if i == 0 else None)
-    for r in rows[1:]:
-        t.add_row(*(f"[bold]{escape(c[1:])}[/]" if c.startswith("\0") else escape(c) for c in r))
-    out.print(t)
+    for point, configs, _, table in write_summary(dirs, folder, transpose, buckets):
+        task = task_of(configs[0])
+        rows = grid(table, transpose or len(table.attrs["buckets"]) > 12, bold=lambda c: "\0" + c)
+        where = f"; {point}" if point else ""
+        t = Table(title=f"{configs[0].task}: % exact match by length (trained on 1..{task.train_max}{where})",
+                  caption="mean ± 95% interval over seeds; bold: the best and every scheme not significantly different")
+        for i, c in enumerate(rows[0]):
+            t.add_column(escape(c), justify="left" if i == 0 else "right", style="bold" if i == 0 else None)
+        for r in rows[1:]:
+            t.add_row(*(f"[bold]{escape(c[1:])}[/]" if c.startswith("\0") else escape(c) for c in r))
+        out.print(t)
     for name in ("summary.csv", "summary.md", "summary.tex", "summary.png", "training.png"):
         if (folder / name).exists():
             out.print(f"wrote {folder / name}", highlight=False)

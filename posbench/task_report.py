@@ -17,8 +17,8 @@ from posbench.accuracy import EVAL_COLUMNS, METRIC, bucket_name, buckets, read_t
 from posbench.config import config_from_dict, read_yaml
 from posbench.errors import PosbenchError
 from posbench.files import atomic, write_atomic
-from posbench.report import _pyplot, _save, plot_training, scheme_order
-from posbench.runs import differences, experiment_part, trained_with
+from posbench.report import _pyplot, _save, plot_training, point_labels, scheme_order
+from posbench.runs import SWEEP_RECORD, differences, experiment_part, trained_with
 from posbench.stats import mean_ci, tied_for_best
 
 SUMMARY_COLUMNS = ["task", "metric", "scheme", "seed", "train_max", "bucket", "lo", "hi", "split", "value",
@@ -38,11 +38,14 @@ def is_task_experiment(exp_dirs) -> bool:
 
 
 def collect(exp_dirs: list[Path]) -> tuple[pd.DataFrame, list]:
-    """Every run's per-length rows and its config, refused unless all runs share a task and settings."""
-    rows, configs, first, runs, schemes, trained = [], [], None, {}, {}, {}
+    """Every run's per-length rows and its config, refused unless all runs share a task and
+    settings; in a sweep's folder (it holds sweep.yaml) each row names its grid point in a
+    `point` column instead, and df.attrs["points"] maps each point to its runs' configs."""
+    rows, configs, first, runs, schemes, trained, parts, of = [], [], None, {}, {}, {}, {}, {}
     for exp_dir in map(Path, exp_dirs):
         if not exp_dir.is_dir():
             raise PosbenchError(f"{exp_dir}: no such experiment directory")
+        sweep = (exp_dir / SWEEP_RECORD).is_file()
         for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
             if not (rdir / "config.yaml").is_file() and not (rdir / "model.pt").is_file():
                 continue
@@ -53,20 +56,28 @@ def collect(exp_dirs: list[Path]) -> tuple[pd.DataFrame, list]:
             part = experiment_part(cfg.to_dict())
             if first is None:
                 first = (rdir, part)
-            elif part != first[1]:
+            elif part != first[1] and not sweep:
                 diff = differences(first[1], part, (first[0].name, f"in {rdir.name}"))
                 raise PosbenchError(f"{exp_dir}: runs trained under different settings ({', '.join(diff)}); "
                                     f"a table compares runs that differ only in scheme and seed")  # fmt: skip
+            if cfg.task == "lm":
+                raise PosbenchError(f"{exp_dir}: mixes perplexity runs (task lm, e.g. {rdir.name}) with task runs; "
+                                    f"sweep lm apart from the tasks")  # fmt: skip
             configs.append(cfg)
-            rows += read_task_eval(rdir)
+            parts[rdir], of[rdir] = part, cfg
+            rows += [{**r, "point": rdir} for r in read_task_eval(rdir)]
             runs[rdir], schemes[rdir], trained[rdir.name] = cfg.seeds[0], cfg.schemes, trained_with(rdir)
     if not rows:
         raise PosbenchError(f"{', '.join(map(str, exp_dirs))}: holds no evaluated runs")
-    df = pd.DataFrame(rows, columns=EVAL_COLUMNS)
+    labels = point_labels(parts)
+    df = pd.DataFrame([{**r, "point": labels[r["point"]]} for r in rows], columns=[*EVAL_COLUMNS, "point"])
     for c in ("seed", "train_max", "length", "instances"):
         df[c] = df[c].astype(int)
     df["correct"] = pd.to_numeric(df["correct"], errors="coerce")
-    df.attrs.update(runs=runs, schemes=schemes, trained_with=trained)
+    points: dict[str, list] = {}
+    for rdir, label in labels.items():
+        points.setdefault(label, []).append(of[rdir])
+    df.attrs.update(runs=runs, schemes=schemes, trained_with=trained, points=points)
     return df, configs
 
 
@@ -155,10 +166,11 @@ def describe(configs: list, long: pd.DataFrame) -> list[str]:
     ]
 
 
-def markdown(configs, long, table, transpose) -> str:
+def markdown(configs, long, table, transpose, point: str = "") -> str:
     c = configs[0]
     task = task_of(c)
-    out = [f"# {c.task}: exact-match accuracy by length, trained on 1..{task.train_max}, tested to {task.test_max}", ""]
+    out = [f"# {c.task}: exact-match accuracy by length, trained on 1..{task.train_max}, tested to {task.test_max}"
+           + (f" ({point})" if point else ""), ""]
     out += describe(configs, long)
     rows = grid(table, transpose or len(table.attrs["buckets"]) > 12)
     out += ["", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
@@ -166,7 +178,7 @@ def markdown(configs, long, table, transpose) -> str:
     return "\n".join(out) + "\n"
 
 
-def latex(configs, table, transpose) -> str:
+def latex(configs, table, transpose, point: str = "") -> str:
     def tex(text: str) -> str:
         for a, b in (("_", "\\_"), ("%", "\\%"), ("±", "$\\pm$"), ("—", "--")):
             text = text.replace(a, b)
@@ -178,52 +190,59 @@ def latex(configs, table, transpose) -> str:
                       "\\toprule", " & ".join(rows[0]) + " \\\\", "\\midrule",
                       *(" & ".join(r) + " \\\\" for r in rows[1:]), "\\bottomrule", "\\end{tabular}",
                       f"\\caption{{{tex(configs[0].task)}: \\% exact match by length, mean $\\pm$ 95\\% interval "
-                      f"over seeds.}}", "\\end{table}", ""])  # fmt: skip
+                      f"over seeds{tex(f' ({point})' if point else '')}.}}", "\\end{table}", ""])  # fmt: skip
 
 
-def plot(long: pd.DataFrame, path: Path, train_max: int, task: str) -> bool:
+def plot(sections: list, path: Path) -> bool:
     """Accuracy against length (each bucket at its longest length), one line per scheme with its
-    95% band over seeds, a dashed line at the longest training length."""
+    95% band over seeds, a dashed line at the longest training length; a panel per grid point."""
     plt = _pyplot()
     if plt is None:
         return False
-    part = long[~long["bucket"].isin(["in", "out"])]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for s in scheme_order(set(part["scheme"])):
-        g = part[part["scheme"] == s]
-        xs, means, cis = [], [], []
-        for hi, at in g.groupby("hi"):
-            vals = at["value"].dropna().tolist()
-            if vals:
-                mean, ci = mean_ci(vals)
-                xs.append(hi), means.append(100 * mean), cis.append(0 if ci != ci else 100 * ci)
-        (line,) = ax.plot(xs, means, marker="o", markersize=3, label=s)
-        lo = [m - c for m, c in zip(means, cis)]
-        ax.fill_between(xs, lo, [m + c for m, c in zip(means, cis)], color=line.get_color(), alpha=0.15, linewidth=0)
-    ax.axvline(train_max, color="black", linestyle="--", linewidth=1)
-    ax.set_title(f"{task}: exact match by length", fontsize=10)
-    ax.set_xlabel(f"instance length; dashed: the longest trained ({train_max})")
-    ax.set_ylabel("% exact match")
-    ax.set_ylim(-2, 102)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(sections), figsize=(7 * len(sections), 4), squeeze=False)
+    for ax, (point, configs, long, _) in zip(axes[0], sections):
+        train_max = task_of(configs[0]).train_max
+        part = long[~long["bucket"].isin(["in", "out"])]
+        for s in scheme_order(set(part["scheme"])):
+            g = part[part["scheme"] == s]
+            xs, means, cis = [], [], []
+            for hi, at in g.groupby("hi"):
+                vals = at["value"].dropna().tolist()
+                if vals:
+                    mean, ci = mean_ci(vals)
+                    xs.append(hi), means.append(100 * mean), cis.append(0 if ci != ci else 100 * ci)
+            (line,) = ax.plot(xs, means, marker="o", markersize=3, label=s)
+            lo = [m - c for m, c in zip(means, cis)]
+            ax.fill_between(xs, lo, [m + c for m, c in zip(means, cis)], color=line.get_color(), alpha=0.15,
+                            linewidth=0)  # fmt: skip
+        ax.axvline(train_max, color="black", linestyle="--", linewidth=1)
+        ax.set_title(f"{configs[0].task}: exact match by length" + (f"\n{point}" if point else ""), fontsize=10)
+        ax.set_xlabel(f"instance length; dashed: the longest trained ({train_max})")
+        ax.set_ylabel("% exact match")
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     return _save(plt, fig, path)
 
 
-def write_summary(exp_dirs, out: Path, transpose: bool = False, edges: Optional[list[int]] = None):
+def write_summary(exp_dirs, out: Path, transpose: bool = False, edges: Optional[list[int]] = None) -> list:
     """summary.csv (task, metric, scheme, seed, bucket... one row per run and bucket, and its
-    in- and out-of-distribution totals), summary.md, summary.tex, summary.png and training.png."""
-    df, configs = collect(exp_dirs)
-    tasks = sorted({c.task for c in configs})
-    task = task_of(configs[0])
-    spans = buckets(task.train_max, task.test_max, edges if edges is not None else configs[0].eval.buckets)
-    long = by_bucket(df, spans, task.train_max)
-    table = comparison(long)
+    in- and out-of-distribution totals; a `point` column in a sweep), summary.md, summary.tex,
+    summary.png and training.png. Returns (grid point, configs, rows, table) per grid point."""
+    df, _ = collect(exp_dirs)
+    sections = []
+    for point in sorted(df.attrs["points"]):
+        configs = df.attrs["points"][point]
+        task = task_of(configs[0])
+        spans = buckets(task.train_max, task.test_max, edges if edges is not None else configs[0].eval.buckets)
+        long = by_bucket(df[df["point"] == point], spans, task.train_max).assign(point=point)
+        sections.append((point, configs, long, comparison(long)))
+    columns = SUMMARY_COLUMNS + (["point"] if len(sections) > 1 else [])
     out.mkdir(parents=True, exist_ok=True)
     with atomic(out / "summary.csv") as tmp:
-        long.to_csv(tmp, index=False, columns=SUMMARY_COLUMNS)
-    write_atomic(out / "summary.md", markdown(configs, long, table, transpose))
-    write_atomic(out / "summary.tex", latex(configs, table, transpose))
-    plot(long, out / "summary.png", task.train_max, tasks[0])
+        pd.concat([long for _, _, long, _ in sections]).to_csv(tmp, index=False, columns=columns)
+    write_atomic(out / "summary.md", "\n".join(markdown(c, long, t, transpose, p) for p, c, long, t in sections))
+    write_atomic(out / "summary.tex", "\n".join(latex(c, t, transpose, p) for p, c, _, t in sections))
+    plot(sections, out / "summary.png")
     plot_training(df, out / "training.png")
-    return long, configs, table
+    return sections

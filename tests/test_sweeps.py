@@ -1,5 +1,6 @@
 """Runs that survive: exact resume after a kill, no orphaned workers, one trainer per run."""
 
+import csv
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import ROOT, SMOKE, invoke
 
@@ -343,3 +345,33 @@ def test_a_task_run_interrupted_resumes_to_the_weights_of_an_unbroken_run(tmp_pa
     assert res.exit_code == 0 and "resuming from its checkpoint at step 15 of 40" in " ".join(res.output.split())
     assert invoke(*args(tmp_path / "whole")).exit_code == 0
     assert _same_weights(tmp_path / "r" / "copy" / "alibi-seed0", tmp_path / "whole" / "copy" / "alibi-seed0")
+
+
+def test_a_sweep_over_tasks_reports_each_task_as_its_own_grid_point(tmp_path):
+    """task is a sweep key like any other: each task trains at its own derived train_len, and
+    the report has a table per task, with summary.csv naming each row's task and point."""
+    path = tmp_path / "tasks.yaml"
+    path.write_text(f"""
+name: tgrid
+out_dir: {tmp_path / 'r'}
+model: {{n_layer: 1, n_head: 2, d_model: 32}}
+train: {{steps: 10, batch_size: 8, warmup_steps: 2, threads: 1}}
+task_options: {{train_max: 3, test_count: 2}}
+sweep: {{schemes: [alibi], task: [copy, reverse]}}
+""")
+    res = invoke("sweep", str(path))
+    assert res.exit_code == 0, res.output
+    exp = tmp_path / "r" / "tgrid"
+    heads = [ln for ln in (exp / "summary.md").read_text().splitlines() if ln.startswith("# ")]
+    assert [h.split(":")[0] for h in heads] == ["# copy", "# reverse"]
+    with open(exp / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["task"], r["point"].split("task=")[1]) for r in rows} == {("copy", "copy"), ("reverse", "reverse")}
+    from posbench.tasks import build_task
+
+    trained = {}
+    for d in exp.iterdir():
+        if (d / "config.yaml").is_file():
+            cfg = yaml.safe_load((d / "config.yaml").read_text())
+            trained[cfg["task"]] = cfg["model"]["train_len"]
+    assert trained == {t: build_task(t, {"train_max": 3}).train_len for t in ("copy", "reverse")}
