@@ -270,7 +270,7 @@ def test_a_task_runs_end_to_end_resumes_and_reports(tmp_path):
     for r in runs:  # the same test lengths and counts in every run
         assert [(x["length"], x["instances"]) for x in rows[r]] == [(x["length"], x["instances"]) for x in rows[runs[0]]]
         assert {x["task"] for x in rows[r]} == {"reverse"} and {x["metric"] for x in rows[r]} == {"exact_match"}
-    # learned's table of 20 positions reaches reverse:abcde=edcba. (22 bytes, read to its 21st) but not n = 6
+    # learned's 20 positions reach reverse:abcde=edcba. (20 bytes, read to its 19th), not n = 6 (22 bytes)
     status = {int(x["length"]): x["status"] for x in rows["learned-seed0"]}
     assert status == {1: "ok", 2: "ok", 3: "ok", 4: "ok", 5: "ok", 6: "beyond-max-len", 7: "beyond-max-len"}
     prompts = [[ln for ln in (exp / r / "samples.txt").read_text().splitlines() if ln.startswith("prompt")] for r in runs]
