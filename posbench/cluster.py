@@ -11,9 +11,8 @@ from typing import Optional
 
 from posbench.config import ExperimentConfig, config_from_dict
 from posbench.errors import PosbenchError
-from posbench.files import cache_dir, exclusive, write_atomic
-from posbench.runs import (SWEEP_RECORD, corpus_for, lock_file, partial_dir, plan_state, plan_sweep, prepare, run_one,
-                           safe_name)  # fmt: skip
+from posbench.files import cache_dir, exclusive
+from posbench.runs import corpus_for, lock_file, partial_dir, plan_state, run_one, safe_name, sweep_jobs
 from posbench.train import Reporter
 
 INSTALL = "--executor ray needs Ray, an optional extra: pip install -e '.[ray]' (or pip install ray)"
@@ -30,14 +29,7 @@ def run_sweep_on_ray(grid: list[tuple[dict, ExperimentConfig]], source: str, rep
         import ray
     except ImportError:
         raise PosbenchError(INSTALL) from None
-    exp, plan = plan_sweep(grid)
-    jobs = []
-    for settings, cfg in grid:
-        mine = [(rc, rdir, state) for c, rc, rdir, state in plan if c is cfg]
-        if mine:
-            jobs += [(rc, rdir, state, n) for (rc, rdir, state), n in zip(mine, prepare(cfg, mine, reporter))]
-    exp.mkdir(parents=True, exist_ok=True)
-    write_atomic(exp / SWEEP_RECORD, source)
+    exp, jobs = sweep_jobs(grid, source, reporter)
     started = not ray.is_initialized()
     if started:
         try:

@@ -538,9 +538,10 @@ def plan_note(rdir: Path, state: str) -> str:
     return "train" if step is None else f"resume at step {step}"
 
 
-def run_sweep(grid: list[tuple[dict, ExperimentConfig]], source: str, reporter: Reporter) -> Path:
-    """Train and evaluate what a sweep's grid still lacks, in one experiment folder; `source`
-    (the config file's text) is kept there as sweep.yaml. Returns the folder."""
+def sweep_jobs(grid: list[tuple[dict, ExperimentConfig]], source: str, reporter: Reporter) -> tuple[Path, list]:
+    """A sweep's experiment folder, made, with `source` (the config file's text) kept there as
+    sweep.yaml, and its (config, folder, state, evaluation tokens) jobs, each grid point checked
+    before any of them runs."""
     exp, plan = plan_sweep(grid)
     jobs = []
     for settings, cfg in grid:
@@ -549,6 +550,12 @@ def run_sweep(grid: list[tuple[dict, ExperimentConfig]], source: str, reporter: 
             jobs += [(rc, rdir, state, n) for (rc, rdir, state), n in zip(mine, prepare(cfg, mine, reporter))]
     exp.mkdir(parents=True, exist_ok=True)
     write_atomic(exp / SWEEP_RECORD, source)
+    return exp, jobs
+
+
+def run_sweep(grid: list[tuple[dict, ExperimentConfig]], source: str, reporter: Reporter) -> Path:
+    """Train and evaluate what a sweep's grid still lacks, in one experiment folder. Returns it."""
+    exp, jobs = sweep_jobs(grid, source, reporter)
     run_jobs(grid[0][1], jobs, exp, reporter)
     return exp
 

@@ -11,8 +11,6 @@ training never draws one of them.
 from __future__ import annotations
 
 import difflib
-import importlib
-import inspect
 import math
 import random
 from typing import Optional
@@ -20,6 +18,7 @@ from typing import Optional
 import torch
 
 from posbench.errors import PosbenchError
+from posbench.plugins import load_plugin
 
 END = b"."  # every answer's last byte
 PAD = 0  # the byte that pads a batch's short instances; never scored
@@ -320,7 +319,7 @@ def resolve_task(name: str) -> type[Task]:
     if name in TASKS:
         return TASKS[name]
     if ":" in name:
-        return _load_plugin(name)
+        return load_plugin(name, "task", Task, "posbench.tasks.Task", "my_tasks:Increment")
     close = difflib.get_close_matches(name, [LM, *TASKS], n=1, cutoff=0.5)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     raise PosbenchError(f"unknown task '{name}'{hint}; valid tasks: {LM}, {', '.join(TASKS)}, or module:Class")
@@ -337,24 +336,3 @@ def build_task(name: str, options: dict) -> Task:
             raise
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise PosbenchError(f"task '{name}' failed to build ({type(e).__name__}: {first})") from None
-
-
-def _load_plugin(spec: str) -> type[Task]:
-    module_name, _, class_name = spec.partition(":")
-    if not module_name or not class_name:
-        raise PosbenchError(f"task '{spec}': expected module:Class, e.g. my_tasks:Increment")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise PosbenchError(f"task '{spec}': cannot import module '{module_name}' ({e})") from None
-    except Exception as e:  # the user's module itself is broken: name the error, not a traceback
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise PosbenchError(f"task '{spec}': importing module '{module_name}' failed ({type(e).__name__}: {first})") from None
-    cls = module
-    for part in class_name.split("."):
-        cls = getattr(cls, part, None)
-    if cls is None:
-        raise PosbenchError(f"task '{spec}': module '{module_name}' has no '{class_name}'")
-    if not (inspect.isclass(cls) and issubclass(cls, Task)):
-        raise PosbenchError(f"task '{spec}': {class_name} is not a subclass of posbench.tasks.Task")
-    return cls

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import difflib
-import importlib
-import inspect
 
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
+from posbench.plugins import load_plugin
 from posbench.schemes.absolute import Learned, Sinusoidal, sinusoid
 from posbench.schemes.alibi import ALiBi, alibi_slopes
 from posbench.schemes.base import EvalVariant, NoPE, PositionalScheme, require_even, variant_label
@@ -62,7 +61,7 @@ def resolve_scheme(name: str) -> type[PositionalScheme]:
     if name in SCHEMES:
         return SCHEMES[name]
     if ":" in name:
-        return _load_plugin(name)
+        return load_plugin(name, "scheme", PositionalScheme, "posbench.schemes.PositionalScheme", "examples.my_scheme:MyScheme")
     base, plus, variant = name.partition("+")
     if plus and variant in getattr(SCHEMES.get(base), "eval_variants", {}):
         raise PosbenchError(
@@ -74,31 +73,6 @@ def resolve_scheme(name: str) -> type[PositionalScheme]:
     raise PosbenchError(
         f"unknown scheme '{name}'{hint}; valid schemes: {', '.join(SCHEMES)}, or module:Class"
     )
-
-
-def _load_plugin(spec: str) -> type[PositionalScheme]:
-    module_name, _, class_name = spec.partition(":")
-    if not module_name or not class_name:
-        raise PosbenchError(f"scheme '{spec}': expected module:Class, e.g. examples.my_scheme:MyScheme")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise PosbenchError(f"scheme '{spec}': cannot import module '{module_name}' ({e})") from None
-    except Exception as e:  # the user's module itself is broken: name the error, not a traceback
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise PosbenchError(
-            f"scheme '{spec}': importing module '{module_name}' failed ({type(e).__name__}: {first})"
-        ) from None
-    cls = module
-    for part in class_name.split("."):  # module:Outer.Inner works too
-        cls = getattr(cls, part, None)
-    if cls is None:
-        raise PosbenchError(f"scheme '{spec}': module '{module_name}' has no '{class_name}'")
-    if not (inspect.isclass(cls) and issubclass(cls, PositionalScheme)):
-        raise PosbenchError(
-            f"scheme '{spec}': {class_name} is not a subclass of posbench.schemes.PositionalScheme"
-        )
-    return cls
 
 
 def build_scheme(cfg: ModelConfig) -> PositionalScheme:
