@@ -29,6 +29,7 @@ def run_sweep_on_ray(grid: list[tuple[dict, ExperimentConfig]], source: str, rep
         import ray
     except ImportError:
         raise PosbenchError(INSTALL) from None
+    check_reachable(address)
     exp, jobs = sweep_jobs(grid, source, reporter)
     started = not ray.is_initialized()
     if started:
@@ -73,6 +74,21 @@ def run_sweep_on_ray(grid: list[tuple[dict, ExperimentConfig]], source: str, rep
         if started:
             ray.shutdown()
     return exp
+
+
+def check_reachable(address: Optional[str], timeout: float = 10.0) -> None:
+    """A head at host:port (or ray://host:port) that does not answer is one line; Ray itself
+    would keep retrying for minutes. None and 'auto' are Ray's to resolve."""
+    if address in (None, "auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise PosbenchError(f"--address {address}: expected auto, HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise PosbenchError(f"--address {address}: no Ray head answers there ({e.strerror or e}); "
+                            f"start one with `ray start --head`") from None  # fmt: skip
 
 
 def train_on_node(raw: dict, experiment: str, run: str, n_tokens: int, storage: Optional[str]):

@@ -330,6 +330,19 @@ def test_without_ray_the_ray_executor_is_one_line(tmp_path, monkeypatch):
     assert "--executor ray needs Ray, an optional extra: pip install -e '.[ray]'" in " ".join(res.output.split())
 
 
+@pytest.mark.parametrize("address,message", [
+    ("127.0.0.1:1", "--address 127.0.0.1:1: no Ray head answers there"),
+    ("ray://127.0.0.1:1", "--address ray://127.0.0.1:1: no Ray head answers there"),
+    ("nowhere", "--address nowhere: expected auto, HOST:PORT or ray://HOST:PORT"),
+])
+def test_a_ray_address_that_does_not_answer_is_one_line_and_writes_nothing(tmp_path, address, message):
+    pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
+    res = invoke("sweep", _sweep(tmp_path), "--executor", "ray", "--address", address)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert message in " ".join(res.output.split())
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_task_run_interrupted_resumes_to_the_weights_of_an_unbroken_run(tmp_path, monkeypatch):
     """A task's instance stream is part of the checkpoint: a copy run stopped by Ctrl-C and rerun
     ends bit-identical to one never stopped (drawing fresh instances after the resume would not)."""
