@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny model config and a tiny corpus, so no test needs the network."""
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,14 @@ _runner = CliRunner()
 def invoke(*args):
     """Run the posbench CLI in-process, as a user would type it."""
     return _runner.invoke(app, [str(a) for a in args])
+
+
+def report_rebuilt(exp: Path, copy: Path, removed: tuple):
+    """`posbench report` on a copy of the experiment `exp` whose `removed` files are deleted."""
+    shutil.copytree(exp, copy)
+    for name in removed:
+        (copy / name).unlink()
+    return invoke("report", copy)
 
 
 def smoke_experiment(tmp: Path, *args):

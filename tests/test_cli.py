@@ -11,7 +11,7 @@ import yaml
 
 from posbench.config import SEED_SCHEMES
 
-from conftest import SMOKE, invoke, smoke_experiment  # noqa: E402
+from conftest import SMOKE, invoke, report_rebuilt, smoke_experiment  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +72,7 @@ def test_summary_md_names_corpus_model_budget_protocol(smoke):
 def test_report_rebuilds_the_same_summary_from_disk(smoke, tmp_path):
     exp, _, _ = smoke
     copy = tmp_path / "copy"
-    shutil.copytree(exp, copy)
-    for name in ("summary.csv", "summary.md", "summary.png"):
-        (copy / name).unlink()
-    res = invoke("report", copy)
+    res = report_rebuilt(exp, copy, ("summary.csv", "summary.md", "summary.png"))
     assert res.exit_code == 0, res.output
     assert (copy / "summary.csv").read_text() == (exp / "summary.csv").read_text()
     assert (copy / "summary.md").read_text() == (exp / "summary.md").read_text()
