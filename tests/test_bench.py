@@ -162,8 +162,8 @@ def test_out_replaces_a_symlinks_target_and_refuses_a_pipe(tmp_path):
 
 
 def test_interleaved_rounds_shuffle_the_order_so_no_function_always_follows_another():
-    """The function timed right after the 2048² matmul finds the cache flushed; it used to be
-    NoPE in every round, which lowered the baseline of every ratio by ~3%."""
+    """The function timed right after the 2048² matmul finds the cache flushed; with one fixed
+    order that would be NoPE in every round, lowering the baseline of every ratio by ~3%."""
     from posbench.bench import BenchSettings, time_interleaved
 
     calls = []

@@ -206,8 +206,8 @@ def test_corrupt_checkpoint_keeps_what_is_on_disk(smoke, tmp_path):
 
 
 def test_weights_of_another_version_of_a_scheme_are_one_line(smoke, tmp_path):
-    """A checkpoint whose tensors no longer fit the scheme (KERPLE's r1 went from one per head
-    to one per head and layer) says so, instead of calling a good file corrupt."""
+    """A checkpoint whose tensors do not fit the scheme (KERPLE's r1 saved as one per head where
+    the scheme holds one per head and layer) says so, instead of calling a good file corrupt."""
     exp, _, _ = smoke
     run = tmp_path / "t5-seed0"
     shutil.copytree(exp / "t5-seed0", run)
