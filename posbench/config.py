@@ -422,6 +422,15 @@ def read_yaml(path: str | Path) -> dict:
     return raw
 
 
+def read_record(path: str | Path) -> dict:
+    """A run's config.yaml. posbench writes every key there, so an empty one is damaged: read
+    as a config, it would pass for the defaults."""
+    raw = read_yaml(path)
+    if not raw:
+        raise PosbenchError(f"{path}: empty, so it no longer records how its run was trained")
+    return raw
+
+
 def apply_override(raw: dict, assignment: str) -> None:
     """Apply one `--set a.b=value` to a raw config dict; the value is parsed as YAML."""
     if "=" not in assignment:

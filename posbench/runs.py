@@ -25,7 +25,7 @@ import torch
 from posbench.accuracy import evaluate_task_into, read_task_eval
 from posbench.attention import FLEX_CANNOT_TRAIN_ON_CPU, backend_for
 from posbench.config import (ExperimentConfig, ModelConfig, check_device, check_trainable, config_from_dict, dump_yaml,
-                             read_yaml)
+                             read_record, read_yaml)
 from posbench.data import Corpus, load_corpus
 from posbench.errors import PosbenchError
 from posbench.evaluate import eval_tokens, evaluate_model, windows
@@ -150,7 +150,7 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
         raise PosbenchError(f"{ckpt_path}: holds non-finite weights (NaN or inf); retrain it")
     record = Path(run_dir) / "config.yaml"
     if record.is_file():  # the run's record: its data and eval settings are the current ones
-        rec = config_from_dict(read_yaml(record), source=str(record))
+        rec = config_from_dict(read_record(record), source=str(record))
         ours, theirs = _weights_part(cfg.to_dict()), _weights_part(rec.to_dict())
         if ours != theirs:
             diff = ", ".join(differences(ours, theirs, ("model.pt", "in config.yaml")))
@@ -221,7 +221,7 @@ def plan_state(rc: ExperimentConfig, rdir: Path) -> str:
             raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
         return "todo"
     try:  # the record, or the checkpoint's own copy when config.yaml was lost
-        old = (read_yaml(rdir / "config.yaml") if (rdir / "config.yaml").is_file()
+        old = (read_record(rdir / "config.yaml") if (rdir / "config.yaml").is_file()
                else load_run(rdir)[0].to_dict())  # fmt: skip
     except PosbenchError as e:
         raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
@@ -243,7 +243,7 @@ def _check_same_experiment(cfg: ExperimentConfig, exp: Path) -> None:
         if cfg_file.parent.name.startswith("."):
             continue
         try:
-            old = experiment_part(config_from_dict(read_yaml(cfg_file)).to_dict())
+            old = experiment_part(config_from_dict(read_record(cfg_file)).to_dict())
         except PosbenchError:
             continue  # a damaged run folder is reported when it is planned
         if old != new:
@@ -718,7 +718,7 @@ def run_status(exp: Path) -> list[dict]:
 
 def _status_of(folder: Path, rdir: Path, hidden: bool) -> dict:
     try:
-        cfg = config_from_dict(read_yaml(folder / "config.yaml"))
+        cfg = config_from_dict(read_record(folder / "config.yaml"))
         ident = {"scheme": cfg.schemes[0], "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
         steps = cfg.train.steps
     except PosbenchError:
