@@ -505,10 +505,15 @@ def plan_sweep(grid: list[tuple[dict, ExperimentConfig]]) -> tuple[Path, list[tu
     Nothing is written; two points that would train one run are an error."""
     first = grid[0][1]
     exp = Path(first.out_dir) / first.name
+    if len({cfg.task == LM for _, cfg in grid}) > 1:  # perplexity and exact match share no table
+        raise PosbenchError("sweep: task mixes lm with the tasks, which one report cannot compare; "
+                            "sweep lm apart from the tasks")  # fmt: skip
     plan, seen = [], {}
     for settings, cfg in grid:
         if (cfg.out_dir, cfg.name) != (first.out_dir, first.name):
-            raise PosbenchError("sweep: name and out_dir make the one experiment folder; they cannot be swept")
+            named = "; each task names its own folder unless the config sets name" if cfg.task != first.task else ""
+            raise PosbenchError(f"sweep: its points would write to {exp} and {Path(cfg.out_dir) / cfg.name}, but name "
+                                f"and out_dir make the one experiment folder and cannot be swept{named}")  # fmt: skip
         for s in cfg.schemes:
             for n in cfg.seeds:
                 rc = cfg.for_run(s, n)

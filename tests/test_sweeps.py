@@ -388,3 +388,18 @@ sweep: {{schemes: [alibi], task: [copy, reverse]}}
             cfg = yaml.safe_load((d / "config.yaml").read_text())
             trained[cfg["task"]] = cfg["model"]["train_len"]
     assert trained == {t: build_task(t, {"train_max": 3}).train_len for t in ("copy", "reverse")}
+
+
+@pytest.mark.parametrize("name, tasks, message", [
+    ("name: mixed\n", "[lm, copy]", "sweep: task mixes lm with the tasks"),
+    ("", "[copy, reverse]", "cannot be swept; each task names its own folder unless the config sets name"),
+])  # fmt: skip
+def test_a_task_sweep_that_cannot_make_one_report_is_one_line_before_anything_trains(tmp_path, name, tasks, message):
+    path = tmp_path / "tasks.yaml"
+    path.write_text(f"{name}out_dir: {tmp_path / 'r'}\nsweep: {{schemes: [alibi], task: {tasks}}}\n")
+    for args in ([], ["--dry-run"]):
+        res = invoke("sweep", path, *args)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) <= 2
+    assert not (tmp_path / "r").exists()
+
