@@ -742,7 +742,7 @@ def _status_of(folder: Path, rdir: Path, hidden: bool) -> dict:
         return {**row, "state": "done" if not missing else "partial",
                 "detail": "trained and evaluated" if not missing else f"lacks {' and '.join(missing)}"}  # fmt: skip
     if (folder / FAILED).is_file():
-        return {**row, "state": "failed", "detail": f"{(folder / FAILED).read_text().strip()} ({at})"}
+        return {**row, "state": "failed", "detail": f"{(folder / FAILED).read_text(errors='replace').strip()} ({at})"}
     return {**row, "state": "partial", "detail": f"{at}; rerun to resume" if step is not None else at}
 
 

@@ -403,3 +403,14 @@ def test_a_task_sweep_that_cannot_make_one_report_is_one_line_before_anything_tr
         assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) <= 2
     assert not (tmp_path / "r").exists()
 
+
+def test_status_reads_a_failed_txt_that_is_not_text(tmp_path):
+    from posbench.runs import run_status
+
+    partial = tmp_path / ".alibi-seed0.partial"
+    partial.mkdir()
+    (partial / "failed.txt").write_bytes(b"\xff\xfe out of memory\n")
+    res = invoke("status", tmp_path)
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    rows = run_status(tmp_path)
+    assert [(r["state"], r["detail"]) for r in rows] == [("failed", "\ufffd\ufffd out of memory (no checkpoint yet)")]
