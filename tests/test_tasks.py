@@ -297,6 +297,13 @@ def test_a_task_runs_end_to_end_resumes_and_reports(tmp_path):
     assert res.exit_code == 0 and "samples.txt" in res.output
 
 
+@pytest.mark.parametrize("edges", ["0,5", "-5", "5,-10"])
+def test_a_bucket_that_ends_at_no_length_is_one_line(tmp_path, edges):
+    res = invoke("report", tmp_path, "--buckets", edges)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert f"--buckets {edges}: a bucket ends at a positive length" in res.output, res.output
+
+
 def test_a_user_s_task_loads_as_module_colon_class(tmp_path, monkeypatch):
     (tmp_path / "my_tasks.py").write_text(
         "from posbench.tasks import END, Task\n\n"
