@@ -495,8 +495,12 @@ def sweep_run_name(rc: ExperimentConfig, settings: dict) -> str:
     the weights, so a folder is one config and a changed setting is a new folder."""
     readable = [f"{safe_name(k.split('.')[-1])}{safe_name(str(v))}" for k, v in settings.items()
                 if k not in ("schemes", "seeds", "model.scheme")]  # fmt: skip
-    digest = hashlib.sha256(json.dumps(_training_part(rc.to_dict()), sort_keys=True).encode()).hexdigest()[:8]
-    return "-".join([run_name(rc.schemes[0], rc.seeds[0]), *readable, digest])
+    return "-".join([run_name(rc.schemes[0], rc.seeds[0]), *readable, run_digest(rc)])
+
+
+def run_digest(rc: ExperimentConfig) -> str:
+    """A hash of everything that decides a run's weights."""
+    return hashlib.sha256(json.dumps(_training_part(rc.to_dict()), sort_keys=True).encode()).hexdigest()[:8]
 
 
 def plan_sweep(grid: list[tuple[dict, ExperimentConfig]]) -> tuple[Path, list[tuple]]:
@@ -519,13 +523,14 @@ def plan_sweep(grid: list[tuple[dict, ExperimentConfig]]) -> tuple[Path, list[tu
                 rc = cfg.for_run(s, n)
                 rdir = exp / sweep_run_name(rc, settings)
                 where = ", ".join(f"{k}={v}" for k, v in settings.items())
-                if rdir in seen and seen[rdir] != where:
+                same = seen.get(run_digest(rc))  # the readable part of two names may differ
+                if same is not None and same[0] != where:
                     raise PosbenchError(
-                        f"sweep points {seen[rdir]} and {where} train the same run {rdir.name}: they differ "
+                        f"sweep points {same[0]} and {where} train the same run {same[1].name}: they differ "
                         f"only in how runs are scored or run, which a sweep does not vary"
                     )
-                if rdir not in seen:
-                    seen[rdir] = where
+                if same is None:
+                    seen[run_digest(rc)] = where, rdir
                     plan.append((cfg, rc, rdir, plan_state(rc, rdir)))
     return exp, plan
 

@@ -249,6 +249,8 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     ("model.n_layers", "[1]", "sweep.model.n_layers=1: model.n_layers: unknown key (did you mean 'model.n_layer'?)"),
     ("schemes", "[alibi, nosuch]", "sweep.schemes='nosuch'"),
     ("model.train_len", "[]", "sweep.model.train_len: expected a non-empty list"),
+    ("eval.lengths", "[[32], [48]]", "eval.lengths=[32] and schemes=alibi, seeds=0, eval.lengths=[48] train the same run"),
+    ("train.threads", "[1, 2]", "train.threads=1 and schemes=alibi, seeds=0, train.threads=2 train the same run"),
 ])  # fmt: skip
 def test_a_bad_value_anywhere_in_the_grid_is_one_line_and_nothing_runs(tmp_path, key, values, message):
     config = _sweep(tmp_path)
