@@ -516,6 +516,11 @@ def load_sweep(
         twice = [v for i, v in enumerate(values) if v in values[:i]]
         if twice:
             raise PosbenchError(f"{path}: sweep.{key}: {twice[0]!r} listed more than once")
+    for o in (o for o in overrides if "=" in o):  # applied after the grid's values: every point alike
+        key = o.split("=", 1)[0].strip()
+        swept = [k for k in block if k == key or k.startswith(key + ".") or key.startswith(k + ".")]
+        if swept:
+            raise PosbenchError(f"--set {o}: {swept[0]} is swept; change its list in {path}'s sweep: block")
 
     def point(settings: dict) -> ExperimentConfig:
         one = copy.deepcopy(raw)

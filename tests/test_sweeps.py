@@ -262,6 +262,15 @@ def test_a_bad_value_anywhere_in_the_grid_is_one_line_and_nothing_runs(tmp_path,
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("override, swept", [("seeds=[7]", "seeds"), ("model={n_layer: 2}", "model.train_len")])
+def test_a_set_of_a_swept_key_is_one_line_and_nothing_runs(tmp_path, override, swept):
+    config = _sweep(tmp_path, seeds="[0, 1]")
+    res = invoke("sweep", config, "--set", override)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"--set {override}: {swept} is swept" in " ".join(res.output.split())
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_diverged_point_is_recorded_the_grid_goes_on_and_status_shows_every_state(tmp_path, monkeypatch):
     from posbench.files import exclusive
     from posbench.runs import lock_file, run_status
