@@ -441,7 +441,10 @@ def report(
 ):
     """Rebuild the summary tables (Markdown, CSV, LaTeX) and plots from run folders, without training."""
     with user_errors():
-        _print_summary(experiment_dirs, metric, transpose, out_dir, _csv_ints(buckets, "--buckets"))
+        edges = _csv_ints(buckets, "--buckets")
+        if any(e <= 0 for e in edges or []):
+            raise PosbenchError(f"--buckets {buckets}: a bucket ends at a positive length")
+        _print_summary(experiment_dirs, metric, transpose, out_dir, edges)
 
 
 STATE_STYLES = {"done": "green", "partial": "yellow", "running": "cyan", "failed": "bold red", "diverged": "red"}

@@ -422,6 +422,15 @@ def read_yaml(path: str | Path) -> dict:
     return raw
 
 
+def read_record(path: str | Path) -> dict:
+    """A run's config.yaml. posbench writes every key there, so an empty one is damaged: read
+    as a config, it would pass for the defaults."""
+    raw = read_yaml(path)
+    if not raw:
+        raise PosbenchError(f"{path}: empty, so it no longer records how its run was trained")
+    return raw
+
+
 def apply_override(raw: dict, assignment: str) -> None:
     """Apply one `--set a.b=value` to a raw config dict; the value is parsed as YAML."""
     if "=" not in assignment:
@@ -507,6 +516,11 @@ def load_sweep(
         twice = [v for i, v in enumerate(values) if v in values[:i]]
         if twice:
             raise PosbenchError(f"{path}: sweep.{key}: {twice[0]!r} listed more than once")
+    for o in (o for o in overrides if "=" in o):  # applied after the grid's values: every point alike
+        key = o.split("=", 1)[0].strip()
+        swept = [k for k in block if k == key or k.startswith(key + ".") or key.startswith(k + ".")]
+        if swept:
+            raise PosbenchError(f"--set {o}: {swept[0]} is swept; change its list in {path}'s sweep: block")
 
     def point(settings: dict) -> ExperimentConfig:
         one = copy.deepcopy(raw)

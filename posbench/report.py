@@ -8,7 +8,7 @@ from typing import Optional
 
 import pandas as pd
 
-from posbench.config import config_from_dict, read_yaml
+from posbench.config import config_from_dict, read_record
 from posbench.errors import PosbenchError
 from posbench.evaluate import PROTOCOL_NAMES, protocol_label
 from posbench.files import atomic, write_atomic
@@ -32,7 +32,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
     for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         has = {f: (rdir / f).is_file() for f in ("config.yaml", "eval.csv", "model.pt")}
         if (rdir / DIVERGED).is_file() and not has["model.pt"]:  # no weights, no rows: named, not scored
-            c = config_from_dict(read_yaml(rdir / "config.yaml"), source=str(rdir / "config.yaml"))
+            c = config_from_dict(read_record(rdir / "config.yaml"), source=str(rdir / "config.yaml"))
             diverged[rdir.name] = f"{c.schemes[0]} seed {c.seeds[0]} {diverged_step(rdir)}"
             continue
         if not any(has.values()):
@@ -46,8 +46,11 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
                 f"{rdir}: a run folder without {lacks}; finish it with posbench evaluate {rdir} "
                 f"or posbench extrapolate, or move it out of {exp_dir}"
             )
-        raw = read_yaml(rdir / "config.yaml")  # malformed or not text: one line naming it
+        raw = read_record(rdir / "config.yaml")  # malformed or not text: one line naming it
         configs.append(config_from_dict(raw, source=str(rdir / "config.yaml")))
+        if configs[-1].task != "lm":  # its eval.csv holds accuracy rows, which would read as malformed
+            raise PosbenchError(f"{exp_dir}: mixes task runs (task {configs[-1].task}, e.g. {rdir.name}) with "
+                                f"perplexity runs; report the tasks apart from lm")  # fmt: skip
         part = experiment_part(configs[-1].to_dict())
         parts[rdir] = part
         if first is None:

@@ -25,7 +25,7 @@ import torch
 from posbench.accuracy import evaluate_task_into, read_task_eval
 from posbench.attention import FLEX_CANNOT_TRAIN_ON_CPU, backend_for
 from posbench.config import (ExperimentConfig, ModelConfig, check_device, check_trainable, config_from_dict, dump_yaml,
-                             read_yaml)
+                             read_record, read_yaml)
 from posbench.data import Corpus, load_corpus
 from posbench.errors import PosbenchError
 from posbench.evaluate import eval_tokens, evaluate_model, windows
@@ -150,7 +150,7 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
         raise PosbenchError(f"{ckpt_path}: holds non-finite weights (NaN or inf); retrain it")
     record = Path(run_dir) / "config.yaml"
     if record.is_file():  # the run's record: its data and eval settings are the current ones
-        rec = config_from_dict(read_yaml(record), source=str(record))
+        rec = config_from_dict(read_record(record), source=str(record))
         ours, theirs = _weights_part(cfg.to_dict()), _weights_part(rec.to_dict())
         if ours != theirs:
             diff = ", ".join(differences(ours, theirs, ("model.pt", "in config.yaml")))
@@ -221,7 +221,7 @@ def plan_state(rc: ExperimentConfig, rdir: Path) -> str:
             raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
         return "todo"
     try:  # the record, or the checkpoint's own copy when config.yaml was lost
-        old = (read_yaml(rdir / "config.yaml") if (rdir / "config.yaml").is_file()
+        old = (read_record(rdir / "config.yaml") if (rdir / "config.yaml").is_file()
                else load_run(rdir)[0].to_dict())  # fmt: skip
     except PosbenchError as e:
         raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
@@ -243,7 +243,7 @@ def _check_same_experiment(cfg: ExperimentConfig, exp: Path) -> None:
         if cfg_file.parent.name.startswith("."):
             continue
         try:
-            old = experiment_part(config_from_dict(read_yaml(cfg_file)).to_dict())
+            old = experiment_part(config_from_dict(read_record(cfg_file)).to_dict())
         except PosbenchError:
             continue  # a damaged run folder is reported when it is planned
         if old != new:
@@ -495,8 +495,12 @@ def sweep_run_name(rc: ExperimentConfig, settings: dict) -> str:
     the weights, so a folder is one config and a changed setting is a new folder."""
     readable = [f"{safe_name(k.split('.')[-1])}{safe_name(str(v))}" for k, v in settings.items()
                 if k not in ("schemes", "seeds", "model.scheme")]  # fmt: skip
-    digest = hashlib.sha256(json.dumps(_training_part(rc.to_dict()), sort_keys=True).encode()).hexdigest()[:8]
-    return "-".join([run_name(rc.schemes[0], rc.seeds[0]), *readable, digest])
+    return "-".join([run_name(rc.schemes[0], rc.seeds[0]), *readable, run_digest(rc)])
+
+
+def run_digest(rc: ExperimentConfig) -> str:
+    """A hash of everything that decides a run's weights."""
+    return hashlib.sha256(json.dumps(_training_part(rc.to_dict()), sort_keys=True).encode()).hexdigest()[:8]
 
 
 def plan_sweep(grid: list[tuple[dict, ExperimentConfig]]) -> tuple[Path, list[tuple]]:
@@ -505,22 +509,28 @@ def plan_sweep(grid: list[tuple[dict, ExperimentConfig]]) -> tuple[Path, list[tu
     Nothing is written; two points that would train one run are an error."""
     first = grid[0][1]
     exp = Path(first.out_dir) / first.name
+    if len({cfg.task == LM for _, cfg in grid}) > 1:  # perplexity and exact match share no table
+        raise PosbenchError("sweep: task mixes lm with the tasks, which one report cannot compare; "
+                            "sweep lm apart from the tasks")  # fmt: skip
     plan, seen = [], {}
     for settings, cfg in grid:
         if (cfg.out_dir, cfg.name) != (first.out_dir, first.name):
-            raise PosbenchError("sweep: name and out_dir make the one experiment folder; they cannot be swept")
+            named = "; each task names its own folder unless the config sets name" if cfg.task != first.task else ""
+            raise PosbenchError(f"sweep: its points would write to {exp} and {Path(cfg.out_dir) / cfg.name}, but name "
+                                f"and out_dir make the one experiment folder and cannot be swept{named}")  # fmt: skip
         for s in cfg.schemes:
             for n in cfg.seeds:
                 rc = cfg.for_run(s, n)
                 rdir = exp / sweep_run_name(rc, settings)
                 where = ", ".join(f"{k}={v}" for k, v in settings.items())
-                if rdir in seen and seen[rdir] != where:
+                same = seen.get(run_digest(rc))  # the readable part of two names may differ
+                if same is not None and same[0] != where:
                     raise PosbenchError(
-                        f"sweep points {seen[rdir]} and {where} train the same run {rdir.name}: they differ "
+                        f"sweep points {same[0]} and {where} train the same run {same[1].name}: they differ "
                         f"only in how runs are scored or run, which a sweep does not vary"
                     )
-                if rdir not in seen:
-                    seen[rdir] = where
+                if same is None:
+                    seen[run_digest(rc)] = where, rdir
                     plan.append((cfg, rc, rdir, plan_state(rc, rdir)))
     return exp, plan
 
@@ -718,7 +728,7 @@ def run_status(exp: Path) -> list[dict]:
 
 def _status_of(folder: Path, rdir: Path, hidden: bool) -> dict:
     try:
-        cfg = config_from_dict(read_yaml(folder / "config.yaml"))
+        cfg = config_from_dict(read_record(folder / "config.yaml"))
         ident = {"scheme": cfg.schemes[0], "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
         steps = cfg.train.steps
     except PosbenchError:
@@ -737,7 +747,7 @@ def _status_of(folder: Path, rdir: Path, hidden: bool) -> dict:
         return {**row, "state": "done" if not missing else "partial",
                 "detail": "trained and evaluated" if not missing else f"lacks {' and '.join(missing)}"}  # fmt: skip
     if (folder / FAILED).is_file():
-        return {**row, "state": "failed", "detail": f"{(folder / FAILED).read_text().strip()} ({at})"}
+        return {**row, "state": "failed", "detail": f"{(folder / FAILED).read_text(errors='replace').strip()} ({at})"}
     return {**row, "state": "partial", "detail": f"{at}; rerun to resume" if step is not None else at}
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 import pandas as pd
 
 from posbench.accuracy import EVAL_COLUMNS, METRIC, bucket_name, buckets, read_task_eval, task_of
-from posbench.config import config_from_dict, read_yaml
+from posbench.config import config_from_dict, read_record, read_yaml
 from posbench.errors import PosbenchError
 from posbench.files import atomic, write_atomic
 from posbench.report import _pyplot, _save, plot_training, point_labels, scheme_order
@@ -52,7 +52,10 @@ def collect(exp_dirs: list[Path]) -> tuple[pd.DataFrame, list]:
             if not (rdir / "config.yaml").is_file() or not (rdir / "eval.csv").is_file():
                 raise PosbenchError(f"{rdir}: a run folder without config.yaml or eval.csv; finish it with "
                                     f"posbench evaluate {rdir}, or move it out of {exp_dir}")  # fmt: skip
-            cfg = config_from_dict(read_yaml(rdir / "config.yaml"), source=str(rdir / "config.yaml"))
+            cfg = config_from_dict(read_record(rdir / "config.yaml"), source=str(rdir / "config.yaml"))
+            if cfg.task == "lm":
+                raise PosbenchError(f"{exp_dir}: mixes perplexity runs (task lm, e.g. {rdir.name}) with task runs; "
+                                    f"sweep lm apart from the tasks")  # fmt: skip
             part = experiment_part(cfg.to_dict())
             if first is None:
                 first = (rdir, part)
@@ -60,9 +63,6 @@ def collect(exp_dirs: list[Path]) -> tuple[pd.DataFrame, list]:
                 diff = differences(first[1], part, (first[0].name, f"in {rdir.name}"))
                 raise PosbenchError(f"{exp_dir}: runs trained under different settings ({', '.join(diff)}); "
                                     f"a table compares runs that differ only in scheme and seed")  # fmt: skip
-            if cfg.task == "lm":
-                raise PosbenchError(f"{exp_dir}: mixes perplexity runs (task lm, e.g. {rdir.name}) with task runs; "
-                                    f"sweep lm apart from the tasks")  # fmt: skip
             configs.append(cfg)
             parts[rdir], of[rdir] = part, cfg
             rows += [{**r, "point": rdir} for r in read_task_eval(rdir)]

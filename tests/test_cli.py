@@ -271,6 +271,27 @@ def test_damaged_records_are_one_line(smoke, tmp_path):
     assert "eval.csv: malformed evaluation rows" in " ".join(res.output.split())
 
 
+def test_an_empty_config_yaml_is_a_damaged_record_not_the_defaults(smoke, tmp_path):
+    """A run's config.yaml left empty (a full disk, a crash) would read as the default config:
+    a report would make it a grid point of its own, status would show the default train_len."""
+    from posbench.runs import run_status
+
+    exp, _, text = smoke
+    copy = tmp_path / "smoke"
+    shutil.copytree(exp, copy)
+    (copy / "rope-seed0" / "config.yaml").write_text("")
+    before = (copy / "summary.csv").read_text()
+    for args in (["report", copy], ["evaluate", copy / "rope-seed0"],
+                 ["extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path}", "--set", f"data.path={text}"]):
+        res = invoke(*args)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        said = " ".join(res.output.split())
+        assert "rope-seed0/config.yaml: empty" in said and len(res.output.strip().splitlines()) <= 2
+    assert (copy / "summary.csv").read_text() == before and (copy / "rope-seed0" / "model.pt").is_file()
+    row = {r["run"]: r for r in run_status(copy)}["rope-seed0"]
+    assert (row["scheme"], row["train_len"]) == ("?", "?")
+
+
 def test_unwritable_out_dir_is_one_line(tmp_path, corpus_file):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -249,6 +249,8 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     ("model.n_layers", "[1]", "sweep.model.n_layers=1: model.n_layers: unknown key (did you mean 'model.n_layer'?)"),
     ("schemes", "[alibi, nosuch]", "sweep.schemes='nosuch'"),
     ("model.train_len", "[]", "sweep.model.train_len: expected a non-empty list"),
+    ("eval.lengths", "[[32], [48]]", "eval.lengths=[32] and schemes=alibi, seeds=0, eval.lengths=[48] train the same run"),
+    ("train.threads", "[1, 2]", "train.threads=1 and schemes=alibi, seeds=0, train.threads=2 train the same run"),
 ])  # fmt: skip
 def test_a_bad_value_anywhere_in_the_grid_is_one_line_and_nothing_runs(tmp_path, key, values, message):
     config = _sweep(tmp_path)
@@ -257,6 +259,15 @@ def test_a_bad_value_anywhere_in_the_grid_is_one_line_and_nothing_runs(tmp_path,
     res = invoke("sweep", config)
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) <= 2
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("override, swept", [("seeds=[7]", "seeds"), ("model={n_layer: 2}", "model.train_len")])
+def test_a_set_of_a_swept_key_is_one_line_and_nothing_runs(tmp_path, override, swept):
+    config = _sweep(tmp_path, seeds="[0, 1]")
+    res = invoke("sweep", config, "--set", override)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"--set {override}: {swept} is swept" in " ".join(res.output.split())
     assert not (tmp_path / "r").exists()
 
 
@@ -388,3 +399,29 @@ sweep: {{schemes: [alibi], task: [copy, reverse]}}
             cfg = yaml.safe_load((d / "config.yaml").read_text())
             trained[cfg["task"]] = cfg["model"]["train_len"]
     assert trained == {t: build_task(t, {"train_max": 3}).train_len for t in ("copy", "reverse")}
+
+
+@pytest.mark.parametrize("name, tasks, message", [
+    ("name: mixed\n", "[lm, copy]", "sweep: task mixes lm with the tasks"),
+    ("", "[copy, reverse]", "cannot be swept; each task names its own folder unless the config sets name"),
+])  # fmt: skip
+def test_a_task_sweep_that_cannot_make_one_report_is_one_line_before_anything_trains(tmp_path, name, tasks, message):
+    path = tmp_path / "tasks.yaml"
+    path.write_text(f"{name}out_dir: {tmp_path / 'r'}\nsweep: {{schemes: [alibi], task: {tasks}}}\n")
+    for args in ([], ["--dry-run"]):
+        res = invoke("sweep", path, *args)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) <= 2
+    assert not (tmp_path / "r").exists()
+
+
+def test_status_reads_a_failed_txt_that_is_not_text(tmp_path):
+    from posbench.runs import run_status
+
+    partial = tmp_path / ".alibi-seed0.partial"
+    partial.mkdir()
+    (partial / "failed.txt").write_bytes(b"\xff\xfe out of memory\n")
+    res = invoke("status", tmp_path)
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    rows = run_status(tmp_path)
+    assert [(r["state"], r["detail"]) for r in rows] == [("failed", "\ufffd\ufffd out of memory (no checkpoint yet)")]

@@ -297,6 +297,30 @@ def test_a_task_runs_end_to_end_resumes_and_reports(tmp_path):
     assert res.exit_code == 0 and "samples.txt" in res.output
 
 
+def test_a_report_joining_lm_and_task_runs_is_one_line_and_keeps_their_records(tmp_path):
+    """Whichever comes first, the other's eval.csv is never called malformed (whose fix reads
+    'delete it')."""
+    from conftest import smoke_experiment
+
+    lm, _, _ = smoke_experiment(tmp_path, "--schemes", "nope", "--set", "train.steps=5")
+    res = invoke("extrapolate", "--task", "copy", "--schemes", "nope", "--set", f"out_dir={tmp_path}", *TINY)
+    assert res.exit_code == 0, res.output
+    task = tmp_path / "copy"
+    before = (task / "nope-seed0" / "eval.csv").read_text()
+    for dirs in ([lm, task], [task, lm]):
+        res = invoke("report", *dirs, "--out", tmp_path / "joined")
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert "malformed" not in res.output and "mixes" in res.output and len(res.output.strip().splitlines()) <= 2
+    assert (task / "nope-seed0" / "eval.csv").read_text() == before and not (tmp_path / "joined").exists()
+
+
+@pytest.mark.parametrize("edges", ["0,5", "-5", "5,-10"])
+def test_a_bucket_that_ends_at_no_length_is_one_line(tmp_path, edges):
+    res = invoke("report", tmp_path, "--buckets", edges)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert f"--buckets {edges}: a bucket ends at a positive length" in res.output, res.output
+
+
 def test_a_user_s_task_loads_as_module_colon_class(tmp_path, monkeypatch):
     (tmp_path / "my_tasks.py").write_text(
         "from posbench.tasks import END, Task\n\n"
