@@ -22,6 +22,7 @@ Check = Callable[["ExperimentConfig"], None]
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "native", "flex")  # see posbench/attention.py
 PROTOCOLS = ("nonoverlapping", "sliding")  # see posbench/evaluate.py
+MAX_SWEEP_POINTS = 10_000  # a grid past this is a typo, not a study, and checking it would take minutes
 
 
 @dataclass
@@ -516,6 +517,11 @@ def load_sweep(
         twice = [v for i, v in enumerate(values) if v in values[:i]]
         if twice:
             raise PosbenchError(f"{path}: sweep.{key}: {twice[0]!r} listed more than once")
+    points = math.prod(len(values) for values in block.values())
+    if points > MAX_SWEEP_POINTS:
+        sizes = " x ".join(str(len(v)) for v in block.values()) + " over " + ", ".join(block)
+        raise PosbenchError(f"{path}: the sweep: block makes {points:,} points ({sizes}); one sweep takes at most "
+                            f"{MAX_SWEEP_POINTS:,}: split it into several configs")  # fmt: skip
     for o in (o for o in overrides if "=" in o):  # applied after the grid's values: every point alike
         key = o.split("=", 1)[0].strip()
         swept = [k for k in block if k == key or k.startswith(key + ".") or key.startswith(k + ".")]

@@ -24,6 +24,7 @@ END = b"."  # every answer's last byte
 PAD = 0  # the byte that pads a batch's short instances; never scored
 IGNORE = -100  # the target of a position the loss skips (F.cross_entropy's ignore_index)
 TEST_SEED = "posbench-test"  # the test set's seed: fixed, so every run meets the same instances
+TEST_BYTES_LIMIT = 10**9  # the test set's bytes, at most: past it scoring would take days, and building it hangs
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -51,6 +52,13 @@ class Task:
                 f"test lengths must reach at least the training ones"
             )
         self.check(where)
+        most = self.opt["test_count"] * self.test_max * self.longest(self.test_max)  # every length's longest
+        if most > TEST_BYTES_LIMIT:
+            raise PosbenchError(
+                f"{where}: test_max={self.test_max} with test_count={self.opt['test_count']} makes a test set "
+                f"of up to {most:,} bytes (instances of up to {self.longest(self.test_max):,}); posbench scores "
+                f"at most {TEST_BYTES_LIMIT:,}: lower test_max or test_count"
+            )
 
     @classmethod
     def validate_options(cls, given: dict, where: str = "task_options") -> None:
@@ -319,7 +327,12 @@ def resolve_task(name: str) -> type[Task]:
     if name in TASKS:
         return TASKS[name]
     if ":" in name:
-        return load_plugin(name, "task", Task, "posbench.tasks.Task", "my_tasks:Increment")
+        cls = load_plugin(name, "task", Task, "posbench.tasks.Task", "my_tasks:Increment")
+        missing = [m for m in ("make", "longest") if getattr(cls, m) is getattr(Task, m)]
+        if missing:
+            raise PosbenchError(f"task '{name}': {cls.__name__} does not define {' or '.join(missing)}; "
+                                f"a task defines make(n, rng) and longest(n)")  # fmt: skip
+        return cls
     close = difflib.get_close_matches(name, [LM, *TASKS], n=1, cutoff=0.5)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     raise PosbenchError(f"unknown task '{name}'{hint}; valid tasks: {LM}, {', '.join(TASKS)}, or module:Class")

@@ -251,6 +251,9 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     ("model.train_len", "[]", "sweep.model.train_len: expected a non-empty list"),
     ("eval.lengths", "[[32], [48]]", "eval.lengths=[32] and schemes=alibi, seeds=0, eval.lengths=[48] train the same run"),
     ("train.threads", "[1, 2]", "train.threads=1 and schemes=alibi, seeds=0, train.threads=2 train the same run"),
+    pytest.param("train.lr", str(list(range(1, 10002))),
+                 "makes 10,001 points (1 x 1 x 10001 over schemes, seeds, train.lr); one sweep takes at most 10,000",
+                 id="too-many-points"),
 ])  # fmt: skip
 def test_a_bad_value_anywhere_in_the_grid_is_one_line_and_nothing_runs(tmp_path, key, values, message):
     config = _sweep(tmp_path)

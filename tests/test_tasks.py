@@ -248,6 +248,11 @@ TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model
     (["--task", "copy", "--set", "model.train_len=50"], "model.train_len=50: a task derives it"),
     (["--task", "copy", "--rope-scaling", "yarn"], "eval.rope_scaling applies to perplexity"),
     (["--set", "task_options.train_max=5"], "task_options are set but task is lm"),
+    (["--task", "posbench.tasks:Task"], "task 'posbench.tasks:Task': Task does not define make or longest"),
+    (["--task", "copy", "--set", "task_options.test_max=100000000"],
+     # copy's longest instance of length n: 'copy:' + n + '=' + n + '.', 2n + 7 bytes
+     f"test_max=100000000 with test_count=50 makes a test set of up to {50 * 10**8 * (2 * 10**8 + 7):,} bytes"),
+    (["--task", "copy", "--set", "task_options.test_count=20000000"], "posbench scores at most 1,000,000,000"),
 ])  # fmt: skip
 def test_bad_task_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     res = invoke("extrapolate", "--set", f"out_dir={tmp_path / 'r'}", *args)
@@ -342,11 +347,17 @@ def test_a_user_s_task_loads_as_module_colon_class(tmp_path, monkeypatch):
 
 def test_a_task_plugin_that_fails_to_build_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "bad_tasks.py").write_text(
-        "from posbench.tasks import Task\n\nclass Broken(Task):\n    def __init__(self, options):\n        raise ValueError('nope')\n"
+        "from posbench.tasks import Task\n"
+        "\n\nclass NoLongest(Task):\n    def make(self, n, rng):\n        return b'a=', b'a.'\n"
+        "\n\nclass Good(NoLongest):\n    def longest(self, n):\n        return 3\n"
+        "\n\nclass Broken(Good):\n    def __init__(self, options):\n        raise ValueError('nope')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     res = invoke("extrapolate", "--task", "bad_tasks:Broken", "--set", f"out_dir={tmp_path / 'r'}")
     assert res.exit_code == 2 and "task 'bad_tasks:Broken' failed to build (ValueError: nope)" in res.output
     with pytest.raises(PosbenchError, match="no 'Missing'"):
         build_task("bad_tasks:Missing", {})
+    with pytest.raises(PosbenchError, match="NoLongest does not define longest; a task defines make"):
+        build_task("bad_tasks:NoLongest", {})
+    assert build_task("bad_tasks:Good", {}).train_len == 3  # an inherited make counts
     assert issubclass(TASKS["copy"], Task)
