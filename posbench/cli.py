@@ -180,8 +180,12 @@ def _print_summary(exps, metric: str = "ppl", transpose: bool = False, out_dir: 
     if df.attrs.get("running"):
         out.print(f"still running in another process, so not in the table: {', '.join(df.attrs['running'])}",
                   highlight=False)  # fmt: skip
-    folder = summary_dir(exps, out_dir)
-    for name in ("summary.csv", "summary.md", "summary.tex", "summary.png", "positions.png", "training.png"):
+    _say_written(summary_dir(exps, out_dir), ("summary.csv", "summary.md", "summary.tex", "summary.png",
+                                              "positions.png", "training.png"))  # fmt: skip
+
+
+def _say_written(folder: Path, names) -> None:
+    for name in names:
         if (folder / name).exists():
             out.print(f"wrote {folder / name}", highlight=False)
 
@@ -205,9 +209,7 @@ def _print_task_summary(dirs, metric: str, transpose: bool, out_dir: Optional[Pa
         for r in rows[1:]:
             t.add_row(*(f"[bold]{escape(c[1:])}[/]" if c.startswith("\0") else escape(c) for c in r))
         out.print(t)
-    for name in ("summary.csv", "summary.md", "summary.tex", "summary.png", "training.png"):
-        if (folder / name).exists():
-            out.print(f"wrote {folder / name}", highlight=False)
+    _say_written(folder, ("summary.csv", "summary.md", "summary.tex", "summary.png", "training.png"))
 
 
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: key=value")]

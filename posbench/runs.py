@@ -523,14 +523,15 @@ def plan_sweep(grid: list[tuple[dict, ExperimentConfig]]) -> tuple[Path, list[tu
                 rc = cfg.for_run(s, n)
                 rdir = exp / sweep_run_name(rc, settings)
                 where = ", ".join(f"{k}={v}" for k, v in settings.items())
-                same = seen.get(run_digest(rc))  # the readable part of two names may differ
+                digest = run_digest(rc)  # the readable part of two names may differ
+                same = seen.get(digest)
                 if same is not None and same[0] != where:
                     raise PosbenchError(
                         f"sweep points {same[0]} and {where} train the same run {same[1].name}: they differ "
                         f"only in how runs are scored or run, which a sweep does not vary"
                     )
                 if same is None:
-                    seen[run_digest(rc)] = where, rdir
+                    seen[digest] = where, rdir
                     plan.append((cfg, rc, rdir, plan_state(rc, rdir)))
     return exp, plan
 

@@ -26,15 +26,21 @@ SUMMARY_COLUMNS = ["task", "metric", "scheme", "seed", "train_max", "bucket", "l
 
 
 def is_task_experiment(exp_dirs) -> bool:
-    """Whether the first run folder found records a task other than lm."""
+    """Whether the run folders record a task other than lm. Runs of both kinds are one error:
+    perplexity and exact match share no table, and each kind's eval.csv would read as malformed
+    to the other's reader. A record that cannot be read is left to the collector to name."""
+    first: dict[bool, Path] = {}  # is a task -> the first run folder of that kind
     for d in exp_dirs:
         for cfg_file in sorted(Path(d).glob("*/config.yaml")):
             if not cfg_file.parent.name.startswith("."):
                 try:
-                    return read_yaml(cfg_file).get("task", "lm") != "lm"
+                    first.setdefault(read_yaml(cfg_file).get("task", "lm") != "lm", cfg_file.parent)
                 except PosbenchError:
-                    return False
-    return False
+                    continue
+    if len(first) > 1:
+        raise PosbenchError(f"this report mixes perplexity runs (task lm, e.g. {first[False]}) with task runs "
+                            f"(e.g. {first[True]}); report them apart")  # fmt: skip
+    return True in first
 
 
 def collect(exp_dirs: list[Path]) -> tuple[pd.DataFrame, list]:
@@ -53,9 +59,6 @@ def collect(exp_dirs: list[Path]) -> tuple[pd.DataFrame, list]:
                 raise PosbenchError(f"{rdir}: a run folder without config.yaml or eval.csv; finish it with "
                                     f"posbench evaluate {rdir}, or move it out of {exp_dir}")  # fmt: skip
             cfg = config_from_dict(read_record(rdir / "config.yaml"), source=str(rdir / "config.yaml"))
-            if cfg.task == "lm":
-                raise PosbenchError(f"{exp_dir}: mixes perplexity runs (task lm, e.g. {rdir.name}) with task runs; "
-                                    f"sweep lm apart from the tasks")  # fmt: skip
             part = experiment_part(cfg.to_dict())
             if first is None:
                 first = (rdir, part)
