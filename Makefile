@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test smoke bench reproduce
+.PHONY: install extrapolate test lint smoke bench reproduce
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -17,6 +17,11 @@ extrapolate: install
 test: install
 	$(PIP) install -q -e '.[ray]'
 	$(PYTHON) -m pytest
+
+# ruff's rules and line length are in pyproject.toml
+lint: install
+	$(PYTHON) -m ruff check posbench tests examples
+	$(PYTHON) -m ruff format --check posbench tests examples
 
 smoke: install
 	posbench extrapolate --config configs/smoke.yaml

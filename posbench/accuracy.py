@@ -20,8 +20,19 @@ from posbench.tasks import Task, build_task
 from posbench.train import autocast
 
 METRIC = "exact_match"
-EVAL_COLUMNS = ["task", "metric", "scheme", "seed", "train_max", "length", "correct", "instances", "accuracy",
-                "status", "attention"]  # fmt: skip
+EVAL_COLUMNS = [
+    "task",
+    "metric",
+    "scheme",
+    "seed",
+    "train_max",
+    "length",
+    "correct",
+    "instances",
+    "accuracy",
+    "status",
+    "attention",
+]
 SAMPLES_PER_BUCKET = 3
 DECODE_BATCH = 256  # instances decoded at once
 
@@ -99,11 +110,14 @@ def score(model, test: list[tuple[int, bytes, bytes]], device) -> list[dict]:
     for n in sorted({n for n, _, _ in test}):
         mine = [h for (m, _, _), h in zip(test, hits) if m == n]
         if any(h is None for h in mine):
-            rows.append({"length": n, "correct": "", "instances": len(mine), "accuracy": "", "status": "beyond-max-len"})
+            rows.append(
+                {"length": n, "correct": "", "instances": len(mine), "accuracy": "", "status": "beyond-max-len"}
+            )
             continue
         correct = sum(mine)
-        rows.append({"length": n, "correct": correct, "instances": len(mine), "accuracy": correct / len(mine),
-                     "status": "ok"})  # fmt: skip
+        rows.append(
+            {"length": n, "correct": correct, "instances": len(mine), "accuracy": correct / len(mine), "status": "ok"}
+        )
     return rows
 
 
@@ -116,8 +130,14 @@ def evaluate_task_into(rc, rdir: Path, model, device, backend: str) -> list[dict
     task = task_of(rc)
     test = task.test_set()
     rows = score(model, test, device)
-    ident = {"task": rc.task, "metric": METRIC, "scheme": rc.model.scheme, "seed": rc.seeds[0],
-             "train_max": task.train_max, "attention": backend}  # fmt: skip
+    ident = {
+        "task": rc.task,
+        "metric": METRIC,
+        "scheme": rc.model.scheme,
+        "seed": rc.seeds[0],
+        "train_max": task.train_max,
+        "attention": backend,
+    }
     rows = [{**ident, **r} for r in rows]
     write_rows(rdir / "eval.csv", rows, EVAL_COLUMNS)
     write_atomic(rdir / "samples.txt", samples(rc, task, test, model, device, rows))
@@ -138,8 +158,11 @@ def samples(rc, task: Task, test: list, model, device, rows: list[dict]) -> str:
     shown = [[(p, a) for n, p, a in test if lo <= n <= hi][:SAMPLES_PER_BUCKET] for lo, hi in spans]
     flat = [inst for group in shown for inst in group]
     answers = iter(decode(model, flat, device))
-    out = [f"# {rc.task}, {rc.model.scheme} seed {rc.seeds[0]}: the first {SAMPLES_PER_BUCKET} test instances "
-           f"of each length bucket; trained on lengths 1..{task.train_max}", ""]  # fmt: skip
+    out = [
+        f"# {rc.task}, {rc.model.scheme} seed {rc.seeds[0]}: the first {SAMPLES_PER_BUCKET} test instances "
+        f"of each length bucket; trained on lengths 1..{task.train_max}",
+        "",
+    ]
     for (lo, hi), group in zip(spans, shown):
         scored = [acc[n] for n in range(lo, hi + 1) if n in acc and acc[n]["status"] == "ok"]
         right = sum(r["correct"] for r in scored)

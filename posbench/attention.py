@@ -20,13 +20,16 @@ from posbench.config import ATTENTION_BACKENDS as BACKENDS
 from posbench.errors import PosbenchError
 
 TINY_PROB = 1e-20  # BiasedAttention's probabilities below this are zeroed (subnormals are slow)
-FLEX_CANNOT_TRAIN_ON_CPU = ("model.attention=flex: torch has no FlexAttention backward on a CPU, so it cannot train "
-                            "here; train with auto, sdpa or eager (flex can evaluate: posbench evaluate RUN "
-                            "--attention flex)")  # fmt: skip
+FLEX_CANNOT_TRAIN_ON_CPU = (
+    "model.attention=flex: torch has no FlexAttention backward on a CPU, so it cannot train "
+    "here; train with auto, sdpa or eager (flex can evaluate: posbench evaluate RUN "
+    "--attention flex)"
+)
 
 
-def backend_for(name: str, device: torch.device, head_dim: int, compiled: bool = False,
-                dtype: torch.dtype = torch.float32) -> str:  # fmt: skip
+def backend_for(
+    name: str, device: torch.device, head_dim: int, compiled: bool = False, dtype: torch.dtype = torch.float32
+) -> str:
     """The backend that `name` runs as here. auto: the C kernels on a CPU in fp32 where they
     build, else SDPA. A backend named outright that cannot run here is an error, never a quiet
     substitute, because a run's records name the backend that computed it."""
@@ -109,8 +112,10 @@ def native_attention(q, k, v, bias, q0: int) -> torch.Tensor:
     out = native.attention(q, k, v, bias, q0)
     if out is None:
         shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, bias {None if bias is None else tuple(bias.shape)}"
-        raise PosbenchError(f"model.attention=native: the C kernel cannot take these tensors ({shapes}, "
-                            f"{q.dtype}); use auto, sdpa or eager")  # fmt: skip
+        raise PosbenchError(
+            f"model.attention=native: the C kernel cannot take these tensors ({shapes}, "
+            f"{q.dtype}); use auto, sdpa or eager"
+        )
     return out
 
 

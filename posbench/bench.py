@@ -15,7 +15,8 @@ import os
 import random
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -23,12 +24,23 @@ import torch.nn.functional as F
 
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
-from posbench.model import TransformerLM
 from posbench.files import write_rows
+from posbench.model import TransformerLM
 from posbench.train import autocast
 
-BENCH_COLUMNS = ["scheme", "measurement", "tokens_per_s", "ratio_vs_nope", "mfu",
-                 "peer_tokens_per_s", "peer_ratio", "eval_len", "peak_mem_mb", "device", "attention"]  # fmt: skip
+BENCH_COLUMNS = [
+    "scheme",
+    "measurement",
+    "tokens_per_s",
+    "ratio_vs_nope",
+    "mfu",
+    "peer_tokens_per_s",
+    "peer_ratio",
+    "eval_len",
+    "peak_mem_mb",
+    "device",
+    "attention",
+]
 EVAL_MULTIPLES = (1, 4, 16, 64)
 PEERS = ("x-transformers",)
 
@@ -43,7 +55,7 @@ class BenchSettings:
     multiples: tuple = EVAL_MULTIPLES
 
     @classmethod
-    def quick(cls) -> "BenchSettings":
+    def quick(cls) -> BenchSettings:
         # 16x and 32x are long enough that the query blocks dominate: linear memory doubles
         return cls(batch_size=4, steps=2, rounds=1, warmup=1, multiples=(1, 16, 32))
 
@@ -183,10 +195,8 @@ def xtransformers_model(scheme: str, cfg: ModelConfig) -> Optional[nn.Module]:
     if scheme not in kinds:
         return None
     wrapper, layers = kinds[scheme]
-    decoder = Decoder(dim=cfg.d_model, depth=cfg.n_layer, heads=cfg.n_head,
-                      attn_dim_head=cfg.head_dim, **layers)  # fmt: skip
-    return TransformerWrapper(num_tokens=cfg.vocab_size, max_seq_len=cfg.train_len,
-                              attn_layers=decoder, **wrapper)  # fmt: skip
+    decoder = Decoder(dim=cfg.d_model, depth=cfg.n_layer, heads=cfg.n_head, attn_dim_head=cfg.head_dim, **layers)
+    return TransformerWrapper(num_tokens=cfg.vocab_size, max_seq_len=cfg.train_len, attn_layers=decoder, **wrapper)
 
 
 def _peer_step(scheme: str, cfg: ModelConfig, batch_size: int, device: torch.device) -> Optional[Callable[[], None]]:
@@ -218,8 +228,7 @@ def _import_peer(peer: str):
         import x_transformers  # noqa: F401
     except ImportError:
         raise PosbenchError(
-            "--peer x-transformers needs the peer extra: pip install -e '.[peer]' "
-            "(it keeps the installed torch)"
+            "--peer x-transformers needs the peer extra: pip install -e '.[peer]' (it keeps the installed torch)"
         ) from None
 
 
@@ -259,13 +268,19 @@ def run_bench(
     for s in schemes:
         tps = tokens / sec[s]
         peer_tps = tokens / sec[f"peer:{s}"] if f"peer:{s}" in sec else None
-        rows.append({
-            "scheme": s, "measurement": "train", "tokens_per_s": tps,
-            "ratio_vs_nope": sec["nope"] / sec[s],
-            "mfu": tps * model_flops_per_token(models[s].cfg, models[s]) / peak,
-            "peer_tokens_per_s": peer_tps, "peer_ratio": tps / peer_tps if peer_tps else None,
-            "device": device_name(device), "attention": models[s].backend(device),
-        })  # fmt: skip
+        rows.append(
+            {
+                "scheme": s,
+                "measurement": "train",
+                "tokens_per_s": tps,
+                "ratio_vs_nope": sec["nope"] / sec[s],
+                "mfu": tps * model_flops_per_token(models[s].cfg, models[s]) / peak,
+                "peer_tokens_per_s": peer_tps,
+                "peer_ratio": tps / peer_tps if peer_tps else None,
+                "device": device_name(device),
+                "attention": models[s].backend(device),
+            }
+        )
     longest = max(settings.multiples) * T
     for s in schemes:
         model = models[s].eval()
@@ -281,8 +296,16 @@ def run_bench(
                 mb = None
             else:
                 mb = eval_peak_memory_mb(model, L)
-            rows.append({"scheme": s, "measurement": "eval", "eval_len": L, "peak_mem_mb": mb,
-                         "device": device_name(device), "attention": model.backend(device)})  # fmt: skip
+            rows.append(
+                {
+                    "scheme": s,
+                    "measurement": "eval",
+                    "eval_len": L,
+                    "peak_mem_mb": mb,
+                    "device": device_name(device),
+                    "attention": model.backend(device),
+                }
+            )
     return rows, peak
 
 

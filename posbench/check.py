@@ -178,20 +178,25 @@ def attend_agrees(model: TransformerLM, T: int) -> str:
             (y, g), (ref_y, ref_g) = run(block, "native"), run(block, "eager")
             gap = (y - ref_y).abs().max().item()
             if not gap <= 1e-5:
-                raise CheckFailed(f"attend's logits differ from the eager formula's by up to {gap:.2g} "
-                                  f"(T={T}, {path} attention)")  # fmt: skip
+                raise CheckFailed(
+                    f"attend's logits differ from the eager formula's by up to {gap:.2g} (T={T}, {path} attention)"
+                )
             for n in ref_g:
                 gap = (g[n] - ref_g[n]).abs().max().item() if n in g else math.inf
                 if not gap <= 1e-5 * (1 + ref_g[n].abs().max().item()):
-                    raise CheckFailed(f"attend's gradient of {n} differs from the eager formula's by up "
-                                      f"to {gap:.2g} of {ref_g[n].abs().max().item():.2g} "
-                                      f"(T={T}, {path} attention)")  # fmt: skip
+                    raise CheckFailed(
+                        f"attend's gradient of {n} differs from the eager formula's by up "
+                        f"to {gap:.2g} of {ref_g[n].abs().max().item():.2g} "
+                        f"(T={T}, {path} attention)"
+                    )
     finally:
         model.attn_block, model.cfg = saved_block, saved_cfg
         model.zero_grad(set_to_none=True)
     if not any(answered):
-        return (f"attend declined every call here (a scheme may, e.g. where its kernel cannot run), "
-                f"so the native kernel ran with its bias (T={T})")
+        return (
+            f"attend declined every call here (a scheme may, e.g. where its kernel cannot run), "
+            f"so the native kernel ran with its bias (T={T})"
+        )
     return f"attend agrees with the eager formula and the bias within 1e-5 (T={T}, whole and blocked)"
 
 
@@ -206,8 +211,10 @@ def run_checks(spec: str) -> list[CheckResult]:
         got["model"] = model = tiny_model(spec)
         n = sum(p.numel() for p in model.scheme.parameters())
         c = model.cfg
-        return (f"{type(model.scheme).__name__}: {c.n_layer} layers, {c.n_head} heads, "
-                f"d_model {c.d_model}, train_len {c.train_len}; {n} scheme parameters")  # fmt: skip
+        return (
+            f"{type(model.scheme).__name__}: {c.n_layer} layers, {c.n_head} heads, "
+            f"d_model {c.d_model}, train_len {c.train_len}; {n} scheme parameters"
+        )
 
     def causal():
         lengths = [T for T in (L, L * 5 // 2) if supports(got["model"], T)]

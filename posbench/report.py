@@ -11,12 +11,24 @@ import pandas as pd
 from posbench.config import config_from_dict, read_record
 from posbench.errors import PosbenchError
 from posbench.evaluate import PROTOCOL_NAMES, protocol_label
-from posbench.files import atomic, write_atomic
+from posbench.files import atomic, lock_holder, write_atomic
+from posbench.runs import (
+    DIVERGED,
+    EVAL_COLUMNS,
+    POSITION_COLUMNS,
+    SWEEP_RECORD,
+    UNRECORDED,
+    differences,
+    diverged_step,
+    experiment_part,
+    flat,
+    lock_file,
+    read_eval,
+    read_positions,
+    read_train_log,
+    trained_with,
+)
 from posbench.stats import mean_ci, tied_for_best
-from posbench.files import lock_holder
-from posbench.runs import (DIVERGED, EVAL_COLUMNS, POSITION_COLUMNS, SWEEP_RECORD, UNRECORDED, differences,
-                           diverged_step, experiment_part, flat, lock_file, read_eval, read_positions, read_train_log,
-                           trained_with)
 
 
 def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
@@ -65,9 +77,7 @@ def collect(exp_dir: Path) -> tuple[pd.DataFrame, list]:
     if not rows and diverged:
         raise PosbenchError(f"{exp_dir}: every run diverged ({', '.join(diverged.values())}); lower train.lr")
     if not rows:
-        raise PosbenchError(
-            f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)"
-        )
+        raise PosbenchError(f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)")
     points = point_labels(parts)
     columns = EVAL_COLUMNS + (["point"] if len(set(points.values())) > 1 else [])
     df = pd.DataFrame([{**r, "point": points[r["point"]]} for r in rows], columns=columns)
@@ -175,7 +185,8 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
         out[f"nonfinite {L}"] = blown[L]  # seeds whose loss blew up there
         out[f"best {L}"] = [s in tied for s in order]
     out["ratio"] = [
-        math.nan if (blown.loc[s].reindex([train_len[s], lengths[-1]]).fillna(0) > 0).any()  # none hidden
+        math.nan
+        if (blown.loc[s].reindex([train_len[s], lengths[-1]]).fillna(0) > 0).any()  # none hidden
         else _ratio(ok[ok["scheme"] == s], train_len[s], lengths[-1])
         for s in order
     ]
@@ -223,11 +234,15 @@ def spread_note(tables: dict[str, pd.DataFrame]) -> str:
     if seeds < 2:
         return "1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each length"
     tests = set().union(*(t.attrs.get("tests", set()) for t in tables.values()))
-    how = {"paired": "a paired t-test over seeds (the same seeds: the same init and data order)",
-           "welch": "Welch's t-test where the seed sets differ"}  # fmt: skip
+    how = {
+        "paired": "a paired t-test over seeds (the same seeds: the same init and data order)",
+        "welch": "Welch's t-test where the seed sets differ",
+    }
     test = "; ".join(how[t] for t in sorted(tests)) or "no test (too few seeds)"
-    return (f"mean ± 95% confidence interval over seeds (Student's t). Bold: the best scheme at each "
-            f"length and every scheme not significantly different from it (p >= 0.05, {test})")
+    return (
+        f"mean ± 95% confidence interval over seeds (Student's t). Bold: the best scheme at each "
+        f"length and every scheme not significantly different from it (p >= 0.05, {test})"
+    )
 
 
 def lengths_of(table: pd.DataFrame) -> list[int]:
@@ -307,8 +322,10 @@ def backends_note(df: pd.DataFrame, short: bool = False) -> str:
     by_train: dict[str, list[str]] = {}
     for name, b in sorted(trained.items()):
         by_train.setdefault(b, []).append(name)
-    return (f"DIFFERENT backends across runs (they differ in the last bits): "
-            f"trained with {_grouped(by_train)}; scored with {_grouped(scored.to_dict())}")  # fmt: skip
+    return (
+        f"DIFFERENT backends across runs (they differ in the last bits): "
+        f"trained with {_grouped(by_train)}; scored with {_grouped(scored.to_dict())}"
+    )
 
 
 def _grouped(runs_by_backend: dict[str, list[str]]) -> str:
@@ -327,8 +344,10 @@ def _tokens_note(df: pd.DataFrame) -> str:
         return f"the same {counts[0]} validation tokens at every length"
     odd = df[df["tokens"] != df["tokens"].mode()[0]]
     where = ", ".join(f"{r.scheme} seed {r.seed} at {r.length}" for r in odd.head(3).itertuples())
-    return (f"NOT the same validation tokens everywhere ({', '.join(map(str, counts))}; e.g. {where}): "
-            f"rerun extrapolate with one eval.tokens to score every run alike")
+    return (
+        f"NOT the same validation tokens everywhere ({', '.join(map(str, counts))}; e.g. {where}): "
+        f"rerun extrapolate with one eval.tokens to score every run alike"
+    )
 
 
 def grid(table: pd.DataFrame, train_len: int, metric: str, transpose: bool = False, bold=lambda t: f"**{t}**"):
@@ -339,8 +358,10 @@ def grid(table: pd.DataFrame, train_len: int, metric: str, transpose: bool = Fal
     head = ["scheme"] + [str(L) for L in lengths] + ["seeds", f"ppl({lengths[-1]})/ppl({train_len})"]
     rows = [head]
     for s in table.index:
-        cells = [bold(c) if is_best(table, s, L) and c else c
-                 for L, c in ((L, cell(table, s, L, digits=digits)) for L in lengths)]  # fmt: skip
+        cells = [
+            bold(c) if is_best(table, s, L) and c else c
+            for L, c in ((L, cell(table, s, L, digits=digits)) for L in lengths)
+        ]
         r = table.loc[s, "ratio"]
         rows.append([s] + cells + [str(int(table.loc[s, "seeds"])), f"{r:.2f}" if r == r else "—"])
     if transpose:
@@ -349,8 +370,9 @@ def grid(table: pd.DataFrame, train_len: int, metric: str, transpose: bool = Fal
     return rows
 
 
-def markdown(tables: dict[str, pd.DataFrame], configs: list, df: pd.DataFrame, metric: str = "ppl",
-             transpose: bool = False) -> str:  # fmt: skip
+def markdown(
+    tables: dict[str, pd.DataFrame], configs: list, df: pd.DataFrame, metric: str = "ppl", transpose: bool = False
+) -> str:
     """summary.md: what was run, then one table per protocol."""
     longest = max(int(L) for L in df["length"])
     out = [f"# Length extrapolation: trained at {trained_at(df)}, evaluated up to {longest}", ""]
@@ -369,8 +391,15 @@ def latex(tables: dict[str, pd.DataFrame], df: pd.DataFrame, metric: str = "ppl"
     """summary.tex: one booktabs table per protocol (and grid point), ready to \\input."""
 
     def tex(text: str) -> str:
-        for a, b in (("\\", "\\textbackslash{}"), ("_", "\\_"), ("%", "\\%"), ("&", "\\&"), ("#", "\\#"),
-                     ("±", "$\\pm$"), ("—", "--")):  # fmt: skip
+        for a, b in (
+            ("\\", "\\textbackslash{}"),
+            ("_", "\\_"),
+            ("%", "\\%"),
+            ("&", "\\&"),
+            ("#", "\\#"),
+            ("±", "$\\pm$"),
+            ("—", "--"),
+        ):
             text = text.replace(a, b)
         return text
 
@@ -380,12 +409,23 @@ def latex(tables: dict[str, pd.DataFrame], df: pd.DataFrame, metric: str = "ppl"
         marked = grid(table, train_len, metric, transpose, bold=lambda t: "\0" + t)
         rows = [[f"\\textbf{{{tex(c[1:])}}}" if c.startswith("\0") else tex(c) for c in r] for r in marked]
         cols = "l" + "r" * (len(rows[0]) - 1)
-        out += ["\\begin{table}[t]", "\\centering", f"\\begin{{tabular}}{{{cols}}}", "\\toprule",
-                " & ".join(rows[0]) + " \\\\", "\\midrule"]  # fmt: skip
+        out += [
+            "\\begin{table}[t]",
+            "\\centering",
+            f"\\begin{{tabular}}{{{cols}}}",
+            "\\toprule",
+            " & ".join(rows[0]) + " \\\\",
+            "\\midrule",
+        ]
         out += [" & ".join(r) + " \\\\" for r in rows[1:]]
-        out += ["\\bottomrule", "\\end{tabular}",
-                f"\\caption{{{tex(METRICS[metric][0])}, trained at {train_len}; {tex(label)}. "
-                f"{tex(spread_note(tables))}.}}", "\\end{table}", ""]  # fmt: skip
+        out += [
+            "\\bottomrule",
+            "\\end{tabular}",
+            f"\\caption{{{tex(METRICS[metric][0])}, trained at {train_len}; {tex(label)}. "
+            f"{tex(spread_note(tables))}.}}",
+            "\\end{table}",
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -455,7 +495,7 @@ def plot_training(df: pd.DataFrame, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     colours = {}
-    for rdir, seed in df.attrs.get("runs", {}).items():
+    for rdir in df.attrs.get("runs", {}):
         log = read_train_log(rdir)
         if not log:
             continue
@@ -498,8 +538,10 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path) -> bool:
         return False
     longest = pos["length"].max()
     pos = pos[pos["length"] == longest]
-    groups = sorted(pos.groupby(["point", "protocol", "stride"]).groups,
-                    key=lambda ps: (train_lens[ps[0]], ps[0], ps[1] != "nonoverlapping", ps[1:]))  # fmt: skip
+    groups = sorted(
+        pos.groupby(["point", "protocol", "stride"]).groups,
+        key=lambda ps: (train_lens[ps[0]], ps[0], ps[1] != "nonoverlapping", ps[1:]),
+    )
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), sharey=True, squeeze=False)
     for ax, (point, protocol, stride) in zip(axes[0], groups):
         part = pos[(pos["point"] == point) & (pos["protocol"] == protocol) & (pos["stride"] == stride)]
@@ -571,19 +613,24 @@ def join(collected: list[tuple[pd.DataFrame, list]], dirs: list[Path]) -> tuple[
         return collected[0]
     (first, configs), name = collected[0], dirs[0].name
     for (df, cfgs), d in zip(collected[1:], dirs[1:]):
-        for what, a, b in (("training length", set(first["train_len"]), set(df["train_len"])),
-                           ("protocols", set(protocols(first)), set(protocols(df)))):  # fmt: skip
+        for what, a, b in (
+            ("training length", set(first["train_len"]), set(df["train_len"])),
+            ("protocols", set(protocols(first)), set(protocols(df))),
+        ):
             if a != b:
-                raise PosbenchError(f"cannot join {name} and {d.name}: their {what} differ "
-                                    f"({_listed(a)} against {_listed(b)})")  # fmt: skip
+                raise PosbenchError(
+                    f"cannot join {name} and {d.name}: their {what} differ ({_listed(a)} against {_listed(b)})"
+                )
         clash = set(zip(first["scheme"], first["seed"])) & set(zip(df["scheme"], df["seed"]))
         if clash:
             s, n = sorted(clash)[0]
             raise PosbenchError(f"cannot join {name} and {d.name}: both hold {s} seed {n}")
         configs = configs + cfgs
     df = pd.concat([c[0] for c in collected], ignore_index=True)
-    df.attrs = {k: {key: v for c in collected for key, v in c[0].attrs.get(k, {}).items()}
-                for k in ("trained_with", "runs", "schemes", "diverged")}  # fmt: skip
+    df.attrs = {
+        k: {key: v for c in collected for key, v in c[0].attrs.get(k, {}).items()}
+        for k in ("trained_with", "runs", "schemes", "diverged")
+    }
     return df, configs
 
 

@@ -24,8 +24,16 @@ import torch
 
 from posbench.accuracy import evaluate_task_into, read_task_eval
 from posbench.attention import FLEX_CANNOT_TRAIN_ON_CPU, backend_for
-from posbench.config import (ExperimentConfig, ModelConfig, check_device, check_trainable, config_from_dict, dump_yaml,
-                             read_record, read_yaml)
+from posbench.config import (
+    ExperimentConfig,
+    ModelConfig,
+    check_device,
+    check_trainable,
+    config_from_dict,
+    dump_yaml,
+    read_record,
+    read_yaml,
+)
 from posbench.data import Corpus, load_corpus
 from posbench.errors import PosbenchError
 from posbench.evaluate import eval_tokens, evaluate_model, windows
@@ -36,8 +44,19 @@ from posbench.tasks import LM, build_task
 from posbench.train import CHECKPOINT, PREVIOUS, Diverged, Reporter, load_progress, pick_device, train_model
 from posbench.workers import run_in_workers, worker_plan
 
-EVAL_COLUMNS = ["scheme", "seed", "train_len", "length", "protocol", "stride", "loss", "ppl", "tokens", "status",
-                "attention"]  # fmt: skip
+EVAL_COLUMNS = [
+    "scheme",
+    "seed",
+    "train_len",
+    "length",
+    "protocol",
+    "stride",
+    "loss",
+    "ppl",
+    "tokens",
+    "status",
+    "attention",
+]
 POSITION_COLUMNS = ["scheme", "length", "protocol", "stride", "position", "loss", "tokens"]
 STATUSES = ("ok", "beyond-max-len", "non-finite")  # scored; cannot encode the length; blew up
 UNRECORDED = "unrecorded"  # the backend of rows written before eval.csv named it
@@ -63,9 +82,7 @@ def check_experiment(cfg: ExperimentConfig) -> None:
         if kind not in known:
             close = difflib.get_close_matches(kind, sorted(known), n=1, cutoff=0.5)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise PosbenchError(
-                f"eval.rope_scaling: unknown kind '{kind}'{hint}; valid: {', '.join(sorted(known))}"
-            )
+            raise PosbenchError(f"eval.rope_scaling: unknown kind '{kind}'{hint}; valid: {', '.join(sorted(known))}")
 
 
 def check_task(cfg: ExperimentConfig) -> None:
@@ -82,8 +99,14 @@ def check_task(cfg: ExperimentConfig) -> None:
     cfg.eval.lengths = [task.train_len]  # perplexity lengths: a task is scored at its own lengths
     cfg.train.steps = cfg.train.steps or task.budget["steps"]
     cfg.train.batch_size = cfg.train.batch_size or task.budget["batch_size"]
-    unused = [name for name, on in (("eval.rope_scaling", cfg.eval.rope_scaling),
-                                    ("eval.protocol sliding", "sliding" in cfg.eval.protocol)) if on]  # fmt: skip
+    unused = [
+        name
+        for name, on in (
+            ("eval.rope_scaling", cfg.eval.rope_scaling),
+            ("eval.protocol sliding", "sliding" in cfg.eval.protocol),
+        )
+        if on
+    ]
     if unused:
         raise PosbenchError(f"{unused[0]} applies to perplexity (task lm), not to task {cfg.task}")
 
@@ -214,15 +237,14 @@ def plan_runs(cfg: ExperimentConfig) -> list[tuple[ExperimentConfig, Path, str]]
 
 
 def plan_state(rc: ExperimentConfig, rdir: Path) -> str:
-    """"todo", "done" or "diverged" for the run `rc` in `rdir`; an error if the folder holds
+    """ "todo", "done" or "diverged" for the run `rc` in `rdir`; an error if the folder holds
     another config's run or something that is not a run."""
     if not ((rdir / "model.pt").is_file() or (rdir / DIVERGED).is_file()):
         if rdir.exists() and any(rdir.iterdir()):
             raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
         return "todo"
     try:  # the record, or the checkpoint's own copy when config.yaml was lost
-        old = (read_record(rdir / "config.yaml") if (rdir / "config.yaml").is_file()
-               else load_run(rdir)[0].to_dict())  # fmt: skip
+        old = read_record(rdir / "config.yaml") if (rdir / "config.yaml").is_file() else load_run(rdir)[0].to_dict()
     except PosbenchError as e:
         raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
     new = rc.to_dict()
@@ -297,9 +319,11 @@ def _training_part(d: dict) -> dict:
     if isinstance(part.get("model"), dict):
         part["model"] = {k: v for k, v in part["model"].items() if k != "attention"}
     if isinstance(part.get("train"), dict):
-        part["train"] = {k: v for k, v in part["train"].items()
-                         if k not in ("threads", "workers", "device", "compile", "log_every",
-                                      "checkpoint_every")}  # fmt: skip
+        part["train"] = {
+            k: v
+            for k, v in part["train"].items()
+            if k not in ("threads", "workers", "device", "compile", "log_every", "checkpoint_every")
+        }
     return part
 
 
@@ -317,7 +341,9 @@ def train_run(rc: ExperimentConfig, rdir: Path, corpus: Corpus, reporter: Report
     (partial / FAILED).unlink(missing_ok=True)
     write_atomic(record, dump_yaml(rc))
     try:
-        batches = None if rc.task == LM else build_task(rc.task, rc.task_options).batches(rc.seeds[0], rc.train.batch_size)
+        batches = (
+            None if rc.task == LM else build_task(rc.task, rc.task_options).batches(rc.seeds[0], rc.train.batch_size)
+        )
         model = train_model(rc, corpus, reporter, partial, batches)
     except Diverged as e:
         write_atomic(partial / DIVERGED, json.dumps({"status": "diverged", "step": e.step, "loss": str(e.loss)}) + "\n")
@@ -379,8 +405,11 @@ def evaluate_into(
     tokens = eval_tokens(corpus, rc, lengths)
     labels = {variant_label(rc.model.scheme, v, factor) for v in variants}
     n = len(tokens) - 1
-    stale = {int(r["length"]) for r in read_eval(rdir)
-             if r["scheme"] in labels and int(r["tokens"]) != n and int(r["length"]) <= n}  # fmt: skip
+    stale = {
+        int(r["length"])
+        for r in read_eval(rdir)
+        if r["scheme"] in labels and int(r["tokens"]) != n and int(r["length"]) <= n
+    }
     if stale - set(lengths):  # rows scored on other tokens do not compare with these: redo them
         lengths = sorted(set(lengths) | stale)
         tokens = eval_tokens(corpus, rc, lengths)
@@ -389,13 +418,17 @@ def evaluate_into(
         stride = rc.eval.stride if protocol == "sliding" else None
         for v in variants:
             label = variant_label(rc.model.scheme, v, factor)
-            scored, by_position = evaluate_model(model, tokens, lengths, rc.eval.batch_size, device, v, factor,
-                                                 protocol, stride)  # fmt: skip
+            scored, by_position = evaluate_model(
+                model, tokens, lengths, rc.eval.batch_size, device, v, factor, protocol, stride
+            )
             rows += eval_rows(rc, scored, label)
             for L, (sums, counts) in by_position.items():
                 ident = {"scheme": label, "length": L, "protocol": protocol, "stride": stride}
-                positions += [{**ident, "position": p, "loss": sums[p].item() / c.item(), "tokens": c.item()}
-                              for p, c in enumerate(counts) if c > 0]  # fmt: skip
+                positions += [
+                    {**ident, "position": p, "loss": sums[p].item() / c.item(), "tokens": c.item()}
+                    for p, c in enumerate(counts)
+                    if c > 0
+                ]
     new = {_row_key(r) for r in rows}
     keep = [r for r in read_eval(rdir) if _row_key(r) not in new]
     base = rc.model.scheme
@@ -405,8 +438,11 @@ def evaluate_into(
 
     write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
     kept = [r for r in read_positions(rdir) if _row_key(r) not in new]
-    write_rows(rdir / "positions.csv", sorted(kept + positions, key=lambda r: (*order(r), int(r["position"]))),
-               POSITION_COLUMNS)  # fmt: skip
+    write_rows(
+        rdir / "positions.csv",
+        sorted(kept + positions, key=lambda r: (*order(r), int(r["position"]))),
+        POSITION_COLUMNS,
+    )
     return rows
 
 
@@ -449,8 +485,9 @@ def evaluate_run(
     if not (Path(run_dir) / "config.yaml").is_file():
         write_atomic(Path(run_dir) / "config.yaml", dump_yaml(rc))
     if rc.task != LM and lengths:
-        raise PosbenchError(f"--lengths: a run of task {rc.task} is scored at its task's test lengths "
-                            f"(task_options.test_max)")  # fmt: skip
+        raise PosbenchError(
+            f"--lengths: a run of task {rc.task} is scored at its task's test lengths (task_options.test_max)"
+        )
     if device is not None:  # a run trained on a GPU can be scored on a laptop
         check_device(device, f"--device {device}")
         rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
@@ -493,8 +530,11 @@ def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tup
 def sweep_run_name(rc: ExperimentConfig, settings: dict) -> str:
     """'alibi-seed0-train_len64-3f9c2a1e': readable, then a hash of everything that decides
     the weights, so a folder is one config and a changed setting is a new folder."""
-    readable = [f"{safe_name(k.split('.')[-1])}{safe_name(str(v))}" for k, v in settings.items()
-                if k not in ("schemes", "seeds", "model.scheme")]  # fmt: skip
+    readable = [
+        f"{safe_name(k.split('.')[-1])}{safe_name(str(v))}"
+        for k, v in settings.items()
+        if k not in ("schemes", "seeds", "model.scheme")
+    ]
     return "-".join([run_name(rc.schemes[0], rc.seeds[0]), *readable, run_digest(rc)])
 
 
@@ -510,14 +550,17 @@ def plan_sweep(grid: list[tuple[dict, ExperimentConfig]]) -> tuple[Path, list[tu
     first = grid[0][1]
     exp = Path(first.out_dir) / first.name
     if len({cfg.task == LM for _, cfg in grid}) > 1:  # perplexity and exact match share no table
-        raise PosbenchError("sweep: task mixes lm with the tasks, which one report cannot compare; "
-                            "sweep lm apart from the tasks")  # fmt: skip
+        raise PosbenchError(
+            "sweep: task mixes lm with the tasks, which one report cannot compare; sweep lm apart from the tasks"
+        )
     plan, seen = [], {}
     for settings, cfg in grid:
         if (cfg.out_dir, cfg.name) != (first.out_dir, first.name):
             named = "; each task names its own folder unless the config sets name" if cfg.task != first.task else ""
-            raise PosbenchError(f"sweep: its points would write to {exp} and {Path(cfg.out_dir) / cfg.name}, but name "
-                                f"and out_dir make the one experiment folder and cannot be swept{named}")  # fmt: skip
+            raise PosbenchError(
+                f"sweep: its points would write to {exp} and {Path(cfg.out_dir) / cfg.name}, but name "
+                f"and out_dir make the one experiment folder and cannot be swept{named}"
+            )
         for s in cfg.schemes:
             for n in cfg.seeds:
                 rc = cfg.for_run(s, n)
@@ -555,7 +598,7 @@ def sweep_jobs(grid: list[tuple[dict, ExperimentConfig]], source: str, reporter:
     before any of them runs."""
     exp, plan = plan_sweep(grid)
     jobs = []
-    for settings, cfg in grid:
+    for _, cfg in grid:
         mine = [(rc, rdir, state) for c, rc, rdir, state in plan if c is cfg]
         if mine:
             jobs += [(rc, rdir, state, n) for (rc, rdir, state), n in zip(mine, prepare(cfg, mine, reporter))]
@@ -606,11 +649,15 @@ def prepare(cfg: ExperimentConfig, plan, reporter: Reporter) -> list[int]:
     if "sliding" in cfg.eval.protocol:  # stride 1 is exact and slow: say how slow first
         count = sum(len(windows(n_tokens, L, "sliding", cfg.eval.stride)) for L in cfg.eval.lengths)
         chunks = sum(len(windows(n_tokens, L, "nonoverlapping", None)) for L in cfg.eval.lengths)
-        reporter.note(f"sliding evaluation, stride {cfg.eval.stride}: {count:,} windows per run over all lengths, "
-                      f"about {count / chunks:.0f}x the forward passes of non-overlapping evaluation")  # fmt: skip
+        reporter.note(
+            f"sliding evaluation, stride {cfg.eval.stride}: {count:,} windows per run over all lengths, "
+            f"about {count / chunks:.0f}x the forward passes of non-overlapping evaluation"
+        )
     if cfg.task != LM:
-        reporter.note(f"task {cfg.task}: train_len {cfg.model.train_len} (its longest training instance), "
-                      f"{cfg.train.steps} steps x {cfg.train.batch_size} instances per run")  # fmt: skip
+        reporter.note(
+            f"task {cfg.task}: train_len {cfg.model.train_len} (its longest training instance), "
+            f"{cfg.train.steps} steps x {cfg.train.batch_size} instances per run"
+        )
     return [n_tokens] * len(plan)
 
 
@@ -646,14 +693,17 @@ def run_one(rc, rdir: Path, state: str, corpus: Optional[Corpus], n_tokens: int,
     with exclusive(lock_file(rdir)) as held:
         if not held:
             pid = lock_holder(lock_file(rdir))
-            reporter.note(f"{rdir.name}: another posbench process{f' (pid {pid})' if pid else ''} is running it; "
-                          f"skipped here, rerun once that process is done")  # fmt: skip
+            reporter.note(
+                f"{rdir.name}: another posbench process{f' (pid {pid})' if pid else ''} is running it; "
+                f"skipped here, rerun once that process is done"
+            )
             return "held"
         if state != "done" and (rdir / "model.pt").is_file():
             state = "done"  # another process finished it since it was planned
         if state == "diverged" or (rdir / DIVERGED).is_file():
-            reporter.note(f"{rdir.name}: diverged in an earlier attempt ({diverged_step(rdir)}); "
-                          f"delete {rdir} to train it again")  # fmt: skip
+            reporter.note(
+                f"{rdir.name}: diverged in an earlier attempt ({diverged_step(rdir)}); delete {rdir} to train it again"
+            )
             return "diverged"
         if state == "done":
             _, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
@@ -673,7 +723,9 @@ def run_one(rc, rdir: Path, state: str, corpus: Optional[Corpus], n_tokens: int,
             if not scored:
                 evaluate_task_into(rc, rdir, model.to(device), device, backend)
         else:
-            for (variant, protocol), lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():  # only what is missing
+            for (variant, protocol), lengths in _unevaluated(
+                rc, rdir, model, n_tokens, backend
+            ).items():  # only what is missing
                 evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
         write_atomic(rdir / "config.yaml", dump_yaml(rc))  # eval settings may have changed
         return "reused" if state == "done" else "trained"
@@ -745,8 +797,11 @@ def _status_of(folder: Path, rdir: Path, hidden: bool) -> dict:
         if (folder / DIVERGED).is_file() and not (folder / "model.pt").is_file():
             return {**row, "state": "diverged", "detail": diverged_step(folder)}
         missing = [f for f in ("model.pt", "eval.csv") if not (folder / f).is_file()]
-        return {**row, "state": "done" if not missing else "partial",
-                "detail": "trained and evaluated" if not missing else f"lacks {' and '.join(missing)}"}  # fmt: skip
+        return {
+            **row,
+            "state": "done" if not missing else "partial",
+            "detail": "trained and evaluated" if not missing else f"lacks {' and '.join(missing)}",
+        }
     if (folder / FAILED).is_file():
         return {**row, "state": "failed", "detail": f"{(folder / FAILED).read_text(errors='replace').strip()} ({at})"}
     return {**row, "state": "partial", "detail": f"{at}; rerun to resume" if step is not None else at}

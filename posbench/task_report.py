@@ -21,8 +21,22 @@ from posbench.report import _pyplot, _save, plot_training, point_labels, scheme_
 from posbench.runs import SWEEP_RECORD, differences, experiment_part, trained_with
 from posbench.stats import mean_ci, tied_for_best
 
-SUMMARY_COLUMNS = ["task", "metric", "scheme", "seed", "train_max", "bucket", "lo", "hi", "split", "value",
-                   "correct", "instances", "status", "attention"]  # fmt: skip
+SUMMARY_COLUMNS = [
+    "task",
+    "metric",
+    "scheme",
+    "seed",
+    "train_max",
+    "bucket",
+    "lo",
+    "hi",
+    "split",
+    "value",
+    "correct",
+    "instances",
+    "status",
+    "attention",
+]
 
 
 def is_task_experiment(exp_dirs) -> bool:
@@ -38,8 +52,10 @@ def is_task_experiment(exp_dirs) -> bool:
                 except PosbenchError:
                     continue
     if len(first) > 1:
-        raise PosbenchError(f"this report mixes perplexity runs (task lm, e.g. {first[False]}) with task runs "
-                            f"(e.g. {first[True]}); report them apart")  # fmt: skip
+        raise PosbenchError(
+            f"this report mixes perplexity runs (task lm, e.g. {first[False]}) with task runs "
+            f"(e.g. {first[True]}); report them apart"
+        )
     return True in first
 
 
@@ -56,16 +72,20 @@ def collect(exp_dirs: list[Path]) -> tuple[pd.DataFrame, list]:
             if not (rdir / "config.yaml").is_file() and not (rdir / "model.pt").is_file():
                 continue
             if not (rdir / "config.yaml").is_file() or not (rdir / "eval.csv").is_file():
-                raise PosbenchError(f"{rdir}: a run folder without config.yaml or eval.csv; finish it with "
-                                    f"posbench evaluate {rdir}, or move it out of {exp_dir}")  # fmt: skip
+                raise PosbenchError(
+                    f"{rdir}: a run folder without config.yaml or eval.csv; finish it with "
+                    f"posbench evaluate {rdir}, or move it out of {exp_dir}"
+                )
             cfg = config_from_dict(read_record(rdir / "config.yaml"), source=str(rdir / "config.yaml"))
             part = experiment_part(cfg.to_dict())
             if first is None:
                 first = (rdir, part)
             elif part != first[1] and not sweep:
                 diff = differences(first[1], part, (first[0].name, f"in {rdir.name}"))
-                raise PosbenchError(f"{exp_dir}: runs trained under different settings ({', '.join(diff)}); "
-                                    f"a table compares runs that differ only in scheme and seed")  # fmt: skip
+                raise PosbenchError(
+                    f"{exp_dir}: runs trained under different settings ({', '.join(diff)}); "
+                    f"a table compares runs that differ only in scheme and seed"
+                )
             configs.append(cfg)
             parts[rdir], of[rdir] = part, cfg
             rows += [{**r, "point": rdir} for r in read_task_eval(rdir)]
@@ -96,12 +116,24 @@ def by_bucket(df: pd.DataFrame, spans: list[tuple[int, int]], train_max: int) ->
                 continue
             ok = (part["status"] == "ok").all()
             correct, n = part["correct"].sum(), part["instances"].sum()
-            out.append({"task": g["task"].iloc[0], "metric": METRIC, "scheme": scheme, "seed": seed,
-                        "train_max": train_max, "bucket": name, "lo": lo,
-                        "hi": int(part["length"].max()), "split": "in" if hi <= train_max else "out",
-                        "value": correct / n if ok else math.nan, "correct": int(correct) if ok else "",
-                        "instances": int(n), "status": "ok" if ok else part.loc[part["status"] != "ok", "status"].iloc[0],
-                        "attention": ",".join(sorted(set(part["attention"])))})  # fmt: skip
+            out.append(
+                {
+                    "task": g["task"].iloc[0],
+                    "metric": METRIC,
+                    "scheme": scheme,
+                    "seed": seed,
+                    "train_max": train_max,
+                    "bucket": name,
+                    "lo": lo,
+                    "hi": int(part["length"].max()),
+                    "split": "in" if hi <= train_max else "out",
+                    "value": correct / n if ok else math.nan,
+                    "correct": int(correct) if ok else "",
+                    "instances": int(n),
+                    "status": "ok" if ok else part.loc[part["status"] != "ok", "status"].iloc[0],
+                    "attention": ",".join(sorted(set(part["attention"]))),
+                }
+            )
     return pd.DataFrame(out, columns=SUMMARY_COLUMNS)
 
 
@@ -172,8 +204,11 @@ def describe(configs: list, long: pd.DataFrame) -> list[str]:
 def markdown(configs, long, table, transpose, point: str = "") -> str:
     c = configs[0]
     task = task_of(c)
-    out = [f"# {c.task}: exact-match accuracy by length, trained on 1..{task.train_max}, tested to {task.test_max}"
-           + (f" ({point})" if point else ""), ""]
+    out = [
+        f"# {c.task}: exact-match accuracy by length, trained on 1..{task.train_max}, tested to {task.test_max}"
+        + (f" ({point})" if point else ""),
+        "",
+    ]
     out += describe(configs, long)
     rows = grid(table, transpose or len(table.attrs["buckets"]) > 12)
     out += ["", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
@@ -189,11 +224,23 @@ def latex(configs, table, transpose, point: str = "") -> str:
 
     marked = grid(table, transpose or len(table.attrs["buckets"]) > 12, bold=lambda t: "\0" + t)
     rows = [[f"\\textbf{{{tex(x[1:])}}}" if x.startswith("\0") else tex(x) for x in r] for r in marked]
-    return "\n".join(["\\begin{table}[t]", "\\centering", f"\\begin{{tabular}}{{l{'r' * (len(rows[0]) - 1)}}}",
-                      "\\toprule", " & ".join(rows[0]) + " \\\\", "\\midrule",
-                      *(" & ".join(r) + " \\\\" for r in rows[1:]), "\\bottomrule", "\\end{tabular}",
-                      f"\\caption{{{tex(configs[0].task)}: \\% exact match by length, mean $\\pm$ 95\\% interval "
-                      f"over seeds{tex(f' ({point})' if point else '')}.}}", "\\end{table}", ""])  # fmt: skip
+    return "\n".join(
+        [
+            "\\begin{table}[t]",
+            "\\centering",
+            f"\\begin{{tabular}}{{l{'r' * (len(rows[0]) - 1)}}}",
+            "\\toprule",
+            " & ".join(rows[0]) + " \\\\",
+            "\\midrule",
+            *(" & ".join(r) + " \\\\" for r in rows[1:]),
+            "\\bottomrule",
+            "\\end{tabular}",
+            f"\\caption{{{tex(configs[0].task)}: \\% exact match by length, mean $\\pm$ 95\\% interval "
+            f"over seeds{tex(f' ({point})' if point else '')}.}}",
+            "\\end{table}",
+            "",
+        ]
+    )
 
 
 def plot(sections: list, path: Path) -> bool:
@@ -216,8 +263,9 @@ def plot(sections: list, path: Path) -> bool:
                     xs.append(hi), means.append(100 * mean), cis.append(0 if ci != ci else 100 * ci)
             (line,) = ax.plot(xs, means, marker="o", markersize=3, label=s)
             lo = [m - c for m, c in zip(means, cis)]
-            ax.fill_between(xs, lo, [m + c for m, c in zip(means, cis)], color=line.get_color(), alpha=0.15,
-                            linewidth=0)  # fmt: skip
+            ax.fill_between(
+                xs, lo, [m + c for m, c in zip(means, cis)], color=line.get_color(), alpha=0.15, linewidth=0
+            )
         ax.axvline(train_max, color="black", linestyle="--", linewidth=1)
         ax.set_title(f"{configs[0].task}: exact match by length" + (f"\n{point}" if point else ""), fontsize=10)
         ax.set_xlabel(f"instance length; dashed: the longest trained ({train_max})")

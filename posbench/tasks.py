@@ -92,7 +92,8 @@ class Task:
             clash = sorted(set(text.encode()) & set(self.syntax))
             if clash:
                 raise PosbenchError(
-                    f"{where}.{key}={text!r} uses {bytes(clash).decode()!r}, which the task's instances use as delimiters"
+                    f"{where}.{key}={text!r} uses {bytes(clash).decode()!r}, which the task's instances use "
+                    "as delimiters"
                 )
 
     # --- what a task defines ------------------------------------------------------------------
@@ -135,14 +136,13 @@ class Task:
             out += [(n, p, a) for p, a in seen.values()]
         return out
 
-    def batches(self, seed: int, batch_size: int, test: Optional[list] = None) -> "Batches":
+    def batches(self, seed: int, batch_size: int, test: Optional[list] = None) -> Batches:
         return Batches(self, seed, batch_size, test if test is not None else self.test_set())
 
 
 class Batches:
     """Training batches: n ~ U(1..train_max), instances redrawn until none is a test instance,
     padded with PAD on the right, the loss on the answer bytes alone. The order follows the seed."""
-
 
     def __init__(self, task: Task, seed: int, batch_size: int, test: list):
         self.task, self.batch_size = task, batch_size
@@ -330,8 +330,10 @@ def resolve_task(name: str) -> type[Task]:
         cls = load_plugin(name, "task", Task, "posbench.tasks.Task", "my_tasks:Increment")
         missing = [m for m in ("make", "longest") if getattr(cls, m) is getattr(Task, m)]
         if missing:
-            raise PosbenchError(f"task '{name}': {cls.__name__} does not define {' or '.join(missing)}; "
-                                f"a task defines make(n, rng) and longest(n)")  # fmt: skip
+            raise PosbenchError(
+                f"task '{name}': {cls.__name__} does not define {' or '.join(missing)}; "
+                f"a task defines make(n, rng) and longest(n)"
+            )
         return cls
     close = difflib.get_close_matches(name, [LM, *TASKS], n=1, cutoff=0.5)
     hint = f" (did you mean '{close[0]}'?)" if close else ""

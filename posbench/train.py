@@ -10,8 +10,9 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +82,13 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 
-def train_model(cfg: ExperimentConfig, corpus: Optional[Corpus], reporter: Reporter, folder: Path,
-                batches: Optional[Callable] = None) -> TransformerLM:  # fmt: skip
+def train_model(
+    cfg: ExperimentConfig,
+    corpus: Optional[Corpus],
+    reporter: Reporter,
+    folder: Path,
+    batches: Optional[Callable] = None,
+) -> TransformerLM:
     """Train cfg.model (one scheme) with seed cfg.seeds[0] in `folder`; returns the model on the CPU.
     The log (train_log.jsonl) names the attention backend of each line. `batches(gen)` gives
     (x, y), with y = -100 where no loss is taken (a task's prompts and padding), and has
@@ -93,8 +99,7 @@ def train_model(cfg: ExperimentConfig, corpus: Optional[Corpus], reporter: Repor
     seed, tc, L = cfg.seeds[0], cfg.train, cfg.model.train_len
     if batches is None and len(corpus.train) < L + 2:
         raise PosbenchError(
-            f"the training split of '{corpus.name}' has {len(corpus.train)} bytes, "
-            f"fewer than model.train_len+2={L + 2}"
+            f"the training split of '{corpus.name}' has {len(corpus.train)} bytes, fewer than model.train_len+2={L + 2}"
         )
     device = pick_device(tc.device)
     torch.manual_seed(seed)
@@ -110,8 +115,9 @@ def train_model(cfg: ExperimentConfig, corpus: Optional[Corpus], reporter: Repor
             start, spent = restore(state, model, opt, gen, device, batches), float(state.get("seconds", 0.0))
         except Exception as e:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()[:120]
-            raise PosbenchError(f"{folder / CHECKPOINT}: does not fit this run ({reason}); "
-                                f"delete {folder} to train this run anew") from None  # fmt: skip
+            raise PosbenchError(
+                f"{folder / CHECKPOINT}: does not fit this run ({reason}); delete {folder} to train this run anew"
+            ) from None
         reporter.note(f"{label}: resuming from its checkpoint at step {start} of {tc.steps}")
     params = list(model.parameters())  # once: model.parameters() walks every module each call
     forward = torch.compile(model) if tc.compile else model  # same weights, compiled graph
@@ -160,8 +166,13 @@ def train_model(cfg: ExperimentConfig, corpus: Optional[Corpus], reporter: Repor
             last = step == tc.steps - 1
             if step % tc.log_every == 0 or last:
                 value = finite(step)
-                rec = {"step": step, "loss": round(value, 5), "lr": lr,
-                       "seconds": round(time.perf_counter() - t0, 3), "attention": backend}  # fmt: skip
+                rec = {
+                    "step": step,
+                    "loss": round(value, 5),
+                    "lr": lr,
+                    "seconds": round(time.perf_counter() - t0, 3),
+                    "attention": backend,
+                }
                 log.write(json.dumps(rec) + "\n")
                 reporter.step(label, step + 1, value)
             if stop.is_set() or (tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and not last):
@@ -196,8 +207,11 @@ def stop_requests():
             raise KeyboardInterrupt
         stop.set()
 
-    old = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)
-           if signal.getsignal(s) is not signal.SIG_IGN}  # fmt: skip
+    old = {
+        s: signal.signal(s, request)
+        for s in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(s) is not signal.SIG_IGN
+    }
     try:
         yield stop
     finally:
@@ -205,8 +219,9 @@ def stop_requests():
             signal.signal(s, handler)
 
 
-def snapshot(cfg: ExperimentConfig, model, opt, gen: torch.Generator, next_step: int, seconds: float,
-             batches=None) -> dict:  # fmt: skip
+def snapshot(
+    cfg: ExperimentConfig, model, opt, gen: torch.Generator, next_step: int, seconds: float, batches=None
+) -> dict:
     """Everything the next steps depend on: weights, AdamW's moments and step counts, the data
     generator and every global generator a scheme or torch might draw from."""
     return {

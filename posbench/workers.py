@@ -7,7 +7,8 @@ import os
 import signal
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -111,8 +112,14 @@ def _die_with(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def run_in_workers(work: Callable, jobs: list[tuple], cleanup: Callable[[], None], reporter: Reporter,
-                   workers: int, threads: Optional[int]) -> None:  # fmt: skip
+def run_in_workers(
+    work: Callable,
+    jobs: list[tuple],
+    cleanup: Callable[[], None],
+    reporter: Reporter,
+    workers: int,
+    threads: Optional[int],
+) -> None:
     """work(*args, reporter) for each (label, args) job, in `workers` processes. `work` must be a module-level
     function (the spawned workers import it by name). After the first error no new job starts;
     the jobs under way finish and are kept, and the error is raised here. An interrupt kills
@@ -122,8 +129,10 @@ def run_in_workers(work: Callable, jobs: list[tuple], cleanup: Callable[[], None
 
     ctx = mp.get_context("spawn")  # fork after torch has started its threads can deadlock
     job_queue, events = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_worker_main, args=(work, threads, job_queue, events, os.getpid()), daemon=True)
-             for _ in range(workers)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_worker_main, args=(work, threads, job_queue, events, os.getpid()), daemon=True)
+        for _ in range(workers)
+    ]
     todo = list(enumerate(jobs))
     error, busy = None, 0
     try:
@@ -142,7 +151,7 @@ def run_in_workers(work: Callable, jobs: list[tuple], cleanup: Callable[[], None
                     raise PosbenchError(
                         f"a worker process died (exit code {dead[0].exitcode}), perhaps out of "
                         "memory; rerun with --set train.workers=1 to see the error"
-                    )
+                    ) from None
                 continue
             if kind in ("done", "failed"):
                 if kind == "failed" and error is None:

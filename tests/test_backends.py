@@ -123,12 +123,24 @@ def test_a_swiglu_rmsnorm_model_trains_and_evaluates_through_the_normal_code(mon
     monkeypatch.setattr(posbench.model, "MLP", SwiGLU)
     monkeypatch.setattr(posbench.model, "Norm", nn.RMSNorm)
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    cfg = load_config(None, values={
-        "out_dir": str(tmp_path / "results"), "name": "swiglu", "schemes": ["alibi", "rope"],
-        "data.path": str(tmp_path / "text.txt"), "model.n_layer": 1, "model.d_model": 48,
-        "model.train_len": 32, "train.steps": 20, "train.batch_size": 8, "train.warmup_steps": 2,
-        "train.workers": 1, "eval.lengths": [32, 64], "eval.tokens": 256,
-    })  # fmt: skip
+    cfg = load_config(
+        None,
+        values={
+            "out_dir": str(tmp_path / "results"),
+            "name": "swiglu",
+            "schemes": ["alibi", "rope"],
+            "data.path": str(tmp_path / "text.txt"),
+            "model.n_layer": 1,
+            "model.d_model": 48,
+            "model.train_len": 32,
+            "train.steps": 20,
+            "train.batch_size": 8,
+            "train.warmup_steps": 2,
+            "train.workers": 1,
+            "eval.lengths": [32, 64],
+            "eval.tokens": 256,
+        },
+    )
     exp = run_experiment(cfg, Reporter())
     for scheme in ("alibi", "rope"):
         rdir = exp / f"{scheme}-seed0"
@@ -174,7 +186,7 @@ def test_the_package_has_no_import_circle():
         state[m] = "open"
         for d in graph[m]:
             if state.get(d) == "open":
-                raise AssertionError(" -> ".join(path[path.index(d):] + [d]) if d in path else f"{m} -> {d}")
+                raise AssertionError(" -> ".join(path[path.index(d) :] + [d]) if d in path else f"{m} -> {d}")
             if d not in state:
                 visit(d, path + [d])
         state[m] = "done"
@@ -196,11 +208,20 @@ def test_runs_record_their_backend_and_a_mixed_report_says_so(tmp_path, capsys):
 
     (tmp_path / "text.txt").write_text("abcdefghij " * 400)
     values = {
-        "out_dir": str(tmp_path), "name": "mixed", "schemes": ["nope", "alibi"],
-        "data.path": str(tmp_path / "text.txt"), "model.n_layer": 1, "model.d_model": 32,
-        "model.train_len": 16, "train.steps": 3, "train.batch_size": 4, "train.warmup_steps": 1,
-        "eval.lengths": [16, 32], "eval.tokens": 128, "model.attention": "eager",
-    }  # fmt: skip
+        "out_dir": str(tmp_path),
+        "name": "mixed",
+        "schemes": ["nope", "alibi"],
+        "data.path": str(tmp_path / "text.txt"),
+        "model.n_layer": 1,
+        "model.d_model": 32,
+        "model.train_len": 16,
+        "train.steps": 3,
+        "train.batch_size": 4,
+        "train.warmup_steps": 1,
+        "eval.lengths": [16, 32],
+        "eval.tokens": 128,
+        "model.attention": "eager",
+    }
     exp = run_experiment(load_config(None, values=values), Reporter())
     for run in ("nope-seed0", "alibi-seed0"):
         assert json.loads((exp / run / "train_log.jsonl").read_text().splitlines()[0])["attention"] == "eager"
@@ -224,10 +245,13 @@ def test_runs_record_their_backend_and_a_mixed_report_says_so(tmp_path, capsys):
     assert "trained with eager, scored with sdpa" in (exp / "summary.md").read_text()
 
 
-@pytest.mark.parametrize("backend,message", [
-    ("flex", "model.attention=flex: torch has no FlexAttention backward on a CPU"),
-    ("native", "model.attention=native cannot run here: the attention kernel is unavailable"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "backend,message",
+    [
+        ("flex", "model.attention=flex: torch has no FlexAttention backward on a CPU"),
+        ("native", "model.attention=native cannot run here: the attention kernel is unavailable"),
+    ],
+)
 def test_a_backend_that_cannot_train_here_is_one_line_and_nothing_is_written(monkeypatch, tmp_path, backend, message):
     from conftest import SMOKE, invoke
 

@@ -26,8 +26,9 @@ def test_bench_quick_writes_every_row(tmp_path):
         assert float(r["tokens_per_s"]) > 0 and 0 < float(r["mfu"]) < 1
         assert r["peer_ratio"] == ""  # no peer ran
     for s in SEED_SCHEMES:
-        mem = {int(r["eval_len"]): float(r["peak_mem_mb"]) for r in rows
-               if r["measurement"] == "eval" and r["scheme"] == s}  # fmt: skip
+        mem = {
+            int(r["eval_len"]): float(r["peak_mem_mb"]) for r in rows if r["measurement"] == "eval" and r["scheme"] == s
+        }
         assert sorted(mem) == [100, 1600, 3200]
         # twice the length: about twice the memory when it is linear, four times if quadratic
         assert mem[100] < mem[1600] < mem[3200] < 2.6 * mem[1600], (s, mem)
@@ -40,8 +41,11 @@ def test_memory_of_a_scheme_with_a_position_limit_is_measured_with_one_long_enou
     out = tmp_path / "bench.csv"
     res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", scheme, "--out", str(out)])
     assert res.exit_code == 0, res.output
-    mem = {int(r["eval_len"]): r["peak_mem_mb"] for r in csv.DictReader(out.open())
-           if r["measurement"] == "eval" and r["scheme"] == scheme}  # fmt: skip
+    mem = {
+        int(r["eval_len"]): r["peak_mem_mb"]
+        for r in csv.DictReader(out.open())
+        if r["measurement"] == "eval" and r["scheme"] == scheme
+    }
     assert sorted(mem) == [100, 1600, 3200] and all(float(v) > 0 for v in mem.values()), mem
 
 
@@ -70,7 +74,9 @@ def test_without_the_kernels_the_table_says_so_and_names_the_backend(tmp_path, m
     res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "cope", "--out", str(out)])
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
-    assert "the native backend cannot run (the attention kernel is unavailable (turned off by POSBENCH_NATIVE=0))" in text
+    assert (
+        "the native backend cannot run (the attention kernel is unavailable (turned off by POSBENCH_NATIVE=0))" in text
+    )
     rows = list(csv.DictReader(out.open()))
     assert {r["scheme"] for r in rows} == {"nope", "cope"} and {r["attention"] for r in rows} == {"sdpa"}
 
@@ -117,8 +123,9 @@ def test_bench_builds_each_scheme_with_the_configs_options(tmp_path, monkeypatch
     built = []
     real = bench.TransformerLM
     monkeypatch.setattr(bench, "TransformerLM", lambda mc: built.append((mc.scheme, mc.options)) or real(mc))
-    res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "t5", "--out", str(tmp_path),
-                                   "--set", "scheme_options.t5.num_buckets=8"])  # fmt: skip
+    res = CliRunner().invoke(
+        app, ["bench", "--quick", "--schemes", "t5", "--out", str(tmp_path), "--set", "scheme_options.t5.num_buckets=8"]
+    )
     assert res.exit_code == 0, res.output
     t5 = [o for s, o in built if s == "t5"]
     assert t5 and all(o["num_buckets"] == 8 and o["scale"] == "sqrt_head_dim" for o in t5)  # the rest: defaults
@@ -138,8 +145,9 @@ def test_a_peer_that_cannot_build_the_shape_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "_import_peer", lambda peer: None)
     monkeypatch.setattr(bench, "xtransformers_model", lambda s, mc: Broken() if s == "rope" else None)
-    res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "rope", "--peer", "x-transformers",
-                                   "--out", str(tmp_path)])  # fmt: skip
+    res = CliRunner().invoke(
+        app, ["bench", "--quick", "--schemes", "rope", "--peer", "x-transformers", "--out", str(tmp_path)]
+    )
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "--peer x-transformers cannot train rope at this size" in res.output
     assert "ZeroDivisionError" in res.output and not (tmp_path / "bench.csv").exists()
@@ -202,8 +210,21 @@ def test_rows_name_the_cpu_and_its_threads(tmp_path):
 def test_a_longer_train_len_is_not_stopped_by_the_configs_test_lengths(tmp_path):
     """The bench measures at its own multiples; the default eval.lengths (100..200) are not its."""
     out = tmp_path / "bench.csv"
-    res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "nope", "--set", "model.train_len=300",
-                                   "--set", "model.n_layer=1", "--out", str(out)])  # fmt: skip
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--quick",
+            "--schemes",
+            "nope",
+            "--set",
+            "model.train_len=300",
+            "--set",
+            "model.n_layer=1",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     lens = sorted(int(r["eval_len"]) for r in csv.DictReader(out.open()) if r["measurement"] == "eval")
     assert lens == [300, 4800, 9600]
@@ -219,7 +240,8 @@ def test_rounds_is_checked_and_used(tmp_path, monkeypatch):
     seen = []
     real = bench.time_interleaved
     monkeypatch.setattr(bench, "time_interleaved", lambda steps, s, *a: seen.append(s.rounds) or real(steps, s, *a))
-    res = CliRunner().invoke(app, ["bench", "--quick", "--rounds", "2", "--schemes", "nope", "--set",
-                                   "model.n_layer=1", "--out", str(out)])  # fmt: skip
+    res = CliRunner().invoke(
+        app, ["bench", "--quick", "--rounds", "2", "--schemes", "nope", "--set", "model.n_layer=1", "--out", str(out)]
+    )
     assert res.exit_code == 0, res.output
     assert seen == [2]

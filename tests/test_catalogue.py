@@ -9,18 +9,17 @@ import math
 import shutil
 
 import pytest
-import yaml
 import torch
+import yaml
+from conftest import SMOKE, invoke, smoke_experiment, tiny
 
 from posbench import native
 from posbench.config import load_config
 from posbench.errors import PosbenchError
-from posbench.model import TransformerLM
 from posbench.evaluate import evaluate_model
+from posbench.model import TransformerLM
 from posbench.runs import check_experiment
 from posbench.schemes import SCHEMES, catalogue, resolve_scheme, rope_frequencies
-
-from conftest import SMOKE, invoke, smoke_experiment, tiny
 
 NEW = ["xpos", "kerple_log", "kerple_power", "fire", "randomized", "cope"]
 
@@ -32,6 +31,7 @@ def close(got, want, tol=1e-6):
 
 
 # --- rope_frequencies: transformers' ROPE_INIT_FUNCTIONS at hand-worked points -------------
+
 
 # head_dim 8, base 10000: theta_k = 10000^(-2k/8) = 10^-k.
 def test_default_frequencies():
@@ -102,6 +102,7 @@ def test_yarn_ramp_is_fractional_between_the_ends():
 
 def yarn_by_hand(d, base, s, L):
     """transformers' _compute_yarn_parameters restated with Python floats (truncate=True)."""
+
     def dim(r):
         return d * math.log(L / (r * 2 * math.pi)) / (2 * math.log(base))
 
@@ -116,9 +117,7 @@ def yarn_by_hand(d, base, s, L):
     return out, 0.1 * math.log(s) + 1.0
 
 
-@pytest.mark.parametrize(
-    "d,base,s,L", [(64, 10000.0, 8.0, 4096), (128, 500000.0, 4.0, 8192), (16, 10000.0, 3.0, 32)]
-)
+@pytest.mark.parametrize("d,base,s,L", [(64, 10000.0, 8.0, 4096), (128, 500000.0, 4.0, 8192), (16, 10000.0, 3.0, 32)])
 def test_yarn_matches_the_reference_formula(d, base, s, L):
     # d=64, L=4096: low = floor(10.47) = 10, high = ceil(22.51) = 23, a ramp inside the head
     want, want_att = yarn_by_hand(d, base, s, L)
@@ -138,8 +137,9 @@ def test_rope_frequencies_agree_with_transformers(kind, d, base, L):
 
     for s in (1.0, 1.5, 4.0, 16.0):
         params = {"rope_type": kind, "rope_theta": base, "factor": s, "original_max_position_embeddings": L}
-        cfg = LlamaConfig(hidden_size=4 * d, num_attention_heads=4, head_dim=d,
-                          max_position_embeddings=L, rope_parameters=params)  # fmt: skip
+        cfg = LlamaConfig(
+            hidden_size=4 * d, num_attention_heads=4, head_dim=d, max_position_embeddings=L, rope_parameters=params
+        )
         for seq in (None, L // 2, 3 * L) if kind == "dynamic" else (None,):
             want, want_att = ROPE_INIT_FUNCTIONS[kind](cfg, None, seq)
             inv, att = rope_frequencies(d, base, kind, s, L, seq_len=seq)
@@ -502,9 +502,14 @@ def cope_bias(table):
 # sigmoid(sqrt 2) = 0.804429; q_2.k_2 = -2 -> sigmoid(-sqrt 2) = 0.195571.
 # p_ij = sum_{t=j..i} g_it: p_00 = 0.5; p_10 = 1.304429, p_11 = 0.804429;
 # p_20 = 1.5, p_21 = 1.0, p_22 = 0.195571.
-P = {(0, 0): 0.5, (1, 0): 0.5 + sig(math.sqrt(2)), (1, 1): sig(math.sqrt(2)),
-     (2, 0): 0.5 + sig(math.sqrt(2)) + sig(-math.sqrt(2)), (2, 1): sig(math.sqrt(2)) + sig(-math.sqrt(2)),
-     (2, 2): sig(-math.sqrt(2))}  # fmt: skip
+P = {
+    (0, 0): 0.5,
+    (1, 0): 0.5 + sig(math.sqrt(2)),
+    (1, 1): sig(math.sqrt(2)),
+    (2, 0): 0.5 + sig(math.sqrt(2)) + sig(-math.sqrt(2)),
+    (2, 1): sig(math.sqrt(2)) + sig(-math.sqrt(2)),
+    (2, 2): sig(-math.sqrt(2)),
+}
 
 
 def test_cope_positions_are_gate_sums():
@@ -580,6 +585,7 @@ def test_cope_kernel_matches_attention_with_the_paper_bias(q0, npos):
 
 # --- RoPE scaled at evaluation time, from the command line -----------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
     """rope and alibi trained as configs/smoke.yaml says (30 steps, L = 32) on a tiny corpus."""
@@ -610,8 +616,19 @@ def test_evaluate_rope_scaling_adds_rows_and_report_rebuilds_them(tiny_runs, tmp
     res = invoke("report", exp)
     assert res.exit_code == 0, res.output
     summary = read_rows(exp / "summary.csv")
-    assert list(summary[0]) == ["scheme", "seed", "train_len", "length", "protocol", "stride", "loss", "ppl", "tokens",
-                              "status", "attention"]
+    assert list(summary[0]) == [
+        "scheme",
+        "seed",
+        "train_len",
+        "length",
+        "protocol",
+        "stride",
+        "loss",
+        "ppl",
+        "tokens",
+        "status",
+        "attention",
+    ]
     schemes = list(dict.fromkeys(r["scheme"] for r in summary))
     assert schemes == ["rope", "rope+linear", "rope+yarn", "alibi"]  # variants follow their scheme
     md = (exp / "summary.md").read_text()
@@ -656,8 +673,19 @@ def test_evaluate_rope_scaling_errors_are_one_line(tiny_runs, args, message):
 def test_extrapolate_rope_scaling_adds_rows_without_retraining(tiny_runs, tmp_path):
     _, text = tiny_runs
     out = tmp_path / "results"
-    args = ["extrapolate", "--config", SMOKE, "--schemes", "rope,alibi", "--set", f"out_dir={out}",
-            "--set", f"data.path={text}", "--set", "train.steps=5"]  # fmt: skip
+    args = [
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "rope,alibi",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+        "--set",
+        "train.steps=5",
+    ]
     assert invoke(*args).exit_code == 0
     stamp = (out / "smoke" / "rope-seed0" / "model.pt").stat().st_mtime_ns
     res = invoke(*args, "--rope-scaling", "dynamic")

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import SMOKE, invoke, report_rebuilt, smoke_experiment  # noqa: E402
 
 from posbench.config import SEED_SCHEMES
-
-from conftest import SMOKE, invoke, report_rebuilt, smoke_experiment  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +40,19 @@ def test_extrapolate_writes_every_promised_file(smoke):
 def test_summary_csv_is_long_format_with_status(smoke):
     exp, _, _ = smoke
     rows = list(csv.DictReader((exp / "summary.csv").open()))
-    assert list(rows[0]) == ["scheme", "seed", "train_len", "length", "protocol", "stride", "loss", "ppl", "tokens",
-                              "status", "attention"]
+    assert list(rows[0]) == [
+        "scheme",
+        "seed",
+        "train_len",
+        "length",
+        "protocol",
+        "stride",
+        "loss",
+        "ppl",
+        "tokens",
+        "status",
+        "attention",
+    ]
     assert len(rows) == len(SEED_SCHEMES) * 3
     by = {(r["scheme"], int(r["length"])): r for r in rows}
     assert by[("learned", 32)]["status"] == "ok"
@@ -82,8 +92,17 @@ def test_rerun_resumes_and_is_reproducible(smoke, tmp_path):
     """Same config and seed, fresh folder: the same numbers. Same folder: nothing retrained."""
     exp, _, text = smoke
     out = tmp_path / "again"
-    args = ["extrapolate", "--config", SMOKE, "--schemes", "alibi,rope", "--set", f"out_dir={out}",
-            "--set", f"data.path={text}"]  # fmt: skip
+    args = [
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi,rope",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+    ]
     assert invoke(*args).exit_code == 0
     fresh = list(csv.DictReader((out / "smoke" / "summary.csv").open()))
     first = [r for r in csv.DictReader((exp / "summary.csv").open()) if r["scheme"] in ("alibi", "rope")]
@@ -108,24 +127,54 @@ def test_evaluate_an_existing_run_at_new_lengths(smoke, tmp_path):
 
 def test_train_one_run(tmp_path, corpus_file):
     out = tmp_path / "r"
-    res = invoke("train", SMOKE, "--scheme", "alibi", "--seed", "2", "--set", f"out_dir={out}",
-                 "--set", f"data.path={corpus_file}", "--set", "train.steps=5")  # fmt: skip
+    res = invoke(
+        "train",
+        SMOKE,
+        "--scheme",
+        "alibi",
+        "--seed",
+        "2",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={corpus_file}",
+        "--set",
+        "train.steps=5",
+    )
     assert res.exit_code == 0, res.output
     assert (out / "smoke" / "alibi-seed2" / "model.pt").is_file()
     assert sorted(p.name for p in (out / "smoke").iterdir() if p.is_dir()) == ["alibi-seed2"]
 
 
 def test_train_with_no_config_trains_the_defaults_and_one_run_on_request(tmp_path, corpus_file):
-    quick = ["--set", f"out_dir={tmp_path / 'r'}", "--set", f"data.path={corpus_file}", "--set", "train.steps=2",
-             "--set", "eval.tokens=400", "--set", "train.workers=1"]  # fmt: skip
+    quick = [
+        "--set",
+        f"out_dir={tmp_path / 'r'}",
+        "--set",
+        f"data.path={corpus_file}",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "eval.tokens=400",
+        "--set",
+        "train.workers=1",
+    ]
     res = invoke("train", "--scheme", "alibi", *quick)
     assert res.exit_code == 0, res.output
     runs = sorted(p.name for p in (tmp_path / "r" / "default").iterdir() if p.is_dir())
     assert runs == ["alibi-seed0"]
     cfg = yaml.safe_load((tmp_path / "r" / "default" / "alibi-seed0" / "config.yaml").read_text())
     assert cfg["model"]["d_model"] == 128 and cfg["eval"]["lengths"] == [100, 125, 150, 200]  # the defaults
-    res = invoke("train", SMOKE, "--set", f"out_dir={tmp_path / 's'}", "--set", f"data.path={corpus_file}",
-                 "--set", "schemes=[nope, alibi]")  # fmt: skip
+    res = invoke(
+        "train",
+        SMOKE,
+        "--set",
+        f"out_dir={tmp_path / 's'}",
+        "--set",
+        f"data.path={corpus_file}",
+        "--set",
+        "schemes=[nope, alibi]",
+    )
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in (tmp_path / "s" / "smoke").iterdir() if p.is_dir()) == ["alibi-seed0", "nope-seed0"]
 
@@ -174,16 +223,23 @@ def _assert_clean_failure(res, message, results: Path):
 )
 def test_extrapolate_errors_are_one_line_and_leave_nothing(tmp_path, corpus_file, args, message):
     out = tmp_path / "results"
-    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={out}",
-                 "--set", f"data.path={corpus_file}", *args)  # fmt: skip
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}", *args
+    )
     _assert_clean_failure(res, message, out)
 
 
 def test_malformed_and_missing_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {n_layer: 2\n")
-    _assert_clean_failure(invoke("extrapolate", "--config", bad), "bad.yaml: malformed YAML at line", tmp_path / "results")
-    _assert_clean_failure(invoke("extrapolate", "--config", tmp_path / "gone.yaml"), "gone.yaml: config file not found", tmp_path / "results")
+    _assert_clean_failure(
+        invoke("extrapolate", "--config", bad), "bad.yaml: malformed YAML at line", tmp_path / "results"
+    )
+    _assert_clean_failure(
+        invoke("extrapolate", "--config", tmp_path / "gone.yaml"),
+        "gone.yaml: config file not found",
+        tmp_path / "results",
+    )
 
 
 def test_run_dir_without_checkpoint(tmp_path):
@@ -230,8 +286,17 @@ def test_failure_keeps_earlier_results(smoke, tmp_path, corpus_file):
     out = tmp_path / "results"
     shutil.copytree(exp, out / "smoke")
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
-    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={out}",
-                 "--set", f"data.path={text}", "--set", "train.steps=7")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+        "--set",
+        "train.steps=7",
+    )
     assert res.exit_code != 0 and "holds runs trained under other settings" in res.output
     assert "train.steps: 30 in alibi-seed0, 7 here" in " ".join(res.output.split())
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
@@ -241,9 +306,21 @@ def test_schemes_all_runs_every_registered_scheme_with_rope_rows(tmp_path, corpu
     from posbench.schemes import SCHEMES
 
     out = tmp_path / "r"
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "all", "--rope-scaling", "yarn,linear",
-                 "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}",
-                 "--set", "train.steps=3")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "all",
+        "--rope-scaling",
+        "yarn,linear",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={corpus_file}",
+        "--set",
+        "train.steps=3",
+    )
     assert res.exit_code == 0, res.output
     rows = list(csv.DictReader((out / "smoke" / "summary.csv").open()))
     assert {r["scheme"] for r in rows} == set(SCHEMES) | {"rope+yarn", "rope+linear"}
@@ -255,8 +332,9 @@ def test_a_moved_experiment_still_resumes(smoke, tmp_path):
     exp, _, text = smoke
     out = tmp_path / "moved"
     shutil.copytree(exp, out / "smoke")
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}",
-                 "--set", f"data.path={text}")  # fmt: skip
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}", "--set", f"data.path={text}"
+    )
     assert res.exit_code == 0, res.output
     assert "already trained" in res.output
 
@@ -281,8 +359,11 @@ def test_an_empty_config_yaml_is_a_damaged_record_not_the_defaults(smoke, tmp_pa
     shutil.copytree(exp, copy)
     (copy / "rope-seed0" / "config.yaml").write_text("")
     before = (copy / "summary.csv").read_text()
-    for args in (["report", copy], ["evaluate", copy / "rope-seed0"],
-                 ["extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path}", "--set", f"data.path={text}"]):
+    for args in (
+        ["report", copy],
+        ["evaluate", copy / "rope-seed0"],
+        ["extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path}", "--set", f"data.path={text}"],
+    ):
         res = invoke(*args)
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
         said = " ".join(res.output.split())
@@ -295,8 +376,17 @@ def test_an_empty_config_yaml_is_a_damaged_record_not_the_defaults(smoke, tmp_pa
 def test_unwritable_out_dir_is_one_line(tmp_path, corpus_file):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={blocker}",
-                 "--set", f"data.path={corpus_file}")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--set",
+        f"out_dir={blocker}",
+        "--set",
+        f"data.path={corpus_file}",
+    )
     assert res.exit_code != 0 and "Traceback" not in res.output and "error:" in res.output
 
 
@@ -304,8 +394,19 @@ def test_rerun_with_other_threads_resumes(smoke, tmp_path):
     exp, _, text = smoke
     out = tmp_path / "t"
     shutil.copytree(exp, out / "smoke")
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "rope", "--threads", "1",
-                 "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "rope",
+        "--threads",
+        "1",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+    )
     assert res.exit_code == 0 and "already trained" in res.output
 
 
@@ -332,15 +433,31 @@ def test_a_diverged_run_is_recorded_at_its_step_and_the_others_go_on(tmp_path):
 
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be that is the question\n" * 400)
-    args = ("extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path / 'r'}", "--set", f"data.path={text}",
-            "--schemes", "nope,t5", "--set", "train.workers=2", "--set", "train.lr=1000000000.0",
-            "--set", "train.grad_clip=0")  # fmt: skip
+    args = (
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--set",
+        f"out_dir={tmp_path / 'r'}",
+        "--set",
+        f"data.path={text}",
+        "--schemes",
+        "nope,t5",
+        "--set",
+        "train.workers=2",
+        "--set",
+        "train.lr=1000000000.0",
+        "--set",
+        "train.grad_clip=0",
+    )
     res = invoke(*args)
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "every run diverged (nope seed 0 at step" in " ".join(res.output.split())
     for run in ("nope-seed0", "t5-seed0"):
         record = json.loads((tmp_path / "r" / "smoke" / run / "diverged.json").read_text())
-        log = [json.loads(line) for line in (tmp_path / "r" / "smoke" / run / "train_log.jsonl").read_text().splitlines()]
+        log = [
+            json.loads(line) for line in (tmp_path / "r" / "smoke" / run / "train_log.jsonl").read_text().splitlines()
+        ]
         assert record["status"] == "diverged" and 0 < record["step"] < 30
         assert all(r["step"] < record["step"] for r in log)  # the log stops before it
         assert not (tmp_path / "r" / "smoke" / run / "model.pt").exists()
@@ -376,8 +493,19 @@ def test_compile_wraps_the_training_forward_and_its_failure_is_one_line(tmp_path
         return model
 
     monkeypatch.setattr(torch, "compile", spy)
-    args = ("train", SMOKE, "--scheme", "alibi", "--set", f"out_dir={tmp_path}", "--set",
-            f"data.path={corpus_file}", "--set", "train.steps=3", "--compile")  # fmt: skip
+    args = (
+        "train",
+        SMOKE,
+        "--scheme",
+        "alibi",
+        "--set",
+        f"out_dir={tmp_path}",
+        "--set",
+        f"data.path={corpus_file}",
+        "--set",
+        "train.steps=3",
+        "--compile",
+    )
     res = invoke(*args)
     assert res.exit_code == 0, res.output
     assert len(calls) == 1 and type(calls[0]).__name__ == "TransformerLM"
@@ -387,6 +515,7 @@ def test_compile_wraps_the_training_forward_and_its_failure_is_one_line(tmp_path
     def broken(model):
         def fail(x):
             raise RuntimeError("InductorError: no working C++ compiler found\nmore detail")
+
         return fail
 
     monkeypatch.setattr(torch, "compile", broken)
@@ -408,9 +537,24 @@ def test_sigterm_stops_the_workers_and_leaves_nothing_half_written(tmp_path):
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be that is the question\n" * 400)
     exp = tmp_path / "r" / "smoke"
-    cmd = [sys.executable, "-m", "posbench.cli", "extrapolate", "--config", SMOKE, "--schemes", "nope,alibi",
-           "--set", f"out_dir={tmp_path / 'r'}", "--set", f"data.path={text}",
-           "--set", "train.steps=100000", "--set", "train.workers=2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "posbench.cli",
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "nope,alibi",
+        "--set",
+        f"out_dir={tmp_path / 'r'}",
+        "--set",
+        f"data.path={text}",
+        "--set",
+        "train.steps=100000",
+        "--set",
+        "train.workers=2",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
@@ -424,7 +568,9 @@ def test_sigterm_stops_the_workers_and_leaves_nothing_half_written(tmp_path):
         assert proc.returncode == 130, out
         assert "interrupted" in out and "rerun the same command to resume" in out and "Traceback" not in out
         assert sorted(p.name for p in exp.iterdir() if not p.name.endswith(".lock")) == [
-            ".alibi-seed0.partial", ".nope-seed0.partial"]  # fmt: skip
+            ".alibi-seed0.partial",
+            ".nope-seed0.partial",
+        ]
         assert all((p / "checkpoint.pt").is_file() for p in exp.glob(".*.partial"))
         assert not list(exp.rglob("tmp-*"))
         time.sleep(1)
@@ -437,7 +583,11 @@ def test_sigterm_stops_the_workers_and_leaves_nothing_half_written(tmp_path):
 
 def _training(exp: Path) -> list[Path]:
     """The partial folders whose training has logged a step."""
-    return [p for p in exp.glob(".*.partial") if (p / "train_log.jsonl").is_file() and (p / "train_log.jsonl").stat().st_size]
+    return [
+        p
+        for p in exp.glob(".*.partial")
+        if (p / "train_log.jsonl").is_file() and (p / "train_log.jsonl").stat().st_size
+    ]
 
 
 def _processes() -> dict:
@@ -461,16 +611,18 @@ def test_bad_input_found_by_the_audit_is_one_line(tmp_path, smoke, corpus_file):
     base = ["--set", f"out_dir={out}", "--set", f"data.path={corpus_file}"]
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    _assert_clean_failure(invoke("extrapolate", "--config", SMOKE, *base, "--set", f"data.path={empty}"),
-                          "is empty", out)  # fmt: skip
+    _assert_clean_failure(
+        invoke("extrapolate", "--config", SMOKE, *base, "--set", f"data.path={empty}"), "is empty", out
+    )
     twice = tmp_path / "twice.yaml"
     twice.write_text("name: a\nname: b\n")
     _assert_clean_failure(invoke("extrapolate", "--config", twice), "key 'name' appears twice", out)
     marked = tmp_path / "x[b].yaml"
     _assert_clean_failure(invoke("extrapolate", "--config", marked), "x[b].yaml: config file not found", out)
     null_options = tmp_path / "null.yaml"  # `alibi:` with nothing under it means no options
-    null_options.write_text(yaml.safe_dump({**yaml.safe_load(open(SMOKE)), "schemes": ["alibi"],
-                                            "scheme_options": {"alibi": None}}))  # fmt: skip
+    null_options.write_text(
+        yaml.safe_dump({**yaml.safe_load(open(SMOKE)), "schemes": ["alibi"], "scheme_options": {"alibi": None}})
+    )
     assert invoke("extrapolate", "--config", null_options, *base).exit_code == 0
     res = invoke("evaluate", exp / "alibi-seed0", "--threads", "-1")
     assert res.exit_code == 2 and "--threads -1: the thread count must be positive" in res.output
@@ -491,8 +643,14 @@ def test_report_never_drops_a_run_in_silence(smoke, tmp_path):
     shutil.copytree(exp, copy)
     summary = (copy / "summary.csv").read_text()
     header = (copy / "alibi-seed0" / "eval.csv").read_text().splitlines()[0] + "\n"
-    for damage in ['garbage,,,"\n', "", header, header + "alibi,0,32,32,2.9,18.1,799,weird\n",
-                   header + "alibi,0,32,32,abc,18.1,799,ok\n", b"\xff\xfe"]:  # fmt: skip
+    for damage in [
+        'garbage,,,"\n',
+        "",
+        header,
+        header + "alibi,0,32,32,2.9,18.1,799,weird\n",
+        header + "alibi,0,32,32,abc,18.1,799,ok\n",
+        b"\xff\xfe",
+    ]:
         target = copy / "alibi-seed0" / "eval.csv"
         target.write_bytes(damage if isinstance(damage, bytes) else damage.encode())
         res = invoke("report", copy)
@@ -585,10 +743,12 @@ def test_yaml_merge_keys_and_a_runs_own_config_with_another_scheme(tmp_path, smo
     from posbench.config import load_config
 
     merged = tmp_path / "merge.yaml"
-    merged.write_text("model: {n_layer: 1, d_model: 32, n_head: 2}\n"
-                      "scheme_options:\n"
-                      "  hybrid: &t5 {max_distance: 64, num_buckets: 16}\n"
-                      "  t5: {<<: *t5, num_buckets: 8}\n")
+    merged.write_text(
+        "model: {n_layer: 1, d_model: 32, n_head: 2}\n"
+        "scheme_options:\n"
+        "  hybrid: &t5 {max_distance: 64, num_buckets: 16}\n"
+        "  t5: {<<: *t5, num_buckets: 8}\n"
+    )
     cfg = load_config(merged, [])
     assert cfg.model.n_layer == 1 and cfg.scheme_options["t5"] == {"max_distance": 64, "num_buckets": 8}
     exp, _, _ = smoke
@@ -636,13 +796,44 @@ def test_an_experiment_never_mixes_training_settings(smoke, tmp_path):
     exp, _, text = smoke
     out = tmp_path / "results"
     shutil.copytree(exp, out / "smoke")
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--seeds", "1", "--train-len", "48",
-                 "--lengths", "48,64", "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--seeds",
+        "1",
+        "--train-len",
+        "48",
+        "--lengths",
+        "48,64",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+    )
     assert res.exit_code == 2 and "model.train_len: 32 in alibi-seed0, 48 here" in " ".join(res.output.split())
     assert not (out / "smoke" / "alibi-seed1").exists()
     other = tmp_path / "other"
-    assert invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--seeds", "1", "--set", "train.steps=4",
-                  "--set", f"out_dir={other}", "--set", f"data.path={text}").exit_code == 0  # fmt: skip
+    assert (
+        invoke(
+            "extrapolate",
+            "--config",
+            SMOKE,
+            "--schemes",
+            "alibi",
+            "--seeds",
+            "1",
+            "--set",
+            "train.steps=4",
+            "--set",
+            f"out_dir={other}",
+            "--set",
+            f"data.path={text}",
+        ).exit_code
+        == 0
+    )
     shutil.copytree(other / "smoke" / "alibi-seed1", out / "smoke" / "alibi-seed1")
     summary = (out / "smoke" / "summary.csv").read_text()
     res = invoke("report", out / "smoke")
@@ -678,7 +869,9 @@ def test_evaluate_reads_the_runs_config_and_rescores_rows_on_other_tokens(smoke,
     rec["train"]["steps"] += 1
     (run / "config.yaml").write_text(yaml.safe_dump(rec))
     res = invoke("evaluate", run, "--lengths", "32")
-    assert res.exit_code == 2 and "config.yaml does not describe model.pt (train.steps: 30 in model.pt," in " ".join(res.output.split())
+    assert res.exit_code == 2 and "config.yaml does not describe model.pt (train.steps: 30 in model.pt," in " ".join(
+        res.output.split()
+    )
     (run / "config.yaml").unlink()
     assert invoke("evaluate", run, "--lengths", "32").exit_code == 0
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == rec["train"]["steps"] - 1
@@ -699,8 +892,19 @@ def test_growing_the_lengths_scores_only_the_new_one(smoke, tmp_path, monkeypatc
 
     monkeypatch.setattr(posbench.runs, "evaluate_model", spy)
     lengths = yaml.safe_load(open(SMOKE))["eval"]["lengths"]
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--lengths", ",".join(map(str, lengths + [56])),
-                 "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--lengths",
+        ",".join(map(str, lengths + [56])),
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+    )
     assert res.exit_code == 0, res.output
     assert scored == [[56]]
 
@@ -722,13 +926,29 @@ def test_a_run_trained_on_a_gpu_is_scored_here_with_device_cpu(smoke, tmp_path):
 
 def test_a_length_only_some_seeds_reached_says_so_and_its_ratio_uses_those_seeds(tmp_path, corpus_file):
     out = tmp_path / "r"
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--seeds", "0,1", "--set", "train.steps=3",
-                 "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--seeds",
+        "0,1",
+        "--set",
+        "train.steps=3",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={corpus_file}",
+    )
     assert res.exit_code == 0, res.output
     exp = out / "smoke"
     assert invoke("evaluate", exp / "alibi-seed0", "--lengths", "80").exit_code == 0
     assert invoke("report", exp).exit_code == 0
-    rows = {(r["seed"], int(r["length"])): float(r["ppl"]) for r in csv.DictReader((exp / "alibi-seed0" / "eval.csv").open())}
+    rows = {
+        (r["seed"], int(r["length"])): float(r["ppl"])
+        for r in csv.DictReader((exp / "alibi-seed0" / "eval.csv").open())
+    }
     md = (exp / "summary.md").read_text()
     assert f"{rows['0', 80]:.2f} (1 of 2 seeds)" in md
     cells = [c.strip() for c in md.split("| alibi |")[1].splitlines()[0].split("|")]
@@ -742,8 +962,15 @@ def test_the_table_shows_seeds_that_blew_up_and_hides_no_ratio_behind_them():
 
     from posbench.report import cell, comparison
 
-    rows = [("alibi", s, 32, L, ppl, st) for s, L, ppl, st in [
-        (0, 32, 10.0, "ok"), (0, 64, float("nan"), "non-finite"), (1, 32, 12.0, "ok"), (1, 64, 13.0, "ok")]]
+    rows = [
+        ("alibi", s, 32, L, ppl, st)
+        for s, L, ppl, st in [
+            (0, 32, 10.0, "ok"),
+            (0, 64, float("nan"), "non-finite"),
+            (1, 32, 12.0, "ok"),
+            (1, 64, 13.0, "ok"),
+        ]
+    ]
     rows += [("rope", s, 32, L, ppl, "ok") for s, L, ppl in [(0, 32, 5.0), (0, 64, 6.0), (1, 32, 7.0)]]
     df = pd.DataFrame(rows, columns=["scheme", "seed", "train_len", "length", "ppl", "status"])
     table = comparison(df)
@@ -758,9 +985,23 @@ def test_an_experiment_grows_by_a_scheme_with_its_own_options_and_other_threads(
     exp, _, text = smoke
     out = tmp_path / "results"
     shutil.copytree(exp, out / "smoke")
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "randomized", "--threads", "1",
-                 "--set", "scheme_options.randomized.max_pos=256", "--set", "train.workers=1",
-                 "--set", f"out_dir={out}", "--set", f"data.path={text}")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "randomized",
+        "--threads",
+        "1",
+        "--set",
+        "scheme_options.randomized.max_pos=256",
+        "--set",
+        "train.workers=1",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+    )
     assert res.exit_code == 0, res.output
     assert (out / "smoke" / "randomized-seed0" / "model.pt").is_file()
 
@@ -770,8 +1011,9 @@ def test_a_run_that_lost_its_config_yaml_resumes_from_the_checkpoints_copy(smoke
     out = tmp_path / "results"
     shutil.copytree(exp, out / "smoke")
     (out / "smoke" / "alibi-seed0" / "config.yaml").unlink()
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}",
-                 "--set", f"data.path={text}")  # fmt: skip
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}", "--set", f"data.path={text}"
+    )
     assert res.exit_code == 0 and "already trained" in res.output, res.output
     assert (out / "smoke" / "alibi-seed0" / "config.yaml").is_file()
 

@@ -6,15 +6,13 @@ under the bf16 autocast that run.py uses there.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from posbench import check
-import dataclasses
-
-from posbench import attention
+from posbench import attention, check
 from posbench.attention import BiasedAttention
 from posbench.schemes import SCHEMES
 

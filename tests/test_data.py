@@ -22,12 +22,15 @@ def fake_sdist(path, texts: dict):
 
 
 def test_sdist_texts_skip_folio_duplicates_and_join_in_name_order(tmp_path):
-    arc = fake_sdist(tmp_path / "s.tar.gz", {
-        "b_play_gut.txt": b"second\r\n",
-        "a_play_gut.txt": b"first\n\n\n",
-        "a_play_gut_f.txt": b"folio duplicate",
-        "metadata.txt": b"not a play",
-    })  # fmt: skip
+    arc = fake_sdist(
+        tmp_path / "s.tar.gz",
+        {
+            "b_play_gut.txt": b"second\r\n",
+            "a_play_gut.txt": b"first\n\n\n",
+            "a_play_gut_f.txt": b"folio duplicate",
+            "metadata.txt": b"not a play",
+        },
+    )
     assert data.texts_from_sdist(arc) == b"first\n\nsecond\n\n"
 
 

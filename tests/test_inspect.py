@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMOKE, invoke  # noqa: E402
 
 from posbench import plots
 from posbench.check import tiny_config
 from posbench.schemes import SCHEMES, PositionalScheme
-
-from conftest import SMOKE, invoke  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -159,8 +158,18 @@ def trained(tmp_path, corpus_file, monkeypatch):
 
     def train(spec: str) -> Path:
         out = tmp_path / "results"
-        res = invoke("train", SMOKE, "--scheme", spec, "--set", f"out_dir={out}",
-                     "--set", f"data.path={corpus_file}", "--set", "train.steps=5")  # fmt: skip
+        res = invoke(
+            "train",
+            SMOKE,
+            "--scheme",
+            spec,
+            "--set",
+            f"out_dir={out}",
+            "--set",
+            f"data.path={corpus_file}",
+            "--set",
+            "train.steps=5",
+        )
         assert res.exit_code == 0, res.output
         (run,) = [p for p in (out / "smoke").iterdir() if p.is_dir() and p.name.startswith(spec.split(":")[0])]
         return run
@@ -193,8 +202,7 @@ def test_inspect_a_trained_plugin_draws_every_per_head_parameter(trained, tmp_pa
     monkeypatch.chdir(tmp_path)
     res = invoke("inspect", run)
     assert res.exit_code == 0, res.output
-    assert_pngs(tmp_path / "results" / "inspect" / run.name,
-                {"bias.png", "param-r1.png", "param-r2.png"}, res.output)  # fmt: skip
+    assert_pngs(tmp_path / "results" / "inspect" / run.name, {"bias.png", "param-r1.png", "param-r2.png"}, res.output)
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,12 @@ import shutil
 
 import pytest
 import torch
+from conftest import tiny
 
 from posbench import check, native
 from posbench.attention import BiasedAttention
 from posbench.model import TransformerLM
 from posbench.schemes import SCHEMES, cope
-
-from conftest import tiny
 
 needs_kernel = pytest.mark.skipif(
     native.load("cope") is None, reason=f"no CoPE kernel here: {native.unavailable.get('cope')}"
@@ -453,7 +452,9 @@ def test_attention_kernel_at_a_hand_worked_point():
     out = native.attention(q, k, v, bias, 0)
     s = [2.0 * kj / math.sqrt(8) + b for kj, b in zip([1.0, -1.0, 0.5], [0.0, 0.25, -1.0])]
     w = [math.exp(x) for x in s]
-    assert out[0, 0, 2, 1].item() == pytest.approx(sum(wj * vj for wj, vj in zip(w, [3.0, -2.0, 1.0])) / sum(w), abs=1e-6)
+    assert out[0, 0, 2, 1].item() == pytest.approx(
+        sum(wj * vj for wj, vj in zip(w, [3.0, -2.0, 1.0])) / sum(w), abs=1e-6
+    )
     assert out[0, 0, 0, 1].item() == pytest.approx(3.0, abs=1e-6)  # the first query sees only key 0
 
 
@@ -478,7 +479,9 @@ def test_the_model_attends_through_the_kernel(monkeypatch, scheme, packed):
     calls = []
     for fn, bias_at in ((native.Attention, 3), (native.PackedAttention, 1)):
         real = fn.apply
-        monkeypatch.setattr(fn, "apply", lambda *a, f=fn, i=bias_at, r=real: calls.append((f, a[i] is not None)) or r(*a))
+        monkeypatch.setattr(
+            fn, "apply", lambda *a, f=fn, i=bias_at, r=real: calls.append((f, a[i] is not None)) or r(*a)
+        )
     torch.manual_seed(0)
     m = TransformerLM(tiny(scheme))
     x = torch.randint(0, 256, (2, 17))
@@ -618,11 +621,14 @@ HAS_AVX512 = os.path.exists("/proc/cpuinfo") and "avx512f" in open("/proc/cpuinf
 @pytest.mark.parametrize(
     "flags",
     [
-        pytest.param(["-O3", "-march=native", "-mno-avx512f", "-fopenmp"], id="avx2",
-                     marks=pytest.mark.skipif(not HAS_AVX512, reason="the 4-row tiles are what this CPU builds anyway")),
+        pytest.param(
+            ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"],
+            id="avx2",
+            marks=pytest.mark.skipif(not HAS_AVX512, reason="the 4-row tiles are what this CPU builds anyway"),
+        ),
         pytest.param(["-O3", "-fopenmp"], id="generic"),  # no -march: scalar transposes and gathers
     ],
-)  # fmt: skip
+)
 def test_the_four_row_tiles_of_avx2_cpus_match_the_definition_too(monkeypatch, tmp_path, flags):
     """Built without AVX-512 (as on most laptops: R = 4 rows a tile, AVX2 gathers and 8 x 8
     transposes), or for no particular CPU (the plain C loops those replace), attention with a
@@ -642,9 +648,17 @@ def test_the_four_row_tiles_of_avx2_cpus_match_the_definition_too(monkeypatch, t
     got = native.attention(q, k, v, steep, Tk - Tq)  # within fp32's rounding of such scores
     assert torch.allclose(got.double(), plain_attention(q, k, v, steep, Tk - Tq), atol=1e-4)
     checks = [
-        (lambda: native.attention(q, k, v, bias, Tk - Tq), lambda: plain_attention(q, k, v, bias, Tk - Tq), (q, k, v, bias)),
-        (lambda: native.relative_attention(q, k, v, qr, rk), lambda: plain_relative_attention(q, k, v, qr, rk), (q, k, v, qr, rk)),
-    ]  # fmt: skip
+        (
+            lambda: native.attention(q, k, v, bias, Tk - Tq),
+            lambda: plain_attention(q, k, v, bias, Tk - Tq),
+            (q, k, v, bias),
+        ),
+        (
+            lambda: native.relative_attention(q, k, v, qr, rk),
+            lambda: plain_relative_attention(q, k, v, qr, rk),
+            (q, k, v, qr, rk),
+        ),
+    ]
     for fast, slow, leaves in checks:
         got, want = fast(), slow()
         assert got is not None

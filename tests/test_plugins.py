@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, SMOKE, invoke  # noqa: E402
 
 from posbench import check
 from posbench.schemes import SCHEMES, PositionalScheme, resolve_scheme
-
-from conftest import ROOT, SMOKE, invoke  # noqa: E402
 
 EXAMPLE = "examples.my_scheme:MyScheme"
 
@@ -80,8 +79,7 @@ def test_example_trains_from_yaml_into_a_safe_folder(repo_on_path, tmp_path, cor
     cfg = tmp_path / "mine.yaml"
     cfg.write_text(Path(SMOKE).read_text() + f"schemes: [{EXAMPLE}]\n")
     out = tmp_path / "r"
-    res = invoke("train", cfg, "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}",
-                 "--set", "train.steps=5")  # fmt: skip
+    res = invoke("train", cfg, "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}", "--set", "train.steps=5")
     assert res.exit_code == 0, res.output
     assert (out / "smoke" / "examples.my_scheme_MyScheme-seed0" / "model.pt").is_file()
     assert "examples.my_scheme:MyScheme" in (out / "smoke" / "summary.csv").read_text()
@@ -119,8 +117,17 @@ def test_broken_plugin_is_one_clear_line(on_path, case, command):
 def test_broken_plugin_stops_extrapolate_before_training(on_path, tmp_path, corpus_file):
     on_path("plug_notscheme2", "class Thing:\n    pass\n")
     out = tmp_path / "r"
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi,plug_notscheme2:Thing",
-                 "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi,plug_notscheme2:Thing",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={corpus_file}",
+    )
     assert res.exit_code != 0 and "Traceback" not in res.output
     assert "is not a subclass of posbench.schemes.PositionalScheme" in res.output
     assert not out.exists()
@@ -260,8 +267,13 @@ def test_console_script_imports_a_plugin_from_the_working_directory(tmp_path):
     for entry in ("main", "app"):  # as the console script does, and without main()'s fix
         script = bindir / f"posbench_{entry}.py"
         script.write_text(f"import sys\nfrom posbench.cli import {entry}\nsys.exit({entry}())\n")
-        res = subprocess.run([sys.executable, str(script), "inspect", "cwd_plugin:Mine"],
-                             cwd=work, env=env, capture_output=True, text=True)  # fmt: skip
+        res = subprocess.run(
+            [sys.executable, str(script), "inspect", "cwd_plugin:Mine"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         outcome[entry] = (res.returncode, res.stdout + res.stderr)
     assert outcome["main"][0] == 0, outcome["main"][1]
     assert "nothing to draw" in outcome["main"][1]  # it loaded: the plugin is a no-op
@@ -269,14 +281,18 @@ def test_console_script_imports_a_plugin_from_the_working_directory(tmp_path):
 
 
 def test_an_attend_hook_of_the_wrong_shape_is_named(on_path):
-    module = on_path("plug_badshape", """
+    module = on_path(
+        "plug_badshape",
+        """
 from posbench.schemes import PositionalScheme
 
 class BadShape(PositionalScheme):
     def attend(self, q, k, v, qpos, kpos, layer):
         return q.sum(-1)
-""")
+""",
+    )
     res = invoke("check-scheme", f"{module}:BadShape")
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert "attend returned (2, 4, 16), expected None or shape (2, 4, 16, 8)" in " ".join(
-        res.output.replace("│", " ").split())
+        res.output.replace("│", " ").split()
+    )

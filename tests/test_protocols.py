@@ -6,11 +6,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import SMOKE, invoke
 
 from posbench.check import tiny_model
 from posbench.evaluate import evaluate_model, windows
-
-from conftest import SMOKE, invoke
 
 CPU = torch.device("cpu")
 
@@ -78,8 +77,21 @@ def test_the_loss_per_position_averages_token_weighted_to_the_reported_loss(prot
 
 
 def test_both_protocols_are_rows_of_one_experiment_with_positions_on_disk(tmp_path, corpus_file):
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi,rope", "--protocol", "nonoverlapping,sliding",
-                 "--stride", "8", "--set", f"out_dir={tmp_path}", "--set", f"data.path={corpus_file}")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi,rope",
+        "--protocol",
+        "nonoverlapping,sliding",
+        "--stride",
+        "8",
+        "--set",
+        f"out_dir={tmp_path}",
+        "--set",
+        f"data.path={corpus_file}",
+    )
     assert res.exit_code == 0, res.output
     exp = tmp_path / "smoke"
     rows = list(csv.DictReader((exp / "summary.csv").open()))
@@ -92,24 +104,41 @@ def test_both_protocols_are_rows_of_one_experiment_with_positions_on_disk(tmp_pa
     pos = list(csv.DictReader((exp / "alibi-seed0" / "positions.csv").open()))
     evals = list(csv.DictReader((exp / "alibi-seed0" / "eval.csv").open()))
     for r in evals:
-        mine = [p for p in pos if (p["length"], p["protocol"], p["stride"]) == (r["length"], r["protocol"], r["stride"])]
+        mine = [
+            p for p in pos if (p["length"], p["protocol"], p["stride"]) == (r["length"], r["protocol"], r["stride"])
+        ]
         assert len(mine) == int(r["length"])
         total = sum(float(p["loss"]) * int(p["tokens"]) for p in mine) / sum(int(p["tokens"]) for p in mine)
         assert math.isclose(total, float(r["loss"]), rel_tol=1e-9)
     # a rerun with one protocol scores nothing new, and a report rebuilds both from the records
     before = (exp / "alibi-seed0" / "eval.csv").read_text()
-    assert invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi,rope", "--set", f"out_dir={tmp_path}",
-                  "--set", f"data.path={corpus_file}").exit_code == 0  # fmt: skip
+    assert (
+        invoke(
+            "extrapolate",
+            "--config",
+            SMOKE,
+            "--schemes",
+            "alibi,rope",
+            "--set",
+            f"out_dir={tmp_path}",
+            "--set",
+            f"data.path={corpus_file}",
+        ).exit_code
+        == 0
+    )
     assert (exp / "alibi-seed0" / "eval.csv").read_text() == before
     assert invoke("report", exp).exit_code == 0 and "## sliding, stride 8" in (exp / "summary.md").read_text()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--protocol", "slidng"], "eval.protocol: unknown protocol 'slidng' (did you mean 'sliding'?)"),
-    (["--protocol", "sliding", "--stride", "0"], "eval.stride=0 must be positive"),
-    (["--protocol", "sliding", "--stride", "33"], "eval.stride=33 is longer than the shortest window"),
-    (["--set", "eval.protocol=[]"], "eval.protocol is empty"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--protocol", "slidng"], "eval.protocol: unknown protocol 'slidng' (did you mean 'sliding'?)"),
+        (["--protocol", "sliding", "--stride", "0"], "eval.stride=0 must be positive"),
+        (["--protocol", "sliding", "--stride", "33"], "eval.stride=33 is longer than the shortest window"),
+        (["--set", "eval.protocol=[]"], "eval.protocol is empty"),
+    ],
+)
 def test_bad_protocols_and_strides_are_one_line_and_write_nothing(tmp_path, args, message):
     res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path / 'r'}", *args)
     assert res.exit_code == 2 and "Traceback" not in res.output
@@ -120,8 +149,9 @@ def test_bad_protocols_and_strides_are_one_line_and_write_nothing(tmp_path, args
 def test_an_eval_csv_without_the_newer_columns_reads_as_non_overlapping_and_unrecorded(tmp_path):
     from posbench.runs import read_eval
 
-    (tmp_path / "eval.csv").write_text("scheme,seed,train_len,length,loss,ppl,tokens,status\n"
-                                       "alibi,0,32,32,3.7,40.4,2048,ok\n")  # fmt: skip
+    (tmp_path / "eval.csv").write_text(
+        "scheme,seed,train_len,length,loss,ppl,tokens,status\nalibi,0,32,32,3.7,40.4,2048,ok\n"
+    )
     (row,) = read_eval(tmp_path)
     assert (row["protocol"], row["stride"], row["attention"]) == ("nonoverlapping", "", "unrecorded")
     (tmp_path / "eval.csv").write_text("scheme,seed,length,loss\nalibi,0,32,3.7\n")

@@ -5,11 +5,10 @@ import re
 
 import pandas as pd
 import pytest
+from conftest import SMOKE, invoke
 
 from posbench.report import comparison, latex, with_metric
 from posbench.stats import mean_ci, paired_p, t_quantile, tied_for_best, welch_p
-
-from conftest import SMOKE, invoke
 
 # two-sided 95% critical values of Student's t, df = 1..9 (2 to 10 seeds), from the printed tables
 T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262]
@@ -56,16 +55,29 @@ def _rows():
         for seed in (0, 1, 2):
             for L, grow in ((100, 1.0), (200, 1.3 if scheme == "rope" else 0.99)):
                 ppl = base * grow + 0.01 * seed
-                rows.append({"scheme": scheme, "seed": seed, "train_len": 100, "length": L,
-                             "protocol": "nonoverlapping", "stride": "", "loss": math.log(ppl), "ppl": ppl,
-                             "tokens": 1000, "status": "ok", "attention": "native"})  # fmt: skip
+                rows.append(
+                    {
+                        "scheme": scheme,
+                        "seed": seed,
+                        "train_len": 100,
+                        "length": L,
+                        "protocol": "nonoverlapping",
+                        "stride": "",
+                        "loss": math.log(ppl),
+                        "ppl": ppl,
+                        "tokens": 1000,
+                        "status": "ok",
+                        "attention": "native",
+                    }
+                )
     return pd.DataFrame(rows)
 
 
 def test_the_table_holds_means_intervals_marks_and_the_chosen_metric():
     table = comparison(with_metric(_rows(), "ppl"))
     assert table.loc["alibi", 100] == pytest.approx(6.01) and table.loc["alibi", "ci 100"] == pytest.approx(
-        t_quantile(0.975, 2) * 0.01 / math.sqrt(3))
+        t_quantile(0.975, 2) * 0.01 / math.sqrt(3)
+    )
     assert table.loc["alibi", "best 200"] and not table.loc["rope", "best 200"]
     ratio = comparison(with_metric(_rows(), "ratio"))
     assert ratio.loc["rope", 200] == pytest.approx(1.3, abs=0.01) and ratio.loc["alibi", 100] == pytest.approx(1.0)
@@ -99,9 +111,24 @@ def test_report_joins_experiments_and_refuses_ones_that_do_not_compare(tmp_path,
     for name in ("summary.csv", "summary.tex", "summary.png", "positions.png", "training.png"):
         assert (joined / name).is_file(), name
     # another training length, or other protocols: one line, nothing written
-    assert invoke("extrapolate", *common, "--schemes", "rope", "--set", "name=c", "--set", "model.train_len=24",
-                  "--lengths", "24,48").exit_code == 0  # fmt: skip
-    assert invoke("extrapolate", *common, "--schemes", "rope", "--set", "name=d", "--protocol", "sliding").exit_code == 0
+    assert (
+        invoke(
+            "extrapolate",
+            *common,
+            "--schemes",
+            "rope",
+            "--set",
+            "name=c",
+            "--set",
+            "model.train_len=24",
+            "--lengths",
+            "24,48",
+        ).exit_code
+        == 0
+    )
+    assert (
+        invoke("extrapolate", *common, "--schemes", "rope", "--set", "name=d", "--protocol", "sliding").exit_code == 0
+    )
     for other, what in (("c", "training length differ (32 against 24)"), ("d", "protocols differ")):
         res = invoke("report", tmp_path / "a", tmp_path / other)
         assert res.exit_code == 2 and "Traceback" not in res.output
@@ -112,8 +139,17 @@ def test_report_joins_experiments_and_refuses_ones_that_do_not_compare(tmp_path,
 
 
 def test_one_seed_says_there_is_no_interval(tmp_path, corpus_file):
-    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={tmp_path}",
-                 "--set", f"data.path={corpus_file}")  # fmt: skip
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--set",
+        f"out_dir={tmp_path}",
+        "--set",
+        f"data.path={corpus_file}",
+    )
     assert res.exit_code == 0
     assert "1 seed: no interval; use --seeds 0,1,2" in (tmp_path / "smoke" / "summary.md").read_text()
 
@@ -133,7 +169,9 @@ def test_the_committed_reference_rebuilds_to_its_committed_summary(tmp_path):
     runs = sorted(p.name for p in committed.iterdir() if p.is_dir())
     assert runs == [f"{s}-seed{n}" for s in ("alibi", "rope", "sinusoidal", "t5") for n in (0, 1, 2)]
     for run in runs:
-        assert {"config.yaml", "eval.csv", "positions.csv", "train_log.jsonl"} <= {p.name for p in (committed / run).iterdir()}
+        assert {"config.yaml", "eval.csv", "positions.csv", "train_log.jsonl"} <= {
+            p.name for p in (committed / run).iterdir()
+        }
 
 
 @pytest.mark.parametrize("args", [["--seeds", ""], ["--seeds", ","], ["--set", "seeds=[]"]])

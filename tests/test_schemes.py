@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import tiny
 
 import posbench.attention
 import posbench.model
@@ -15,8 +16,6 @@ from posbench import check, native
 from posbench.attention import causal_attention
 from posbench.errors import PosbenchError
 from posbench.schemes import SCHEMES, PositionalScheme, alibi_slopes, sinusoid, t5_relative_bucket
-
-from conftest import tiny
 
 ALL = sorted(SCHEMES)
 build = check.tiny_model  # a tiny model, its scheme's parameters perturbed so zero-init biases bite
@@ -146,7 +145,9 @@ def test_alibi_slopes_six_heads_by_hand():
 
 def test_alibi_bias_is_minus_slope_times_distance():
     scheme = SCHEMES["alibi"](tiny("alibi"))
-    b = scheme.bias(torch.zeros(1, 4, 5, 8), torch.zeros(1, 4, 5, 8), torch.arange(5), torch.arange(5), 0)[0]  # (H, 5, 5)
+    b = scheme.bias(torch.zeros(1, 4, 5, 8), torch.zeros(1, 4, 5, 8), torch.arange(5), torch.arange(5), 0)[
+        0
+    ]  # (H, 5, 5)
     assert b[0, 4, 1].item() == pytest.approx(-(2**-2) * 3)  # head 1 of 4: m = 2^-2
     assert b[3, 2, 0].item() == pytest.approx(-(2**-8) * 2)
     assert torch.all(torch.diagonal(b, dim1=1, dim2=2) == 0)
@@ -157,8 +158,20 @@ def test_alibi_bias_is_minus_slope_times_distance():
 # n=32: 16+floor(5.33)=21; n=64: 16+floor(10.67)=26; n=127: 16+floor(15.94)=31.
 @pytest.mark.parametrize(
     "rel,bucket",
-    [(0, 0), (-1, 1), (-15, 15), (-16, 16), (-20, 17), (-32, 21), (-64, 26), (-127, 31),
-     (-128, 31), (-1000, 31), (3, 0), (50, 0)],  # fmt: skip
+    [
+        (0, 0),
+        (-1, 1),
+        (-15, 15),
+        (-16, 16),
+        (-20, 17),
+        (-32, 21),
+        (-64, 26),
+        (-127, 31),
+        (-128, 31),
+        (-1000, 31),
+        (3, 0),
+        (50, 0),
+    ],
 )
 def test_t5_buckets_unidirectional(rel, bucket):
     assert t5_relative_bucket(torch.tensor([rel])).item() == bucket
@@ -193,8 +206,15 @@ def test_t5_default_is_x_transformers_relative_position_bias(name):
     scheme = SCHEMES[name](cfg)
     table = dict(scheme.named_parameters())["relative.table" if name == "hybrid" else "table"]  # (NB, H)
     assert 0.85 < table.std().item() < 1.15 and abs(table.mean().item()) < 0.15  # N(0, 1), 256 draws
-    ref = xt.Decoder(dim=H * D, depth=1, heads=H, attn_dim_head=D, rel_pos_bias=True,
-                     rel_pos_num_buckets=NB, rel_pos_max_distance=far).rel_pos  # fmt: skip
+    ref = xt.Decoder(
+        dim=H * D,
+        depth=1,
+        heads=H,
+        attn_dim_head=D,
+        rel_pos_bias=True,
+        rel_pos_num_buckets=NB,
+        rel_pos_max_distance=far,
+    ).rel_pos
     with torch.no_grad():
         ref.relative_attention_bias.weight.copy_(table)
         want = ref(T, T)  # (H, T, T): [h, i, j] is query i against key j

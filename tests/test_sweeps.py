@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import ROOT, SMOKE, invoke
 
 
@@ -23,15 +22,33 @@ def _text(tmp: Path) -> Path:
 
 def _args(out: Path, text: Path, *more) -> list[str]:
     """configs/smoke.yaml, one run, long enough to be killed in the middle."""
-    return ["extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}",
-            "--set", f"data.path={text}", "--set", "train.threads=1", *more]  # fmt: skip
+    return [
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+        "--set",
+        "train.threads=1",
+        *more,
+    ]
 
 
 def _cli(*args) -> subprocess.Popen:
     """The worktree's posbench in a process of its own, as a user starts it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "posbench.cli", *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "posbench.cli", *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for(check, timeout: float = 120, what: str = "") -> None:
@@ -149,9 +166,23 @@ def test_no_worker_outlives_a_parent_killed_with_sigkill(tmp_path):
     process it started is left."""
     text = _text(tmp_path)
     out = tmp_path / "r"
-    proc = _cli("extrapolate", "--config", SMOKE, "--schemes", "nope,alibi", "--set", f"out_dir={out}",
-                "--set", f"data.path={text}", "--set", "train.steps=100000", "--set", "train.workers=2",
-                "--set", "train.checkpoint_every=0")  # fmt: skip
+    proc = _cli(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "nope,alibi",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+        "--set",
+        "train.steps=100000",
+        "--set",
+        "train.workers=2",
+        "--set",
+        "train.checkpoint_every=0",
+    )
     workers = []
     try:
         logs = lambda: [p for p in (out / "smoke").glob(".*.partial/train_log.jsonl") if p.stat().st_size]  # noqa: E731
@@ -175,8 +206,21 @@ def test_two_processes_on_one_experiment_never_train_a_run_twice(tmp_path):
     each run is trained by exactly one of them, the second says in one line which run it left
     to the first, and every run ends whole."""
     text = _text(tmp_path)
-    args = ["extrapolate", "--config", SMOKE, "--schemes", "nope,alibi,rope,t5", "--set", f"out_dir={tmp_path}",
-            "--set", f"data.path={text}", "--set", "train.steps=400", "--set", "train.threads=1"]  # fmt: skip
+    args = [
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "nope,alibi,rope,t5",
+        "--set",
+        f"out_dir={tmp_path}",
+        "--set",
+        f"data.path={text}",
+        "--set",
+        "train.steps=400",
+        "--set",
+        "train.threads=1",
+    ]
     first = _cli(*args)
     log = tmp_path / "smoke" / ".nope-seed0.partial" / "train_log.jsonl"
     _wait_for(lambda: log.is_file() and log.stat().st_size, what="the first process training")
@@ -225,8 +269,10 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     runs = sorted(p.name for p in exp.iterdir() if p.is_dir())
     assert [r[: -len("-12345678")] for r in runs] == ["alibi-seed0-train_len16", "alibi-seed0-train_len24"]
     summary = pd.read_csv(exp / "summary.csv")
-    assert sorted(set(zip(summary["point"], summary["train_len"]))) == [("model.train_len=16", 16),
-                                                                        ("model.train_len=24", 24)]  # fmt: skip
+    assert sorted(set(zip(summary["point"], summary["train_len"]))) == [
+        ("model.train_len=16", 16),
+        ("model.train_len=24", 24),
+    ]
     md = (exp / "summary.md").read_text()
     assert "## model.train_len=16; nonoverlapping" in md and "## model.train_len=24; nonoverlapping" in md
     assert "trained at 16, 24" in md
@@ -244,21 +290,38 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     assert len([p for p in exp.iterdir() if p.is_dir()]) == 4
 
 
-@pytest.mark.parametrize("key, values, message", [
-    ("model.n_head", "[2, 3]", "sweep.model.n_head=3: model.d_model=32 is not divisible by model.n_head=3"),
-    ("model.n_layers", "[1]", "sweep.model.n_layers=1: model.n_layers: unknown key (did you mean 'model.n_layer'?)"),
-    ("schemes", "[alibi, nosuch]", "sweep.schemes='nosuch'"),
-    ("model.train_len", "[]", "sweep.model.train_len: expected a non-empty list"),
-    ("eval.lengths", "[[32], [48]]", "eval.lengths=[32] and schemes=alibi, seeds=0, eval.lengths=[48] train the same run"),
-    ("train.threads", "[1, 2]", "train.threads=1 and schemes=alibi, seeds=0, train.threads=2 train the same run"),
-    pytest.param("train.lr", str(list(range(1, 10002))),
-                 "makes 10,001 points (1 x 1 x 10001 over schemes, seeds, train.lr); one sweep takes at most 10,000",
-                 id="too-many-points"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "key, values, message",
+    [
+        ("model.n_head", "[2, 3]", "sweep.model.n_head=3: model.d_model=32 is not divisible by model.n_head=3"),
+        (
+            "model.n_layers",
+            "[1]",
+            "sweep.model.n_layers=1: model.n_layers: unknown key (did you mean 'model.n_layer'?)",
+        ),
+        ("schemes", "[alibi, nosuch]", "sweep.schemes='nosuch'"),
+        ("model.train_len", "[]", "sweep.model.train_len: expected a non-empty list"),
+        (
+            "eval.lengths",
+            "[[32], [48]]",
+            "eval.lengths=[32] and schemes=alibi, seeds=0, eval.lengths=[48] train the same run",
+        ),
+        ("train.threads", "[1, 2]", "train.threads=1 and schemes=alibi, seeds=0, train.threads=2 train the same run"),
+        pytest.param(
+            "train.lr",
+            str(list(range(1, 10002))),
+            "makes 10,001 points (1 x 1 x 10001 over schemes, seeds, train.lr); one sweep takes at most 10,000",
+            id="too-many-points",
+        ),
+    ],
+)
 def test_a_bad_value_anywhere_in_the_grid_is_one_line_and_nothing_runs(tmp_path, key, values, message):
     config = _sweep(tmp_path)
-    config.write_text(config.read_text().replace("  schemes: [alibi]\n", "") + f"  {key}: {values}\n"
-                      if key == "schemes" else config.read_text().replace("model.train_len: [16, 24]", f"{key}: {values}"))  # fmt: skip
+    config.write_text(
+        config.read_text().replace("  schemes: [alibi]\n", "") + f"  {key}: {values}\n"
+        if key == "schemes"
+        else config.read_text().replace("model.train_len: [16, 24]", f"{key}: {values}")
+    )
     res = invoke("sweep", config)
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) <= 2
@@ -293,9 +356,20 @@ def test_a_diverged_point_is_recorded_the_grid_goes_on_and_status_shows_every_st
 
     # a partial run (stopped by Ctrl-C at step 10), a failed one, and one another process holds
     exp = tmp_path / "r" / "st"
-    more = ("--set", "train.steps=40", "--set", "train.checkpoint_every=5", "--set", "train.log_every=1",
-            "--set", f"out_dir={tmp_path / 'r'}",
-            "--set", "name=st", "--set", f"data.path={tmp_path / 'tiny.txt'}")  # fmt: skip
+    more = (
+        "--set",
+        "train.steps=40",
+        "--set",
+        "train.checkpoint_every=5",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        f"out_dir={tmp_path / 'r'}",
+        "--set",
+        "name=st",
+        "--set",
+        f"data.path={tmp_path / 'tiny.txt'}",
+    )
     with monkeypatch.context() as m:
         _interrupt_at(m, 10)
         assert invoke("extrapolate", "--config", SMOKE, "--schemes", "nope", *more).exit_code == 130
@@ -303,11 +377,16 @@ def test_a_diverged_point_is_recorded_the_grid_goes_on_and_status_shows_every_st
     (exp / ".t5-seed0.partial" / "failed.txt").write_text("out of memory\n")
     with exclusive(lock_file(exp / "rope-seed0")):
         (exp / ".rope-seed0.partial").mkdir()
-        (exp / ".rope-seed0.partial" / "config.yaml").write_text((exp / ".nope-seed0.partial" / "config.yaml").read_text())
+        (exp / ".rope-seed0.partial" / "config.yaml").write_text(
+            (exp / ".nope-seed0.partial" / "config.yaml").read_text()
+        )
         rows = {r["run"]: r for r in run_status(exp)}
         res = invoke("status", exp)
     assert res.exit_code == 0 and "partial" in res.output and "running" in res.output, res.output
-    assert (rows["nope-seed0"]["state"], rows["nope-seed0"]["detail"]) == ("partial", "at step 10 of 40; rerun to resume")
+    assert (rows["nope-seed0"]["state"], rows["nope-seed0"]["detail"]) == (
+        "partial",
+        "at step 10 of 40; rerun to resume",
+    )
     assert (rows["t5-seed0"]["state"], rows["t5-seed0"]["detail"]) == ("failed", "out of memory (at step 10 of 40)")
     assert rows["rope-seed0"]["state"] == "running"
     assert rows["rope-seed0"]["detail"] == f"training, no checkpoint yet (pid {os.getpid()})"
@@ -344,11 +423,14 @@ def test_without_ray_the_ray_executor_is_one_line(tmp_path, monkeypatch):
     assert "--executor ray needs Ray, an optional extra: pip install -e '.[ray]'" in " ".join(res.output.split())
 
 
-@pytest.mark.parametrize("address,message", [
-    ("127.0.0.1:1", "--address 127.0.0.1:1: no Ray head answers there"),
-    ("ray://127.0.0.1:1", "--address ray://127.0.0.1:1: no Ray head answers there"),
-    ("nowhere", "--address nowhere: expected auto, HOST:PORT or ray://HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "address,message",
+    [
+        ("127.0.0.1:1", "--address 127.0.0.1:1: no Ray head answers there"),
+        ("ray://127.0.0.1:1", "--address ray://127.0.0.1:1: no Ray head answers there"),
+        ("nowhere", "--address nowhere: expected auto, HOST:PORT or ray://HOST:PORT"),
+    ],
+)
 def test_a_ray_address_that_does_not_answer_is_one_line_and_writes_nothing(tmp_path, address, message):
     pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
     res = invoke("sweep", _sweep(tmp_path), "--executor", "ray", "--address", address)
@@ -360,11 +442,35 @@ def test_a_ray_address_that_does_not_answer_is_one_line_and_writes_nothing(tmp_p
 def test_a_task_run_interrupted_resumes_to_the_weights_of_an_unbroken_run(tmp_path, monkeypatch):
     """A task's instance stream is part of the checkpoint: a copy run stopped by Ctrl-C and rerun
     ends bit-identical to one never stopped (drawing fresh instances after the resume would not)."""
-    args = lambda out: ["extrapolate", "--task", "copy", "--schemes", "alibi", "--set", f"out_dir={out}",  # noqa: E731
-                        "--set", "task_options.train_max=5", "--set", "task_options.test_count=4",
-                        "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
-                        "--set", "train.steps=40", "--set", "train.batch_size=8", "--set", "train.warmup_steps=5",
-                        "--set", "train.checkpoint_every=10", "--set", "train.log_every=1"]  # fmt: skip
+    args = lambda out: [
+        "extrapolate",
+        "--task",
+        "copy",
+        "--schemes",
+        "alibi",
+        "--set",
+        f"out_dir={out}",  # noqa: E731
+        "--set",
+        "task_options.train_max=5",
+        "--set",
+        "task_options.test_count=4",
+        "--set",
+        "model.n_layer=1",
+        "--set",
+        "model.d_model=32",
+        "--set",
+        "model.n_head=2",
+        "--set",
+        "train.steps=40",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.warmup_steps=5",
+        "--set",
+        "train.checkpoint_every=10",
+        "--set",
+        "train.log_every=1",
+    ]
     with monkeypatch.context() as m:
         _interrupt_at(m, 15)
         assert invoke(*args(tmp_path / "r")).exit_code == 130
@@ -380,7 +486,7 @@ def test_a_sweep_over_tasks_reports_each_task_as_its_own_grid_point(tmp_path):
     path = tmp_path / "tasks.yaml"
     path.write_text(f"""
 name: tgrid
-out_dir: {tmp_path / 'r'}
+out_dir: {tmp_path / "r"}
 model: {{n_layer: 1, n_head: 2, d_model: 32}}
 train: {{steps: 10, batch_size: 8, warmup_steps: 2, threads: 1}}
 task_options: {{train_max: 3, test_count: 2}}
@@ -404,10 +510,13 @@ sweep: {{schemes: [alibi], task: [copy, reverse]}}
     assert trained == {t: build_task(t, {"train_max": 3}).train_len for t in ("copy", "reverse")}
 
 
-@pytest.mark.parametrize("name, tasks, message", [
-    ("name: mixed\n", "[lm, copy]", "sweep: task mixes lm with the tasks"),
-    ("", "[copy, reverse]", "cannot be swept; each task names its own folder unless the config sets name"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, tasks, message",
+    [
+        ("name: mixed\n", "[lm, copy]", "sweep: task mixes lm with the tasks"),
+        ("", "[copy, reverse]", "cannot be swept; each task names its own folder unless the config sets name"),
+    ],
+)
 def test_a_task_sweep_that_cannot_make_one_report_is_one_line_before_anything_trains(tmp_path, name, tasks, message):
     path = tmp_path / "tasks.yaml"
     path.write_text(f"{name}out_dir: {tmp_path / 'r'}\nsweep: {{schemes: [alibi], task: {tasks}}}\n")

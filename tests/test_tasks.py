@@ -9,14 +9,13 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+from conftest import invoke
 
 from posbench.accuracy import buckets, decode, exact, score
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.tasks import END, FILLER, IGNORE, PAD, TASKS, Task, build_task, pack
-
-from conftest import invoke
 
 SMALL = {"train_max": 6, "test_max": 9, "test_count": 12}
 
@@ -105,8 +104,10 @@ def test_every_instance_fits_the_task_s_stated_longest_and_train_len_is_the_long
     assert task.train_len == task.longest(task.train_max) >= max(len(p) + len(a) for p, a in made)
 
 
-@pytest.mark.parametrize("name,options,n", [("parity", {}, 3), ("copy", {"alphabet": "ab"}, 3), ("addition", {}, 1),
-                                            ("sort", {"alphabet": "xyz"}, 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,options,n",
+    [("parity", {}, 3), ("copy", {"alphabet": "ab"}, 3), ("addition", {}, 1), ("sort", {"alphabet": "xyz"}, 2)],
+)
 def test_space_counts_the_distinct_instances(name, options, n):
     task, made = instances(name, n, count=5000, **options)
     assert task.space(n) == len({p + a for p, a in made})
@@ -231,29 +232,57 @@ def test_buckets_are_each_length_to_40_then_ten_and_the_training_length_ends_one
 
 # --- the command line ---------------------------------------------------------------------------
 
-TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "train.steps=30",
-        "--set", "train.warmup_steps=5", "--set", "task_options.train_max=4", "--set", "task_options.test_max=7",
-        "--set", "task_options.test_count=8"]  # fmt: skip
+TINY = [
+    "--set",
+    "model.n_layer=1",
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "train.steps=30",
+    "--set",
+    "train.warmup_steps=5",
+    "--set",
+    "task_options.train_max=4",
+    "--set",
+    "task_options.test_max=7",
+    "--set",
+    "task_options.test_count=8",
+]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--task", "copi"], "unknown task 'copi' (did you mean 'copy'?)"),
-    (["--task", "copy", "--set", "task_options.train_mx=5"], "task_options.train_mx: unknown option of task 'copy' (did you mean 'train_max'?)"),
-    (["--task", "copy", "--set", "task_options.test_max=10", "--set", "task_options.train_max=20"],
-     "task_options.test_max=10 is shorter than train_max=20"),
-    (["--task", "posbench.config:ModelConfig"], "ModelConfig is not a subclass of posbench.tasks.Task"),
-    (["--task", "copy", "--set", "task_options.alphabet=ab=c"], "uses '=', which the task's instances use as delimiters"),
-    (["--task", "recall", "--set", "task_options.test_max=60"], "recall's keys are distinct"),
-    (["--task", "copy", "--train-len", "50"], "a task's are task_options.train_max and test_max"),
-    (["--task", "copy", "--set", "model.train_len=50"], "model.train_len=50: a task derives it"),
-    (["--task", "copy", "--rope-scaling", "yarn"], "eval.rope_scaling applies to perplexity"),
-    (["--set", "task_options.train_max=5"], "task_options are set but task is lm"),
-    (["--task", "posbench.tasks:Task"], "task 'posbench.tasks:Task': Task does not define make or longest"),
-    (["--task", "copy", "--set", "task_options.test_max=100000000"],
-     # copy's longest instance of length n: 'copy:' + n + '=' + n + '.', 2n + 7 bytes
-     f"test_max=100000000 with test_count=50 makes a test set of up to {50 * 10**8 * (2 * 10**8 + 7):,} bytes"),
-    (["--task", "copy", "--set", "task_options.test_count=20000000"], "posbench scores at most 1,000,000,000"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--task", "copi"], "unknown task 'copi' (did you mean 'copy'?)"),
+        (
+            ["--task", "copy", "--set", "task_options.train_mx=5"],
+            "task_options.train_mx: unknown option of task 'copy' (did you mean 'train_max'?)",
+        ),
+        (
+            ["--task", "copy", "--set", "task_options.test_max=10", "--set", "task_options.train_max=20"],
+            "task_options.test_max=10 is shorter than train_max=20",
+        ),
+        (["--task", "posbench.config:ModelConfig"], "ModelConfig is not a subclass of posbench.tasks.Task"),
+        (
+            ["--task", "copy", "--set", "task_options.alphabet=ab=c"],
+            "uses '=', which the task's instances use as delimiters",
+        ),
+        (["--task", "recall", "--set", "task_options.test_max=60"], "recall's keys are distinct"),
+        (["--task", "copy", "--train-len", "50"], "a task's are task_options.train_max and test_max"),
+        (["--task", "copy", "--set", "model.train_len=50"], "model.train_len=50: a task derives it"),
+        (["--task", "copy", "--rope-scaling", "yarn"], "eval.rope_scaling applies to perplexity"),
+        (["--set", "task_options.train_max=5"], "task_options are set but task is lm"),
+        (["--task", "posbench.tasks:Task"], "task 'posbench.tasks:Task': Task does not define make or longest"),
+        (
+            ["--task", "copy", "--set", "task_options.test_max=100000000"],
+            # copy's longest instance of length n: 'copy:' + n + '=' + n + '.', 2n + 7 bytes
+            f"test_max=100000000 with test_count=50 makes a test set of up to {50 * 10**8 * (2 * 10**8 + 7):,} bytes",
+        ),
+        (["--task", "copy", "--set", "task_options.test_count=20000000"], "posbench scores at most 1,000,000,000"),
+    ],
+)
 def test_bad_task_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     res = invoke("extrapolate", "--set", f"out_dir={tmp_path / 'r'}", *args)
     assert res.exit_code == 2 and "Traceback" not in res.output
@@ -263,8 +292,20 @@ def test_bad_task_input_is_one_line_and_writes_nothing(tmp_path, args, message):
 
 def test_a_task_runs_end_to_end_resumes_and_reports(tmp_path):
     out = tmp_path / "r"
-    args = ["extrapolate", "--task", "reverse", "--schemes", "alibi,learned", "--seeds", "0,1",
-            "--set", f"out_dir={out}", "--set", "scheme_options.learned.max_len=20", *TINY]  # fmt: skip
+    args = [
+        "extrapolate",
+        "--task",
+        "reverse",
+        "--schemes",
+        "alibi,learned",
+        "--seeds",
+        "0,1",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        "scheme_options.learned.max_len=20",
+        *TINY,
+    ]
     res = invoke(*args)
     assert res.exit_code == 0, res.output
     assert "train_len 18 (its longest training instance)" in " ".join(res.output.split())
@@ -273,12 +314,16 @@ def test_a_task_runs_end_to_end_resumes_and_reports(tmp_path):
     assert runs == ["alibi-seed0", "alibi-seed1", "learned-seed0", "learned-seed1"]
     rows = {r: list(csv.DictReader((exp / r / "eval.csv").open())) for r in runs}
     for r in runs:  # the same test lengths and counts in every run
-        assert [(x["length"], x["instances"]) for x in rows[r]] == [(x["length"], x["instances"]) for x in rows[runs[0]]]
+        assert [(x["length"], x["instances"]) for x in rows[r]] == [
+            (x["length"], x["instances"]) for x in rows[runs[0]]
+        ]
         assert {x["task"] for x in rows[r]} == {"reverse"} and {x["metric"] for x in rows[r]} == {"exact_match"}
     # learned's 20 positions reach reverse:abcde=edcba. (20 bytes, read to its 19th), not n = 6 (22 bytes)
     status = {int(x["length"]): x["status"] for x in rows["learned-seed0"]}
     assert status == {1: "ok", 2: "ok", 3: "ok", 4: "ok", 5: "ok", 6: "beyond-max-len", 7: "beyond-max-len"}
-    prompts = [[ln for ln in (exp / r / "samples.txt").read_text().splitlines() if ln.startswith("prompt")] for r in runs]
+    prompts = [
+        [ln for ln in (exp / r / "samples.txt").read_text().splitlines() if ln.startswith("prompt")] for r in runs
+    ]
     assert prompts[0] and all(p == prompts[0] for p in prompts)  # the same instances for every scheme and seed
     config = (exp / "alibi-seed0" / "config.yaml").read_text()
     assert "task: reverse" in config and "test_max: 7" in config and "train_len: 18" in config
@@ -339,8 +384,9 @@ def test_a_user_s_task_loads_as_module_colon_class(tmp_path, monkeypatch):
         "        return 4 + n + 1 + (n + 1) + 1\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    res = invoke("extrapolate", "--task", "my_tasks:Increment", "--schemes", "nope", "--set", f"out_dir={tmp_path / 'r'}",
-                 *TINY)  # fmt: skip
+    res = invoke(
+        "extrapolate", "--task", "my_tasks:Increment", "--schemes", "nope", "--set", f"out_dir={tmp_path / 'r'}", *TINY
+    )
     assert res.exit_code == 0, res.output
     assert "inc:" in (tmp_path / "r" / "my_tasks_Increment" / "nope-seed0" / "samples.txt").read_text()
 

@@ -123,7 +123,7 @@ def _compiler_version(cc: list[str]) -> str:
         return ""
 
 
-P, I, F, N = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long  # pointer, int, float, long
+P, I, F, N = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long  # noqa: E741  pointer, int, float, long
 # each kernel's C functions: argument types, or (return type, argument types)
 SIGNATURES: dict[str, dict[str, list | tuple]] = {
     "cope": {
@@ -197,9 +197,25 @@ class CoPEAttention(torch.autograd.Function):
         threads = torch.get_num_threads()
         scratch = torch.empty(threads, lib.cope_scratch(Tk, D, P, 0), dtype=torch.float32)
         st = _strides(q, k, v, None, out)
-        lib.cope_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), out.data_ptr(),
-                         lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, P, Tk - Tq, D**-0.5,
-                         scratch.data_ptr(), threads)  # fmt: skip
+        lib.cope_forward(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            table.data_ptr(),
+            out.data_ptr(),
+            lse.data_ptr(),
+            st.data_ptr(),
+            B,
+            H,
+            Tq,
+            Tk,
+            D,
+            P,
+            Tk - Tq,
+            D**-0.5,
+            scratch.data_ptr(),
+            threads,
+        )
         ctx.save_for_backward(q, k, v, table, out, lse)
         return out
 
@@ -216,18 +232,39 @@ class CoPEAttention(torch.autograd.Function):
         threads = torch.get_num_threads()
         scratch = torch.empty(threads, lib.cope_scratch(Tk, D, P, 1), dtype=torch.float32)
         st = _strides(q, k, v, None, out, d_out, d_q, d_k, d_v)
-        lib.cope_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), out.data_ptr(),
-                          d_out.data_ptr(), d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(),
-                          d_table.data_ptr(), lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, P,
-                          Tk - Tq, D**-0.5, scratch.data_ptr(), threads)  # fmt: skip
+        lib.cope_backward(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            table.data_ptr(),
+            out.data_ptr(),
+            d_out.data_ptr(),
+            d_q.data_ptr(),
+            d_k.data_ptr(),
+            d_v.data_ptr(),
+            d_table.data_ptr(),
+            lse.data_ptr(),
+            st.data_ptr(),
+            B,
+            H,
+            Tq,
+            Tk,
+            D,
+            P,
+            Tk - Tq,
+            D**-0.5,
+            scratch.data_ptr(),
+            threads,
+        )
         return d_q, d_k, d_v, d_table.sum(0).t()
 
 
 ATTENTION_HEAD_DIMS = range(8, 257, 8)  # attention.c's register tiles take 8 floats at a time
 
 
-def why_not(head_dim: int, device: torch.device, compiling: bool = False,
-            dtype: torch.dtype = torch.float32) -> Optional[str]:  # fmt: skip
+def why_not(
+    head_dim: int, device: torch.device, compiling: bool = False, dtype: torch.dtype = torch.float32
+) -> Optional[str]:
     """Why the native backend cannot run a model with this head size here, or None if it can."""
     if device.type != "cpu":
         return f"it runs on a CPU, not {device.type}"
@@ -319,14 +356,30 @@ def _forward(q, k, v, bias, q0, rel=(None, None)):
     threads = torch.get_num_threads()
     scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 0, qr is not None), dtype=torch.float32)
     st = _strides(q, k, v, bias, out, None, None, None, None, qr, rk)
-    lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), _ptr(qr), _ptr(rk),
-                          out.data_ptr(), lse.data_ptr(), st.data_ptr(), B, H, Tq, Tk, D, q0,
-                          D**-0.5, scratch.data_ptr(), threads)  # fmt: skip
+    lib.attention_forward(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        _ptr(bias),
+        _ptr(qr),
+        _ptr(rk),
+        out.data_ptr(),
+        lse.data_ptr(),
+        st.data_ptr(),
+        B,
+        H,
+        Tq,
+        Tk,
+        D,
+        q0,
+        D**-0.5,
+        scratch.data_ptr(),
+        threads,
+    )
     return out, lse, (q, k, v, bias, qr, rk)
 
 
-def _backward(q0, q, k, v, bias, out, lse, d_out, d_q, d_k, d_v, want_bias_grad: bool,
-              rel=(None, None)):  # fmt: skip
+def _backward(q0, q, k, v, bias, out, lse, d_out, d_q, d_k, d_v, want_bias_grad: bool, rel=(None, None)):
     """attention.c's backward into d_q, d_k, d_v (any (B, H, T, D) views); the bias's gradient;
     with a relative term (qr, rk), also qr's gradient and rk's per batch row, (B, H, Tk, D)."""
     lib = load("attention")
@@ -340,11 +393,33 @@ def _backward(q0, q, k, v, bias, out, lse, d_out, d_q, d_k, d_v, want_bias_grad:
     threads = torch.get_num_threads()
     scratch = torch.empty(threads, lib.attention_scratch(Tk, D, 1, qr is not None), dtype=torch.float32)
     st = _strides(q, k, v, bias, out, d_out, d_q, d_k, d_v, qr, rk, d_qr, d_rk)
-    lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(bias), _ptr(qr), _ptr(rk),
-                           out.data_ptr(), d_out.data_ptr(), d_q.data_ptr(), d_k.data_ptr(),
-                           d_v.data_ptr(), _ptr(d_qr), _ptr(d_rk), lse.data_ptr(), _ptr(d_s),
-                           st.data_ptr(), B, H, Tq, Tk, D, q0, D**-0.5, scratch.data_ptr(),
-                           threads)  # fmt: skip
+    lib.attention_backward(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        _ptr(bias),
+        _ptr(qr),
+        _ptr(rk),
+        out.data_ptr(),
+        d_out.data_ptr(),
+        d_q.data_ptr(),
+        d_k.data_ptr(),
+        d_v.data_ptr(),
+        _ptr(d_qr),
+        _ptr(d_rk),
+        lse.data_ptr(),
+        _ptr(d_s),
+        st.data_ptr(),
+        B,
+        H,
+        Tq,
+        Tk,
+        D,
+        q0,
+        D**-0.5,
+        scratch.data_ptr(),
+        threads,
+    )
     return d_s if qr is None else (d_s, d_qr, d_rk)
 
 
@@ -383,8 +458,9 @@ class PackedAttention(torch.autograd.Function):
     def backward(ctx, d_out):
         qkv, bias, out, lse = ctx.saved_tensors
         d_qkv = torch.empty_like(qkv)
-        d_s = _backward(0, *qkv_views(qkv, ctx.H), bias, out, lse, d_out, *qkv_views(d_qkv, ctx.H),
-                        ctx.needs_input_grad[1])  # fmt: skip
+        d_s = _backward(
+            0, *qkv_views(qkv, ctx.H), bias, out, lse, d_out, *qkv_views(d_qkv, ctx.H), ctx.needs_input_grad[1]
+        )
         return d_qkv, d_s, None
 
 

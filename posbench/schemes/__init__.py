@@ -19,12 +19,35 @@ from posbench.schemes.t5 import Hybrid, T5Bias, t5_relative_bucket
 from posbench.schemes.xl import TransformerXL, rel_shift
 
 __all__ = [
-    "SCHEMES", "catalogue", "resolve_scheme", "build_scheme",
-    "PositionalScheme", "EvalVariant", "variant_label", "require_even",
-    "NoPE", "Sinusoidal", "Learned", "T5Bias", "TransformerXL", "RoPE", "ALiBi", "Hybrid", "XPos",
-    "KerpleLog", "KerplePower", "FIRE", "Randomized", "CoPE",
-    "sinusoid", "t5_relative_bucket", "rel_shift", "rope_frequencies", "ROPE_SCALINGS",
-    "alibi_slopes", "cope_bias",
+    "SCHEMES",
+    "catalogue",
+    "resolve_scheme",
+    "build_scheme",
+    "PositionalScheme",
+    "EvalVariant",
+    "variant_label",
+    "require_even",
+    "NoPE",
+    "Sinusoidal",
+    "Learned",
+    "T5Bias",
+    "TransformerXL",
+    "RoPE",
+    "ALiBi",
+    "Hybrid",
+    "XPos",
+    "KerpleLog",
+    "KerplePower",
+    "FIRE",
+    "Randomized",
+    "CoPE",
+    "sinusoid",
+    "t5_relative_bucket",
+    "rel_shift",
+    "rope_frequencies",
+    "ROPE_SCALINGS",
+    "alibi_slopes",
+    "cope_bias",
 ]
 
 SCHEMES: dict[str, type[PositionalScheme]] = {
@@ -61,7 +84,9 @@ def resolve_scheme(name: str) -> type[PositionalScheme]:
     if name in SCHEMES:
         return SCHEMES[name]
     if ":" in name:
-        return load_plugin(name, "scheme", PositionalScheme, "posbench.schemes.PositionalScheme", "examples.my_scheme:MyScheme")
+        return load_plugin(
+            name, "scheme", PositionalScheme, "posbench.schemes.PositionalScheme", "examples.my_scheme:MyScheme"
+        )
     base, plus, variant = name.partition("+")
     if plus and variant in getattr(SCHEMES.get(base), "eval_variants", {}):
         raise PosbenchError(
@@ -70,9 +95,7 @@ def resolve_scheme(name: str) -> type[PositionalScheme]:
         )
     close = difflib.get_close_matches(name, list(SCHEMES), n=1, cutoff=0.5)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise PosbenchError(
-        f"unknown scheme '{name}'{hint}; valid schemes: {', '.join(SCHEMES)}, or module:Class"
-    )
+    raise PosbenchError(f"unknown scheme '{name}'{hint}; valid schemes: {', '.join(SCHEMES)}, or module:Class")
 
 
 def build_scheme(cfg: ModelConfig) -> PositionalScheme:

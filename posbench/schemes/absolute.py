@@ -45,8 +45,7 @@ class Learned(PositionalScheme):
         super().__init__(cfg)
         if self.max_len < cfg.train_len:
             raise PosbenchError(
-                f"scheme_options.learned.max_len={self.max_len} is shorter than "
-                f"model.train_len={cfg.train_len}"
+                f"scheme_options.learned.max_len={self.max_len} is shorter than model.train_len={cfg.train_len}"
             )
         self.table = nn.Parameter(torch.randn(self.max_len, cfg.d_model) * 0.02)  # (max_len, C)
 

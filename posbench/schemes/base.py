@@ -46,7 +46,7 @@ class PositionalScheme(nn.Module):
     description = "no positional information at all; the causal mask alone leaks order"
     options: dict = {}  # option name -> default value; YAML `scheme_options.<name>` overrides
     eval_variants: dict = {}  # variant name -> description; evaluated as rows "<scheme>+<name>"
-    variant: Optional["EvalVariant"] = None  # the variant being evaluated, set by eval_variant()
+    variant: Optional[EvalVariant] = None  # the variant being evaluated, set by eval_variant()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -65,9 +65,7 @@ class PositionalScheme(nn.Module):
             default = cls.options[key]
             if default is not None and not isinstance(value, type(default)):
                 if not (isinstance(default, float) and isinstance(value, int)):
-                    raise PosbenchError(
-                        f"{where}.{key}: expected {type(default).__name__}, got {value!r}"
-                    )
+                    raise PosbenchError(f"{where}.{key}: expected {type(default).__name__}, got {value!r}")
             # sizes, distances, bases and scales: every numeric option with a positive
             # default is a positive quantity (a subclass may check more in its __init__)
             numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -78,9 +76,7 @@ class PositionalScheme(nn.Module):
         """The value of option `key`, refused in one line unless it is one of `valid`."""
         value = self.opt[key]
         if value not in valid:
-            raise PosbenchError(
-                f"scheme_options.{self.cfg.scheme}.{key}={value!r}: expected one of {', '.join(valid)}"
-            )
+            raise PosbenchError(f"scheme_options.{self.cfg.scheme}.{key}={value!r}: expected one of {', '.join(valid)}")
         return value
 
     @property
@@ -110,8 +106,7 @@ class PositionalScheme(nn.Module):
         if name not in self.eval_variants:
             have = ", ".join(self.eval_variants) or "none"
             raise PosbenchError(
-                f"scheme '{self.cfg.scheme}' has no evaluation-time variant '{name}' "
-                f"(its variants: {have})"
+                f"scheme '{self.cfg.scheme}' has no evaluation-time variant '{name}' (its variants: {have})"
             )
         self.variant, self._memo = EvalVariant(name, train_len, length, factor), None
         try:

@@ -32,9 +32,7 @@ class FIRE(PositionalScheme):
         if isinstance(init_L, bool) or not isinstance(init_L, (int, float)) or init_L <= 0:
             raise PosbenchError(f"scheme_options.{cfg.scheme}.init_L={init_L!r} must be a positive number")
         H, W, n = cfg.n_head, self.opt["mlp_width"], cfg.n_layer
-        self.mlp = nn.ModuleList(
-            nn.Sequential(nn.Linear(1, W), nn.ReLU(), nn.Linear(W, H)) for _ in range(n)
-        )
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(1, W), nn.ReLU(), nn.Linear(W, H)) for _ in range(n))
         self.c = nn.Parameter(torch.full((n,), float(self.opt["init_c"])))  # (n_layer,)
         self.L_mult = nn.Parameter(torch.ones(n))  # (n_layer,)
         self.register_buffer("init_L", torch.tensor(float(init_L)), persistent=False)

@@ -10,7 +10,6 @@ import torch
 from posbench.errors import PosbenchError
 from posbench.schemes.base import PositionalScheme, require_even
 
-
 ROPE_SCALINGS = (None, "linear", "ntk", "dynamic", "yarn")
 
 
@@ -41,9 +40,7 @@ def rope_frequencies(
     Computed in float64, returned as float32 (d/2,).
     """
     if scaling not in ROPE_SCALINGS:
-        raise PosbenchError(
-            f"unknown RoPE scaling '{scaling}'; valid: {', '.join(str(k) for k in ROPE_SCALINGS[1:])}"
-        )
+        raise PosbenchError(f"unknown RoPE scaling '{scaling}'; valid: {', '.join(str(k) for k in ROPE_SCALINGS[1:])}")
     d = head_dim
     if scaling in ("ntk", "dynamic") and d <= 2:
         raise PosbenchError(f"{scaling} RoPE scaling needs a head dimension above 2, not {d}")

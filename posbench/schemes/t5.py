@@ -32,11 +32,14 @@ def t5_relative_bucket(
     max_exact = num_buckets // 2
     is_small = n < max_exact
     # the clamp only guards log(0), which is_small discards anyway
-    large = max_exact + (
-        torch.log(n.float().clamp(min=1) / max_exact)
-        / math.log(max_distance / max_exact)
-        * (num_buckets - max_exact)
-    ).long()
+    large = (
+        max_exact
+        + (
+            torch.log(n.float().clamp(min=1) / max_exact)
+            / math.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).long()
+    )
     large = large.clamp(max=num_buckets - 1)
     return buckets + torch.where(is_small, n, large)
 
