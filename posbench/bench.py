@@ -23,10 +23,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from posbench.config import ModelConfig
+from posbench.device import autocast
 from posbench.errors import PosbenchError
 from posbench.files import write_rows
 from posbench.model import TransformerLM
-from posbench.train import autocast
 
 BENCH_COLUMNS = [
     "scheme",

@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from posbench.config import length_grid, load_config
-from posbench.errors import PosbenchError
+from posbench.config import load_config
+from posbench.console import BarReporter, err, out
+from posbench.errors import PosbenchError, first_line
 
 app = typer.Typer(
     add_completion=False,
@@ -24,8 +23,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Which positional encoding lets a transformer LM work beyond its training length?",
 )
-out = Console(emoji=False)  # no :b: -> emoji in names such as module:b:c
-err = Console(stderr=True, emoji=False)
 
 
 @contextlib.contextmanager
@@ -50,9 +47,8 @@ def user_errors(on_interrupt: str = "finished runs and checkpoints are kept; rer
             raise
         if "can't allocate memory" in str(e):  # torch's CPU allocator raises a RuntimeError
             _out_of_memory(e)
-        first = (str(e).strip().splitlines() or [""])[0][:300]
         # exit 1, not 2: scripts can tell a bug (here or in a plugin) from a bad input
-        _error(f"unexpected {type(e).__name__}: {first} (POSBENCH_DEBUG=1 shows the traceback)", code=1)
+        _error(f"unexpected {type(e).__name__}: {first_line(e, 300)} (POSBENCH_DEBUG=1 shows the traceback)", code=1)
 
 
 def _error(message: str, code: int = 2):
@@ -67,8 +63,7 @@ def _print_error(message: str) -> None:
 
 def _out_of_memory(e: BaseException):
     _error(
-        f"out of memory ({(str(e).splitlines() or [''])[0][:100]}); "
-        "try shorter eval.lengths, a smaller eval.batch_size or a smaller model"
+        f"out of memory ({first_line(e, 100)}); try shorter eval.lengths, a smaller eval.batch_size or a smaller model"
     )
 
 
@@ -76,41 +71,6 @@ def torch_oom():
     import torch
 
     return torch.OutOfMemoryError
-
-
-class BarReporter:
-    """A progress bar per training run, with the running loss; runs training at once
-    (train.workers) get a bar each, live together."""
-
-    def __init__(self, console: Console):
-        self.console = console
-        self.progress: Optional[Progress] = None
-        self.tasks: dict = {}
-
-    def start(self, label, total):
-        if self.progress is None:
-            self.progress = Progress(
-                TextColumn("{task.description:<18}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"),
-                TimeElapsedColumn(),
-                console=self.console,
-            )
-            self.progress.start()
-        self.tasks[label] = self.progress.add_task(label, total=total, loss="-")
-
-    def step(self, label, step, loss):
-        self.progress.update(self.tasks[label], completed=step, loss=f"{loss:.3f}")
-
-    def finish(self, label):
-        self.progress.stop_task(self.tasks.pop(label))
-        if not self.tasks:  # the bars stay on screen; the next run starts a fresh set
-            self.progress.stop()
-            self.progress = None
-
-    def note(self, message):
-        self.console.print(message, highlight=False)
 
 
 def _scheme_list(text: str) -> list[str]:
@@ -142,90 +102,12 @@ def _csv_names(text: Optional[str]) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
-def _comparison_table(table, title: str, caption: str, digits: int = 2) -> Table:
-    from posbench.report import cell, is_best, lengths_of
+def _print_summary(exps, metric: Optional[str] = None, transpose: bool = False, out_dir: Optional[Path] = None,
+                   buckets: Optional[list[int]] = None) -> None:  # fmt: skip
+    from posbench.console import print_report
+    from posbench.report import write_summary
 
-    lengths = lengths_of(table)
-    t = Table(title=title, caption=caption)
-    t.add_column("scheme", style="bold", no_wrap=True, min_width=max(len(s) for s in table.index))
-    for L in lengths:
-        t.add_column(str(L), justify="right")
-    t.add_column("seeds", justify="right")
-    t.add_column(f"ppl({lengths[-1]})/ppl(train)", justify="right")
-    for s in table.index:
-        r = table.loc[s, "ratio"]
-        cells = [cell(table, s, L, missing="—", digits=digits) for L in lengths]
-        cells = [f"[bold]{escape(c)}[/]" if is_best(table, s, L) else escape(c) for L, c in zip(lengths, cells)]
-        t.add_row(escape(s), *cells, str(int(table.loc[s, "seeds"])), f"{r:.2f}" if r == r else "—")
-    return t
-
-
-def _print_summary(
-    exps,
-    metric: str = "ppl",
-    transpose: bool = False,
-    out_dir: Optional[Path] = None,
-    buckets: Optional[list[int]] = None,
-) -> None:
-    from posbench.report import METRICS, backends_note, diverged_note, spread_note, summary_dir, write_summary
-    from posbench.task_report import is_task_experiment
-
-    dirs = [exps] if isinstance(exps, (str, Path)) else list(exps)
-    if is_task_experiment(dirs):
-        return _print_task_summary(dirs, metric, transpose, out_dir, buckets)
-    if buckets is not None:
-        raise PosbenchError("--buckets applies to the runs of a task, not to perplexity (task lm)")
-    df, configs, tables = write_summary(exps, metric, transpose, out_dir)
-    caption = (
-        f"{spread_note(tables)}. — : the scheme cannot encode that length (beyond-max-len); "
-        f"nan: the loss blew up; blank: not evaluated"
-    )
-    for label, table in tables.items():
-        title = (
-            f"{METRICS[metric][0]}, trained at {table.attrs['train_len']} ({label}; "
-            f"attention: {backends_note(df, short=True)})"
-        )
-        out.print(_comparison_table(table, title, caption, METRICS[metric][1]))
-    if df.attrs.get("diverged"):
-        out.print(f"diverged, so not in the table: {diverged_note(df)}", highlight=False)
-    if df.attrs.get("running"):
-        out.print(
-            f"still running in another process, so not in the table: {', '.join(df.attrs['running'])}", highlight=False
-        )
-    _say_written(
-        summary_dir(exps, out_dir),
-        ("summary.csv", "summary.md", "summary.tex", "summary.png", "positions.png", "training.png"),
-    )
-
-
-def _say_written(folder: Path, names) -> None:
-    for name in names:
-        if (folder / name).exists():
-            out.print(f"wrote {folder / name}", highlight=False)
-
-
-def _print_task_summary(dirs, metric: str, transpose: bool, out_dir: Optional[Path], buckets) -> None:
-    from posbench.accuracy import task_of
-    from posbench.report import summary_dir
-    from posbench.task_report import grid, write_summary
-
-    if metric != "ppl":  # the default of --metric
-        raise PosbenchError(f"--metric {metric}: a task's runs are scored by exact match alone")
-    folder = summary_dir(dirs, out_dir)
-    for point, configs, _, table in write_summary(dirs, folder, transpose, buckets):
-        task = task_of(configs[0])
-        rows = grid(table, transpose or len(table.attrs["buckets"]) > 12, bold=lambda c: "\0" + c)
-        where = f"; {point}" if point else ""
-        t = Table(
-            title=f"{configs[0].task}: % exact match by length (trained on 1..{task.train_max}{where})",
-            caption="mean ± 95% interval over seeds; bold: the best and every scheme not significantly different",
-        )
-        for i, c in enumerate(rows[0]):
-            t.add_column(escape(c), justify="left" if i == 0 else "right", style="bold" if i == 0 else None)
-        for r in rows[1:]:
-            t.add_row(*(f"[bold]{escape(c[1:])}[/]" if c.startswith("\0") else escape(c) for c in r))
-        out.print(t)
-    _say_written(folder, ("summary.csv", "summary.md", "summary.tex", "summary.png", "training.png"))
+    print_report(*write_summary(exps, metric, transpose, out_dir, buckets))
 
 
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: key=value")]
@@ -268,39 +150,38 @@ def extrapolate(
 
     --task copy (reverse, sort, addition, parity, passkey, recall) trains on a synthetic task
     instead of the corpus and scores exact-match accuracy by length."""
-    from posbench.runs import check_experiment, run_experiment
+    from posbench.experiment.execute import run_experiment
+    from posbench.resolve import resolve
 
     with user_errors():
         if test_len is not None and lengths is not None:
             raise PosbenchError("--test-len and --lengths both set the evaluation lengths; give one")
         values = {
-            "model.train_len": train_len,
-            "schemes": _scheme_list(schemes) if schemes is not None else None,
-            "seeds": _csv_ints(seeds, "--seeds"),
-            "eval.lengths": _csv_ints(lengths, "--lengths"),
-            "train.threads": threads,
-            "train.device": device,
-            "model.attention": attention,
-            "eval.rope_scaling": _csv_names(rope_scaling) if rope_scaling is not None else None,
-            "eval.rope_factor": rope_factor,
-            "eval.protocol": _csv_names(protocol) if protocol is not None else None,
-            "eval.stride": stride,
-            "train.compile": compile_ or None,
-            "task": task,
+            "model.train_len": (f"--train-len {train_len}", train_len),
+            "schemes": (f"--schemes {schemes}", _scheme_list(schemes) if schemes is not None else None),
+            "seeds": (f"--seeds {seeds}", _csv_ints(seeds, "--seeds")),
+            "eval.lengths": (f"--lengths {lengths}", _csv_ints(lengths, "--lengths")),
+            "train.threads": (f"--threads {threads}", threads),
+            "train.device": (f"--device {device}", device),
+            "model.attention": (f"--attention {attention}", attention),
+            "eval.rope_scaling": (
+                f"--rope-scaling {rope_scaling}",
+                _csv_names(rope_scaling) if rope_scaling is not None else None,
+            ),
+            "eval.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
+            "eval.protocol": (f"--protocol {protocol}", _csv_names(protocol) if protocol is not None else None),
+            "eval.stride": (f"--stride {stride}", stride),
+            "train.compile": ("--compile", compile_ or None),
+            "task": (f"--task {task}", task),
         }
         if task is not None and task != "lm" and (train_len, test_len, lengths) != (None, None, None):
             raise PosbenchError(
                 "--train-len, --test-len and --lengths set perplexity lengths; a task's are "
                 "task_options.train_max and test_max, e.g. --set task_options.test_max=60"
             )
-        if test_len is not None:  # the grid runs from the training length, however it is given
-            model_sets = [o for o in set_ or [] if o.startswith("model.")]
-            L = train_len or load_config(config, model_sets).model.train_len
-            values["eval.lengths"] = length_grid(L, test_len)
-        cfg = load_config(config, set_ or [], values, check=check_experiment)
-        _kernel_notes(cfg)
-        exp = run_experiment(cfg, BarReporter(err))
-        _print_summary(exp)
+        exp = resolve(load_config(config, set_ or [], values), test_len)
+        _kernel_notes(exp.cfg)
+        _print_summary(run_experiment(exp, BarReporter(err)))
 
 
 @app.command()
@@ -320,43 +201,29 @@ def sweep(
     lists of values; every combination is a run. A rerun skips finished runs and resumes
     unfinished ones."""
     from posbench.config import load_sweep
-    from posbench.runs import check_experiment, plan_sweep, run_sweep
+    from posbench.console import grid_table
+    from posbench.experiment.execute import run_sweep
+    from posbench.experiment.plan import plan_sweep
+    from posbench.resolve import resolve
 
     with user_errors():
         if executor not in ("local", "ray"):
             raise PosbenchError(f"--executor {executor}: expected local or ray")
         if executor == "local" and (address or storage):
             raise PosbenchError("--address and --storage are for --executor ray")
-        grid = load_sweep(config, set_ or [], check=check_experiment)
+        grid = [(settings, resolve(cfg)) for settings, cfg in load_sweep(config, set_ or [])]
         if dry_run:
-            exp, plan = plan_sweep(grid)
-            out.print(_grid_table(exp, grid, plan))
+            folder, plan = plan_sweep(grid)
+            out.print(grid_table(folder, grid, plan))
             return
-        _kernel_notes(grid[0][1])
+        _kernel_notes(grid[0][1].cfg)
         if executor == "ray":
             from posbench.cluster import run_sweep_on_ray
 
-            exp = run_sweep_on_ray(grid, config.read_text(), BarReporter(err), address, storage)
+            folder = run_sweep_on_ray(grid, config.read_text(), BarReporter(err), address, storage)
         else:
-            exp = run_sweep(grid, config.read_text(), BarReporter(err))
-        _print_summary(exp)
-
-
-def _grid_table(exp: Path, grid, plan) -> Table:
-    from posbench.runs import plan_note
-
-    keys = list(grid[0][0])
-    t = Table(title=f"{exp}: {len(grid)} grid point(s), {len(plan)} run(s)")
-    t.add_column("run", overflow="fold")
-    for k in keys:
-        t.add_column(k)
-    t.add_column("would")
-    settings = {id(cfg): s for s, cfg in grid}
-    for cfg, _, rdir, state in plan:
-        point = settings[id(cfg)]
-        values = [str(point[k]) for k in keys]
-        t.add_row(escape(rdir.name), *map(escape, values), escape(plan_note(rdir, state)))
-    return t
+            folder = run_sweep(grid, config.read_text(), BarReporter(err))
+        _print_summary(folder)
 
 
 def _kernel_notes(cfg) -> None:
@@ -394,23 +261,25 @@ def train(
     task: TaskOpt = None,
 ):
     """Train (and evaluate at the config's lengths) the runs of a config, or one of them."""
-    from posbench.runs import check_experiment, run_experiment, run_name
+    from posbench.experiment.execute import run_experiment
+    from posbench.experiment.records import run_name
+    from posbench.resolve import resolve
 
     with user_errors():
         values = {
-            "schemes": [scheme] if scheme is not None else None,
-            "seeds": [seed] if seed is not None else None,
-            "model.attention": attention,
-            "train.compile": compile_ or None,
-            "task": task,
+            "schemes": (f"--scheme {scheme}", [scheme] if scheme is not None else None),
+            "seeds": (f"--seed {seed}", [seed] if seed is not None else None),
+            "model.attention": (f"--attention {attention}", attention),
+            "train.compile": ("--compile", compile_ or None),
+            "task": (f"--task {task}", task),
         }
-        cfg = load_config(config, set_ or [], values, check=check_experiment)
-        _kernel_notes(cfg)
-        exp = run_experiment(cfg, BarReporter(err))
-        for s in cfg.schemes:
-            for n in cfg.seeds:
-                out.print(f"run folder: {exp / run_name(s, n)}", highlight=False)
-        _print_summary(exp)
+        exp = resolve(load_config(config, set_ or [], values))
+        _kernel_notes(exp.cfg)
+        folder = run_experiment(exp, BarReporter(err))
+        for s in exp.cfg.schemes:
+            for n in exp.cfg.seeds:
+                out.print(f"run folder: {folder / run_name(s, n)}", highlight=False)
+        _print_summary(folder)
 
 
 @app.command()
@@ -424,53 +293,38 @@ def evaluate(
     rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L per length)")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (default: the run's)")] = None,
     attention: AttentionOpt = None,
+    protocol: Protocol = None,
+    stride: Stride = None,
 ):
     """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
 
     --rope-scaling yarn also scores the rope checkpoint rescaled at evaluation time (rows
-    rope+yarn), beside plain rope, at these lengths and the training length."""
-    from posbench.runs import evaluate_run
+    rope+yarn), beside plain rope, at these lengths and the training length. --protocol
+    sliding (with --stride) scores it under sliding windows, as extrapolate does."""
+    from posbench.console import evaluate_table
+    from posbench.experiment.execute import evaluate_run
 
     with user_errors():
         _set_threads(threads)
         kinds = _csv_names(rope_scaling)
         if rope_factor is not None and not kinds:
             raise PosbenchError("--rope-factor needs --rope-scaling, e.g. --rope-scaling yarn")
+        if stride is not None and stride <= 0:
+            raise PosbenchError(f"--stride {stride} must be positive")
         Ls = _csv_ints(lengths, "--lengths")
-        rc, rows = evaluate_run(run_dir, Ls, kinds or [None], rope_factor, device, attention)
-        if rc.task != "lm":
-            t = Table(title=f"{rc.task}: {rc.model.scheme} seed {rc.seeds[0]}; attention {rows[0]['attention']}")
-            for c in ("length", "exact", "instances", "status"):
-                t.add_column(c, justify="right")
-            for r in rows:
-                ok = r["status"] == "ok"
-                t.add_row(
-                    str(r["length"]), f"{100 * r['accuracy']:.1f}%" if ok else "—", str(r["instances"]), r["status"]
-                )
-            out.print(t)
-            out.print(f"wrote {Path(run_dir) / 'eval.csv'} and {Path(run_dir) / 'samples.txt'}", highlight=False)
-            return
-        how = rows[0]["attention"] if rows else rc.model.attention
-        t = Table(title=f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}; attention {how}")
-        for c in ("scheme", "length", "loss", "ppl", "status"):
-            t.add_column(c, justify="left" if c == "scheme" else "right")
-        for r in rows:
-            ok = r["status"] == "ok"
-            t.add_row(
-                r["scheme"],
-                str(r["length"]),
-                f"{r['loss']:.4f}" if ok else "—",
-                f"{r['ppl']:.2f}" if ok else "—",
-                r["status"],
-            )
-        out.print(t)
-        out.print(f"wrote {Path(run_dir) / 'eval.csv'}", highlight=False)
+        protocols = _csv_names(protocol) or None
+        rc, rows = evaluate_run(run_dir, Ls, kinds or [None], rope_factor, device, attention, protocols, stride)
+        out.print(evaluate_table(rc, rows))
+        written = ["eval.csv", "samples.txt"] if rc.task != "lm" else ["eval.csv"]
+        out.print(f"wrote {' and '.join(str(Path(run_dir) / w) for w in written)}", highlight=False)
 
 
 @app.command()
 def report(
     experiment_dirs: Annotated[list[Path], typer.Argument(help="e.g. results/default; several join into one table")],
-    metric: Annotated[str, typer.Option(help="ppl, loss, or ratio (to the training length)")] = "ppl",
+    metric: Annotated[
+        Optional[str], typer.Option(help="ppl, loss, or ratio (to the training length); a task's: exact_match")
+    ] = None,
     transpose: Annotated[bool, typer.Option(help="lengths as rows, schemes as columns")] = False,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="where a joined report goes")] = None,
     buckets: Annotated[
@@ -485,27 +339,17 @@ def report(
         _print_summary(experiment_dirs, metric, transpose, out_dir, edges)
 
 
-STATE_STYLES = {"done": "green", "partial": "yellow", "running": "cyan", "failed": "bold red", "diverged": "red"}
-
-
 @app.command()
 def status(
     experiment_dir: Annotated[Path, typer.Argument(help="an experiment folder, e.g. results/sweep-example")],
 ):
     """Each run of an experiment: done, partial (at which step), failed, diverged or running."""
-    from posbench.runs import run_status
+    from posbench.console import status_table
+    from posbench.experiment.status import run_status
 
     with user_errors():
         rows = run_status(experiment_dir)
-    t = Table(title=f"{experiment_dir}: {len(rows)} run(s)")
-    for c in ("run", "scheme", "seed", "train_len", "state", "detail"):
-        t.add_column(c, justify="right" if c in ("seed", "train_len") else "left", no_wrap=c == "run")
-    for r in rows:
-        state = f"[{STATE_STYLES.get(r['state'], '')}]{r['state']}[/]"
-        t.add_row(
-            escape(r["run"]), escape(str(r["scheme"])), str(r["seed"]), str(r["train_len"]), state, escape(r["detail"])
-        )
-    out.print(t)
+    out.print(status_table(experiment_dir, rows))
 
 
 @app.command()
@@ -543,21 +387,22 @@ def bench(
     """Training tokens/s (vs NoPE and a peer), FLOP utilisation, and eval memory up to 64x."""
 
     from posbench.bench import BenchSettings, run_bench, write_bench
-    from posbench.runs import check_experiment
-    from posbench.train import pick_device
+    from posbench.console import bench_table
+    from posbench.device import pick_device
+    from posbench.resolve import resolve
 
     with user_errors(on_interrupt="nothing was written; an earlier bench.csv is kept"):
         values = {
-            "schemes": _scheme_list(schemes) if schemes is not None else None,
-            "train.device": device,  # checked with the config's own
-            "model.attention": attention,
+            "schemes": (f"--schemes {schemes}", _scheme_list(schemes) if schemes is not None else None),
+            "train.device": (f"--device {device}", device),  # checked with the config's own
+            "model.attention": (f"--attention {attention}", attention),
             # the bench evaluates at its own multiples of train_len and never reads eval.*, so the
             # config's test lengths must not stop a longer train_len (--set model.train_len=1024
             # against the default [100..200]): one length longer than any train_len, and its tokens
-            "eval.lengths": [2**40],
-            "eval.tokens": 2**40,
+            "eval.lengths": ("bench", [2**40]),
+            "eval.tokens": ("bench", 2**40),
         }
-        cfg = load_config(config, set_ or [], values, check=check_experiment)
+        cfg = resolve(load_config(config, set_ or [], values)).cfg
         _set_threads(threads)
         dev = pick_device(cfg.train.device, "bench takes --device cpu")
         out_file = _writable_csv(out_file)  # before the minutes of timing, not after
@@ -576,7 +421,7 @@ def bench(
             device=dev,
         )
         write_bench(rows, out_file)
-        out.print(_bench_table(rows, peak, cfg.model, dev, peer))
+        out.print(bench_table(rows, peak, cfg.model, dev, peer))
         _kernel_notes(cfg)
         out.print(f"wrote {out_file}", highlight=False)
 
@@ -596,44 +441,6 @@ def _writable_csv(path: Path) -> Path:
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise PosbenchError(f"--out {path}: cannot write in {folder}")
     return path
-
-
-def _backends(rows) -> str:
-    return ", ".join(sorted({r["attention"] for r in rows}))
-
-
-def _bench_table(rows, peak, mc, device, peer) -> Table:
-    train = [r for r in rows if r["measurement"] == "train"]
-    lengths = sorted({r["eval_len"] for r in rows if r["measurement"] == "eval"})
-    mem = {(r["scheme"], r["eval_len"]): r["peak_mem_mb"] for r in rows if r["measurement"] == "eval"}
-    where = rows[0]["device"] if rows else str(device)
-    if device.type == "cuda":
-        where, peak_text = f"{where}, bf16 autocast", f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
-    else:
-        peak_text = f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s"
-    t = Table(
-        title=f"posbench bench: {mc.n_layer} layers, d_model {mc.d_model}, {mc.n_head} heads, "
-        f"T={mc.train_len}; {where}; attention {_backends(rows)}; {peak_text}" + (f"; peer: {peer}" if peer else ""),
-        caption="eval memory: peak tensor memory of one no-grad forward, batch 1",
-    )
-    cols = ["scheme", "tokens/s", "x NoPE", "MFU"]
-    if peer:
-        cols += ["peer tok/s", "x peer"]
-    cols += [f"mem@{L} MB" for L in lengths]
-    for c in cols:
-        t.add_column(c, justify="left" if c == "scheme" else "right")
-
-    def f(v, fmt):
-        return "—" if v is None else format(v, fmt)
-
-    for r in train:
-        mfu = f(r["mfu"], ".0%" if r["mfu"] >= 0.1 else ".1%" if r["mfu"] >= 0.01 else ".2%")  # a GPU's can be tiny
-        cells = [r["scheme"], f(r["tokens_per_s"], ".0f"), f(r["ratio_vs_nope"], ".2f"), mfu]
-        if peer:
-            cells += [f(r["peer_tokens_per_s"], ".0f"), f(r["peer_ratio"], ".2f")]
-        cells += [f(mem.get((r["scheme"], L)), ".1f") for L in lengths]
-        t.add_row(*cells)
-    return t
 
 
 @app.command("check-scheme")

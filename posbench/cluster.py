@@ -9,17 +9,21 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from posbench.config import ExperimentConfig, config_from_dict
-from posbench.errors import PosbenchError
+from posbench.config import config_from_dict
+from posbench.errors import PosbenchError, first_line
+from posbench.experiment.execute import run_one, sweep_jobs
+from posbench.experiment.plan import Job, plan_state
+from posbench.experiment.records import lock_file, partial_dir, safe_name
 from posbench.files import cache_dir, exclusive
-from posbench.runs import corpus_for, lock_file, partial_dir, plan_state, run_one, safe_name, sweep_jobs
-from posbench.train import Reporter
+from posbench.measures import measure_for
+from posbench.progress import Reporter
+from posbench.resolve import Experiment
 
 INSTALL = "--executor ray needs Ray, an optional extra: pip install -e '.[ray]' (or pip install ray)"
 
 
 def run_sweep_on_ray(
-    grid: list[tuple[dict, ExperimentConfig]],
+    grid: list[tuple[dict, Experiment]],
     source: str,
     reporter: Reporter,
     address: Optional[str] = None,
@@ -35,28 +39,30 @@ def run_sweep_on_ray(
     except ImportError:
         raise PosbenchError(INSTALL) from None
     check_reachable(address)
-    exp, jobs = sweep_jobs(grid, source, reporter)
+    exp, jobs, sources = sweep_jobs(grid, source, reporter)
     started = not ray.is_initialized()
     if started:
         try:
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
         except Exception as e:  # no cluster there, or one of another Ray version
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise PosbenchError(f"--address {address or '(local)'}: cannot join a Ray cluster ({first})") from None
+            raise PosbenchError(
+                f"--address {address or '(local)'}: cannot join a Ray cluster ({first_line(e)})"
+            ) from None
     task = ray.remote(train_on_node)
     try:
         with contextlib.ExitStack() as held:
             pending = {}
-            for rc, rdir, state, n_tokens in jobs:
+            for job in jobs:
+                rc, rdir, state = job.cfg, job.folder, job.state
                 if state != "todo":  # scoring what a finished run lacks is quick: here
-                    run_one(rc, rdir, state, corpus_for(rc), n_tokens, reporter)
+                    run_one(job, sources.get(job.measure.source_key(rc)) or job.measure.source(rc), reporter)
                     continue
                 if not held.enter_context(exclusive(lock_file(rdir))):
                     reporter.note(f"{rdir.name}: another posbench process is running it; skipped here")
                     continue
                 cuda = rc.train.device.startswith("cuda")
                 options = {"num_cpus": rc.train.threads or 1, "num_gpus": 1 if cuda else 0}
-                ref = task.options(**options).remote(rc.to_dict(), exp.name, rdir.name, n_tokens, storage)
+                ref = task.options(**options).remote(rc.to_dict(), exp.name, rdir.name, storage)
                 pending[ref] = rdir
                 wants = f"{options['num_cpus']} CPU, {options['num_gpus']} GPU"
                 reporter.note(f"{rdir.name}: sent to the cluster ({wants})")
@@ -97,14 +103,16 @@ def check_reachable(address: Optional[str], timeout: float = 10.0) -> None:
         ) from None
 
 
-def train_on_node(raw: dict, experiment: str, run: str, n_tokens: int, storage: Optional[str]):
+def train_on_node(raw: dict, experiment: str, run: str, storage: Optional[str]):
     """A Ray task: train and score one run in storage/<experiment>/<run> on this node, resuming
     from a checkpoint a killed attempt left there; returns (what happened, this node's name,
     the run folder's files by name)."""
     rc = config_from_dict(raw)
     rdir = Path(storage or cache_dir() / "ray") / safe_name(experiment) / run
     rdir.parent.mkdir(parents=True, exist_ok=True)
-    outcome = run_one(rc, rdir, plan_state(rc, rdir), corpus_for(rc), n_tokens, Reporter())
+    measure = measure_for(rc)
+    job = Job(rc, measure, rdir, plan_state(rc, measure, rdir))
+    outcome = run_one(job, measure.source(rc), Reporter())
     files = {p.name: p.read_bytes() for p in rdir.iterdir() if p.is_file()}
     return outcome, socket.gethostname(), files
 

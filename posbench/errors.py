@@ -1,5 +1,28 @@
-"""The one exception posbench raises for anything a user can fix; the CLI prints it as one line."""
+"""The one exception posbench raises for anything a user can fix, and the two ways its messages are worded."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
 
 
 class PosbenchError(Exception):
-    """A problem with the user's input or files, worded so the user can act on it."""
+    """A problem with the user's input or files, worded so the user can act on it. `key` is the
+    dotted config key the problem is about, where there is one, so that the config loader can
+    say which file or flag the value came from."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+def first_line(e: BaseException, limit: int = 200, last: bool = False) -> str:
+    """An exception as one line: its message's first (or `last`) line, else its type's name."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return (lines[-1] if last else lines[0])[:limit] if lines else type(e).__name__
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """ " (did you mean 'rope'?)" for the closest of `choices`, or "" when none is close."""
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -10,19 +10,9 @@ import torch.nn.functional as F
 
 from posbench.config import ExperimentConfig
 from posbench.data import Corpus
+from posbench.device import autocast
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
-from posbench.train import autocast
-
-PROTOCOL_NAMES = {
-    "nonoverlapping": "non-overlapping chunks, every token scored once",
-    "sliding": "sliding windows, each scoring its last stride tokens, every token scored once",
-}
-
-
-def protocol_label(protocol: str, stride) -> str:
-    """How a table names a protocol: `nonoverlapping`, or `sliding, stride 25`."""
-    return protocol if protocol == "nonoverlapping" else f"{protocol}, stride {stride}"
 
 
 def windows(n: int, L: int, protocol: str, stride: Optional[int]) -> list[tuple[int, int]]:

@@ -228,7 +228,8 @@ def inspect_scheme(
 def inspect_target(target: str, out_dir: Optional[Path] = None, length: Optional[int] = None) -> list[Path]:
     """`posbench inspect TARGET`: a scheme (name or module:Class) at its defaults, or a trained
     run folder, whose scheme is drawn with its learned parameters."""
-    from posbench.runs import load_run, safe_name
+    from posbench.experiment.checkpoint import load_run
+    from posbench.experiment.records import safe_name
 
     if length is not None and length < 2:
         raise PosbenchError(f"--length {length}: draw at least 2 positions")

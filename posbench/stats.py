@@ -92,16 +92,20 @@ def welch_p(a: list[float], b: list[float]) -> float:
     return _two_sided((ma - mb) / math.sqrt(se2), df)
 
 
-def tied_for_best(by_scheme: dict[str, dict[int, float]]) -> tuple[Optional[str], set[str], str]:
-    """Of {scheme: {seed: value}} (lower is better): the best scheme by mean, the schemes not
-    significantly different from it (itself included), and the test used. A paired t-test
+def tied_for_best(
+    by_scheme: dict[str, dict[int, float]], higher_is_better: bool = False
+) -> tuple[Optional[str], set[str], str]:
+    """Of {scheme: {seed: value}}: the best scheme by mean (the lowest, or the highest where
+    higher is better), the schemes not significantly different from it (itself included, and
+    any with the same mean), and the test used. A paired t-test
     where a scheme's seeds are the best's, Welch's where they differ; with fewer than two seeds
     on either side there is no test and only the best is marked."""
     scored = {s: v for s, v in by_scheme.items() if v}
     if not scored:
         return None, set(), "none"
-    best = min(scored, key=lambda s: sum(scored[s].values()) / len(scored[s]))
-    tied, tests = {best}, set()
+    mean = {s: sum(v.values()) / len(v) for s, v in scored.items()}
+    best = (max if higher_is_better else min)(scored, key=mean.get)
+    tied, tests = {s for s in scored if mean[s] == mean[best]}, set()
     ref = scored[best]
     for s, vals in scored.items():
         if s == best or len(vals) < 2 or len(ref) < 2:

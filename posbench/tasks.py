@@ -10,15 +10,12 @@ training never draws one of them.
 
 from __future__ import annotations
 
-import difflib
 import math
 import random
 from typing import Optional
 
-import torch
-
 from posbench.errors import PosbenchError
-from posbench.plugins import load_plugin
+from posbench.registry import Registry, check_options
 
 END = b"."  # every answer's last byte
 PAD = 0  # the byte that pads a batch's short instances; never scored
@@ -63,21 +60,12 @@ class Task:
     @classmethod
     def validate_options(cls, given: dict, where: str = "task_options") -> None:
         """Unknown keys (with a did-you-mean), wrong types and non-positive sizes, one line each."""
-        for key, value in given.items():
-            if key not in cls.options:
-                close = difflib.get_close_matches(str(key), list(cls.options), n=1, cutoff=0.5)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise PosbenchError(
-                    f"{where}.{key}: unknown option of task '{cls.name}'{hint}; valid options: {', '.join(cls.options)}"
-                )
-            default = cls.options[key]
-            if key == "test_max" and value is None:
-                continue
-            want = int if default is None else type(default)
-            if isinstance(value, bool) or not isinstance(value, want):
-                raise PosbenchError(f"{where}.{key}: expected {want.__name__}, got {value!r}")
-            if want is int and value <= 0:
-                raise PosbenchError(f"{where}.{key}={value} must be positive")
+        check_options(cls.options, given, where, owner=f" of task '{cls.name}'")
+        test_max = given.get("test_max")
+        if test_max is not None and (isinstance(test_max, bool) or not isinstance(test_max, int)):
+            raise PosbenchError(f"{where}.test_max: expected int, got {test_max!r}")
+        if test_max is not None and test_max <= 0:
+            raise PosbenchError(f"{where}.test_max={test_max} must be positive")
 
     def check(self, where: str) -> None:
         """Options that depend on each other; the alphabet checks of alphabet tasks."""
@@ -165,14 +153,16 @@ class Batches:
         version, internal, gauss = state
         self.rng.setstate((version, tuple(internal), gauss))
 
-    def __call__(self, gen=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, gen=None):
         """Inputs (B, T) and targets (B, T), int64; targets are IGNORE outside the answers."""
         return pack([self.instance() for _ in range(self.batch_size)])
 
 
-def pack(instances: list[tuple[bytes, bytes]]) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(instances: list[tuple[bytes, bytes]]):
     """Instances as next-byte inputs and targets, (B, T) each, T the longest instance less one.
     The target at position t is byte t+1, scored only when byte t+1 belongs to the answer."""
+    import torch  # the tasks themselves are plain bytes: reports read them without torch
+
     T = max(len(p) + len(a) for p, a in instances) - 1
     x = torch.full((len(instances), T), PAD, dtype=torch.long)
     y = torch.full((len(instances), T), IGNORE, dtype=torch.long)
@@ -310,44 +300,41 @@ class Recall(Task):
         return math.perm(len(self.opt["alphabet"]), n) * len(self.opt["values"]) ** n * n
 
 
-TASKS: dict[str, type[Task]] = {
-    "copy": Copy,
-    "reverse": Reverse,
-    "sort": Sort,
-    "addition": Addition,
-    "parity": Parity,
-    "passkey": Passkey,
-    "recall": Recall,
-}
-LM = "lm"  # not a task: next-byte perplexity on the corpus (posbench/evaluate.py)
+def _check_plugin(name: str, cls: type) -> None:
+    missing = [m for m in ("make", "longest") if getattr(cls, m) is getattr(Task, m)]
+    if missing:
+        raise PosbenchError(
+            f"task '{name}': {cls.__name__} does not define {' or '.join(missing)}; "
+            f"a task defines make(n, rng) and longest(n)"
+        )
+
+
+LM = "lm"  # not a task: next-byte perplexity on the corpus (posbench/measures/perplexity.py)
+TASKS = Registry(
+    "task",
+    {
+        name: f"posbench.tasks:{cls}"
+        for name, cls in (
+            ("copy", "Copy"),
+            ("reverse", "Reverse"),
+            ("sort", "Sort"),
+            ("addition", "Addition"),
+            ("parity", "Parity"),
+            ("passkey", "Passkey"),
+            ("recall", "Recall"),
+        )
+    },
+    base="posbench.tasks:Task",
+    example="my_tasks:Increment",
+    also=(LM,),
+    check=_check_plugin,
+)
 
 
 def resolve_task(name: str) -> type[Task]:
     """A registered name, or `module:Class` naming a user's Task subclass."""
-    if name in TASKS:
-        return TASKS[name]
-    if ":" in name:
-        cls = load_plugin(name, "task", Task, "posbench.tasks.Task", "my_tasks:Increment")
-        missing = [m for m in ("make", "longest") if getattr(cls, m) is getattr(Task, m)]
-        if missing:
-            raise PosbenchError(
-                f"task '{name}': {cls.__name__} does not define {' or '.join(missing)}; "
-                f"a task defines make(n, rng) and longest(n)"
-            )
-        return cls
-    close = difflib.get_close_matches(name, [LM, *TASKS], n=1, cutoff=0.5)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise PosbenchError(f"unknown task '{name}'{hint}; valid tasks: {LM}, {', '.join(TASKS)}, or module:Class")
+    return TASKS.resolve(name)
 
 
 def build_task(name: str, options: dict) -> Task:
-    cls = resolve_task(name)
-    try:
-        return cls(options)
-    except PosbenchError:
-        raise
-    except Exception as e:
-        if name in TASKS:
-            raise
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise PosbenchError(f"task '{name}' failed to build ({type(e).__name__}: {first})") from None
+    return TASKS.build(name, options)

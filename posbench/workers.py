@@ -13,8 +13,9 @@ from typing import Optional
 import torch
 
 from posbench.config import ExperimentConfig
+from posbench.device import pick_device
 from posbench.errors import PosbenchError
-from posbench.train import Reporter, pick_device
+from posbench.progress import Reporter
 
 SMALL_RUN_TOKENS = 200_000  # below this a run trains in about the 2 s a worker takes to start
 STOP_GRACE_S = 3.0  # how long a stopped worker has to finish its step and save its checkpoint

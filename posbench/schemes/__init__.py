@@ -1,71 +1,70 @@
-"""Positional schemes, one family per module, and the registry that names them."""
+"""Positional schemes, one family per module, and the registry that names them.
+
+The registry and this package import no scheme module until a scheme is used, so the names
+(and their order, the order of the paper tables) are known without torch.
+"""
 
 from __future__ import annotations
 
-import difflib
+import importlib
 
-from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
-from posbench.plugins import load_plugin
-from posbench.schemes.absolute import Learned, Sinusoidal, sinusoid
-from posbench.schemes.alibi import ALiBi, alibi_slopes
-from posbench.schemes.base import EvalVariant, NoPE, PositionalScheme, require_even, variant_label
-from posbench.schemes.cope import CoPE, cope_bias
-from posbench.schemes.fire import FIRE
-from posbench.schemes.kerple import KerpleLog, KerplePower
-from posbench.schemes.randomized import Randomized
-from posbench.schemes.rope import ROPE_SCALINGS, RoPE, XPos, rope_frequencies
-from posbench.schemes.t5 import Hybrid, T5Bias, t5_relative_bucket
-from posbench.schemes.xl import TransformerXL, rel_shift
+from posbench.registry import Registry
 
-__all__ = [
-    "SCHEMES",
-    "catalogue",
-    "resolve_scheme",
-    "build_scheme",
-    "PositionalScheme",
-    "EvalVariant",
-    "variant_label",
-    "require_even",
-    "NoPE",
-    "Sinusoidal",
-    "Learned",
-    "T5Bias",
-    "TransformerXL",
-    "RoPE",
-    "ALiBi",
-    "Hybrid",
-    "XPos",
-    "KerpleLog",
-    "KerplePower",
-    "FIRE",
-    "Randomized",
-    "CoPE",
-    "sinusoid",
-    "t5_relative_bucket",
-    "rel_shift",
-    "rope_frequencies",
-    "ROPE_SCALINGS",
-    "alibi_slopes",
-    "cope_bias",
-]
 
-SCHEMES: dict[str, type[PositionalScheme]] = {
-    "nope": NoPE,
-    "sinusoidal": Sinusoidal,
-    "learned": Learned,
-    "t5": T5Bias,
-    "xl": TransformerXL,
-    "rope": RoPE,
-    "alibi": ALiBi,
-    "hybrid": Hybrid,
-    "xpos": XPos,
-    "kerple_log": KerpleLog,
-    "kerple_power": KerplePower,
-    "fire": FIRE,
-    "randomized": Randomized,
-    "cope": CoPE,
+def _explain(name: str) -> None:
+    base, plus, variant = name.partition("+")
+    if plus and base in SCHEMES and variant in SCHEMES[base].eval_variants:
+        raise PosbenchError(
+            f"'{name}' is an evaluation-time variant of {base}, not a scheme to train: train "
+            f"{base} and add --rope-scaling {variant} (or eval.rope_scaling: [{variant}])"
+        )
+
+
+SCHEMES = Registry(
+    "scheme",
+    {
+        "nope": "posbench.schemes.base:NoPE",
+        "sinusoidal": "posbench.schemes.absolute:Sinusoidal",
+        "learned": "posbench.schemes.absolute:Learned",
+        "t5": "posbench.schemes.t5:T5Bias",
+        "xl": "posbench.schemes.xl:TransformerXL",
+        "rope": "posbench.schemes.rope:RoPE",
+        "alibi": "posbench.schemes.alibi:ALiBi",
+        "hybrid": "posbench.schemes.t5:Hybrid",
+        "xpos": "posbench.schemes.rope:XPos",
+        "kerple_log": "posbench.schemes.kerple:KerpleLog",
+        "kerple_power": "posbench.schemes.kerple:KerplePower",
+        "fire": "posbench.schemes.fire:FIRE",
+        "randomized": "posbench.schemes.randomized:Randomized",
+        "cope": "posbench.schemes.cope:CoPE",
+    },
+    base="posbench.schemes:PositionalScheme",
+    example="examples.my_scheme:MyScheme",
+    explain=_explain,
+)
+SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]  # the default experiment
+
+_EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first use
+    "posbench.schemes.base": ["PositionalScheme", "EvalVariant", "NoPE", "variant_label", "require_even"],
+    "posbench.schemes.absolute": ["Sinusoidal", "Learned", "sinusoid"],
+    "posbench.schemes.t5": ["T5Bias", "Hybrid", "t5_relative_bucket"],
+    "posbench.schemes.xl": ["TransformerXL", "rel_shift"],
+    "posbench.schemes.rope": ["RoPE", "XPos", "rope_frequencies", "ROPE_SCALINGS"],
+    "posbench.schemes.alibi": ["ALiBi", "alibi_slopes"],
+    "posbench.schemes.kerple": ["KerpleLog", "KerplePower"],
+    "posbench.schemes.fire": ["FIRE"],
+    "posbench.schemes.randomized": ["Randomized"],
+    "posbench.schemes.cope": ["CoPE", "cope_bias"],
 }
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = ["SCHEMES", "SEED_SCHEMES", "catalogue", "resolve_scheme", "build_scheme", *_WHERE]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'posbench.schemes' has no attribute '{name}'")
 
 
 def catalogue() -> list[tuple[str, str]]:
@@ -79,36 +78,11 @@ def catalogue() -> list[tuple[str, str]]:
     return rows
 
 
-def resolve_scheme(name: str) -> type[PositionalScheme]:
+def resolve_scheme(name: str) -> type:
     """A registered name, or `module:Class` naming a user's PositionalScheme subclass."""
-    if name in SCHEMES:
-        return SCHEMES[name]
-    if ":" in name:
-        return load_plugin(
-            name, "scheme", PositionalScheme, "posbench.schemes.PositionalScheme", "examples.my_scheme:MyScheme"
-        )
-    base, plus, variant = name.partition("+")
-    if plus and variant in getattr(SCHEMES.get(base), "eval_variants", {}):
-        raise PosbenchError(
-            f"'{name}' is an evaluation-time variant of {base}, not a scheme to train: train "
-            f"{base} and add --rope-scaling {variant} (or eval.rope_scaling: [{variant}])"
-        )
-    close = difflib.get_close_matches(name, list(SCHEMES), n=1, cutoff=0.5)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise PosbenchError(f"unknown scheme '{name}'{hint}; valid schemes: {', '.join(SCHEMES)}, or module:Class")
+    return SCHEMES.resolve(name)
 
 
-def build_scheme(cfg: ModelConfig) -> PositionalScheme:
-    cls = resolve_scheme(cfg.scheme)
-    try:
-        return cls(cfg)
-    except PosbenchError:
-        raise
-    except Exception as e:
-        if cfg.scheme in SCHEMES:  # ours: a bug, which the CLI reports as one
-            raise
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise PosbenchError(
-            f"scheme '{cfg.scheme}' failed to build ({type(e).__name__}: {first}); "
-            f"`posbench check-scheme {cfg.scheme}` checks it step by step"
-        ) from None
+def build_scheme(cfg):
+    """The scheme a model config names, built with its options."""
+    return SCHEMES.build(cfg.scheme, cfg, hint=f"; `posbench check-scheme {cfg.scheme}` checks it step by step")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 from typing import Optional
 
 import torch
@@ -12,6 +11,7 @@ import torch.nn as nn
 
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
+from posbench.registry import check_options
 
 
 class PositionalScheme(nn.Module):
@@ -56,21 +56,7 @@ class PositionalScheme(nn.Module):
 
     @classmethod
     def validate_options(cls, given: dict, where: str) -> None:
-        for key, value in given.items():
-            if key not in cls.options:
-                close = difflib.get_close_matches(key, list(cls.options), n=1, cutoff=0.5)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                valid = ", ".join(cls.options) or "none"
-                raise PosbenchError(f"{where}.{key}: unknown option{hint}; valid options: {valid}")
-            default = cls.options[key]
-            if default is not None and not isinstance(value, type(default)):
-                if not (isinstance(default, float) and isinstance(value, int)):
-                    raise PosbenchError(f"{where}.{key}: expected {type(default).__name__}, got {value!r}")
-            # sizes, distances, bases and scales: every numeric option with a positive
-            # default is a positive quantity (a subclass may check more in its __init__)
-            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if numeric and isinstance(default, (int, float)) and default > 0 and not value > 0:
-                raise PosbenchError(f"{where}.{key}={value} must be positive")
+        check_options(cls.options, given, where)
 
     def choice(self, key: str, valid) -> str:
         """The value of option `key`, refused in one line unless it is one of `valid`."""

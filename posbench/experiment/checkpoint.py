@@ -1,0 +1,150 @@
+"""Checkpoints: a finished run's weights (model.pt) and the whole training state of an unfinished one.
+
+model.pt carries its own config, so any finished run can be rebuilt and scored with nothing
+else. checkpoint.pt holds everything the next training steps depend on; it is written whole
+and the one it replaces is kept as checkpoint.prev.pt, a fallback if the newest is damaged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from posbench.config import ExperimentConfig, config_from_dict, differences, identity, read_record
+from posbench.errors import PosbenchError, first_line
+from posbench.experiment.records import CHECKPOINT, CONFIG, PREVIOUS, WEIGHTS
+from posbench.files import TMP_PREFIX, atomic
+from posbench.model import TransformerLM
+from posbench.progress import Reporter
+
+
+def weights_identity(cfg: ExperimentConfig) -> dict:
+    """What a checkpoint's weights came from, as far as its text can say: the data may move."""
+    return {k: v for k, v in identity(cfg).items() if k != "data"}
+
+
+def save_checkpoint(path: Path, model: TransformerLM, cfg: ExperimentConfig) -> None:
+    with atomic(path) as tmp:
+        torch.save({"config": cfg.to_dict(), "model": model.state_dict()}, tmp)
+
+
+def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
+    """A checkpoint carries its own config: nothing else is needed to rebuild the model."""
+    ckpt_path = Path(run_dir) / WEIGHTS
+    if not Path(run_dir).is_dir():
+        raise PosbenchError(f"{run_dir}: no such run directory")
+    if not ckpt_path.is_file():
+        raise PosbenchError(f"{run_dir}: holds no checkpoint (model.pt); train it first")
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        cfg = config_from_dict(ckpt["config"], source=str(ckpt_path))
+        model = TransformerLM(cfg.model)
+    except PosbenchError:
+        raise
+    except Exception as e:  # torch raises many kinds for a truncated or foreign file
+        raise PosbenchError(f"{ckpt_path}: corrupt or not a posbench checkpoint ({first_line(e, 120)})") from None
+    unrecorded = sorted(set(type(model.scheme).options) - set(cfg.model.options))
+    if unrecorded:  # its weights were made under defaults that this posbench may not share
+        raise PosbenchError(
+            f"{ckpt_path}: does not record scheme '{cfg.model.scheme}''s option(s) {', '.join(unrecorded)}, "
+            f"so it cannot be scored as it was trained; it was saved by another version: retrain it"
+        )
+    try:
+        model.load_state_dict(ckpt["model"])
+    except Exception as e:
+        raise PosbenchError(
+            f"{ckpt_path}: its weights do not fit scheme '{cfg.model.scheme}' as this posbench "
+            f"builds it ({first_line(e, 120, last=True)}); it was saved by another version: retrain it"
+        ) from None
+    if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
+        raise PosbenchError(f"{ckpt_path}: holds non-finite weights (NaN or inf); retrain it")
+    record = Path(run_dir) / CONFIG
+    if record.is_file():  # the run's record: its data and eval settings are the current ones
+        rec = config_from_dict(read_record(record), source=str(record))
+        ours, theirs = weights_identity(cfg), weights_identity(rec)
+        if ours != theirs:
+            diff = ", ".join(differences(ours, theirs, ("model.pt", "in config.yaml")))
+            raise PosbenchError(f"{record} does not describe model.pt ({diff}); restore or delete it")
+        cfg = rec
+        model.cfg = dataclasses.replace(model.cfg, attention=rec.model.attention)
+    return cfg, model
+
+
+def snapshot(
+    cfg: ExperimentConfig, model, opt, gen: torch.Generator, next_step: int, seconds: float, batches=None
+) -> dict:
+    """Everything the next steps depend on: weights, AdamW's moments and step counts, the data
+    generator and every global generator a scheme or torch might draw from."""
+    return {
+        "config": cfg.to_dict(),
+        "step": next_step,  # the first step still to train; the LR schedule is a function of it
+        "seconds": seconds,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "data": gen.get_state(),
+        "batches": batches.get_state() if batches is not None else None,  # a task's instance stream
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "python": list(random.getstate()[1]),
+    }
+
+
+def restore(state: dict, model, opt, gen: torch.Generator, device: torch.device, batches=None) -> int:
+    """Put a snapshot back; returns the step to continue from."""
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    gen.set_state(state["data"])
+    if batches is not None:
+        batches.set_state(state["batches"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and device.type == "cuda":
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate((3, tuple(state["python"]), None))
+    return int(state["step"])
+
+
+def save_progress(folder: Path, state: dict) -> None:
+    """folder/checkpoint.pt, written whole: a temporary file, fsync, then a rename. The one it
+    replaces becomes checkpoint.prev.pt, so a checkpoint damaged on disk has a fallback."""
+    path, tmp = folder / CHECKPOINT, folder / (TMP_PREFIX + CHECKPOINT)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if path.exists():
+        os.replace(path, folder / PREVIOUS)
+    os.replace(tmp, path)
+    fd = os.open(folder, os.O_RDONLY)  # the renames themselves survive a power cut
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_progress(folder: Path, reporter: Optional[Reporter] = None, label: str = "") -> Optional[dict]:
+    """The newest readable checkpoint in `folder`, or None if it has none. A damaged one is said
+    in one line and the previous one used; with no good one left it is an error, never a silent
+    restart from step 0."""
+    damaged = []
+    for name in (CHECKPOINT, PREVIOUS):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict) or not {"model", "optimizer", "step", "data"} <= set(state):
+                raise ValueError("not a posbench training checkpoint")
+        except Exception as e:  # torch raises many kinds for a truncated file
+            damaged.append(f"{path}: corrupt or truncated checkpoint ({first_line(e, 120)})")
+            continue
+        if damaged and reporter is not None:
+            reporter.note(f"{label}: {damaged[0]}; resuming from the previous one, {path.name}")
+        return state
+    if damaged:
+        raise PosbenchError(f"{damaged[-1]} and no good checkpoint is left; delete {folder} to train this run anew")
+    return None

@@ -1,0 +1,249 @@
+"""Execution: train what an experiment or a sweep lacks, score it with its measure, write its records.
+
+Every run holds its lock while it trains and is scored. It trains in its hidden partial folder,
+resuming from a checkpoint there, and is renamed into place once config, log and weights
+exist. Nothing here asks which measure a run has: the measure makes its batches and scores it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from posbench.attention import FLEX_CANNOT_TRAIN_ON_CPU, backend_for
+from posbench.config import ExperimentConfig, check_device, check_trainable, dump_yaml, read_yaml
+from posbench.device import pick_device
+from posbench.errors import PosbenchError, first_line
+from posbench.experiment.checkpoint import load_run, save_checkpoint
+from posbench.experiment.plan import Job, plan_runs, plan_sweep, run_identity
+from posbench.experiment.records import (
+    CHECKPOINT,
+    CONFIG,
+    DIVERGED,
+    FAILED,
+    PREVIOUS,
+    SWEEP_RECORD,
+    WEIGHTS,
+    diverged_step,
+    lock_file,
+    partial_dir,
+)
+from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
+from posbench.measures import measure_for
+from posbench.model import TransformerLM
+from posbench.progress import Reporter
+from posbench.resolve import Experiment
+from posbench.train import Diverged, train_model
+from posbench.workers import run_in_workers, worker_plan
+
+
+def run_experiment(exp: Experiment, reporter: Reporter) -> Path:
+    """Train what is missing, score everything its measure asks; returns the experiment folder."""
+    jobs = plan_runs(exp)
+    folder = Path(exp.cfg.out_dir) / exp.cfg.name
+    sources = prepare(exp, jobs, reporter)
+    run_jobs(exp.cfg, jobs, folder, reporter, sources)
+    return folder
+
+
+def sweep_jobs(grid: list[tuple[dict, Experiment]], source: str, reporter: Reporter) -> tuple[Path, list[Job], dict]:
+    """A sweep's experiment folder, made, with `source` (the config file's text) kept there as
+    sweep.yaml, its jobs and the data they read, each grid point checked before any runs."""
+    folder, jobs = plan_sweep(grid)
+    sources = {}
+    for _, exp in grid:
+        mine = [job for job in jobs if job.point is exp.cfg]
+        if mine:
+            sources.update(prepare(exp, mine, reporter))
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / SWEEP_RECORD, source)
+    return folder, jobs, sources
+
+
+def run_sweep(grid: list[tuple[dict, Experiment]], source: str, reporter: Reporter) -> Path:
+    """Train and score what a sweep's grid still lacks, in one experiment folder. Returns it."""
+    folder, jobs, sources = sweep_jobs(grid, source, reporter)
+    run_jobs(grid[0][1].cfg, jobs, folder, reporter, sources)
+    return folder
+
+
+def prepare(exp: Experiment, jobs: list[Job], reporter: Reporter) -> dict:
+    """Refuse before anything trains what cannot run here, say what will be slow, and return
+    the data the runs read (by its key), read once: a missing corpus fails here."""
+    cfg = exp.cfg
+    device = pick_device(cfg.train.device)
+    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    for job in jobs:
+        if job.state == "todo":
+            check_trainable(job.cfg.model, gpu)  # a model too big is refused, not allocated
+    # a backend that cannot run here is refused before anything trains
+    backend = backend_for(cfg.model.attention, device, cfg.model.head_dim, cfg.train.compile)
+    if backend == "flex" and device.type == "cpu" and any(job.state == "todo" for job in jobs):
+        raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)
+    data = exp.measure.source(cfg)
+    for note in exp.measure.notes(cfg, data):
+        reporter.note(note)
+    return {exp.measure.source_key(cfg): data}
+
+
+def run_jobs(cfg: ExperimentConfig, jobs: list[Job], folder: Path, reporter: Reporter, sources: dict) -> None:
+    """Run the jobs into `folder`, in this process or in cfg.train.workers processes (each reads
+    its data itself). An experiment folder made here and left with nothing in it but lock
+    files is removed on failure."""
+    workers, threads = worker_plan(cfg, sum(job.state == "todo" for job in jobs))
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        if workers > 1:
+            labelled = [(job.folder.name, (job,)) for job in jobs]
+            run_in_workers(run_job, labelled, lambda: _remove_temporaries(jobs), reporter, workers, threads)
+        else:
+            if threads:
+                torch.set_num_threads(threads)
+            for job in jobs:
+                key = job.measure.source_key(job.cfg)
+                data = sources[key] if key in sources else sources.setdefault(key, job.measure.source(job.cfg))
+                run_one(job, data, reporter)
+    except BaseException:
+        if created and not any(p for p in folder.iterdir() if not p.name.endswith(".lock")):
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def run_job(job: Job, reporter: Reporter) -> str:
+    """run_one in a worker process, which reads the run's data itself."""
+    return run_one(job, job.measure.source(job.cfg), reporter)
+
+
+def run_one(job: Job, data, reporter: Reporter) -> str:
+    """Train one run if it is not trained yet, then score whatever it still lacks, holding its
+    lock throughout. Returns what happened: trained, reused, diverged, or held (another
+    process holds the run, so it is left to that process)."""
+    rc, rdir, state = job.cfg, job.folder, job.state
+    with exclusive(lock_file(rdir)) as held:
+        if not held:
+            pid = lock_holder(lock_file(rdir))
+            reporter.note(
+                f"{rdir.name}: another posbench process{f' (pid {pid})' if pid else ''} is running it; "
+                f"skipped here, rerun once that process is done"
+            )
+            return "held"
+        if state != "done" and (rdir / WEIGHTS).is_file():
+            state = "done"  # another process finished it since it was planned
+        if state == "diverged" or (rdir / DIVERGED).is_file():
+            reporter.note(
+                f"{rdir.name}: diverged in an earlier attempt ({diverged_step(rdir)}); delete {rdir} to train it again"
+            )
+            return "diverged"
+        if state == "done":
+            _, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
+            model.cfg = dataclasses.replace(model.cfg, attention=rc.model.attention)  # scored as asked now
+            reporter.note(f"{rdir.name}: already trained, reusing its checkpoint")
+        else:
+            model = train_run(job, data, reporter)
+            if model is None:
+                return "diverged"
+        device = pick_device(rc.train.device)
+        job.measure.score(rc, rdir, model, data, device, model.backend(device))
+        write_atomic(rdir / CONFIG, dump_yaml(rc))  # eval settings may have changed
+        return "reused" if state == "done" else "trained"
+
+
+def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
+    """Train in the hidden partial folder, resuming from its checkpoint if it holds one, and
+    rename it into place once config, log and weights exist. A run whose loss blew up is
+    renamed into place too, with diverged.json for weights, and None is returned. An error
+    keeps the partial folder, with the error in failed.txt, only if it has a checkpoint."""
+    rc, rdir = job.cfg, job.folder
+    partial = partial_dir(rdir)
+    record = partial / CONFIG
+    if record.is_file() and _identity_of(record, job) != run_identity(rc, job.measure):
+        reporter.note(f"{rdir.name}: its unfinished training was under other settings; starting it anew")
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True, exist_ok=True)
+    (partial / FAILED).unlink(missing_ok=True)
+    write_atomic(record, dump_yaml(rc))
+    try:
+        model = train_model(rc, job.measure.batches(rc, data), reporter, partial)
+    except Diverged as e:
+        write_atomic(partial / DIVERGED, json.dumps({"status": "diverged", "step": e.step, "loss": str(e.loss)}) + "\n")
+        reporter.note(f"{rdir.name}: {e}; recorded in {rdir / DIVERGED}, the other runs go on")
+        _finish(partial, rdir)
+        return None
+    except KeyboardInterrupt:
+        raise  # its checkpoint is kept: the rerun resumes it
+    except BaseException as e:
+        if (partial / CHECKPOINT).is_file() or (partial / PREVIOUS).is_file():
+            write_atomic(partial / FAILED, first_line(e, 10**6) + "\n")
+        else:  # nothing worth resuming
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    save_checkpoint(partial / WEIGHTS, model, rc)
+    _finish(partial, rdir)
+    return model
+
+
+def _identity_of(record: Path, job: Job) -> Optional[dict]:
+    """The identity a partial folder's config.yaml records (None if it cannot be read)."""
+    from posbench.config import config_from_dict
+
+    try:
+        return run_identity(config_from_dict(read_yaml(record)), job.measure)
+    except PosbenchError:
+        return None
+
+
+def _finish(partial: Path, rdir: Path) -> None:
+    """The mid-run checkpoints go, then the whole folder takes its final name."""
+    for name in (CHECKPOINT, PREVIOUS):
+        (partial / name).unlink(missing_ok=True)
+    if rdir.exists():
+        shutil.rmtree(rdir)
+    partial.rename(rdir)
+
+
+def _remove_temporaries(jobs: list[Job]) -> None:
+    """What killed workers leave: temporary files. Their partial folders hold the checkpoints a
+    rerun resumes from; a run another process holds is that process's own."""
+    for job in jobs:
+        with exclusive(lock_file(job.folder)) as held:
+            if held:
+                for folder in (job.folder, partial_dir(job.folder)):
+                    for tmp in folder.glob(TMP_PREFIX + "*") if folder.is_dir() else []:
+                        tmp.unlink(missing_ok=True)
+
+
+def evaluate_run(
+    run_dir: Path,
+    lengths: Optional[list[int]],
+    variants: list[Optional[str]] = (None,),
+    factor: Optional[float] = None,
+    device: Optional[str] = None,
+    attention: Optional[str] = None,
+    protocols: Optional[list[str]] = None,
+    stride: Optional[int] = None,
+) -> tuple[ExperimentConfig, list[dict]]:
+    """`posbench evaluate`: score a finished run again with its measure, at `lengths` (None: its
+    config's), under `protocols` (None: its config's; sliding at `stride`), on `device` (None:
+    the run's own) with the `attention` backend (None: the run's model.attention), merge the
+    rows into its records, and restore a deleted config.yaml from the checkpoint's copy.
+    Returns the run's config and the new rows."""
+    rc, model = load_run(run_dir)
+    if not (Path(run_dir) / CONFIG).is_file():
+        write_atomic(Path(run_dir) / CONFIG, dump_yaml(rc))
+    if device is not None:  # a run trained on a GPU can be scored on a laptop
+        check_device(device, f"--device {device}")
+        rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
+    if stride is not None:
+        rc = dataclasses.replace(rc, eval=dataclasses.replace(rc.eval, stride=stride))
+    if attention is not None:  # how it is scored, not what it learned: the weights are the same
+        model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
+    dev = pick_device(rc.train.device)
+    measure = measure_for(rc)
+    rows = measure.rescore(rc, Path(run_dir), model.to(dev), dev, lengths, variants, factor, protocols)
+    return rc, rows

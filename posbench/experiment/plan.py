@@ -1,0 +1,173 @@
+"""Planning: which runs an experiment or a sweep holds, where each lives, and what each still needs.
+
+Nothing here writes. A folder that holds another config's run is an error, never overwritten;
+two runs are the same run when their identities (config.identity, as their measure reads it)
+are equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from posbench.config import ExperimentConfig, config_from_dict, differences, identity, read_record, shared_identity
+from posbench.errors import PosbenchError
+from posbench.experiment.records import (
+    CONFIG,
+    DIVERGED,
+    WEIGHTS,
+    diverged_step,
+    lock_file,
+    partial_dir,
+    read_config,
+    run_name,
+    safe_name,
+)
+from posbench.files import lock_holder
+from posbench.measures import Measure
+from posbench.resolve import Experiment
+
+
+@dataclass
+class Job:
+    """One planned run: its resolved config, its measure, its folder, and what it needs."""
+
+    cfg: ExperimentConfig
+    measure: Measure
+    folder: Path
+    state: str  # "todo", "done" (trained) or "diverged" (its loss blew up in an earlier attempt)
+    point: Optional[ExperimentConfig] = None  # the sweep grid point it belongs to, if any
+
+
+def run_identity(rc: ExperimentConfig, measure: Measure) -> dict:
+    """What decides a run's weights."""
+    return measure.identity(identity(rc))
+
+
+def run_digest(rc: ExperimentConfig, measure: Measure) -> str:
+    """A hash of everything that decides a run's weights."""
+    return hashlib.sha256(json.dumps(run_identity(rc, measure), sort_keys=True).encode()).hexdigest()[:8]
+
+
+def plan_runs(exp: Experiment) -> list[Job]:
+    """A job for every (scheme, seed), checked before anything is written."""
+    cfg = exp.cfg
+    folder = Path(cfg.out_dir) / cfg.name
+    _check_same_experiment(exp, folder)
+    jobs = []
+    for s in cfg.schemes:
+        for n in cfg.seeds:
+            rc = cfg.for_run(s, n)
+            rdir = folder / run_name(s, n)
+            jobs.append(Job(rc, exp.measure, rdir, plan_state(rc, exp.measure, rdir)))
+    return jobs
+
+
+def plan_state(rc: ExperimentConfig, measure: Measure, rdir: Path) -> str:
+    """ "todo", "done" or "diverged" for the run `rc` in `rdir`; an error if the folder holds
+    another config's run or something that is not a run."""
+    if not ((rdir / WEIGHTS).is_file() or (rdir / DIVERGED).is_file()):
+        if rdir.exists() and any(rdir.iterdir()):
+            raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
+        return "todo"
+    try:  # the record, or the checkpoint's own copy when config.yaml was lost
+        if (rdir / CONFIG).is_file():
+            old = read_config(rdir)
+        else:
+            from posbench.experiment.checkpoint import load_run
+
+            old = load_run(rdir)[0]
+    except PosbenchError as e:
+        raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
+    ours, theirs = run_identity(old, measure), run_identity(rc, measure)
+    if ours != theirs:
+        diff = differences(ours, theirs, (rdir.name, "here"))
+        raise PosbenchError(
+            f"{rdir} was trained under a different config ({', '.join(diff)}); "
+            f"choose another experiment name with --set name=NEW, or delete that folder"
+        )
+    return "done" if (rdir / WEIGHTS).is_file() else "diverged"
+
+
+def _check_same_experiment(exp: Experiment, folder: Path) -> None:
+    """An experiment's runs differ in scheme and seed only; a run trained at another length or
+    size would be averaged with them as if it were another seed."""
+    new = shared_identity(run_identity(exp.cfg, exp.measure))
+    for cfg_file in sorted(folder.glob(f"*/{CONFIG}")):
+        if cfg_file.parent.name.startswith("."):
+            continue
+        try:
+            old = shared_identity(run_identity(config_from_dict(read_record(cfg_file)), exp.measure))
+        except PosbenchError:
+            continue  # a damaged run folder is reported when it is planned
+        if old != new:
+            diff = differences(old, new, names=(cfg_file.parent.name, "here"))
+            raise PosbenchError(
+                f"{folder} holds runs trained under other settings ({', '.join(diff)}); "
+                f"its runs must differ only in scheme and seed: choose another name with --set name=NEW"
+            )
+
+
+def sweep_run_name(rc: ExperimentConfig, measure: Measure, settings: dict) -> str:
+    """'alibi-seed0-train_len64-3f9c2a1e': readable, then a hash of everything that decides
+    the weights, so a folder is one config and a changed setting is a new folder."""
+    readable = [
+        f"{safe_name(k.split('.')[-1])}{safe_name(str(v))}"
+        for k, v in settings.items()
+        if k not in ("schemes", "seeds", "model.scheme")
+    ]
+    return "-".join([run_name(rc.schemes[0], rc.seeds[0]), *readable, run_digest(rc, measure)])
+
+
+def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
+    """The experiment folder of a sweep's resolved grid and its jobs, each with its grid
+    point. Nothing is written; two points that would train one run are an error."""
+    first = grid[0][1].cfg
+    folder = Path(first.out_dir) / first.name
+    if len({type(exp.measure) for _, exp in grid}) > 1:  # perplexity and exact match share no table
+        raise PosbenchError(
+            "sweep: task mixes lm with the tasks, which one report cannot compare; sweep lm apart from the tasks"
+        )
+    jobs, seen = [], {}
+    for settings, exp in grid:
+        cfg = exp.cfg
+        if (cfg.out_dir, cfg.name) != (first.out_dir, first.name):
+            named = "; each task names its own folder unless the config sets name" if cfg.task != first.task else ""
+            raise PosbenchError(
+                f"sweep: its points would write to {folder} and {Path(cfg.out_dir) / cfg.name}, but name "
+                f"and out_dir make the one experiment folder and cannot be swept{named}"
+            )
+        for s in cfg.schemes:
+            for n in cfg.seeds:
+                rc = cfg.for_run(s, n)
+                rdir = folder / sweep_run_name(rc, exp.measure, settings)
+                where = ", ".join(f"{k}={v}" for k, v in settings.items())
+                digest = run_digest(rc, exp.measure)  # the readable part of two names may differ
+                same = seen.get(digest)
+                if same is not None and same[0] != where:
+                    raise PosbenchError(
+                        f"sweep points {same[0]} and {where} train the same run {same[1].name}: they differ "
+                        f"only in how runs are scored or run, which a sweep does not vary"
+                    )
+                if same is None:
+                    seen[digest] = where, rdir
+                    jobs.append(Job(rc, exp.measure, rdir, plan_state(rc, exp.measure, rdir), point=cfg))
+    return folder, jobs
+
+
+def plan_note(job: Job) -> str:
+    """What a run would do now: train, resume at step N, or be skipped, and why."""
+    holder = lock_holder(lock_file(job.folder))
+    if holder is not None:
+        return f"skip: another process (pid {holder or '?'}) holds it"
+    if job.state == "done":
+        return "skip: trained (score what it lacks)"
+    if job.state == "diverged":
+        return f"skip: diverged {diverged_step(job.folder)}"
+    from posbench.experiment.status import checkpoint_step
+
+    step = checkpoint_step(partial_dir(job.folder))
+    return "train" if step is None else f"resume at step {step}"

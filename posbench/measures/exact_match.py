@@ -1,0 +1,423 @@
+"""Exact match on a synthetic task: a run's records (eval.csv, samples.txt) and its tables by length bucket.
+
+A run of a task trains on instances of lengths 1..train_max, the loss on the answer bytes
+alone, and is scored by greedy decoding on a fixed test set of every length 1..test_max
+(posbench/accuracy.py holds the torch side). Its eval.csv holds a row per test length
+(correct, instances, accuracy); samples.txt a few test instances of each length bucket with
+the model's answers. Tables group lengths into buckets, each in or out of distribution, plus
+the in- and out-of-distribution totals.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from posbench.errors import PosbenchError
+from posbench.files import write_atomic, write_rows
+from posbench.measures import Measure, Metric, Section
+from posbench.stats import mean_ci, tied_for_best
+from posbench.tables import plot_training, pyplot, save, scheme_order, tex, transposed
+from posbench.tasks import Task, build_task
+
+
+class ExactMatch(Measure):
+    name = "exact_match"
+    metrics = {"exact_match": Metric("exact_match", "% exact match", higher_is_better=True, digits=1)}
+
+    def __init__(self, task: Task):
+        self.task = task
+
+    def resolve(self, cfg, test_len) -> None:
+        task = self.task
+        if test_len is not None:
+            raise PosbenchError(
+                "--train-len, --test-len and --lengths set perplexity lengths; a task's are "
+                "task_options.train_max and test_max, e.g. --set task_options.test_max=60"
+            )
+        cfg.task_options = {**type(task).options, **cfg.task_options, "test_max": task.test_max}
+        if cfg.name == "default":  # lm's; a task's runs go to results/<task> unless named
+            from posbench.experiment.records import safe_name
+
+            cfg.name = safe_name(cfg.task)
+        if cfg.model.train_len not in (type(cfg.model).train_len, task.train_len):
+            raise PosbenchError(
+                f"model.train_len={cfg.model.train_len}: a task derives it (task {cfg.task}: "
+                f"{task.train_len}, its longest training instance); set task_options.train_max instead",
+                "model.train_len",
+            )
+        cfg.model.train_len = task.train_len
+        cfg.eval.lengths = [task.train_len]  # perplexity lengths: a task is scored at its own lengths
+        cfg.train.steps = cfg.train.steps or task.budget["steps"]
+        cfg.train.batch_size = cfg.train.batch_size or task.budget["batch_size"]
+        unused = [
+            name
+            for name, on in (
+                ("eval.rope_scaling", cfg.eval.rope_scaling),
+                ("eval.protocol sliding", "sliding" in cfg.eval.protocol),
+            )
+            if on
+        ]
+        if unused:
+            raise PosbenchError(
+                f"{unused[0]} applies to perplexity (task lm), not to task {cfg.task}", unused[0].split()[0]
+            )
+
+    def notes(self, cfg, test) -> list[str]:
+        return [
+            f"task {cfg.task}: train_len {cfg.model.train_len} (its longest training instance), "
+            f"{cfg.train.steps} steps x {cfg.train.batch_size} instances per run"
+        ]
+
+    def source(self, rc) -> list:
+        return self.task.test_set()
+
+    def source_key(self, rc) -> str:
+        return json.dumps([rc.task, rc.task_options], sort_keys=True)
+
+    def batches(self, rc, test):
+        return self.task.batches(rc.seeds[0], rc.train.batch_size, test)
+
+    def score(self, rc, rdir: Path, model, test, device, backend: str) -> None:
+        try:
+            scored = {r["attention"] for r in read_task_eval(rdir)} == {backend}
+        except PosbenchError:
+            scored = False
+        if not scored:
+            evaluate_task_into(rc, rdir, model, test, device, backend)
+
+    def rescore(self, rc, rdir: Path, model, device, lengths, variants, factor, protocols) -> list[dict]:
+        for flag, given in (
+            ("--lengths", lengths),
+            ("--rope-scaling", any(v is not None for v in variants)),
+            ("--protocol", protocols),
+        ):
+            if given:
+                raise PosbenchError(
+                    f"{flag}: a run of task {rc.task} is scored by exact match at its task's test lengths "
+                    f"(task_options.test_max); {flag} applies to perplexity (task lm)"
+                )
+        return evaluate_task_into(rc, rdir, model, self.task.test_set(), device, model.backend(device))
+
+    def read(self, rdir: Path) -> list[dict]:
+        return read_task_eval(rdir)
+
+    def report(self, collected, metric, transpose: bool, buckets) -> dict:
+        if metric not in (None, "exact_match"):
+            raise PosbenchError(f"--metric {metric}: a task's runs are scored by exact match alone")
+        return report(collected, transpose, buckets)
+
+    def join_checks(self, rows: list[dict]) -> list[tuple[str, set]]:
+        return [("tasks", {r["task"] for r in rows}), ("training lengths", {int(r["train_max"]) for r in rows})]
+
+
+METRIC = "exact_match"
+
+
+EVAL_COLUMNS = [
+    "task",
+    "metric",
+    "scheme",
+    "seed",
+    "train_max",
+    "length",
+    "correct",
+    "instances",
+    "accuracy",
+    "status",
+    "attention",
+]
+
+
+SAMPLES_PER_BUCKET = 3
+
+
+def evaluate_task_into(rc, rdir: Path, model, test: list, device, backend: str) -> list[dict]:
+    """Score a run on its task's test set; write eval.csv and samples.txt. Returns the rows."""
+    from posbench.accuracy import score
+
+    task = build_task(rc.task, rc.task_options)
+    rows = score(model, test, device)
+    ident = {
+        "task": rc.task,
+        "metric": METRIC,
+        "scheme": rc.model.scheme,
+        "seed": rc.seeds[0],
+        "train_max": task.train_max,
+        "attention": backend,
+    }
+    rows = [{**ident, **r} for r in rows]
+    write_rows(rdir / "eval.csv", rows, EVAL_COLUMNS)
+    write_atomic(rdir / "samples.txt", samples(rc, task, test, model, device, rows))
+    return rows
+
+
+def samples(rc, task: Task, test: list, model, device, rows: list[dict]) -> str:
+    """samples.txt: for each length bucket, its first few test instances (the same ones in
+    every run, so two schemes' files compare line by line) and the model's greedy answers."""
+    acc = {r["length"]: r for r in rows}
+    spans = buckets(task.train_max, task.test_max, rc.eval.buckets)
+    shown = [[(p, a) for n, p, a in test if lo <= n <= hi][:SAMPLES_PER_BUCKET] for lo, hi in spans]
+    flat = [inst for group in shown for inst in group]
+    from posbench.accuracy import decode, show
+
+    answers = iter(decode(model, flat, device))
+    out = [
+        f"# {rc.task}, {rc.model.scheme} seed {rc.seeds[0]}: the first {SAMPLES_PER_BUCKET} test instances "
+        f"of each length bucket; trained on lengths 1..{task.train_max}",
+        "",
+    ]
+    for (lo, hi), group in zip(spans, shown):
+        scored = [acc[n] for n in range(lo, hi + 1) if n in acc and acc[n]["status"] == "ok"]
+        right = sum(r["correct"] for r in scored)
+        total = sum(r["instances"] for r in scored)
+        split = "in distribution" if hi <= task.train_max else "out of distribution"
+        out.append(f"## lengths {bucket_name(lo, hi)} ({split}): {right} of {total} exact")
+        for (p, a), ans in zip(group, answers):
+            mark = "ok" if ans == a else "WRONG"
+            out += [f"prompt  {show(p)}", f"target  {show(a)}", f"answer  {show(ans)}  {mark}", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def read_task_eval(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "eval.csv"
+    bad = PosbenchError(f"{path}: malformed task evaluation rows; delete it and run evaluate again")
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+        if reader.fieldnames != EVAL_COLUMNS or not rows:
+            raise ValueError
+        for r in rows:
+            int(r["length"]), int(r["instances"]), int(r["seed"])
+            if r["status"] == "ok":
+                int(r["correct"])
+    except (OSError, UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
+        raise bad from None
+    return rows
+
+
+def buckets(train_max: int, test_max: int, edges: list[int] = ()) -> list[tuple[int, int]]:
+    """(lo, hi) length buckets covering 1..test_max: one per length up to 40, else ten of equal
+    width; or ending at the given `edges`. train_max always ends a bucket, so none straddles
+    in and out of distribution."""
+    if edges:
+        ends = {e for e in edges if e < test_max}
+    elif test_max <= 40:
+        ends = set(range(1, test_max + 1))
+    else:
+        ends = {math.ceil(test_max * k / 10) for k in range(1, 11)}
+    ends = sorted(ends | {train_max, test_max})
+    return [(lo, hi) for lo, hi in zip([1] + [e + 1 for e in ends[:-1]], ends)]
+
+
+def bucket_name(lo: int, hi: int) -> str:
+    return str(hi) if lo == hi else f"{lo}-{hi}"
+
+
+SUMMARY_COLUMNS = [
+    "task",
+    "metric",
+    "scheme",
+    "seed",
+    "train_max",
+    "bucket",
+    "lo",
+    "hi",
+    "split",
+    "value",
+    "correct",
+    "instances",
+    "status",
+    "attention",
+]
+
+
+def by_bucket(df: pd.DataFrame, spans: list[tuple[int, int]], train_max: int) -> pd.DataFrame:
+    """One row per (scheme, seed, bucket): accuracy over the bucket's instances; no value where
+    some length of it could not be scored."""
+    out = []
+    for (scheme, seed), g in df.groupby(["scheme", "seed"], sort=False):
+        totals = [(1, train_max, "in"), (train_max + 1, 10**9, "out")]
+        for lo, hi, name in [(lo, hi, bucket_name(lo, hi)) for lo, hi in spans] + totals:
+            part = g[(g["length"] >= lo) & (g["length"] <= hi)]
+            if part.empty:
+                continue
+            ok = (part["status"] == "ok").all()
+            correct, n = part["correct"].sum(), part["instances"].sum()
+            out.append(
+                {
+                    "task": g["task"].iloc[0],
+                    "metric": METRIC,
+                    "scheme": scheme,
+                    "seed": seed,
+                    "train_max": train_max,
+                    "bucket": name,
+                    "lo": lo,
+                    "hi": int(part["length"].max()),
+                    "split": "in" if hi <= train_max else "out",
+                    "value": correct / n if ok else math.nan,
+                    "correct": int(correct) if ok else "",
+                    "instances": int(n),
+                    "status": "ok" if ok else part.loc[part["status"] != "ok", "status"].iloc[0],
+                    "attention": ",".join(sorted(set(part["attention"]))),
+                }
+            )
+    return pd.DataFrame(out, columns=SUMMARY_COLUMNS)
+
+
+def comparison(long: pd.DataFrame) -> pd.DataFrame:
+    """Schemes x buckets: the mean accuracy over seeds, its 95% interval, seeds, and the schemes
+    tied for best at each bucket (the same paired/Welch tests as perplexity)."""
+    order = scheme_order(set(long["scheme"]))
+    cols = list(dict.fromkeys(long["bucket"]))
+    cols = [b for b in ("in", "out") if b in cols] + [b for b in cols if b not in ("in", "out")]
+    table = {}
+    for b in cols:
+        at = long[(long["bucket"] == b) & long["value"].notna()]
+        by_scheme = {s: dict(zip(g["seed"], g["value"])) for s, g in at.groupby("scheme")}
+        _, tied, _ = tied_for_best(by_scheme, higher_is_better=True)
+        values = {s: list(by_scheme[s].values()) for s in by_scheme}
+        table[b] = [mean_ci(values[s])[0] if s in values else math.nan for s in order]
+        table[f"ci {b}"] = [mean_ci(values[s])[1] if s in values else math.nan for s in order]
+        table[f"best {b}"] = [s in tied for s in order]
+    table["seeds"] = [long[long["scheme"] == s]["seed"].nunique() for s in order]
+    table = pd.DataFrame(table, index=order)
+    table.attrs["buckets"] = cols
+    return table
+
+
+def cell(table: pd.DataFrame, scheme: str, b: str) -> str:
+    """'97.3 ± 1.2' (percent exact, with the 95% interval over seeds), or — where not scored."""
+    v, ci = table.loc[scheme, b], table.loc[scheme, f"ci {b}"]
+    if v != v:
+        return "—"
+    return f"{100 * v:.1f} ± {100 * ci:.1f}" if ci == ci else f"{100 * v:.1f}"
+
+
+def grid(table: pd.DataFrame) -> tuple[list[list[str]], set]:
+    """The table as rows of strings (a header first), and the (row, column) cells that are best."""
+    cols = table.attrs["buckets"]
+    head = ["scheme"] + [{"in": "in-dist", "out": "out-of-dist"}.get(b, b) for b in cols] + ["seeds"]
+    rows, best = [head], set()
+    for i, s in enumerate(table.index, start=1):
+        rows.append([s] + [cell(table, s, b) for b in cols] + [str(int(table.loc[s, "seeds"]))])
+        best |= {(i, j) for j, b in enumerate(cols, start=1) if table.loc[s, f"best {b}"]}
+    return rows, best
+
+
+def report(collected, transpose: bool, edges) -> dict:
+    """The parts of a task report: a section per grid point (buckets of lengths as columns),
+    the per-bucket rows for summary.csv, and a function that draws the plots."""
+    df = frame(collected)
+    points: dict[str, list] = {}
+    for run in collected.runs:
+        points.setdefault(collected.points[run.folder], []).append(run.cfg)
+    parts = []
+    for point in sorted(points):
+        configs = points[point]
+        task = build_task(configs[0].task, configs[0].task_options)
+        spans = buckets(task.train_max, task.test_max, edges if edges is not None else configs[0].eval.buckets)
+        long = by_bucket(df[df["point"] == point], spans, task.train_max).assign(point=point)
+        parts.append((point, configs, long, comparison(long)))
+    sections = []
+    for point, configs, _, table in parts:
+        rows, best = grid(table)
+        if transpose or len(table.attrs["buckets"]) > 12:
+            rows, best = transposed(rows, best)
+        where = f" ({point})" if point else ""
+        task = build_task(configs[0].task, configs[0].task_options)
+        sections.append(
+            Section(
+                heading=point or f"{configs[0].task}: % exact match by length",
+                caption=f"{tex(configs[0].task)}: \\% exact match by length, mean $\\pm$ 95\\% interval over seeds"
+                f"{tex(where)}.",
+                rows=rows,
+                best=best,
+                title=f"{configs[0].task}: % exact match by length (trained on 1..{task.train_max}"
+                f"{'; ' + point if point else ''})",
+            )
+        )
+    first = parts[0][1][0]
+    task = build_task(first.task, first.task_options)
+    long = pd.concat([long for _, _, long, _ in parts])
+
+    def plots(folder: Path) -> list[str]:
+        plot(parts, folder / "summary.png")
+        plot_training({run.folder: run for run in collected.runs}, folder / "training.png")
+        return ["summary.png", "training.png"]
+
+    return {
+        "title": f"{first.task}: exact-match accuracy by length, trained on 1..{task.train_max}, "
+        f"tested to {task.test_max}",
+        "describe": describe(parts[0][1], long),
+        "sections": sections,
+        "legend": "mean ± 95% interval over seeds; bold: the best and every scheme not significantly different",
+        "csv": (long, SUMMARY_COLUMNS + (["point"] if len(parts) > 1 else [])),
+        "plots": plots,
+    }
+
+
+def frame(collected) -> pd.DataFrame:
+    """Every run's per-length rows as one long DataFrame, typed, each naming its grid point."""
+    rows = [{**r, "point": collected.points[run.folder]} for run in collected.runs for r in run.rows]
+    df = pd.DataFrame(rows, columns=[*EVAL_COLUMNS, "point"])
+    for c in ("seed", "train_max", "length", "instances"):
+        df[c] = df[c].astype(int)
+    df["correct"] = pd.to_numeric(df["correct"], errors="coerce")
+    return df
+
+
+def describe(configs: list, long: pd.DataFrame) -> list[str]:
+    c = configs[0]
+    task, m, t = build_task(c.task, c.task_options), c.model, c.train
+    params = m.params
+    options = ", ".join(f"{k}={v}" for k, v in c.task_options.items())
+    return [
+        f"- task: {c.task} ({type(task).description}); {options}",
+        f"- model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, {params / 1e6:.2f}M parameters "
+        f"with NoPE; train_len {m.train_len} (the longest training instance)",
+        f"- training: {t.steps} steps x {t.batch_size} instances, lengths uniform in 1..{task.train_max}, "
+        f"loss on the answer bytes only, AdamW lr {t.lr:g}, seeds {sorted(set(long['seed']))}",
+        f"- evaluation: up to {task.opt['test_count']} fixed test instances per length 1..{task.test_max}, "
+        f"never trained on; greedy decoding, exact match of the whole answer",
+        "- cells: % exact match, mean ± 95% interval over seeds (Student's t); bold: the best and every scheme "
+        "not significantly different from it; — : the scheme cannot encode those lengths",
+    ]
+
+
+def plot(sections: list, path: Path) -> bool:
+    """Accuracy against length (each bucket at its longest length), one line per scheme with its
+    95% band over seeds, a dashed line at the longest training length; a panel per grid point."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(sections), figsize=(7 * len(sections), 4), squeeze=False)
+    for ax, (point, configs, long, _) in zip(axes[0], sections):
+        train_max = build_task(configs[0].task, configs[0].task_options).train_max
+        part = long[~long["bucket"].isin(["in", "out"])]
+        for s in scheme_order(set(part["scheme"])):
+            g = part[part["scheme"] == s]
+            xs, means, cis = [], [], []
+            for hi, at in g.groupby("hi"):
+                vals = at["value"].dropna().tolist()
+                if vals:
+                    mean, ci = mean_ci(vals)
+                    xs.append(hi), means.append(100 * mean), cis.append(0 if ci != ci else 100 * ci)
+            (line,) = ax.plot(xs, means, marker="o", markersize=3, label=s)
+            lo = [m - c for m, c in zip(means, cis)]
+            ax.fill_between(
+                xs, lo, [m + c for m, c in zip(means, cis)], color=line.get_color(), alpha=0.15, linewidth=0
+            )
+        ax.axvline(train_max, color="black", linestyle="--", linewidth=1)
+        ax.set_title(f"{configs[0].task}: exact match by length" + (f"\n{point}" if point else ""), fontsize=10)
+        ax.set_xlabel(f"instance length; dashed: the longest trained ({train_max})")
+        ax.set_ylabel("% exact match")
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return save(plt, fig, path)

@@ -1,0 +1,717 @@
+"""Perplexity: next-byte loss on the corpus at each length, its records (eval.csv, positions.csv) and tables.
+
+A run of task lm trains on random windows of the corpus at train_len and is scored at every
+eval length on the same validation tokens, under each protocol (posbench/evaluate.py holds the
+torch side: windows and the forward passes). Its eval.csv holds a row per (scheme label,
+length, protocol, stride); positions.csv the mean loss at each window position.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from posbench.config import PROTOCOLS, length_grid
+from posbench.data import SHAKESPEARE_NAME
+from posbench.errors import PosbenchError
+from posbench.files import write_rows
+from posbench.measures import Measure, Metric, Section
+from posbench.stats import mean_ci, tied_for_best
+from posbench.tables import (
+    UNRECORDED,
+    plain_log_axis,
+    plot_training,
+    point_order,
+    pyplot,
+    save,
+    scheme_order,
+    tex,
+    transposed,
+)
+
+DEFAULT_BUDGET = {"steps": 500, "batch_size": 16}  # 500 x 16 x 100 tokens: the order shows, 8 schemes in < 5 min
+
+
+class Perplexity(Measure):
+    name = "perplexity"
+    metrics = {
+        "ppl": Metric("ppl", "perplexity per byte", higher_is_better=False, digits=2),
+        "loss": Metric("loss", "loss in nats per byte", higher_is_better=False, digits=3),
+        "ratio": Metric("ratio", "perplexity over its perplexity at the training length", False, digits=3),
+    }
+    reads_corpus = True
+
+    def resolve(self, cfg, test_len: Optional[int]) -> None:
+        if cfg.task_options:
+            raise PosbenchError("task_options are set but task is lm: set task, e.g. task: copy", "task_options")
+        for key, value in DEFAULT_BUDGET.items():
+            if getattr(cfg.train, key) is None:
+                setattr(cfg.train, key, value)
+        L = cfg.model.train_len
+        if test_len is not None:  # the grid runs from the training length, however it is given
+            cfg.eval.lengths = length_grid(L, test_len)
+        if "sliding" in cfg.eval.protocol:
+            if cfg.eval.stride is None:
+                cfg.eval.stride = max(1, L // 4)
+            if cfg.eval.stride > L:
+                raise PosbenchError(
+                    f"eval.stride={cfg.eval.stride} is longer than the shortest window, "
+                    f"model.train_len={L}; a window cannot score more than its length",
+                    "eval.stride",
+                )
+        # the training length, the base of every ratio, is always scored; columns read in order
+        cfg.eval.lengths = sorted({L, *cfg.eval.lengths})
+        short = [n for n in cfg.eval.lengths if n < L]
+        if short:
+            raise PosbenchError(
+                f"eval.lengths {short} are shorter than the training length "
+                f"model.train_len={L}; test lengths must be >= it",
+                "eval.lengths",
+            )
+
+    def notes(self, cfg, corpus) -> list[str]:
+        from posbench.evaluate import eval_tokens, windows
+        from posbench.schemes import SCHEMES
+
+        notes = []
+        kinds = set(cfg.eval.rope_scaling)
+        if kinds and not any(kinds & set(SCHEMES.resolve(s).eval_variants) for s in cfg.schemes):
+            owners = [name for name, cls in SCHEMES.items() if kinds & set(cls.eval_variants)]
+            notes.append(
+                f"eval.rope_scaling {cfg.eval.rope_scaling}: no scheme run here has these "
+                f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
+            )
+        if "sliding" in cfg.eval.protocol:  # stride 1 is exact and slow: say how slow first
+            n = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1
+            count = sum(len(windows(n, L, "sliding", cfg.eval.stride)) for L in cfg.eval.lengths)
+            chunks = sum(len(windows(n, L, "nonoverlapping", None)) for L in cfg.eval.lengths)
+            notes.append(
+                f"sliding evaluation, stride {cfg.eval.stride}: {count:,} windows per run over all lengths, "
+                f"about {count / chunks:.0f}x the forward passes of non-overlapping evaluation"
+            )
+        return notes
+
+    def source(self, rc):
+        from posbench.data import load_corpus
+
+        return load_corpus(rc.data)
+
+    def source_key(self, rc) -> str:
+        return json.dumps(rc.to_dict()["data"], sort_keys=True)
+
+    def batches(self, rc, corpus):
+        from posbench.data import CorpusBatches
+
+        return CorpusBatches(corpus, rc.train.batch_size, rc.model.train_len)
+
+    def score(self, rc, rdir: Path, model, corpus, device, backend: str) -> None:
+        from posbench.evaluate import eval_tokens
+
+        n_tokens = len(eval_tokens(corpus, rc, rc.eval.lengths)) - 1  # the same for every run
+        for (variant, protocol), lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():
+            evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
+
+    def rescore(self, rc, rdir: Path, model, device, lengths, variants, factor, protocols) -> list[dict]:
+        from posbench.data import load_corpus
+
+        for p in protocols or []:
+            if p not in PROTOCOLS:
+                raise PosbenchError(f"--protocol {p}: expected {' or '.join(PROTOCOLS)}")
+        if "sliding" in (protocols or rc.eval.protocol):
+            rc.eval.stride = rc.eval.stride or max(1, rc.model.train_len // 4)
+            if rc.eval.stride > rc.model.train_len:
+                raise PosbenchError(
+                    f"--stride {rc.eval.stride} is longer than the training length {rc.model.train_len}, "
+                    f"the shortest window; a window cannot score more than its length"
+                )
+        lengths = lengths or rc.eval.lengths
+        if min(lengths) < rc.model.train_len:
+            raise PosbenchError(
+                f"--lengths {','.join(map(str, lengths))}: every length must be >= the training length "
+                f"{rc.model.train_len}"
+            )
+        if any(v is not None for v in variants):  # a variant row reads against the plain one, and
+            variants = [None, *(v for v in variants if v is not None)]  # both need the ratio's base
+            lengths = sorted({rc.model.train_len, *lengths})
+        return evaluate_into(rc, rdir, model, load_corpus(rc.data), lengths, variants, factor, protocols)
+
+    def read(self, rdir: Path) -> list[dict]:
+        return read_eval(rdir)
+
+    def report(self, collected, metric: str, transpose: bool, buckets) -> dict:
+        if buckets is not None:
+            raise PosbenchError("--buckets applies to the runs of a task, not to perplexity (task lm)")
+        return report(collected, metric or "ppl", transpose)
+
+    def join_checks(self, rows: list[dict]) -> list[tuple[str, set]]:
+        return join_checks(rows)
+
+
+PROTOCOL_NAMES = {
+    "nonoverlapping": "non-overlapping chunks, every token scored once",
+    "sliding": "sliding windows, each scoring its last stride tokens, every token scored once",
+}
+
+
+def protocol_label(protocol: str, stride) -> str:
+    """How a table names a protocol: `nonoverlapping`, or `sliding, stride 25`."""
+    return protocol if protocol == "nonoverlapping" else f"{protocol}, stride {stride}"
+
+
+EVAL_COLUMNS = [
+    "scheme",
+    "seed",
+    "train_len",
+    "length",
+    "protocol",
+    "stride",
+    "loss",
+    "ppl",
+    "tokens",
+    "status",
+    "attention",
+]
+
+
+POSITION_COLUMNS = ["scheme", "length", "protocol", "stride", "position", "loss", "tokens"]
+
+
+STATUSES = ("ok", "beyond-max-len", "non-finite")  # scored; cannot encode the length; blew up
+
+
+def eval_rows(cfg, rows: list[dict], label: Optional[str] = None) -> list[dict]:
+    """Rows of one run; `label` names an evaluation-time variant's rows, e.g. rope+yarn."""
+    ident = {"scheme": label or cfg.model.scheme, "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
+    return [{**ident, **r} for r in rows]
+
+
+def read_eval(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "eval.csv"
+    if not path.is_file():
+        return []
+    bad = PosbenchError(f"{path}: malformed evaluation rows; delete it and run evaluate again")
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            header = reader.fieldnames
+    except (UnicodeDecodeError, csv.Error):
+        raise bad from None
+    if header != EVAL_COLUMNS or not rows:
+        raise bad
+    for r in rows:
+        try:
+            int(r["length"]), int(r["tokens"]), int(r["seed"]), int(r["train_len"])
+            if r["status"] not in STATUSES or (r["status"] == "ok" and not math.isfinite(float(r["loss"]))):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise bad from None
+    return rows
+
+
+def evaluate_into(
+    rc,
+    rdir: Path,
+    model,
+    corpus,
+    lengths: list[int],
+    variants: list[Optional[str]] = (None,),
+    factor: Optional[float] = None,
+    protocols: Optional[list[str]] = None,
+) -> list[dict]:
+    """Evaluate at `lengths` under each protocol (None: the config's), as trained (None) and as
+    each named evaluation-time variant, and merge the rows into the run's eval.csv and their
+    loss per position into positions.csv: a (scheme label, length, protocol, stride) row
+    replaces its old one. The plain rows come first, then each variant's."""
+    from posbench.device import pick_device
+    from posbench.evaluate import eval_tokens, evaluate_model
+    from posbench.schemes import variant_label
+
+    unknown = [v for v in variants if v is not None and v not in model.scheme.eval_variants]
+    if unknown:
+        have = ", ".join(model.scheme.eval_variants) or "none"
+        raise PosbenchError(
+            f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have})"
+        )
+    if factor is not None and not factor >= 1.0:
+        raise PosbenchError(f"rope factor {factor}: must be >= 1")
+    device = pick_device(rc.train.device)
+    tokens = eval_tokens(corpus, rc, lengths)
+    labels = {variant_label(rc.model.scheme, v, factor) for v in variants}
+    n = len(tokens) - 1
+    stale = {
+        int(r["length"])
+        for r in read_eval(rdir)
+        if r["scheme"] in labels and int(r["tokens"]) != n and int(r["length"]) <= n
+    }
+    if stale - set(lengths):  # rows scored on other tokens do not compare with these: redo them
+        lengths = sorted(set(lengths) | stale)
+        tokens = eval_tokens(corpus, rc, lengths)
+    rows, positions = [], []
+    for protocol in protocols or rc.eval.protocol:
+        stride = rc.eval.stride if protocol == "sliding" else None
+        for v in variants:
+            label = variant_label(rc.model.scheme, v, factor)
+            scored, by_position = evaluate_model(
+                model, tokens, lengths, rc.eval.batch_size, device, v, factor, protocol, stride
+            )
+            rows += eval_rows(rc, scored, label)
+            for L, (sums, counts) in by_position.items():
+                ident = {"scheme": label, "length": L, "protocol": protocol, "stride": stride}
+                positions += [
+                    {**ident, "position": p, "loss": sums[p].item() / c.item(), "tokens": c.item()}
+                    for p, c in enumerate(counts)
+                    if c > 0
+                ]
+    new = {_row_key(r) for r in rows}
+    keep = [r for r in read_eval(rdir) if _row_key(r) not in new]
+    base = rc.model.scheme
+
+    def order(r):
+        return r["scheme"] != base, r["scheme"], r["protocol"], int(r["length"])
+
+    write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
+    kept = [r for r in read_positions(rdir) if _row_key(r) not in new]
+    write_rows(
+        rdir / "positions.csv",
+        sorted(kept + positions, key=lambda r: (*order(r), int(r["position"]))),
+        POSITION_COLUMNS,
+    )
+    return rows
+
+
+def _row_key(r: dict) -> tuple:
+    """What one evaluation row stands for: scheme label, length, protocol and stride."""
+    return r["scheme"], int(r["length"]), r["protocol"], str(r["stride"] if r["stride"] is not None else "")
+
+
+def read_positions(run_dir: Path) -> list[dict]:
+    """positions.csv's rows: the mean loss at each window position (empty if none yet)."""
+    path = Path(run_dir) / "positions.csv"
+    if not path.is_file():
+        return []
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+        if reader.fieldnames != POSITION_COLUMNS:
+            raise ValueError
+        for r in rows:
+            int(r["length"]), int(r["position"]), int(r["tokens"]), float(r["loss"])
+    except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
+        raise PosbenchError(f"{path}: malformed loss-per-position rows; delete it and run evaluate again") from None
+    return rows
+
+
+def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tuple, list[int]]:
+    """For each (variant, protocol) (variant None: as trained), the lengths still lacking a row
+    scored on these tokens by this attention backend; eval.rope_scaling kinds apply to a run
+    only if its scheme declares them."""
+    from posbench.schemes import variant_label
+
+    variants = [None] + [v for v in rc.eval.rope_scaling if v in model.scheme.eval_variants]
+    have = {(*_row_key(r), int(r["tokens"]), r["attention"]) for r in read_eval(rdir)}
+    missing = {}
+    for protocol in rc.eval.protocol:
+        stride = str(rc.eval.stride) if protocol == "sliding" else ""
+        for v in variants:
+            label = variant_label(rc.model.scheme, v, rc.eval.rope_factor)
+            lengths = [L for L in rc.eval.lengths if (label, L, protocol, stride, n_tokens, backend) not in have]
+            if lengths:
+                missing[v, protocol] = lengths
+    return missing
+
+
+METRICS = {name: (m.label, m.digits) for name, m in Perplexity.metrics.items()}  # what a cell holds, decimals
+
+
+def with_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """df with a `value` column: each row's ppl, loss, or ppl over the same run's (scheme,
+    seed, protocol) ppl at the training length."""
+    if metric not in METRICS:
+        raise PosbenchError(f"--metric {metric}: expected one of {', '.join(METRICS)}")
+    df = df.copy()
+    if metric != "ratio":
+        df["value"] = df[metric]
+        return df
+    keys = ["scheme", "seed", "protocol", "stride"] + (["point"] if "point" in df else [])
+    base = df[df["length"] == df["train_len"]].set_index(keys)["ppl"]
+    df["value"] = df["ppl"].values / base.reindex(pd.MultiIndex.from_frame(df[keys])).values
+    return df
+
+
+def comparison(df: pd.DataFrame) -> pd.DataFrame:
+    """Schemes x lengths of one protocol: the mean `value` (ppl unless with_metric chose another)
+    over seeds, its 95% interval, the schemes tied for best, and ppl(longest)/ppl(train)."""
+    if "value" not in df:
+        df = with_metric(df, "ppl")
+    order = list(dict.fromkeys(df["scheme"]))
+    ok = df[df["status"] == "ok"]
+    lengths = sorted(df["length"].unique())
+    mean = ok.pivot_table(index="scheme", columns="length", values="value", aggfunc="mean")
+    mean = mean.reindex(index=order, columns=lengths)
+    # a variant row (rope+yarn) counts against its base scheme's seeds: those are its checkpoints
+    base_seeds = df.groupby(df["scheme"].str.split("+").str[0])["seed"].nunique()
+    seeds = pd.Series([base_seeds[s.split("+")[0]] for s in order], index=order)
+    train_len = df.groupby("scheme")["train_len"].first().reindex(order)
+    status = df.pivot_table(index="scheme", columns="length", values="status", aggfunc="first")
+    status = status.reindex(index=order, columns=lengths)
+    scored = ok.pivot_table(index="scheme", columns="length", values="seed", aggfunc="nunique")
+    scored = scored.reindex(index=order, columns=lengths)
+    blown = df[df["status"] == "non-finite"]
+    blown = blown.pivot_table(index="scheme", columns="length", values="seed", aggfunc="nunique")
+    blown = blown.reindex(index=order, columns=lengths)
+    out = pd.DataFrame(index=order)
+    out.index.name = "scheme"
+    tests = set()
+    for L in lengths:
+        at = ok[ok["length"] == L]
+        by_scheme = {s: dict(zip(g["seed"], g["value"])) for s, g in at.groupby("scheme")}
+        _, tied, test = tied_for_best(by_scheme)
+        tests.add(test)
+        out[L] = mean[L]
+        out[f"ci {L}"] = [mean_ci(list(by_scheme[s].values()))[1] if s in by_scheme else math.nan for s in order]
+        out[f"status {L}"] = status[L]
+        out[f"n {L}"] = scored[L]  # seeds behind the mean, when fewer than the row's
+        out[f"nonfinite {L}"] = blown[L]  # seeds whose loss blew up there
+        out[f"best {L}"] = [s in tied for s in order]
+    out["ratio"] = [
+        math.nan
+        if (blown.loc[s].reindex([train_len[s], lengths[-1]]).fillna(0) > 0).any()  # none hidden
+        else _ratio(ok[ok["scheme"] == s], train_len[s], lengths[-1])
+        for s in order
+    ]
+    out["seeds"] = seeds
+    out.attrs["tests"] = tests - {"none"}
+    out.attrs["train_len"] = int(df["train_len"].iloc[0])  # one per table: a grid point's
+    return out
+
+
+def _ratio(rows: pd.DataFrame, base: int, longest: int) -> float:
+    """ppl(longest) / ppl(base) over the seeds scored at both, so that a length only some
+    seeds reached is not divided by another set of seeds' mean."""
+    a = rows[rows["length"] == base].set_index("seed")["ppl"]
+    b = rows[rows["length"] == longest].set_index("seed")["ppl"]
+    both = a.index.intersection(b.index)
+    return b[both].mean() / a[both].mean() if len(both) else math.nan
+
+
+def cell(table: pd.DataFrame, scheme: str, L: int, missing: str = "", digits: int = 2) -> str:
+    """'12.34', or '12.34 ± 0.10' (the 95% interval over seeds), with '(1 of 3 seeds)' when
+    fewer seeds than the row's reached the length and '; 1 non-finite' when some blew up there;
+    'nan' when all did; the status (or `missing`) where the scheme could not be scored; blank
+    where never evaluated."""
+    v, ci, st = table.loc[scheme, L], table.loc[scheme, f"ci {L}"], table.loc[scheme, f"status {L}"]
+    if not isinstance(st, str):
+        return ""
+    blown = table.loc[scheme, f"nonfinite {L}"]
+    blown = 0 if blown != blown else int(blown)
+    if v != v:  # no seed scored here
+        return "nan" if blown else (missing or st)
+    text = f"{v:.{digits}f} ± {ci:.{digits}f}" if ci == ci else f"{v:.{digits}f}"
+    n, of = table.loc[scheme, f"n {L}"], table.loc[scheme, "seeds"]
+    if blown:
+        return f"{text} ({n:.0f} of {of} seeds; {blown} non-finite)"
+    return text if n == of else f"{text} ({n:.0f} of {of} seeds)"
+
+
+def is_best(table: pd.DataFrame, scheme: str, L: int) -> bool:
+    return bool(table.loc[scheme, f"best {L}"])
+
+
+def spread_note(tables: dict[str, pd.DataFrame]) -> str:
+    """What a cell's ± and its bold mean, or why there is no interval."""
+    seeds = max(int(t["seeds"].max()) for t in tables.values())
+    if seeds < 2:
+        return "1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each length"
+    tests = set().union(*(t.attrs.get("tests", set()) for t in tables.values()))
+    how = {
+        "paired": "a paired t-test over seeds (the same seeds: the same init and data order)",
+        "welch": "Welch's t-test where the seed sets differ",
+    }
+    test = "; ".join(how[t] for t in sorted(tests)) or "no test (too few seeds)"
+    return (
+        f"mean ± 95% confidence interval over seeds (Student's t). Bold: the best scheme at each "
+        f"length and every scheme not significantly different from it (p >= 0.05, {test})"
+    )
+
+
+def lengths_of(table: pd.DataFrame) -> list[int]:
+    return [c for c in table.columns if isinstance(c, int) or str(c).isdigit()]
+
+
+def trained_at(df: pd.DataFrame) -> str:
+    """'32', or '32, 64' for a grid over training lengths."""
+    return ", ".join(str(L) for L in sorted(set(df["train_len"])))
+
+
+def describe(configs: list, df: pd.DataFrame) -> list[str]:
+    """Corpus, model size, training budget and evaluation protocol, from the run configs."""
+    c = configs[0]
+    m, t = c.model, c.train
+    params = m.params
+    corpus = SHAKESPEARE_NAME if c.data.path is None else f"{c.data.path} (bytes)"
+    tokens = t.steps * t.batch_size * m.train_len
+    lines = [
+        f"- corpus: {corpus}; validation = last {c.data.val_fraction:.0%} of it",
+        f"- model: {m.n_layer} layer{'s' if m.n_layer > 1 else ''}, d_model {m.d_model}, {m.n_head} heads, "
+        f"{params / 1e6:.2f}M parameters with NoPE, vocab {m.vocab_size}",
+        f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
+        f"= {tokens:,} tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
+        f"to {t.min_lr:g}), seeds {sorted(set(df['seed']))}",
+        f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}",
+    ]
+    lines.append(f"- attention: {backends_note(df)}")
+    if "point" in df:
+        points = "; ".join(point_order(df))
+        lines.append(f"- grid points (a table each; the lines above describe the first run): {points}")
+    variants = sorted({s for s in df["scheme"] if "+" in s})
+    if variants:
+        lines.append(
+            f"- {', '.join(variants)}: the same checkpoints evaluated with an evaluation-time "
+            f"variant (`posbench schemes` describes each), no retraining; s = length / train "
+            f"length, or the s after @"
+        )
+    return lines
+
+
+def diverged_note(df: pd.DataFrame) -> str:
+    """'alibi seed 1 at step 12, ...': the runs whose loss blew up in training."""
+    return ", ".join(df.attrs.get("diverged", {}).values())
+
+
+def protocols(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """The (protocol, stride) pairs the rows were scored under, non-overlapping first."""
+    pairs = {(p, str(st)) for p, st in zip(df["protocol"], df["stride"].fillna(""))}
+    return sorted(pairs, key=lambda ps: (ps[0] != "nonoverlapping", ps[0], ps[1]))
+
+
+def _protocols_note(df: pd.DataFrame) -> str:
+    return "; ".join(f"{protocol_label(p, st)} ({PROTOCOL_NAMES[p]})" for p, st in protocols(df))
+
+
+def backends_note(df: pd.DataFrame, short: bool = False) -> str:
+    """Which attention backend trained and scored the runs. Backends differ in the last bits,
+    so a table made with several names which runs used which (`short`: only that they differ)."""
+    trained = {name: b or UNRECORDED for name, b in df.attrs.get("trained_with", {}).items()}
+    scored = df.groupby("attention")[["scheme", "seed"]].apply(
+        lambda g: sorted({f"{s} seed {n}" for s, n in zip(g["scheme"], g["seed"])})
+    )
+    train_set, score_set = set(trained.values()), set(scored.index)
+    if len(score_set) == 1 and len(train_set) <= 1:
+        how = scored.index[0]
+        if train_set in (set(), {how}):
+            return f"{how} backend (model.attention)"
+        return f"trained with {train_set.pop()}, scored with {how}"
+    if short:
+        return "different backends across runs, see summary.md"
+    by_train: dict[str, list[str]] = {}
+    for name, b in sorted(trained.items()):
+        by_train.setdefault(b, []).append(name)
+    return (
+        f"DIFFERENT backends across runs (they differ in the last bits): "
+        f"trained with {_grouped(by_train)}; scored with {_grouped(scored.to_dict())}"
+    )
+
+
+def _grouped(runs_by_backend: dict[str, list[str]]) -> str:
+    """'native', or 'flex (t5 seed 0), native (the rest)': the most used backend unlisted."""
+    if len(runs_by_backend) == 1:
+        return next(iter(runs_by_backend))
+    most = max(runs_by_backend, key=lambda b: len(runs_by_backend[b]))
+    parts = [f"{b} ({', '.join(runs)})" for b, runs in sorted(runs_by_backend.items()) if b != most]
+    return ", ".join(parts + [f"{most} (the rest)"])
+
+
+def _tokens_note(df: pd.DataFrame) -> str:
+    """The evaluation tokens, or a warning naming rows scored on others."""
+    counts = sorted(set(df["tokens"]))
+    if len(counts) == 1:
+        return f"the same {counts[0]} validation tokens at every length"
+    odd = df[df["tokens"] != df["tokens"].mode()[0]]
+    where = ", ".join(f"{r.scheme} seed {r.seed} at {r.length}" for r in odd.head(3).itertuples())
+    return (
+        f"NOT the same validation tokens everywhere ({', '.join(map(str, counts))}; e.g. {where}): "
+        f"rerun extrapolate with one eval.tokens to score every run alike"
+    )
+
+
+def grid(table: pd.DataFrame, train_len: int, metric: str, missing: str = "") -> tuple[list[list[str]], set]:
+    """The table as rows of strings (a header first): schemes x lengths, the seed count and
+    ppl(longest)/ppl(train), and the (row, column) cells that are best."""
+    lengths = lengths_of(table)
+    digits = METRICS[metric][1]
+    head = ["scheme"] + [str(L) for L in lengths] + ["seeds", f"ppl({lengths[-1]})/ppl({train_len})"]
+    rows, best = [head], set()
+    for i, s in enumerate(table.index, start=1):
+        cells = [cell(table, s, L, missing=missing, digits=digits) for L in lengths]
+        best |= {(i, j) for j, L in enumerate(lengths, start=1) if is_best(table, s, L)}
+        r = table.loc[s, "ratio"]
+        rows.append([s] + cells + [str(int(table.loc[s, "seeds"])), f"{r:.2f}" if r == r else "—"])
+    return rows, best
+
+
+def report(collected, metric: str, transpose: bool) -> dict:
+    """The parts of a perplexity report: title, description, a section per protocol (and grid
+    point), the long rows for summary.csv, and a function that draws the plots."""
+    df, configs = frame(collected)
+    df = with_metric(df, metric)
+    tables = {}
+    for point in point_order(df):
+        rows = df if point is None else df[df["point"] == point]
+        for protocol, stride in protocols(rows):
+            part = rows[(rows["protocol"] == protocol) & (rows["stride"].fillna("").astype(str) == stride)]
+            label = protocol_label(protocol, stride)
+            tables[label if point is None else f"{point}; {label}"] = comparison(part)
+    note = spread_note(tables)
+    sections = []
+    for label, table in tables.items():
+        train_len = table.attrs["train_len"]
+        rows, best = grid(table, train_len, metric)
+        shown, shown_best = grid(table, train_len, metric, missing="—")
+        if transpose:
+            rows, best = transposed(rows, best)
+        sections.append(
+            Section(
+                heading=label,
+                caption=f"{tex(METRICS[metric][0])}, trained at {train_len}; {tex(label)}. {tex(note)}.",
+                rows=rows,
+                best=best,
+                terminal=shown,
+                terminal_best=shown_best,
+                title=f"{METRICS[metric][0]}, trained at {train_len} ({label}; attention: {backends_note(df, short=True)})",
+            )
+        )
+    longest = max(int(L) for L in df["length"])
+    legend = f"{note}. — : the scheme cannot encode that length (beyond-max-len); nan: the loss blew up; blank: not evaluated"
+
+    def plots(folder: Path) -> list[str]:
+        plot(tables, folder / "summary.png", metric)
+        train_lens = (
+            df.groupby("point")["train_len"].first().to_dict() if "point" in df else {"": int(df["train_len"].iloc[0])}
+        )
+        plot_positions(position_losses(df), train_lens, folder / "positions.png")
+        plot_training(df.attrs["runs"], folder / "training.png")
+        return ["summary.png", "positions.png", "training.png"]
+
+    return {
+        "title": f"Length extrapolation: trained at {trained_at(df)}, evaluated up to {longest}",
+        "describe": describe(configs, df) + [f"- cells: {METRICS[metric][0]}, {note}"],
+        "sections": sections,
+        "legend": legend,
+        "csv": (df, EVAL_COLUMNS + (["point"] if "point" in df else [])),
+        "plots": plots,
+    }
+
+
+def frame(collected) -> tuple[pd.DataFrame, list]:
+    """Every run's rows as one long DataFrame, typed and in table order, with its runs in attrs."""
+    points = collected.points
+    columns = EVAL_COLUMNS + (["point"] if len(set(points.values())) > 1 else [])
+    df = pd.DataFrame([{**r, "point": points[run.folder]} for run in collected.runs for r in run.rows], columns=columns)
+    for c in ("seed", "train_len", "length", "tokens"):
+        df[c] = df[c].astype(int)
+    for c in ("loss", "ppl"):
+        df[c] = pd.to_numeric(df[c], errors="coerce")
+    df["scheme"] = pd.Categorical(df["scheme"], categories=scheme_order(set(df["scheme"])), ordered=True)
+    df = df.sort_values([c for c in ("point", "scheme", "seed", "length") if c in df]).reset_index(drop=True)
+    df["scheme"] = df["scheme"].astype(str)
+    df.attrs["trained_with"] = {run.folder.name: run.trained_with for run in collected.runs}
+    df.attrs["runs"] = {run.folder: run for run in collected.runs}
+    df.attrs["diverged"] = collected.diverged
+    df.attrs["points"] = points if "point" in df else {}
+    return df, [run.cfg for run in collected.runs]
+
+
+def join_checks(rows: list[dict]) -> list[tuple[str, set]]:
+    """What two experiments joined into one table must share, beyond their settings."""
+    return [
+        ("training length", {int(r["train_len"]) for r in rows}),
+        ("protocols", {(r["protocol"], str(r["stride"])) for r in rows}),
+    ]
+
+
+def position_losses(df: pd.DataFrame) -> pd.DataFrame:
+    """Every run's loss per window position (its positions.csv), with its seed and grid point,
+    in long format."""
+    frames = []
+    points = df.attrs.get("points", {})
+    for rdir, seed in df.attrs.get("runs", {}).items():
+        rows = read_positions(rdir)
+        if rows:
+            frames.append(pd.DataFrame(rows, columns=POSITION_COLUMNS).assign(seed=seed, point=points.get(rdir, "")))
+    if not frames:
+        return pd.DataFrame(columns=[*POSITION_COLUMNS, "seed", "point"])
+    out = pd.concat(frames, ignore_index=True)
+    out["stride"] = out["stride"].fillna("").astype(str)
+    for c in ("length", "position", "tokens"):
+        out[c] = out[c].astype(int)
+    out["loss"] = out["loss"].astype(float)
+    return out
+
+
+def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path) -> bool:
+    """Mean loss at each position of the longest windows, one line per scheme (mean over seeds),
+    a panel per protocol (and grid point), a dashed line at the training length (`train_lens`:
+    grid point -> its length): where a scheme breaks."""
+    plt = pyplot()
+    if plt is None or pos.empty:
+        return False
+    longest = pos["length"].max()
+    pos = pos[pos["length"] == longest]
+    groups = sorted(
+        pos.groupby(["point", "protocol", "stride"]).groups,
+        key=lambda ps: (train_lens[ps[0]], ps[0], ps[1] != "nonoverlapping", ps[1:]),
+    )
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), sharey=True, squeeze=False)
+    for ax, (point, protocol, stride) in zip(axes[0], groups):
+        part = pos[(pos["point"] == point) & (pos["protocol"] == protocol) & (pos["stride"] == stride)]
+        train_len = train_lens[point]
+        # the positions every window scores: all of them in chunks, a sliding window's last
+        # `stride` (its first window alone scores the rest, too few tokens to draw)
+        part = part[part["tokens"] >= part["tokens"].max() / 2]
+        for s in scheme_order(set(part["scheme"])):
+            line = part[part["scheme"] == s].groupby("position")["loss"].mean()
+            ax.plot(line.index, line.values, label=s, linewidth=1)
+        ax.axvline(train_len, color="black", linestyle="--", linewidth=1, label=f"training length {train_len}")
+        where = f"{point}; " if point else ""
+        ax.set_title(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", fontsize=10)
+        ax.set_xlabel("position in the window")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean loss (nats per byte)")
+    axes[0][0].legend(fontsize=7)
+    return save(plt, fig, path)
+
+
+def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl") -> bool:
+    """The metric against length, one line per scheme with its 95% band over seeds, a dashed
+    line at the training length, a panel per table (protocol, and grid point)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4), sharey=True, squeeze=False)
+    for ax, (label, table) in zip(axes[0], tables.items()):
+        lengths = lengths_of(table)
+        for s in table.index:
+            mean = table.loc[s, lengths].astype(float).values
+            ci = table.loc[s, [f"ci {L}" for L in lengths]].astype(float).fillna(0).values
+            (line,) = ax.plot(lengths, mean, marker="o", markersize=3, label=s)
+            ax.fill_between(lengths, mean - ci, mean + ci, color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.axvline(table.attrs["train_len"], color="black", linestyle="--", linewidth=1)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("evaluation length (bytes); dashed: the training length")
+        values = table[lengths].astype(float).values
+        finite = values[values == values]
+        if metric != "loss" and finite.size and finite.max() / max(finite.min(), 1e-9) > 3:
+            plain_log_axis(ax)  # a wide range: a log axis, labelled 6, 8, 10
+        if finite.size:  # a wide band (few seeds, one that blew up) must not squash the means
+            ax.set_ylim(bottom=max(ax.get_ylim()[0], 0.8 * finite.min()))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(METRICS[metric][0])
+    axes[0][0].legend(fontsize=8)
+    return save(plt, fig, path)

@@ -1,0 +1,127 @@
+"""Registries of named classes (schemes, tasks): a name or a user's module:Class, and their options.
+
+A registry maps names to "module:Class" paths and imports a class on first use, so listing or
+ordering the names (as a report does) imports neither torch nor the classes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+
+from posbench.errors import PosbenchError, did_you_mean, first_line
+
+
+class Registry(Mapping):
+    """name -> class, in registration order. `resolve` also takes `module:Class` for a user's
+    subclass of `base`; `check` looks further at such a class, `explain` words an unknown name."""
+
+    def __init__(
+        self,
+        kind: str,
+        entries: dict[str, str],
+        base: str,
+        example: str,
+        also: tuple[str, ...] = (),
+        check: Callable[[str, type], None] | None = None,
+        explain: Callable[[str], None] | None = None,
+    ):
+        self.kind, self.entries, self.base, self.example = kind, entries, base, example
+        self.also, self.check, self.explain = also, check, explain  # also: names valid outside the registry
+        self.loaded: dict[str, type] = {}
+
+    def __getitem__(self, name: str) -> type:
+        if name not in self.loaded:
+            self.loaded[name] = _import(self.entries[name])  # KeyError for a name not registered
+        return self.loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def resolve(self, name: str) -> type:
+        """A registered name, or `module:Class` naming a user's subclass of the base class."""
+        if name in self.entries:
+            return self[name]
+        if ":" in name:
+            cls = load_plugin(name, self.kind, _import(self.base), self.base.replace(":", "."), self.example)
+            if self.check is not None:
+                self.check(name, cls)
+            return cls
+        if self.explain is not None:
+            self.explain(name)
+        names = [*self.also, *self.entries]
+        raise PosbenchError(
+            f"unknown {self.kind} '{name}'{did_you_mean(name, names)}; valid {self.kind}s: {', '.join(names)}, "
+            f"or module:Class"
+        )
+
+    def build(self, name: str, *args, hint: str = ""):
+        """resolve(name)(*args); a user's class that fails to build is one line naming it (and `hint`)."""
+        cls = self.resolve(name)
+        try:
+            return cls(*args)
+        except PosbenchError:
+            raise
+        except Exception as e:
+            if name in self.entries:  # ours: a bug, which the CLI reports as one
+                raise
+            raise PosbenchError(
+                f"{self.kind} '{name}' failed to build ({type(e).__name__}: {first_line(e)}){hint}"
+            ) from None
+
+
+def _import(path: str) -> type:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_plugin(spec: str, kind: str, base: type, public: str, example: str) -> type:
+    """The class `spec` (module:Class) names, checked to subclass `base` (importable as
+    `public`); every way it can fail is one line naming the `kind` and the spec."""
+    module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise PosbenchError(f"{kind} '{spec}': expected module:Class, e.g. {example}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise PosbenchError(f"{kind} '{spec}': cannot import module '{module_name}' ({e})") from None
+    except Exception as e:  # the user's module itself is broken: name the error, not a traceback
+        raise PosbenchError(
+            f"{kind} '{spec}': importing module '{module_name}' failed ({type(e).__name__}: {first_line(e, 10**6)})"
+        ) from None
+    cls = module
+    for part in class_name.split("."):  # module:Outer.Inner works too
+        cls = getattr(cls, part, None)
+    if cls is None:
+        raise PosbenchError(f"{kind} '{spec}': module '{module_name}' has no '{class_name}'")
+    if not (inspect.isclass(cls) and issubclass(cls, base)):
+        raise PosbenchError(f"{kind} '{spec}': {class_name} is not a subclass of {public}")
+    return cls
+
+
+def check_options(defaults: dict, given: dict, where: str, owner: str = "") -> None:
+    """A class's options as given (scheme_options.<name>, task_options) against their defaults:
+    unknown keys (with a did-you-mean), wrong types, and non-positive values of options whose
+    default is positive, one line each. A default of None takes any value; the class checks it."""
+    for key, value in given.items():
+        if key not in defaults:
+            valid = ", ".join(defaults) or "none"
+            raise PosbenchError(
+                f"{where}.{key}: unknown option{owner}{did_you_mean(key, defaults)}; valid options: {valid}"
+            )
+        default = defaults[key]
+        if default is None:
+            continue
+        want = float if isinstance(default, float) else type(default)
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        fits = isinstance(value, bool) if want is bool else (numeric if want is float else isinstance(value, want))
+        if not fits or (want is int and isinstance(value, bool)):
+            raise PosbenchError(f"{where}.{key}: expected {want.__name__}, got {value!r}")
+        # sizes, distances, bases and scales: every numeric option with a positive default is a
+        # positive quantity (a class may check more when it is built)
+        if numeric and isinstance(default, (int, float)) and default > 0 and not value > 0:
+            raise PosbenchError(f"{where}.{key}={value} must be positive")

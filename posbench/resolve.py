@@ -1,0 +1,56 @@
+"""The one step from a validated config to a resolved experiment: the measure and schemes built once.
+
+A config as loaded holds what the user gave; `resolve` decides everything else, once: the
+measure (and with it the task), train_len, the training budget and the evaluation lengths,
+and every scheme's options filled with its defaults, so that a run's record names every
+choice its weights were made under. An error names the file or flag its value came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from posbench.config import ExperimentConfig, blame
+from posbench.errors import PosbenchError, did_you_mean
+from posbench.measures import Measure, measure_for
+from posbench.schemes import SCHEMES, build_scheme
+
+
+@dataclass
+class Experiment:
+    """A resolved config and the measure its runs are trained for and scored by."""
+
+    cfg: ExperimentConfig
+    measure: Measure
+
+
+def resolve(cfg: ExperimentConfig, test_len: Optional[int] = None) -> Experiment:
+    """Resolve `cfg` in place and return it with its measure. `test_len` (extrapolate's
+    --test-len) asks for the lengths from train_len to it, once train_len is decided."""
+    try:
+        measure = measure_for(cfg)
+        measure.resolve(cfg, test_len)
+        _resolve_schemes(cfg)
+    except PosbenchError as e:
+        raise blame(cfg, e, cfg.source) from None
+    return Experiment(cfg, measure)
+
+
+def _resolve_schemes(cfg: ExperimentConfig) -> None:
+    """Every scheme builds with its options (bad options fail before anything trains), and
+    every eval.rope_scaling kind belongs to some scheme."""
+    for s in cfg.schemes:
+        build_scheme(cfg.model_for(s))
+        cfg.scheme_options[s] = {**SCHEMES.resolve(s).options, **cfg.scheme_options.get(s, {})}
+    for s, opts in cfg.scheme_options.items():  # options of unselected schemes are kept, checked
+        if s not in cfg.schemes:
+            SCHEMES.resolve(s).validate_options(opts, where=f"scheme_options.{s}")
+    known = {v for c in [*SCHEMES.values(), *map(SCHEMES.resolve, cfg.schemes)] for v in c.eval_variants}
+    for kind in cfg.eval.rope_scaling:
+        if kind not in known:
+            raise PosbenchError(
+                f"eval.rope_scaling: unknown kind '{kind}'{did_you_mean(kind, sorted(known))}; "
+                f"valid: {', '.join(sorted(known))}",
+                "eval.rope_scaling",
+            )

@@ -1,0 +1,150 @@
+"""The pieces every report shares: scheme and grid-point order, table rendering, plots.
+
+A table is rows of text cells with a header first and the set of (row, column) cells to set
+in bold; it renders to Markdown, LaTeX (one escaper) and the terminal (posbench/console.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from posbench.config import flat
+from posbench.experiment.records import read_train_log
+from posbench.files import atomic
+
+UNRECORDED = "unrecorded"  # a run whose train_log.jsonl does not name its attention backend
+
+
+def tex(text: str) -> str:
+    """Text set literally in LaTeX."""
+    for a, b in (
+        ("\\", "\\textbackslash{}"),
+        ("_", "\\_"),
+        ("%", "\\%"),
+        ("&", "\\&"),
+        ("#", "\\#"),
+        ("±", "$\\pm$"),
+        ("—", "--"),
+    ):
+        text = text.replace(a, b)
+    return text
+
+
+def markdown_table(rows: list[list[str]], best: set) -> list[str]:
+    """A Markdown table, best cells in bold."""
+    marked = [[f"**{c}**" if (i, j) in best and c else c for j, c in enumerate(r)] for i, r in enumerate(rows)]
+    return ["| " + " | ".join(marked[0]) + " |", "|" + "---|" * len(marked[0])] + [
+        "| " + " | ".join(r) + " |" for r in marked[1:]
+    ]
+
+
+def latex_table(rows: list[list[str]], best: set, caption: str) -> list[str]:
+    """A booktabs table, ready to \\input: every cell escaped, best cells in bold."""
+    cells = [
+        [f"\\textbf{{{tex(c)}}}" if (i, j) in best and c else tex(c) for j, c in enumerate(r)]
+        for i, r in enumerate(rows)
+    ]
+    return [
+        "\\begin{table}[t]",
+        "\\centering",
+        f"\\begin{{tabular}}{{l{'r' * (len(cells[0]) - 1)}}}",
+        "\\toprule",
+        " & ".join(cells[0]) + " \\\\",
+        "\\midrule",
+        *(" & ".join(r) + " \\\\" for r in cells[1:]),
+        "\\bottomrule",
+        "\\end{tabular}",
+        f"\\caption{{{caption}}}",
+        "\\end{table}",
+        "",
+    ]
+
+
+def transposed(rows: list[list[str]], best: set, corner: str = "length") -> tuple[list[list[str]], set]:
+    """Lengths as rows, schemes as columns."""
+    out = [list(col) for col in zip(*rows)]
+    out[0][0] = corner
+    return out, {(j, i) for i, j in best}
+
+
+def point_labels(parts: dict) -> dict:
+    """Run folder -> 'model.train_len=64, train.lr=0.001': the settings in which its training
+    differs from other runs' (all '' when they share them all)."""
+    flats = {rdir: flat(part) for rdir, part in parts.items()}
+    keys = sorted({k for f in flats.values() for k in f})
+    varying = [k for k in keys if len({repr(f.get(k)) for f in flats.values()}) > 1]
+    return {rdir: ", ".join(f"{k}={f.get(k)}" for k in varying) for rdir, f in flats.items()}
+
+
+def point_order(df: pd.DataFrame) -> list:
+    """The grid points in order of their settings (numbers as numbers), or [None] for none."""
+    if "point" not in df:
+        return [None]
+    first = df.groupby("point")["train_len"].first()
+    return sorted(first.index, key=lambda p: (first[p], p))
+
+
+def scheme_order(names: set) -> list[str]:
+    """Registry order (the order of the paper tables), each scheme followed by its
+    evaluation-time variants (rope, rope+ntk, rope+yarn, ...); plugins after."""
+    from posbench.schemes import SCHEMES
+
+    order = []
+    for s in SCHEMES:
+        order += [s] if s in names else []
+        order += sorted(n for n in names if n.startswith(s + "+"))
+    return order + sorted(names - set(order))
+
+
+def pyplot():
+    """matplotlib's pyplot on a file-only backend, or None where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save(plt, fig, path: Path) -> bool:
+    """Write the figure whole (atomically) and free it."""
+    fig.tight_layout()
+    with atomic(path) as tmp:
+        fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def plain_log_axis(ax) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 6, 8, 10 rather than 6 x 10^0
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+
+
+def plot_training(runs, path: Path) -> bool:
+    """Every run's training loss against its step, from train_log.jsonl, one colour per scheme."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colours = {}
+    for rdir, run in runs.items():
+        log = read_train_log(rdir)
+        if not log:
+            continue
+        scheme = run.cfg.schemes[0]
+        kw = {"color": colours[scheme]} if scheme in colours else {"label": scheme}
+        (line,) = ax.plot([r["step"] for r in log], [r["loss"] for r in log], linewidth=1, alpha=0.8, **kw)
+        colours.setdefault(scheme, line.get_color())
+    ax.set_xlabel("training step")
+    ax.set_ylabel("training loss (nats per byte)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save(plt, fig, path)
