@@ -513,7 +513,7 @@ def _names(text: str, key: str) -> bool:
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] = (),
-    values: Optional[dict[str, tuple[str, Any]]] = None,
+    values: Optional[dict[str, Any]] = None,
 ) -> ExperimentConfig:
     """Defaults, then the YAML file (if any), then the command line's typed `values` (dotted key
     -> (the flag, its value)), then each --set override, validated together. The config's
@@ -523,7 +523,9 @@ def load_config(
     if "sweep" in raw:
         raise PosbenchError(f"{path}: holds a sweep: block; run its grid with posbench sweep {path}")
     origins = {k: str(path) for k in flat(raw)}
-    values = {k: fv for k, fv in (values or {}).items() if fv[1] is not None}
+    # a plain value, not a (flag, value) pair, is blamed on the command line as a whole
+    values = {k: fv if isinstance(fv, tuple) else ("command line", fv) for k, fv in (values or {}).items()}
+    values = {k: fv for k, fv in values.items() if fv[1] is not None}
     new_schemes = "schemes" in values or any(o.startswith("schemes=") for o in overrides)
     if new_schemes and isinstance(raw.get("model"), dict):
         # a run's own config.yaml names its scheme twice; a new choice of schemes replaces both

@@ -73,7 +73,8 @@ def train_model(cfg: ExperimentConfig, batches, reporter: Reporter, folder: Path
             start, spent = restore(state, model, opt, gen, device, batches), float(state.get("seconds", 0.0))
         except Exception as e:
             raise PosbenchError(
-                f"{folder / CHECKPOINT}: does not fit this run ({first_line(e, 120, last=True)}); delete {folder} to train this run anew"
+                f"{folder / CHECKPOINT}: does not fit this run ({first_line(e, 120, last=True)}); "
+                f"delete {folder} to train this run anew"
             ) from None
         reporter.note(f"{label}: resuming from its checkpoint at step {start} of {tc.steps}")
     params = list(model.parameters())  # once: model.parameters() walks every module each call

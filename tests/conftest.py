@@ -39,6 +39,38 @@ def smoke_experiment(tmp: Path, *args):
     return out / "smoke", res, text
 
 
+# a task run of seconds: one layer, two steps, strings of 1..3 trained, 1..5 tested
+QUICK_TASK = [
+    "--set",
+    "model.n_layer=1",
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "train.steps=2",
+    "--set",
+    "train.warmup_steps=1",
+    "--set",
+    "task_options.train_max=3",
+    "--set",
+    "task_options.test_max=5",
+    "--set",
+    "task_options.test_count=4",
+]
+
+
+def task_experiment(out: Path, schemes: str, *more, task: str = "copy", name: str = "") -> Path:
+    """`posbench extrapolate --task copy` at QUICK_TASK's size, seed 0 of each scheme, under
+    `out`: its experiment folder (out/<name>, or out/<task> without one)."""
+    named = ["--set", f"name={name}"] if name else []
+    res = invoke(
+        "extrapolate", "--task", task, "--schemes", schemes, "--set", f"out_dir={out}", *QUICK_TASK, *named, *more
+    )
+    assert res.exit_code == 0, res.output
+    return out / (name or task)
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(2)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -117,8 +118,9 @@ class SwiGLU(nn.Module):
 
 def test_a_swiglu_rmsnorm_model_trains_and_evaluates_through_the_normal_code(monkeypatch, tmp_path):
     import posbench.model
-    from posbench.runs import run_experiment
-    from posbench.train import Reporter
+    from posbench.experiment.execute import run_experiment
+    from posbench.progress import Reporter
+    from posbench.resolve import resolve
 
     monkeypatch.setattr(posbench.model, "MLP", SwiGLU)
     monkeypatch.setattr(posbench.model, "Norm", nn.RMSNorm)
@@ -141,7 +143,7 @@ def test_a_swiglu_rmsnorm_model_trains_and_evaluates_through_the_normal_code(mon
             "eval.tokens": 256,
         },
     )
-    exp = run_experiment(cfg, Reporter())
+    exp = run_experiment(resolve(cfg), Reporter())
     for scheme in ("alibi", "rope"):
         rdir = exp / f"{scheme}-seed0"
         state = torch.load(rdir / "model.pt", weights_only=True)["model"]
@@ -202,9 +204,10 @@ def test_the_package_has_no_import_circle():
 
 
 def test_runs_record_their_backend_and_a_mixed_report_says_so(tmp_path, capsys):
+    from posbench.experiment.execute import evaluate_run, run_experiment
+    from posbench.progress import Reporter
     from posbench.report import write_summary
-    from posbench.runs import evaluate_run, run_experiment
-    from posbench.train import Reporter
+    from posbench.resolve import resolve
 
     (tmp_path / "text.txt").write_text("abcdefghij " * 400)
     values = {
@@ -222,11 +225,12 @@ def test_runs_record_their_backend_and_a_mixed_report_says_so(tmp_path, capsys):
         "eval.tokens": 128,
         "model.attention": "eager",
     }
-    exp = run_experiment(load_config(None, values=values), Reporter())
+    exp = run_experiment(resolve(load_config(None, values=values)), Reporter())
     for run in ("nope-seed0", "alibi-seed0"):
         assert json.loads((exp / run / "train_log.jsonl").read_text().splitlines()[0])["attention"] == "eager"
         assert (exp / run / "eval.csv").read_text().splitlines()[1].endswith(",ok,eager")
-    df, _, _ = write_summary(exp)
+    write_summary(exp)
+    df = pd.read_csv(exp / "summary.csv")
     assert set(df["attention"]) == {"eager"}
     assert "- attention: eager backend (model.attention)" in (exp / "summary.md").read_text()
 
@@ -239,8 +243,9 @@ def test_runs_record_their_backend_and_a_mixed_report_says_so(tmp_path, capsys):
 
     # a rerun asking for another backend rescores with it, and the checkpoints are reused
     values["model.attention"] = "sdpa"
-    run_experiment(load_config(None, values=values), Reporter())
-    df, _, _ = write_summary(exp)
+    run_experiment(resolve(load_config(None, values=values)), Reporter())
+    write_summary(exp)
+    df = pd.read_csv(exp / "summary.csv")
     assert set(df["attention"]) == {"sdpa"}
     assert "trained with eager, scored with sdpa" in (exp / "summary.md").read_text()
 

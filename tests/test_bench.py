@@ -9,8 +9,9 @@ from typer.testing import CliRunner
 
 from posbench.bench import BENCH_COLUMNS, model_flops_per_token
 from posbench.cli import app
-from posbench.config import SEED_SCHEMES, ModelConfig
+from posbench.config import ModelConfig
 from posbench.model import TransformerLM
+from posbench.schemes import SEED_SCHEMES
 
 
 def test_bench_quick_writes_every_row(tmp_path):

@@ -10,7 +10,7 @@ import torch
 import yaml
 from conftest import SMOKE, invoke, report_rebuilt, smoke_experiment  # noqa: E402
 
-from posbench.config import SEED_SCHEMES
+from posbench.schemes import SEED_SCHEMES
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,6 @@ def _assert_clean_failure(res, message, results: Path):
         (["--set", "model.d_model=-8"], "model.d_model=-8 must be positive"),
         (["--set", "data.path=/no/such/*.txt"], "data.path '/no/such/*.txt' matches no file"),
         (["--lengths", "32,abc"], "expected comma-separated integers"),
-        # found by an audit of bad inputs: each was a traceback, a silent oddity or a crash
         (["--schemes", "alibi,alibi"], "schemes: alibi listed more than once"),
         (["--seeds", "0,0"], "seeds: 0 listed more than once"),
         (["--lengths", "32,48,48"], "eval.lengths: 48 listed more than once"),
@@ -352,7 +351,7 @@ def test_damaged_records_are_one_line(smoke, tmp_path):
 def test_an_empty_config_yaml_is_a_damaged_record_not_the_defaults(smoke, tmp_path):
     """A run's config.yaml left empty (a full disk, a crash) would read as the default config:
     a report would make it a grid point of its own, status would show the default train_len."""
-    from posbench.runs import run_status
+    from posbench.experiment.status import run_status
 
     exp, _, text = smoke
     copy = tmp_path / "smoke"
@@ -603,9 +602,10 @@ def _processes() -> dict:
     return found
 
 
-def test_bad_input_found_by_the_audit_is_one_line(tmp_path, smoke, corpus_file):
-    """More of the audit's cases, each once: one line that names the culprit, exit 2, and what
-    was on disk is kept."""
+def test_bad_files_and_evaluate_flags_are_one_line_and_keep_what_is_on_disk(tmp_path, smoke, corpus_file):
+    """An empty corpus, a config with a key twice, a config path that does not exist, a negative
+    --threads for evaluate, a run's config.yaml that is not text: each is one line that names the
+    culprit, exit 2, and what is on disk is kept. `alibi:` with nothing under it is no options."""
     exp, _, text = smoke
     out = tmp_path / "results"
     base = ["--set", f"out_dir={out}", "--set", f"data.path={corpus_file}"]
@@ -715,26 +715,6 @@ def test_usage_errors_are_one_line_from_the_console_script(args, message):
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], res.stderr
-
-
-def test_old_rows_with_an_empty_loss_read_as_non_finite_and_show_nan(smoke, tmp_path):
-    """A loss that blew up is a result: status non-finite, 'nan' in the table, never a lost row
-    (older versions wrote it as status ok with an empty loss)."""
-    exp, _, _ = smoke
-    copy = tmp_path / "copy"
-    shutil.copytree(exp, copy)
-    path = copy / "alibi-seed0" / "eval.csv"
-    rows = list(csv.DictReader(path.open()))
-    rows[-1].update(loss="", ppl="")
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    res = invoke("report", copy)
-    assert res.exit_code == 0, res.output
-    got = [r for r in csv.DictReader((copy / "summary.csv").open()) if r["scheme"] == "alibi"]
-    assert [r["status"] for r in got][-1] == "non-finite" and len(got) == len(rows)
-    assert "nan" in (copy / "summary.md").read_text()
 
 
 def test_yaml_merge_keys_and_a_runs_own_config_with_another_scheme(tmp_path, smoke):
@@ -878,19 +858,19 @@ def test_evaluate_reads_the_runs_config_and_rescores_rows_on_other_tokens(smoke,
 
 
 def test_growing_the_lengths_scores_only_the_new_one(smoke, tmp_path, monkeypatch):
-    import posbench.runs
+    import posbench.evaluate
 
     exp, _, text = smoke
     out = tmp_path / "grow"
     shutil.copytree(exp, out / "smoke")
     scored = []
-    real = posbench.runs.evaluate_model
+    real = posbench.evaluate.evaluate_model
 
     def spy(model, tokens, lengths, *a, **kw):
         scored.append(list(lengths))
         return real(model, tokens, lengths, *a, **kw)
 
-    monkeypatch.setattr(posbench.runs, "evaluate_model", spy)
+    monkeypatch.setattr(posbench.evaluate, "evaluate_model", spy)
     lengths = yaml.safe_load(open(SMOKE))["eval"]["lengths"]
     res = invoke(
         "extrapolate",
@@ -960,7 +940,7 @@ def test_the_table_shows_seeds_that_blew_up_and_hides_no_ratio_behind_them():
     blew up, and the ratio is not taken from the seed that survived."""
     import pandas as pd
 
-    from posbench.report import cell, comparison
+    from posbench.measures.perplexity import cell, comparison
 
     rows = [
         ("alibi", s, 32, L, ppl, st)

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import yaml
+from conftest import invoke
 
 from posbench.config import (
     ExperimentConfig,
@@ -13,7 +14,7 @@ from posbench.config import (
     load_config,
 )
 from posbench.errors import PosbenchError
-from posbench.runs import check_experiment
+from posbench.resolve import resolve
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -97,7 +98,7 @@ def test_bad_values_name_the_culprit(sets, message):
     if sets[0].startswith("scheme_options.rope"):
         sets = sets + ["schemes=[alibi]"]  # options of a scheme that is not run are still checked
     with pytest.raises(PosbenchError) as e:
-        load_config(None, sets, check=check_experiment)
+        resolve(load_config(None, sets))
     assert message in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -146,3 +147,26 @@ def test_the_training_length_is_always_evaluated():
     from posbench.config import load_config
 
     assert load_config(None, ["eval.lengths=[150, 200]"]).eval.lengths == [100, 150, 200]
+
+
+def test_a_key_from_a_file_is_blamed_on_the_file(tmp_path):
+    """A bad value read from a config file is one line naming that file and the key, never the
+    command line."""
+    my = tmp_path / "my.yaml"
+    my.write_text(f"out_dir: {tmp_path / 'r'}\nmodel: {{train_len: 32}}\n")
+    res = invoke("extrapolate", "--task", "copy", "--config", my)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    said = " ".join(res.output.split())
+    assert len(res.output.strip().splitlines()) == 1 and "my.yaml" in said and "model.train_len" in said, res.output
+    assert "command line" not in said
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_flag_s_bad_value_is_blamed_on_the_flag_as_typed(tmp_path):
+    """A bad value given by --set is one line naming the flag as it was typed."""
+    ok = tmp_path / "my_ok.yaml"
+    ok.write_text(f"out_dir: {tmp_path / 'r'}\n")
+    res = invoke("extrapolate", "--config", ok, "--set", "train.steps=0")
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and "--set train.steps=0" in res.output, res.output
+    assert not (tmp_path / "r").exists()

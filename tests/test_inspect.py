@@ -178,7 +178,7 @@ def trained(tmp_path, corpus_file, monkeypatch):
 
 
 def test_inspect_a_trained_t5_run_draws_its_learned_buckets(trained, tmp_path):
-    from posbench.runs import load_run
+    from posbench.experiment.checkpoint import load_run
 
     run = trained("t5")
     res = invoke("inspect", run, "--out", tmp_path / "t5")

@@ -264,7 +264,7 @@ def test_console_script_imports_a_plugin_from_the_working_directory(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     outcome = {}
-    for entry in ("main", "app"):  # as the console script does, and without main()'s fix
+    for entry in ("main", "app"):  # as the console script does, and the bare app, without main()'s sys.path entry
         script = bindir / f"posbench_{entry}.py"
         script.write_text(f"import sys\nfrom posbench.cli import {entry}\nsys.exit({entry}())\n")
         res = subprocess.run(

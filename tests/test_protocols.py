@@ -130,6 +130,33 @@ def test_both_protocols_are_rows_of_one_experiment_with_positions_on_disk(tmp_pa
     assert invoke("report", exp).exit_code == 0 and "## sliding, stride 8" in (exp / "summary.md").read_text()
 
 
+def test_evaluate_adds_sliding_rows_beside_the_non_overlapping_ones(tmp_path, corpus_file):
+    """`posbench evaluate RUN --protocol sliding --stride 8` scores the run's checkpoint with
+    sliding windows and merges those rows into its eval.csv, beside the ones it holds."""
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--set",
+        "train.steps=2",
+        "--set",
+        f"out_dir={tmp_path}",
+        "--set",
+        f"data.path={corpus_file}",
+    )
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "smoke" / "alibi-seed0"
+    before = {(r["length"], r["protocol"], r["stride"]) for r in csv.DictReader((run / "eval.csv").open())}
+    assert {(p, s) for _, p, s in before} == {("nonoverlapping", "")}
+    res = invoke("evaluate", run, "--protocol", "sliding", "--stride", "8")
+    assert res.exit_code == 0, res.output
+    after = {(r["length"], r["protocol"], r["stride"]) for r in csv.DictReader((run / "eval.csv").open())}
+    lengths = {length for length, _, _ in before}
+    assert after == before | {(length, "sliding", "8") for length in lengths}
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -144,16 +171,3 @@ def test_bad_protocols_and_strides_are_one_line_and_write_nothing(tmp_path, args
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert message in " ".join(res.output.split())
     assert not (tmp_path / "r").exists()
-
-
-def test_an_eval_csv_without_the_newer_columns_reads_as_non_overlapping_and_unrecorded(tmp_path):
-    from posbench.runs import read_eval
-
-    (tmp_path / "eval.csv").write_text(
-        "scheme,seed,train_len,length,loss,ppl,tokens,status\nalibi,0,32,32,3.7,40.4,2048,ok\n"
-    )
-    (row,) = read_eval(tmp_path)
-    assert (row["protocol"], row["stride"], row["attention"]) == ("nonoverlapping", "", "unrecorded")
-    (tmp_path / "eval.csv").write_text("scheme,seed,length,loss\nalibi,0,32,3.7\n")
-    with pytest.raises(Exception, match="malformed evaluation rows"):
-        read_eval(tmp_path)

@@ -1,52 +1,17 @@
-"""Seeds and spread: Student's t intervals, ties for best, and the tables reports write."""
+"""Reports: the tables, intervals and marks they hold, their LaTeX, joined experiments, and
+reports rebuilt from the records on disk."""
 
 import math
 import re
+import shutil
 
 import pandas as pd
 import pytest
 from conftest import SMOKE, invoke
 
-from posbench.report import comparison, latex, with_metric
-from posbench.stats import mean_ci, paired_p, t_quantile, tied_for_best, welch_p
-
-# two-sided 95% critical values of Student's t, df = 1..9 (2 to 10 seeds), from the printed tables
-T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262]
-
-
-@pytest.mark.parametrize("df", range(1, 10))
-def test_the_t_quantile_matches_the_printed_table(df):
-    assert t_quantile(0.975, df) == pytest.approx(T_975[df - 1], abs=5e-4)
-
-
-def test_identical_seeds_give_an_interval_of_zero_width_and_one_seed_none():
-    assert mean_ci([6.5, 6.5, 6.5]) == (6.5, 0.0)
-    mean, half = mean_ci([6.0])
-    assert mean == 6.0 and math.isnan(half)
-    mean, half = mean_ci([1.0, 3.0])  # sd = sqrt(2), n = 2: 12.706 * sqrt(2) / sqrt(2)
-    assert mean == 2.0 and half == pytest.approx(12.706, abs=1e-3)
-
-
-def test_a_paired_test_sees_a_consistent_gap_that_welch_cannot():
-    """Seeds vary a lot between them, but one scheme is 0.1 better on every seed."""
-    a = [5.0, 7.0, 9.0, 6.0]
-    b = [x + 0.1 + 0.001 * i for i, x in enumerate(a)]
-    assert paired_p(a, b) < 0.001 and welch_p(a, b) > 0.5
-    assert paired_p(a, a) == 1.0 and welch_p(a, a) == 1.0
-
-
-def test_tied_for_best_marks_the_best_and_whoever_cannot_be_told_apart():
-    values = {
-        "alibi": {0: 6.0, 1: 6.2, 2: 5.9},
-        "t5": {0: 6.05, 1: 6.15, 2: 5.95},  # no consistent gap to alibi
-        "rope": {0: 7.0, 1: 7.2, 2: 6.9},  # 1.0 worse on every seed
-    }
-    best, tied, test = tied_for_best(values)
-    assert best == "alibi" and tied == {"alibi", "t5"} and test == "paired"
-    best, tied, test = tied_for_best({"alibi": {0: 6.0}, "rope": {0: 7.0}})
-    assert best == "alibi" and tied == {"alibi"} and test == "none"
-    _, _, test = tied_for_best({"alibi": {0: 6.0, 1: 6.1}, "rope": {3: 7.0, 4: 7.2}})
-    assert test == "welch"
+from posbench.measures.perplexity import comparison, grid, with_metric
+from posbench.stats import t_quantile
+from posbench.tables import latex_table, transposed
 
 
 def _rows():
@@ -88,7 +53,10 @@ def test_the_table_holds_means_intervals_marks_and_the_chosen_metric():
 @pytest.mark.parametrize("transpose", [False, True])
 def test_latex_is_booktabs_with_balanced_environments_and_the_right_columns(transpose):
     df = with_metric(_rows(), "ppl")
-    text = latex({"nonoverlapping": comparison(df)}, df, "ppl", transpose)
+    rows, best = grid(comparison(df), 100, "ppl")
+    if transpose:
+        rows, best = transposed(rows, best)
+    text = "\n".join(latex_table(rows, best, "perplexity per byte, mean $\\pm$ 95\\% interval"))
     assert text.count("\\begin{") == text.count("\\end{") == 2
     for word in ("\\toprule", "\\midrule", "\\bottomrule"):
         assert text.count(word) == 1
@@ -180,3 +148,47 @@ def test_an_empty_seed_list_is_one_line_and_writes_nothing(tmp_path, args):
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "seeds is empty" in res.output and len(res.output.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
+
+
+def _report_without_torch(folder):
+    """`posbench report folder` in a process where `import torch` fails."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = (
+        "import sys; sys.modules['torch'] = None; from posbench.cli import main; "
+        f"sys.argv = ['posbench', 'report', {str(folder)!r}]; sys.exit(main())"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_committed_reference_reports_without_torch(tmp_path):
+    """A report is built from the records on disk alone: without torch, the committed
+    reference's records give its committed summary.md."""
+    from conftest import ROOT
+
+    committed = ROOT / "results" / "reference"
+    copy = tmp_path / "reference"
+    shutil.copytree(committed, copy)
+    for name in ("summary.csv", "summary.md", "summary.tex"):
+        (copy / name).unlink()
+    res = _report_without_torch(copy)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (copy / "summary.md").read_text() == (committed / "summary.md").read_text()
+
+
+def test_a_task_experiment_reports_without_torch(tmp_path):
+    """Without torch, a task's records give the summary.md a report with torch gives."""
+    from conftest import task_experiment
+
+    exp = task_experiment(tmp_path, "nope,alibi")
+    with_torch = (exp / "summary.md").read_text()
+    for name in ("summary.csv", "summary.md", "summary.tex"):
+        (exp / name).unlink()
+    res = _report_without_torch(exp)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (exp / "summary.md").read_text() == with_torch

@@ -332,8 +332,8 @@ def test_xl_bias_of_a_query_block_equals_those_rows_of_the_whole_bias():
 @pytest.mark.parametrize("scheme", ALL)
 def test_trains_under_bf16_autocast(scheme):
     """The GPU path (run.py: bf16 autocast for the forward, backward outside it), tried with
-    CPU autocast: no scheme may mix bf16 and fp32 in a backward matmul (xl's fp32 u once
-    promoted q), and every gradient is finite."""
+    CPU autocast: no scheme may mix bf16 and fp32 in a backward matmul (xl's fp32 u must not
+    promote q), and every gradient is finite."""
     model = build(scheme).train()
     x = torch.randint(0, model.cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):

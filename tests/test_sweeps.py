@@ -338,8 +338,9 @@ def test_a_set_of_a_swept_key_is_one_line_and_nothing_runs(tmp_path, override, s
 
 
 def test_a_diverged_point_is_recorded_the_grid_goes_on_and_status_shows_every_state(tmp_path, monkeypatch):
+    from posbench.experiment.records import lock_file
+    from posbench.experiment.status import run_status
     from posbench.files import exclusive
-    from posbench.runs import lock_file, run_status
 
     config = _sweep(tmp_path, key="train.lr", values="[0.003, 1000000000.0]", clip=0)
     res = invoke("sweep", config)
@@ -528,7 +529,7 @@ def test_a_task_sweep_that_cannot_make_one_report_is_one_line_before_anything_tr
 
 
 def test_status_reads_a_failed_txt_that_is_not_text(tmp_path):
-    from posbench.runs import run_status
+    from posbench.experiment.status import run_status
 
     partial = tmp_path / ".alibi-seed0.partial"
     partial.mkdir()

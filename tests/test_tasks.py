@@ -11,9 +11,10 @@ import torch
 import torch.nn as nn
 from conftest import invoke
 
-from posbench.accuracy import buckets, decode, exact, score
+from posbench.accuracy import decode, exact, score
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
+from posbench.measures.exact_match import buckets
 from posbench.model import TransformerLM
 from posbench.tasks import END, FILLER, IGNORE, PAD, TASKS, Task, build_task, pack
 
@@ -407,3 +408,78 @@ def test_a_task_plugin_that_fails_to_build_is_one_line(tmp_path, monkeypatch):
         build_task("bad_tasks:NoLongest", {})
     assert build_task("bad_tasks:Good", {}).train_len == 3  # an inherited make counts
     assert issubclass(TASKS["copy"], Task)
+
+
+# --- the report of a task's runs ----------------------------------------------------------------
+
+
+def test_a_diverged_task_run_is_named_and_the_other_schemes_are_tabled(tmp_path):
+    """A run folder holding config.yaml and diverged.json, with no weights and no rows, is a run
+    that diverged: the report tables the other schemes and names the diverged run, on the
+    screen and in summary.md."""
+    from conftest import task_experiment
+
+    exp = task_experiment(tmp_path, "nope,alibi")
+    run = exp / "alibi-seed0"
+    for name in ("model.pt", "eval.csv", "samples.txt"):
+        (run / name).unlink()
+    (run / "diverged.json").write_text('{"status": "diverged", "step": 3, "loss": "nan"}')
+    res = invoke("report", exp)
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    assert re.search(r"^\W*nope\s", res.output, re.M), res.output  # nope's row of the table
+    said = "".join(res.output.split()).replace("".join(str(tmp_path).split()), "")  # unwrapped, no paths
+    assert "alibi" in said and "diverged" in said, res.output
+    md = (exp / "summary.md").read_text()
+    assert "| nope |" in md
+    assert any("alibi" in ln and "diverged" in ln for ln in md.splitlines()), md
+
+
+def test_a_task_run_another_process_holds_is_reported_as_still_running(tmp_path):
+    """A run folder without eval.csv whose lock another process holds is in progress: the report
+    tables the other schemes and says the run is still running in another process."""
+    from conftest import task_experiment
+
+    from posbench.files import exclusive
+
+    exp = task_experiment(tmp_path, "nope,alibi")
+    (exp / "alibi-seed0" / "eval.csv").unlink()
+    with exclusive(exp / ".alibi-seed0.lock") as mine:
+        assert mine
+        res = invoke("report", exp)
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    said = " ".join(res.output.replace(str(tmp_path), "").split())
+    assert "still running in another process" in said and "alibi" in said, res.output
+    assert "| nope |" in (exp / "summary.md").read_text()
+
+
+def test_the_latex_of_a_task_table_escapes_its_grid_point(tmp_path):
+    """Every table's caption in summary.tex names its grid point, with LaTeX's special
+    characters (& and # among them) escaped."""
+    path = tmp_path / "alphabets.yaml"
+    path.write_text(f"""
+name: alphabets
+out_dir: {tmp_path / "r"}
+task: copy
+model: {{n_layer: 1, n_head: 2, d_model: 32}}
+train: {{steps: 2, batch_size: 8, warmup_steps: 1, threads: 1}}
+task_options: {{train_max: 3, test_max: 5, test_count: 4}}
+sweep: {{schemes: [nope], task_options.alphabet: ["ab&", "cd#"]}}
+""")
+    res = invoke("sweep", path)
+    assert res.exit_code == 0, res.output
+    tex = (tmp_path / "r" / "alphabets" / "summary.tex").read_text()
+    assert "ab\\&" in tex and "cd\\#" in tex, tex
+    assert "ab&" not in tex and "cd#" not in tex, tex
+
+
+def test_joining_task_experiments_that_share_a_scheme_and_seed_is_one_line(tmp_path):
+    """Two task experiments that both hold a run of one (scheme, seed) do not join: one line
+    naming it, and no joined folder."""
+    from conftest import task_experiment
+
+    a = task_experiment(tmp_path, "nope", name="a")
+    b = task_experiment(tmp_path, "nope", name="b")
+    res = invoke("report", a, b)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "both hold nope seed 0" in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "a+b").exists()

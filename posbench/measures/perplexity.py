@@ -584,11 +584,15 @@ def report(collected, metric: str, transpose: bool) -> dict:
                 best=best,
                 terminal=shown,
                 terminal_best=shown_best,
-                title=f"{METRICS[metric][0]}, trained at {train_len} ({label}; attention: {backends_note(df, short=True)})",
+                title=f"{METRICS[metric][0]}, trained at {train_len} "
+                f"({label}; attention: {backends_note(df, short=True)})",
             )
         )
     longest = max(int(L) for L in df["length"])
-    legend = f"{note}. — : the scheme cannot encode that length (beyond-max-len); nan: the loss blew up; blank: not evaluated"
+    legend = (
+        f"{note}. — : the scheme cannot encode that length (beyond-max-len); nan: the loss blew up; "
+        f"blank: not evaluated"
+    )
 
     def plots(folder: Path) -> list[str]:
         plot(tables, folder / "summary.png", metric)
