@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from posbench.config import ModelConfig
 from posbench.device import autocast
-from posbench.errors import PosbenchError
+from posbench.errors import PosbenchError, first_line
 from posbench.files import write_rows
 from posbench.model import TransformerLM
 
@@ -210,10 +210,9 @@ def _peer_step(scheme: str, cfg: ModelConfig, batch_size: int, device: torch.dev
         step = _train_step_fn(model, batch_size, cfg.train_len)
         step()
     except Exception as e:  # the peer's own code: any failure is its, not the user's config
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise PosbenchError(
             f"--peer x-transformers cannot train {scheme} at this size "
-            f"(d_model {cfg.d_model}, {cfg.n_head} heads): {type(e).__name__}: {first}"
+            f"(d_model {cfg.d_model}, {cfg.n_head} heads): {type(e).__name__}: {first_line(e)}"
         ) from None
     return step
 

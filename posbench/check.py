@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from posbench import native
 from posbench.config import ModelConfig
-from posbench.errors import PosbenchError
+from posbench.errors import PosbenchError, first_line
 from posbench.model import TransformerLM
 from posbench.schemes import PositionalScheme, resolve_scheme
 
@@ -257,7 +257,7 @@ def run_checks(spec: str) -> list[CheckResult]:
             except CheckFailed as e:
                 reason, passed[name] = str(e), False
             except Exception as e:  # a user's hook may raise anything: that is the reason
-                first = (str(e).strip().splitlines() or [""])[0][:160]
+                first = first_line(e, 160) if str(e).strip() else ""
                 reason, passed[name] = f"{type(e).__name__}: {first}".rstrip(": "), False
         results.append(CheckResult(name, passed[name], reason))
     return results

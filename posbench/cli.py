@@ -102,8 +102,13 @@ def _csv_names(text: Optional[str]) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
-def _print_summary(exps, metric: Optional[str] = None, transpose: bool = False, out_dir: Optional[Path] = None,
-                   buckets: Optional[list[int]] = None) -> None:  # fmt: skip
+def _print_summary(
+    exps,
+    metric: Optional[str] = None,
+    transpose: bool = False,
+    out_dir: Optional[Path] = None,
+    buckets: Optional[list[int]] = None,
+) -> None:
     from posbench.console import print_report
     from posbench.report import write_summary
 
@@ -174,11 +179,6 @@ def extrapolate(
             "train.compile": ("--compile", compile_ or None),
             "task": (f"--task {task}", task),
         }
-        if task is not None and task != "lm" and (train_len, test_len, lengths) != (None, None, None):
-            raise PosbenchError(
-                "--train-len, --test-len and --lengths set perplexity lengths; a task's are "
-                "task_options.train_max and test_max, e.g. --set task_options.test_max=60"
-            )
         exp = resolve(load_config(config, set_ or [], values), test_len)
         _kernel_notes(exp.cfg)
         _print_summary(run_experiment(exp, BarReporter(err)))
@@ -301,7 +301,7 @@ def evaluate(
     --rope-scaling yarn also scores the rope checkpoint rescaled at evaluation time (rows
     rope+yarn), beside plain rope, at these lengths and the training length. --protocol
     sliding (with --stride) scores it under sliding windows, as extrapolate does."""
-    from posbench.console import evaluate_table
+    from posbench.console import plain_table
     from posbench.experiment.execute import evaluate_run
 
     with user_errors():
@@ -313,10 +313,11 @@ def evaluate(
             raise PosbenchError(f"--stride {stride} must be positive")
         Ls = _csv_ints(lengths, "--lengths")
         protocols = _csv_names(protocol) or None
-        rc, rows = evaluate_run(run_dir, Ls, kinds or [None], rope_factor, device, attention, protocols, stride)
-        out.print(evaluate_table(rc, rows))
-        written = ["eval.csv", "samples.txt"] if rc.task != "lm" else ["eval.csv"]
-        out.print(f"wrote {' and '.join(str(Path(run_dir) / w) for w in written)}", highlight=False)
+        rc, measure, rows = evaluate_run(
+            run_dir, Ls, kinds or [None], rope_factor, device, attention, protocols, stride
+        )
+        out.print(plain_table(*measure.evaluation(rc, rows)))
+        out.print(f"wrote {' and '.join(str(Path(run_dir) / name) for name in measure.records)}", highlight=False)
 
 
 @app.command()

@@ -15,7 +15,6 @@ from typing import Any, ClassVar, Optional
 import yaml
 
 from posbench.errors import PosbenchError, did_you_mean
-from posbench.schemes import SEED_SCHEMES
 
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "native", "flex")  # see posbench/attention.py
 PROTOCOLS = ("nonoverlapping", "sliding")  # see posbench/evaluate.py
@@ -169,7 +168,7 @@ class ExperimentConfig:
 
     name: str = setting("default")  # results go to <out_dir>/<name>/
     out_dir: str = setting("results")
-    schemes: list[str] = field(default_factory=lambda: list(SEED_SCHEMES))
+    schemes: Optional[list[str]] = None  # null: the eight seed schemes (posbench.schemes.SEED_SCHEMES)
     seeds: list[int] = field(default_factory=lambda: [0])
     scheme_options: dict = field(default_factory=dict)  # {scheme: {option: value}}
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -199,11 +198,11 @@ class ExperimentConfig:
             )
         if self.eval.rope_factor is not None and not self.eval.rope_scaling:
             raise PosbenchError("eval.rope_factor is set but eval.rope_scaling is empty: nothing to scale")
-        if not self.schemes:
+        if self.schemes == []:
             raise PosbenchError("schemes is empty")
         if not self.seeds:
             raise PosbenchError("seeds is empty")
-        _unique(self.schemes, "schemes")  # the same run twice: two writers of one folder
+        _unique(self.schemes or [], "schemes")  # the same run twice: two writers of one folder
         _unique(self.seeds, "seeds")
         for seed in self.seeds:  # the range torch.manual_seed takes
             if not -(2**63) <= seed < 2**64:
@@ -495,6 +494,8 @@ def blame(cfg_or_origins, e: PosbenchError, fallback: str = "") -> PosbenchError
         named = [(text.find(k), -len(k), k) for k in origins if _names(text, k)]
         key = min(named)[2] if named else None
     where = origins.get(key, fallback) if key else fallback
+    if where.startswith("--set ") and text.startswith(where[len("--set ") :]):
+        return PosbenchError(f"--set {text}", e.key)  # --set train.steps=0 must be positive
     return PosbenchError(f"{where}: {text}" if where else text, e.key)
 
 

@@ -39,8 +39,9 @@ def print_report(collected, parts: dict, folder: Path) -> None:
     if collected.diverged:
         out.print(f"diverged, so not in the table: {', '.join(collected.diverged.values())}", highlight=False)
     if collected.running:
-        out.print(f"still running in another process, so not in the table: {', '.join(collected.running)}",
-                  highlight=False)  # fmt: skip
+        out.print(
+            f"still running in another process, so not in the table: {', '.join(collected.running)}", highlight=False
+        )
     for name in parts["written"]:
         if (folder / name).exists():
             out.print(f"wrote {folder / name}", highlight=False)
@@ -52,30 +53,19 @@ def status_table(experiment_dir: Path, rows: list[dict]) -> Table:
         t.add_column(c, justify="right" if c in ("seed", "train_len") else "left", no_wrap=c == "run")
     for r in rows:
         state = f"[{STATE_STYLES.get(r['state'], '')}]{r['state']}[/]"
-        t.add_row(escape(r["run"]), escape(str(r["scheme"])), str(r["seed"]), str(r["train_len"]), state,
-                  escape(r["detail"]))  # fmt: skip
+        t.add_row(
+            escape(r["run"]), escape(str(r["scheme"])), str(r["seed"]), str(r["train_len"]), state, escape(r["detail"])
+        )
     return t
 
 
-def evaluate_table(rc, rows: list[dict]) -> Table:
-    """`posbench evaluate`'s new rows: exact match by length for a task, else loss and perplexity."""
-    if rc.task != "lm":
-        t = Table(title=f"{rc.task}: {rc.model.scheme} seed {rc.seeds[0]}; attention {rows[0]['attention']}")
-        for c in ("length", "exact", "instances", "status"):
-            t.add_column(c, justify="right")
-        for r in rows:
-            ok = r["status"] == "ok"
-            t.add_row(str(r["length"]), f"{100 * r['accuracy']:.1f}%" if ok else "—", str(r["instances"]), r["status"])
-        return t
-    how = rows[0]["attention"] if rows else rc.model.attention
-    t = Table(title=f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}; attention {how}")
-    for c in ("scheme", "length", "protocol", "loss", "ppl", "status"):
-        t.add_column(c, justify="left" if c in ("scheme", "protocol") else "right")
-    for r in rows:
-        ok = r["status"] == "ok"
-        proto = r["protocol"] + (f", stride {r['stride']}" if r["protocol"] == "sliding" else "")
-        t.add_row(r["scheme"], str(r["length"]), proto, f"{r['loss']:.4f}" if ok else "—",
-                  f"{r['ppl']:.2f}" if ok else "—", r["status"])  # fmt: skip
+def plain_table(title: str, rows: list[list[str]]) -> Table:
+    """A title and rows of text (a header first), the first column left-aligned."""
+    t = Table(title=escape(title))
+    for j, c in enumerate(rows[0]):
+        t.add_column(escape(c), justify="left" if j == 0 else "right")
+    for r in rows[1:]:
+        t.add_row(*map(escape, r))
     return t
 
 

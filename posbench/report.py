@@ -36,6 +36,7 @@ class Run:
     cfg: object
     rows: list[dict]
     trained_with: Optional[str]
+    experiment: int = 0  # its experiment's place in a join: a joined table lists each one's schemes in turn
 
 
 @dataclass
@@ -113,8 +114,8 @@ def join(collected: list[Collected], dirs: list[Path]) -> Collected:
     for other, d in zip(collected[1:], dirs[1:]):
         if type(other.measure) is not type(first.measure):
             raise PosbenchError(
-                f"cannot join {name} and {d.name}: one is scored by {first.measure.name}, the other by "
-                f"{other.measure.name}; report them apart"
+                f"this report mixes runs scored by {first.measure.name} (e.g. {first.runs[0].folder}) with runs "
+                f"scored by {other.measure.name} (e.g. {other.runs[0].folder}); report them apart"
             )
         a_rows = [r for run in first.runs for r in run.rows]
         b_rows = [r for run in other.runs for r in run.rows]
@@ -129,7 +130,9 @@ def join(collected: list[Collected], dirs: list[Path]) -> Collected:
             s, n = sorted(clash)[0]
             raise PosbenchError(f"cannot join {name} and {d.name}: both hold {s} seed {n}")
     joined = Collected(first.measure)
-    for c in collected:
+    for i, c in enumerate(collected):
+        for run in c.runs:
+            run.experiment = i
         joined.runs += c.runs
         joined.diverged.update(c.diverged)
         joined.running += c.running
@@ -143,8 +146,13 @@ def _listed(values: set) -> str:
     return ", ".join(protocol_label(*v) if isinstance(v, tuple) else str(v) for v in sorted(values, key=str))
 
 
-def write_summary(exp_dirs, metric: Optional[str] = None, transpose: bool = False, out: Optional[Path] = None,
-                  buckets: Optional[list[int]] = None) -> tuple[Collected, dict, Path]:  # fmt: skip
+def write_summary(
+    exp_dirs,
+    metric: Optional[str] = None,
+    transpose: bool = False,
+    out: Optional[Path] = None,
+    buckets: Optional[list[int]] = None,
+) -> tuple[Collected, dict, Path]:
     """summary.csv, summary.md, summary.tex and the plots, from the run folders of one
     experiment, or of several joined into one comparison (written to `out`, by default a
     folder beside the first named after them all). Returns what was collected, the report's
@@ -158,8 +166,10 @@ def write_summary(exp_dirs, metric: Optional[str] = None, transpose: bool = Fals
     with atomic(folder / "summary.csv") as tmp:
         frame.to_csv(tmp, index=False, columns=columns)
     write_atomic(folder / "summary.md", markdown(parts, collected))
-    write_atomic(folder / "summary.tex", "\n".join(line for s in parts["sections"]
-                                                   for line in latex_table(s.rows, s.best, s.caption)))  # fmt: skip
+    write_atomic(
+        folder / "summary.tex",
+        "\n".join(line for s in parts["sections"] for line in latex_table(s.rows, s.best, s.caption)),
+    )
     parts["written"] = ["summary.csv", "summary.md", "summary.tex", *parts["plots"](folder)]
     return collected, parts, folder
 

@@ -14,7 +14,7 @@ from typing import Optional
 from posbench.config import ExperimentConfig, blame
 from posbench.errors import PosbenchError, did_you_mean
 from posbench.measures import Measure, measure_for
-from posbench.schemes import SCHEMES, build_scheme
+from posbench.schemes import SCHEMES, SEED_SCHEMES, build_scheme
 
 
 @dataclass
@@ -28,6 +28,8 @@ class Experiment:
 def resolve(cfg: ExperimentConfig, test_len: Optional[int] = None) -> Experiment:
     """Resolve `cfg` in place and return it with its measure. `test_len` (extrapolate's
     --test-len) asks for the lengths from train_len to it, once train_len is decided."""
+    if cfg.schemes is None:
+        cfg.schemes = list(SEED_SCHEMES)
     try:
         measure = measure_for(cfg)
         measure.resolve(cfg, test_len)

@@ -209,7 +209,7 @@ def _assert_clean_failure(res, message, results: Path):
         (["--seeds", "0,0"], "seeds: 0 listed more than once"),
         (["--lengths", "32,48,48"], "eval.lengths: 48 listed more than once"),
         (["--seeds", "99999999999999999999"], "is not a seed torch takes"),
-        (["--set", "model.vocab_size=10"], "command line: model.vocab_size=10: the corpus is bytes"),
+        (["--set", "model.vocab_size=10"], "--set model.vocab_size=10: the corpus is bytes"),
         (["--set", "model.n_layer=99999999999999999999"], "GiB for its weights alone, more than the"),
         (["--set", "train.grad_clip=-1"], "train.grad_clip=-1.0 must be >= 0"),
         (["--set", "model.scheme=rope"], "model.scheme='rope' is not read"),
@@ -468,10 +468,11 @@ def test_worker_plan(monkeypatch):
     """One process per core when runs are big enough to repay a worker's start, never more
     processes than runs to train, and the cores shared out as threads."""
     from posbench.config import ExperimentConfig
+    from posbench.resolve import resolve
     from posbench.workers import worker_plan
 
     monkeypatch.setattr("posbench.workers.cpu_cores", lambda: 4)
-    cfg = ExperimentConfig()
+    cfg = resolve(ExperimentConfig()).cfg  # the default budget: 500 steps of 16
     cfg.train.device = "cpu"
     assert worker_plan(cfg, 8) == (4, 1)
     assert worker_plan(cfg, 2) == (2, 2)
@@ -761,12 +762,13 @@ def test_blame_names_the_flag_not_a_file_with_a_fault_of_its_own(tmp_path):
     another fault: each message names its own source."""
     from posbench.config import load_config
     from posbench.errors import PosbenchError
+    from posbench.resolve import resolve
 
     partial = tmp_path / "partial.yaml"
     partial.write_text("model: {train_len: 64}\neval: {lengths: [32, 64]}\n")
     with pytest.raises(PosbenchError, match=r"partial.yaml: eval.lengths \[32\] are shorter"):
-        load_config(partial, [])
-    with pytest.raises(PosbenchError, match="^command line: train.steps=0 must be positive"):
+        resolve(load_config(partial, []))
+    with pytest.raises(PosbenchError, match="^--set train.steps=0 must be positive"):
         load_config(partial, ["model.train_len=32", "train.steps=0"])
 
 
@@ -1016,3 +1018,25 @@ def test_a_run_records_every_scheme_option_and_a_checkpoint_without_them_is_refu
     res = invoke("evaluate", run, "--lengths", "32")
     assert res.exit_code == 2 and "does not record scheme 't5''s option(s) init, scale" in " ".join(res.output.split())
     assert (run / "eval.csv").read_text() == before
+
+
+def test_evaluate_scores_a_run_without_loading_the_training_loop(smoke, tmp_path):
+    """Scoring is the measure's: `posbench evaluate` runs in a process where posbench.train
+    cannot be imported, and adds the asked length to the run's eval.csv."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    code = (
+        "import sys; sys.modules['posbench.train'] = None; from posbench.cli import main; "
+        f"sys.argv = ['posbench', 'evaluate', {str(run)!r}, '--lengths', '48']; sys.exit(main())"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "48" in {r["length"] for r in csv.DictReader((run / "eval.csv").open())}

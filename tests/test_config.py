@@ -21,10 +21,11 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 def test_default_yaml_equals_dataclass_defaults():
     """configs/default.yaml is where users read the defaults; it must not drift from the code."""
-    from_file = load_config(ROOT / "configs" / "default.yaml")
-    assert from_file == ExperimentConfig()
+    from_file = resolve(load_config(ROOT / "configs" / "default.yaml")).cfg
+    defaults = resolve(ExperimentConfig()).cfg
+    assert from_file == defaults
     raw = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
-    assert raw["schemes"] == ExperimentConfig().schemes  # and it is explicit, not empty
+    assert raw["schemes"] == defaults.schemes  # and it is explicit, not empty
 
 
 def test_smoke_yaml_loads():
@@ -143,10 +144,10 @@ def test_exponent_notation_is_a_number(tmp_path):
 
 
 def test_the_training_length_is_always_evaluated():
-    """It is the base of every ratio; lengths that leave it out get it added."""
+    """It is the base of every ratio; lengths that leave it out get it added when resolved."""
     from posbench.config import load_config
 
-    assert load_config(None, ["eval.lengths=[150, 200]"]).eval.lengths == [100, 150, 200]
+    assert resolve(load_config(None, ["eval.lengths=[150, 200]"])).cfg.eval.lengths == [100, 150, 200]
 
 
 def test_a_key_from_a_file_is_blamed_on_the_file(tmp_path):
@@ -170,3 +171,17 @@ def test_a_flag_s_bad_value_is_blamed_on_the_flag_as_typed(tmp_path):
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1 and "--set train.steps=0" in res.output, res.output
     assert not (tmp_path / "r").exists()
+
+
+def test_a_run_s_identity_is_every_field_not_declared_a_setting():
+    """What makes two runs the same run is declared beside the fields: the name, the output
+    folder, the evaluation settings and how fast a run goes are settings; every other field,
+    a new one included, decides the weights."""
+    from posbench.config import ExperimentConfig, identity
+
+    part = identity(ExperimentConfig())
+    assert {"name", "out_dir", "eval"}.isdisjoint(part)
+    assert {"schemes", "seeds", "model", "train", "data", "task", "task_options"} <= set(part)
+    assert "attention" not in part["model"] and {"train_len", "n_layer", "scheme"} <= set(part["model"])
+    assert {"threads", "workers", "device", "compile", "log_every", "checkpoint_every"}.isdisjoint(part["train"])
+    assert {"lr", "steps", "batch_size", "warmup_steps"} <= set(part["train"])

@@ -496,8 +496,10 @@ sweep: {{schemes: [alibi], task: [copy, reverse]}}
     res = invoke("sweep", str(path))
     assert res.exit_code == 0, res.output
     exp = tmp_path / "r" / "tgrid"
-    heads = [ln for ln in (exp / "summary.md").read_text().splitlines() if ln.startswith("# ")]
-    assert [h.split(":")[0] for h in heads] == ["# copy", "# reverse"]
+    text = (exp / "summary.md").read_text()
+    assert text.startswith("# copy, reverse: exact-match accuracy by length\n")
+    heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
+    assert [h.split(":")[0] for h in heads] == ["## copy", "## reverse"]
     with open(exp / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["task"], r["point"].split("task=")[1]) for r in rows} == {("copy", "copy"), ("reverse", "reverse")}

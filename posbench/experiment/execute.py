@@ -34,11 +34,10 @@ from posbench.experiment.records import (
     partial_dir,
 )
 from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
-from posbench.measures import measure_for
+from posbench.measures import Measure, measure_for
 from posbench.model import TransformerLM
 from posbench.progress import Reporter
 from posbench.resolve import Experiment
-from posbench.train import Diverged, train_model
 from posbench.workers import run_in_workers, worker_plan
 
 
@@ -159,6 +158,8 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
     rename it into place once config, log and weights exist. A run whose loss blew up is
     renamed into place too, with diverged.json for weights, and None is returned. An error
     keeps the partial folder, with the error in failed.txt, only if it has a checkpoint."""
+    from posbench.train import Diverged, train_model  # here: scoring alone never loads the training loop
+
     rc, rdir = job.cfg, job.folder
     partial = partial_dir(rdir)
     record = partial / CONFIG
@@ -227,12 +228,12 @@ def evaluate_run(
     attention: Optional[str] = None,
     protocols: Optional[list[str]] = None,
     stride: Optional[int] = None,
-) -> tuple[ExperimentConfig, list[dict]]:
+) -> tuple[ExperimentConfig, Measure, list[dict]]:
     """`posbench evaluate`: score a finished run again with its measure, at `lengths` (None: its
     config's), under `protocols` (None: its config's; sliding at `stride`), on `device` (None:
     the run's own) with the `attention` backend (None: the run's model.attention), merge the
     rows into its records, and restore a deleted config.yaml from the checkpoint's copy.
-    Returns the run's config and the new rows."""
+    Returns the run's config, its measure and the new rows."""
     rc, model = load_run(run_dir)
     if not (Path(run_dir) / CONFIG).is_file():
         write_atomic(Path(run_dir) / CONFIG, dump_yaml(rc))
@@ -246,4 +247,4 @@ def evaluate_run(
     dev = pick_device(rc.train.device)
     measure = measure_for(rc)
     rows = measure.rescore(rc, Path(run_dir), model.to(dev), dev, lengths, variants, factor, protocols)
-    return rc, rows
+    return rc, measure, rows

@@ -19,7 +19,7 @@ import pandas as pd
 
 from posbench.errors import PosbenchError
 from posbench.files import write_atomic, write_rows
-from posbench.measures import Measure, Metric, Section
+from posbench.measures.base import Measure, Metric, Section
 from posbench.stats import mean_ci, tied_for_best
 from posbench.tables import plot_training, pyplot, save, scheme_order, tex, transposed
 from posbench.tasks import Task, build_task
@@ -27,6 +27,7 @@ from posbench.tasks import Task, build_task
 
 class ExactMatch(Measure):
     name = "exact_match"
+    records = ("eval.csv", "samples.txt")
     metrics = {"exact_match": Metric("exact_match", "% exact match", higher_is_better=True, digits=1)}
 
     def __init__(self, task: Task):
@@ -36,20 +37,26 @@ class ExactMatch(Measure):
         task = self.task
         if test_len is not None:
             raise PosbenchError(
-                "--train-len, --test-len and --lengths set perplexity lengths; a task's are "
-                "task_options.train_max and test_max, e.g. --set task_options.test_max=60"
+                "--test-len sets perplexity lengths; a task's are task_options.train_max and test_max, "
+                "e.g. --set task_options.test_max=60"
             )
+        derived = {
+            "model.train_len": (cfg.model.train_len, task.train_len),
+            "eval.lengths": (cfg.eval.lengths, [task.train_len]),
+        }
+        for key, (value, own) in derived.items():
+            # a task run's own record holds the lengths it derived: those are no choice of the user's
+            if key in cfg.origins and value != own:
+                raise PosbenchError(
+                    f"{key}={value}: a task derives it (task {cfg.task}: train_len {task.train_len}, its "
+                    f"longest training instance); set task_options.train_max and test_max instead",
+                    key,
+                )
         cfg.task_options = {**type(task).options, **cfg.task_options, "test_max": task.test_max}
         if cfg.name == "default":  # lm's; a task's runs go to results/<task> unless named
             from posbench.experiment.records import safe_name
 
             cfg.name = safe_name(cfg.task)
-        if cfg.model.train_len not in (type(cfg.model).train_len, task.train_len):
-            raise PosbenchError(
-                f"model.train_len={cfg.model.train_len}: a task derives it (task {cfg.task}: "
-                f"{task.train_len}, its longest training instance); set task_options.train_max instead",
-                "model.train_len",
-            )
         cfg.model.train_len = task.train_len
         cfg.eval.lengths = [task.train_len]  # perplexity lengths: a task is scored at its own lengths
         cfg.train.steps = cfg.train.steps or task.budget["steps"]
@@ -102,6 +109,15 @@ class ExactMatch(Measure):
                     f"(task_options.test_max); {flag} applies to perplexity (task lm)"
                 )
         return evaluate_task_into(rc, rdir, model, self.task.test_set(), device, model.backend(device))
+
+    def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
+        table = [["length", "exact", "instances", "status"]]
+        for r in rows:
+            ok = r["status"] == "ok"
+            table.append(
+                [str(r["length"]), f"{100 * r['accuracy']:.1f}%" if ok else "—", str(r["instances"]), r["status"]]
+            )
+        return f"{rc.task}: {rc.model.scheme} seed {rc.seeds[0]}; attention {rows[0]['attention']}", table
 
     def read(self, rdir: Path) -> list[dict]:
         return read_task_eval(rdir)
@@ -331,19 +347,21 @@ def report(collected, transpose: bool, edges) -> dict:
             rows, best = transposed(rows, best)
         where = f" ({point})" if point else ""
         task = build_task(configs[0].task, configs[0].task_options)
+        trained = f"trained on 1..{task.train_max}" + (f"; {point}" if point else "")
+        name = f"{configs[0].task}: % exact match by length ({trained})"
         sections.append(
             Section(
-                heading=point or f"{configs[0].task}: % exact match by length",
+                heading=name,
                 caption=f"{tex(configs[0].task)}: \\% exact match by length, mean $\\pm$ 95\\% interval over seeds"
                 f"{tex(where)}.",
                 rows=rows,
                 best=best,
-                title=f"{configs[0].task}: % exact match by length (trained on 1..{task.train_max}"
-                f"{'; ' + point if point else ''})",
+                title=name,
             )
         )
     first = parts[0][1][0]
     task = build_task(first.task, first.task_options)
+    names = ", ".join(dict.fromkeys(c.task for _, configs, _, _ in parts for c in configs))
     long = pd.concat([long for _, _, long, _ in parts])
 
     def plots(folder: Path) -> list[str]:
@@ -352,8 +370,8 @@ def report(collected, transpose: bool, edges) -> dict:
         return ["summary.png", "training.png"]
 
     return {
-        "title": f"{first.task}: exact-match accuracy by length, trained on 1..{task.train_max}, "
-        f"tested to {task.test_max}",
+        "title": f"{names}: exact-match accuracy by length"
+        + (f", trained on 1..{task.train_max}, tested to {task.test_max}" if len(parts) == 1 else ""),
         "describe": describe(parts[0][1], long),
         "sections": sections,
         "legend": "mean ± 95% interval over seeds; bold: the best and every scheme not significantly different",

@@ -20,7 +20,7 @@ from posbench.config import PROTOCOLS, length_grid
 from posbench.data import SHAKESPEARE_NAME
 from posbench.errors import PosbenchError
 from posbench.files import write_rows
-from posbench.measures import Measure, Metric, Section
+from posbench.measures.base import Measure, Metric, Section
 from posbench.stats import mean_ci, tied_for_best
 from posbench.tables import (
     UNRECORDED,
@@ -139,6 +139,23 @@ class Perplexity(Measure):
             variants = [None, *(v for v in variants if v is not None)]  # both need the ratio's base
             lengths = sorted({rc.model.train_len, *lengths})
         return evaluate_into(rc, rdir, model, load_corpus(rc.data), lengths, variants, factor, protocols)
+
+    def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
+        how = rows[0]["attention"] if rows else rc.model.attention
+        table = [["scheme", "length", "protocol", "loss", "ppl", "status"]]
+        for r in rows:
+            ok = r["status"] == "ok"
+            table.append(
+                [
+                    r["scheme"],
+                    str(r["length"]),
+                    protocol_label(r["protocol"], r["stride"]),
+                    f"{r['loss']:.4f}" if ok else "—",
+                    f"{r['ppl']:.2f}" if ok else "—",
+                    r["status"],
+                ]
+            )
+        return f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}; attention {how}", table
 
     def read(self, rdir: Path) -> list[dict]:
         return read_eval(rdir)
@@ -574,6 +591,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
         train_len = table.attrs["train_len"]
         rows, best = grid(table, train_len, metric)
         shown, shown_best = grid(table, train_len, metric, missing="—")
+        shown[0][-1] = f"ppl({lengths_of(table)[-1]})/ppl(train)"
         if transpose:
             rows, best = transposed(rows, best)
         sections.append(
@@ -617,13 +635,17 @@ def frame(collected) -> tuple[pd.DataFrame, list]:
     """Every run's rows as one long DataFrame, typed and in table order, with its runs in attrs."""
     points = collected.points
     columns = EVAL_COLUMNS + (["point"] if len(set(points.values())) > 1 else [])
-    df = pd.DataFrame([{**r, "point": points[run.folder]} for run in collected.runs for r in run.rows], columns=columns)
+    df = pd.DataFrame(
+        [{**r, "point": points[run.folder], "experiment": run.experiment} for run in collected.runs for r in run.rows],
+        columns=[*columns, "experiment"],
+    )
     for c in ("seed", "train_len", "length", "tokens"):
         df[c] = df[c].astype(int)
     for c in ("loss", "ppl"):
         df[c] = pd.to_numeric(df[c], errors="coerce")
     df["scheme"] = pd.Categorical(df["scheme"], categories=scheme_order(set(df["scheme"])), ordered=True)
-    df = df.sort_values([c for c in ("point", "scheme", "seed", "length") if c in df]).reset_index(drop=True)
+    df = df.sort_values([c for c in ("experiment", "point", "scheme", "seed", "length") if c in df])
+    df = df.drop(columns="experiment").reset_index(drop=True)
     df["scheme"] = df["scheme"].astype(str)
     df.attrs["trained_with"] = {run.folder.name: run.trained_with for run in collected.runs}
     df.attrs["runs"] = {run.folder: run for run in collected.runs}

@@ -35,8 +35,8 @@ def rope_frequencies(
                times round; attention factor 0.1*ln(s) + 1 (1 when s <= 1)
 
     s = `factor`, L = `original_max_len` (the training length). YaRN matches
-    `_compute_yarn_parameters` as of transformers 4.55-4.57, after its `truncate` option
-    (default True: floor/ceil the ramp ends) was added; for s >= 1 that is also 4.45's result.
+    transformers' `_compute_yarn_parameters` with its `truncate` option at its default (True:
+    floor/ceil the ramp ends); tests/test_schemes.py checks it against the installed version.
     Computed in float64, returned as float32 (d/2,).
     """
     if scaling not in ROPE_SCALINGS:

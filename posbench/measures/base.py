@@ -1,0 +1,87 @@
+"""The Measure interface and what it builds: its metrics and its report sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One number a measure reports, registered once with its direction."""
+
+    name: str  # as --metric names it
+    label: str  # what a table cell holds
+    higher_is_better: bool
+    digits: int = 2
+
+
+@dataclass
+class Section:
+    """One comparison table of a report: schemes against lengths (or buckets) for one protocol
+    and grid point. `rows` are cells of text, a header first; `best` marks the cells that are
+    best or tied for best; `panel` is what its plot draws."""
+
+    heading: str  # the table's name in summary.md, and in a terminal title
+    caption: str  # what a cell holds and what bold means, for LaTeX and the terminal
+    rows: list[list[str]]
+    best: set = field(default_factory=set)  # (row, column) indices of the cells to set in bold
+    terminal: Optional[list[list[str]]] = None  # the rows a terminal shows, where they differ
+    terminal_best: Optional[set] = None
+    title: str = ""  # the terminal table's title
+    legend: str = ""  # what the terminal's marks mean
+    panel: Optional[dict] = None  # plot: {"series": {scheme: (xs, means, cis)}, "x": length, ...}
+
+
+class Measure:
+    """The interface; posbench/measures/perplexity.py and exact_match.py implement it."""
+
+    name: str = ""
+    metrics: dict[str, Metric] = {}
+    reads_corpus: bool = False  # whether runs read the corpus (else the data settings are not theirs)
+    records: tuple[str, ...] = ("eval.csv",)  # the files `score` writes into a run folder
+
+    # --- resolving a config (posbench/resolve.py calls these once) ---------------------------
+    def resolve(self, cfg, test_len: Optional[int]) -> None:
+        """Decide train_len, the training budget and the evaluation lengths in `cfg`, in place,
+        and refuse settings that do not apply to this measure."""
+        raise NotImplementedError
+
+    def notes(self, cfg) -> list[str]:
+        """What to say before training: what will be slow, what adds nothing."""
+        return []
+
+    # --- training and scoring (these import torch) ---------------------------------------------
+    def source(self, rc) -> Any:
+        """What a run reads: the corpus, or a task's test set. Built once per process and key."""
+        raise NotImplementedError
+
+    def source_key(self, rc) -> str:
+        raise NotImplementedError
+
+    def batches(self, rc, source):
+        """Training batches: batches(gen) -> (x, y), y = -100 where no loss is taken, with
+        get_state / set_state for a checkpoint."""
+        raise NotImplementedError
+
+    def score(self, rc, rdir: Path, model, source, device, backend: str) -> None:
+        """Score what the run's records still lack under `rc`, into them."""
+        raise NotImplementedError
+
+    def rescore(self, rc, rdir: Path, model, device, lengths, variants, factor, protocols) -> list[dict]:
+        """`posbench evaluate`: score a trained run again as asked; returns the new rows."""
+        raise NotImplementedError
+
+    def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
+        """`posbench evaluate`'s new rows as a title and a table (header first)."""
+        raise NotImplementedError
+
+    # --- records and reports (no torch) ------------------------------------------------------
+    def read(self, rdir: Path) -> list[dict]:
+        """The run's scored rows, checked; a malformed record is one line naming it."""
+        raise NotImplementedError
+
+    def identity(self, part: dict) -> dict:
+        """A run's identity (config.identity) as this measure reads it."""
+        return part if self.reads_corpus else {k: v for k, v in part.items() if k != "data"}
