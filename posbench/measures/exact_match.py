@@ -49,7 +49,8 @@ class ExactMatch(Measure):
             if key in cfg.origins and value != own:
                 raise PosbenchError(
                     f"{key}={value}: a task derives it (task {cfg.task}: train_len {task.train_len}, its "
-                    f"longest training instance); set task_options.train_max and test_max instead",
+                    f"longest training instance); lengths are perplexity's, a task's are task_options.train_max "
+                    f"and test_max",
                     key,
                 )
         cfg.task_options = {**type(task).options, **cfg.task_options, "test_max": task.test_max}
