@@ -120,7 +120,7 @@ def time_interleaved(
     for _ in range(s.rounds):
         # a new order each round (the same in every run): whatever runs right after the 2048²
         # matmul finds its data pushed out of cache, and with one fixed order that was always
-        # NoPE, the baseline of every ratio (~3% slower)
+        # NoPE, the baseline of every ratio (a little slower)
         shuffle(order)
         for name in order:
             t = time.perf_counter()

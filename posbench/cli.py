@@ -11,7 +11,6 @@ from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from posbench.config import load_config
 from posbench.console import BarReporter, err, out
@@ -356,14 +355,10 @@ def status(
 @app.command()
 def schemes():
     """List the registered positional schemes and their evaluation-time variants."""
+    from posbench.console import plain_table
     from posbench.schemes import catalogue
 
-    t = Table(title="positional schemes")
-    t.add_column("name", style="bold")
-    t.add_column("description")
-    for name, what in catalogue():
-        t.add_row(name, what)
-    out.print(t)
+    out.print(plain_table("positional schemes", [["name", "description"], *map(list, catalogue())], left=True))
 
 
 @app.command()
@@ -450,16 +445,11 @@ def check_scheme(
 ):
     """Check a scheme at a tiny size: causality, forward, backward, beyond the training length."""
     from posbench.check import run_checks
+    from posbench.console import checks_table
 
     with user_errors():
         results = run_checks(scheme)
-    t = Table(title=f"check-scheme {scheme}")
-    t.add_column("check", style="bold")
-    t.add_column("result")
-    t.add_column("reason")
-    for r in results:
-        t.add_row(r.name, "[green]pass[/]" if r.ok else "[bold red]FAIL[/]", r.reason)
-    out.print(t)
+    out.print(checks_table(scheme, results))
     failed = [r.name for r in results if not r.ok]
     if failed:
         err.print(f"[bold red]failed:[/] {', '.join(failed)}", highlight=False)

@@ -71,8 +71,8 @@ class ModelConfig:
 class TrainConfig:
     """Optimiser and budget: AdamW, linear warmup, cosine decay to min_lr."""
 
-    # null: 500 steps of 16 for lm (500 x 16 x 100 tokens: the order shows, 8 schemes train in
-    # < 5 min on 2 cores), a task's own budget for a task (posbench/tasks.py)
+    # null: the measure's budget: 500 steps of 16 for lm (posbench/measures/perplexity.py), a
+    # task's own for a task (posbench/tasks.py)
     steps: Optional[int] = None
     batch_size: Optional[int] = None
     lr: float = 3e-3  # small models train well with a high lr; warmup keeps it stable

@@ -47,6 +47,17 @@ def print_report(collected, parts: dict, folder: Path) -> None:
             out.print(f"wrote {folder / name}", highlight=False)
 
 
+def checks_table(scheme: str, results) -> Table:
+    """`posbench check-scheme`: each check, pass or FAIL, and why."""
+    t = Table(title=f"check-scheme {escape(scheme)}")
+    t.add_column("check", style="bold")
+    t.add_column("result")
+    t.add_column("reason")
+    for r in results:
+        t.add_row(r.name, "[green]pass[/]" if r.ok else "[bold red]FAIL[/]", escape(r.reason))
+    return t
+
+
 def status_table(experiment_dir: Path, rows: list[dict]) -> Table:
     t = Table(title=f"{experiment_dir}: {len(rows)} run(s)")
     for c in ("run", "scheme", "seed", "train_len", "state", "detail"):
@@ -59,11 +70,13 @@ def status_table(experiment_dir: Path, rows: list[dict]) -> Table:
     return t
 
 
-def plain_table(title: str, rows: list[list[str]]) -> Table:
-    """A title and rows of text (a header first), the first column left-aligned."""
+def plain_table(title: str, rows: list[list[str]], left: bool = False) -> Table:
+    """A title and rows of text (a header first), the first column (`left`: every one) left-aligned."""
     t = Table(title=escape(title))
     for j, c in enumerate(rows[0]):
-        t.add_column(escape(c), justify="left" if j == 0 else "right")
+        t.add_column(
+            escape(c), justify="left" if j == 0 or left else "right", style="bold" if j == 0 and left else None
+        )
     for r in rows[1:]:
         t.add_row(*map(escape, r))
     return t

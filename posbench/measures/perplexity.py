@@ -34,7 +34,7 @@ from posbench.tables import (
     transposed,
 )
 
-DEFAULT_BUDGET = {"steps": 500, "batch_size": 16}  # 500 x 16 x 100 tokens: the order shows, 8 schemes in < 5 min
+DEFAULT_BUDGET = {"steps": 500, "batch_size": 16}  # 500 x 16 x 100 tokens: enough for the schemes' order to show
 
 
 class Perplexity(Measure):
