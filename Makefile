@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make extrapolate` and `make test`; each installs first.
+# Two commands on a fresh machine: `make extrapolate` and `make test`; each installs first
+# (the package alone; test and lint add the test extra: pytest, ruff and the reference libraries).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
@@ -8,18 +9,19 @@ PIP := $(PYTHON) -m pip
 # torch would pull several GB of CUDA packages)
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0 numpy
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e .
 
 extrapolate: install
 	posbench extrapolate --train-len 100 --test-len 200
 
 # the Ray extra too, so the test of the Ray executor runs (a few seconds to install)
 test: install
-	$(PIP) install -q -e '.[ray]'
+	$(PIP) install -q -e '.[test,ray]'
 	$(PYTHON) -m pytest
 
 # ruff's rules and line length are in pyproject.toml
 lint: install
+	$(PIP) install -q -e '.[test]'
 	$(PYTHON) -m ruff check posbench tests examples
 	$(PYTHON) -m ruff format --check posbench tests examples
 

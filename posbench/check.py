@@ -7,6 +7,7 @@ broken scheme fails its test; `check-scheme` runs them all and reports each as a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -18,10 +19,14 @@ from posbench import native
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError, first_line
 from posbench.model import TransformerLM
-from posbench.schemes import PositionalScheme, resolve_scheme
+from posbench.schemes import SCHEMES, PositionalScheme
 
 TINY = dict(n_layer=2, n_head=4, d_model=32, train_len=16)
 BLOCK = 8  # the query block of the blocked attention path: smaller than every checked length
+BLOCKS_RULE = (
+    "bias is called on blocks of queries: build the (Tq, Tk) bias from the positions given, never "
+    "from a cached (T, T) table (README, Write your own scheme; PositionalScheme in posbench/schemes/base.py)"
+)
 
 
 class CheckFailed(AssertionError):
@@ -61,6 +66,20 @@ def supports(model: TransformerLM, T: int) -> bool:
     return model.max_len is None or T <= model.max_len
 
 
+@contextlib.contextmanager
+def on_blocks(T: int):
+    """Hooks that ran on the whole sequence and break on blocks of queries broke one rule
+    (BLOCKS_RULE): say which, not the tensor error it led to."""
+    try:
+        yield
+    except (CheckFailed, PosbenchError):
+        raise
+    except Exception as e:
+        raise CheckFailed(
+            f"{type(e).__name__} on blocks of {BLOCK} of {T} queries ({first_line(e, 100)}): {BLOCKS_RULE}"
+        ) from None
+
+
 @torch.no_grad()
 def causality(model: TransformerLM, T: int) -> str:
     """Changing token t changes no logit before t, and does change some logit from t on, both
@@ -74,8 +93,9 @@ def causality(model: TransformerLM, T: int) -> str:
     try:
         for block, path in ((T, "whole"), (BLOCK, "blocked")):
             model.attn_block = block  # T itself: one block, the whole-sequence path
-            a = restarted(model)(x)
-            b = restarted(model)(y)  # the same positions as a, for a scheme that draws them
+            with on_blocks(T) if path == "blocked" else contextlib.nullcontext():
+                a = restarted(model)(x)
+                b = restarted(model)(y)  # the same positions as a, for a scheme that draws them
             if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                 raise CheckFailed(f"non-finite logits at length {T}, so causality cannot be judged")
             leak = (a[:, :t] - b[:, :t]).abs().max().item()
@@ -175,7 +195,8 @@ def attend_agrees(model: TransformerLM, T: int) -> str:
 
     try:
         for block, path in ((T, "whole"), (BLOCK, "blocked")):
-            (y, g), (ref_y, ref_g) = run(block, "native"), run(block, "eager")
+            with on_blocks(T) if path == "blocked" else contextlib.nullcontext():
+                (y, g), (ref_y, ref_g) = run(block, "native"), run(block, "eager")
             gap = (y - ref_y).abs().max().item()
             if not gap <= 1e-5:
                 raise CheckFailed(
@@ -200,20 +221,24 @@ def attend_agrees(model: TransformerLM, T: int) -> str:
     return f"attend agrees with the eager formula and the bias within 1e-5 (T={T}, whole and blocked)"
 
 
-def run_checks(spec: str) -> list[CheckResult]:
-    """Every check on `spec` (a registered name or module:Class) at a tiny size. A scheme that
-    cannot be loaded raises PosbenchError; anything else that goes wrong is a failed row."""
-    resolve_scheme(spec)
+def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
+    """Every check on `spec` (a registered name or module:Class) at a tiny size, built with
+    `options` (its scheme_options). A scheme that cannot be loaded, or options it does not
+    take, raise PosbenchError; anything else that goes wrong is a failed row."""
+    options = options or {}
+    SCHEMES.resolve(spec).validate_options(options, where=f"scheme_options.{spec}")
     L = TINY["train_len"]
     got: dict = {}
 
     def build():
-        got["model"] = model = tiny_model(spec)
+        got["model"] = model = tiny_model(spec, options=options)
         n = sum(p.numel() for p in model.scheme.parameters())
         c = model.cfg
+        given = ", ".join(f"{k}={v!r}" for k, v in options.items())
         return (
             f"{type(model.scheme).__name__}: {c.n_layer} layers, {c.n_head} heads, "
             f"d_model {c.d_model}, train_len {c.train_len}; {n} scheme parameters"
+            + (f"; options {given}" if given else "")
         )
 
     def causal():

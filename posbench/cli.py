@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from posbench.config import load_config
+from posbench.config import EvalConfig, ModelConfig, length_grid, load_config
 from posbench.console import BarReporter, err, out
 from posbench.errors import PosbenchError, first_line
 
@@ -101,26 +101,30 @@ def _csv_names(text: Optional[str]) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
-def _print_summary(
-    exps,
-    metric: Optional[str] = None,
-    transpose: bool = False,
-    out_dir: Optional[Path] = None,
-    buckets: Optional[list[int]] = None,
-) -> None:
+def _print_summary(exps, metric=None, transpose: bool = False, out_dir=None, buckets=None, asked=None) -> None:
     from posbench.console import print_report
     from posbench.report import write_summary
 
-    print_report(*write_summary(exps, metric, transpose, out_dir, buckets))
+    print_report(*write_summary(exps, metric, transpose, out_dir, buckets, asked))
 
 
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: key=value")]
 AttentionOpt = Annotated[
     Optional[str], typer.Option(help="attention backend: auto, eager, sdpa, native or flex (model.attention)")
 ]
-Compile = Annotated[bool, typer.Option("--compile", help="torch.compile for training (off: no gain on CPU)")]
-Protocol = Annotated[Optional[str], typer.Option(help="nonoverlapping, sliding, or both: nonoverlapping,sliding")]
+# a flag: `--compile` alone turns it on; metavar "" keeps the help from showing a value to type
+Compile = Annotated[
+    bool, typer.Option("--compile", metavar="", help="torch.compile for training; a flag, no value (no gain on CPU)")
+]
+Protocol = Annotated[
+    Optional[str],
+    typer.Option(help="nonoverlapping (the default) or sliding; a comma list scores each: nonoverlapping,sliding"),
+]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="a YAML config (or give it as the argument)")]
 Stride = Annotated[Optional[int], typer.Option(help="sliding windows' stride (default: train_len / 4)")]
+# extrapolate's help names the defaults its lengths come from, read from the config's own
+_TRAIN_LEN, _LENGTHS = ModelConfig().train_len, ",".join(map(str, EvalConfig().lengths))
+_GRID = f"--test-len {2 * _TRAIN_LEN} from {_TRAIN_LEN}: {','.join(map(str, length_grid(_TRAIN_LEN, 2 * _TRAIN_LEN)))}"
 TaskOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -131,9 +135,16 @@ TaskOpt = Annotated[
 
 @app.command()
 def extrapolate(
-    train_len: Annotated[Optional[int], typer.Option(help="training length")] = None,
-    test_len: Annotated[Optional[int], typer.Option(help="longest test length")] = None,
-    lengths: Annotated[Optional[str], typer.Option(help="test lengths, e.g. 100,150,200")] = None,
+    train_len: Annotated[
+        Optional[int], typer.Option(help=f"training length L (default: model.train_len, {_TRAIN_LEN})")
+    ] = None,
+    test_len: Annotated[
+        Optional[int],
+        typer.Option(help=f"longest test length N: scores L and 1/4, 1/2 and all of the way to N ({_GRID})"),
+    ] = None,
+    lengths: Annotated[
+        Optional[str], typer.Option(help=f"the test lengths themselves (default: eval.lengths, {_LENGTHS})")
+    ] = None,
     schemes: Annotated[Optional[str], typer.Option(help="e.g. alibi,rope, or all")] = None,
     seeds: Annotated[Optional[str], typer.Option(help="e.g. 0,1,2")] = None,
     config: Annotated[Optional[Path], typer.Option(help="a YAML config")] = None,
@@ -180,12 +191,13 @@ def extrapolate(
         }
         exp = resolve(load_config(config, set_ or [], values), test_len)
         _kernel_notes(exp.cfg)
-        _print_summary(run_experiment(exp, BarReporter(err)))
+        _print_summary(run_experiment(exp, BarReporter(err)), asked=exp.cfg)
 
 
 @app.command()
 def sweep(
-    config: Annotated[Path, typer.Argument(help="a YAML config with a sweep: block of lists")],
+    config: Annotated[Optional[Path], typer.Argument(help="a YAML config with a sweep: block of lists")] = None,
+    config_opt: ConfigOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid and what would be skipped")] = False,
     set_: Sets = None,
     executor: Annotated[str, typer.Option(help="local (this machine), or ray (a Ray cluster)")] = "local",
@@ -206,6 +218,9 @@ def sweep(
     from posbench.resolve import resolve
 
     with user_errors():
+        config = _one_config(config, config_opt)
+        if config is None:
+            raise PosbenchError("posbench sweep needs a config: posbench sweep CONFIG, or --config CONFIG")
         if executor not in ("local", "ray"):
             raise PosbenchError(f"--executor {executor}: expected local or ray")
         if executor == "local" and (address or storage):
@@ -228,11 +243,17 @@ def sweep(
 def _kernel_notes(cfg) -> None:
     """Build the C kernels once, here, before any worker starts; say where auto cannot use them."""
     from posbench import native
-    from posbench.train import pick_device
+    from posbench.device import pick_device
 
     device = pick_device(cfg.train.device)
     if cfg.model.attention != "auto" or device.type != "cpu":
         return  # a backend named outright is checked when the model runs; a GPU takes SDPA
+
+    def building(folder):
+        err.print(f"note: building the C kernels, once (cached in {folder})", highlight=False, markup=False)
+
+    for name in ("attention", "cope") if "cope" in cfg.schemes else ("attention",):
+        native.load(name, building)
     why = native.why_not(cfg.model.head_dim, device)
     if why:
         err.print(
@@ -249,11 +270,29 @@ def _kernel_notes(cfg) -> None:
         )
 
 
+def _one_config(argument: Optional[Path], option: Optional[Path]) -> Optional[Path]:
+    """The config given as the argument or as --config (as extrapolate and bench take it), not both."""
+    if argument is not None and option is not None:
+        raise PosbenchError(f"a config given twice ({argument} and --config {option}); give one")
+    return argument if argument is not None else option
+
+
+def _not_a_flag_value(value: Optional[Path]) -> Optional[Path]:
+    """`train --compile true` would read `true` as the config: say that a flag takes no value."""
+    if value is not None and not value.exists() and value.name.lower() in ("true", "false", "yes", "no", "on", "off"):
+        raise typer.BadParameter(f"'{value}' is not a config; flags such as --compile take no value")
+    return value
+
+
 @app.command()
 def train(
-    config: Annotated[Optional[Path], typer.Argument(help="a YAML config (default: the defaults)")] = None,
+    config: Annotated[
+        Optional[Path], typer.Argument(help="a YAML config (default: the defaults)", callback=_not_a_flag_value)
+    ] = None,
+    config_opt: ConfigOpt = None,
     scheme: Annotated[Optional[str], typer.Option(help="one scheme (a name or module:Class)")] = None,
     seed: Annotated[Optional[int], typer.Option(help="one seed")] = None,
+    seeds: Annotated[Optional[str], typer.Option(help="several seeds, e.g. 0,1,2")] = None,
     set_: Sets = None,
     attention: AttentionOpt = None,
     compile_: Compile = False,
@@ -265,9 +304,13 @@ def train(
     from posbench.resolve import resolve
 
     with user_errors():
+        config = _one_config(config, config_opt)
+        if seed is not None and seeds is not None:
+            raise PosbenchError("--seed and --seeds both pick the seeds; give one")
+        picked = (f"--seed {seed}", [seed]) if seed is not None else (f"--seeds {seeds}", _csv_ints(seeds, "--seeds"))
         values = {
             "schemes": (f"--scheme {scheme}", [scheme] if scheme is not None else None),
-            "seeds": (f"--seed {seed}", [seed] if seed is not None else None),
+            "seeds": picked,
             "model.attention": (f"--attention {attention}", attention),
             "train.compile": ("--compile", compile_ or None),
             "task": (f"--task {task}", task),
@@ -278,7 +321,7 @@ def train(
         for s in exp.cfg.schemes:
             for n in exp.cfg.seeds:
                 out.print(f"run folder: {folder / run_name(s, n)}", highlight=False)
-        _print_summary(folder)
+        _print_summary(folder, asked=exp.cfg)
 
 
 @app.command()
@@ -392,13 +435,13 @@ def bench(
             "schemes": (f"--schemes {schemes}", _scheme_list(schemes) if schemes is not None else None),
             "train.device": (f"--device {device}", device),  # checked with the config's own
             "model.attention": (f"--attention {attention}", attention),
-            # the bench evaluates at its own multiples of train_len and never reads eval.*, so the
-            # config's test lengths must not stop a longer train_len (--set model.train_len=1024
-            # against the default [100..200]): one length longer than any train_len, and its tokens
-            "eval.lengths": ("bench", [2**40]),
-            "eval.tokens": ("bench", 2**40),
         }
-        cfg = resolve(load_config(config, set_ or [], values)).cfg
+        cfg = load_config(config, set_ or [], values)
+        # the bench evaluates at its own multiples of train_len and never reads eval.*, so the
+        # config's test lengths must not stop a longer train_len (--set model.train_len=1024
+        # against the default [100..200]): one length longer than any train_len, and its tokens
+        cfg.eval.lengths, cfg.eval.tokens = [2**40], 2**40
+        cfg = resolve(cfg).cfg
         _set_threads(threads)
         dev = pick_device(cfg.train.device, "bench takes --device cpu")
         out_file = _writable_csv(out_file)  # before the minutes of timing, not after
@@ -418,6 +461,15 @@ def bench(
         )
         write_bench(rows, out_file)
         out.print(bench_table(rows, peak, cfg.model, dev, peer))
+        if quick:  # one round cannot skip a burst of load, as the minimum over many does
+            rounds = f"{settings.rounds} round{'s' * (settings.rounds > 1)}"
+            err.print(
+                f"note: --quick timed {rounds} at batch {settings.batch_size}: its tokens/s and ratios are rough; "
+                f"run without --quick ({BenchSettings().rounds} rounds) to compare schemes",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
         _kernel_notes(cfg)
         out.print(f"wrote {out_file}", highlight=False)
 
@@ -442,13 +494,24 @@ def _writable_csv(path: Path) -> Path:
 @app.command("check-scheme")
 def check_scheme(
     scheme: Annotated[str, typer.Argument(help="a registered name or module:Class")],
+    set_: Annotated[
+        Optional[list[str]],
+        typer.Option("--set", help="one of the scheme's options: key=value, e.g. window=8 (scheme_options.<scheme>)"),
+    ] = None,
 ):
     """Check a scheme at a tiny size: causality, forward, backward, beyond the training length."""
     from posbench.check import run_checks
+    from posbench.config import apply_override, blame
     from posbench.console import checks_table
 
     with user_errors():
-        results = run_checks(scheme)
+        raw, origins = {}, {}  # a bad option is blamed on its --set, as in every other command
+        for o in set_ or []:
+            apply_override(raw, o, origins, under=f"scheme_options.{scheme}")
+        try:
+            results = run_checks(scheme, raw.get("scheme_options", {}).get(scheme, {}))
+        except PosbenchError as e:
+            raise blame(origins, e) from None
     out.print(checks_table(scheme, results))
     failed = [r.name for r in results if not r.ok]
     if failed:

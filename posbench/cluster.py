@@ -11,10 +11,10 @@ from typing import Optional
 
 from posbench.config import config_from_dict
 from posbench.errors import PosbenchError, first_line
-from posbench.experiment.execute import run_one, sweep_jobs
+from posbench.experiment.execute import run_one, source_of, sweep_jobs
 from posbench.experiment.plan import Job, plan_state
-from posbench.experiment.records import lock_file, partial_dir, safe_name
-from posbench.files import cache_dir, exclusive
+from posbench.experiment.records import lock_file, partial_dir
+from posbench.files import cache_dir, exclusive, safe_name
 from posbench.measures import measure_for
 from posbench.progress import Reporter
 from posbench.resolve import Experiment
@@ -55,7 +55,7 @@ def run_sweep_on_ray(
             for job in jobs:
                 rc, rdir, state = job.cfg, job.folder, job.state
                 if state != "todo":  # scoring what a finished run lacks is quick: here
-                    run_one(job, sources.get(job.measure.source_key(rc)) or job.measure.source(rc), reporter)
+                    run_one(job, source_of(job, sources), reporter)
                     continue
                 if not held.enter_context(exclusive(lock_file(rdir))):
                     reporter.note(f"{rdir.name}: another posbench process is running it; skipped here")

@@ -449,8 +449,10 @@ def read_record(path: str | Path) -> dict:
     return raw
 
 
-def apply_override(raw: dict, assignment: str, origins: Optional[dict] = None) -> None:
-    """Apply one `--set a.b=value` to a raw config dict; the value is parsed as YAML."""
+def apply_override(raw: dict, assignment: str, origins: Optional[dict] = None, under: str = "") -> None:
+    """Apply one `--set a.b=value` to a raw config dict; the value is parsed as YAML. `under`, a
+    dotted section, holds the key (check-scheme's `--set window=8` is scheme_options.<scheme>.window);
+    the origin stays the flag as typed."""
     if "=" not in assignment:
         raise PosbenchError(f"--set {assignment!r}: expected key=value, e.g. train.steps=300")
     key, text = assignment.split("=", 1)
@@ -458,7 +460,19 @@ def apply_override(raw: dict, assignment: str, origins: Optional[dict] = None) -
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
-    assign(raw, key.strip(), value, f"--set {assignment!r}", origins, f"--set {assignment}")
+    key = f"{under}.{key.strip()}" if under else key.strip()
+    assign(raw, key, value, f"--set {assignment!r}", origins, f"--set {assignment}")
+
+
+def key_parts(key: str) -> list[str]:
+    """A dotted key's sections. A scheme named module:Class keeps its module's dots: its name
+    runs from after `scheme_options.` to the first dot after the colon, so
+    scheme_options.examples.my_scheme:MyScheme.window is [scheme_options, examples.my_scheme:MyScheme, window]."""
+    head, _, rest = key.partition(".")
+    if head != "scheme_options" or ":" not in rest:
+        return key.split(".")
+    end = rest.find(".", rest.index(":"))
+    return [head, rest] if end < 0 else [head, rest[:end], *rest[end + 1 :].split(".")]
 
 
 def assign(raw: dict, key: str, value: Any, where: Optional[str] = None, origins=None, origin: str = "") -> None:
@@ -468,7 +482,7 @@ def assign(raw: dict, key: str, value: Any, where: Optional[str] = None, origins
     if not key:
         raise PosbenchError(f"{where}: the key is empty")
     node = raw
-    parts = key.split(".")
+    parts = key_parts(key)
     for p in parts[:-1]:
         nxt = node.setdefault(p, {})
         if not isinstance(nxt, dict):
@@ -487,9 +501,12 @@ def blame(cfg_or_origins, e: PosbenchError, fallback: str = "") -> PosbenchError
     names; a value left at its default is blamed on `fallback` (the file, if any)."""
     origins = getattr(cfg_or_origins, "origins", cfg_or_origins) or {}
     text = str(e)
+    if text.startswith("--"):  # it names its flag itself
+        return e
     key = e.key if e.key in origins else None
-    if key is None and e.key:  # a section's key: model.options.x is model.options's
+    if key is None and e.key:  # a key inside a section given whole, or a section given key by key
         key = next((k for k in sorted(origins, key=len, reverse=True) if e.key.startswith(k + ".")), None)
+        key = key or next((k for k in sorted(origins) if k.startswith(e.key + ".")), None)
     if key is None:
         named = [(text.find(k), -len(k), k) for k in origins if _names(text, k)]
         key = min(named)[2] if named else None

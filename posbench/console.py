@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.measure import Measurement
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Column, Table
+from rich.text import Text
 
 from posbench.progress import Reporter
 
@@ -16,8 +19,27 @@ out = Console(emoji=False)  # no :b: -> emoji in names such as module:b:c
 err = Console(stderr=True, emoji=False)
 
 
-def section_table(section) -> Table:
-    """A report section (posbench/measures) as a terminal table, best cells in bold."""
+LONG_HEADER = 24  # a header longer than this (a plugin scheme's module:Class) may fold
+
+
+def _number_column(t: Table, header: str, cells: list[str], justify: str = "right") -> None:
+    """A column of numbers that a narrow console (80 columns when output is redirected) never
+    cuts: a cell wraps between its words ("18.80 ±" over "0.15") but no word is split, nor is a
+    header's word; only a header longer than LONG_HEADER may fold, and none ends in "…". A table
+    with too many such columns for the console is wider than it (see _fitted), never cut."""
+    head = max(map(len, header.split("\n")))  # a header may be given in lines
+    words = [w for c in cells for w in c.split()] + (header.split() if head <= LONG_HEADER else [])
+    widest = max(map(len, words), default=1)
+    if all(len(c.split()) <= 1 for c in cells) and head <= LONG_HEADER:
+        # nothing to wrap: rich narrows the other columns instead (it narrows only wrapping ones)
+        t.add_column(escape(header), justify=justify, no_wrap=True, min_width=max(widest, head))
+    else:  # rich may narrow it below its widest word; min_width takes it back
+        t.add_column(escape(header), justify=justify, overflow="fold", min_width=widest)
+
+
+def section_table(section, narrow: bool = False) -> Table:
+    """A report section (posbench/measures) as a terminal table, best cells in bold; `narrow`:
+    a header breaks after its "/" (ppl(64)/ over ppl(train))."""
     rows = section.terminal or section.rows
     best = section.terminal_best if section.terminal is not None else section.best
     t = Table(title=section.title or section.heading, caption=section.legend)
@@ -25,17 +47,38 @@ def section_table(section) -> Table:
         if j == 0:
             t.add_column(escape(c), style="bold", no_wrap=True, min_width=max(len(r[0]) for r in rows[1:]))
         else:
-            t.add_column(escape(c), justify="right")
+            _number_column(t, c.replace("/", "/\n") if narrow else c, [r[j] for r in rows[1:]])
     for i, r in enumerate(rows[1:], start=1):
         t.add_row(*(f"[bold]{escape(c)}[/]" if (i, j) in best and c else escape(c) for j, c in enumerate(r)))
     return t
 
 
+def _fitted(section, console: Console) -> Table:
+    """A section's table for `console`: as it is where it fits; else narrow, its cells wrapped
+    between words; and where even that cannot fit (too many lengths), at its full width: wider
+    than the console, a row a line, never cut (print it uncropped)."""
+    t = section_table(section)
+    if Measurement.get(console, console.options.update_width(10**4), t).maximum <= console.width:
+        return t
+    t = section_table(section, narrow=True)
+    need = Measurement.get(console, console.options.update_width(10**4), t)
+    if need.minimum > console.width:
+        t.width = need.maximum
+    return t
+
+
 def print_report(collected, parts: dict, folder: Path) -> None:
     """`posbench report` and the end of every training command: the tables, who is missing, what was written."""
+    if parts is None:  # every run is another process's, still training
+        out.print(
+            f"{folder}: every run is still running in another process ({', '.join(collected.running)}); "
+            f"nothing to report yet: rerun posbench report {folder} once it is done",
+            highlight=False,
+        )
+        return
     for s in parts["sections"]:
         s.legend = parts["legend"]
-        out.print(section_table(s))
+        out.print(_fitted(s, out), crop=False)
     if collected.diverged:
         out.print(f"diverged, so not in the table: {', '.join(collected.diverged.values())}", highlight=False)
     if collected.running:
@@ -59,59 +102,134 @@ def checks_table(scheme: str, results) -> Table:
 
 
 def status_table(experiment_dir: Path, rows: list[dict]) -> Table:
-    t = Table(title=f"{experiment_dir}: {len(rows)} run(s)")
-    for c in ("run", "scheme", "seed", "train_len", "state", "detail"):
-        t.add_column(c, justify="right" if c in ("seed", "train_len") else "left", no_wrap=c == "run")
+    """`posbench status`, a line a run in 80 columns: a run's folder name says its scheme and seed
+    (and a sweep's grid point, train_len included), so beside it are only its state and detail."""
+    lengths = {str(r["train_len"]) for r in rows}
+    shared = f", train_len {lengths.pop()}" if len(lengths) == 1 else ""
+    t = Table(title=escape(f"{experiment_dir}: {len(rows)} run(s){shared}"))
+    longest = max((len(r["run"]) for r in rows), default=0)
+    t.add_column("run", no_wrap=longest <= 40, overflow="fold")  # longer: it folds, the detail keeps room
+    t.add_column("state", no_wrap=True)
+    t.add_column("detail")
     for r in rows:
         state = f"[{STATE_STYLES.get(r['state'], '')}]{r['state']}[/]"
-        t.add_row(
-            escape(r["run"]), escape(str(r["scheme"])), str(r["seed"]), str(r["train_len"]), state, escape(r["detail"])
-        )
+        t.add_row(escape(r["run"]), state, escape(r["detail"]))
     return t
 
 
 def plain_table(title: str, rows: list[list[str]], left: bool = False) -> Table:
-    """A title and rows of text (a header first), the first column (`left`: every one) left-aligned."""
+    """A title and rows of text (a header first), the first column (`left`: every one) left-aligned,
+    its names never cut, and the others numbers, never cut either."""
     t = Table(title=escape(title))
     for j, c in enumerate(rows[0]):
-        t.add_column(
-            escape(c), justify="left" if j == 0 or left else "right", style="bold" if j == 0 and left else None
-        )
+        if j == 0:
+            names = max(len(r[0]) for r in rows)
+            t.add_column(escape(c), style="bold" if left else None, no_wrap=True, min_width=names)
+        elif left:
+            t.add_column(escape(c))
+        else:
+            _number_column(t, c, [r[j] for r in rows[1:]])
     for r in rows[1:]:
         t.add_row(*map(escape, r))
     return t
 
 
+PLAIN_EVERY_S = 30.0  # without a terminal, a run's progress line at least this often
+
+
+def _duration(seconds: float) -> str:
+    """'40 s', '3 min 20 s', '1 h 05 min'."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+class _TimeLeft(TimeRemainingColumn):
+    """ "eta 0:00:40" while a run trains, "took 0:01:20" once it is done."""
+
+    def render(self, task):
+        return Text(("took " if task.finished else "eta ") + super().render(task).plain, style="progress.remaining")
+
+
 class BarReporter(Reporter):
-    """A progress bar per training run, with the running loss; runs training at once
-    (train.workers) get a bar each, live together."""
+    """Each training run's progress, counted ("3 of 8") among the runs the command trains. On a
+    terminal, a bar per run with its loss and time left; runs training at once (train.workers)
+    get a bar each, live together. Without one (nohup, CI, tee), where bars would show only at
+    the end, a plain line each tenth of a run, and at least every PLAIN_EVERY_S seconds."""
 
     def __init__(self, console: Console):
         self.console = console
         self.progress: Optional[Progress] = None
         self.tasks: dict = {}
+        self.lines: dict = {}  # without a terminal: label -> what its last line said, and when
+        self.runs, self.started = None, 0
+
+    def plan(self, runs):
+        self.runs, self.started = runs, 0
+
+    def _counted(self, label: str) -> str:
+        self.started += 1
+        return label if self.runs is None else f"{label} ({self.started} of {max(self.runs, self.started)})"
 
     def start(self, label, total):
+        name = self._counted(label)
+        if not self.console.is_terminal:
+            now = time.monotonic()
+            self.lines[label] = {"name": name, "total": total, "t0": now, "said": now, "tenth": 0, "step": 0}
+            self.say(f"{name}: training, {total} steps")
+            return
         if self.progress is None:
-            self.progress = Progress(
-                TextColumn("{task.description:<18}"),
+            self.progress = Progress(  # on a narrow terminal the bar narrows; the label and numbers do not
+                TextColumn("{task.description}", table_column=Column(no_wrap=True, min_width=18)),
                 BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"),
-                TimeElapsedColumn(),
+                MofNCompleteColumn(table_column=Column(no_wrap=True)),
+                TextColumn("loss {task.fields[loss]}", table_column=Column(no_wrap=True)),
+                _TimeLeft(elapsed_when_finished=True, table_column=Column(no_wrap=True)),
                 console=self.console,
             )
             self.progress.start()
-        self.tasks[label] = self.progress.add_task(label, total=total, loss="-")
+        self.tasks[label] = self.progress.add_task(name, total=total, loss="-")
 
     def step(self, label, step, loss):
-        self.progress.update(self.tasks[label], completed=step, loss=f"{loss:.3f}")
+        if label in self.lines:
+            self._line(self.lines[label], step, loss)
+        else:
+            self.progress.update(self.tasks[label], completed=step, loss=f"{loss:.3f}")
+
+    def _line(self, run: dict, step: int, loss: float) -> None:
+        """A line when the run passes a tenth of its steps or PLAIN_EVERY_S since its last line."""
+        now = time.monotonic()
+        if "first" not in run:  # the time left is timed from here: not the compile, not resumed steps
+            run["first"] = now, step
+        run["step"] = step
+        tenth = step * 10 // max(run["total"], 1)
+        if tenth <= run["tenth"] and now - run["said"] < PLAIN_EVERY_S:
+            return
+        run["tenth"], run["said"] = tenth, now
+        t, s = run["first"]
+        said = f"{run['name']}: step {step}/{run['total']}, loss {loss:.3f}"
+        if step >= run["total"]:
+            said += f", took {_duration(now - run['t0'])}"
+        elif step > s:
+            said += f", eta {_duration((now - t) / (step - s) * (run['total'] - step))}"
+        self.say(said)
 
     def finish(self, label):
+        if label in self.lines:
+            run = self.lines.pop(label)
+            if run["step"] < run["total"]:
+                self.say(f"{run['name']}: stopped at step {run['step']}/{run['total']}")
+            return
         self.progress.stop_task(self.tasks.pop(label))
         if not self.tasks:  # the bars stay on screen; the next run starts a fresh set
             self.progress.stop()
             self.progress = None
+
+    def say(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def note(self, message):
         self.console.print(message, highlight=False)
@@ -121,16 +239,15 @@ def grid_table(exp: Path, grid, plan) -> Table:
     from posbench.experiment.plan import plan_note
 
     keys = list(grid[0][0])
-    t = Table(title=f"{exp}: {len(grid)} grid point(s), {len(plan)} run(s)")
-    t.add_column("run", overflow="fold")
-    for k in keys:
-        t.add_column(k)
-    t.add_column("would")
+    t = Table(title=escape(f"{exp}: {len(grid)} grid point(s), {len(plan)} run(s)"))
     settings = {id(exp.cfg): s for s, exp in grid}
-    for job in plan:
-        point = settings[id(job.point)]
-        values = [str(point[k]) for k in keys]
-        t.add_row(escape(job.folder.name), *map(escape, values), escape(plan_note(job)))
+    rows = [[job.folder.name, *(str(settings[id(job.point)][k]) for k in keys), plan_note(job)] for job in plan]
+    t.add_column("run", overflow="fold")
+    for j, k in enumerate(keys, start=1):  # a swept value is never cut
+        _number_column(t, k, [r[j] for r in rows], justify="left")
+    t.add_column("would")
+    for r in rows:
+        t.add_row(*map(escape, r))
     return t
 
 
@@ -141,7 +258,9 @@ def _backends(rows) -> str:
     return ", ".join(sorted({r["attention"] for r in rows}))
 
 
-def bench_table(rows, peak, mc, device, peer) -> Table:
+def bench_table(rows, peak, mc, device, peer) -> Group:
+    """`posbench bench`: the setting, then training speed and eval memory at each length, two
+    tables so that each fits 80 columns with the peer's columns and four lengths."""
     train = [r for r in rows if r["measurement"] == "train"]
     lengths = sorted({r["eval_len"] for r in rows if r["measurement"] == "eval"})
     mem = {(r["scheme"], r["eval_len"]): r["peak_mem_mb"] for r in rows if r["measurement"] == "eval"}
@@ -150,26 +269,25 @@ def bench_table(rows, peak, mc, device, peer) -> Table:
         where, peak_text = f"{where}, bf16 autocast", f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
     else:
         peak_text = f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s"
-    t = Table(
-        title=f"posbench bench: {mc.n_layer} layers, d_model {mc.d_model}, {mc.n_head} heads, "
-        f"T={mc.train_len}; {where}; attention {_backends(rows)}; {peak_text}" + (f"; peer: {peer}" if peer else ""),
-        caption="eval memory: peak tensor memory of one no-grad forward, batch 1",
-    )
-    cols = ["scheme", "tokens/s", "x NoPE", "MFU"]
-    if peer:
-        cols += ["peer tok/s", "x peer"]
-    cols += [f"mem@{L} MB" for L in lengths]
-    for c in cols:
-        t.add_column(c, justify="left" if c == "scheme" else "right")
 
     def f(v, fmt):
         return "—" if v is None else format(v, fmt)
 
+    speed = [["scheme", "tokens/s", "x NoPE", "MFU", *(["peer tok/s", "x peer"] if peer else [])]]
     for r in train:
         mfu = f(r["mfu"], ".0%" if r["mfu"] >= 0.1 else ".1%" if r["mfu"] >= 0.01 else ".2%")  # a GPU's can be tiny
-        cells = [r["scheme"], f(r["tokens_per_s"], ".0f"), f(r["ratio_vs_nope"], ".2f"), mfu]
+        speed.append([r["scheme"], f(r["tokens_per_s"], ".0f"), f(r["ratio_vs_nope"], ".2f"), mfu])
         if peer:
-            cells += [f(r["peer_tokens_per_s"], ".0f"), f(r["peer_ratio"], ".2f")]
-        cells += [f(mem.get((r["scheme"], L)), ".1f") for L in lengths]
-        t.add_row(*cells)
-    return t
+            speed[-1] += [f(r["peer_tokens_per_s"], ".0f"), f(r["peer_ratio"], ".2f")]
+    memory = [["scheme", *map(str, lengths)]]
+    memory += [[r["scheme"], *(f(mem.get((r["scheme"], L)), ".1f") for L in lengths)] for r in train]
+    title = (
+        f"posbench bench: {mc.n_layer} layers, d_model {mc.d_model}, {mc.n_head} heads, "
+        f"T={mc.train_len}; {where}; attention {_backends(rows)}; {peak_text}" + (f"; peer: {peer}" if peer else "")
+    )
+    # the setting is a paragraph above the tables, not a title squeezed to a narrow table's width
+    return Group(
+        Text(title),
+        plain_table("training speed", speed),
+        plain_table("peak eval memory (MB), batch 1", memory),
+    )

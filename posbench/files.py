@@ -86,3 +86,8 @@ def lock_holder(path: Path) -> Optional[int]:
         return None
     finally:
         os.close(fd)
+
+
+def safe_name(text: str) -> str:
+    """A folder name from anything, e.g. a plugin's module:Class."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)

@@ -8,6 +8,7 @@ that compute the drawn arrays return tensors, so tests check the numbers behind 
 
 from __future__ import annotations
 
+import textwrap
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -49,13 +50,27 @@ def by_distance(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def bias_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0) -> Optional[torch.Tensor]:
+def model_qk(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trained model's own q and k: layer 0's projections of every token of the vocabulary,
+    averaged, (H, D) each. q.k is linear in each, so a score drawn with them is the score
+    averaged over every (query token, key token) pair."""
+    attn, C = model.blocks[0].attn, model.cfg.d_model
+    q, k, _ = attn.qkv(model.blocks[0].ln1(model.tok.weight)).split(C, dim=-1)  # (V, C) each
+    H = model.cfg.n_head
+    return q.mean(0).view(H, C // H).float(), k.mean(0).view(H, C // H).float()  # (H, D) each
+
+
+@torch.no_grad()
+def bias_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0, qk=None) -> Optional[torch.Tensor]:
     """What `bias` adds to the logits of layer `layer`, per head, (H, T, T), NaN where j > i
-    (the future is masked); None if the scheme has no bias. q and k are random with a fixed
-    seed and go through `rotate` first, as in the model, for schemes whose bias reads them."""
+    (the future is masked); None if the scheme has no bias. q and k go through `rotate`
+    first, as in the model, for schemes whose bias reads them: random with a fixed seed, or
+    `qk`, (H, D) each (a trained model's, `model_qk`), the same at every position."""
     H, D = scheme.cfg.n_head, scheme.cfg.head_dim
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
+    if qk is not None:
+        q, k = (t[None, :, None, :].expand(1, H, T, D) for t in qk)  # (1, H, T, D) each
     pos = scheme.positions(T, "cpu")  # (T,)
     q, k = scheme.rotate(q, k, pos, layer)
     b = scheme.bias(q, k, pos, pos, layer)  # None or (1, H, T, T)
@@ -67,17 +82,64 @@ def bias_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0) -
 
 
 @torch.no_grad()
+def reads_content(scheme: PositionalScheme, T: int) -> bool:
+    """Whether the bias reads q and k: two random draws of them give two different maps, on a
+    copy whose parameters are random too (a table that starts at zero would hide it)."""
+    import copy
+
+    probe = copy.deepcopy(scheme)
+    g = torch.Generator().manual_seed(0)
+    for p in probe.parameters():
+        p.copy_(torch.randn(p.shape, generator=g))
+    a, b = bias_maps(probe, T, seed=0), bias_maps(probe, T, seed=1)
+    return a is not None and not torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def distance_index(scheme: PositionalScheme, name: str, T: int) -> Optional[torch.Tensor]:
+    """For a per-head parameter (H, K) that the bias reads one entry of per head at each
+    distance (T5's bucket table): the entry read at distance d = 0..T-1, (H, T); None for any
+    other. Found from the gradient of the bias of the last query towards each key, so it
+    follows from what `bias` does, not from the scheme's name."""
+    H, D = scheme.cfg.n_head, scheme.cfg.head_dim
+    param = dict(scheme.named_parameters())[name]
+    pos = scheme.positions(T, "cpu")  # (T,)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, T, D, generator=g)
+    with torch.enable_grad():
+        b = scheme.bias(q, k, pos[-1:], pos, 0)  # None or (1, H or 1, 1, T)
+        if b is None or not b.requires_grad:
+            return None
+        index = torch.zeros(H, T, dtype=torch.long)
+        for d in range(T):  # the key at distance d is at column T-1-d
+            (grad,) = torch.autograd.grad(b[..., T - 1 - d].sum(), param, retain_graph=True, allow_unused=True)
+            if grad is None:
+                return None
+            grad = grad.squeeze()
+            heads = [a for a, n in enumerate(grad.shape) if n == H]
+            if grad.dim() != 2 or not heads:
+                return None
+            read = grad.movedim(heads[-1], 0) != 0  # (H, K), as per_head_parameters lays it out
+            if not bool((read.sum(1) == 1).all()):
+                return None
+            index[:, d] = read.float().argmax(1)
+    return index
+
+
+@torch.no_grad()
 def rotation_scores(
-    scheme: PositionalScheme, span: int, offsets=OFFSETS, seed: int = 0
+    scheme: PositionalScheme, span: int, offsets=OFFSETS, seed: int = 0, qk=None
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """q_m . k_n after `rotate`, against m - n = 0..span-1, with the key at each absolute
     position n in `offsets`: distances (span,) and scores (len(offsets), span), head 0 of
-    layer 0. One random q and one random k are used at every position, so the curves can
-    differ only through the positions. None if rotate leaves q and k as they are."""
+    layer 0. One q and one k are used at every position, so the curves can differ only
+    through the positions: random, or `qk`, (H, D) each (a trained model's, `model_qk`).
+    None if rotate leaves q and k as they are."""
     H, D = scheme.cfg.n_head, scheme.cfg.head_dim
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, H, 1, D, generator=g).expand(1, H, span, D)  # (1, H, span, D)
     k = torch.randn(1, H, 1, D, generator=g).expand(1, H, span, D)
+    if qk is not None:
+        q, k = (t[None, :, None, :].expand(1, H, span, D) for t in qk)  # (1, H, span, D) each
     qr, kr = scheme.rotate(q, k, torch.arange(span), 0)
     if torch.equal(qr, q) and torch.equal(kr, k):
         return None
@@ -124,17 +186,20 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _mark_train_len(ax, train_len, axis="y"):
-    if train_len is not None:
-        line = ax.axhline if axis == "y" else ax.axvline
-        line(train_len - 0.5, color="white", lw=0.8, ls="--", label=f"train_len {train_len}")
+def _mark_train_len(ax, train_len, axis="y") -> str:
+    """A dashed line after the last trained position; returns the words that say so, for a title."""
+    if train_len is None:
+        return ""
+    line = ax.axhline if axis == "y" else ax.axvline
+    line(train_len - 0.5, color="white", lw=0.8, ls="--", label=f"training length {train_len}")
+    return f"dashed line: the training length ({train_len})"
 
 
 def plot_encoding(pe: torch.Tensor, path: Path, title: str, train_len=None) -> Path:
     fig, ax = _pyplot().subplots(figsize=(7, 5))
     im = ax.imshow(pe.numpy(), aspect="auto", cmap="RdBu_r", interpolation="nearest")
-    _mark_train_len(ax, train_len)
-    ax.set(xlabel="dimension", ylabel="position", title=f"{title}: embed(0) - 0")
+    note = _mark_train_len(ax, train_len)
+    ax.set(xlabel="dimension", ylabel="position", title=f"{title}: embed(0) - 0" + (f"\n{note}" if note else ""))
     fig.colorbar(im, ax=ax)
     return _save(fig, path)
 
@@ -143,8 +208,8 @@ def plot_similarity(sim: torch.Tensor, path: Path, title: str, train_len=None) -
     dist, prof = by_distance(sim)
     fig, (a, b) = _pyplot().subplots(1, 2, figsize=(11, 4.5))
     im = a.imshow(sim.numpy(), cmap="viridis", interpolation="nearest")
-    _mark_train_len(a, train_len)
-    a.set(xlabel="position j", ylabel="position i", title=f"{title}: PE_i . PE_j")
+    note = _mark_train_len(a, train_len)
+    a.set(xlabel="position j", ylabel="position i", title=f"{title}: PE_i . PE_j" + (f"\n{note}" if note else ""))
     fig.colorbar(im, ax=a)
     b.plot(dist.numpy(), prof.numpy())
     b.set(xlabel="distance i - j", ylabel="mean PE_i . PE_j", title="against distance")
@@ -152,10 +217,14 @@ def plot_similarity(sim: torch.Tensor, path: Path, title: str, train_len=None) -
     return _save(fig, path)
 
 
-def plot_bias(maps: torch.Tensor, path: Path, title: str, train_len=None) -> Path:
+def plot_bias(maps: torch.Tensor, path: Path, title: str, train_len=None, notes=()) -> Path:
+    """A map per head; `notes`: lines under the title that say how to read it."""
     import numpy as np
 
     H = maps.size(0)
+    drawn = maps[~maps.isnan()]
+    constant = drawn.numel() > 0 and bool((drawn == drawn[0]).all())  # one colour: say so in the panel
+    note = ""
     cols = min(H, 4)
     rows = -(-H // cols)
     fig, axes = _pyplot().subplots(rows, cols, figsize=(3.2 * cols, 3 * rows), squeeze=False)
@@ -164,28 +233,43 @@ def plot_bias(maps: torch.Tensor, path: Path, title: str, train_len=None) -> Pat
             ax.axis("off")
             continue
         im = ax.imshow(np.ma.masked_invalid(maps[h].numpy()), cmap="magma", interpolation="nearest")
-        _mark_train_len(ax, train_len)
+        note = _mark_train_len(ax, train_len)
         ax.set(title=f"head {h}", xlabel="key j", ylabel="query i")
+        if constant:
+            ax.text(0.3, 0.15, f"{drawn[0].item():g} everywhere", transform=ax.transAxes, ha="center", color="white")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.suptitle(f"{title}: bias added to the logits, layer 0 (blank: future or -inf)")
+    lines = [f"{title}: bias added to the logits, layer 0 (blank: future or -inf)", *notes] + ([note] if note else [])
+    fig.suptitle("\n".join(textwrap.fill(line, int(13 * 3.2 * cols)) for line in lines), fontsize=10)
     return _save(fig, path)
 
 
-def plot_rotation(dist: torch.Tensor, scores: torch.Tensor, path: Path, title: str, offsets=OFFSETS) -> Path:
+def plot_rotation(
+    dist: torch.Tensor, scores: torch.Tensor, path: Path, title: str, offsets=OFFSETS, what="random q and k"
+) -> Path:
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     for n, row, style in zip(offsets, scores, ("-", "--", ":", "-.")):
         ax.plot(dist.numpy(), row.numpy(), ls=style, label=f"key at position {n}")
-    ax.set(xlabel="m - n", ylabel="q_m . k_n", title=f"{title}: score after rotate, random q and k")
+    ax.set(xlabel="m - n", ylabel="q_m . k_n", title=f"{title}: score after rotate, head 0\n{what}")
     ax.legend()
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
 
-def plot_per_head(name: str, values: torch.Tensor, path: Path, title: str) -> Path:
+def plot_per_head(name: str, values: torch.Tensor, path: Path, title: str, index=None, train_len=None) -> Path:
+    """values (H,) as bars, or (H, K) as a line per head: against the distance where `index`
+    (H, T) says which entry each distance i - j reads (`distance_index`), else against K."""
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     if values.dim() == 1:
         ax.bar(range(len(values)), values.numpy())
         ax.set(xlabel="head", ylabel=name)
+    elif index is not None:
+        dist = torch.arange(index.size(1))  # (T,)
+        for h, row in enumerate(values):
+            ax.plot(dist.numpy(), row[index[h]].numpy(), drawstyle="steps-mid", label=f"head {h}")
+        if train_len is not None:
+            ax.axvline(train_len - 0.5, color="black", lw=0.8, ls="--", label=f"training length {train_len}")
+        ax.set(xlabel="distance i - j (query minus key)", ylabel=f"{name}, the entry read at that distance")
+        ax.legend(fontsize="small")
     else:
         for h, row in enumerate(values):
             ax.plot(row.numpy(), marker=".", label=f"head {h}")
@@ -201,9 +285,10 @@ def plot_per_head(name: str, values: torch.Tensor, path: Path, title: str) -> Pa
 
 
 def inspect_scheme(
-    scheme: PositionalScheme, out_dir: Path, T: int, title: str, train_len=None, learned=False
+    scheme: PositionalScheme, out_dir: Path, T: int, title: str, train_len=None, learned=False, qk=None
 ) -> list[Path]:
-    """Every picture the scheme's hooks call for, written into out_dir; the paths written."""
+    """Every picture the scheme's hooks call for, written into out_dir; the paths written.
+    `qk`: a trained model's q and k (`model_qk`), drawn instead of random ones."""
     scheme = scheme.eval()
     out_dir = Path(out_dir)
     drawings = []  # (file name, draw(path)); computed first, so a scheme with none writes nothing
@@ -211,15 +296,28 @@ def inspect_scheme(
     if pe is not None:
         drawings.append(("encoding.png", lambda p: plot_encoding(pe, p, title, train_len)))
         drawings.append(("similarity.png", lambda p: plot_similarity(similarity(pe), p, title, train_len)))
-    rot = rotation_scores(scheme, T)
+    what = "random q and k" if qk is None else "layer 0's q and k, averaged over the vocabulary"
+    rot = rotation_scores(scheme, T, qk=qk)
     if rot is not None:
-        drawings.append(("rotation.png", lambda p: plot_rotation(*rot, p, title)))
-    maps = bias_maps(scheme, T)
+        drawings.append(("rotation.png", lambda p: plot_rotation(*rot, p, title, what=what)))
+    maps = bias_maps(scheme, T, qk=qk)
     if maps is not None:
-        drawings.append(("bias.png", lambda p: plot_bias(maps, p, title, train_len)))
+        notes = []
+        if reads_content(scheme, T):
+            same = "" if qk is None else ", the same at every position"
+            notes.append(f"it depends on the content (q and k), not only on positions: drawn for {what}{same}")
+        drawn = maps[~maps.isnan()]
+        if drawn.numel() and bool((drawn == drawn[0]).all()):
+            params = list(scheme.parameters())
+            zero = bool(params) and all(bool((p == 0).all()) for p in params)
+            why = "; its parameters are all 0, as initialised: inspect a trained run" if zero else ""
+            notes.append(f"it is {drawn[0].item():g} at every (i, j), so it changes no attention weight{why}")
+        drawings.append(("bias.png", lambda p: plot_bias(maps, p, title, train_len, notes)))
     if learned:
         for name, values in per_head_parameters(scheme).items():
-            drawings.append((f"param-{name}.png", partial(plot_per_head, name, values, title=title)))
+            index = distance_index(scheme, name, T) if values.dim() == 2 else None
+            draw = partial(plot_per_head, name, values, title=title, index=index, train_len=train_len)
+            drawings.append((f"param-{name}.png", draw))
     if drawings:
         out_dir.mkdir(parents=True, exist_ok=True)
     return [draw(out_dir / fname) for fname, draw in drawings]
@@ -227,9 +325,9 @@ def inspect_scheme(
 
 def inspect_target(target: str, out_dir: Optional[Path] = None, length: Optional[int] = None) -> list[Path]:
     """`posbench inspect TARGET`: a scheme (name or module:Class) at its defaults, or a trained
-    run folder, whose scheme is drawn with its learned parameters."""
+    run folder, whose scheme is drawn with its learned parameters and its model's own q and k."""
     from posbench.experiment.checkpoint import load_run
-    from posbench.experiment.records import safe_name
+    from posbench.files import safe_name
 
     if length is not None and length < 2:
         raise PosbenchError(f"--length {length}: draw at least 2 positions")
@@ -237,11 +335,13 @@ def inspect_target(target: str, out_dir: Optional[Path] = None, length: Optional
     if target not in SCHEMES and (as_path.is_dir() or ("/" in target or target.startswith("."))):
         _, model = load_run(as_path)  # says what is wrong with a folder that is not a run
         scheme, name, learned = model.scheme, as_path.resolve().name, True
+        qk = model_qk(model)  # what q.k is made of is learned too, even for a scheme without parameters
     else:
         scheme, name, learned = build_scheme(ModelConfig(scheme=target)), safe_name(target), False
+        qk = None
     train_len = scheme.cfg.train_len
     T = length or 2 * train_len
     if scheme.max_len is not None:
         T = min(T, scheme.max_len)
     title = f"{name} (trained)" if learned else name
-    return inspect_scheme(scheme, out_dir or Path("results") / "inspect" / name, T, title, train_len, learned)
+    return inspect_scheme(scheme, out_dir or Path("results") / "inspect" / name, T, title, train_len, learned, qk)

@@ -8,6 +8,9 @@ class Reporter:
     Runs may train at once (train.workers), so each call names its run's label. This base
     reports nothing."""
 
+    def plan(self, runs: int) -> None:
+        """How many runs this command will train, so each can say it is "3 of 8"."""
+
     def start(self, label: str, total: int) -> None: ...
 
     def step(self, label: str, step: int, loss: float) -> None: ...
@@ -15,3 +18,26 @@ class Reporter:
     def finish(self, label: str) -> None: ...
 
     def note(self, message: str) -> None: ...
+
+
+class Marked(Reporter):
+    """Another reporter, with `mark` after each run's label: a sweep's grid point, since the
+    label ("alibi seed 0") is the same at every point."""
+
+    def __init__(self, reporter: Reporter, mark: str):
+        self.reporter, self.mark = reporter, mark
+
+    def plan(self, runs):
+        self.reporter.plan(runs)
+
+    def start(self, label, total):
+        self.reporter.start(label + self.mark, total)
+
+    def step(self, label, step, loss):
+        self.reporter.step(label + self.mark, step, loss)
+
+    def finish(self, label):
+        self.reporter.finish(label + self.mark)
+
+    def note(self, message):
+        self.reporter.note(message)

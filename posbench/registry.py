@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from collections.abc import Callable, Iterator, Mapping
 
 from posbench.errors import PosbenchError, did_you_mean, first_line
@@ -88,7 +89,16 @@ def load_plugin(spec: str, kind: str, base: type, public: str, example: str) -> 
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise PosbenchError(f"{kind} '{spec}': cannot import module '{module_name}' ({e})") from None
+        missing = getattr(e, "name", None) or ""
+        # the module itself (or its package) is not found, not a module it imports: say where
+        # posbench looks (the CLI puts the working directory on sys.path)
+        where = (
+            f"; posbench imports it from the working directory ({os.getcwd()}) or PYTHONPATH: run "
+            f"posbench from the folder that holds {module_name.replace('.', '/')}.py"
+            if isinstance(e, ModuleNotFoundError) and missing and (module_name + ".").startswith(missing + ".")
+            else ""
+        )
+        raise PosbenchError(f"{kind} '{spec}': cannot import module '{module_name}' ({e}){where}") from None
     except Exception as e:  # the user's module itself is broken: name the error, not a traceback
         raise PosbenchError(
             f"{kind} '{spec}': importing module '{module_name}' failed ({type(e).__name__}: {first_line(e, 10**6)})"

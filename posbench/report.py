@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from posbench.config import differences, identity, shared_identity
+from posbench.config import differences, flat, identity, shared_identity
 from posbench.errors import PosbenchError
 from posbench.experiment.records import (
     CONFIG,
@@ -43,11 +43,12 @@ class Run:
 class Collected:
     """The evaluated runs of one or more experiments, and the ones left out, with why."""
 
-    measure: Measure
+    measure: Optional[Measure]  # None when every run is still running in another process
     runs: list[Run] = field(default_factory=list)
     diverged: dict = field(default_factory=dict)  # run folder name -> 'alibi seed 1 at step 12'
     running: list = field(default_factory=list)  # run folders another process holds
     points: dict = field(default_factory=dict)  # run folder -> its grid point ('' for none)
+    parts: dict = field(default_factory=dict)  # run folder -> what its experiment's runs share
 
 
 def collect(exp_dir: Path) -> Collected:
@@ -80,10 +81,10 @@ def collect(exp_dir: Path) -> Collected:
         measure = measure_for(cfg)
         kinds.setdefault(type(measure), rdir)
         if len(kinds) > 1:  # perplexity and exact match share no table
-            (a, b) = kinds.values()
+            (a, first_dir), (b, other_dir) = kinds.items()
             raise PosbenchError(
-                f"this report mixes runs scored by {type(measure).name} and by another measure "
-                f"(e.g. {a} and {b}); report them apart"
+                f"this report mixes runs scored by {a.name} (e.g. {first_dir}) with runs scored by {b.name} "
+                f"(e.g. {other_dir}); report them apart"
             )
         part = shared_identity(measure.identity(identity(cfg)))
         if first is None:
@@ -95,12 +96,18 @@ def collect(exp_dir: Path) -> Collected:
                 f"a table compares runs that differ only in scheme and seed"
             )
         out.runs.append(Run(rdir, cfg, measure.read(rdir), trained_with(rdir)))
-        out.points[rdir] = part
+        out.parts[rdir] = part
+    for lock in sorted(exp_dir.glob(".*.lock")):  # a run still training has no folder of its own yet
+        name = lock.name[1 : -len(".lock")]
+        if not (exp_dir / name).exists() and lock_holder(lock) is not None:
+            running.append(name)
+    if out is None and running:  # nothing to table yet: another process is training every run
+        return Collected(None, diverged=diverged, running=running)
     if out is None:
         if diverged:
             raise PosbenchError(f"{exp_dir}: every run diverged ({', '.join(diverged.values())}); lower train.lr")
         raise PosbenchError(f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)")
-    out.points = point_labels(out.points)
+    out.points = point_labels(out.parts)
     out.diverged, out.running = diverged, running
     return out
 
@@ -122,8 +129,17 @@ def join(collected: list[Collected], dirs: list[Path]) -> Collected:
         for (what, a), (_, b) in zip(first.measure.join_checks(a_rows), first.measure.join_checks(b_rows)):
             if a != b:
                 raise PosbenchError(
-                    f"cannot join {name} and {d.name}: their {what} differ ({_listed(a)} against {_listed(b)})"
+                    f"cannot join {name} and {d.name}: their {what} differ "
+                    f"({', '.join(map(str, sorted(a, key=str)))} against {', '.join(map(str, sorted(b, key=str)))})"
                 )
+        ours, theirs = _settings(first), _settings(other)
+        if ours != theirs:  # a row's header would name one budget for runs trained under another
+            a, b = next((a, b) for a, b in zip(ours, theirs) if a != b) if len(ours) == len(theirs) else (ours, theirs)
+            diff = differences(a, b, (name, f"in {d.name}")) if isinstance(a, dict) else ["their grid points differ"]
+            raise PosbenchError(
+                f"cannot join {name} and {d.name}: they were trained under different settings ({', '.join(diff)}); "
+                f"a joined table compares runs that differ only in scheme and seed"
+            )
         mine = {(run.cfg.schemes[0], run.cfg.seeds[0]) for run in first.runs}
         clash = mine & {(run.cfg.schemes[0], run.cfg.seeds[0]) for run in other.runs}
         if clash:
@@ -137,13 +153,14 @@ def join(collected: list[Collected], dirs: list[Path]) -> Collected:
         joined.diverged.update(c.diverged)
         joined.running += c.running
         joined.points.update(c.points)
+        joined.parts.update(c.parts)
     return joined
 
 
-def _listed(values: set) -> str:
-    from posbench.measures.perplexity import protocol_label
-
-    return ", ".join(protocol_label(*v) if isinstance(v, tuple) else str(v) for v in sorted(values, key=str))
+def _settings(c: Collected) -> list[dict]:
+    """What an experiment's runs share, once per grid point, in a fixed order."""
+    unique = {repr(sorted(flat(part).items(), key=str)): part for part in c.parts.values()}
+    return [unique[k] for k in sorted(unique)]
 
 
 def write_summary(
@@ -152,15 +169,27 @@ def write_summary(
     transpose: bool = False,
     out: Optional[Path] = None,
     buckets: Optional[list[int]] = None,
+    asked=None,
 ) -> tuple[Collected, dict, Path]:
     """summary.csv, summary.md, summary.tex and the plots, from the run folders of one
     experiment, or of several joined into one comparison (written to `out`, by default a
-    folder beside the first named after them all). Returns what was collected, the report's
-    parts (title, sections...) and the folder written."""
+    folder beside the first named after them all); `asked`, the config a training command ran,
+    keeps to the rows it asked for where `posbench evaluate` scored more. Returns what was
+    collected, the report's parts (title, sections...) and the folder written."""
     dirs = _dirs(exp_dirs)
-    collected = join([collect(d) for d in dirs], dirs)
-    parts = collected.measure.report(collected, metric, transpose, buckets)
+    every = [collect(d) for d in dirs]
     folder = summary_dir(dirs, out)
+    scored = [(c, d) for c, d in zip(every, dirs) if c.runs]
+    if not scored:  # every run is still another process's
+        return Collected(None, running=[r for c in every for r in c.running]), None, folder
+    collected = join([c for c, _ in scored], [d for _, d in scored])
+    for c in every:
+        if not c.runs:
+            collected.running += c.running
+    if asked is not None:
+        for run in collected.runs:
+            run.rows = collected.measure.asked(run.rows, asked)
+    parts = collected.measure.report(collected, metric, transpose, buckets)
     folder.mkdir(parents=True, exist_ok=True)
     frame, columns = parts["csv"]
     with atomic(folder / "summary.csv") as tmp:

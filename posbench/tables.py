@@ -14,6 +14,7 @@ from posbench.config import flat
 from posbench.experiment.records import read_train_log
 from posbench.files import atomic
 
+BAND_SEEDS = 3  # a 95% band needs this many seeds: with two, Student's t is 12.7 and the band hides the means
 UNRECORDED = "unrecorded"  # a run whose train_log.jsonl does not name its attention backend
 
 
@@ -98,6 +99,45 @@ def scheme_order(names: set) -> list[str]:
     return order + sorted(names - set(order))
 
 
+# A scheme's colour follows its name alone, so it is the same in every plot and does not move
+# when rows come or go: a registered scheme takes its registry index's colour (matplotlib's
+# tab10, then darker ones); a plugin a hue from a hash of its name; an evaluation-time variant
+# (rope+yarn) its base's colour with a dash pattern from a hash of the variant's name.
+PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
+)  # fmt: skip
+DASHES = ("--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)), (0, (8, 3)))  # never solid
+
+
+def _stable_hash(text: str) -> int:
+    import hashlib
+
+    return int(hashlib.md5(text.encode()).hexdigest(), 16)  # not hash(): that changes per process
+
+
+def colour(name: str) -> str:
+    """The colour of scheme `name` (or of the scheme `name` is a variant of) in every plot."""
+    import colorsys
+
+    from posbench.schemes import SCHEMES
+
+    base = name.partition("+")[0]
+    names = list(SCHEMES)  # names only: no scheme module (and no torch) is imported
+    if base in names and names.index(base) < len(PALETTE):
+        return PALETTE[names.index(base)]
+    r, g, b = colorsys.hsv_to_rgb((_stable_hash(base) % 360) / 360, 0.7, 0.7)
+    return f"#{round(255 * r):02x}{round(255 * g):02x}{round(255 * b):02x}"
+
+
+def style(name: str) -> dict:
+    """matplotlib line keywords for scheme `name`: its colour, solid for a trained scheme and
+    dashed (a pattern per variant) for an evaluation-time variant such as rope+yarn."""
+    _, plus, variant = name.partition("+")
+    dashes = DASHES[_stable_hash(variant) % len(DASHES)] if plus else "-"
+    return {"color": colour(name), "linestyle": dashes}
+
+
 def pyplot():
     """matplotlib's pyplot on a file-only backend, or None where matplotlib is missing."""
     try:
@@ -134,17 +174,25 @@ def plot_training(runs, path: Path) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    colours = {}
+    labelled = set()
     for rdir, run in runs.items():
         log = read_train_log(rdir)
         if not log:
             continue
         scheme = run.cfg.schemes[0]
-        kw = {"color": colours[scheme]} if scheme in colours else {"label": scheme}
-        (line,) = ax.plot([r["step"] for r in log], [r["loss"] for r in log], linewidth=1, alpha=0.8, **kw)
-        colours.setdefault(scheme, line.get_color())
+        kw = {} if scheme in labelled else {"label": scheme}  # one legend entry per scheme
+        labelled.add(scheme)
+        ax.plot([r["step"] for r in log], [r["loss"] for r in log], linewidth=1, alpha=0.8, **style(scheme), **kw)
     ax.set_xlabel("training step")
     ax.set_ylabel("training loss (nats per byte)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save(plt, fig, path)
+
+
+def band(ax, xs, means, cis, seeds: int, name: str) -> None:
+    """The 95% band around a scheme's line, drawn only with BAND_SEEDS seeds or more."""
+    if seeds >= BAND_SEEDS:
+        lo = [m - (c if c == c else 0) for m, c in zip(means, cis)]
+        hi = [m + (c if c == c else 0) for m, c in zip(means, cis)]
+        ax.fill_between(xs, lo, hi, color=colour(name), alpha=0.15, linewidth=0)

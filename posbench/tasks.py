@@ -331,10 +331,5 @@ TASKS = Registry(
 )
 
 
-def resolve_task(name: str) -> type[Task]:
-    """A registered name, or `module:Class` naming a user's Task subclass."""
-    return TASKS.resolve(name)
-
-
 def build_task(name: str, options: dict) -> Task:
     return TASKS.build(name, options)

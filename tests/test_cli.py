@@ -1040,3 +1040,295 @@ def test_evaluate_scores_a_run_without_loading_the_training_loop(smoke, tmp_path
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "48" in {r["length"] for r in csv.DictReader((run / "eval.csv").open())}
+
+
+def _flat(text: str) -> str:
+    """Help or README text with its line breaks and rich's box edges folded into single spaces."""
+    import re
+
+    return re.sub(r"[\s│]+", " ", text)
+
+
+def test_train_and_sweep_take_the_config_as_a_flag_and_train_takes_seeds(tmp_path, corpus_file):
+    """#30.6: every command takes `--config FILE`; `train --seeds 0,1,2`, as the tables' footer advises."""
+    from conftest import ROOT
+
+    out = tmp_path / "results"
+    sets = ["--set", f"out_dir={out}", "--set", f"data.path={corpus_file}", "--set", "train.steps=2"]
+    res = invoke("train", "--config", SMOKE, "--scheme", "nope", "--seeds", "0,1", *sets)
+    assert res.exit_code == 0, res.output
+    assert all((out / "smoke" / f"nope-seed{n}" / "model.pt").exists() for n in (0, 1))
+    res = invoke("train", SMOKE, "--config", SMOKE)
+    assert res.exit_code == 2 and "config given twice" in _flat(res.output), res.output
+    res = invoke("train", "--seed", "1", "--seeds", "0,1")
+    assert res.exit_code == 2 and "--seed and --seeds both pick the seeds" in _flat(res.output), res.output
+    res = invoke("sweep", "--config", ROOT / "configs" / "sweep-example.yaml", "--dry-run")
+    assert res.exit_code == 0 and "grid point" in res.output, res.output
+    res = invoke("sweep")
+    assert res.exit_code == 2 and "posbench sweep needs a config" in _flat(res.output), res.output
+
+
+def test_help_offers_only_input_that_is_taken_and_names_the_length_defaults():
+    """#30.12: --protocol takes a comma list (no `both`), --compile is a flag and says so when
+    given a value, and extrapolate's help names where its lengths come from."""
+    import subprocess
+    import sys
+
+    from posbench.config import EvalConfig, ModelConfig, length_grid
+
+    text = _flat(invoke("extrapolate", "--help").output)
+    assert "or both" not in text and "nonoverlapping,sliding" in text
+    L, grid = ModelConfig().train_len, ",".join(map(str, length_grid(100, 200)))
+    assert f"(default: model.train_len, {L})" in text
+    assert f"(default: eval.lengths, {','.join(map(str, EvalConfig().lengths))})" in text
+    assert f"scores L and 1/4, 1/2 and all of the way to N (--test-len 200 from 100: {grid})" in text
+    for command in ("extrapolate", "train"):
+        help_lines = invoke(command, "--help").output.splitlines()
+        compile_line = next(line for line in help_lines if "--compile" in line)
+        assert "<bool>" not in compile_line and "no value" in _flat("\n".join(help_lines)), compile_line
+    args = [sys.executable, "-m", "posbench.cli", "train", "--compile", "true"]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "--compile take no value" in lines[0], res.stderr
+
+
+def test_readme_says_what_a_run_folder_holds(smoke):
+    """#30.13: the files the README lists in a run folder are the ones a run writes;
+    positions.png is the experiment's, never a run's."""
+    import re
+
+    from conftest import ROOT
+
+    from posbench.measures.exact_match import ExactMatch
+
+    readme = (ROOT / "README.md").read_text()
+    exp, _, _ = smoke
+    written = {p.name for p in (exp / "alibi-seed0").iterdir() if not p.name.startswith(".")}
+    listed = readme[readme.index("a folder per run") :].split("\n\n")[0]
+    named = set(re.findall(r"`(\w+\.\w+)`", listed))
+    assert written <= named and named - written == set(ExactMatch.records) - written, (named, written)
+    for at in [m.start() for m in re.finditer(r"`positions\.png`", readme)]:
+        before = readme[max(0, at - 60) : at]
+        assert "experiment's" in before or "run" not in before, before
+
+
+def test_docs_count_the_hooks_name_the_interval_and_state_the_length_rule():
+    """#30.13: the hook table and its sentence agree, default.yaml names the interval the tables
+    print, and the README states how --test-len picks lengths, not only an example."""
+    import pandas as pd
+    from conftest import ROOT
+
+    from posbench.config import length_grid
+    from posbench.measures.perplexity import spread_note
+    from posbench.schemes import PositionalScheme
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Write your own scheme") :].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    hooks = [line.split("`")[1].split("(")[0] for line in rows]
+    assert all(callable(getattr(PositionalScheme, h, None)) for h in hooks), hooks
+    intro = _flat(section.split("| hook |")[0])
+    required = [r for r in rows if "optional" not in r]
+    words = {3: "three", 4: "four"}
+    assert f" {words[len(required)]} hooks" in intro and "up to" not in intro, intro
+    assert ("optional" in intro) == (len(required) < len(rows)), intro
+    seeds_line = next(line for line in (ROOT / "configs" / "default.yaml").read_text().splitlines() if "seeds:" in line)
+    assert "mean ± 95%" in spread_note({"x": pd.DataFrame({"seeds": [2]})})
+    assert "mean ± 95% interval" in seeds_line and "std" not in seeds_line, seeds_line
+    assert length_grid(100, 200) == [100, 125, 150, 200]
+    text = _flat(readme)
+    assert "`--test-len N` scores the training length L" in text and "1/4, 1/2 and all of the way from L to N" in text
+    assert "`--test-len 200` scores 100, 125, 150, 200" in text
+
+
+def test_bench_quick_says_its_timings_are_rough(tmp_path):
+    """#30.13: one round cannot be compared; the README and the command both say so."""
+    from conftest import ROOT
+
+    res = invoke("bench", "--quick", "--schemes", "nope", "--out", tmp_path / "bench.csv")
+    assert res.exit_code == 0, res.output
+    assert "note: --quick timed 1 round at batch 4" in _flat(res.output), res.output
+    readme = _flat((ROOT / "README.md").read_text())
+    assert "`--quick` times one round, too few to compare schemes" in readme
+
+
+def test_make_installs_the_test_extra_only_for_test_and_lint():
+    """#30.13: `make extrapolate` (and smoke) install the package alone; test and lint add `.[test]`."""
+    import subprocess
+
+    from conftest import ROOT
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+
+    def dry(target):
+        res = subprocess.run(["make", "-n", "-C", str(ROOT), target], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    for target in ("extrapolate", "smoke"):
+        assert "[test" not in dry(target) and "pip install -q -e ." in dry(target)
+    for target in ("test", "lint"):
+        assert "'.[test" in dry(target)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert all(f"make {t}" in ci for t in ("lint", "test", "smoke"))
+
+
+# --- #30.3: tables in 80 columns (output redirected) cut no number; #30.8: progress in logs ---------
+
+
+def _whole(number: str, text: str) -> bool:
+    """`number` appears in `text` as a whole token, not cut short nor run into another."""
+    import re
+
+    return re.search(rf"(?<![\w.]){re.escape(number)}(?![\w.])", text) is not None
+
+
+def _rendered(table, width: int = 80) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=width)
+    console.print(table)
+    return console.file.getvalue()
+
+
+def test_the_report_in_80_columns_cuts_no_number_and_no_header(tmp_path):
+    """#30.3: two seeds and five lengths, redirected (CliRunner is 80 wide): every number of the
+    table is there in full, and no header ends in "…" (ppl(64)/ppl(train) breaks after its "/")."""
+    import re
+
+    more = ("--schemes", "learned,alibi", "--seeds", "0,1", "--set", "eval.lengths=[32,40,48,56,64]")
+    exp, _, _ = smoke_experiment(tmp_path, *more)
+    res = invoke("report", exp)
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output, res.output
+    table = [line for line in (exp / "summary.md").read_text().splitlines() if line.startswith("| ")]
+    numbers = {n for line in table for n in re.findall(r"\d+\.\d+", line)}
+    assert numbers and all(_whole(n, res.output) for n in numbers), res.output
+    assert "ppl(64)/" in res.output and "ppl(train)" in res.output, res.output
+
+
+def test_bench_tables_in_80_columns_tell_100_from_1600(tmp_path):
+    """#30.3: with the peer's columns, eval memory at 100 and 1600 is headed by its length in
+    full, never "mem@1…" twice, and every number is there in full."""
+    from posbench.config import ModelConfig
+    from posbench.console import bench_table
+
+    rows, where = [], {"device": "cpu (AMD EPYC 7B13, 2 threads)", "attention": "native"}
+    for i, s in enumerate(("nope", "sinusoidal", "learned", "alibi")):
+        speed = {"tokens_per_s": 61234.4 - 997 * i, "ratio_vs_nope": 1 - 0.03 * i, "mfu": 0.0734}
+        peer = {"peer_tokens_per_s": 50876.0 + i, "peer_ratio": 1.21 + 0.01 * i}
+        rows.append({"scheme": s, "measurement": "train", **speed, **peer, **where})
+        for L, mb in ((100, 3.1 + i), (1600, 655.4 + i)):
+            mb = None if s == "learned" and L > 100 else mb  # beyond its table
+            rows.append({"scheme": s, "measurement": "eval", "eval_len": L, "peak_mem_mb": mb, **where})
+    text = _rendered(bench_table(rows, 1.2e11, ModelConfig(), torch.device("cpu"), "x-transformers"))
+    assert "…" not in text, text
+    head = next(line for line in text.splitlines() if "scheme" in line and "100" in line)
+    assert _whole("100", head) and _whole("1600", head), text
+    formats = {"tokens_per_s": ".0f", "ratio_vs_nope": ".2f", "peer_tokens_per_s": ".0f", "peer_ratio": ".2f"}
+    for r in rows:
+        for key, fmt in {**formats, "peak_mem_mb": ".1f"}.items():
+            if r.get(key) is not None:
+                assert _whole(format(r[key], fmt), text), (key, r[key], text)
+
+
+def test_status_in_80_columns_spends_a_line_or_two_a_run(tmp_path):
+    """#30.3: a run is a line, with its state and whole detail beside it; a sweep's runs, whose
+    folder names are long, at most two; no number is cut and nothing ends in "…"."""
+    import re
+
+    from posbench.console import status_table
+
+    runs = [
+        ("alibi-seed0-train_len64-3f9c2a1e", "running", "training, at step 120 of 500 (pid 4242)"),
+        ("rope-seed1-train_len128-0c613c13", "partial", "at step 250 of 500; rerun to resume"),
+        ("sinusoidal-seed2-train_len64-85eaff04", "done", "trained and evaluated"),
+        ("t5-seed0-train_len128-12ab34cd", "diverged", "at step 37 (loss nan)"),
+    ]
+    rows = []  # as run_status gives them
+    for run, state, detail in runs:
+        scheme, seed = run.split("-")[:2]
+        rows.append({"run": run, "scheme": scheme, "seed": int(seed[4:]), "train_len": 64})
+        rows[-1].update(state=state, detail=detail)
+    text = _rendered(status_table(tmp_path / "sweep", rows))
+    assert "…" not in text, text
+    body = [line for line in text.splitlines() if line.startswith("│")]
+    assert len(body) <= 2 * len(rows), text
+    for r in rows:
+        assert r["run"] in text and all(_whole(n, text) for n in re.findall(r"\d+", r["detail"])), text
+    short = [{**r, "run": r["run"].rsplit("-", 2)[0]} for r in rows]  # an experiment's: alibi-seed0
+    text = _rendered(status_table(tmp_path / "default", short))
+    assert len([line for line in text.splitlines() if line.startswith("│")]) == len(rows), text
+    for r in short:
+        line = next(line for line in text.splitlines() if f"│ {r['run']} " in line)
+        assert r["state"] in line and r["detail"] in line, text
+
+
+def test_without_a_terminal_progress_lines_come_while_a_run_trains():
+    """#30.8: output redirected (nohup, CI, tee): a line every tenth of a run, with its loss and
+    time left, before the run finishes, not a bar drawn only at its end."""
+    import io
+
+    from rich.console import Console
+
+    from posbench.console import BarReporter
+
+    console = Console(file=io.StringIO(), force_terminal=False, width=80)
+    reporter = BarReporter(console)
+    reporter.start("alibi seed 0", 100)
+    for step in range(1, 51):
+        reporter.step("alibi seed 0", step, 3.0 - step / 100)
+    during = console.file.getvalue()
+    assert "alibi seed 0: step 50/100, loss 2.500, eta" in during, during
+    assert "alibi seed 0: step 10/100" in during and "step 11/100" not in during, during  # a tenth, not every step
+    for step in range(51, 101):
+        reporter.step("alibi seed 0", step, 2.0)
+    reporter.finish("alibi seed 0")
+    assert "alibi seed 0: step 100/100, loss 2.000, took" in console.file.getvalue()
+
+
+def test_progress_counts_the_runs_in_logs_and_on_a_terminal(tmp_path):
+    """#30.8: each run says which of the runs to train it is ("2 of 2"), in a log and in a bar,
+    and a bar shows the time left."""
+    import io
+
+    from rich.console import Console
+
+    from posbench.console import BarReporter
+
+    _, res, _ = smoke_experiment(tmp_path, "--schemes", "nope,alibi")
+    said = " ".join(res.output.split())
+    assert "nope seed 0 (1 of 2)" in said and "alibi seed 0 (2 of 2)" in said, res.output
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    reporter = BarReporter(console)
+    reporter.plan(3)
+    reporter.start("rope seed 1", 100)
+    reporter.step("rope seed 1", 50, 2.5)
+    reporter.finish("rope seed 1")
+    drawn = console.file.getvalue()
+    assert "rope seed 1 (1 of 3)" in drawn and "50/100" in drawn and "eta" in drawn, drawn
+
+
+def test_a_sweeps_progress_names_each_grid_point(tmp_path):
+    """#30.8: two grid points train "alibi seed 0" each; their progress is told apart by the
+    grid point, as the run folder names it (train_len16-<hash>)."""
+    text = tmp_path / "tiny.txt"
+    text.write_text("to be or not to be that is the question\n" * 400)
+    config = tmp_path / "sweep.yaml"
+    config.write_text(
+        f"name: grid\nout_dir: {tmp_path / 'r'}\ndata: {{path: {text}}}\n"
+        "model: {n_layer: 1, n_head: 2, d_model: 32, train_len: 16}\n"
+        "train: {steps: 10, batch_size: 4, warmup_steps: 2, log_every: 5, threads: 1}\n"
+        "eval: {lengths: [32], tokens: 1024}\n"
+        "sweep:\n  schemes: [alibi]\n  model.train_len: [16, 24]\n"
+    )
+    res = invoke("sweep", config)
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    runs = sorted(p.name for p in (tmp_path / "r" / "grid").iterdir() if p.is_dir())
+    assert len(runs) == 2
+    for k, run in enumerate(runs, start=1):
+        assert f"alibi seed 0, {run.removeprefix('alibi-seed0-')} ({k} of 2)" in said, res.output

@@ -185,3 +185,35 @@ def test_a_run_s_identity_is_every_field_not_declared_a_setting():
     assert "attention" not in part["model"] and {"train_len", "n_layer", "scheme"} <= set(part["model"])
     assert {"threads", "workers", "device", "compile", "log_every", "checkpoint_every"}.isdisjoint(part["train"])
     assert {"lr", "steps", "batch_size", "warmup_steps"} <= set(part["train"])
+
+
+# --- a plugin's options: its name, module:Class, keeps its module's dots --------------------
+
+PLUGIN = "examples.my_scheme:MyScheme"
+
+
+def test_set_names_a_plugin_s_options_by_module_and_class():
+    """`--set scheme_options.<module:Class>.<option>=v`: the name runs to the first dot after
+    its colon, so the module's dots are not sections."""
+    cfg = load_config(None, [f"scheme_options.{PLUGIN}.window=8", "scheme_options.t5.max_distance=64"])
+    assert cfg.scheme_options == {PLUGIN: {"window": 8}, "t5": {"max_distance": 64}}
+    assert cfg.origins[f"scheme_options.{PLUGIN}.window"] == f"--set scheme_options.{PLUGIN}.window=8"
+    raw = {}
+    apply_override(raw, f"scheme_options.{PLUGIN}={{window: 4}}")  # the whole mapping at once
+    assert raw == {"scheme_options": {PLUGIN: {"window": 4}}}
+
+
+def test_a_plugin_s_options_from_yaml_as_the_readme_writes_them(tmp_path):
+    my = tmp_path / "my.yaml"
+    my.write_text(f"schemes: [{PLUGIN}]\nscheme_options:\n  {PLUGIN}: {{window: 64}}\n")
+    cfg = load_config(my, [f"scheme_options.{PLUGIN}.window=8"])  # the flag wins over the file
+    assert cfg.scheme_options == {PLUGIN: {"window": 8}}
+
+
+@pytest.mark.parametrize("option, said", [("window=-1", "must be a positive integer"), ("windw=8", "unknown option")])
+def test_a_bad_plugin_option_is_blamed_on_its_flag(monkeypatch, option, said):
+    monkeypatch.syspath_prepend(str(ROOT))  # examples/ imports from the repository root
+    flag = f"scheme_options.{PLUGIN}.{option}"
+    with pytest.raises(PosbenchError) as e:
+        resolve(load_config(None, [f"schemes=[{PLUGIN}]", flag]))
+    assert str(e.value).startswith(f"--set {flag}") and said in str(e.value), str(e.value)

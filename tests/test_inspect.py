@@ -223,3 +223,98 @@ def test_inspect_a_folder_without_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     res = invoke("inspect", tmp_path / "empty")
     assert res.exit_code != 0 and "holds no checkpoint (model.pt)" in res.output
+
+
+# --- what each picture says it draws (issue 30, item 11) ---------------------------------------
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Every figure inspect writes, by file name, kept for its lines and texts."""
+    figures = {}
+    save = plots._save
+
+    def keep(fig, path):
+        figures[Path(path).name] = fig
+        return save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
+def texts(fig) -> str:
+    """Every word a figure shows: titles, axis labels, legends, free text."""
+    words = [fig._suptitle.get_text() if fig._suptitle else ""]
+    for ax in fig.axes:
+        words += [ax.get_title(), ax.get_xlabel(), ax.get_ylabel(), *(t.get_text() for t in ax.texts)]
+        if ax.get_legend():
+            words += [t.get_text() for t in ax.get_legend().get_texts()]
+    return " ".join(" ".join(words).split())
+
+
+def test_inspect_a_trained_rope_run_draws_the_scores_its_weights_give(trained, tmp_path, drawn):
+    """RoPE has no parameters: what training changes is q and k. The drawn score at distance d
+    is layer 0's q.k (head 0), averaged over every pair of vocabulary tokens, query at d, key at 0."""
+    from posbench.experiment.checkpoint import load_run
+
+    run = trained("rope")
+    res = invoke("inspect", run, "--out", tmp_path / "rope")
+    assert res.exit_code == 0, res.output
+    line = drawn["rotation.png"].axes[0].get_lines()[0]  # key at position 0
+    curve = torch.tensor(line.get_ydata(), dtype=torch.float32)
+    _, model = load_run(run)
+    C, H = model.cfg.d_model, model.cfg.n_head
+    with torch.no_grad():
+        q, k, _ = model.blocks[0].attn.qkv(model.blocks[0].ln1(model.tok.weight)).split(C, dim=-1)  # (V, C)
+        q, k = (t.view(-1, H, C // H).transpose(0, 1)[None] for t in (q, k))  # (1, H, V, D)
+        V = q.size(2)
+        _, k0 = model.scheme.rotate(q, k, torch.zeros(V, dtype=torch.long), 0)
+        want = []
+        for d in range(len(curve)):
+            qd, _ = model.scheme.rotate(q, k, torch.full((V,), d), 0)
+            want.append((qd[0, 0] @ k0[0, 0].T).mean())
+    want = torch.stack(want)
+    assert torch.allclose(curve, want, rtol=1e-3, atol=1e-4 * want.abs().max().item())
+    untrained = plots.rotation_scores(SCHEMES["rope"](model.cfg).eval(), len(curve))[1][0]
+    assert not torch.allclose(curve, untrained, atol=0.1 * untrained.abs().max().item())
+
+
+def test_inspect_says_why_copes_bias_map_is_one_colour(tmp_path, drawn):
+    res = invoke("inspect", "cope", "--length", "24", "--out", tmp_path / "cope")
+    assert res.exit_code == 0, res.output
+    words = texts(drawn["bias.png"])
+    assert "depends on the content (q and k)" in words and "drawn for random q and k" in words, words
+    assert "it is 0 at every (i, j)" in words and "parameters are all 0, as initialised" in words, words
+
+
+def test_inspect_draws_t5s_learned_table_against_distance(trained, tmp_path, drawn):
+    from posbench.experiment.checkpoint import load_run
+    from posbench.schemes import t5_relative_bucket
+
+    run = trained("t5")
+    res = invoke("inspect", run, "--out", tmp_path / "t5")
+    assert res.exit_code == 0, res.output
+    _, model = load_run(run)
+    T = 2 * model.cfg.train_len  # inspect's default length
+    d = torch.arange(T)
+    bucket = t5_relative_bucket(-d, False, 32, 128)  # key - query = -d
+    ax = drawn["param-table.png"].axes[0]
+    assert "distance" in ax.get_xlabel()
+    heads = [line for line in ax.get_lines() if line.get_label().startswith("head")]
+    assert len(heads) == model.cfg.n_head
+    for h, line in enumerate(heads):
+        assert list(line.get_xdata()) == d.tolist()
+        want = model.scheme.table.detach()[bucket, h]  # (T,): the entry each distance reads
+        assert torch.allclose(torch.tensor(line.get_ydata(), dtype=torch.float32), want)
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_every_dashed_line_inspect_draws_is_explained(tmp_path, drawn, name):
+    res = invoke("inspect", name, "--length", "24", "--out", tmp_path / name)
+    assert res.exit_code == 0, res.output
+    for fname, fig in drawn.items():
+        for ax in fig.axes:
+            legend = {t.get_text() for t in ax.get_legend().get_texts()} if ax.get_legend() else set()
+            for line in ax.get_lines():
+                if line.get_linestyle() == "--" and line.get_label() not in legend:
+                    assert "training length" in texts(fig), (fname, texts(fig))

@@ -673,3 +673,18 @@ def test_the_four_row_tiles_of_avx2_cpus_match_the_definition_too(monkeypatch, t
     got, want = both(cq, ck, cv, table, kpos[21:], kpos, d_out)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+
+
+@needs_kernel
+def test_a_first_build_is_said_before_the_compiler_runs(monkeypatch, tmp_path):
+    """The kernels' first build takes seconds: `building` hears of it with the cache folder;
+    a cached build is loaded without a word."""
+    monkeypatch.delenv("POSBENCH_NATIVE", raising=False)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "unavailable", {})
+    monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path))
+    heard = []
+    assert native.load("attention", heard.append) is not None
+    assert len(heard) == 1 and heard[0].parent == tmp_path / "native" and any(heard[0].glob("*.so"))  # then built
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load("attention", heard.append) is not None and len(heard) == 1

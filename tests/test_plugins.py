@@ -296,3 +296,64 @@ class BadShape(PositionalScheme):
     assert "attend returned (2, 4, 16), expected None or shape (2, 4, 16, 8)" in " ".join(
         res.output.replace("│", " ").split()
     )
+
+
+# --- check-scheme takes a scheme's options; its rules and its imports are explained ----------
+
+
+def test_check_scheme_passes_options_to_the_scheme(repo_on_path):
+    """`check-scheme NAME --set option=value`: the scheme is built with them, and they are checked."""
+    res = invoke("check-scheme", EXAMPLE, "--set", "window=3")
+    assert res.exit_code == 0, res.output
+    assert "window=3" in " ".join(res.output.replace("│", " ").split()), res.output
+    results = check.run_checks(EXAMPLE, {"window": 3})
+    assert all(r.ok for r in results) and "window=3" in results[0].reason
+    res = invoke("check-scheme", EXAMPLE, "--set", "windw=3")  # refused before any check, blamed on the flag
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "--set windw=3" in res.output and "did you mean 'window'" in res.output, res.output
+
+
+CACHED_TABLE = """
+import torch
+from posbench.schemes import PositionalScheme
+
+class {name}(PositionalScheme):
+    '''A distance bias read from a (T, T) table built for the length it first sees.'''
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.slope = torch.nn.Parameter(torch.tensor(0.5))
+
+    def bias(self, q, k, qpos, kpos, layer):
+        T = q.size(2)
+        pos = torch.arange(T)
+        table = (pos[:, None] - pos[None, :]).float()  # (T, T)
+        {ret}
+"""
+
+
+@pytest.mark.parametrize(
+    "name, ret",
+    [
+        ("WholeTable", "return -self.slope * table[None, None]  # (1, 1, T, T): wrong on blocks"),
+        ("IndexedTable", "return -self.slope * table[qpos][:, kpos][None, None]  # out of range on blocks"),
+    ],
+)
+def test_a_bias_from_a_cached_table_is_told_the_rule(on_path, name, ret):
+    """A bias built from a (T, T) table works on the whole sequence and breaks on blocks of
+    queries: check-scheme names the rule, not a RuntimeError."""
+    module = on_path(f"plug_{name.lower()}", CACHED_TABLE.format(name=name, ret=ret))
+    res = invoke("check-scheme", f"{module}:{name}")
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert row(res.output, "causality") == "FAIL"
+    said = " ".join(res.output.replace("│", " ").split())
+    assert "bias is called on blocks of queries" in said and "never from a cached (T, T) table" in said, said
+
+
+def test_a_plugin_module_not_found_hints_at_the_working_directory(on_path):
+    res = invoke("check-scheme", "no_such_pkg_xyz.mine:Thing")
+    assert res.exit_code == 2 and res.output.strip().count("\n") == 0, res.output
+    assert "run posbench from the folder that holds no_such_pkg_xyz/mine.py" in res.output, res.output
+    module = on_path("plug_needs_dep", "import no_such_dependency_xyz\n")  # found, but its import is not
+    res = invoke("check-scheme", f"{module}:Thing")
+    assert "No module named 'no_such_dependency_xyz'" in res.output and "run posbench from" not in res.output

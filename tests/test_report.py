@@ -192,3 +192,120 @@ def test_a_task_experiment_reports_without_torch(tmp_path):
     res = _report_without_torch(exp)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (exp / "summary.md").read_text() == with_torch
+
+
+# --- one colour per scheme name, in every plot (issue 30, item 7) -----------------------------
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """Every figure a report writes, by file name, kept for its lines."""
+    from posbench import tables
+    from posbench.measures import exact_match, perplexity
+
+    kept, save = {}, tables.save
+
+    def keep(plt, fig, path):
+        kept[path.name] = fig
+        return save(plt, fig, path)
+
+    for module in (tables, perplexity, exact_match):
+        monkeypatch.setattr(module, "save", keep)
+    return kept
+
+
+def line_styles(fig) -> dict:
+    """label -> (colour, line style) of every labelled line."""
+    from matplotlib.colors import to_hex
+
+    return {
+        line.get_label(): (to_hex(line.get_color()), line.get_linestyle())
+        for ax in fig.axes
+        for line in ax.get_lines()
+        if not line.get_label().startswith("_")
+    }
+
+
+def test_a_scheme_has_one_colour_in_summary_positions_and_training_png(tmp_path, figures):
+    from conftest import ROOT
+
+    copy = tmp_path / "reference"
+    shutil.copytree(ROOT / "results" / "reference", copy)
+    res = invoke("report", copy)
+    assert res.exit_code == 0, res.output
+    summary, positions, training = (line_styles(figures[n]) for n in ("summary.png", "positions.png", "training.png"))
+    for s in ("sinusoidal", "t5", "rope", "alibi"):
+        assert summary[s][0] == positions[s][0] == training[s][0], (s, summary, positions, training)
+    from posbench.tables import colour
+
+    assert summary["alibi"][0] == colour("alibi") and summary["rope"][0] == colour("rope")
+
+
+def test_a_task_report_colours_its_schemes_as_a_perplexity_report_does(tmp_path, figures):
+    from conftest import task_experiment
+
+    task_experiment(tmp_path, "nope,alibi")
+    summary, training = line_styles(figures["summary.png"]), line_styles(figures["training.png"])
+    for s in ("nope", "alibi"):
+        assert summary[s][0] == training[s][0], (s, summary, training)
+    from posbench.tables import colour
+
+    assert summary["alibi"][0] == colour("alibi")  # as in a perplexity report's plots
+
+
+def test_adding_rope_yarn_recolours_no_other_scheme(tmp_path, figures):
+    from posbench.measures.perplexity import plot, plot_positions
+
+    def drawn(df):
+        table = comparison(with_metric(df, "ppl"))
+        plot({"nonoverlapping": table}, tmp_path / "summary.png")
+        pos = df.assign(position=df["length"] - 1, point="")  # one position per length will do
+        plot_positions(pos, {"": 100}, tmp_path / "positions.png")
+        return line_styles(figures["summary.png"]), line_styles(figures["positions.png"])
+
+    before = drawn(_rows())
+    rows = _rows()
+    yarn = rows[rows["scheme"] == "rope"].assign(scheme="rope+yarn", ppl=lambda r: r["ppl"] * 0.9)
+    after = drawn(pd.concat([rows, yarn], ignore_index=True))
+    for b, a in zip(before, after):
+        assert {s: a[s] for s in ("rope", "alibi")} == {s: b[s] for s in ("rope", "alibi")}, (b, a)
+        assert a["rope+yarn"] != a["rope"] and a["rope+yarn"] != a["alibi"]
+
+    import os
+    import subprocess
+    import sys
+
+    from posbench.tables import colour, style
+
+    assert colour("rope+yarn") == colour("rope") and style("rope+yarn")["linestyle"] != style("rope")["linestyle"]
+    variants = [style(f"rope+{v}")["linestyle"] for v in ("linear", "ntk", "dynamic", "yarn")]
+    assert len({repr(v) for v in variants}) == 4  # each rope variant has its own dashes
+    plugin = "examples.my_scheme:MyScheme"  # a colour from its name, the same in every process
+    for seed in ("1", "2"):
+        other = subprocess.run(
+            [sys.executable, "-c", f"from posbench.tables import colour; print(colour({plugin!r}))"],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+        )
+        assert other.stdout.strip() == colour(plugin), other.stderr
+
+
+def test_a_95_band_is_drawn_from_three_seeds_not_two(tmp_path, figures):
+    """With two seeds Student's t is 12.7 and a band would hide the means: summary.png draws
+    each scheme's band with three seeds (the committed reference) and none with two."""
+    from conftest import ROOT
+
+    def bands(fig):
+        return sum(len(ax.collections) for ax in fig.axes)
+
+    three = tmp_path / "three"
+    shutil.copytree(ROOT / "results" / "reference", three)
+    assert invoke("report", three).exit_code == 0
+    assert bands(figures["summary.png"]) == 2 * 4  # two protocols, four schemes
+    two = tmp_path / "two"
+    shutil.copytree(three, two)
+    for run in two.glob("*-seed2"):
+        shutil.rmtree(run)
+    assert invoke("report", two).exit_code == 0
+    assert bands(figures["summary.png"]) == 0

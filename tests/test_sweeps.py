@@ -391,6 +391,13 @@ def test_a_diverged_point_is_recorded_the_grid_goes_on_and_status_shows_every_st
     assert (rows["t5-seed0"]["state"], rows["t5-seed0"]["detail"]) == ("failed", "out of memory (at step 10 of 40)")
     assert rows["rope-seed0"]["state"] == "running"
     assert rows["rope-seed0"]["detail"] == f"training, no checkpoint yet (pid {os.getpid()})"
+    # a run in training is at the step its log last reached, not at its last checkpoint's
+    partial = exp / ".nope-seed0.partial"
+    with exclusive(lock_file(exp / "nope-seed0")):
+        with open(partial / "train_log.jsonl", "a") as log:
+            log.write('{"step": 13, "loss": 2.0, "lr": 0.001, "seconds": 1.0, "attention": "native"}\n')
+        detail = {r["run"]: r for r in run_status(exp)}["nope-seed0"]["detail"]
+    assert detail == f"training, at step 14 of 40 (pid {os.getpid()})"
 
 
 def test_a_sweep_on_a_local_ray_instance_gives_the_records_a_local_sweep_gives(tmp_path, monkeypatch):

@@ -222,10 +222,23 @@ def test_scoring_in_one_pass_equals_greedy_decoding(scheme):
     assert 0 < sum(hits) < len(hits)
 
 
-def test_buckets_are_each_length_to_40_then_ten_and_the_training_length_ends_one():
-    assert buckets(20, 40) == [(n, n) for n in range(1, 41)]
+def test_buckets_are_each_length_to_12_then_halves_each_of_the_first_five_past_n_and_thirds():
+    """At most ten columns by default: a table of a task tested to 2N reads on one screen."""
+    assert buckets(5, 10) == [(n, n) for n in range(1, 11)]
+    assert buckets(20, 40) == [
+        (1, 10),
+        (11, 20),
+        (21, 21),
+        (22, 22),
+        (23, 23),
+        (24, 24),
+        (25, 25),
+        (26, 30),
+        (31, 35),
+        (36, 40),
+    ]
     b = buckets(25, 100)
-    assert b[0] == (1, 10) and (21, 25) in b and (26, 30) in b and b[-1] == (91, 100)
+    assert b[:3] == [(1, 13), (14, 25), (26, 26)] and (30, 30) in b and b[-3:] == [(31, 54), (55, 77), (78, 100)]
     assert buckets(20, 40, [10, 30]) == [(1, 10), (11, 20), (21, 30), (31, 40)]
     for spans in (buckets(20, 40), b, buckets(7, 100, [50])):  # they tile 1..test_max
         assert [n for lo, hi in spans for n in range(lo, hi + 1)] == list(range(1, spans[-1][1] + 1))

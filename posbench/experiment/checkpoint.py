@@ -17,7 +17,7 @@ import torch
 
 from posbench.config import ExperimentConfig, config_from_dict, differences, identity, read_record
 from posbench.errors import PosbenchError, first_line
-from posbench.experiment.records import CHECKPOINT, CONFIG, PREVIOUS, WEIGHTS
+from posbench.experiment.records import CHECKPOINT, CONFIG, DIVERGED, PREVIOUS, WEIGHTS
 from posbench.files import TMP_PREFIX, atomic
 from posbench.model import TransformerLM
 from posbench.progress import Reporter
@@ -39,6 +39,11 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
     if not Path(run_dir).is_dir():
         raise PosbenchError(f"{run_dir}: no such run directory")
     if not ckpt_path.is_file():
+        runs = sorted(p.parent for p in Path(run_dir).glob(f"*/{WEIGHTS}") if not p.parent.name.startswith("."))
+        if runs:  # an experiment folder: its runs hold the checkpoints
+            raise PosbenchError(f"{run_dir}: an experiment folder, not a run; give one of its runs, e.g. {runs[0]}")
+        if (Path(run_dir) / DIVERGED).is_file():
+            raise PosbenchError(f"{run_dir}: its training diverged, so it holds no weights; delete it to retrain")
         raise PosbenchError(f"{run_dir}: holds no checkpoint (model.pt); train it first")
     try:
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)

@@ -32,11 +32,12 @@ from posbench.experiment.records import (
     diverged_step,
     lock_file,
     partial_dir,
+    run_name,
 )
 from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
 from posbench.measures import Measure, measure_for
 from posbench.model import TransformerLM
-from posbench.progress import Reporter
+from posbench.progress import Marked, Reporter
 from posbench.resolve import Experiment
 from posbench.workers import run_in_workers, worker_plan
 
@@ -84,7 +85,7 @@ def prepare(exp: Experiment, jobs: list[Job], reporter: Reporter) -> dict:
     backend = backend_for(cfg.model.attention, device, cfg.model.head_dim, cfg.train.compile)
     if backend == "flex" and device.type == "cpu" and any(job.state == "todo" for job in jobs):
         raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)
-    data = exp.measure.source(cfg)
+    data = exp.measure.source(cfg, reporter)
     for note in exp.measure.notes(cfg, data):
         reporter.note(note)
     return {exp.measure.source_key(cfg): data}
@@ -94,7 +95,9 @@ def run_jobs(cfg: ExperimentConfig, jobs: list[Job], folder: Path, reporter: Rep
     """Run the jobs into `folder`, in this process or in cfg.train.workers processes (each reads
     its data itself). An experiment folder made here and left with nothing in it but lock
     files is removed on failure."""
-    workers, threads = worker_plan(cfg, sum(job.state == "todo" for job in jobs))
+    to_train = sum(job.state == "todo" for job in jobs)
+    reporter.plan(to_train)  # each run's progress says "3 of 8"
+    workers, threads = worker_plan(cfg, to_train)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     try:
@@ -105,13 +108,19 @@ def run_jobs(cfg: ExperimentConfig, jobs: list[Job], folder: Path, reporter: Rep
             if threads:
                 torch.set_num_threads(threads)
             for job in jobs:
-                key = job.measure.source_key(job.cfg)
-                data = sources[key] if key in sources else sources.setdefault(key, job.measure.source(job.cfg))
-                run_one(job, data, reporter)
+                run_one(job, source_of(job, sources), reporter)
     except BaseException:
         if created and not any(p for p in folder.iterdir() if not p.name.endswith(".lock")):
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def source_of(job: Job, sources: dict):
+    """The data a job's run reads, from `sources` (by its key), read and kept there if missing."""
+    key = job.measure.source_key(job.cfg)
+    if key not in sources:
+        sources[key] = job.measure.source(job.cfg)
+    return sources[key]
 
 
 def run_job(job: Job, reporter: Reporter) -> str:
@@ -124,6 +133,8 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
     lock throughout. Returns what happened: trained, reused, diverged, or held (another
     process holds the run, so it is left to that process)."""
     rc, rdir, state = job.cfg, job.folder, job.state
+    if job.point is not None:  # "alibi seed 0" is at every grid point: its folder names the point
+        reporter = Marked(reporter, ", " + rdir.name.removeprefix(run_name(rc.schemes[0], rc.seeds[0]) + "-"))
     with exclusive(lock_file(rdir)) as held:
         if not held:
             pid = lock_holder(lock_file(rdir))

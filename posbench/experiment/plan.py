@@ -24,9 +24,8 @@ from posbench.experiment.records import (
     partial_dir,
     read_config,
     run_name,
-    safe_name,
 )
-from posbench.files import lock_holder
+from posbench.files import lock_holder, safe_name
 from posbench.measures import Measure
 from posbench.resolve import Experiment
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from posbench.config import ExperimentConfig, config_from_dict, read_record
+from posbench.files import safe_name
 
 CONFIG, WEIGHTS, DIVERGED, FAILED = "config.yaml", "model.pt", "diverged.json", "failed.txt"
 CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"  # mid-run state; the one before it
@@ -26,11 +27,6 @@ def read_config(rdir: Path) -> ExperimentConfig:
     """A run's config.yaml as a config; a damaged one is one line naming it."""
     path = Path(rdir) / CONFIG
     return config_from_dict(read_record(path), source=str(path))
-
-
-def safe_name(text: str) -> str:
-    """A folder name from anything, e.g. a plugin's module:Class."""
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
 
 
 def run_name(scheme: str, seed: int) -> str:

@@ -17,6 +17,7 @@ from posbench.experiment.records import (
     diverged_step,
     lock_file,
     read_config,
+    read_train_log,
 )
 from posbench.files import lock_holder
 
@@ -52,7 +53,9 @@ def _status_of(folder: Path, rdir: Path, hidden: bool) -> dict:
     step = checkpoint_step(folder) if hidden else None
     at = f"at step {step} of {steps}" if step is not None else "no checkpoint yet"
     if holder is not None:
-        doing = f"training, {at}" if hidden else "evaluating"
+        logged = read_train_log(folder) if hidden else []
+        now = f"at step {logged[-1]['step'] + 1} of {steps}" if logged and "step" in logged[-1] else at
+        doing = f"training, {now}" if hidden else "evaluating"
         return {**row, "state": "running", "detail": f"{doing} (pid {holder or '?'})"}
     if not hidden:
         if (folder / DIVERGED).is_file() and not (folder / WEIGHTS).is_file():

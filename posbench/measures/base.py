@@ -31,7 +31,6 @@ class Section:
     terminal_best: Optional[set] = None
     title: str = ""  # the terminal table's title
     legend: str = ""  # what the terminal's marks mean
-    panel: Optional[dict] = None  # plot: {"series": {scheme: (xs, means, cis)}, "x": length, ...}
 
 
 class Measure:
@@ -48,13 +47,14 @@ class Measure:
         and refuse settings that do not apply to this measure."""
         raise NotImplementedError
 
-    def notes(self, cfg) -> list[str]:
-        """What to say before training: what will be slow, what adds nothing."""
+    def notes(self, cfg, source) -> list[str]:
+        """What to say before training, given what the runs read: what will be slow, what adds nothing."""
         return []
 
     # --- training and scoring (these import torch) ---------------------------------------------
-    def source(self, rc) -> Any:
-        """What a run reads: the corpus, or a task's test set. Built once per process and key."""
+    def source(self, rc, reporter=None) -> Any:
+        """What a run reads: the corpus, or a task's test set. Built once per process and key;
+        `reporter` hears of a first download."""
         raise NotImplementedError
 
     def source_key(self, rc) -> str:
@@ -81,6 +81,19 @@ class Measure:
     def read(self, rdir: Path) -> list[dict]:
         """The run's scored rows, checked; a malformed record is one line naming it."""
         raise NotImplementedError
+
+    def asked(self, rows: list[dict], cfg) -> list[dict]:
+        """The rows a command that ran `cfg` asked for (a run may hold more, scored by evaluate)."""
+        return rows
+
+    def report(self, collected, metric: Optional[str], transpose: bool, buckets) -> dict:
+        """The parts of a report of `collected` (posbench/report.py): "title", "describe" (lines),
+        "sections", "legend", "csv" (a frame and its columns) and "plots" (folder -> names)."""
+        raise NotImplementedError
+
+    def join_checks(self, rows: list[dict]) -> list[tuple[str, set]]:
+        """What two experiments joined into one table must share, beyond their settings."""
+        return []
 
     def identity(self, part: dict) -> dict:
         """A run's identity (config.identity) as this measure reads it."""

@@ -18,10 +18,10 @@ from pathlib import Path
 import pandas as pd
 
 from posbench.errors import PosbenchError
-from posbench.files import write_atomic, write_rows
+from posbench.files import safe_name, write_atomic, write_rows
 from posbench.measures.base import Measure, Metric, Section
 from posbench.stats import mean_ci, tied_for_best
-from posbench.tables import plot_training, pyplot, save, scheme_order, tex, transposed
+from posbench.tables import BAND_SEEDS, band, plot_training, pyplot, save, scheme_order, style, tex, transposed
 from posbench.tasks import Task, build_task
 
 
@@ -55,8 +55,6 @@ class ExactMatch(Measure):
                 )
         cfg.task_options = {**type(task).options, **cfg.task_options, "test_max": task.test_max}
         if cfg.name == "default":  # lm's; a task's runs go to results/<task> unless named
-            from posbench.experiment.records import safe_name
-
             cfg.name = safe_name(cfg.task)
         cfg.model.train_len = task.train_len
         cfg.eval.lengths = [task.train_len]  # perplexity lengths: a task is scored at its own lengths
@@ -81,7 +79,7 @@ class ExactMatch(Measure):
             f"{cfg.train.steps} steps x {cfg.train.batch_size} instances per run"
         ]
 
-    def source(self, rc) -> list:
+    def source(self, rc, reporter=None) -> list:
         return self.task.test_set()
 
     def source_key(self, rc) -> str:
@@ -96,7 +94,7 @@ class ExactMatch(Measure):
         except PosbenchError:
             scored = False
         if not scored:
-            evaluate_task_into(rc, rdir, model, test, device, backend)
+            evaluate_task_into(rc, rdir, model.to(device), test, device, backend)
 
     def rescore(self, rc, rdir: Path, model, device, lengths, variants, factor, protocols) -> list[dict]:
         for flag, given in (
@@ -219,15 +217,19 @@ def read_task_eval(run_dir: Path) -> list[dict]:
 
 
 def buckets(train_max: int, test_max: int, edges: list[int] = ()) -> list[tuple[int, int]]:
-    """(lo, hi) length buckets covering 1..test_max: one per length up to 40, else ten of equal
-    width; or ending at the given `edges`. train_max always ends a bucket, so none straddles
-    in and out of distribution."""
+    """(lo, hi) length buckets covering 1..test_max, or ending at the given `edges`. By default:
+    one per length up to 12; else the training lengths in two halves, each of N+1..N+5 alone
+    (where extrapolation shows or fails first), and the rest in three of equal width: ten
+    columns. train_max always ends a bucket, so none straddles in and out of distribution."""
     if edges:
         ends = {e for e in edges if e < test_max}
-    elif test_max <= 40:
+    elif test_max <= 12:
         ends = set(range(1, test_max + 1))
     else:
-        ends = {math.ceil(test_max * k / 10) for k in range(1, 11)}
+        N = train_max
+        near = set(range(N + 1, min(N + 5, test_max) + 1))
+        rest = test_max - max(near, default=N)
+        ends = {math.ceil(N / 2), *near, *(test_max - rest + math.ceil(rest * k / 3) for k in range(1, 4) if rest)}
     ends = sorted(ends | {train_max, test_max})
     return [(lo, hi) for lo, hi in zip([1] + [e + 1 for e in ends[:-1]], ends)]
 
@@ -297,7 +299,7 @@ def comparison(long: pd.DataFrame) -> pd.DataFrame:
     for b in cols:
         at = long[(long["bucket"] == b) & long["value"].notna()]
         by_scheme = {s: dict(zip(g["seed"], g["value"])) for s, g in at.groupby("scheme")}
-        _, tied, _ = tied_for_best(by_scheme, higher_is_better=True)
+        _, tied, _ = tied_for_best(by_scheme, ExactMatch.metrics["exact_match"].higher_is_better)
         values = {s: list(by_scheme[s].values()) for s in by_scheme}
         table[b] = [mean_ci(values[s])[0] if s in values else math.nan for s in order]
         table[f"ci {b}"] = [mean_ci(values[s])[1] if s in values else math.nan for s in order]
@@ -342,7 +344,7 @@ def report(collected, transpose: bool, edges) -> dict:
         long = by_bucket(df[df["point"] == point], spans, task.train_max).assign(point=point)
         parts.append((point, configs, long, comparison(long)))
     sections = []
-    for point, configs, _, table in parts:
+    for point, configs, part, table in parts:
         rows, best = grid(table)
         if transpose or len(table.attrs["buckets"]) > 12:
             rows, best = transposed(rows, best)
@@ -353,8 +355,7 @@ def report(collected, transpose: bool, edges) -> dict:
         sections.append(
             Section(
                 heading=name,
-                caption=f"{tex(configs[0].task)}: \\% exact match by length, mean $\\pm$ 95\\% interval over seeds"
-                f"{tex(where)}.",
+                caption=f"{tex(configs[0].task)}: \\% exact match by length{tex(where)}; {tex(spread(part))}.",
                 rows=rows,
                 best=best,
                 title=name,
@@ -373,9 +374,14 @@ def report(collected, transpose: bool, edges) -> dict:
     return {
         "title": f"{names}: exact-match accuracy by length"
         + (f", trained on 1..{task.train_max}, tested to {task.test_max}" if len(parts) == 1 else ""),
-        "describe": describe(parts[0][1], long),
+        "describe": describe(parts[0][1], long)
+        + (
+            [f"- grid points (a table each; the lines above describe the first): {'; '.join(p for p, *_ in parts)}"]
+            if len(parts) > 1
+            else []
+        ),
         "sections": sections,
-        "legend": "mean ± 95% interval over seeds; bold: the best and every scheme not significantly different",
+        "legend": spread(long),
         "csv": (long, SUMMARY_COLUMNS + (["point"] if len(parts) > 1 else [])),
         "plots": plots,
     }
@@ -404,9 +410,18 @@ def describe(configs: list, long: pd.DataFrame) -> list[str]:
         f"loss on the answer bytes only, AdamW lr {t.lr:g}, seeds {sorted(set(long['seed']))}",
         f"- evaluation: up to {task.opt['test_count']} fixed test instances per length 1..{task.test_max}, "
         f"never trained on; greedy decoding, exact match of the whole answer",
-        "- cells: % exact match, mean ± 95% interval over seeds (Student's t); bold: the best and every scheme "
-        "not significantly different from it; — : the scheme cannot encode those lengths",
+        f"- cells: % exact match, {spread(long)}; — : the scheme cannot encode those lengths",
     ]
+
+
+def spread(long: pd.DataFrame) -> str:
+    """What a cell's ± and its bold mean, or why there is no interval."""
+    if long["seed"].nunique() < 2:
+        return "1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each length"
+    return (
+        "mean ± 95% interval over seeds (Student's t); bold: the best and every scheme not significantly "
+        "different from it"
+    )
 
 
 def plot(sections: list, path: Path) -> bool:
@@ -421,20 +436,17 @@ def plot(sections: list, path: Path) -> bool:
         part = long[~long["bucket"].isin(["in", "out"])]
         for s in scheme_order(set(part["scheme"])):
             g = part[part["scheme"] == s]
-            xs, means, cis = [], [], []
+            xs, means, cis, seeds = [], [], [], g["seed"].nunique()
             for hi, at in g.groupby("hi"):
                 vals = at["value"].dropna().tolist()
                 if vals:
                     mean, ci = mean_ci(vals)
                     xs.append(hi), means.append(100 * mean), cis.append(0 if ci != ci else 100 * ci)
-            (line,) = ax.plot(xs, means, marker="o", markersize=3, label=s)
-            lo = [m - c for m, c in zip(means, cis)]
-            ax.fill_between(
-                xs, lo, [m + c for m, c in zip(means, cis)], color=line.get_color(), alpha=0.15, linewidth=0
-            )
+            ax.plot(xs, means, marker="o", markersize=3, label=s, **style(s))
+            band(ax, xs, means, cis, seeds, s)
         ax.axvline(train_max, color="black", linestyle="--", linewidth=1)
         ax.set_title(f"{configs[0].task}: exact match by length" + (f"\n{point}" if point else ""), fontsize=10)
-        ax.set_xlabel(f"instance length; dashed: the longest trained ({train_max})")
+        ax.set_xlabel(f"instance length; dashed: the longest trained ({train_max}); band: 95% ({BAND_SEEDS}+ seeds)")
         ax.set_ylabel("% exact match")
         ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)

@@ -23,18 +23,26 @@ from posbench.files import write_rows
 from posbench.measures.base import Measure, Metric, Section
 from posbench.stats import mean_ci, tied_for_best
 from posbench.tables import (
+    BAND_SEEDS,
     UNRECORDED,
+    band,
     plain_log_axis,
     plot_training,
     point_order,
     pyplot,
     save,
     scheme_order,
+    style,
     tex,
     transposed,
 )
 
 DEFAULT_BUDGET = {"steps": 500, "batch_size": 16}  # 500 x 16 x 100 tokens: enough for the schemes' order to show
+
+
+def default_stride(train_len: int) -> int:
+    """Sliding windows advance by a quarter of the training length unless told otherwise."""
+    return max(1, train_len // 4)
 
 
 class Perplexity(Measure):
@@ -45,6 +53,11 @@ class Perplexity(Measure):
         "ratio": Metric("ratio", "perplexity over its perplexity at the training length", False, digits=3),
     }
     reads_corpus = True
+    records = ("eval.csv", "positions.csv")
+
+    def identity(self, part: dict) -> dict:
+        """A perplexity run reads the corpus and no task: its task settings decide nothing."""
+        return {k: v for k, v in part.items() if k not in ("task", "task_options")}
 
     def resolve(self, cfg, test_len: Optional[int]) -> None:
         if cfg.task_options:
@@ -57,7 +70,7 @@ class Perplexity(Measure):
             cfg.eval.lengths = length_grid(L, test_len)
         if "sliding" in cfg.eval.protocol:
             if cfg.eval.stride is None:
-                cfg.eval.stride = max(1, L // 4)
+                cfg.eval.stride = default_stride(L)
             if cfg.eval.stride > L:
                 raise PosbenchError(
                     f"eval.stride={cfg.eval.stride} is longer than the shortest window, "
@@ -66,6 +79,11 @@ class Perplexity(Measure):
                 )
         # the training length, the base of every ratio, is always scored; columns read in order
         cfg.eval.lengths = sorted({L, *cfg.eval.lengths})
+        if cfg.eval.tokens < max(cfg.eval.lengths):
+            raise PosbenchError(
+                f"eval.tokens={cfg.eval.tokens} is fewer than the longest eval length {max(cfg.eval.lengths)}",
+                "eval.tokens",
+            )
         short = [n for n in cfg.eval.lengths if n < L]
         if short:
             raise PosbenchError(
@@ -96,10 +114,10 @@ class Perplexity(Measure):
             )
         return notes
 
-    def source(self, rc):
+    def source(self, rc, reporter=None):
         from posbench.data import load_corpus
 
-        return load_corpus(rc.data)
+        return load_corpus(rc.data, reporter.note if reporter is not None else None)
 
     def source_key(self, rc) -> str:
         return json.dumps(rc.to_dict()["data"], sort_keys=True)
@@ -123,7 +141,7 @@ class Perplexity(Measure):
             if p not in PROTOCOLS:
                 raise PosbenchError(f"--protocol {p}: expected {' or '.join(PROTOCOLS)}")
         if "sliding" in (protocols or rc.eval.protocol):
-            rc.eval.stride = rc.eval.stride or max(1, rc.model.train_len // 4)
+            rc.eval.stride = rc.eval.stride or default_stride(rc.model.train_len)
             if rc.eval.stride > rc.model.train_len:
                 raise PosbenchError(
                     f"--stride {rc.eval.stride} is longer than the training length {rc.model.train_len}, "
@@ -159,6 +177,22 @@ class Perplexity(Measure):
 
     def read(self, rdir: Path) -> list[dict]:
         return read_eval(rdir)
+
+    def asked(self, rows: list[dict], cfg) -> list[dict]:
+        lengths = set(cfg.eval.lengths)
+        protocols = {(p, str(cfg.eval.stride) if p == "sliding" else "") for p in cfg.eval.protocol}
+        variants = {None, *cfg.eval.rope_scaling}
+
+        def variant(label: str):
+            return label.partition("+")[2].partition("@")[0] or None
+
+        return [
+            r
+            for r in rows
+            if int(r["length"]) in lengths
+            and (r["protocol"], str(r["stride"])) in protocols
+            and variant(r["scheme"]) in variants
+        ]
 
     def report(self, collected, metric: str, transpose: bool, buckets) -> dict:
         if buckets is not None:
@@ -389,7 +423,7 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     for L in lengths:
         at = ok[ok["length"] == L]
         by_scheme = {s: dict(zip(g["seed"], g["value"])) for s, g in at.groupby("scheme")}
-        _, tied, test = tied_for_best(by_scheme)
+        _, tied, test = tied_for_best(by_scheme, Perplexity.metrics["ppl"].higher_is_better)
         tests.add(test)
         out[L] = mean[L]
         out[f"ci {L}"] = [mean_ci(list(by_scheme[s].values()))[1] if s in by_scheme else math.nan for s in order]
@@ -497,11 +531,6 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
     return lines
 
 
-def diverged_note(df: pd.DataFrame) -> str:
-    """'alibi seed 1 at step 12, ...': the runs whose loss blew up in training."""
-    return ", ".join(df.attrs.get("diverged", {}).values())
-
-
 def protocols(df: pd.DataFrame) -> list[tuple[str, str]]:
     """The (protocol, stride) pairs the rows were scored under, non-overlapping first."""
     pairs = {(p, str(st)) for p, st in zip(df["protocol"], df["stride"].fillna(""))}
@@ -568,9 +597,20 @@ def grid(table: pd.DataFrame, train_len: int, metric: str, missing: str = "") ->
     for i, s in enumerate(table.index, start=1):
         cells = [cell(table, s, L, missing=missing, digits=digits) for L in lengths]
         best |= {(i, j) for j, L in enumerate(lengths, start=1) if is_best(table, s, L)}
-        r = table.loc[s, "ratio"]
-        rows.append([s] + cells + [str(int(table.loc[s, "seeds"])), f"{r:.2f}" if r == r else "—"])
+        rows.append([s] + cells + [str(int(table.loc[s, "seeds"])), ratio_cell(table, s, train_len, lengths[-1])])
     return rows, best
+
+
+def ratio_cell(table: pd.DataFrame, scheme: str, train_len: int, longest: int) -> str:
+    """ppl(longest)/ppl(train): its value; blank where either length was not scored; — where
+    the scheme cannot encode the longest; nan where the loss blew up there."""
+    r = table.loc[scheme, "ratio"]
+    if r == r:
+        return f"{r:.2f}"
+    status = [table.loc[scheme, f"status {L}"] if f"status {L}" in table else None for L in (train_len, longest)]
+    if not all(isinstance(st, str) for st in status):
+        return ""
+    return "—" if "beyond-max-len" in status else "nan"
 
 
 def report(collected, metric: str, transpose: bool) -> dict:
@@ -594,6 +634,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
         shown[0][-1] = f"ppl({lengths_of(table)[-1]})/ppl(train)"
         if transpose:
             rows, best = transposed(rows, best)
+            shown, shown_best = transposed(shown, shown_best)
         sections.append(
             Section(
                 heading=label,
@@ -658,7 +699,7 @@ def join_checks(rows: list[dict]) -> list[tuple[str, set]]:
     """What two experiments joined into one table must share, beyond their settings."""
     return [
         ("training length", {int(r["train_len"]) for r in rows}),
-        ("protocols", {(r["protocol"], str(r["stride"])) for r in rows}),
+        ("protocols", {protocol_label(r["protocol"], r["stride"]) for r in rows}),
     ]
 
 
@@ -667,10 +708,11 @@ def position_losses(df: pd.DataFrame) -> pd.DataFrame:
     in long format."""
     frames = []
     points = df.attrs.get("points", {})
-    for rdir, seed in df.attrs.get("runs", {}).items():
+    for rdir, run in df.attrs.get("runs", {}).items():
         rows = read_positions(rdir)
         if rows:
-            frames.append(pd.DataFrame(rows, columns=POSITION_COLUMNS).assign(seed=seed, point=points.get(rdir, "")))
+            frame = pd.DataFrame(rows, columns=POSITION_COLUMNS)
+            frames.append(frame.assign(seed=run.cfg.seeds[0], point=points.get(rdir, "")))
     if not frames:
         return pd.DataFrame(columns=[*POSITION_COLUMNS, "seed", "point"])
     out = pd.concat(frames, ignore_index=True)
@@ -703,7 +745,7 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path) -> bool:
         part = part[part["tokens"] >= part["tokens"].max() / 2]
         for s in scheme_order(set(part["scheme"])):
             line = part[part["scheme"] == s].groupby("position")["loss"].mean()
-            ax.plot(line.index, line.values, label=s, linewidth=1)
+            ax.plot(line.index, line.values, label=s, linewidth=1, **style(s))
         ax.axvline(train_len, color="black", linestyle="--", linewidth=1, label=f"training length {train_len}")
         where = f"{point}; " if point else ""
         ax.set_title(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", fontsize=10)
@@ -715,7 +757,8 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path) -> bool:
 
 
 def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl") -> bool:
-    """The metric against length, one line per scheme with its 95% band over seeds, a dashed
+    """The metric against length, one line per scheme with its 95% band over seeds (with enough
+    seeds for one to mean something: tables.BAND_SEEDS), a dashed
     line at the training length, a panel per table (protocol, and grid point)."""
     plt = pyplot()
     if plt is None:
@@ -726,11 +769,11 @@ def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl") -> bo
         for s in table.index:
             mean = table.loc[s, lengths].astype(float).values
             ci = table.loc[s, [f"ci {L}" for L in lengths]].astype(float).fillna(0).values
-            (line,) = ax.plot(lengths, mean, marker="o", markersize=3, label=s)
-            ax.fill_between(lengths, mean - ci, mean + ci, color=line.get_color(), alpha=0.15, linewidth=0)
+            ax.plot(lengths, mean, marker="o", markersize=3, label=s, **style(s))
+            band(ax, lengths, mean, ci, int(table.loc[s, "seeds"]), s)
         ax.axvline(table.attrs["train_len"], color="black", linestyle="--", linewidth=1)
         ax.set_title(label, fontsize=10)
-        ax.set_xlabel("evaluation length (bytes); dashed: the training length")
+        ax.set_xlabel(f"evaluation length (bytes); dashed: the training length; band: 95% ({BAND_SEEDS}+ seeds)")
         values = table[lengths].astype(float).values
         finite = values[values == values]
         if metric != "loss" and finite.size and finite.max() / max(finite.min(), 1e-9) > 3:

@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -42,8 +43,9 @@ class BuildError(Exception):
     pass
 
 
-def load(name: str) -> Optional[ctypes.CDLL]:
-    """The compiled kernel `name`, or None (the reason goes to `unavailable[name]`)."""
+def load(name: str, building: Optional[Callable[[Path], None]] = None) -> Optional[ctypes.CDLL]:
+    """The compiled kernel `name`, or None (the reason goes to `unavailable[name]`). `building`
+    hears of a first build, with the cache folder, before the compiler runs."""
     if name not in _loaded:
         lib = None
         switch = os.environ.get("POSBENCH_NATIVE", "1")
@@ -51,7 +53,7 @@ def load(name: str) -> Optional[ctypes.CDLL]:
             unavailable[name] = f"turned off by POSBENCH_NATIVE={switch}"
         else:
             try:
-                lib = _declare(name, ctypes.CDLL(str(_build(name))))
+                lib = _declare(name, ctypes.CDLL(str(_build(name, building))))
             except (BuildError, OSError) as e:
                 unavailable[name] = str(e)
         _loaded[name] = lib
@@ -77,7 +79,7 @@ def _cpu_fingerprint() -> str:
     return f"{platform.machine()} {platform.processor()} {flags}"
 
 
-def _build(name: str) -> Path:
+def _build(name: str, building: Optional[Callable[[Path], None]] = None) -> Path:
     source = Path(__file__).with_name(f"{name}.c")
     cc = shlex.split(os.environ.get("CC") or "cc")  # CC may carry words: "ccache gcc"
     if not cc or shutil.which(cc[0]) is None:
@@ -89,6 +91,8 @@ def _build(name: str) -> Path:
     lib = folder / f"{name}.so"
     if lib.exists():
         return lib
+    if building is not None:
+        building(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f"tmp-{name}-", suffix=".so", dir=folder)

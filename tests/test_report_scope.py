@@ -1,0 +1,131 @@
+"""What a report tables: only runs that compare, only what the command asked for, and never an
+error for runs that are merely still running elsewhere."""
+
+import shutil
+
+from conftest import SMOKE, invoke
+
+from posbench.files import exclusive
+
+
+def _smoke(out, name, *more, schemes="alibi,rope"):
+    text = out / "tiny.txt"
+    if not text.exists():
+        text.write_text("to be or not to be that is the question\n" * 400)
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        schemes,
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+        "--set",
+        f"name={name}",
+        *more,
+    )
+    assert res.exit_code == 0, res.output
+    return out / name, res
+
+
+def test_a_join_of_experiments_trained_under_other_budgets_is_refused(tmp_path):
+    """Joined rows share one header that names one budget: experiments that differ in anything
+    but scheme and seed (here train.steps) do not join, and nothing is written."""
+    a, _ = _smoke(tmp_path, "a", schemes="alibi")
+    b, _ = _smoke(tmp_path, "b", "--set", "train.steps=20", schemes="rope")
+    res = invoke("report", a, b)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    text = " ".join(res.output.split())
+    assert "cannot join a and b: they were trained under different settings" in text
+    assert "train.steps: 30 in a, 20 in b" in text
+    assert not (tmp_path / "a+b").exists()
+
+
+def test_a_training_command_tables_what_it_asked_for_not_what_evaluate_added(tmp_path):
+    """After evaluate scores a run at another length and with a RoPE scaling, rerunning the
+    same extrapolate shows the lengths and rows it asks for; `report` shows everything."""
+    exp, first = _smoke(tmp_path, "s")
+    res = invoke("evaluate", exp / "rope-seed0", "--lengths", "32,96", "--rope-scaling", "yarn")
+    assert res.exit_code == 0, res.output
+    _, again = _smoke(tmp_path, "s")
+    table = again.output.split("wrote")[0]
+    assert " 96 " not in table and "rope+yarn" not in table and " 64 " in table
+    md = (exp / "summary.md").read_text()
+    assert "| scheme | 32 | 48 | 64 | seeds | ppl(64)/ppl(32) |" in md and "rope+yarn" not in md
+    assert invoke("report", exp).exit_code == 0
+    md = (exp / "summary.md").read_text()
+    assert "| scheme | 32 | 48 | 64 | 96 | seeds | ppl(96)/ppl(32) |" in md and "| rope+yarn |" in md
+
+
+def test_a_ratio_not_scored_is_blank_not_the_cannot_encode_mark(tmp_path):
+    """ppl(longest)/ppl(train) is — where the scheme cannot encode the longest length
+    (learned's table of 48 at 64), and blank where it was never scored there (after evaluate
+    scores alibi alone at 96)."""
+
+    def ratios(exp):
+        lines = (exp / "summary.md").read_text().splitlines()
+        return {r.split("|")[1].strip(): r.split("|")[-2].strip() for r in lines if r.startswith("| ")}
+
+    exp, _ = _smoke(tmp_path, "s", schemes="alibi,learned")
+    assert ratios(exp)["learned"] == "—" and ratios(exp)["alibi"] not in ("", "—")
+    assert invoke("evaluate", exp / "alibi-seed0", "--lengths", "96").exit_code == 0
+    assert invoke("report", exp).exit_code == 0
+    assert ratios(exp)["learned"] == "" and ratios(exp)["alibi"] not in ("", "—")
+
+
+def test_report_transpose_transposes_the_terminal_table_too(tmp_path):
+    """--transpose puts lengths in rows on the terminal as in the files."""
+    exp, _ = _smoke(tmp_path, "s")
+    res = invoke("report", exp, "--transpose")
+    assert res.exit_code == 0, res.output
+    heads = [line for line in res.output.splitlines() if line.startswith("┃")]
+    assert heads and all(h.split("┃")[1].strip() == "length" for h in heads)
+    assert any(line.startswith("│ 48 ") for line in res.output.splitlines())
+
+
+def test_evaluate_and_inspect_of_an_experiment_folder_name_one_of_its_runs(tmp_path):
+    """An experiment folder is not a run: the advice names one of its runs, not 'train it first'."""
+    exp, _ = _smoke(tmp_path, "s")
+    for args in (("evaluate", exp), ("inspect", exp)):
+        res = invoke(*args)
+        text = " ".join(res.output.split())
+        assert res.exit_code == 2 and "train it first" not in text, text
+        assert "an experiment folder, not a run; give one of its runs, e.g." in text and "alibi-seed0" in text
+
+
+def test_the_same_command_while_another_process_trains_every_run_ends_cleanly(tmp_path):
+    """A second extrapolate whose runs another process holds skips them and says there is
+    nothing to report yet, exit 0; report of the folder says the same."""
+    out = tmp_path / "r"
+    exp = out / "s"
+    exp.mkdir(parents=True)
+    locks = [exclusive(exp / f".{run}.lock") for run in ("alibi-seed0", "rope-seed0")]
+    held = [lock.__enter__() for lock in locks]
+    try:
+        assert all(held)
+        shutil.copy(SMOKE, tmp_path / "smoke.yaml")
+        text = tmp_path / "tiny.txt"
+        text.write_text("to be or not to be that is the question\n" * 400)
+        res = invoke(
+            "extrapolate",
+            "--config",
+            tmp_path / "smoke.yaml",
+            "--schemes",
+            "alibi,rope",
+            "--set",
+            f"out_dir={out}",
+            "--set",
+            f"data.path={text}",
+            "--set",
+            "name=s",
+        )
+        flat = " ".join(res.output.split())
+        assert res.exit_code == 0, res.output
+        assert "is running it; skipped here" in flat and "nothing to report yet" in flat and "error" not in flat
+        res = invoke("report", exp)
+        assert res.exit_code == 0 and "every run is still running in another process" in " ".join(res.output.split())
+    finally:
+        for lock in locks:
+            lock.__exit__(None, None, None)
