@@ -251,7 +251,14 @@ def grid_table(exp: Path, grid, plan) -> Table:
     return t
 
 
-STATE_STYLES = {"done": "green", "partial": "yellow", "running": "cyan", "failed": "bold red", "diverged": "red"}
+STATE_STYLES = {
+    "pending": "dim",
+    "done": "green",
+    "partial": "yellow",
+    "running": "cyan",
+    "failed": "bold red",
+    "diverged": "red",
+}
 
 
 def _backends(rows) -> str:

@@ -570,6 +570,7 @@ def test_sigterm_stops_the_workers_and_leaves_nothing_half_written(tmp_path):
         assert sorted(p.name for p in exp.iterdir() if not p.name.endswith(".lock")) == [
             ".alibi-seed0.partial",
             ".nope-seed0.partial",
+            "runs.txt",
         ]
         assert all((p / "checkpoint.pt").is_file() for p in exp.glob(".*.partial"))
         assert not list(exp.rglob("tmp-*"))

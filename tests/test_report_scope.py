@@ -129,3 +129,15 @@ def test_the_same_command_while_another_process_trains_every_run_ends_cleanly(tm
     finally:
         for lock in locks:
             lock.__exit__(None, None, None)
+
+
+def test_status_lists_a_run_asked_for_but_never_started(tmp_path):
+    """An experiment folder records the runs it was asked to hold: status names a missing one
+    as pending, beside the done ones."""
+    exp, _ = _smoke(tmp_path, "s")
+    shutil.rmtree(exp / "rope-seed0")  # as if the command had been stopped before it
+    res = invoke("status", exp)
+    assert res.exit_code == 0, res.output
+    lines = {line.split("│")[1].strip(): line for line in res.output.splitlines() if line.startswith("│")}
+    assert "pending" in lines["rope-seed0"] and "done" in lines["alibi-seed0"]
+    assert (exp / "runs.txt").read_text() == "alibi-seed0\nrope-seed0\n"

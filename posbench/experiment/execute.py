@@ -26,12 +26,14 @@ from posbench.experiment.records import (
     CONFIG,
     DIVERGED,
     FAILED,
+    PLANNED,
     PREVIOUS,
     SWEEP_RECORD,
     WEIGHTS,
     diverged_step,
     lock_file,
     partial_dir,
+    planned,
     run_name,
 )
 from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
@@ -100,6 +102,8 @@ def run_jobs(cfg: ExperimentConfig, jobs: list[Job], folder: Path, reporter: Rep
     workers, threads = worker_plan(cfg, to_train)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
+    runs = dict.fromkeys([*planned(folder), *(job.folder.name for job in jobs)])
+    write_atomic(folder / PLANNED, "".join(f"{name}\n" for name in runs))
     try:
         if workers > 1:
             labelled = [(job.folder.name, (job,)) for job in jobs]
@@ -110,7 +114,7 @@ def run_jobs(cfg: ExperimentConfig, jobs: list[Job], folder: Path, reporter: Rep
             for job in jobs:
                 run_one(job, source_of(job, sources), reporter)
     except BaseException:
-        if created and not any(p for p in folder.iterdir() if not p.name.endswith(".lock")):
+        if created and not any(p for p in folder.iterdir() if not p.name.endswith(".lock") and p.name != PLANNED):
             shutil.rmtree(folder, ignore_errors=True)
         raise
 

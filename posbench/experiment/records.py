@@ -20,7 +20,16 @@ from posbench.files import safe_name
 CONFIG, WEIGHTS, DIVERGED, FAILED = "config.yaml", "model.pt", "diverged.json", "failed.txt"
 CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"  # mid-run state; the one before it
 EVAL = "eval.csv"  # the scored rows, in the columns of the run's measure
+PLANNED = "runs.txt"  # the run folders an experiment was asked to hold, one a line: status names the missing ones
 SWEEP_RECORD = "sweep.yaml"  # the grid a sweep's experiment folder was made by; its runs may differ
+
+
+def planned(exp: Path) -> list[str]:
+    """The run folders an experiment folder was asked to hold (empty if it does not say)."""
+    try:
+        return [line for line in (Path(exp) / PLANNED).read_text().splitlines() if line]
+    except (OSError, UnicodeDecodeError):
+        return []
 
 
 def read_config(rdir: Path) -> ExperimentConfig:

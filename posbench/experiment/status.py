@@ -16,6 +16,7 @@ from posbench.experiment.records import (
     WEIGHTS,
     diverged_step,
     lock_file,
+    planned,
     read_config,
     read_train_log,
 )
@@ -38,6 +39,18 @@ def run_status(exp: Path) -> list[dict]:
             continue  # not a run folder
         if not hidden or rdir.name not in rows:  # a finished folder outranks a partial one left beside it
             rows[rdir.name] = _status_of(folder, rdir, hidden)
+    for name in planned(exp):  # asked for, never started
+        rows.setdefault(
+            name,
+            {
+                "run": name,
+                "scheme": "?",
+                "seed": "?",
+                "train_len": "?",
+                "state": "pending",
+                "detail": "not started; rerun the command that made this folder",
+            },
+        )
     return [rows[name] for name in sorted(rows)]
 
 
