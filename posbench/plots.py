@@ -18,6 +18,7 @@ import torch
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
+from posbench.tables import pyplot, save
 
 OFFSETS = (0, 100, 1000)  # absolute positions of the key in the rotation plot
 
@@ -171,18 +172,14 @@ def per_head_parameters(scheme: PositionalScheme) -> dict[str, torch.Tensor]:
 
 
 def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        raise PosbenchError("inspect draws with matplotlib, which is not installed: pip install matplotlib")
     return plt
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    save(_pyplot(), fig, path, dpi=110)
     return path
 
 

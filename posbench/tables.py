@@ -150,11 +150,11 @@ def pyplot():
     return plt
 
 
-def save(plt, fig, path: Path) -> bool:
+def save(plt, fig, path: Path, dpi: int = 100) -> bool:
     """Write the figure whole (atomically) and free it."""
     fig.tight_layout()
     with atomic(path) as tmp:
-        fig.savefig(tmp, dpi=100)
+        fig.savefig(tmp, dpi=dpi)
     plt.close(fig)
     return True
 
