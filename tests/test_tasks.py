@@ -496,3 +496,14 @@ def test_joining_task_experiments_that_share_a_scheme_and_seed_is_one_line(tmp_p
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "both hold nope seed 0" in res.output and len(res.output.strip().splitlines()) == 1, res.output
     assert not (tmp_path / "a+b").exists()
+
+
+def test_a_one_seed_task_table_claims_no_interval(tmp_path):
+    """With one seed there is no interval: the description, the caption and the terminal say
+    so, and no cell carries a ±."""
+    from conftest import task_experiment
+
+    exp = task_experiment(tmp_path, "nope,alibi")
+    md, tex = (exp / "summary.md").read_text(), (exp / "summary.tex").read_text()
+    assert "1 seed: no interval; use --seeds 0,1,2" in md and "95% interval" not in md and "±" not in md
+    assert "1 seed: no interval" in tex and "95\\% interval" not in tex
