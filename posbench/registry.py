@@ -27,9 +27,11 @@ class Registry(Mapping):
         also: tuple[str, ...] = (),
         check: Callable[[str, type], None] | None = None,
         explain: Callable[[str], None] | None = None,
+        derive: Callable[[str], type | None] | None = None,
     ):
         self.kind, self.entries, self.base, self.example = kind, entries, base, example
         self.also, self.check, self.explain = also, check, explain  # also: names valid outside the registry
+        self.derive = derive  # names made from registered ones (noisy_rope), or None
         self.loaded: dict[str, type] = {}
 
     def __getitem__(self, name: str) -> type:
@@ -47,6 +49,9 @@ class Registry(Mapping):
         """A registered name, or `module:Class` naming a user's subclass of the base class."""
         if name in self.entries:
             return self[name]
+        derived = self.derive(name) if self.derive is not None else None
+        if derived is not None:
+            return derived
         if ":" in name:
             cls = load_plugin(name, self.kind, _import(self.base), self.base.replace(":", "."), self.example)
             if self.check is not None:

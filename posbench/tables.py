@@ -89,14 +89,25 @@ def point_order(df: pd.DataFrame) -> list:
 
 def scheme_order(names: set) -> list[str]:
     """Registry order (the order of the paper tables), each scheme followed by its
-    evaluation-time variants (rope, rope+ntk, rope+yarn, ...); plugins after."""
+    evaluation-time variants (rope, rope+ntk, rope+yarn, ...) and its modified selves
+    (noisy_rope, offset_rope); plugins after."""
     from posbench.schemes import SCHEMES
 
     order = []
     for s in SCHEMES:
         order += [s] if s in names else []
         order += sorted(n for n in names if n.startswith(s + "+"))
+        order += sorted(n for n in names if base_of(n) == s and n != s and "+" not in n)
     return order + sorted(names - set(order))
+
+
+def base_of(name: str) -> str:
+    """The trained scheme a row stands on: rope for rope, rope+yarn, noisy_rope and offset_rope."""
+    name = name.partition("+")[0]
+    for prefix in ("noisy_", "offset_"):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
 
 
 # A scheme's colour follows its name alone, so it is the same in every plot and does not move
@@ -122,7 +133,7 @@ def colour(name: str) -> str:
 
     from posbench.schemes import SCHEMES
 
-    base = name.partition("+")[0]
+    base = base_of(name)
     names = list(SCHEMES)  # names only: no scheme module (and no torch) is imported
     if base in names and names.index(base) < len(PALETTE):
         return PALETTE[names.index(base)]
@@ -133,8 +144,8 @@ def colour(name: str) -> str:
 def style(name: str) -> dict:
     """matplotlib line keywords for scheme `name`: its colour, solid for a trained scheme and
     dashed (a pattern per variant) for an evaluation-time variant such as rope+yarn."""
-    _, plus, variant = name.partition("+")
-    dashes = DASHES[_stable_hash(variant) % len(DASHES)] if plus else "-"
+    variant = name.partition("+")[2] or (name if base_of(name) != name else "")
+    dashes = DASHES[_stable_hash(variant) % len(DASHES)] if variant else "-"
     return {"color": colour(name), "linestyle": dashes}
 
 

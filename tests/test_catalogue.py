@@ -416,8 +416,10 @@ def test_randomized_bases_and_consecutive_positions_at_evaluation():
     q = torch.randn(1, 4, 5, 8)
     pos = torch.tensor([3, 40, 41, 90, 700])
     assert torch.allclose(model.scheme.rotate(q, q, pos, 0)[0], rope.rotate(q, q, pos, 0)[0])
-    with pytest.raises(PosbenchError, match="base='alibi': expected one of sinusoidal, rope"):
-        SCHEMES["randomized"](tiny("randomized", options={"base": "alibi"}))
+    with pytest.raises(PosbenchError, match="base='noisy_rope': a modifier's base is a scheme, not another modifier"):
+        SCHEMES["randomized"](tiny("randomized", options={"base": "noisy_rope"}))
+    with pytest.raises(PosbenchError, match="base='ropee': unknown scheme 'ropee'"):
+        SCHEMES["randomized"](tiny("randomized", options={"base": "ropee"}))
     with pytest.raises(PosbenchError, match="max_pos=8 is shorter than model.train_len=16"):
         SCHEMES["randomized"](tiny("randomized", options={"max_pos": 8}))
     with pytest.raises(PosbenchError, match="eval_positions='sampled': expected one of fresh, fixed, consecutive"):
@@ -480,6 +482,62 @@ def test_randomized_trains_on_its_positions():
     x = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
         assert not torch.allclose(model.train()(x), model.eval()(x), atol=1e-4)
+
+
+@pytest.mark.parametrize("base", ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"])
+def test_noisy_scheme_feeds_its_base_sorted_random_positions_and_offset_a_random_start(base):
+    """noisy_<scheme> (Ruoss et al.'s NOISY_) trains the base scheme on a sorted random subset of
+    [0, max_pos), fresh per batch; offset_<scheme> on k..k+T-1 for a random k <= max_pos - T,
+    and 0..T-1 at evaluation. The base's hooks see those positions: its bias at them equals the
+    modified scheme's."""
+    noisy = TransformerLM(tiny(f"noisy_{base}", options={"max_pos": 200})).train()
+    offset = TransformerLM(tiny(f"offset_{base}", options={"max_pos": 200})).train()
+    torch.manual_seed(5)
+    a = noisy.scheme.positions(16, "cpu")
+    b = offset.scheme.positions(16, "cpu")
+    assert sorted_draw(a, 16, 200) and a.max() >= 16
+    assert torch.equal(b, torch.arange(b[0].item(), b[0].item() + 16)) and 0 <= b[0] <= 200 - 16
+    starts = {offset.scheme.positions(16, "cpu")[0].item() for _ in range(20)}
+    assert len(starts) > 1 and torch.equal(offset.eval().scheme.positions(16, "cpu"), torch.arange(16))
+    q = torch.randn(1, 4, 16, 8)  # (B, H, T, D)
+    got = noisy.scheme.bias(q, q, a, a, 0)
+    want = noisy.scheme.inner.bias(q, q, a, a, 0)
+    assert (got is None and want is None) or torch.equal(got, want)
+    x = torch.randint(0, 256, (2, 16))
+    for model in (noisy, offset):  # trains: a finite loss with gradients
+        loss = torch.nn.functional.cross_entropy(model.train()(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        assert torch.isfinite(loss)
+
+
+def test_a_modifier_takes_its_base_s_options_and_randomized_takes_any_base():
+    """noisy_rope's options are the modifier's and rope's (its own `base`, the RoPE base, stays
+    rope's); randomized with base alibi is noisy_alibi; a modifier of a modifier is refused."""
+    scheme = TransformerLM(tiny("noisy_rope", options={"max_pos": 200, "base": 500.0})).scheme
+    assert scheme.inner.opt == {"base": 500.0} and scheme.opt["max_pos"] == 200
+    torch.manual_seed(1)
+    via_option = TransformerLM(tiny("randomized", options={"base": "alibi", "max_pos": 200}))
+    torch.manual_seed(1)
+    by_name = TransformerLM(tiny("noisy_alibi", options={"max_pos": 200}))
+    x = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(via_option.eval()(x), by_name.eval()(x))
+    with pytest.raises(PosbenchError, match="its base 'noisy_rope' is itself|a modifier's base is a scheme"):
+        TransformerLM(tiny("noisy_noisy_rope"))
+    with pytest.raises(PosbenchError, match="encodes at most 48 positions"):
+        TransformerLM(tiny("noisy_learned", options={"max_len": 48}))
+    assert {"noisy_<scheme>", "offset_<scheme>"} <= set(dict(catalogue()))
+
+
+def test_a_scheme_and_its_noisy_self_are_two_rows_of_one_experiment(tmp_path):
+    """rope and noisy_rope train in one experiment, each a row of the table."""
+    exp, res, _ = smoke_experiment(
+        tmp_path, "--schemes", "rope,noisy_rope", "--set", "scheme_options.noisy_rope.max_pos=128"
+    )
+    md = (exp / "summary.md").read_text()
+    assert "| rope |" in md and "| noisy_rope |" in md
+    cfg = yaml.safe_load((exp / "noisy_rope-seed0" / "config.yaml").read_text())
+    assert cfg["model"]["options"] == {"max_pos": 128, "eval_positions": "fresh", "base": 10000.0}
 
 
 # --- CoPE --------------------------------------------------------------------------------------

@@ -37,12 +37,25 @@ SCHEMES = Registry(
         "kerple_power": "posbench.schemes.kerple:KerplePower",
         "fire": "posbench.schemes.fire:FIRE",
         "randomized": "posbench.schemes.randomized:Randomized",
+        "offset": "posbench.schemes.randomized:Offset",
         "cope": "posbench.schemes.cope:CoPE",
     },
     base="posbench.schemes:PositionalScheme",
     example="examples.my_scheme:MyScheme",
     explain=_explain,
+    derive=lambda name: _modified(name),
 )
+
+
+def _modified(name: str):
+    """noisy_<scheme> and offset_<scheme>: a modifier of a registered scheme (or module:Class)."""
+    if not name.startswith(("noisy_", "offset_")):
+        return None  # no scheme module is imported for any other name
+    from posbench.schemes.randomized import modified
+
+    return modified(name)
+
+
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]  # the default experiment
 
 _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first use
@@ -54,7 +67,7 @@ _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first u
     "posbench.schemes.alibi": ["ALiBi", "alibi_slopes"],
     "posbench.schemes.kerple": ["KerpleLog", "KerplePower"],
     "posbench.schemes.fire": ["FIRE"],
-    "posbench.schemes.randomized": ["Randomized"],
+    "posbench.schemes.randomized": ["Randomized", "Offset"],
     "posbench.schemes.cope": ["CoPE", "cope_bias"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -75,6 +88,10 @@ def catalogue() -> list[tuple[str, str]]:
         rows.append((name, cls.description))
         for variant, what in cls.eval_variants.items():
             rows.append((f"{name}+{variant}", f"evaluation-time variant of {name}: {what}"))
+    rows += [
+        ("noisy_<scheme>", "any scheme trained and evaluated on sorted random positions (randomized with that base)"),
+        ("offset_<scheme>", "any scheme trained on positions from a random start (offset with that base)"),
+    ]
     return rows
 
 

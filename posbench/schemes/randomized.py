@@ -1,15 +1,22 @@
-"""Randomized positions: sorted random positions, in training and evaluation, fed to sinusoidal or RoPE."""
+"""Position modifiers of any scheme: sorted random positions (Ruoss et al.'s NOISY_), or a random start.
+
+`randomized` feeds its `base` option's scheme; `noisy_<scheme>` and `offset_<scheme>` name a
+modifier of one scheme directly (noisy_rope, noisy_alibi, offset_t5, ...), so a scheme and its
+modified self train in one experiment as separate rows. The base scheme's hooks see the drawn
+positions; its own options are the modifier's too.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
 from posbench.errors import PosbenchError
-from posbench.schemes.absolute import Sinusoidal
 from posbench.schemes.base import PositionalScheme
-from posbench.schemes.rope import RoPE
+
+PREFIXES = {"noisy_": "Randomized", "offset_": "Offset"}  # name prefix -> the modifier it names
 
 
 class Randomized(PositionalScheme):
@@ -42,18 +49,18 @@ class Randomized(PositionalScheme):
 
     description = "train and evaluate on sorted random positions from [0, max_pos) (Ruoss 2023)"
     options = {"base": "sinusoidal", "max_pos": 1024, "eval_positions": "fresh"}
-    bases = {"sinusoidal": Sinusoidal, "rope": RoPE}
+    own = ("base", "max_pos", "eval_positions")  # the modifier's options; any others are the base's
+    fixed_base: Optional[str] = None  # set for noisy_<scheme>, whose base is in its name
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.choice("base", tuple(self.bases))
         self.choice("eval_positions", ("fresh", "fixed", "consecutive"))
         if self.opt["max_pos"] < cfg.train_len:
             raise PosbenchError(
                 f"scheme_options.{cfg.scheme}.max_pos={self.opt['max_pos']} is shorter than "
                 f"model.train_len={cfg.train_len}"
             )
-        self.inner = self.bases[self.opt["base"]](dataclasses.replace(cfg, options={}))
+        self.inner = build_base(self, cfg)
         self.gen = torch.Generator()  # the evaluation draws; reseeded for every one
         self.draws: dict[int, int] = {}  # length -> forward calls drawn at it so far
 
@@ -91,3 +98,101 @@ class Randomized(PositionalScheme):
 
     def rotate(self, q, k, pos, layer):
         return self.inner.rotate(q, k, pos, layer)
+
+    def bias(self, q, k, qpos, kpos, layer):
+        return self.inner.bias(q, k, qpos, kpos, layer)
+
+    # no `attend`: a base's fast kernel may assume positions 0..T-1, so the backends use `bias`
+
+
+class Offset(PositionalScheme):
+    """A random start (as the arithmetic studies train): in training a sequence's positions are
+    k..k+T-1, k drawn uniformly from [0, max_pos - T] for every batch (from torch's generator,
+    so they follow torch.manual_seed); at evaluation they are 0..T-1. The base scheme meets
+    positions up to max_pos while training at train_len."""
+
+    description = "train on positions k..k+T-1 from a random start k < max_pos - T; evaluate from 0"
+    options = {"base": "nope", "max_pos": 1024}
+    own = ("base", "max_pos")
+    fixed_base: Optional[str] = None
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if self.opt["max_pos"] < cfg.train_len:
+            raise PosbenchError(
+                f"scheme_options.{cfg.scheme}.max_pos={self.opt['max_pos']} is shorter than "
+                f"model.train_len={cfg.train_len}"
+            )
+        self.inner = build_base(self, cfg)
+
+    @property
+    def max_len(self):
+        return self.inner.max_len
+
+    def positions(self, T, device):
+        if not self.training:
+            return torch.arange(T, device=device)  # (T,)
+        start = torch.randint(0, max(1, self.opt["max_pos"] - T + 1), ()).item()
+        return torch.arange(start, start + T, device=device)  # (T,)
+
+    def embed(self, x, pos):
+        return self.inner.embed(x, pos)
+
+    def rotate(self, q, k, pos, layer):
+        return self.inner.rotate(q, k, pos, layer)
+
+    def bias(self, q, k, qpos, kpos, layer):
+        return self.inner.bias(q, k, qpos, kpos, layer)
+
+
+def build_base(modifier, cfg):
+    """The scheme a modifier feeds, built with the options that are not the modifier's own."""
+    from posbench.schemes import SCHEMES
+
+    base = type(modifier).fixed_base or modifier.opt["base"]
+    where = (
+        f"{cfg.scheme}: its base {base!r}"
+        if type(modifier).fixed_base
+        else f"scheme_options.{cfg.scheme}.base={base!r}"
+    )
+    if base in ("randomized", "offset") or base.startswith(tuple(PREFIXES)):
+        raise PosbenchError(f"{where}: a modifier's base is a scheme, not another modifier")
+    try:
+        cls = SCHEMES.resolve(base)
+    except PosbenchError as e:
+        raise PosbenchError(f"{where}: {e}") from None
+    options = {k: v for k, v in modifier.opt.items() if k not in modifier.own}
+    inner = cls(dataclasses.replace(cfg, scheme=base, options=options))
+    if inner.max_len is not None and inner.max_len < modifier.opt["max_pos"]:
+        raise PosbenchError(
+            f"scheme_options.{cfg.scheme}.max_pos={modifier.opt['max_pos']}: {base} encodes at most "
+            f"{inner.max_len} positions; lower max_pos or raise {base}'s own limit"
+        )
+    return inner
+
+
+def modified(name: str) -> Optional[type]:
+    """The class `noisy_<scheme>` or `offset_<scheme>` names (None for any other name): the
+    modifier with its base fixed, taking the base's options beside its own."""
+    from posbench.schemes import SCHEMES
+
+    if name in _MODIFIED:
+        return _MODIFIED[name]
+    for prefix, kind in PREFIXES.items():
+        if name.startswith(prefix) and len(name) > len(prefix):
+            base = name[len(prefix) :]
+            modifier = {"Randomized": Randomized, "Offset": Offset}[kind]
+            own = {k: v for k, v in modifier.options.items() if k != "base"}
+            what = {Randomized: "on sorted random positions", Offset: "from a random start"}[modifier]
+            mine = tuple(k for k in modifier.own if k != "base")  # rope's own `base` option stays rope's
+            attrs = {
+                "fixed_base": base,
+                "own": mine,
+                "options": {**own, **SCHEMES.resolve(base).options},
+                "description": f"{base}, trained {what}",
+            }
+            return _MODIFIED.setdefault(name, type(f"{kind}_{base}", (modifier,), attrs))
+    return None
+
+
+_MODIFIED: dict[str, type] = {}  # noisy_rope -> its class, made once
