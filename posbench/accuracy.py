@@ -1,4 +1,4 @@
-"""A task run scored, the torch side: greedy decoding and exact match, batched by length.
+"""A task run scored, the torch side: greedy decoding, exact match and per-token accuracy, batched by length.
 
 posbench/measures/exact_match.py calls these and writes the records.
 """
@@ -49,15 +49,13 @@ def decode(model, instances: list[tuple[bytes, bytes]], device) -> list[Optional
 
 
 @torch.no_grad()
-def exact(model, instances: list[tuple[bytes, bytes]], device) -> list[Optional[bool]]:
-    """Whether greedy decoding would give each instance's whole answer (None where the model
-    cannot encode the length), from one forward pass over prompt + answer: greedy decoding
-    emits the answer exactly when, at every answer byte, the argmax given the answer's bytes
-    before it is that byte (by induction over the bytes; the same argmax, so ties too). It
-    equals `decode(...) == answer` (tests/test_tasks.py checks) at a forward per batch rather
-    than one per answer byte."""
+def bytes_right(model, instances: list[tuple[bytes, bytes]], device) -> list[Optional[int]]:
+    """How many of each instance's answer bytes the model gets right (None where it cannot
+    encode the length), teacher-forced: each byte is the argmax given the prompt and the
+    answer's true bytes before it, not the model's own earlier answer. One forward pass over
+    prompt + answer per batch."""
     max_len = getattr(model, "max_len", None)
-    ok: list[Optional[bool]] = [None] * len(instances)
+    right: list[Optional[int]] = [None] * len(instances)
     by_shape: dict[tuple[int, int], list[int]] = {}
     for i, (p, a) in enumerate(instances):
         by_shape.setdefault((len(p), len(a)), []).append(i)
@@ -70,27 +68,60 @@ def exact(model, instances: list[tuple[bytes, bytes]], device) -> list[Optional[
             with autocast(seqs.device):
                 logits = model(seqs[:, :-1])  # (b, P+A-1, V)
             pred = logits[:, P - 1 :].float().argmax(-1)  # (b, A): the byte after the prompt and each answer prefix
-            for i, row in zip(chunk, (pred == seqs[:, P:]).all(-1).tolist()):
-                ok[i] = row
-    return ok
+            for i, n in zip(chunk, (pred == seqs[:, P:]).sum(-1).tolist()):  # (b,): answer bytes right
+                right[i] = n
+    return right
+
+
+def exact(model, instances: list[tuple[bytes, bytes]], device) -> list[Optional[bool]]:
+    """Whether greedy decoding would give each instance's whole answer (None where the model
+    cannot encode the length), from `bytes_right`'s one teacher-forced pass: greedy decoding
+    emits the answer exactly when, at every answer byte, the argmax given the answer's bytes
+    before it is that byte (by induction over the bytes; the same argmax, so ties too). It
+    equals `decode(...) == answer` (tests/test_tasks.py checks) at a forward per batch rather
+    than one per answer byte."""
+    return [None if n is None else n == len(a) for n, (_, a) in zip(bytes_right(model, instances, device), instances)]
 
 
 def score(model, test: list[tuple[int, bytes, bytes]], device) -> list[dict]:
-    """Exact match per test length: rows (length, correct, instances, accuracy, status). An
-    instance counts only if every byte of its answer, END included, is the target's."""
+    """Both metrics per test length: rows (length, correct, instances, accuracy, tokens_correct,
+    tokens, token_accuracy, status). Exact match: an instance counts only if every byte of its
+    answer, END included, is the target's, which is what greedy decoding gives. Per-token
+    accuracy: the answer bytes right over all answer bytes (END included), teacher-forced (see
+    `bytes_right`), so one wrong byte does not cost the bytes after it."""
     model.eval()
-    hits = exact(model, [(p, a) for _, p, a in test], device)
+    right = bytes_right(model, [(p, a) for _, p, a in test], device)
     rows = []
     for n in sorted({n for n, _, _ in test}):
-        mine = [h for (m, _, _), h in zip(test, hits) if m == n]
-        if any(h is None for h in mine):
+        mine = [(r, len(a)) for (m, _, a), r in zip(test, right) if m == n]  # (bytes right, answer bytes)
+        tokens = sum(A for _, A in mine)
+        if any(r is None for r, _ in mine):
             rows.append(
-                {"length": n, "correct": "", "instances": len(mine), "accuracy": "", "status": "beyond-max-len"}
+                {
+                    "length": n,
+                    "correct": "",
+                    "instances": len(mine),
+                    "accuracy": "",
+                    "tokens_correct": "",
+                    "tokens": tokens,
+                    "token_accuracy": "",
+                    "status": "beyond-max-len",
+                }
             )
             continue
-        correct = sum(mine)
+        correct = sum(r == A for r, A in mine)
+        tokens_correct = sum(r for r, _ in mine)
         rows.append(
-            {"length": n, "correct": correct, "instances": len(mine), "accuracy": correct / len(mine), "status": "ok"}
+            {
+                "length": n,
+                "correct": correct,
+                "instances": len(mine),
+                "accuracy": correct / len(mine),
+                "tokens_correct": tokens_correct,
+                "tokens": tokens,
+                "token_accuracy": tokens_correct / tokens,
+                "status": "ok",
+            }
         )
     return rows
 

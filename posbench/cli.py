@@ -366,7 +366,7 @@ def evaluate(
 def report(
     experiment_dirs: Annotated[list[Path], typer.Argument(help="e.g. results/default; several join into one table")],
     metric: Annotated[
-        Optional[str], typer.Option(help="ppl, loss, or ratio (to the training length); a task's: exact_match")
+        Optional[str], typer.Option(help="ppl, loss, ratio (to train_len); a task: exact_match, token_accuracy")
     ] = None,
     transpose: Annotated[bool, typer.Option(help="lengths as rows, schemes as columns")] = False,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="where a joined report goes")] = None,

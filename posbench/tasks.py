@@ -25,6 +25,13 @@ TEST_BYTES_LIMIT = 10**9  # the test set's bytes, at most: past it scoring would
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
+def symbols(syntax: bytes) -> str:
+    """Printable ASCII but space (unreadable in samples.txt) and a task's delimiters: 91 symbols for
+    copy. With a-z, 22% of length-20 strings repeat a bigram, so a small model cannot copy by content
+    and falls back to copying by position; with 91, 2% do (REFERENCES.md, "Synthetic tasks")."""
+    return "".join(chr(c) for c in range(33, 127) if c not in syntax)
+
+
 class Task:
     """Base of every task. Subclass it, set `name`, `description` and any extra `options`,
     and write `make` and `longest` (and `space` where the instances are few). Register it in
@@ -179,11 +186,15 @@ def pack(instances: list[tuple[bytes, bytes]]):
 class Copy(Task):
     name = "copy"
     description = "a random string -> the same string"
-    options = {**Task.options, "alphabet": LETTERS}
+    options = {**Task.options, "alphabet": symbols(Task.syntax)}
 
     def make(self, n, rng):
-        s = "".join(rng.choice(self.opt["alphabet"]) for _ in range(n)).encode()
+        s = self.string(n, rng)
         return f"{self.name}:".encode() + s + b"=", self.solve(s) + END
+
+    def string(self, n: int, rng: random.Random) -> bytes:
+        """The prompt's string of length n."""
+        return "".join(rng.choice(self.opt["alphabet"]) for _ in range(n)).encode()
 
     def solve(self, s: bytes) -> bytes:
         return s
@@ -206,9 +217,51 @@ class Reverse(Copy):
 class Sort(Copy):
     name = "sort"
     description = "a random string -> its characters sorted (in the alphabet's byte order)"
+    # a small alphabet, as the study's single-digit sort: repeated characters are part of sorting
+    options = {**Task.options, "alphabet": LETTERS}
 
     def solve(self, s):
         return bytes(sorted(s))
+
+
+class Repeat(Copy):
+    """The NoPE study's repeat-one-char: the answer is trivial, only where it ends is not."""
+
+    name = "repeat"
+    description = "one character n times -> the same string"
+
+    def string(self, n, rng):
+        return (rng.choice(self.opt["alphabet"]) * n).encode()
+
+    def space(self, n):
+        return len(self.opt["alphabet"])
+
+
+class Replace(Task):
+    """The NoPE study's replace-char: n copies of a, answered with n copies of b."""
+
+    name = "replace"
+    description = "n copies of a character a, and b -> n copies of b"
+    syntax = b":=>" + END
+    options = {**Task.options, "alphabet": symbols(syntax)}
+
+    def check(self, where):
+        super().check(where)
+        if len(self.opt["alphabet"]) < 2:
+            raise PosbenchError(
+                f"{where}.alphabet={self.opt['alphabet']!r}: replace draws two distinct characters; give at least two"
+            )
+
+    def make(self, n, rng):
+        a, b = rng.sample(self.opt["alphabet"], 2)
+        return f"replace:{a}>{b}:{a * n}=".encode(), (b * n).encode() + END
+
+    def longest(self, n):
+        return len("replace:a>b:") + n + 1 + n + 1
+
+    def space(self, n):
+        k = len(self.opt["alphabet"])
+        return k * (k - 1)
 
 
 class Addition(Task):
@@ -318,6 +371,8 @@ TASKS = Registry(
             ("copy", "Copy"),
             ("reverse", "Reverse"),
             ("sort", "Sort"),
+            ("repeat", "Repeat"),
+            ("replace", "Replace"),
             ("addition", "Addition"),
             ("parity", "Parity"),
             ("passkey", "Passkey"),

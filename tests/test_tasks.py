@@ -19,6 +19,8 @@ from posbench.model import TransformerLM
 from posbench.tasks import END, FILLER, IGNORE, PAD, TASKS, Task, build_task, pack
 
 SMALL = {"train_max": 6, "test_max": 9, "test_count": 12}
+SYMBOLS = set(range(33, 127))  # printable ASCII but space
+LOWER = set(b"abcdefghijklmnopqrstuvwxyz")
 
 
 def instances(name, n, count=40, seed=0, **options):
@@ -39,7 +41,7 @@ def test_copy_reverse_and_sort_answers_are_the_string_itself_reversed_and_sorted
         _, made = instances(name, n)
         for prompt, answer in made:
             s = body(prompt, name.encode())
-            assert len(s) == n and set(s) <= set(b"abcdefghijklmnopqrstuvwxyz")
+            assert len(s) == n and set(s) <= (LOWER if name == "sort" else SYMBOLS - set(b":=."))
             assert answer.endswith(END)
             got = answer[:-1]
             if name == "copy":
@@ -48,6 +50,50 @@ def test_copy_reverse_and_sort_answers_are_the_string_itself_reversed_and_sorted
                 assert all(got[i] == s[n - 1 - i] for i in range(n))
             else:
                 assert all(a <= b for a, b in zip(got, got[1:])) and collections.Counter(got) == collections.Counter(s)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 20, 40])
+def test_repeat_answers_its_one_character_n_times(n):
+    _, made = instances("repeat", n, count=200)
+    for prompt, answer in made:
+        s = body(prompt, b"repeat")
+        assert len(s) == n and len(set(s)) == 1 and s[0] in SYMBOLS - set(b":=.")
+        assert prompt == b"repeat:" + s[:1] * n + b"=" and answer == s[:1] * n + END
+    assert len({p[len("repeat:")] for p, _ in made}) > 50  # the character is drawn, not fixed
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 20, 40])
+def test_replace_answers_n_copies_of_b_for_n_copies_of_a(n):
+    _, made = instances("replace", n, count=200)
+    for prompt, answer in made:
+        m = re.fullmatch(rb"replace:(.)>(.):(.*)=", prompt, re.S)
+        a, b, s = m.group(1), m.group(2), m.group(3)
+        assert a != b and {a[0], b[0]} <= SYMBOLS - set(b":=>.")
+        assert s == a * n and answer == b * n + END
+    assert len({p[len("replace:") :][:3] for p, _ in made}) > 150  # both characters drawn
+    _, made = instances("replace", n, alphabet="xy")
+    assert {p + a for p, a in made} == {f"replace:{x}>{y}:{x * n}={y * n}.".encode() for x, y in ("xy", "yx")}
+
+
+def test_copy_and_reverse_draw_from_90_printable_symbols_and_sort_from_a_to_z():
+    """With a-z a length-20 string repeats a bigram 22% of the time, so copying by content is
+    ambiguous; the NoPE study draws from 100 symbols. Sort keeps a-z; a-z stays an option."""
+    for name, delimiters in [("copy", b":=."), ("reverse", b":=."), ("repeat", b":=."), ("replace", b":=>.")]:
+        task = build_task(name, {})
+        alphabet = task.opt["alphabet"].encode()
+        assert len(set(alphabet)) == len(alphabet) >= 90
+        assert set(alphabet) <= SYMBOLS - set(delimiters)
+    for name in ("copy", "reverse"):
+        _, made = instances(name, 20, count=500)
+        assert len({c for p, _ in made for c in body(p, name.encode())}) >= 90  # drawn from all of it
+        _, made = instances(name, 20, alphabet="abcdefghijklmnopqrstuvwxyz")
+        assert {c for p, _ in made for c in body(p, name.encode())} <= LOWER
+    assert build_task("sort", {}).opt["alphabet"] == "abcdefghijklmnopqrstuvwxyz"
+    assert {c for p, _ in instances("sort", 20)[1] for c in body(p, b"sort")} <= LOWER
+    with pytest.raises(PosbenchError, match="uses '>', which the task's instances use as delimiters"):
+        build_task("replace", {"alphabet": "a>b"})
+    with pytest.raises(PosbenchError, match="replace draws two distinct characters"):
+        build_task("replace", {"alphabet": "a"})
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 12])
@@ -107,7 +153,14 @@ def test_every_instance_fits_the_task_s_stated_longest_and_train_len_is_the_long
 
 @pytest.mark.parametrize(
     "name,options,n",
-    [("parity", {}, 3), ("copy", {"alphabet": "ab"}, 3), ("addition", {}, 1), ("sort", {"alphabet": "xyz"}, 2)],
+    [
+        ("parity", {}, 3),
+        ("copy", {"alphabet": "ab"}, 3),
+        ("addition", {}, 1),
+        ("sort", {"alphabet": "xyz"}, 2),
+        ("repeat", {}, 5),  # one instance per character of the default alphabet, at any length
+        ("replace", {"alphabet": "abcd"}, 4),  # 4 x 3 ordered pairs a != b
+    ],
 )
 def test_space_counts_the_distinct_instances(name, options, n):
     task, made = instances(name, n, count=5000, **options)

@@ -1,11 +1,15 @@
-"""Exact match on a synthetic task: a run's records (eval.csv, samples.txt) and its tables by length bucket.
+"""Exact match and per-token accuracy on a synthetic task: a run's records (eval.csv, samples.txt)
+and its tables by length bucket.
 
 A run of a task trains on instances of lengths 1..train_max, the loss on the answer bytes
-alone, and is scored by greedy decoding on a fixed test set of every length 1..test_max
-(posbench/accuracy.py holds the torch side). Its eval.csv holds a row per test length
-(correct, instances, accuracy); samples.txt a few test instances of each length bucket with
-the model's answers. Tables group lengths into buckets, each in or out of distribution, plus
-the in- and out-of-distribution totals.
+alone, and is scored on a fixed test set of every length 1..test_max (posbench/accuracy.py
+holds the torch side) by two metrics: exact match of the whole answer under greedy decoding
+(the NoPE study's), and the answer bytes right, each predicted given the true bytes before it
+(Ruoss et al.'s per-token accuracy). Its eval.csv holds a row per test length with both
+(correct, instances, accuracy; tokens_correct, tokens, token_accuracy); samples.txt a few test
+instances of each length bucket with the model's answers. Tables show one metric (--metric),
+lengths grouped into buckets, each in or out of distribution, plus the in- and
+out-of-distribution totals.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ from posbench.tasks import Task, build_task
 class ExactMatch(Measure):
     name = "exact_match"
     records = ("eval.csv", "samples.txt")
-    metrics = {"exact_match": Metric("exact_match", "% exact match", higher_is_better=True, digits=1)}
+    metrics = {
+        "exact_match": Metric("exact_match", "% exact match", higher_is_better=True, digits=1),
+        "token_accuracy": Metric("token_accuracy", "% answer bytes right", higher_is_better=True, digits=1),
+    }
 
     def __init__(self, task: Task):
         self.task = task
@@ -110,11 +117,18 @@ class ExactMatch(Measure):
         return evaluate_task_into(rc, rdir, model, self.task.test_set(), device, model.backend(device))
 
     def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
-        table = [["length", "exact", "instances", "status"]]
+        table = [["length", "exact", "per-token", "instances", "answer bytes", "status"]]
         for r in rows:
             ok = r["status"] == "ok"
             table.append(
-                [str(r["length"]), f"{100 * r['accuracy']:.1f}%" if ok else "—", str(r["instances"]), r["status"]]
+                [
+                    str(r["length"]),
+                    f"{100 * r['accuracy']:.1f}%" if ok else "—",
+                    f"{100 * r['token_accuracy']:.1f}%" if ok else "—",
+                    str(r["instances"]),
+                    str(r["tokens"]),
+                    r["status"],
+                ]
             )
         return f"{rc.task}: {rc.model.scheme} seed {rc.seeds[0]}; attention {rows[0]['attention']}", table
 
@@ -122,15 +136,17 @@ class ExactMatch(Measure):
         return read_task_eval(rdir)
 
     def report(self, collected, metric, transpose: bool, buckets) -> dict:
-        if metric not in (None, "exact_match"):
-            raise PosbenchError(f"--metric {metric}: a task's runs are scored by exact match alone")
-        return report(collected, transpose, buckets)
+        if metric not in (None, *self.metrics):
+            raise PosbenchError(f"--metric {metric}: a task's runs report {' or '.join(self.metrics)}")
+        return report(collected, metric or "exact_match", transpose, buckets)
 
     def join_checks(self, rows: list[dict]) -> list[tuple[str, set]]:
         return [("tasks", {r["task"] for r in rows}), ("training lengths", {int(r["train_max"]) for r in rows})]
 
 
-METRIC = "exact_match"
+METRIC = "exact_match"  # eval.csv's `metric`: the measure that scored the row (each row holds both metrics)
+
+TITLES = {"exact_match": "exact-match accuracy", "token_accuracy": "per-token accuracy"}  # a report's title, by metric
 
 
 EVAL_COLUMNS = [
@@ -143,6 +159,9 @@ EVAL_COLUMNS = [
     "correct",
     "instances",
     "accuracy",
+    "tokens_correct",
+    "tokens",
+    "token_accuracy",
     "status",
     "attention",
 ]
@@ -190,8 +209,13 @@ def samples(rc, task: Task, test: list, model, device, rows: list[dict]) -> str:
         scored = [acc[n] for n in range(lo, hi + 1) if n in acc and acc[n]["status"] == "ok"]
         right = sum(r["correct"] for r in scored)
         total = sum(r["instances"] for r in scored)
+        right_bytes = sum(r["tokens_correct"] for r in scored)
+        total_bytes = sum(r["tokens"] for r in scored)
         split = "in distribution" if hi <= task.train_max else "out of distribution"
-        out.append(f"## lengths {bucket_name(lo, hi)} ({split}): {right} of {total} exact")
+        out.append(
+            f"## lengths {bucket_name(lo, hi)} ({split}): {right} of {total} exact, "
+            f"{right_bytes} of {total_bytes} answer bytes right"
+        )
         for (p, a), ans in zip(group, answers):
             mark = "ok" if ans == a else "WRONG"
             out += [f"prompt  {show(p)}", f"target  {show(a)}", f"answer  {show(ans)}  {mark}", ""]
@@ -208,9 +232,9 @@ def read_task_eval(run_dir: Path) -> list[dict]:
         if reader.fieldnames != EVAL_COLUMNS or not rows:
             raise ValueError
         for r in rows:
-            int(r["length"]), int(r["instances"]), int(r["seed"])
+            int(r["length"]), int(r["instances"]), int(r["seed"]), int(r["tokens"])
             if r["status"] == "ok":
-                int(r["correct"])
+                int(r["correct"]), int(r["tokens_correct"]), float(r["token_accuracy"])
     except (OSError, UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
         raise bad from None
     return rows
@@ -251,47 +275,57 @@ SUMMARY_COLUMNS = [
     "value",
     "correct",
     "instances",
+    "tokens_correct",
+    "tokens",
     "status",
     "attention",
 ]
 
+# what each metric's value sums over a bucket: (right, out of)
+COUNTS = {"exact_match": ("correct", "instances"), "token_accuracy": ("tokens_correct", "tokens")}
+
 
 def by_bucket(df: pd.DataFrame, spans: list[tuple[int, int]], train_max: int) -> pd.DataFrame:
-    """One row per (scheme, seed, bucket): accuracy over the bucket's instances; no value where
-    some length of it could not be scored."""
+    """One row per (metric, scheme, seed, bucket): the fraction of the bucket's instances exact,
+    or of its answer bytes right, summed over its lengths (so a long length weighs its bytes);
+    no value where some length of it could not be scored. Every row carries both counts."""
     out = []
-    for (scheme, seed), g in df.groupby(["scheme", "seed"], sort=False):
-        totals = [(1, train_max, "in"), (train_max + 1, 10**9, "out")]
-        for lo, hi, name in [(lo, hi, bucket_name(lo, hi)) for lo, hi in spans] + totals:
-            part = g[(g["length"] >= lo) & (g["length"] <= hi)]
-            if part.empty:
-                continue
-            ok = (part["status"] == "ok").all()
-            correct, n = part["correct"].sum(), part["instances"].sum()
-            out.append(
-                {
-                    "task": g["task"].iloc[0],
-                    "metric": METRIC,
-                    "scheme": scheme,
-                    "seed": seed,
-                    "train_max": train_max,
-                    "bucket": name,
-                    "lo": lo,
-                    "hi": int(part["length"].max()),
-                    "split": "in" if hi <= train_max else "out",
-                    "value": correct / n if ok else math.nan,
-                    "correct": int(correct) if ok else "",
-                    "instances": int(n),
-                    "status": "ok" if ok else part.loc[part["status"] != "ok", "status"].iloc[0],
-                    "attention": ",".join(sorted(set(part["attention"]))),
-                }
-            )
+    for metric, (right, of) in COUNTS.items():
+        for (scheme, seed), g in df.groupby(["scheme", "seed"], sort=False):
+            totals = [(1, train_max, "in"), (train_max + 1, 10**9, "out")]
+            for lo, hi, name in [(lo, hi, bucket_name(lo, hi)) for lo, hi in spans] + totals:
+                part = g[(g["length"] >= lo) & (g["length"] <= hi)]
+                if part.empty:
+                    continue
+                ok = (part["status"] == "ok").all()
+                sums = {c: part[c].sum() for c in ("correct", "instances", "tokens_correct", "tokens")}
+                out.append(
+                    {
+                        "task": g["task"].iloc[0],
+                        "metric": metric,
+                        "scheme": scheme,
+                        "seed": seed,
+                        "train_max": train_max,
+                        "bucket": name,
+                        "lo": lo,
+                        "hi": int(part["length"].max()),
+                        "split": "in" if hi <= train_max else "out",
+                        "value": sums[right] / sums[of] if ok else math.nan,
+                        "correct": int(sums["correct"]) if ok else "",
+                        "instances": int(sums["instances"]),
+                        "tokens_correct": int(sums["tokens_correct"]) if ok else "",
+                        "tokens": int(sums["tokens"]),
+                        "status": "ok" if ok else part.loc[part["status"] != "ok", "status"].iloc[0],
+                        "attention": ",".join(sorted(set(part["attention"]))),
+                    }
+                )
     return pd.DataFrame(out, columns=SUMMARY_COLUMNS)
 
 
-def comparison(long: pd.DataFrame) -> pd.DataFrame:
-    """Schemes x buckets: the mean accuracy over seeds, its 95% interval, seeds, and the schemes
-    tied for best at each bucket (the same paired/Welch tests as perplexity)."""
+def comparison(long: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Schemes x buckets of one metric: its mean over seeds, its 95% interval, seeds, and the
+    schemes tied for best at each bucket (the same paired/Welch tests as perplexity)."""
+    long = long[long["metric"] == metric]
     order = scheme_order(set(long["scheme"]))
     cols = list(dict.fromkeys(long["bucket"]))
     cols = [b for b in ("in", "out") if b in cols] + [b for b in cols if b not in ("in", "out")]
@@ -299,7 +333,7 @@ def comparison(long: pd.DataFrame) -> pd.DataFrame:
     for b in cols:
         at = long[(long["bucket"] == b) & long["value"].notna()]
         by_scheme = {s: dict(zip(g["seed"], g["value"])) for s, g in at.groupby("scheme")}
-        _, tied, _ = tied_for_best(by_scheme, ExactMatch.metrics["exact_match"].higher_is_better)
+        _, tied, _ = tied_for_best(by_scheme, ExactMatch.metrics[metric].higher_is_better)
         values = {s: list(by_scheme[s].values()) for s in by_scheme}
         table[b] = [mean_ci(values[s])[0] if s in values else math.nan for s in order]
         table[f"ci {b}"] = [mean_ci(values[s])[1] if s in values else math.nan for s in order]
@@ -311,7 +345,7 @@ def comparison(long: pd.DataFrame) -> pd.DataFrame:
 
 
 def cell(table: pd.DataFrame, scheme: str, b: str) -> str:
-    """'97.3 ± 1.2' (percent exact, with the 95% interval over seeds), or — where not scored."""
+    """'97.3 ± 1.2' (percent, with the 95% interval over seeds), or — where not scored."""
     v, ci = table.loc[scheme, b], table.loc[scheme, f"ci {b}"]
     if v != v:
         return "—"
@@ -329,9 +363,10 @@ def grid(table: pd.DataFrame) -> tuple[list[list[str]], set]:
     return rows, best
 
 
-def report(collected, transpose: bool, edges) -> dict:
-    """The parts of a task report: a section per grid point (buckets of lengths as columns),
-    the per-bucket rows for summary.csv, and a function that draws the plots."""
+def report(collected, metric: str, transpose: bool, edges) -> dict:
+    """The parts of a task report of one metric: a section per grid point (buckets of lengths as
+    columns), the per-bucket rows of both metrics for summary.csv (the same whichever is
+    tabled), and a function that draws the plots."""
     df = frame(collected)
     points: dict[str, list] = {}
     for run in collected.runs:
@@ -342,7 +377,7 @@ def report(collected, transpose: bool, edges) -> dict:
         task = build_task(configs[0].task, configs[0].task_options)
         spans = buckets(task.train_max, task.test_max, edges if edges is not None else configs[0].eval.buckets)
         long = by_bucket(df[df["point"] == point], spans, task.train_max).assign(point=point)
-        parts.append((point, configs, long, comparison(long)))
+        parts.append((point, configs, long, comparison(long, metric)))
     sections = []
     for point, configs, part, table in parts:
         rows, best = grid(table)
@@ -351,11 +386,12 @@ def report(collected, transpose: bool, edges) -> dict:
         where = f" ({point})" if point else ""
         task = build_task(configs[0].task, configs[0].task_options)
         trained = f"trained on 1..{task.train_max}" + (f"; {point}" if point else "")
-        name = f"{configs[0].task}: % exact match by length ({trained})"
+        label = ExactMatch.metrics[metric].label
+        name = f"{configs[0].task}: {label} by length ({trained})"
         sections.append(
             Section(
                 heading=name,
-                caption=f"{tex(configs[0].task)}: \\% exact match by length{tex(where)}; {tex(spread(part))}.",
+                caption=f"{tex(configs[0].task)}: {tex(label)} by length{tex(where)}; {tex(spread(part))}.",
                 rows=rows,
                 best=best,
                 title=name,
@@ -367,14 +403,14 @@ def report(collected, transpose: bool, edges) -> dict:
     long = pd.concat([long for _, _, long, _ in parts])
 
     def plots(folder: Path) -> list[str]:
-        plot(parts, folder / "summary.png")
+        plot(parts, folder / "summary.png", metric)
         plot_training({run.folder: run for run in collected.runs}, folder / "training.png")
         return ["summary.png", "training.png"]
 
     return {
-        "title": f"{names}: exact-match accuracy by length"
+        "title": f"{names}: {TITLES[metric]} by length"
         + (f", trained on 1..{task.train_max}, tested to {task.test_max}" if len(parts) == 1 else ""),
-        "describe": describe(parts[0][1], long)
+        "describe": describe(parts[0][1], long, metric)
         + (
             [f"- grid points (a table each; the lines above describe the first): {'; '.join(p for p, *_ in parts)}"]
             if len(parts) > 1
@@ -391,17 +427,22 @@ def frame(collected) -> pd.DataFrame:
     """Every run's per-length rows as one long DataFrame, typed, each naming its grid point."""
     rows = [{**r, "point": collected.points[run.folder]} for run in collected.runs for r in run.rows]
     df = pd.DataFrame(rows, columns=[*EVAL_COLUMNS, "point"])
-    for c in ("seed", "train_max", "length", "instances"):
+    for c in ("seed", "train_max", "length", "instances", "tokens"):
         df[c] = df[c].astype(int)
-    df["correct"] = pd.to_numeric(df["correct"], errors="coerce")
+    for c in ("correct", "tokens_correct"):  # blank where a length is beyond the scheme's positions
+        df[c] = pd.to_numeric(df[c], errors="coerce")
     return df
 
 
-def describe(configs: list, long: pd.DataFrame) -> list[str]:
+def describe(configs: list, long: pd.DataFrame, metric: str) -> list[str]:
     c = configs[0]
     task, m, t = build_task(c.task, c.task_options), c.model, c.train
     params = m.params
-    options = ", ".join(f"{k}={v}" for k, v in c.task_options.items())
+    # a long alphabet is counted, not printed: its backquotes and stars would break the Markdown
+    options = ", ".join(
+        f"{k}={len(v)} symbols (config.yaml lists them)" if isinstance(v, str) and len(v) > 26 else f"{k}={v}"
+        for k, v in c.task_options.items()
+    )
     return [
         f"- task: {c.task} ({type(task).description}); {options}",
         f"- model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, {params / 1e6:.2f}M parameters "
@@ -409,9 +450,16 @@ def describe(configs: list, long: pd.DataFrame) -> list[str]:
         f"- training: {t.steps} steps x {t.batch_size} instances, lengths uniform in 1..{task.train_max}, "
         f"loss on the answer bytes only, AdamW lr {t.lr:g}, seeds {sorted(set(long['seed']))}",
         f"- evaluation: up to {task.opt['test_count']} fixed test instances per length 1..{task.test_max}, "
-        f"never trained on; greedy decoding, exact match of the whole answer",
-        f"- cells: % exact match, {spread(long)}; — : the scheme cannot encode those lengths",
+        f"never trained on; {SCORED[metric]}",
+        f"- cells: {ExactMatch.metrics[metric].label}, {spread(long)}; — : the scheme cannot encode those lengths",
     ]
+
+
+SCORED = {  # how a cell of each metric is scored, for the description
+    "exact_match": "greedy decoding, exact match of the whole answer",
+    "token_accuracy": "per-token accuracy: the answer bytes (END included) right over all of them, each "
+    "predicted given the true bytes before it (teacher-forced), summed over a bucket's lengths",
+}
 
 
 def spread(long: pd.DataFrame) -> str:
@@ -424,8 +472,8 @@ def spread(long: pd.DataFrame) -> str:
     )
 
 
-def plot(sections: list, path: Path) -> bool:
-    """Accuracy against length (each bucket at its longest length), one line per scheme with its
+def plot(sections: list, path: Path, metric: str) -> bool:
+    """The metric against length (each bucket at its longest length), one line per scheme with its
     95% band over seeds, a dashed line at the longest training length; a panel per grid point."""
     plt = pyplot()
     if plt is None:
@@ -433,7 +481,7 @@ def plot(sections: list, path: Path) -> bool:
     fig, axes = plt.subplots(1, len(sections), figsize=(7 * len(sections), 4), squeeze=False)
     for ax, (point, configs, long, _) in zip(axes[0], sections):
         train_max = build_task(configs[0].task, configs[0].task_options).train_max
-        part = long[~long["bucket"].isin(["in", "out"])]
+        part = long[~long["bucket"].isin(["in", "out"]) & (long["metric"] == metric)]
         for s in scheme_order(set(part["scheme"])):
             g = part[part["scheme"] == s]
             xs, means, cis, seeds = [], [], [], g["seed"].nunique()
@@ -445,9 +493,9 @@ def plot(sections: list, path: Path) -> bool:
             ax.plot(xs, means, marker="o", markersize=3, label=s, **style(s))
             band(ax, xs, means, cis, seeds, s)
         ax.axvline(train_max, color="black", linestyle="--", linewidth=1)
-        ax.set_title(f"{configs[0].task}: exact match by length" + (f"\n{point}" if point else ""), fontsize=10)
+        ax.set_title(f"{configs[0].task}: {TITLES[metric]} by length" + (f"\n{point}" if point else ""), fontsize=10)
         ax.set_xlabel(f"instance length; dashed: the longest trained ({train_max}); band: 95% ({BAND_SEEDS}+ seeds)")
-        ax.set_ylabel("% exact match")
+        ax.set_ylabel(ExactMatch.metrics[metric].label)
         ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
