@@ -27,7 +27,7 @@ class Registry(Mapping):
         also: tuple[str, ...] = (),
         check: Callable[[str, type], None] | None = None,
         explain: Callable[[str], None] | None = None,
-        derive: Callable[[str], type | None] | None = None,
+        derive: Callable[[str, Registry], type | None] | None = None,
     ):
         self.kind, self.entries, self.base, self.example = kind, entries, base, example
         self.also, self.check, self.explain = also, check, explain  # also: names valid outside the registry
@@ -36,7 +36,10 @@ class Registry(Mapping):
 
     def __getitem__(self, name: str) -> type:
         if name not in self.loaded:
-            self.loaded[name] = _import(self.entries[name])  # KeyError for a name not registered
+            cls = _import(self.entries[name])  # KeyError for a name not registered
+            if "registry" in vars(cls) and cls.registry is None:  # a class that builds others by name
+                cls.registry = self
+            self.loaded[name] = cls
         return self.loaded[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -49,11 +52,13 @@ class Registry(Mapping):
         """A registered name, or `module:Class` naming a user's subclass of the base class."""
         if name in self.entries:
             return self[name]
-        derived = self.derive(name) if self.derive is not None else None
+        derived = self.derive(name, self) if self.derive is not None else None
         if derived is not None:
             return derived
         if ":" in name:
             cls = load_plugin(name, self.kind, _import(self.base), self.base.replace(":", "."), self.example)
+            if getattr(cls, "registry", False) is None:  # a subclass of a class that builds others by name
+                cls.registry = self
             if self.check is not None:
                 self.check(name, cls)
             return cls

@@ -43,17 +43,17 @@ SCHEMES = Registry(
     base="posbench.schemes:PositionalScheme",
     example="examples.my_scheme:MyScheme",
     explain=_explain,
-    derive=lambda name: _modified(name),
+    derive=lambda name, registry: _modified(name, registry),
 )
 
 
-def _modified(name: str):
+def _modified(name: str, registry):
     """noisy_<scheme> and offset_<scheme>: a modifier of a registered scheme (or module:Class)."""
     if not name.startswith(("noisy_", "offset_")):
         return None  # no scheme module is imported for any other name
     from posbench.schemes.randomized import modified
 
-    return modified(name)
+    return modified(name, registry)
 
 
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]  # the default experiment
@@ -76,7 +76,10 @@ __all__ = ["SCHEMES", "SEED_SCHEMES", "catalogue", "resolve_scheme", "build_sche
 
 def __getattr__(name: str):
     if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name]), name)
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        if "registry" in vars(value) if isinstance(value, type) else False:  # as SCHEMES[...] gives it
+            value.registry = value.registry or SCHEMES
+        return value
     raise AttributeError(f"module 'posbench.schemes' has no attribute '{name}'")
 
 

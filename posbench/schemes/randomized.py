@@ -50,6 +50,7 @@ class Randomized(PositionalScheme):
     description = "train and evaluate on sorted random positions from [0, max_pos) (Ruoss 2023)"
     options = {"base": "sinusoidal", "max_pos": 1024, "eval_positions": "fresh"}
     own = ("base", "max_pos", "eval_positions")  # the modifier's options; any others are the base's
+    registry = None  # the scheme registry, which hands itself to the classes that ask (see build_base)
     fixed_base: Optional[str] = None  # set for noisy_<scheme>, whose base is in its name
 
     def __init__(self, cfg):
@@ -115,6 +116,7 @@ class Offset(PositionalScheme):
     options = {"base": "nope", "max_pos": 1024}
     own = ("base", "max_pos")
     fixed_base: Optional[str] = None
+    registry = None
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -147,8 +149,6 @@ class Offset(PositionalScheme):
 
 def build_base(modifier, cfg):
     """The scheme a modifier feeds, built with the options that are not the modifier's own."""
-    from posbench.schemes import SCHEMES
-
     base = type(modifier).fixed_base or modifier.opt["base"]
     where = (
         f"{cfg.scheme}: its base {base!r}"
@@ -158,7 +158,9 @@ def build_base(modifier, cfg):
     if base in ("randomized", "offset") or base.startswith(tuple(PREFIXES)):
         raise PosbenchError(f"{where}: a modifier's base is a scheme, not another modifier")
     try:
-        cls = SCHEMES.resolve(base)
+        if type(modifier).registry is None:
+            raise PosbenchError(f"{cfg.scheme}: build it by name (posbench.schemes.SCHEMES), which finds its base")
+        cls = type(modifier).registry.resolve(base)
     except PosbenchError as e:
         raise PosbenchError(f"{where}: {e}") from None
     options = {k: v for k, v in modifier.opt.items() if k not in modifier.own}
@@ -171,11 +173,9 @@ def build_base(modifier, cfg):
     return inner
 
 
-def modified(name: str) -> Optional[type]:
+def modified(name: str, registry) -> Optional[type]:
     """The class `noisy_<scheme>` or `offset_<scheme>` names (None for any other name): the
     modifier with its base fixed, taking the base's options beside its own."""
-    from posbench.schemes import SCHEMES
-
     if name in _MODIFIED:
         return _MODIFIED[name]
     for prefix, kind in PREFIXES.items():
@@ -186,9 +186,10 @@ def modified(name: str) -> Optional[type]:
             what = {Randomized: "on sorted random positions", Offset: "from a random start"}[modifier]
             mine = tuple(k for k in modifier.own if k != "base")  # rope's own `base` option stays rope's
             attrs = {
+                "registry": registry,
                 "fixed_base": base,
                 "own": mine,
-                "options": {**own, **SCHEMES.resolve(base).options},
+                "options": {**own, **registry.resolve(base).options},
                 "description": f"{base}, trained {what}",
             }
             return _MODIFIED.setdefault(name, type(f"{kind}_{base}", (modifier,), attrs))
