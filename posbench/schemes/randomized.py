@@ -164,7 +164,7 @@ def build_base(modifier, cfg):
     except PosbenchError as e:
         raise PosbenchError(f"{where}: {e}") from None
     options = {k: v for k, v in modifier.opt.items() if k not in modifier.own}
-    inner = cls(dataclasses.replace(cfg, scheme=base, options=options))
+    inner = cls(dataclasses.replace(cfg, options=options))  # its errors name the scheme asked for
     if inner.max_len is not None and inner.max_len < modifier.opt["max_pos"]:
         raise PosbenchError(
             f"scheme_options.{cfg.scheme}.max_pos={modifier.opt['max_pos']}: {base} encodes at most "
