@@ -19,11 +19,40 @@ from posbench.schemes.base import PositionalScheme
 PREFIXES = {"noisy_": "Randomized", "offset_": "Offset"}  # name prefix -> the modifier it names
 
 
-class Randomized(PositionalScheme):
+class Modifier(PositionalScheme):
+    """What the position modifiers share: a base scheme (the `base` option, or the name after
+    noisy_/offset_) built with the options that are not the modifier's, whose hooks see the
+    positions the modifier chooses. No `attend`: a base's fast kernel may assume positions
+    0..T-1, so every backend uses the base's `bias`."""
+
+    own: tuple = ("base", "max_pos")  # the modifier's options; any others are the base's
+    registry = None  # the scheme registry, which hands itself to the classes that ask (see build_base)
+    fixed_base: Optional[str] = None  # set for noisy_<scheme> and offset_<scheme>
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if self.opt["max_pos"] < cfg.train_len:
+            raise PosbenchError(
+                f"scheme_options.{cfg.scheme}.max_pos={self.opt['max_pos']} is shorter than "
+                f"model.train_len={cfg.train_len}"
+            )
+        self.inner = build_base(self, cfg)
+
+    def embed(self, x, pos):
+        return self.inner.embed(x, pos)
+
+    def rotate(self, q, k, pos, layer):
+        return self.inner.rotate(q, k, pos, layer)
+
+    def bias(self, q, k, qpos, kpos, layer):
+        return self.inner.bias(q, k, qpos, kpos, layer)
+
+
+class Randomized(Modifier):
     """Randomized positional encodings (Ruoss et al. 2023): a sequence's positions are a sorted
     random subset of [0, max_pos) instead of 0..T-1, so the model meets every position up to
     max_pos >> train_len and only their order is reliable. The positions feed the `base`
-    scheme, sinusoidal or rope.
+    scheme, any registered one (noisy_<scheme> names it directly).
 
     Set up as the reference, google-deepmind/randomized_positional_encodings: its
     `models/transformer.py` applies the noisy encodings whether training or not, so it draws a
@@ -42,26 +71,19 @@ class Randomized(PositionalScheme):
                 scores the same whichever other lengths are evaluated with it.
         "fixed": one sorted draw per length, seeded by the length alone, shared by every batch.
         "consecutive": 0..T-1, as the method is often described.
-      base     "sinusoidal" (default) or "rope": the scheme the positions feed
+      base     the scheme the positions feed (default sinusoidal)
       max_pos  the range positions are drawn from
     Under "fresh" and "fixed", lengths past max_pos cannot be encoded (beyond-max-len).
     """
 
     description = "train and evaluate on sorted random positions from [0, max_pos) (Ruoss 2023)"
     options = {"base": "sinusoidal", "max_pos": 1024, "eval_positions": "fresh"}
-    own = ("base", "max_pos", "eval_positions")  # the modifier's options; any others are the base's
-    registry = None  # the scheme registry, which hands itself to the classes that ask (see build_base)
-    fixed_base: Optional[str] = None  # set for noisy_<scheme>, whose base is in its name
+    own = ("base", "max_pos", "eval_positions")
+    registry = None
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.choice("eval_positions", ("fresh", "fixed", "consecutive"))
-        if self.opt["max_pos"] < cfg.train_len:
-            raise PosbenchError(
-                f"scheme_options.{cfg.scheme}.max_pos={self.opt['max_pos']} is shorter than "
-                f"model.train_len={cfg.train_len}"
-            )
-        self.inner = build_base(self, cfg)
         self.gen = torch.Generator()  # the evaluation draws; reseeded for every one
         self.draws: dict[int, int] = {}  # length -> forward calls drawn at it so far
 
@@ -94,19 +116,8 @@ class Randomized(PositionalScheme):
         self.gen.manual_seed(seed)
         return torch.randperm(M, generator=self.gen)[:T].sort().values.to(device)  # (T,) increasing
 
-    def embed(self, x, pos):
-        return self.inner.embed(x, pos)
 
-    def rotate(self, q, k, pos, layer):
-        return self.inner.rotate(q, k, pos, layer)
-
-    def bias(self, q, k, qpos, kpos, layer):
-        return self.inner.bias(q, k, qpos, kpos, layer)
-
-    # no `attend`: a base's fast kernel may assume positions 0..T-1, so the backends use `bias`
-
-
-class Offset(PositionalScheme):
+class Offset(Modifier):
     """A random start (as the arithmetic studies train): in training a sequence's positions are
     k..k+T-1, k drawn uniformly from [0, max_pos - T] for every batch (from torch's generator,
     so they follow torch.manual_seed); at evaluation they are 0..T-1. The base scheme meets
@@ -114,18 +125,7 @@ class Offset(PositionalScheme):
 
     description = "train on positions k..k+T-1 from a random start k < max_pos - T; evaluate from 0"
     options = {"base": "nope", "max_pos": 1024}
-    own = ("base", "max_pos")
-    fixed_base: Optional[str] = None
     registry = None
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        if self.opt["max_pos"] < cfg.train_len:
-            raise PosbenchError(
-                f"scheme_options.{cfg.scheme}.max_pos={self.opt['max_pos']} is shorter than "
-                f"model.train_len={cfg.train_len}"
-            )
-        self.inner = build_base(self, cfg)
 
     @property
     def max_len(self):
@@ -136,15 +136,6 @@ class Offset(PositionalScheme):
             return torch.arange(T, device=device)  # (T,)
         start = torch.randint(0, max(1, self.opt["max_pos"] - T + 1), ()).item()
         return torch.arange(start, start + T, device=device)  # (T,)
-
-    def embed(self, x, pos):
-        return self.inner.embed(x, pos)
-
-    def rotate(self, q, k, pos, layer):
-        return self.inner.rotate(q, k, pos, layer)
-
-    def bias(self, q, k, qpos, kpos, layer):
-        return self.inner.bias(q, k, qpos, kpos, layer)
 
 
 def build_base(modifier, cfg):
