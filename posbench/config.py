@@ -129,7 +129,7 @@ class EvalConfig:
     # scheme declares them (rope: linear, ntk, dynamic, yarn); the checkpoints are not retrained
     rope_scaling: list[str] = field(default_factory=list)
     rope_factor: Optional[float] = None  # a fixed scale s for those rows; None = L'/L per length
-    # a task's length buckets, by their last length; empty: each length up to 40, else ten buckets
+    # a task's length buckets, by their last length; empty: the default of measures/exact_match.buckets
     buckets: list[int] = field(default_factory=list)
 
     def __post_init__(self):

@@ -104,7 +104,7 @@ def checks_table(scheme: str, results) -> Table:
 def status_table(experiment_dir: Path, rows: list[dict]) -> Table:
     """`posbench status`, a line a run in 80 columns: a run's folder name says its scheme and seed
     (and a sweep's grid point, train_len included), so beside it are only its state and detail."""
-    lengths = {str(r["train_len"]) for r in rows}
+    lengths = {str(r["train_len"]) for r in rows if r["state"] != "pending"}  # a pending run's is not known
     shared = f", train_len {lengths.pop()}" if len(lengths) == 1 else ""
     t = Table(title=escape(f"{experiment_dir}: {len(rows)} run(s){shared}"))
     longest = max((len(r["run"]) for r in rows), default=0)

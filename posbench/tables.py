@@ -113,7 +113,8 @@ def base_of(name: str) -> str:
 # A scheme's colour follows its name alone, so it is the same in every plot and does not move
 # when rows come or go: a registered scheme takes its registry index's colour (matplotlib's
 # tab10, then darker ones); a plugin a hue from a hash of its name; an evaluation-time variant
-# (rope+yarn) its base's colour with a dash pattern from a hash of the variant's name.
+# (rope+yarn) or a modified scheme (noisy_rope) its base's colour with a dash pattern from a hash
+# of its name.
 PALETTE = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
     "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
@@ -143,7 +144,8 @@ def colour(name: str) -> str:
 
 def style(name: str) -> dict:
     """matplotlib line keywords for scheme `name`: its colour, solid for a trained scheme and
-    dashed (a pattern per variant) for an evaluation-time variant such as rope+yarn."""
+    dashed (a pattern per variant) for an evaluation-time variant such as rope+yarn or a
+    modified scheme such as noisy_rope."""
     variant = name.partition("+")[2] or (name if base_of(name) != name else "")
     dashes = DASHES[_stable_hash(variant) % len(DASHES)] if variant else "-"
     return {"color": colour(name), "linestyle": dashes}

@@ -522,8 +522,18 @@ def test_a_modifier_takes_its_base_s_options_and_randomized_takes_any_base():
     x = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
         assert torch.equal(via_option.eval()(x), by_name.eval()(x))
-    with pytest.raises(PosbenchError, match="its base 'noisy_rope' is itself|a modifier's base is a scheme"):
-        TransformerLM(tiny("noisy_noisy_rope"))
+    with pytest.raises(PosbenchError, match="scheme 'noisy_noisy_rope': its base 'noisy_rope' is itself a modifier"):
+        SCHEMES.resolve("noisy_noisy_rope")  # refused by name, before any model is built
+    with pytest.raises(PosbenchError, match="scheme 'offset_randomized': its base 'randomized' is itself a modifier"):
+        SCHEMES.resolve("offset_randomized")
+    with pytest.raises(PosbenchError, match="scheme 'noisy_ropee': unknown scheme 'ropee'"):
+        SCHEMES.resolve("noisy_ropee")
+    # positions 0..T-1 at evaluation reach as far as the base encodes: learned's 64 rows, not past
+    consecutive = TransformerLM(
+        tiny("noisy_learned", options={"max_len": 64, "max_pos": 64, "eval_positions": "consecutive"})
+    )
+    assert consecutive.max_len == 64
+    assert SCHEMES["offset"].options["base"] == "sinusoidal"  # NoPE would ignore the positions it draws
     with pytest.raises(PosbenchError, match="encodes at most 48 positions"):
         TransformerLM(tiny("noisy_learned", options={"max_len": 48}))
     assert {"noisy_<scheme>", "offset_<scheme>"} <= set(dict(catalogue()))

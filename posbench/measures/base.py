@@ -21,7 +21,7 @@ class Metric:
 class Section:
     """One comparison table of a report: schemes against lengths (or buckets) for one protocol
     and grid point. `rows` are cells of text, a header first; `best` marks the cells that are
-    best or tied for best; `panel` is what its plot draws."""
+    best or tied for best."""
 
     heading: str  # the table's name in summary.md, and in a terminal title
     caption: str  # what a cell holds and what bold means, for LaTeX and the terminal

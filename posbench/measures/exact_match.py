@@ -111,8 +111,8 @@ class ExactMatch(Measure):
         ):
             if given:
                 raise PosbenchError(
-                    f"{flag}: a run of task {rc.task} is scored by exact match at its task's test lengths "
-                    f"(task_options.test_max); {flag} applies to perplexity (task lm)"
+                    f"{flag}: a run of task {rc.task} is scored by exact match and per-token accuracy at its "
+                    f"task's test lengths (task_options.test_max); {flag} applies to perplexity (task lm)"
                 )
         return evaluate_task_into(rc, rdir, model, self.task.test_set(), device, model.backend(device))
 
@@ -224,7 +224,10 @@ def samples(rc, task: Task, test: list, model, device, rows: list[dict]) -> str:
 
 def read_task_eval(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "eval.csv"
-    bad = PosbenchError(f"{path}: malformed task evaluation rows; delete it and run evaluate again")
+    bad = PosbenchError(
+        f"{path}: malformed task evaluation rows, or not all the columns a task run records "
+        f"({', '.join(EVAL_COLUMNS)}); score the run again with posbench evaluate {run_dir}"
+    )
     try:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)

@@ -3,7 +3,7 @@
 `randomized` feeds its `base` option's scheme; `noisy_<scheme>` and `offset_<scheme>` name a
 modifier of one scheme directly (noisy_rope, noisy_alibi, offset_t5, ...), so a scheme and its
 modified self train in one experiment as separate rows. The base scheme's hooks see the drawn
-positions; its own options are the modifier's too.
+positions; a noisy_/offset_ scheme takes its base's options beside its own.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import torch
 
 from posbench.errors import PosbenchError
 from posbench.schemes.base import PositionalScheme
-
-PREFIXES = {"noisy_": "Randomized", "offset_": "Offset"}  # name prefix -> the modifier it names
 
 
 class Modifier(PositionalScheme):
@@ -89,7 +87,9 @@ class Randomized(Modifier):
 
     @property
     def max_len(self):
-        return None if self.opt["eval_positions"] == "consecutive" else self.opt["max_pos"]
+        if self.opt["eval_positions"] == "consecutive":
+            return self.inner.max_len  # 0..T-1: as far as the base encodes
+        return self.opt["max_pos"]
 
     def train(self, mode: bool = True):
         self.restart_draws()
@@ -123,8 +123,8 @@ class Offset(Modifier):
     so they follow torch.manual_seed); at evaluation they are 0..T-1. The base scheme meets
     positions up to max_pos while training at train_len."""
 
-    description = "train on positions k..k+T-1 from a random start k < max_pos - T; evaluate from 0"
-    options = {"base": "nope", "max_pos": 1024}
+    description = "train on positions k..k+T-1 from a random start k <= max_pos - T; evaluate from 0"
+    options = {"base": "sinusoidal", "max_pos": 1024}
     registry = None
 
     @property
@@ -146,14 +146,14 @@ def build_base(modifier, cfg):
         if type(modifier).fixed_base
         else f"scheme_options.{cfg.scheme}.base={base!r}"
     )
-    if base in ("randomized", "offset") or base.startswith(tuple(PREFIXES)):
-        raise PosbenchError(f"{where}: a modifier's base is a scheme, not another modifier")
     try:
         if type(modifier).registry is None:
             raise PosbenchError(f"{cfg.scheme}: build it by name (posbench.schemes.SCHEMES), which finds its base")
         cls = type(modifier).registry.resolve(base)
     except PosbenchError as e:
         raise PosbenchError(f"{where}: {e}") from None
+    if issubclass(cls, Modifier):
+        raise PosbenchError(f"{where}: a modifier's base is a scheme, not another modifier")
     options = {k: v for k, v in modifier.opt.items() if k not in modifier.own}
     inner = cls(dataclasses.replace(cfg, options=options))  # its errors name the scheme asked for
     if inner.max_len is not None and inner.max_len < modifier.opt["max_pos"]:
@@ -169,21 +169,32 @@ def modified(name: str, registry) -> Optional[type]:
     modifier with its base fixed, taking the base's options beside its own."""
     if name in _MODIFIED:
         return _MODIFIED[name]
-    for prefix, kind in PREFIXES.items():
+    for prefix, (modifier, what) in {
+        "noisy_": (Randomized, "on sorted random positions"),
+        "offset_": (Offset, "from a random start"),
+    }.items():
         if name.startswith(prefix) and len(name) > len(prefix):
             base = name[len(prefix) :]
-            modifier = {"Randomized": Randomized, "Offset": Offset}[kind]
+            try:
+                base_cls = registry.resolve(base)
+            except PosbenchError as e:
+                if ":" in name:  # perhaps a plugin whose module's name begins so: let the registry try that
+                    return None
+                raise PosbenchError(f"scheme '{name}': {e}") from None
+            if issubclass(base_cls, Modifier):
+                raise PosbenchError(
+                    f"scheme '{name}': its base '{base}' is itself a modifier; a modifier's base is a scheme"
+                )
             own = {k: v for k, v in modifier.options.items() if k != "base"}
-            what = {Randomized: "on sorted random positions", Offset: "from a random start"}[modifier]
             mine = tuple(k for k in modifier.own if k != "base")  # rope's own `base` option stays rope's
             attrs = {
                 "registry": registry,
                 "fixed_base": base,
                 "own": mine,
-                "options": {**own, **registry.resolve(base).options},
+                "options": {**own, **base_cls.options},
                 "description": f"{base}, trained {what}",
             }
-            return _MODIFIED.setdefault(name, type(f"{kind}_{base}", (modifier,), attrs))
+            return _MODIFIED.setdefault(name, type(f"{modifier.__name__}_{base}", (modifier,), attrs))
     return None
 
 
