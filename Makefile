@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test lint smoke bench reproduce
+.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -35,3 +35,8 @@ bench: install
 # the committed comparison in results/reference/ (about 10 minutes on 2 cores)
 reproduce: install
 	posbench extrapolate --config configs/reproduce-alibi.yaml
+
+# the committed comparison on synthetic tasks in results/reference-tasks/ (75 runs: about two
+# hours on 2 cores, two runs at a time)
+reproduce-tasks: install
+	posbench sweep configs/reproduce-tasks.yaml

@@ -506,7 +506,11 @@ sweep: {{schemes: [alibi], task: [copy, reverse]}}
     text = (exp / "summary.md").read_text()
     assert text.startswith("# copy, reverse: exact-match accuracy by length\n")
     heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
-    assert [h.split(":")[0] for h in heads] == ["## copy", "## reverse"]
+    assert [h.split(":")[0] for h in heads] == [
+        "## copy",
+        "## reverse",
+        "## mean reciprocal rank past N over 2 (grid point, seed) pairs",
+    ]
     with open(exp / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["task"], r["point"].split("task=")[1]) for r in rows} == {("copy", "copy"), ("reverse", "reverse")}

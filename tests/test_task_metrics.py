@@ -3,6 +3,7 @@ and per-token accuracy, the answer bytes right teacher-forced (Ruoss et al.'s), 
 eval.csv to the report's tables."""
 
 import csv
+import math
 
 import pytest
 import torch
@@ -173,3 +174,41 @@ def test_an_eval_csv_without_an_ok_length_s_byte_count_is_malformed(experiment, 
         w.writerows(rows)
     with pytest.raises(PosbenchError, match="malformed task evaluation rows"):
         read_task_eval(bad)
+
+
+def _out(point, seed, values):
+    import pandas as pd
+
+    return pd.DataFrame(
+        [
+            {"metric": "exact_match", "bucket": "out", "point": point, "seed": seed, "scheme": s, "value": v}
+            for s, v in values.items()
+        ]
+    )
+
+
+def test_mean_reciprocal_rank_ranks_each_point_and_seed_and_shares_ties():
+    """Two tasks x two seeds, as the NoPE study ranks them: per (task, seed), 1 / rank past N."""
+    import pandas as pd
+
+    from posbench.measures.exact_match import ranks_section, reciprocal_ranks
+
+    long = pd.concat(
+        [
+            _out("task=copy", 0, {"nope": 0.9, "alibi": 0.5, "rope": 0.0}),  # ranks 1, 2, 3
+            _out("task=copy", 1, {"nope": 0.2, "alibi": 0.7, "rope": 0.0}),  # 2, 1, 3
+            _out("task=sort", 0, {"nope": 0.4, "alibi": 0.0, "rope": 0.0}),  # 1, 2.5, 2.5
+            _out("task=sort", 1, {"nope": 0.1, "alibi": math.nan, "rope": 0.3}),  # alibi unscored: left out
+        ]
+    )
+    rr = reciprocal_ranks(long, "exact_match")
+    assert len(rr) == 9
+    mrr = rr.groupby("scheme")["rr"].mean()
+    assert mrr["nope"] == pytest.approx((1 + 1 / 2 + 1) / 3)
+    assert mrr["alibi"] == pytest.approx((1 / 2 + 1 + 1 / 2.5) / 3)
+    assert mrr["rope"] == pytest.approx((1 / 3 + 1 / 3 + 1 / 2.5) / 3)
+    section = ranks_section(long, "exact_match")
+    assert section.rows[0] == ["scheme", "mean reciprocal rank", "task=copy", "task=sort"]
+    assert [r[:2] for r in section.rows[1:]] == [["nope", "0.83"], ["alibi", "0.63"], ["rope", "0.36"]]
+    assert section.rows[1][2:] == ["0.75", "1.00"] and section.best == {(1, 1)}
+    assert "3 (grid point, seed) pairs" in section.heading

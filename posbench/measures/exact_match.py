@@ -400,6 +400,8 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
                 title=name,
             )
         )
+    if len(parts) > 1:
+        sections.append(ranks_section(pd.concat([long for _, _, long, _ in parts]), metric))
     first = parts[0][1][0]
     task = build_task(first.task, first.task_options)
     names = ", ".join(dict.fromkeys(c.task for _, configs, _, _ in parts for c in configs))
@@ -424,6 +426,45 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
         "csv": (long, SUMMARY_COLUMNS + (["point"] if len(parts) > 1 else [])),
         "plots": plots,
     }
+
+
+def reciprocal_ranks(long: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The NoPE study's ranking: for each grid point and seed, the schemes ranked by the metric
+    past N (rank 1 the highest; tied schemes share their mean rank), one over the rank. Rows:
+    point, seed, scheme, rr. A (point, seed) with a scheme unscored is left out, as the study
+    leaves out a query some scheme lacks."""
+    out = long[(long["metric"] == metric) & (long["bucket"] == "out")]
+    schemes = set(out["scheme"])
+    rows = []
+    for (point, seed), g in out.groupby(["point", "seed"], sort=False):
+        if set(g["scheme"]) != schemes or g["value"].isna().any():
+            continue
+        for scheme, rank in zip(g["scheme"], g["value"].rank(method="average", ascending=False)):
+            rows.append({"point": point, "seed": seed, "scheme": scheme, "rr": 1 / rank})
+    return pd.DataFrame(rows, columns=["point", "seed", "scheme", "rr"])
+
+
+def ranks_section(long: pd.DataFrame, metric: str) -> Section:
+    """Mean reciprocal rank past N over every (grid point, seed), and its mean at each point."""
+    rr = reciprocal_ranks(long, metric)
+    points = list(dict.fromkeys(rr["point"]))
+    order = sorted(scheme_order(set(rr["scheme"])), key=lambda s: -rr[rr["scheme"] == s]["rr"].mean())
+    rows = [["scheme", "mean reciprocal rank", *points]]
+    for s in order:
+        mine = rr[rr["scheme"] == s]
+        rows.append([s, f"{mine['rr'].mean():.2f}", *(f"{mine[mine['point'] == p]['rr'].mean():.2f}" for p in points)])
+    top = rows[1][1] if len(rows) > 1 else None
+    label = ExactMatch.metrics[metric].label
+    queries = rr.groupby(["point", "seed"]).ngroups
+    name = f"mean reciprocal rank past N over {queries} (grid point, seed) pairs"
+    return Section(
+        heading=name,
+        caption=f"the schemes ranked by {tex(label)} past N at each grid point and seed (tied schemes share "
+        f"their mean rank), one over the rank, averaged over the {queries} pairs; a column per grid point.",
+        rows=rows,
+        best={(i, 1) for i, r in enumerate(rows[1:], start=1) if r[1] == top},
+        title=name,
+    )
 
 
 def frame(collected) -> pd.DataFrame:
