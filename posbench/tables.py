@@ -103,8 +103,10 @@ def scheme_order(names: set) -> list[str]:
 
 def base_of(name: str) -> str:
     """The trained scheme a row stands on: rope for rope, rope+yarn, noisy_rope and offset_rope."""
+    from posbench.schemes import MODIFIERS
+
     name = name.partition("+")[0]
-    for prefix in ("noisy_", "offset_"):
+    for prefix in MODIFIERS:
         if name.startswith(prefix):
             return name[len(prefix) :]
     return name

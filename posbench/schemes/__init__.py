@@ -47,13 +47,20 @@ SCHEMES = Registry(
 )
 
 
+# prefix -> the modifier it applies to the scheme named after it, and how that scheme trains:
+# noisy_rope is rope on sorted random positions (randomized with base rope)
+MODIFIERS = {"noisy_": ("randomized", "on sorted random positions"), "offset_": ("offset", "from a random start")}
+
+
 def _modified(name: str, registry):
     """noisy_<scheme> and offset_<scheme>: a modifier of a registered scheme (or module:Class)."""
-    if not name.startswith(("noisy_", "offset_")):
+    prefix = next((p for p in MODIFIERS if name.startswith(p) and len(name) > len(p)), None)
+    if prefix is None:
         return None  # no scheme module is imported for any other name
     from posbench.schemes.randomized import modified
 
-    return modified(name, registry)
+    modifier, what = MODIFIERS[prefix]
+    return modified(name, name[len(prefix) :], registry.resolve(modifier), what, registry)
 
 
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]  # the default experiment

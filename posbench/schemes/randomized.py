@@ -164,38 +164,29 @@ def build_base(modifier, cfg):
     return inner
 
 
-def modified(name: str, registry) -> Optional[type]:
-    """The class `noisy_<scheme>` or `offset_<scheme>` names (None for any other name): the
-    modifier with its base fixed, taking the base's options beside its own."""
+def modified(name: str, base: str, modifier: type, what: str, registry) -> Optional[type]:
+    """The class `name` (noisy_<base>, offset_<base>) names: `modifier` with its base fixed,
+    taking the base's options beside its own (None: let the registry try `name` as a plugin)."""
     if name in _MODIFIED:
         return _MODIFIED[name]
-    for prefix, (modifier, what) in {
-        "noisy_": (Randomized, "on sorted random positions"),
-        "offset_": (Offset, "from a random start"),
-    }.items():
-        if name.startswith(prefix) and len(name) > len(prefix):
-            base = name[len(prefix) :]
-            try:
-                base_cls = registry.resolve(base)
-            except PosbenchError as e:
-                if ":" in name:  # perhaps a plugin whose module's name begins so: let the registry try that
-                    return None
-                raise PosbenchError(f"scheme '{name}': {e}") from None
-            if issubclass(base_cls, Modifier):
-                raise PosbenchError(
-                    f"scheme '{name}': its base '{base}' is itself a modifier; a modifier's base is a scheme"
-                )
-            own = {k: v for k, v in modifier.options.items() if k != "base"}
-            mine = tuple(k for k in modifier.own if k != "base")  # rope's own `base` option stays rope's
-            attrs = {
-                "registry": registry,
-                "fixed_base": base,
-                "own": mine,
-                "options": {**own, **base_cls.options},
-                "description": f"{base}, trained {what}",
-            }
-            return _MODIFIED.setdefault(name, type(f"{modifier.__name__}_{base}", (modifier,), attrs))
-    return None
+    try:
+        base_cls = registry.resolve(base)
+    except PosbenchError as e:
+        if ":" in name:  # perhaps a plugin whose module's name begins so: let the registry try that
+            return None
+        raise PosbenchError(f"scheme '{name}': {e}") from None
+    if issubclass(base_cls, Modifier):
+        raise PosbenchError(f"scheme '{name}': its base '{base}' is itself a modifier; a modifier's base is a scheme")
+    own = {k: v for k, v in modifier.options.items() if k != "base"}
+    mine = tuple(k for k in modifier.own if k != "base")  # rope's own `base` option stays rope's
+    attrs = {
+        "registry": registry,
+        "fixed_base": base,
+        "own": mine,
+        "options": {**own, **base_cls.options},
+        "description": f"{base}, trained {what}",
+    }
+    return _MODIFIED.setdefault(name, type(f"{modifier.__name__}_{base}", (modifier,), attrs))
 
 
 _MODIFIED: dict[str, type] = {}  # noisy_rope -> its class, made once
