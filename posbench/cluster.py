@@ -51,7 +51,8 @@ def run_sweep_on_ray(
     task = ray.remote(train_on_node)
     try:
         with contextlib.ExitStack() as held:
-            pending = {}
+            pending, sent, done = {}, 0, 0
+            todo = sum(job.state == "todo" for job in jobs)
             for job in jobs:
                 rc, rdir, state = job.cfg, job.folder, job.state
                 if state != "todo":  # scoring what a finished run lacks is quick: here
@@ -63,9 +64,9 @@ def run_sweep_on_ray(
                 cuda = rc.train.device.startswith("cuda")
                 options = {"num_cpus": rc.train.threads or 1, "num_gpus": 1 if cuda else 0}
                 ref = task.options(**options).remote(rc.to_dict(), exp.name, rdir.name, storage)
-                pending[ref] = rdir
+                pending[ref], sent = rdir, sent + 1
                 wants = f"{options['num_cpus']} CPU, {options['num_gpus']} GPU"
-                reporter.note(f"{rdir.name}: sent to the cluster ({wants})")
+                reporter.note(f"{rdir.name} ({sent} of {todo}): sent to the cluster ({wants})")
             try:
                 while pending:
                     (ready,), _ = ray.wait(list(pending), num_returns=1)
@@ -76,7 +77,8 @@ def run_sweep_on_ray(
                         cause = e.cause if isinstance(getattr(e, "cause", None), PosbenchError) else None
                         raise PosbenchError(f"{rdir.name}: {cause or str(e).strip().splitlines()[-1]}") from None
                     write_run(rdir, files)
-                    reporter.note(f"{rdir.name}: {outcome} on {node}")
+                    done += 1
+                    reporter.note(f"{rdir.name}: {outcome} on {node}; {done} of {todo} back")
             except BaseException:
                 for ref in pending:
                     ray.cancel(ref)

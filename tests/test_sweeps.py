@@ -414,6 +414,8 @@ def test_a_sweep_on_a_local_ray_instance_gives_the_records_a_local_sweep_gives(t
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
     assert said.count("sent to the cluster (1 CPU, 0 GPU)") == 2 and said.count(": trained on ") == 2
+    assert "(1 of 2): sent" in said and "(2 of 2): sent" in said
+    assert "; 1 of 2 back" in said and "; 2 of 2 back" in said
     assert invoke("sweep", config, "--set", "train.threads=1", "--set", f"out_dir={tmp_path / 'here'}").exit_code == 0
     runs = sorted(p.name for p in (tmp_path / "r" / "grid").iterdir() if p.is_dir())
     assert runs == sorted(p.name for p in (tmp_path / "here" / "grid").iterdir() if p.is_dir()) and len(runs) == 2
