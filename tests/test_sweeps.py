@@ -553,3 +553,21 @@ def test_status_reads_a_failed_txt_that_is_not_text(tmp_path):
     assert res.exit_code == 0 and "Traceback" not in res.output, res.output
     rows = run_status(tmp_path)
     assert [(r["state"], r["detail"]) for r in rows] == [("failed", "\ufffd\ufffd out of memory (no checkpoint yet)")]
+
+
+def test_a_grid_point_over_tasks_is_named_by_what_was_chosen_not_what_each_task_derives():
+    """copy and sort derive other train_lens and alphabets; a point names the task alone, and an
+    option set away from its task's default besides."""
+    from posbench.tables import point_labels
+    from posbench.tasks import build_task
+
+    def run(task, **options):
+        made = build_task(task, options)
+        resolved = {**type(made).options, **options, "test_max": made.test_max}
+        return {"task": task, "model": {"scheme": "nope", "train_len": made.train_len}, "task_options": resolved}
+
+    labels = point_labels({"a": run("copy"), "b": run("sort")})
+    assert labels == {"a": "task=copy", "b": "task=sort"}
+    labels = point_labels({"a": run("copy"), "b": run("sort"), "c": run("copy", train_max=10)})
+    assert labels["c"] == "task=copy, task_options.train_max=10"  # test_max follows it: 2 train_max
+    assert labels["b"] == "task=sort, task_options.train_max=20"
