@@ -36,7 +36,7 @@ bench: install
 reproduce: install
 	posbench extrapolate --config configs/reproduce-alibi.yaml
 
-# the committed comparison on synthetic tasks in results/reference-tasks/ (75 runs: about two
+# the committed comparison on synthetic tasks in results/reference-tasks/ (60 runs: about two
 # hours on 2 cores, two runs at a time)
 reproduce-tasks: install
 	posbench sweep configs/reproduce-tasks.yaml

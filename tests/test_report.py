@@ -142,6 +142,31 @@ def test_the_committed_reference_rebuilds_to_its_committed_summary(tmp_path):
         }
 
 
+def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path):
+    """results/reference-tasks holds the records of configs/reproduce-tasks.yaml (no weights):
+    five schemes x three seeds x four tasks, and a fresh report of them gives the committed
+    tables digit for digit, the mean reciprocal rank over the tasks included."""
+    import yaml
+    from conftest import ROOT, report_rebuilt
+
+    committed = ROOT / "results" / "reference-tasks"
+    copy = tmp_path / "reference-tasks"
+    res = report_rebuilt(committed, copy, ("summary.csv", "summary.md", "summary.tex"))
+    assert res.exit_code == 0, res.output
+    for name in ("summary.csv", "summary.md", "summary.tex"):
+        assert (copy / name).read_text() == (committed / name).read_text(), name
+    assert "## mean reciprocal rank past N over 12 (grid point, seed) pairs" in (committed / "summary.md").read_text()
+    runs = [p for p in committed.iterdir() if p.is_dir()]
+    made = {
+        (c["task"], c["model"]["scheme"], c["seeds"][0])
+        for c in (yaml.safe_load((p / "config.yaml").read_text()) for p in runs)
+    }
+    tasks, schemes = ("repeat", "replace", "copy", "reverse"), ("nope", "t5", "alibi", "rope", "sinusoidal")
+    assert len(runs) == 60 and made == {(t, s, n) for t in tasks for s in schemes for n in (0, 1, 2)}
+    for run in runs:
+        assert {"config.yaml", "eval.csv", "samples.txt", "train_log.jsonl"} <= {p.name for p in run.iterdir()}
+
+
 @pytest.mark.parametrize("args", [["--seeds", ""], ["--seeds", ","], ["--set", "seeds=[]"]])
 def test_an_empty_seed_list_is_one_line_and_writes_nothing(tmp_path, args):
     res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path / 'r'}", *args)
