@@ -122,18 +122,25 @@ def test_one_seed_says_there_is_no_interval(tmp_path, corpus_file):
     assert "1 seed: no interval; use --seeds 0,1,2" in (tmp_path / "smoke" / "summary.md").read_text()
 
 
+def _rebuilds_byte_for_byte(name: str, tmp_path):
+    """results/<name> reported afresh from a copy of its records gives its committed
+    summary.csv, .md and .tex; returns the committed folder."""
+    from conftest import ROOT, report_rebuilt
+
+    committed = ROOT / "results" / name
+    copy = tmp_path / name
+    res = report_rebuilt(committed, copy, ("summary.csv", "summary.md", "summary.tex"))
+    assert res.exit_code == 0, res.output
+    for summary in ("summary.csv", "summary.md", "summary.tex"):
+        assert (copy / summary).read_text() == (committed / summary).read_text(), summary
+    return committed
+
+
 def test_the_committed_reference_rebuilds_to_its_committed_summary(tmp_path):
     """results/reference holds the records of configs/reproduce-alibi.yaml (no weights): a fresh
     report of them gives the committed tables, digit for digit."""
 
-    from conftest import ROOT, report_rebuilt
-
-    committed = ROOT / "results" / "reference"
-    copy = tmp_path / "reference"
-    res = report_rebuilt(committed, copy, ("summary.csv", "summary.md", "summary.tex"))
-    assert res.exit_code == 0, res.output
-    for name in ("summary.csv", "summary.md", "summary.tex"):
-        assert (copy / name).read_text() == (committed / name).read_text(), name
+    committed = _rebuilds_byte_for_byte("reference", tmp_path)
     runs = sorted(p.name for p in committed.iterdir() if p.is_dir())
     assert runs == [f"{s}-seed{n}" for s in ("alibi", "rope", "sinusoidal", "t5") for n in (0, 1, 2)]
     for run in runs:
@@ -147,14 +154,8 @@ def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path
     five schemes x three seeds x four tasks, and a fresh report of them gives the committed
     tables digit for digit, the mean reciprocal rank over the tasks included."""
     import yaml
-    from conftest import ROOT, report_rebuilt
 
-    committed = ROOT / "results" / "reference-tasks"
-    copy = tmp_path / "reference-tasks"
-    res = report_rebuilt(committed, copy, ("summary.csv", "summary.md", "summary.tex"))
-    assert res.exit_code == 0, res.output
-    for name in ("summary.csv", "summary.md", "summary.tex"):
-        assert (copy / name).read_text() == (committed / name).read_text(), name
+    committed = _rebuilds_byte_for_byte("reference-tasks", tmp_path)
     assert "## mean reciprocal rank past N over 12 (grid point, seed) pairs" in (committed / "summary.md").read_text()
     runs = [p for p in committed.iterdir() if p.is_dir()]
     made = {
