@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks
+.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -40,3 +40,10 @@ reproduce: install
 # hours on 2 cores, two runs at a time)
 reproduce-tasks: install
 	posbench sweep configs/reproduce-tasks.yaml
+
+# the committed comparison of context extension by fine-tuning in results/reference-extend/:
+# rope trained at 100 (3 seeds), fine-tuned 100 steps at 400 with each method, scored to 1600
+reproduce-extend: install
+	posbench extrapolate --config configs/reproduce-extend.yaml
+	posbench extend results/reference-extend-parents --to 400 --methods pi,ntk,yarn,abf,pose,plain \
+		--steps 100 --lengths 100,200,400,800,1600 --out results/reference-extend

@@ -363,6 +363,61 @@ def evaluate(
 
 
 @app.command()
+def extend(
+    source: Annotated[Path, typer.Argument(help="a finished run, or an experiment folder: each of its runs")],
+    to: Annotated[int, typer.Option("--to", help="the new length L2 to fine-tune at (longer than the trained one)")],
+    methods: Annotated[
+        str, typer.Option(help="a comma list of pi, ntk, yarn, abf, pose (rope), interpolate (learned), plain (any)")
+    ] = "plain",
+    steps: Annotated[int, typer.Option(help="fine-tuning steps K")] = 100,
+    lengths: Annotated[
+        Optional[str], typer.Option(help="scored lengths (default: the parent's, L2, 2 L2, 4 L2)")
+    ] = None,
+    lr: Annotated[Optional[float], typer.Option(help="peak learning rate (default: the parent's train.min_lr)")] = None,
+    abf_base: Annotated[float, typer.Option(help="abf's RoPE base")] = 500000.0,
+    curve: Annotated[
+        Optional[str], typer.Option(help="steps scored at L2 while fine-tuning (default 0, K/10, K/4, K/2, K)")
+    ] = None,
+    out_dir: Annotated[
+        Optional[Path], typer.Option("--out", help="the folder to write (default: SOURCE-extendL2)")
+    ] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
+    set_: Sets = None,
+):
+    """Fine-tune finished runs at a longer length with each context-extension method, side by side.
+
+    Every method that applies to a run's scheme makes a child run: the parent's weights, the
+    method's change, K steps at L2. The parents are copied and scored as they are and with their
+    evaluation-time scalings; the report puts all of them side by side (docs/extend.md)."""
+    from posbench.experiment.execute import run_jobs
+    from posbench.extend.methods import parse_methods
+    from posbench.extend.run import plan_extension, write_record
+
+    with user_errors():
+        _set_threads(threads)
+        plan = plan_extension(
+            source,
+            to,
+            parse_methods(methods),
+            steps,
+            out_dir,
+            _csv_ints(lengths, "--lengths"),
+            lr,
+            abf_base,
+            _csv_ints(curve, "--curve"),
+            set_ or [],
+        )
+        reporter = BarReporter(err)
+        for note in plan.notes:
+            reporter.note(note)
+        exp = plan.jobs[0].measure
+        sources = {exp.source_key(plan.jobs[0].cfg): exp.source(plan.jobs[0].cfg, reporter)}
+        write_record(plan)
+        run_jobs(plan.jobs[0].cfg, plan.jobs, plan.folder, reporter, sources)
+        _print_summary([plan.folder])
+
+
+@app.command()
 def report(
     experiment_dirs: Annotated[list[Path], typer.Argument(help="e.g. results/default; several join into one table")],
     metric: Annotated[

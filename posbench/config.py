@@ -42,6 +42,10 @@ class ModelConfig:
     # the attention call: auto (the C kernels on a CPU in fp32, else SDPA), eager (the plain
     # formula, the reference), sdpa, native or flex; a run's records name the one that ran
     attention: str = setting("auto")  # the backends differ in the last bits; records name the one that ran
+    # written by `posbench extend` on a run fine-tuned from another (posbench/extend.py): its
+    # method, its parent's identity, the lengths L and L2, and the RoPE scaling it fixes; null
+    # (and then no part of the run's identity) on a run trained from scratch
+    extend: Optional[dict] = field(default=None, metadata={"omitted_when_null": True})
 
     def __post_init__(self):
         _positive(self, "model", ["n_layer", "n_head", "d_model", "train_len", "vocab_size"])
@@ -235,6 +239,8 @@ def identity(cfg) -> dict:
         if not f.metadata.get("identity", True):
             continue
         value = getattr(cfg, f.name)
+        if value is None and f.metadata.get("omitted_when_null"):
+            continue  # a field added later: the runs made before it keep their identity
         out[f.name] = identity(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
     return out
 

@@ -8,6 +8,7 @@ model.attention (posbench/attention.py).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -101,7 +102,8 @@ class TransformerLM(nn.Module):
         """The attention backend model.attention runs as on `device` (see attention.backend_for)."""
         return backend_for(self.cfg.attention, device, self.cfg.head_dim, compiled, self.tok.weight.dtype)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`pos`: the (T,) position ids to use instead of the scheme's own (PoSE's skipped ones)."""
         B, T = tokens.size()
         if self.max_len is not None and T > self.max_len:
             raise PosbenchError(
@@ -109,7 +111,7 @@ class TransformerLM(nn.Module):
                 f"it encodes at most {self.max_len} positions"
             )
         backend = self.backend(tokens.device)
-        pos = self.scheme.positions(T, tokens.device)  # (T,)
+        pos = self.scheme.positions(T, tokens.device) if pos is None else pos  # (T,)
         x = self.drop(self.scheme.embed(self.tok(tokens), pos))  # (B, T, C)
         block = self.attn_block if T > self.attn_block else None
         for blk in self.blocks:

@@ -25,6 +25,7 @@ from posbench.experiment.records import (
     read_config,
     trained_with,
 )
+from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import atomic, lock_holder, write_atomic
 from posbench.measures import Measure, measure_for
 from posbench.tables import latex_table, markdown_table, point_labels
@@ -58,6 +59,7 @@ def collect(exp_dir: Path) -> Collected:
     if not exp_dir.is_dir():
         raise PosbenchError(f"{exp_dir}: no such experiment directory")
     sweep = (exp_dir / SWEEP_RECORD).is_file()
+    extension = (exp_dir / EXTEND_RECORD).is_file()  # parents and their fine-tuned children: one table
     out, first, kinds = None, None, {}
     diverged, running = {}, []
     for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
@@ -89,7 +91,7 @@ def collect(exp_dir: Path) -> Collected:
         part = shared_identity(measure.identity(identity(cfg)))
         if first is None:
             first, out = (rdir, part), Collected(measure)
-        elif part != first[1] and not sweep:
+        elif part != first[1] and not (sweep or extension):
             diff = differences(first[1], part, (first[0].name, f"in {rdir.name}"))
             raise PosbenchError(
                 f"{exp_dir}: runs trained under different settings ({', '.join(diff)}); "
@@ -107,7 +109,7 @@ def collect(exp_dir: Path) -> Collected:
         if diverged:
             raise PosbenchError(f"{exp_dir}: every run diverged ({', '.join(diverged.values())}); lower train.lr")
         raise PosbenchError(f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)")
-    out.points = point_labels(out.parts)
+    out.points = dict.fromkeys(out.parts, "") if extension else point_labels(out.parts)
     out.diverged, out.running = diverged, running
     return out
 

@@ -109,13 +109,19 @@ def scheme_order(names: set) -> list[str]:
     """Registry order (the order of the paper tables), each scheme followed by its
     evaluation-time variants (rope, rope+ntk, rope+yarn, ...) and its modified selves
     (noisy_rope, offset_rope); plugins after."""
+    from posbench.extend.methods import METHODS
     from posbench.schemes import SCHEMES
+
+    def method(n):  # a fine-tuned run's rows (rope:yarn) in the order of the methods
+        m = n.partition(":")[2]
+        return list(METHODS).index(m) if m in METHODS else len(METHODS), n
 
     order = []
     for s in SCHEMES:
         order += [s] if s in names else []
         order += sorted(n for n in names if n.startswith(s + "+"))
-        order += sorted(n for n in names if base_of(n) == s and n != s and "+" not in n)
+        order += sorted((n for n in names if n.startswith(s + ":")), key=method)
+        order += sorted(n for n in names if base_of(n) == s and n != s and "+" not in n and ":" not in n)
     return order + sorted(names - set(order))
 
 
@@ -123,7 +129,7 @@ def base_of(name: str) -> str:
     """The trained scheme a row stands on: rope for rope, rope+yarn, noisy_rope and offset_rope."""
     from posbench.schemes import MODIFIERS
 
-    name = name.partition("+")[0]
+    name = name.partition("+")[0].partition(":")[0]
     for prefix in MODIFIERS:
         if name.startswith(prefix):
             return name[len(prefix) :]
@@ -166,6 +172,12 @@ def style(name: str) -> dict:
     """matplotlib line keywords for scheme `name`: its colour, solid for a trained scheme and
     dashed (a pattern per variant) for an evaluation-time variant such as rope+yarn or a
     modified scheme such as noisy_rope."""
+    if ":" in name:  # a fine-tuned run (rope:yarn): solid, a colour per method, from the palette's end
+        from posbench.extend.methods import METHODS
+
+        m = name.partition(":")[2]
+        index = list(METHODS).index(m) if m in METHODS else _stable_hash(m) % len(METHODS)
+        return {"color": PALETTE[-1 - index], "linestyle": "-"}
     variant = name.partition("+")[2] or (name if base_of(name) != name else "")
     dashes = DASHES[_stable_hash(variant) % len(DASHES)] if variant else "-"
     return {"color": colour(name), "linestyle": dashes}

@@ -8,6 +8,7 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +23,7 @@ from posbench.experiment.records import CHECKPOINT
 from posbench.files import write_atomic
 from posbench.model import TransformerLM
 from posbench.progress import Reporter
+from posbench.schemes import run_label
 
 
 class Diverged(PosbenchError):
@@ -50,22 +52,37 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 
-def train_model(cfg: ExperimentConfig, batches, reporter: Reporter, folder: Path) -> TransformerLM:
+def train_model(
+    cfg: ExperimentConfig,
+    batches,
+    reporter: Reporter,
+    folder: Path,
+    init: Optional[dict] = None,
+    probe: Optional[Callable] = None,
+) -> TransformerLM:
     """Train cfg.model (one scheme) with seed cfg.seeds[0] in `folder`; returns the model on the CPU.
     The log (train_log.jsonl) names the attention backend of each line. `batches(gen)` gives
     (x, y), with y = -100 where no loss is taken (a task's prompts and padding), and has
     get_state/set_state (its measure makes them). Every train.checkpoint_every
     steps, and on Ctrl-C or SIGTERM, the whole training state goes to folder/checkpoint.pt; a
     later call resumes from it and ends with the weights an uninterrupted run ends with. A NaN
-    or inf loss raises Diverged, naming its step."""
+    or inf loss raises Diverged, naming its step.
+
+    `init`: the weights to start from instead of a fresh initialization (a fine-tuned run's
+    parent's). `batches(gen)` may give (x, y, pos), pos the (T,) position ids of the batch.
+    `probe(step, model, resumed_at)`, if given, is called before the first step and after each
+    (posbench/extend.py scores a few of them)."""
     seed, tc = cfg.seeds[0], cfg.train
     device = pick_device(tc.device)
     torch.manual_seed(seed)
-    model = TransformerLM(cfg.model).to(device)
+    model = TransformerLM(cfg.model)
+    if init is not None:
+        model.load_state_dict(init)
+    model = model.to(device)
     backend = model.backend(device, compiled=tc.compile)
     gen = torch.Generator().manual_seed(seed)  # the data order depends on the seed alone
     opt = make_optimizer(model, tc.lr, tc.weight_decay)
-    label = f"{cfg.model.scheme} seed {seed}"
+    label = f"{run_label(cfg.model)} seed {seed}"  # rope:yarn for a run posbench extend fine-tunes
     start, spent = 0, 0.0
     state = load_progress(folder, reporter, label)
     if state is not None:
@@ -84,6 +101,8 @@ def train_model(cfg: ExperimentConfig, batches, reporter: Reporter, folder: Path
         _keep_log_before(log_path, start)
     reporter.start(label, tc.steps)
     t0 = time.perf_counter() - spent
+    if probe is not None:
+        probe(start, model, start)
     recent = []  # this stretch's losses, left on the device until a check needs them
 
     def save(next_step: int) -> None:
@@ -110,10 +129,13 @@ def train_model(cfg: ExperimentConfig, batches, reporter: Reporter, folder: Path
             lr = lr_at(step, tc)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y = batches(gen)
-            x, y = x.to(device), y.to(device)
+            x, y, *pos = batches(gen)  # pos: PoSE's position ids, where the batches give them
+            inputs = (x.to(device), *(p.to(device) for p in pos))
+            y = y.to(device)
             with autocast(device):
-                logits = _compiled_call(forward, x) if tc.compile and step == start else forward(x)  # (B, T, V)
+                logits = (
+                    _compiled_call(forward, inputs) if tc.compile and step == start else forward(*inputs)
+                )  # (B, T, V)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -121,6 +143,8 @@ def train_model(cfg: ExperimentConfig, batches, reporter: Reporter, folder: Path
                 torch.nn.utils.clip_grad_norm_(params, tc.grad_clip, foreach=True)
             opt.step()
             recent.append(loss.detach())
+            if probe is not None:
+                probe(step + 1, model, start)
             last = step == tc.steps - 1
             if step % tc.log_every == 0 or last:
                 value = finite(step)
@@ -191,10 +215,10 @@ def _step_of(line: str) -> Optional[int]:
         return None  # a line cut short by a kill, or an empty one
 
 
-def _compiled_call(forward, x):
+def _compiled_call(forward, inputs):
     """The first call compiles; a missing C++ compiler or an unsupported op fails here."""
     try:
-        return forward(x)
+        return forward(*inputs)
     except PosbenchError:
         raise
     except Exception as e:

@@ -158,6 +158,12 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
             _, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
             model.cfg = dataclasses.replace(model.cfg, attention=rc.model.attention)  # scored as asked now
             reporter.note(f"{rdir.name}: already trained, reusing its checkpoint")
+        elif job.parent is not None and not rc.model.extend:  # a parent's copy for posbench extend
+            from posbench.extend.run import copy_parent
+
+            copy_parent(job)
+            _, model = load_run(rdir)
+            reporter.note(f"{rdir.name}: copied from {job.parent}, to be scored as it is")
         else:
             model = train_run(job, data, reporter)
             if model is None:
@@ -185,7 +191,13 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
     (partial / FAILED).unlink(missing_ok=True)
     write_atomic(record, dump_yaml(rc))
     try:
-        model = train_model(rc, job.measure.batches(rc, data), reporter, partial)
+        if rc.model.extend:  # fine-tuned from a parent by posbench extend
+            from posbench.extend.run import fine_tuning
+
+            init, batches, probe = fine_tuning(job, data, partial)
+        else:
+            init, batches, probe = None, job.measure.batches(rc, data), None
+        model = train_model(rc, batches, reporter, partial, init, probe)
     except Diverged as e:
         write_atomic(partial / DIVERGED, json.dumps({"status": "diverged", "step": e.step, "loss": str(e.loss)}) + "\n")
         reporter.note(f"{rdir.name}: {e}; recorded in {rdir / DIVERGED}, the other runs go on")

@@ -37,8 +37,11 @@ class Job:
     cfg: ExperimentConfig
     measure: Measure
     folder: Path
-    state: str  # "todo", "done" (trained) or "diverged" (its loss blew up in an earlier attempt)
+    # "todo", "done" (trained), "diverged" (its loss blew up in an earlier attempt), "copy" (extend's parents)
+    state: str
     point: Optional[ExperimentConfig] = None  # the sweep grid point it belongs to, if any
+    parent: Optional[Path] = None  # posbench extend: the run it copies or is fine-tuned from
+    curve: Optional[list] = None  # posbench extend: the steps its perplexity at L2 is scored after
 
 
 def run_identity(rc: ExperimentConfig, measure: Measure) -> dict:
@@ -67,11 +70,13 @@ def plan_runs(exp: Experiment) -> list[Job]:
 
 def plan_state(rc: ExperimentConfig, measure: Measure, rdir: Path) -> str:
     """ "todo", "done" or "diverged" for the run `rc` in `rdir`; an error if the folder holds
-    another config's run or something that is not a run."""
+    another config's run or something that is not a run. The records of this very run without
+    its weights (a committed reference: config.yaml, eval.csv, no model.pt) are trained again."""
     if not ((rdir / WEIGHTS).is_file() or (rdir / DIVERGED).is_file()):
-        if rdir.exists() and any(rdir.iterdir()):
+        if not rdir.exists() or not any(rdir.iterdir()):
+            return "todo"
+        if not (rdir / CONFIG).is_file():
             raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
-        return "todo"
     try:  # the record, or the checkpoint's own copy when config.yaml was lost
         if (rdir / CONFIG).is_file():
             old = read_config(rdir)
@@ -88,7 +93,9 @@ def plan_state(rc: ExperimentConfig, measure: Measure, rdir: Path) -> str:
             f"{rdir} was trained under a different config ({', '.join(diff)}); "
             f"choose another experiment name with --set name=NEW, or delete that folder"
         )
-    return "done" if (rdir / WEIGHTS).is_file() else "diverged"
+    if (rdir / WEIGHTS).is_file():
+        return "done"
+    return "diverged" if (rdir / DIVERGED).is_file() else "todo"
 
 
 def _check_same_experiment(exp: Experiment, folder: Path) -> None:

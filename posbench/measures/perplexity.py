@@ -19,6 +19,7 @@ import pandas as pd
 from posbench.config import PROTOCOLS, length_grid
 from posbench.data import SHAKESPEARE_NAME
 from posbench.errors import PosbenchError
+from posbench.extend import report as extend
 from posbench.files import write_rows
 from posbench.measures.base import Measure, Metric, Section
 from posbench.stats import mean_ci, tied_for_best
@@ -173,7 +174,9 @@ class Perplexity(Measure):
                     r["status"],
                 ]
             )
-        return f"{rc.model.scheme} seed {rc.seeds[0]}, trained at {rc.model.train_len}; attention {how}", table
+        from posbench.schemes import run_label
+
+        return f"{run_label(rc.model)} seed {rc.seeds[0]}, trained at {rc.model.train_len}; attention {how}", table
 
     def read(self, rdir: Path) -> list[dict]:
         return read_eval(rdir)
@@ -237,7 +240,9 @@ STATUSES = ("ok", "beyond-max-len", "non-finite")  # scored; cannot encode the l
 
 def eval_rows(cfg, rows: list[dict], label: Optional[str] = None) -> list[dict]:
     """Rows of one run; `label` names an evaluation-time variant's rows, e.g. rope+yarn."""
-    ident = {"scheme": label or cfg.model.scheme, "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
+    from posbench.schemes import run_label
+
+    ident = {"scheme": label or run_label(cfg.model), "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
     return [{**ident, **r} for r in rows]
 
 
@@ -281,7 +286,7 @@ def evaluate_into(
     replaces its old one. The plain rows come first, then each variant's."""
     from posbench.device import pick_device
     from posbench.evaluate import eval_tokens, evaluate_model
-    from posbench.schemes import variant_label
+    from posbench.schemes import run_label, variant_label
 
     unknown = [v for v in variants if v is not None and v not in model.scheme.eval_variants]
     if unknown:
@@ -293,7 +298,7 @@ def evaluate_into(
         raise PosbenchError(f"rope factor {factor}: must be >= 1")
     device = pick_device(rc.train.device)
     tokens = eval_tokens(corpus, rc, lengths)
-    labels = {variant_label(rc.model.scheme, v, factor) for v in variants}
+    labels = {variant_label(run_label(rc.model), v, factor) for v in variants}
     n = len(tokens) - 1
     stale = {
         int(r["length"])
@@ -307,7 +312,7 @@ def evaluate_into(
     for protocol in protocols or rc.eval.protocol:
         stride = rc.eval.stride if protocol == "sliding" else None
         for v in variants:
-            label = variant_label(rc.model.scheme, v, factor)
+            label = variant_label(run_label(rc.model), v, factor)
             scored, by_position = evaluate_model(
                 model, tokens, lengths, rc.eval.batch_size, device, v, factor, protocol, stride
             )
@@ -321,7 +326,7 @@ def evaluate_into(
                 ]
     new = {_row_key(r) for r in rows}
     keep = [r for r in read_eval(rdir) if _row_key(r) not in new]
-    base = rc.model.scheme
+    base = run_label(rc.model)
 
     def order(r):
         return r["scheme"] != base, r["scheme"], r["protocol"], int(r["length"])
@@ -363,7 +368,7 @@ def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tup
     """For each (variant, protocol) (variant None: as trained), the lengths still lacking a row
     scored on these tokens by this attention backend; eval.rope_scaling kinds apply to a run
     only if its scheme declares them."""
-    from posbench.schemes import variant_label
+    from posbench.schemes import run_label, variant_label
 
     variants = [None] + [v for v in rc.eval.rope_scaling if v in model.scheme.eval_variants]
     have = {(*_row_key(r), int(r["tokens"]), r["attention"]) for r in read_eval(rdir)}
@@ -371,7 +376,7 @@ def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tup
     for protocol in rc.eval.protocol:
         stride = str(rc.eval.stride) if protocol == "sliding" else ""
         for v in variants:
-            label = variant_label(rc.model.scheme, v, rc.eval.rope_factor)
+            label = variant_label(run_label(rc.model), v, rc.eval.rope_factor)
             lengths = [L for L in rc.eval.lengths if (label, L, protocol, stride, n_tokens, backend) not in have]
             if lengths:
                 missing[v, protocol] = lengths
@@ -647,6 +652,9 @@ def report(collected, metric: str, transpose: bool) -> dict:
                 f"({label}; attention: {backends_note(df, short=True)})",
             )
         )
+    curve = extend.curve_table(df.attrs["runs"].values())
+    if curve is not None:
+        sections.append(extend.curve_section(*curve[:2]))
     longest = max(int(L) for L in df["length"])
     legend = (
         f"{note}. — : the scheme cannot encode that length (beyond-max-len); nan: the loss blew up; "
@@ -660,11 +668,14 @@ def report(collected, metric: str, transpose: bool) -> dict:
         )
         plot_positions(position_losses(df), train_lens, folder / "positions.png")
         plot_training(df.attrs["runs"], folder / "training.png")
+        if curve is not None:
+            extend.plot_curve(curve[2], curve[1], folder / "steps.png")
+            return ["summary.png", "positions.png", "training.png", "steps.png"]
         return ["summary.png", "positions.png", "training.png"]
 
     return {
         "title": f"Length extrapolation: trained at {trained_at(df)}, evaluated up to {longest}",
-        "describe": describe(configs, df) + [f"- cells: {METRICS[metric][0]}, {note}"],
+        "describe": describe(configs, df) + extend.describe(configs) + [f"- cells: {METRICS[metric][0]}, {note}"],
         "sections": sections,
         "legend": legend,
         "csv": (df, EVAL_COLUMNS + (["point"] if "point" in df else [])),

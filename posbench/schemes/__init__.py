@@ -66,7 +66,7 @@ def _modified(name: str, registry):
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]  # the default experiment
 
 _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first use
-    "posbench.schemes.base": ["PositionalScheme", "EvalVariant", "NoPE", "variant_label", "require_even"],
+    "posbench.schemes.base": ["PositionalScheme", "EvalVariant", "NoPE", "variant_label", "run_label", "require_even"],
     "posbench.schemes.absolute": ["Sinusoidal", "Learned", "sinusoid"],
     "posbench.schemes.t5": ["T5Bias", "Hybrid", "t5_relative_bucket"],
     "posbench.schemes.xl": ["TransformerXL", "rel_shift"],

@@ -112,6 +112,11 @@ class RoPE(PositionalScheme):
         if self.opt["base"] <= 1:  # theta_k = base^(-2k/d) must fall with k; YaRN divides by log(base)
             raise PosbenchError(f"scheme_options.{cfg.scheme}.base={self.opt['base']} must be > 1")
         require_even(cfg, "the head size model.d_model / model.n_head", cfg.head_dim)
+        # a run fine-tuned by `posbench extend` with a scaling keeps it for good: the same
+        # rope_frequencies at s = L2/L as the evaluation-time variant, and no variant on top
+        self.fixed = (cfg.extend or {}).get("scaling")
+        if self.fixed:
+            self.eval_variants = {}
 
     def rotate(self, q, k, pos, layer):
         cos, sin = self.once_per_forward((pos,), lambda: self.angles(pos, q.size(-1), q.dtype))
@@ -119,6 +124,9 @@ class RoPE(PositionalScheme):
 
     def frequencies(self, D: int, seq_len: int) -> tuple[torch.Tensor, float]:
         v = self.variant
+        if v is None and self.fixed:
+            ext = self.cfg.extend
+            return rope_frequencies(D, self.opt["base"], self.fixed, ext["factor"], ext["from_len"], seq_len)
         if v is None:
             return rope_frequencies(D, self.opt["base"])
         default = 1.0 if v.name == "dynamic" else v.length / v.train_len

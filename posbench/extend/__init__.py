@@ -1,0 +1,1 @@
+"""Context extension by fine-tuning: `posbench extend` (methods.py says what each method does)."""

@@ -1,0 +1,362 @@
+"""`posbench extend`'s runs: the parents, the children's configs, what a child starts from and
+trains on, and the copies of the parents (the methods: posbench/extend/methods.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from posbench.config import ExperimentConfig, apply_override, config_from_dict, dump_yaml
+from posbench.errors import PosbenchError
+from posbench.extend.methods import (
+    ABF_BASE,
+    CURVE,
+    CURVE_COLUMNS,
+    EXTEND_RECORD,
+    METHODS,
+    PARENT,
+    Method,
+    applies,
+    child_label,
+    read_curve,
+)
+from posbench.files import write_atomic
+
+if TYPE_CHECKING:
+    import torch
+
+
+def parents_in(folder: Path) -> list[Path]:
+    """The finished runs to extend: `folder` itself if it is a run, else its runs. An
+    unfinished one (no model.pt, or a training still under way) is an error, before anything
+    is written; a diverged one has nothing to extend and is left out."""
+    from posbench.experiment.records import CONFIG, DIVERGED, WEIGHTS, partial_dir, planned
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise PosbenchError(f"{folder}: no such run or experiment folder")
+    if (folder / WEIGHTS).is_file():
+        return [folder]
+    if (folder / CONFIG).is_file() or partial_dir(folder).is_dir():
+        raise PosbenchError(f"{folder}: an unfinished run (no model.pt); finish training it before extending it")
+    runs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    names = {p.name for p in runs}
+    for name in planned(folder):
+        if name not in names:
+            raise PosbenchError(f"{folder / name}: an unfinished run (not trained yet); finish {folder} first")
+    found = []
+    for p in runs:
+        if (p / WEIGHTS).is_file():
+            found.append(p)
+        elif (p / DIVERGED).is_file():
+            continue
+        elif (p / CONFIG).is_file() or partial_dir(p).is_dir():
+            raise PosbenchError(f"{p}: an unfinished run (no model.pt); finish training it before extending {folder}")
+    for p in sorted(folder.glob(".*.partial")):
+        raise PosbenchError(f"{folder / p.name[1 : -len('.partial')]}: an unfinished run; finish {folder} first")
+    if not found:
+        raise PosbenchError(f"{folder}: holds no finished run (model.pt) to extend")
+    return found
+
+
+def parent_identity(rc: ExperimentConfig, measure) -> str:
+    """The hash of what decided a parent's weights: its children record it."""
+    from posbench.experiment.plan import run_identity
+
+    return hashlib.sha256(json.dumps(run_identity(rc, measure), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- the children's configs ----------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What `posbench extend` will do: the copies of the parents and the children, as jobs."""
+
+    folder: Path
+    jobs: list  # posbench.experiment.plan.Job: each parent's copy, then its children
+    notes: list[str]
+    record: dict  # extend.yaml
+
+
+def plan_extension(
+    source: Path,
+    to: int,
+    methods: list[Method],
+    steps: int,
+    out: Optional[Path] = None,
+    lengths: Optional[list[int]] = None,
+    lr: Optional[float] = None,
+    abf_base: float = ABF_BASE,
+    curve: Optional[list[int]] = None,
+    overrides: list[str] = (),
+) -> Plan:
+    """Every job, checked before anything is written: a bad method, parent or length is one line."""
+    from posbench.experiment.checkpoint import load_run
+    from posbench.experiment.plan import Job, plan_state
+    from posbench.experiment.records import read_config, run_name
+    from posbench.measures import measure_for
+    from posbench.measures.perplexity import Perplexity
+
+    if steps <= 0:
+        raise PosbenchError(f"--steps {steps} must be positive")
+    if lr is not None and not lr > 0:
+        raise PosbenchError(f"--lr {lr} must be positive")
+    if not abf_base > 1:
+        raise PosbenchError(f"--abf-base {abf_base} must be > 1")
+    parents = parents_in(source)
+    source = Path(source)
+    folder = Path(out) if out is not None else source.parent / f"{source.name}-extend{to}"
+    if folder.resolve() == source.resolve() or source.resolve() in folder.resolve().parents:
+        raise PosbenchError(f"--out {folder}: inside the parent's folder {source}, which extend never writes to")
+    jobs, notes, skipped = [], [], {}
+    for pdir in parents:
+        prc = read_config(pdir) if (pdir / "config.yaml").is_file() else load_run(pdir)[0]
+        measure = measure_for(prc)
+        if not isinstance(measure, Perplexity):
+            raise PosbenchError(f"{pdir}: a run of task '{prc.task}'; extend fine-tunes language models (task lm)")
+        if prc.model.extend:
+            raise PosbenchError(f"{pdir}: already a fine-tuned run ({prc.model.extend['method']}); extend its parent")
+        L, scheme, seed = prc.model.train_len, prc.model.scheme, prc.seeds[0]
+        if to <= L:
+            raise PosbenchError(f"--to {to} is not longer than {pdir.name}'s training length {L}")
+        want = sorted(set(lengths or [*prc.eval.lengths, to, 2 * to, 4 * to]))
+        if min(want) < 1:
+            raise PosbenchError(f"--lengths: every length must be positive, not {min(want)}")
+        ident = parent_identity(prc, measure)
+        copy_rc = _with(
+            prc, overrides, folder, eval={"lengths": want, "rope_scaling": _variants(prc), "rope_factor": None}
+        )
+        copy_dir = folder / run_name(scheme, seed)
+        state = plan_state(copy_rc, measure, copy_dir)  # "todo": copied, never trained
+        jobs.append(Job(copy_rc, measure, copy_dir, "copy" if state == "todo" else state, parent=pdir))
+        for m in methods:
+            if not applies(m, scheme):
+                skipped.setdefault(m.name, []).append(scheme)
+                continue
+            rc = child_config(prc, m, to, steps, lr, want, ident, abf_base, folder, overrides)
+            rdir = folder / f"{run_name(scheme, seed)}-{m.name}"
+            points = sorted({s for s in (curve or default_curve(steps)) if 0 <= s <= steps})
+            jobs.append(Job(rc, measure, rdir, plan_state(rc, measure, rdir), parent=pdir, curve=points))
+    for name, schemes in skipped.items():
+        only = ", ".join(METHODS[name].schemes)
+        notes.append(f"{name} applies to {only} only: not to {', '.join(sorted(set(schemes)))}")
+    if not any(job.cfg.model.extend for job in jobs):
+        raise PosbenchError(
+            f"no method given applies to the runs in {source} ({'; '.join(notes)}); plain applies to every scheme"
+        )
+    record = {
+        "parents": [os.path.relpath(p.resolve(), folder.resolve()) for p in parents],
+        "to": to,
+        "steps": steps,
+        "methods": [m.name for m in methods],
+        "lengths": sorted({L for job in jobs for L in job.cfg.eval.lengths}),
+    }
+    return Plan(folder, jobs, notes, record)
+
+
+def default_curve(steps: int) -> list[int]:
+    """Where a child is scored at L2 while it fine-tunes: before, and after 1/10, 1/4, 1/2, all."""
+    return sorted({0, steps // 10, steps // 4, steps // 2, steps})
+
+
+def _variants(rc: ExperimentConfig) -> list[str]:
+    from posbench.schemes import SCHEMES
+
+    return list(SCHEMES.resolve(rc.model.scheme).eval_variants)
+
+
+def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None, eval=None, options=None):
+    """rc with sections changed, in a new experiment folder, with the user's --set overrides."""
+    raw = rc.to_dict()
+    raw.update(name=folder.name, out_dir=str(folder.parent))
+    for section, changes in (("model", model), ("train", train), ("eval", eval)):
+        raw[section].update(changes or {})
+    if options is not None:
+        raw["model"]["options"] = options
+        raw["scheme_options"] = {rc.model.scheme: dict(options)} if options else {}
+    origins: dict = {}
+    for o in overrides:
+        apply_override(raw, o, origins)
+    return config_from_dict(raw, source="extend")
+
+
+def child_config(
+    prc: ExperimentConfig,
+    method: Method,
+    to: int,
+    steps: int,
+    lr: Optional[float],
+    lengths: list[int],
+    parent: str,
+    abf_base: float,
+    folder: Path,
+    overrides=(),
+) -> ExperimentConfig:
+    """The parent's config as the child trains it: at L2 (PoSE: at L), K steps from lr (default:
+    the parent's final lr, min_lr) with a warmup of K/20 and a cosine decay to lr/10, scored at
+    `lengths` as it is (no evaluation-time variant on top of its own scaling)."""
+    L = prc.model.train_len
+    ext = {"method": method.name, "parent": parent, "from_len": L, "to_len": to}
+    if method.scaling:
+        ext.update(scaling=method.scaling, factor=to / L)
+    options = dict(prc.model.options)
+    if method.name == "abf":
+        options["base"] = abf_base
+    if "max_len" in options and prc.model.scheme == "learned" and options["max_len"] < to:
+        options["max_len"] = to  # the table grows to L2: its new rows are initialised as GPT-2's
+    lr = prc.train.min_lr if lr is None else lr
+    train = {"steps": steps, "lr": lr, "min_lr": float(f"{lr / 10:.6g}"), "warmup_steps": max(1, round(steps / 20))}
+    model = {"train_len": L if method.at_parent_len else to, "extend": ext}
+    return _with(
+        prc, overrides, folder, model, train, {"lengths": lengths, "rope_scaling": [], "rope_factor": None}, options
+    )
+
+
+def start_weights(rc: ExperimentConfig, parent: Path) -> dict:
+    """The parent's weights, as the child's model holds them: a learned table interpolated to
+    L2 or grown past its max_len (its new rows from the child's own initialization)."""
+    import torch
+
+    from posbench.experiment.checkpoint import load_run
+    from posbench.model import TransformerLM
+
+    _, pmodel = load_run(parent)
+    state = pmodel.state_dict()
+    torch.manual_seed(rc.seeds[0])
+    fresh = TransformerLM(rc.model).state_dict()  # the rows a grown table adds
+    ext = rc.model.extend
+    key = "scheme.table"
+    if key in state and key in fresh:
+        old, new = state[key], fresh[key].clone()  # (parent max_len, C), (child max_len, C)
+        if ext["method"] == "interpolate":
+            L, L2 = ext["from_len"], ext["to_len"]
+            new[:L2] = interpolate_rows(old[:L], L2)
+            new[L2:] = old[L2 : len(new)] if len(old) > L2 else new[L2:]
+        else:
+            n = min(len(old), len(new))
+            new[:n] = old[:n]
+        state[key] = new
+    return state
+
+
+def interpolate_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """(L, C) -> (n, C): row j is rows at x = j (L-1)/(n-1), linearly between its two neighbours,
+    so the first and last rows stay where they were."""
+    import torch
+
+    return torch.nn.functional.interpolate(rows.T[None], size=n, mode="linear", align_corners=True)[0].T
+
+
+def pose_positions(T: int, to_len: int, gen: torch.Generator) -> torch.Tensor:
+    """PoSE's position ids for a window of T tokens (dwzhu-pku/PoSE, train_pose.py,
+    `train_preprocess_function_pose`): a first chunk 0..r1-1, r1 drawn from 1..(T+1)//2, then
+    the rest shifted by a skip u drawn from 0..to_len-T, so the last id is at most to_len-1.
+    Drawn from the data generator, so a resumed run draws the same ones; one draw per batch."""
+    import torch
+
+    r1 = int(torch.randint(1, (T + 1) // 2 + 1, (1,), generator=gen))
+    u = int(torch.randint(0, to_len - T + 1, (1,), generator=gen))
+    pos = torch.arange(T)
+    pos[r1:] += u
+    return pos  # (T,)
+
+
+class PoSEBatches:
+    """A run's batches with PoSE's position ids: (x, y, pos). The text stays contiguous; the
+    reference also takes its second chunk from further on in the document."""
+
+    def __init__(self, inner, to_len: int):
+        self.inner, self.to_len = inner, to_len
+
+    def __call__(self, gen):
+        x, y = self.inner(gen)
+        return x, y, pose_positions(x.size(1), self.to_len, gen)
+
+    def get_state(self):
+        return self.inner.get_state()
+
+    def set_state(self, state) -> None:
+        self.inner.set_state(state)
+
+
+class Curve:
+    """The probe train_model calls after every step: at the planned steps it scores the
+    model at L2 on the run's own validation tokens and writes curve.csv. A resumed run drops the
+    rows from its resume step on and scores them again."""
+
+    def __init__(self, rc: ExperimentConfig, corpus, folder: Path, steps: list[int]):
+        from posbench.device import pick_device
+        from posbench.evaluate import eval_tokens
+
+        self.rc, self.path, self.steps = rc, folder / CURVE, set(steps)
+        self.tokens = eval_tokens(corpus, rc, rc.eval.lengths)
+        self.device = pick_device(rc.train.device)
+        self.first = True
+
+    def __call__(self, step: int, model, resumed_at: int) -> None:
+        from posbench.evaluate import evaluate_model
+        from posbench.files import write_rows
+
+        rows = read_curve(self.path.parent) if self.first and resumed_at else []
+        if self.first:
+            write_rows(self.path, [r for r in rows if int(r["step"]) < step], CURVE_COLUMNS)
+            self.first = False
+        if step not in self.steps:
+            return
+        L2 = self.rc.model.extend["to_len"]
+        (row,), _ = evaluate_model(model, self.tokens, [L2], self.rc.eval.batch_size, self.device)
+        label = child_label(self.rc.model.scheme, self.rc.model.extend["method"])
+        new = {"scheme": label, "seed": self.rc.seeds[0], "step": step, "length": L2}
+        new.update({k: row[k] for k in ("loss", "ppl", "tokens")})
+        write_rows(self.path, [*read_curve(self.path.parent), new], CURVE_COLUMNS)
+
+
+def fine_tuning(job, data, folder: Path):
+    """What train_model needs beyond a fresh run's for a child: (init, batches, probe)."""
+    rc = job.cfg
+    batches = job.measure.batches(rc, data)
+    if rc.model.extend["method"] == "pose":
+        batches = PoSEBatches(batches, rc.model.extend["to_len"])
+    write_atomic(folder / PARENT, parent_path(job) + "\n")
+    init = start_weights(rc, job.parent)
+    return init, batches, Curve(rc, data, folder, job.curve or default_curve(rc.train.steps))
+
+
+def copy_parent(job) -> None:
+    """A parent's copy in the extension's folder: its weights, log and config (scored here at the
+    extension's lengths and with its evaluation-time variants); the parent is only read."""
+    from posbench.experiment.records import CONFIG, WEIGHTS, partial_dir
+
+    partial = partial_dir(job.folder)
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    shutil.copy2(job.parent / WEIGHTS, partial / WEIGHTS)
+    if (job.parent / "train_log.jsonl").is_file():
+        shutil.copy2(job.parent / "train_log.jsonl", partial / "train_log.jsonl")
+    write_atomic(partial / CONFIG, dump_yaml(job.cfg))
+    write_atomic(partial / PARENT, parent_path(job) + "\n")
+    if job.folder.exists():
+        shutil.rmtree(job.folder)
+    partial.rename(job.folder)
+
+
+def parent_path(job) -> str:
+    """The parent's folder as seen from the extension's folder, so the two can move together."""
+    return os.path.relpath(Path(job.parent).resolve(), job.folder.parent.resolve())
+
+
+def write_record(plan: Plan) -> None:
+    import yaml
+
+    plan.folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(plan.folder / EXTEND_RECORD, yaml.safe_dump(plan.record, sort_keys=False))
+
+
+# --- the report ----------------------------------------------------------------------------------

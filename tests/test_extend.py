@@ -1,0 +1,352 @@
+"""posbench extend: context extension by fine-tuning, its methods, its runs and its report."""
+
+import csv
+import math
+import signal
+
+import pytest
+import torch
+import yaml
+from conftest import invoke, smoke_experiment
+from test_sweeps import _cli, _same_weights, _wait_for
+
+from posbench.config import ExperimentConfig, ModelConfig, config_from_dict
+from posbench.extend.run import interpolate_rows, pose_positions
+from posbench.schemes import build_scheme, rope_frequencies
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def parents(tmp_path_factory):
+    """configs/smoke.yaml for rope, learned and alibi (trained at 32), seed 0."""
+    exp, _, text = smoke_experiment(tmp_path_factory.mktemp("parents"), "--schemes", "rope,learned,alibi")
+    return exp, text
+
+
+def _extend(parents, out, *more):
+    exp, _ = parents
+    return invoke("extend", exp, "--to", "64", "--steps", "4", "--lengths", "32,64,128", "--out", out, *more)
+
+
+@pytest.fixture(scope="module")
+def extended(parents, tmp_path_factory):
+    out = tmp_path_factory.mktemp("extended") / "ext"
+    res = _extend(parents, out, "--methods", "pi,ntk,yarn,abf,pose,interpolate,plain", "--curve", "0,2,4")
+    assert res.exit_code == 0, res.output
+    return out, res
+
+
+# --- the scalings are the evaluation-time ones, and transformers' ----------------------------------
+
+
+def _fixed(kind, factor, L, d=16, base=10000.0):
+    cfg = ModelConfig(
+        scheme="rope",
+        n_head=2,
+        d_model=2 * d,
+        options={"base": base},
+        extend={
+            "method": "x",
+            "parent": "p",
+            "from_len": L,
+            "to_len": int(L * factor),
+            "scaling": kind,
+            "factor": factor,
+        },
+    )
+    return build_scheme(cfg).frequencies(d, int(L * factor))
+
+
+@pytest.mark.parametrize("kind", ["linear", "yarn"])
+@pytest.mark.parametrize("factor", [2.0, 4.0, 8.0])
+def test_a_fine_tuned_scaling_equals_transformers(kind, factor):
+    """pi and yarn (and pose, which scales as pi) fix transformers' linear and yarn at s = L2/L."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    d, L = 16, 100
+    params = {"rope_type": kind, "rope_theta": 10000.0, "factor": factor, "original_max_position_embeddings": L}
+    cfg = LlamaConfig(
+        hidden_size=2 * d, num_attention_heads=2, head_dim=d, max_position_embeddings=L, rope_parameters=params
+    )
+    want, want_att = ROPE_INIT_FUNCTIONS[kind](cfg, None, None)
+    got, att = _fixed(kind, factor, L, d)
+    assert torch.allclose(got, want.float(), rtol=1e-5, atol=0)
+    assert att == pytest.approx(want_att)
+
+
+def test_ntk_is_the_ntk_aware_base_and_every_fixed_scaling_is_the_variant_s_own():
+    d, L, s = 16, 100, 4.0
+    got, _ = _fixed("ntk", s, L, d)
+    base = 10000.0 * s ** (d / (d - 2))
+    want = torch.tensor([base ** (-2 * k / d) for k in range(d // 2)], dtype=torch.float64)
+    assert torch.allclose(got.double(), want, rtol=1e-6)
+    for kind in ("linear", "ntk", "yarn"):
+        assert torch.equal(_fixed(kind, s, L, d)[0], rope_frequencies(d, 10000.0, kind, s, L)[0])
+
+
+def test_a_child_before_its_first_step_scores_as_the_parent_scaled_at_evaluation(extended):
+    """The curve's step 0 is the parent's weights with the method's scaling at s = 64/32: the
+    same numbers, to the last bit, as the parent's copy scored with that evaluation-time variant."""
+    out, _ = extended
+    parent = {r["scheme"]: r["loss"] for r in _rows(out / "rope-seed0" / "eval.csv") if r["length"] == "64"}
+    for method, variant in (("pi", "rope+linear"), ("pose", "rope+linear"), ("ntk", "rope+ntk"), ("yarn", "rope+yarn")):
+        (first, *_) = _rows(out / f"rope-seed0-{method}" / "curve.csv")
+        assert first["step"] == "0" and first["loss"] == parent[variant], method
+    (plain, *_) = _rows(out / "rope-seed0-plain" / "curve.csv")
+    assert plain["loss"] == parent["rope"]
+    assert parent["rope+linear"] != parent["rope"]  # the scaling changes the numbers at all
+
+
+# --- PoSE's positions and the learned table ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,L2", [(32, 64), (100, 400), (7, 8), (2, 100)])
+def test_pose_positions_cover_0_to_l2_minus_1_and_never_exceed_it(T, L2):
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(3000):
+        pos = pose_positions(T, L2, gen)
+        assert len(pos) == T and pos[0] == 0 and int(pos.max()) <= L2 - 1
+        assert bool((pos[1:] > pos[:-1]).all())  # two chunks, in order
+        assert int((pos[1:] - pos[:-1] > 1).sum()) <= 1  # one skip at most
+        seen |= set(pos.tolist())
+    assert seen == set(range(L2))
+
+
+def test_pose_skips_as_the_reference_draws_them():
+    """r1 from 1..(T+1)//2 and the skip from 0..L2-T, both ends reached."""
+    gen = torch.Generator().manual_seed(1)
+    firsts, skips = set(), set()
+    for _ in range(4000):
+        pos = pose_positions(10, 20, gen)
+        jump = (pos[1:] - pos[:-1] - 1).tolist()
+        cut = next((i + 1 for i, j in enumerate(jump) if j), None)
+        skips.add(max(jump))
+        if cut is not None:
+            firsts.add(cut)
+    assert skips == set(range(0, 11)) and firsts == set(range(1, 6))
+
+
+def test_interpolated_rows_keep_the_ends_and_lie_between_neighbours():
+    rows = torch.tensor([[0.0, 10.0], [1.0, 20.0], [2.0, 40.0]])  # L = 3
+    got = interpolate_rows(rows, 5)  # x = 0, 0.5, 1, 1.5, 2
+    assert torch.allclose(got, torch.tensor([[0.0, 10.0], [0.5, 15.0], [1.0, 20.0], [1.5, 30.0], [2.0, 40.0]]))
+
+
+def test_learned_children_start_from_the_table_interpolated_or_grown(extended, parents):
+    exp, _ = parents
+    parent = torch.load(exp / "learned-seed0" / "model.pt", weights_only=True)["model"]["scheme.table"]  # (48, C)
+    from posbench.experiment.records import read_config
+    from posbench.extend.run import start_weights
+
+    out, _ = extended
+    inter = start_weights(read_config(out / "learned-seed0-interpolate"), exp / "learned-seed0")["scheme.table"]
+    assert inter.shape == (64, parent.size(1))  # max_len 48 grows to L2 = 64
+    assert torch.allclose(inter[:64], interpolate_rows(parent[:32], 64))
+    assert torch.equal(inter[0], parent[0]) and torch.allclose(inter[63], parent[31])
+    plain = start_weights(read_config(out / "learned-seed0-plain"), exp / "learned-seed0")["scheme.table"]
+    assert torch.equal(plain[:48], parent) and plain.shape[0] == 64
+    assert 0.005 < plain[48:].std() < 0.05  # the new rows initialised as GPT-2's, N(0, 0.02)
+
+
+# --- the runs ------------------------------------------------------------------------------------
+
+
+def test_every_method_makes_a_run_that_records_its_parent_and_method(extended, parents):
+    out, res = extended
+    exp, _ = parents
+    names = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert names == [
+        "alibi-seed0",
+        "alibi-seed0-plain",
+        "learned-seed0",
+        "learned-seed0-interpolate",
+        "learned-seed0-plain",
+        "rope-seed0",
+        "rope-seed0-abf",
+        "rope-seed0-ntk",
+        "rope-seed0-pi",
+        "rope-seed0-plain",
+        "rope-seed0-pose",
+        "rope-seed0-yarn",
+    ]
+    assert "pi applies to rope only: not to alibi, learned" in res.output
+    cfg = config_from_dict(yaml.safe_load((out / "rope-seed0-yarn" / "config.yaml").read_text()))
+    ext = cfg.model.extend
+    assert (ext["method"], ext["from_len"], ext["to_len"], ext["scaling"], ext["factor"]) == (
+        "yarn",
+        32,
+        64,
+        "yarn",
+        2.0,
+    )
+    assert cfg.model.train_len == 64 and cfg.train.steps == 4
+    where = (out / "rope-seed0-yarn" / "parent.txt").read_text().strip()
+    assert (out / where).resolve() == (exp / "rope-seed0").resolve()  # relative to the extension's folder
+    pose = config_from_dict(yaml.safe_load((out / "rope-seed0-pose" / "config.yaml").read_text()))
+    assert pose.model.train_len == 32 and pose.model.extend["scaling"] == "linear"
+    abf = config_from_dict(yaml.safe_load((out / "rope-seed0-abf" / "config.yaml").read_text()))
+    assert abf.model.options["base"] == 500000.0 and "scaling" not in abf.model.extend
+    # the parents are only read: their folders hold what they held
+    assert sorted(p.name for p in (exp / "rope-seed0").iterdir()) == sorted(
+        ["config.yaml", "eval.csv", "model.pt", "positions.csv", "train_log.jsonl"]
+    )
+
+
+def test_the_report_puts_parents_variants_and_children_side_by_side(extended):
+    out, _ = extended
+    table = (out / "summary.md").read_text()
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| rope")]
+    assert rows[:10] == [
+        "rope",
+        "rope+dynamic",
+        "rope+linear",
+        "rope+ntk",
+        "rope+yarn",
+        "rope:pi",
+        "rope:ntk",
+        "rope:yarn",
+        "rope:abf",
+        "rope:pose",
+    ]
+    assert "perplexity at 64 after k fine-tuning steps" in table
+    assert "rope:yarn: RoPE with YaRN's ramp" in table
+    assert (out / "steps.png").is_file()
+    curve = [r for r in _rows(out / "rope-seed0-pi" / "curve.csv")]
+    assert [r["step"] for r in curve] == ["0", "2", "4"]
+    final = {r["length"]: r["loss"] for r in _rows(out / "rope-seed0-pi" / "eval.csv")}
+    assert curve[-1]["loss"] == final["64"]  # the last point is the run as scored
+
+
+def test_a_rerun_reuses_every_run(extended, parents):
+    out, _ = extended
+    res = _extend(parents, out, "--methods", "pi,ntk,yarn,abf,pose,interpolate,plain", "--curve", "0,2,4")
+    assert res.exit_code == 0, res.output
+    assert ": training," not in res.output and "already trained" in res.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--methods", "yarm"), "unknown method 'yarm' (did you mean 'yarn'?)"),
+        (("--to", "32"), "--to 32 is not longer than"),
+        (("--to", "16"), "--to 16 is not longer than"),
+        (("--methods", ""), "--methods is empty"),
+        (("--steps", "0"), "--steps 0 must be positive"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(parents, tmp_path, args, message):
+    exp, _ = parents
+    more = dict(zip(args[::2], args[1::2]))
+    opts = {"--to": "64", "--methods": "plain", "--steps": "4", **more}
+    res = invoke("extend", exp, *[x for kv in opts.items() for x in kv], "--out", tmp_path / "ext")
+    assert res.exit_code == 2, res.output
+    assert message in res.output and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "ext").exists()
+
+
+def test_a_missing_or_unfinished_parent_is_one_line(parents, tmp_path):
+    exp, _ = parents
+    res = invoke("extend", tmp_path / "nowhere", "--to", "64", "--out", tmp_path / "ext")
+    assert res.exit_code == 2 and "no such run or experiment folder" in res.output
+    unfinished = tmp_path / "exp" / "rope-seed0"
+    unfinished.mkdir(parents=True)
+    (unfinished / "config.yaml").write_text((exp / "rope-seed0" / "config.yaml").read_text())
+    for source in (unfinished.parent, unfinished):
+        res = invoke("extend", source, "--to", "64", "--out", tmp_path / "ext")
+        assert res.exit_code == 2, res.output
+        assert "an unfinished run (no model.pt)" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "ext").exists()
+
+
+def test_a_method_that_applies_to_no_run_is_refused(parents, tmp_path):
+    exp, _ = parents
+    res = invoke("extend", exp / "alibi-seed0", "--to", "64", "--methods", "pi,yarn", "--out", tmp_path / "ext")
+    assert res.exit_code == 2
+    assert "no method given applies to the runs in" in res.output and "pi applies to rope only" in res.output
+    assert not (tmp_path / "ext").exists()
+
+
+def test_a_child_of_a_retrained_parent_is_not_reused(parents, tmp_path):
+    """The child records its parent's identity: a parent trained anew under other settings
+    makes the old child an error, never a silent reuse."""
+    exp, text = parents
+    out = tmp_path / "ext"
+    res = invoke("extend", exp / "alibi-seed0", "--to", "64", "--steps", "2", "--lengths", "64", "--out", out)
+    assert res.exit_code == 0, res.output
+    (tmp_path / "other").mkdir()
+    other, _, _ = smoke_experiment(tmp_path / "other", "--schemes", "alibi", "--set", "train.steps=20")
+    res = invoke("extend", other / "alibi-seed0", "--to", "64", "--steps", "2", "--lengths", "64", "--out", out)
+    assert res.exit_code == 2
+    assert "was trained under a different config" in res.output and "Traceback" not in res.output
+
+
+def test_an_extended_run_resumes_bit_identically_after_kill_9(parents, tmp_path):
+    exp, _ = parents
+    args = ["extend", exp / "rope-seed0", "--to", "64", "--methods", "yarn", "--steps", "300", "--lengths", "64"]
+    args += ["--set", "train.checkpoint_every=20", "--threads", "1"]
+    killed = tmp_path / "killed"
+    partial = killed / ".rope-seed0-yarn.partial"
+    proc = _cli(*args, "--out", killed)
+    try:
+        _wait_for(lambda: (partial / "checkpoint.prev.pt").is_file(), what="two checkpoints")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert not (killed / "rope-seed0-yarn").exists(), "it finished before it was killed"
+    rerun = _cli(*args, "--out", killed)
+    output, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, output
+    assert "resuming from its checkpoint at step" in output
+    whole = tmp_path / "whole"
+    res = invoke(*args, "--out", whole)
+    assert res.exit_code == 0, res.output
+    run, ref = killed / "rope-seed0-yarn", whole / "rope-seed0-yarn"
+    assert _same_weights(run, ref)
+    for name in ("eval.csv", "curve.csv"):
+        assert (run / name).read_text() == (ref / name).read_text()
+    assert not partial.exists()
+
+
+def test_report_needs_no_parent_weights(extended, tmp_path):
+    """The records alone rebuild the extension's tables (as a committed reference holds them)."""
+    import shutil
+
+    out, _ = extended
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("model.pt", "summary.*"))
+    res = invoke("report", copy)
+    assert res.exit_code == 0, res.output
+    assert (copy / "summary.md").read_text() == (out / "summary.md").read_text()
+    assert math.isfinite(float(_rows(copy / "summary.csv")[0]["ppl"]))
+
+
+def test_model_extend_keeps_the_identity_of_runs_made_before_it():
+    """A field left null is no part of a run's identity: folders named by a hash keep their names."""
+    from posbench.config import identity
+
+    assert "extend" not in identity(ExperimentConfig())["model"]
+    assert "extend" in identity(ExperimentConfig(model=ModelConfig(extend={"method": "plain"})))["model"]
+
+
+def test_a_reference_committed_without_weights_is_trained_again(extended, parents, tmp_path):
+    """As `make reproduce-extend` meets results/reference-extend in a fresh clone: each run's
+    records without its model.pt are a run to train again, not an error; the tables come back."""
+    import shutil
+
+    out, _ = extended
+    copy = tmp_path / "ext"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("model.pt"))
+    res = _extend(parents, copy, "--methods", "pi,ntk,yarn,abf,pose,interpolate,plain", "--curve", "0,2,4")
+    assert res.exit_code == 0, res.output
+    assert "rope seed 0 (1 of 9): training" in res.output or ": training," in res.output
+    assert (copy / "rope-seed0-yarn" / "model.pt").is_file()
+    assert (copy / "summary.md").read_text() == (out / "summary.md").read_text()
