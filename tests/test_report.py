@@ -168,6 +168,27 @@ def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path
         assert {"config.yaml", "eval.csv", "samples.txt", "train_log.jsonl"} <= {p.name for p in run.iterdir()}
 
 
+def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp_path):
+    """results/reference-extend holds the records of `make reproduce-extend` (no weights): rope
+    trained at 100, 3 seeds, each copied and fine-tuned at 400 with six methods; a fresh report
+    gives the committed tables, the curve against fine-tuning steps included."""
+    import yaml
+
+    committed = _rebuilds_byte_for_byte("reference-extend", tmp_path)
+    assert "## perplexity at 400 after k fine-tuning steps" in (committed / "summary.md").read_text()
+    runs = [p for p in committed.iterdir() if p.is_dir()]
+    made = {
+        (c["model"]["scheme"], (c["model"]["extend"] or {}).get("method"), c["seeds"][0])
+        for c in (yaml.safe_load((p / "config.yaml").read_text()) for p in runs)
+    }
+    methods = (None, "pi", "ntk", "yarn", "abf", "pose", "plain")
+    assert len(runs) == 21 and made == {("rope", m, n) for m in methods for n in (0, 1, 2)}
+    for run in runs:
+        assert {"config.yaml", "eval.csv", "parent.txt", "train_log.jsonl"} <= {p.name for p in run.iterdir()}
+        child = not run.name.endswith(("seed0", "seed1", "seed2"))  # rope-seed0-yarn, not rope-seed0
+        assert (run / "curve.csv").is_file() == child
+
+
 @pytest.mark.parametrize("args", [["--seeds", ""], ["--seeds", ","], ["--set", "seeds=[]"]])
 def test_an_empty_seed_list_is_one_line_and_writes_nothing(tmp_path, args):
     res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path / 'r'}", *args)

@@ -20,8 +20,9 @@ def describe(configs: list) -> list[str]:
         seen.add(ext["method"])
         t, m = c.train, c.model
         s = ext["to_len"] / ext["from_len"]
+        base = f", base {m.options['base']:g}" if ext["method"] == "abf" else ""
         lines.append(
-            f"- {child_label(m.scheme, ext['method'])}: {METHODS[ext['method']].description}; "
+            f"- {child_label(m.scheme, ext['method'])}: {METHODS[ext['method']].description}{base}; "
             f"s = {ext['to_len']}/{ext['from_len']} = {s:g}; {t.steps} steps x {t.batch_size} x {m.train_len} "
             f"from each seed's parent, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine to {t.min_lr:g})"
         )

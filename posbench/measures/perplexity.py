@@ -414,7 +414,6 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     # a variant row (rope+yarn) counts against its base scheme's seeds: those are its checkpoints
     base_seeds = df.groupby(df["scheme"].str.split("+").str[0])["seed"].nunique()
     seeds = pd.Series([base_seeds[s.split("+")[0]] for s in order], index=order)
-    train_len = df.groupby("scheme")["train_len"].first().reindex(order)
     status = df.pivot_table(index="scheme", columns="length", values="status", aggfunc="first")
     status = status.reindex(index=order, columns=lengths)
     scored = ok.pivot_table(index="scheme", columns="length", values="seed", aggfunc="nunique")
@@ -436,15 +435,16 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
         out[f"n {L}"] = scored[L]  # seeds behind the mean, when fewer than the row's
         out[f"nonfinite {L}"] = blown[L]  # seeds whose loss blew up there
         out[f"best {L}"] = [s in tied for s in order]
+    base = int(df["train_len"].iloc[0])  # one per table; a fine-tuned child's too (its parent's)
     out["ratio"] = [
         math.nan
-        if (blown.loc[s].reindex([train_len[s], lengths[-1]]).fillna(0) > 0).any()  # none hidden
-        else _ratio(ok[ok["scheme"] == s], train_len[s], lengths[-1])
+        if (blown.loc[s].reindex([base, lengths[-1]]).fillna(0) > 0).any()  # none hidden
+        else _ratio(ok[ok["scheme"] == s], base, lengths[-1])
         for s in order
     ]
     out["seeds"] = seeds
     out.attrs["tests"] = tests - {"none"}
-    out.attrs["train_len"] = int(df["train_len"].iloc[0])  # one per table: a grid point's
+    out.attrs["train_len"] = base  # a grid point's
     return out
 
 
