@@ -14,9 +14,9 @@ install:
 extrapolate: install
 	posbench extrapolate --train-len 100 --test-len 200
 
-# the Ray extra too, so the test of the Ray executor runs (a few seconds to install)
+# the Ray and text extras too, so the tests of the Ray executor and of tokenizers run
 test: install
-	$(PIP) install -q -e '.[test,ray]'
+	$(PIP) install -q -e '.[test,ray,text]'
 	$(PYTHON) -m pytest
 
 # ruff's rules and line length are in pyproject.toml

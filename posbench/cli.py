@@ -418,10 +418,59 @@ def extend(
 
 
 @app.command()
+def prepare(
+    source: Annotated[str, typer.Argument(help="text files or a glob, .jsonl or .parquet files, or a datasets folder")],
+    out_dir: Annotated[Path, typer.Option("--out", help="the folder to write (train.bin, val.bin, tokens.json)")],
+    tokenizer: Annotated[str, typer.Option(help="bytes, bpe, or a tokenizer.json or sentencepiece .model")] = "bytes",
+    vocab_size: Annotated[Optional[int], typer.Option(help="bpe's vocabulary (default 2048)")] = None,
+    text_field: Annotated[str, typer.Option(help="the text's field in .jsonl, .parquet and datasets rows")] = "text",
+    val_fraction: Annotated[float, typer.Option(help="the tail held out for validation")] = 0.05,
+    val_path: Annotated[Optional[str], typer.Option(help="a validation set of its own instead")] = None,
+):
+    """Tokenize a corpus once into memory-mapped token files; train on it with --set data.path=OUT.
+
+    Training and evaluation then read windows from the files and never load them whole, so a
+    corpus of several GB trains in the memory Shakespeare does (docs/text.md)."""
+    import time
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from posbench.config import DataConfig
+    from posbench.text import prepare as prepare_tokens
+    from posbench.text import source_files
+
+    with user_errors(on_interrupt=f"nothing was written to {out_dir}"):
+        data = DataConfig(
+            path=source,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            text_field=text_field,
+            val_fraction=val_fraction,
+            val_path=val_path,
+        )
+        total = sum(f.stat().st_size for f in source_files(source) if f.is_file()) or None
+        start = time.perf_counter()
+        with Progress(
+            TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err, transient=True
+        ) as bar:
+            task = bar.add_task("tokenizing", total=total)
+            meta = prepare_tokens(data, out_dir, err.print, lambda n: bar.advance(task, n))
+        seconds = time.perf_counter() - start
+        size = (meta["train_bytes"] + meta["val_bytes"]) / 1e6
+        out.print(
+            f"wrote {out_dir}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} validation tokens "
+            f"({meta['tokenizer']}, {meta['dtype']}) from {size:.1f} MB in {seconds:.1f} s; "
+            f"train on it with --set data.path={out_dir}",
+            highlight=False,
+        )
+
+
+@app.command()
 def report(
     experiment_dirs: Annotated[list[Path], typer.Argument(help="e.g. results/default; several join into one table")],
     metric: Annotated[
-        Optional[str], typer.Option(help="ppl, loss, ratio (to train_len); a task: exact_match, token_accuracy")
+        Optional[str],
+        typer.Option(help="ppl, loss, ratio (to train_len), bpb (bits per byte); a task: exact_match, token_accuracy"),
     ] = None,
     transpose: Annotated[bool, typer.Option(help="lengths as rows, schemes as columns")] = False,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="where a joined report goes")] = None,
@@ -477,6 +526,9 @@ def bench(
     out_file: Annotated[Path, typer.Option("--out", help="the CSV to write, or a folder for bench.csv")] = Path(
         "results/bench/bench.csv"
     ),
+    data: Annotated[
+        bool, typer.Option("--data", help="instead: tokenization MB/s and a memory-mapped batch's share of a step")
+    ] = False,
 ):
     """Training tokens/s (vs NoPE and a peer), FLOP utilisation, and eval memory up to 64x."""
 
@@ -492,6 +544,14 @@ def bench(
             "model.attention": (f"--attention {attention}", attention),
         }
         cfg = load_config(config, set_ or [], values)
+        if data:  # the corpus's side of a step: nothing is written
+            from posbench.bench_data import data_benchmark
+            from posbench.console import plain_table
+
+            _set_threads(threads)
+            table = data_benchmark(cfg, rounds or 30, err.print)
+            out.print(plain_table("the data pipeline (posbench prepare, memory-mapped batches)", table, left=True))
+            return
         # the bench evaluates at its own multiples of train_len and never reads eval.*, so the
         # config's test lengths must not stop a longer train_len (--set model.train_len=1024
         # against the default [100..200]): one length longer than any train_len, and its tokens

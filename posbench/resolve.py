@@ -33,10 +33,48 @@ def resolve(cfg: ExperimentConfig, test_len: Optional[int] = None) -> Experiment
     try:
         measure = measure_for(cfg)
         measure.resolve(cfg, test_len)
+        _resolve_vocab(cfg, measure)
         _resolve_schemes(cfg)
     except PosbenchError as e:
         raise blame(cfg, e, cfg.source) from None
     return Experiment(cfg, measure)
+
+
+def _resolve_vocab(cfg: ExperimentConfig, measure: Measure) -> None:
+    """model.vocab_size follows data.tokenizer: at least the 256 bytes, or the tokenizer's size
+    (read from its file, or data.vocab_size for a BPE still to train)."""
+    from posbench.text import BYTE_ALPHABET, is_prepared, tokenizer_kind, vocab_of
+
+    tokens = measure.reads_corpus and (tokenizer_kind(cfg.data.tokenizer) != "bytes" or is_prepared(cfg.data.path))
+    if not tokens:
+        if measure.reads_corpus is False and cfg.data.tokenizer != "bytes":
+            raise PosbenchError(f"data.tokenizer {cfg.data.tokenizer}: a task is written in bytes", "data.tokenizer")
+        if cfg.model.vocab_size < BYTE_ALPHABET:
+            raise PosbenchError(
+                f"model.vocab_size={cfg.model.vocab_size}: the corpus is bytes, so it must be >= 256",
+                "model.vocab_size",
+            )
+        return
+    if is_prepared(cfg.data.path):  # its tokens were made by one tokenizer: the config takes it
+        from posbench.text import read_prepared_meta
+
+        meta = read_prepared_meta(cfg.data.path)
+        given = cfg.origins.get("data.tokenizer") and (cfg.data.tokenizer, cfg.data.vocab_size)
+        if given and given != (meta["spec"], meta["bpe_vocab_size"]):
+            raise PosbenchError(
+                f"data.path {cfg.data.path} holds tokens of {meta['tokenizer']}, not of data.tokenizer "
+                f"{cfg.data.tokenizer}; leave data.tokenizer unset to use its own",
+                "data.tokenizer",
+            )
+        cfg.data.tokenizer, cfg.data.vocab_size = meta["spec"], meta["bpe_vocab_size"]
+    vocab = vocab_of(cfg.data)
+    if "model.vocab_size" in cfg.origins and cfg.model.vocab_size != vocab:
+        raise PosbenchError(
+            f"model.vocab_size={cfg.model.vocab_size}, but data.tokenizer {cfg.data.tokenizer} has {vocab} tokens; "
+            f"leave model.vocab_size unset: it follows the tokenizer",
+            "model.vocab_size",
+        )
+    cfg.model.vocab_size = vocab
 
 
 def _resolve_schemes(cfg: ExperimentConfig) -> None:

@@ -65,8 +65,9 @@ def test_a_ratio_not_scored_is_blank_not_the_cannot_encode_mark(tmp_path):
     scores alibi alone at 96)."""
 
     def ratios(exp):
-        lines = (exp / "summary.md").read_text().splitlines()
-        return {r.split("|")[1].strip(): r.split("|")[-2].strip() for r in lines if r.startswith("| ")}
+        lines = [r.split("|") for r in (exp / "summary.md").read_text().splitlines() if r.startswith("| ")]
+        at = next(i for i, c in enumerate(lines[0]) if c.strip().startswith("ppl("))  # the ratio's column
+        return {r[1].strip(): r[at].strip() for r in lines[1:]}
 
     exp, _ = _smoke(tmp_path, "s", schemes="alibi,learned")
     assert ratios(exp)["learned"] == "—" and ratios(exp)["alibi"] not in ("", "—")

@@ -52,6 +52,7 @@ class Perplexity(Measure):
         "ppl": Metric("ppl", "perplexity per byte", higher_is_better=False, digits=2),
         "loss": Metric("loss", "loss in nats per byte", higher_is_better=False, digits=3),
         "ratio": Metric("ratio", "perplexity over its perplexity at the training length", False, digits=3),
+        "bpb": Metric("bpb", "bits per byte", higher_is_better=False, digits=3),
     }
     reads_corpus = True
     records = ("eval.csv", "positions.csv")
@@ -226,10 +227,13 @@ EVAL_COLUMNS = [
     "stride",
     "loss",
     "ppl",
+    "bpb",  # bits per byte: the summed loss in bits over the UTF-8 bytes the scored tokens cover
     "tokens",
     "status",
     "attention",
+    "tokenizer",
 ]
+BYTES_COLUMNS = [c for c in EVAL_COLUMNS if c not in ("bpb", "tokenizer")]  # eval.csv before tokenizers: bytes
 
 
 POSITION_COLUMNS = ["scheme", "length", "protocol", "stride", "position", "loss", "tokens"]
@@ -258,7 +262,12 @@ def read_eval(run_dir: Path) -> list[dict]:
             header = reader.fieldnames
     except (UnicodeDecodeError, csv.Error):
         raise bad from None
-    if header != EVAL_COLUMNS or not rows:
+    if header == BYTES_COLUMNS and rows:  # written before tokenizers: bytes, so bpb = loss / ln 2
+        for r in rows:
+            ok = r.get("status") == "ok" and r.get("loss") not in (None, "")
+            r["bpb"], r["tokenizer"] = (repr(float(r["loss"]) / math.log(2)) if ok else "nan"), "bytes"
+        rows = [{c: r[c] for c in EVAL_COLUMNS} for r in rows]
+    elif header != EVAL_COLUMNS or not rows:
         raise bad
     for r in rows:
         try:
@@ -309,6 +318,7 @@ def evaluate_into(
         lengths = sorted(set(lengths) | stale)
         tokens = eval_tokens(corpus, rc, lengths)
     rows, positions = [], []
+    n_bytes = corpus.bytes_of(tokens[1:])  # the targets: every protocol scores each once
     for protocol in protocols or rc.eval.protocol:
         stride = rc.eval.stride if protocol == "sliding" else None
         for v in variants:
@@ -316,6 +326,9 @@ def evaluate_into(
             scored, by_position = evaluate_model(
                 model, tokens, lengths, rc.eval.batch_size, device, v, factor, protocol, stride
             )
+            for r in scored:  # bits per byte: the loss summed over the n scored tokens, over their bytes
+                r["bpb"] = r["loss"] / math.log(2) * (n / n_bytes) if r["status"] == "ok" else float("nan")
+                r["tokenizer"] = corpus.tokenizer
             rows += eval_rows(rc, scored, label)
             for L, (sums, counts) in by_position.items():
                 ident = {"scheme": label, "length": L, "protocol": protocol, "stride": stride}
@@ -386,6 +399,15 @@ def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tup
 METRICS = {name: (m.label, m.digits) for name, m in Perplexity.metrics.items()}  # what a cell holds, decimals
 
 
+def metric_label(metric: str, df: pd.DataFrame) -> str:
+    """What a cell holds: perplexity per byte, or per token under a tokenizer, named."""
+    label = METRICS[metric][0]
+    tokenizers = sorted(set(df["tokenizer"])) if "tokenizer" in df else ["bytes"]
+    if tokenizers != ["bytes"] and "per byte" in label and metric != "bpb":
+        label = label.replace("per byte", f"per token ({', '.join(tokenizers)})")
+    return label
+
+
 def with_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
     """df with a `value` column: each row's ppl, loss, or ppl over the same run's (scheme,
     seed, protocol) ppl at the training length."""
@@ -442,6 +464,9 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
         else _ratio(ok[ok["scheme"] == s], base, lengths[-1])
         for s in order
     ]
+    for name, L in (("bpb train", base), ("bpb longest", lengths[-1])):  # beside perplexity, in bits per byte
+        have = ok[ok["length"] == L]
+        out[name] = have.groupby("scheme")["bpb"].mean().reindex(order) if "bpb" in have else math.nan
     out["seeds"] = seeds
     out.attrs["tests"] = tests - {"none"}
     out.attrs["train_len"] = base  # a grid point's
@@ -512,6 +537,9 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
     m, t = c.model, c.train
     params = m.params
     corpus = SHAKESPEARE_NAME if c.data.path is None else f"{c.data.path} (bytes)"
+    tokenizers = sorted(set(df["tokenizer"])) if "tokenizer" in df else ["bytes"]
+    if tokenizers != ["bytes"]:
+        corpus = corpus.removesuffix(" (bytes)").removesuffix(", bytes") + f"; tokenizer: {', '.join(tokenizers)}"
     tokens = t.steps * t.batch_size * m.train_len
     lines = [
         f"- corpus: {corpus}; validation = last {c.data.val_fraction:.0%} of it",
@@ -520,7 +548,8 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
         f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
         f"= {tokens:,} tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
         f"to {t.min_lr:g}), seeds {sorted(set(df['seed']))}",
-        f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}",
+        f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}; bpb: bits per byte, the summed loss in "
+        f"bits over the UTF-8 bytes the scored tokens cover (comparable across tokenizers)",
     ]
     lines.append(f"- attention: {backends_note(df)}")
     if "point" in df:
@@ -598,12 +627,20 @@ def grid(table: pd.DataFrame, train_len: int, metric: str, missing: str = "") ->
     lengths = lengths_of(table)
     digits = METRICS[metric][1]
     head = ["scheme"] + [str(L) for L in lengths] + ["seeds", f"ppl({lengths[-1]})/ppl({train_len})"]
+    with_bpb = metric != "bpb" and table[["bpb train", "bpb longest"]].notna().any().any()
+    head += [f"bpb({train_len})", f"bpb({lengths[-1]})"] if with_bpb else []
     rows, best = [head], set()
     for i, s in enumerate(table.index, start=1):
         cells = [cell(table, s, L, missing=missing, digits=digits) for L in lengths]
         best |= {(i, j) for j, L in enumerate(lengths, start=1) if is_best(table, s, L)}
         rows.append([s] + cells + [str(int(table.loc[s, "seeds"])), ratio_cell(table, s, train_len, lengths[-1])])
+        if with_bpb:
+            rows[-1] += [_bpb_cell(table.loc[s, k]) for k in ("bpb train", "bpb longest")]
     return rows, best
+
+
+def _bpb_cell(value) -> str:
+    return f"{value:.3f}" if value == value else ""
 
 
 def ratio_cell(table: pd.DataFrame, scheme: str, train_len: int, longest: int) -> str:
@@ -623,6 +660,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
     point), the long rows for summary.csv, and a function that draws the plots."""
     df, configs = frame(collected)
     df = with_metric(df, metric)
+    what = metric_label(metric, df)
     tables = {}
     for point in point_order(df):
         rows = df if point is None else df[df["point"] == point]
@@ -636,20 +674,21 @@ def report(collected, metric: str, transpose: bool) -> dict:
         train_len = table.attrs["train_len"]
         rows, best = grid(table, train_len, metric)
         shown, shown_best = grid(table, train_len, metric, missing="—")
-        shown[0][-1] = f"ppl({lengths_of(table)[-1]})/ppl(train)"
+        shown[0][shown[0].index(f"ppl({lengths_of(table)[-1]})/ppl({train_len})")] = (
+            f"ppl({lengths_of(table)[-1]})/ppl(train)"
+        )
         if transpose:
             rows, best = transposed(rows, best)
             shown, shown_best = transposed(shown, shown_best)
         sections.append(
             Section(
                 heading=label,
-                caption=f"{tex(METRICS[metric][0])}, trained at {train_len}; {tex(label)}. {tex(note)}.",
+                caption=f"{tex(what)}, trained at {train_len}; {tex(label)}. {tex(note)}.",
                 rows=rows,
                 best=best,
                 terminal=shown,
                 terminal_best=shown_best,
-                title=f"{METRICS[metric][0]}, trained at {train_len} "
-                f"({label}; attention: {backends_note(df, short=True)})",
+                title=f"{what}, trained at {train_len} ({label}; attention: {backends_note(df, short=True)})",
             )
         )
     curve = extend.curve_table(df.attrs["runs"].values())
@@ -662,7 +701,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
     )
 
     def plots(folder: Path) -> list[str]:
-        plot(tables, folder / "summary.png", metric)
+        plot(tables, folder / "summary.png", metric, what)
         train_lens = (
             df.groupby("point")["train_len"].first().to_dict() if "point" in df else {"": int(df["train_len"].iloc[0])}
         )
@@ -675,7 +714,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
 
     return {
         "title": f"Length extrapolation: trained at {trained_at(df)}, evaluated up to {longest}",
-        "describe": describe(configs, df) + extend.describe(configs) + [f"- cells: {METRICS[metric][0]}, {note}"],
+        "describe": describe(configs, df) + extend.describe(configs) + [f"- cells: {what}, {note}"],
         "sections": sections,
         "legend": legend,
         "csv": (df, EVAL_COLUMNS + (["point"] if "point" in df else [])),
@@ -693,7 +732,7 @@ def frame(collected) -> tuple[pd.DataFrame, list]:
     )
     for c in ("seed", "train_len", "length", "tokens"):
         df[c] = df[c].astype(int)
-    for c in ("loss", "ppl"):
+    for c in ("loss", "ppl", "bpb"):
         df[c] = pd.to_numeric(df[c], errors="coerce")
     df["scheme"] = pd.Categorical(df["scheme"], categories=scheme_order(set(df["scheme"])), ordered=True)
     df = df.sort_values([c for c in ("experiment", "point", "scheme", "seed", "length") if c in df])
@@ -767,7 +806,7 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path) -> bool:
     return save(plt, fig, path)
 
 
-def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl") -> bool:
+def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl", label: str = "") -> bool:
     """The metric against length, one line per scheme with its 95% band over seeds (with enough
     seeds for one to mean something: tables.BAND_SEEDS), a dashed
     line at the training length, a panel per table (protocol, and grid point)."""
@@ -792,6 +831,6 @@ def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl") -> bo
         if finite.size:  # a wide band (few seeds, one that blew up) must not squash the means
             ax.set_ylim(bottom=max(ax.get_ylim()[0], 0.8 * finite.min()))
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(METRICS[metric][0])
+    axes[0][0].set_ylabel(label or METRICS[metric][0])
     axes[0][0].legend(fontsize=8)
     return save(plt, fig, path)

@@ -1,0 +1,72 @@
+"""`posbench bench --data`: how fast a corpus becomes tokens, and what share of a training step
+fetching a batch from a memory-mapped (prepared) corpus takes."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from posbench.config import DataConfig, ExperimentConfig
+
+
+def data_benchmark(cfg: ExperimentConfig, rounds: int = 30, reporter=None) -> list[list[str]]:
+    """Rows of a table: `posbench prepare`'s throughput in MB/s with bytes and with a BPE (trained
+    once and cached before the timing), then the milliseconds a batch takes to fetch from the BPE
+    corpus's memory map against one training step of the config's model, interleaved and taken
+    at their medians, and the fetch's share of the two."""
+    import statistics
+
+    import torch
+
+    from posbench.data import CorpusBatches, load_corpus, shakespeare
+    from posbench.model import TransformerLM
+    from posbench.text import prepare
+    from posbench.train import make_optimizer
+
+    rows = [["what", "value"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        source = cfg.data.path
+        if source is None:  # the default corpus, as a file prepare reads
+            source = str(Path(tmp) / "shakespeare.txt")
+            Path(source).write_bytes(shakespeare(reporter))
+        vocab = cfg.data.vocab_size or 2048
+        prepared = {}
+        for spec in ("bytes", "bpe"):
+            data = DataConfig(path=source, tokenizer=spec, vocab_size=vocab if spec == "bpe" else None)
+            if spec == "bpe":
+                prepare(data, Path(tmp) / "warm", reporter)  # trains and caches the BPE: not timed
+            start = time.perf_counter()
+            meta = prepare(data, Path(tmp) / spec)
+            seconds = time.perf_counter() - start
+            size = (meta["train_bytes"] + meta["val_bytes"]) / 1e6
+            rows.append(
+                [f"prepare, {meta['tokenizer']}", f"{size / seconds:.1f} MB/s ({size:.1f} MB in {seconds:.2f} s)"]
+            )
+            prepared[spec] = Path(tmp) / spec
+        corpus = load_corpus(DataConfig(path=str(prepared["bpe"])))
+        model_cfg = cfg.model
+        model_cfg.vocab_size = vocab
+        torch.manual_seed(0)
+        model = TransformerLM(model_cfg)
+        opt = make_optimizer(model, 1e-4, 0.0)
+        batches = CorpusBatches(corpus, cfg.train.batch_size or 16, model_cfg.train_len)
+        gen = torch.Generator().manual_seed(0)
+        fetch, step = [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            x, y = batches(gen)
+            t1 = time.perf_counter()
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            t2 = time.perf_counter()
+            fetch.append(t1 - t0)
+            step.append(t2 - t1)
+        f, s = statistics.median(fetch), statistics.median(step)
+        shape = f"{batches.batch_size} x {model_cfg.train_len} tokens"
+        rows.append([f"fetch a batch from the memory map ({shape})", f"{1e3 * f:.3f} ms"])
+        rows.append([f"one training step ({model_cfg.n_layer} layers, width {model_cfg.d_model})", f"{1e3 * s:.1f} ms"])
+        rows.append(["fetch's share of a step", f"{100 * f / (f + s):.2f}%"])
+    return rows

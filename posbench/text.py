@@ -1,0 +1,492 @@
+"""Text beyond Shakespeare bytes: where a corpus's text comes from, how it becomes tokens, and
+corpora prepared once into memory-mapped token files (`posbench prepare`).
+
+Sources (data.path):
+  - text files, or a glob of them;
+  - .jsonl and .parquet files, one document per row in the field data.text_field;
+  - a Hugging Face `datasets` folder saved with save_to_disk;
+  - a folder `posbench prepare` wrote (tokens.json beside train.bin and val.bin).
+
+Tokenizers (data.tokenizer):
+  - bytes: each byte a token, 256 of them;
+  - bpe: a byte-level BPE of data.vocab_size tokens. Hugging Face `tokenizers` trains it on the
+    training split alone; it is cached by the corpus's digest, the split and the size;
+  - the path of a tokenizer.json (Hugging Face) or of a sentencepiece .model.
+
+How a corpus becomes tokens:
+  - A corpus is one byte stream: the files joined as they are, or each row's text followed by a
+    blank line.
+  - Its last val_fraction of bytes is the validation split, unless data.val_path names one.
+  - Each split is cut into chunks of at most CHUNK bytes, at the last line end in each.
+  - Each chunk is encoded on its own. So a corpus prepared once and the same text read into
+    memory give the same tokens.
+The formats' libraries (tokenizers, sentencepiece, datasets, pyarrow) come with the `text` extra.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from posbench.errors import PosbenchError
+from posbench.files import cache_dir
+
+CHUNK = 1 << 20  # the bytes read and encoded at once, at most: a chunk ends at its last line end
+PIECE = 1 << 14  # the bytes of one text a tokenizer encodes, at most, cut likewise
+PREPARED = "tokens.json"  # what marks a folder `posbench prepare` wrote
+EXTRA = "pip install -e '.[text]'"  # the install line a missing library's error names
+BYTE_ALPHABET = 256  # a byte-level BPE starts from every byte
+
+
+def need(module: str, what: str):
+    """`import module`, or one line naming the extra that brings it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise PosbenchError(f"{what} needs the Python package '{module}': {EXTRA}") from None
+
+
+# --- sources ---------------------------------------------------------------------------------------
+
+
+def is_prepared(path: Optional[str]) -> bool:
+    return bool(path) and (Path(os.path.expanduser(path)) / PREPARED).is_file()
+
+
+def is_dataset_folder(path: Path) -> bool:
+    return path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def source_files(pattern: str, what: str = "data.path") -> list[Path]:
+    """The files (or `datasets` folders) a path or glob names, in name order."""
+    expanded = os.path.expanduser(pattern)
+    if is_dataset_folder(Path(expanded)):
+        return [Path(expanded)]
+    found = sorted(glob.glob(expanded, recursive=True))
+    files = [Path(f) for f in found if os.path.isfile(f) or is_dataset_folder(Path(f))]
+    if not files:
+        raise PosbenchError(f"{what} '{pattern}' matches no file")
+    return files
+
+
+def pieces(pattern: str, field: str, what: str = "data.path") -> Iterator[bytes]:
+    """The corpus's byte stream in pieces, read one file (or batch of rows) at a time."""
+    for f in source_files(pattern, what):
+        if f.is_dir():
+            yield from _dataset_rows(f, field)
+        elif f.suffix == ".jsonl":
+            yield from _jsonl_rows(f, field)
+        elif f.suffix == ".parquet":
+            yield from _parquet_rows(f, field)
+        else:
+            with f.open("rb") as fh:
+                while block := fh.read(CHUNK):
+                    yield block
+
+
+def _document(text, where: str, field: str) -> bytes:
+    if not isinstance(text, str):
+        raise PosbenchError(f"{where}: field '{field}' (data.text_field) holds {type(text).__name__}, not text")
+    return text.encode("utf-8") + b"\n\n"
+
+
+def _jsonl_rows(path: Path, field: str) -> Iterator[bytes]:
+    with path.open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise PosbenchError(f"{path}:{n}: not a JSON object per line") from None
+            if not isinstance(row, dict) or field not in row:
+                raise PosbenchError(f"{path}:{n}: no field '{field}' (set data.text_field to the text's field)")
+            yield _document(row[field], f"{path}:{n}", field)
+
+
+def _parquet_rows(path: Path, field: str) -> Iterator[bytes]:
+    pq = need("pyarrow.parquet", f"reading {path}")
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own kinds for a file that is not parquet
+        raise PosbenchError(f"{path}: not a readable parquet file ({e})") from None
+    if field not in table.schema_arrow.names:
+        have = ", ".join(table.schema_arrow.names)
+        raise PosbenchError(f"{path}: no column '{field}' (data.text_field); its columns: {have}")
+    for rows in table.iter_batches(columns=[field], batch_size=1024):
+        for text in rows.column(0).to_pylist():
+            yield _document(text, str(path), field)
+
+
+def _dataset_rows(path: Path, field: str) -> Iterator[bytes]:
+    datasets = need("datasets", f"reading the datasets folder {path}")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise PosbenchError(f"{path}: not a datasets folder saved with save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise PosbenchError(f"{path}: a DatasetDict without a 'train' split (its splits: {', '.join(ds)})")
+        ds = ds["train"]
+    if field not in ds.column_names:
+        raise PosbenchError(f"{path}: no column '{field}' (data.text_field); its columns: {', '.join(ds.column_names)}")
+    for rows in ds.iter(batch_size=1024):
+        for text in rows[field]:
+            yield _document(text, str(path), field)
+
+
+# --- the split and the chunks ----------------------------------------------------------------------
+
+
+def split_point(total: int, val_fraction: float) -> int:
+    """Where validation starts: the last int(total * val_fraction) bytes are held out."""
+    return total - int(total * val_fraction)
+
+
+def chunks(stream: Iterator[bytes], size: int = CHUNK) -> Iterator[bytes]:
+    """The stream cut into chunks of at most `size` bytes, each ending at its last line end (or
+    at `size`, for a line longer than that): a function of the bytes alone, however they arrive."""
+    buf = b""
+    for piece in stream:
+        buf += piece
+        while len(buf) >= size:
+            cut = buf.rfind(b"\n", 0, size) + 1 or size
+            yield buf[:cut]
+            buf = buf[cut:]
+    if buf:
+        yield buf
+
+
+def split_stream(stream: Iterator[bytes], start: int, stop: Optional[int]) -> Iterator[bytes]:
+    """The bytes [start, stop) of a stream of pieces (stop None: to its end)."""
+    at = 0
+    for piece in stream:
+        a, b = max(start - at, 0), len(piece) if stop is None else min(stop - at, len(piece))
+        if a < b:
+            yield piece[a:b]
+        at += len(piece)
+        if stop is not None and at >= stop:
+            return
+
+
+# --- tokenizers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tokenizer:
+    """What every tokenizer gives: a name for the tables, its size, encode, and the UTF-8 bytes
+    each token spells (what bits per byte divides by)."""
+
+    name: str
+    vocab_size: int
+    kind: str  # bytes, hf (tokenizer.json and posbench's bpe), sentencepiece
+    impl: object = None
+    file: Optional[Path] = None  # the tokenizer's own file (bpe: its cached tokenizer.json)
+
+    def encode(self, chunk: bytes) -> np.ndarray:
+        if self.kind == "bytes":
+            return np.frombuffer(chunk, dtype=np.uint8)
+        # in pieces of at most PIECE bytes at line ends, encoded as a batch (in parallel, where
+        # the library can): a function of the chunk alone, as the chunks are of the stream
+        texts = [p.decode("utf-8", errors="replace") for p in chunks(iter([chunk]), PIECE)]
+        if self.kind == "hf":
+            ids = [e.ids for e in self.impl.encode_batch(texts)]
+        else:
+            ids = self.impl.encode(texts)
+        return np.fromiter((i for row in ids for i in row), dtype=np.int64)
+
+    def byte_lengths(self) -> np.ndarray:
+        """(vocab_size,) the bytes each token stands for: 1 for bytes; a byte-level BPE's token
+        spelled back to its bytes; a sentencepiece piece with ▁ as a space and <0xNN> as one
+        byte; 0 for control tokens. Elsewhere a token's decoded text in UTF-8."""
+        if self.kind == "bytes":
+            return np.ones(self.vocab_size, dtype=np.int64)
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        if self.kind == "sentencepiece":
+            for i in range(self.vocab_size):
+                piece = self.impl.id_to_piece(i)
+                if self.impl.is_control(i) or self.impl.is_unknown(i):
+                    continue
+                out[i] = 1 if self.impl.is_byte(i) else len(piece.replace("\u2581", " ").encode())
+            return out
+        decoder = _byte_decoder()
+        for token, i in self.impl.get_vocab().items():
+            if i >= self.vocab_size:
+                continue
+            if all(c in decoder for c in token):  # byte-level: each character stands for one byte
+                out[i] = len(token)
+            else:
+                out[i] = len(self.impl.decode([i]).encode())
+        return out
+
+
+def _byte_decoder() -> dict:
+    """GPT-2's byte-to-character table, inverted: the byte-level BPE's characters."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def tokenizer_kind(spec: str) -> str:
+    """bytes, bpe, hf (a tokenizer.json) or sentencepiece (a .model), from data.tokenizer."""
+    if spec in ("bytes", "bpe"):
+        return spec
+    return "sentencepiece" if spec.endswith(".model") else "hf"
+
+
+def tokenizer_file(spec: str) -> Path:
+    path = Path(os.path.expanduser(spec))
+    if not path.is_file():
+        raise PosbenchError(
+            f"data.tokenizer '{spec}': no such file; expected bytes, bpe, or the path of a tokenizer.json "
+            f"or a sentencepiece .model"
+        )
+    return path
+
+
+def load_tokenizer_file(spec: str) -> Tokenizer:
+    """A tokenizer.json (Hugging Face tokenizers) or a sentencepiece .model."""
+    path = tokenizer_file(spec)
+    if tokenizer_kind(spec) == "sentencepiece":
+        spm = need("sentencepiece", f"data.tokenizer {spec}")
+        try:
+            sp = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as e:
+            raise PosbenchError(f"data.tokenizer {spec}: not a sentencepiece model ({e})") from None
+        return Tokenizer(f"sentencepiece {path.name}", sp.get_piece_size(), "sentencepiece", sp, path)
+    tokenizers = need("tokenizers", f"data.tokenizer {spec}")
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise PosbenchError(f"data.tokenizer {spec}: not a tokenizer.json ({str(e).splitlines()[0][:120]})") from None
+    return Tokenizer(f"{path.name}", tok.get_vocab_size(), "hf", tok, path)
+
+
+def vocab_of(data) -> int:
+    """The model's vocabulary under data.tokenizer, read without training anything."""
+    if is_prepared(data.path):
+        return int(read_prepared_meta(data.path)["vocab_size"])
+    kind = tokenizer_kind(data.tokenizer)
+    if kind == "bytes":
+        return BYTE_ALPHABET
+    if kind == "bpe":
+        need("tokenizers", "data.tokenizer=bpe")
+        return data.vocab_size
+    return load_tokenizer_file(data.tokenizer).vocab_size
+
+
+def bpe(train: Iterator[bytes], vocab_size: int, key: str, progress=None) -> Tokenizer:
+    """A byte-level BPE of vocab_size tokens trained on `train` (the training split's chunks),
+    or the one cached under `key` (the corpus's digest, its split and the size)."""
+    tokenizers = need("tokenizers", "data.tokenizer=bpe")
+    path = cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{key}.json"
+    if not path.is_file():
+        if progress is not None:
+            progress(
+                f"training a byte-level BPE of {vocab_size} tokens on the training split (cached in {path.parent})"
+            )
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tokenizers.decoders.ByteLevel()
+        trainer = tokenizers.trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=[],
+            show_progress=False,
+        )
+        tok.train_from_iterator((c.decode("utf-8", errors="replace") for c in train), trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tok.save(str(tmp))
+        tmp.replace(path)  # a half-written tokenizer never passes for a cached one
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    return Tokenizer(f"bpe-{vocab_size}", tok.get_vocab_size(), "hf", tok, path)
+
+
+# --- a corpus as tokens ----------------------------------------------------------------------------
+
+
+@dataclass
+class Tokens:
+    """A corpus's two splits as token arrays (in memory, or memory-mapped), with the tokenizer."""
+
+    name: str
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: str
+    byte_lengths: np.ndarray  # (vocab,) the bytes each token spells
+
+
+def digest(stream: Iterator[bytes]) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    for piece in stream:
+        h.update(piece)
+        n += len(piece)
+    return h.hexdigest(), n
+
+
+def tokenize(data, stream, progress=None, report=None) -> tuple[Tokenizer, Iterator, Iterator]:
+    """The tokenizer (a BPE trained on the training split if asked) and the two splits' token
+    arrays, chunk by chunk. `stream()` gives the corpus's pieces afresh each call."""
+    if data.val_path:
+        train_of, val_of = stream, (lambda: pieces(data.val_path, data.text_field, "data.val_path"))
+        key_source = train_of
+        split = None
+    else:
+        sha, total = digest(stream())
+        if total == 0:
+            raise PosbenchError(f"the corpus '{data.path}' is empty")
+        split = split_point(total, data.val_fraction)
+        if split < 2 or total - split < 2:
+            raise PosbenchError(f"the corpus '{data.path}' has only {total} bytes; it is too small")
+
+        def train_of():
+            return split_stream(stream(), 0, split)
+
+        def val_of():
+            return split_stream(stream(), split, None)
+
+        key_source = None
+    kind = tokenizer_kind(data.tokenizer)
+    if kind == "bytes":
+        tok = Tokenizer("bytes", BYTE_ALPHABET, "bytes")
+    elif kind == "bpe":
+        if split is None:
+            sha, _ = digest(key_source())
+        key = hashlib.sha256(f"{sha}:{split}:{data.vocab_size}".encode()).hexdigest()[:16]
+        tok = bpe(chunks(train_of()), data.vocab_size, key, progress)
+    else:
+        tok = load_tokenizer_file(data.tokenizer)
+
+    def encoded(of):
+        for c in chunks(of()):
+            ids = tok.encode(c)
+            if report is not None:
+                report(len(c))
+            yield ids
+
+    return tok, encoded(train_of), encoded(val_of)
+
+
+def dtype_for(vocab_size: int):
+    return np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32
+
+
+def in_memory(data, stream, progress=None) -> Tokens:
+    tok, train, val = tokenize(data, stream, progress)
+    dt = dtype_for(tok.vocab_size)
+    tr = np.concatenate([a.astype(dt) for a in train] or [np.zeros(0, dt)])
+    va = np.concatenate([a.astype(dt) for a in val] or [np.zeros(0, dt)])
+    return Tokens("", tr, va, tok.name, tok.byte_lengths())
+
+
+# --- prepared corpora ------------------------------------------------------------------------------
+
+
+def read_prepared_meta(path: str) -> dict:
+    meta_path = Path(os.path.expanduser(path)) / PREPARED
+    try:
+        meta = json.loads(meta_path.read_text())
+        for key in ("train_tokens", "val_tokens", "vocab_size", "dtype", "spec", "tokenizer"):
+            meta[key]  # noqa: B018  (present, or a KeyError)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise PosbenchError(f"{meta_path}: not a tokens.json that posbench prepare wrote; prepare it again") from None
+    return meta
+
+
+def load_prepared(path: str) -> Tokens:
+    """A prepared folder's splits, memory-mapped: windows are read from disk as they are drawn."""
+    folder = Path(os.path.expanduser(path))
+    meta = read_prepared_meta(path)
+    dt = np.dtype(meta["dtype"])
+    arrays = []
+    for split in ("train", "val"):
+        file = folder / f"{split}.bin"
+        want = int(meta[f"{split}_tokens"])
+        if not file.is_file() or file.stat().st_size != want * dt.itemsize:
+            raise PosbenchError(f"{file}: missing or not the {want:,} tokens tokens.json says; prepare it again")
+        arrays.append(np.memmap(file, dtype=dt, mode="r", shape=(want,)))
+    lengths_file = folder / "byte_lengths.npy"
+    lengths = np.load(lengths_file) if lengths_file.is_file() else np.ones(int(meta["vocab_size"]), np.int64)
+    return Tokens(meta.get("name", str(folder)), arrays[0], arrays[1], meta["tokenizer"], lengths)
+
+
+def prepare(data, out: Path, progress=None, advance=None) -> dict:
+    """Tokenize data.path once into out/: train.bin and val.bin (uint8, uint16 or uint32),
+    byte_lengths.npy, the tokenizer's own file and tokens.json (tokenizer, source digests, token
+    and byte counts). Written under a temporary name and renamed when whole."""
+    import shutil
+
+    if is_prepared(data.path):
+        raise PosbenchError(f"data.path {data.path}: already a prepared folder")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise PosbenchError(f"{out}: exists and is not empty; choose another --out or delete it")
+
+    def stream():
+        return pieces(data.path, data.text_field)
+
+    sources = [str(f) for f in source_files(data.path)]
+    tok, train, val = tokenize(data, stream, progress, advance)
+    dt = dtype_for(tok.vocab_size)
+    tmp = out.with_name("." + out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    counts = {}
+    lengths = tok.byte_lengths()
+    for split, arrays in (("train", train), ("val", val)):
+        n = nbytes = 0
+        with (tmp / f"{split}.bin").open("wb") as fh:
+            for a in arrays:
+                fh.write(a.astype(dt).tobytes())
+                n += len(a)
+                nbytes += int(lengths[a].sum()) if len(a) else 0
+        counts[split] = (n, nbytes)
+    if counts["train"][0] < 2 or counts["val"][0] < 2:
+        shutil.rmtree(tmp)
+        raise PosbenchError(
+            f"the corpus '{data.path}' makes {counts['train'][0]} training and {counts['val'][0]} "
+            f"validation tokens; too few"
+        )
+    np.save(tmp / "byte_lengths.npy", lengths)
+    if tok.file is not None:
+        shutil.copy2(tok.file, tmp / tok.file.name)
+    meta = {
+        "name": f"{data.path} ({tok.name})",
+        "spec": data.tokenizer,  # data.tokenizer as given, and data.vocab_size: a config reading it takes them
+        "bpe_vocab_size": data.vocab_size,
+        "tokenizer": tok.name,
+        "tokenizer_file": tok.file.name if tok.file is not None else None,
+        "vocab_size": tok.vocab_size,
+        "dtype": np.dtype(dt).name,
+        "train_tokens": counts["train"][0],
+        "val_tokens": counts["val"][0],
+        "train_bytes": counts["train"][1],
+        "val_bytes": counts["val"][1],
+        "sources": sources,
+        "source_sha256": digest(stream())[0],
+        "text_field": data.text_field,
+        "val_fraction": None if data.val_path else data.val_fraction,
+        "val_path": data.val_path,
+    }
+    (tmp / PREPARED).write_text(json.dumps(meta, indent=1) + "\n")
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return meta

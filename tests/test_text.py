@@ -1,0 +1,247 @@
+"""Tokenizers, corpora in other formats, prepared (memory-mapped) corpora and bits per byte."""
+
+import csv
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMOKE, invoke
+
+from posbench.config import DataConfig
+from posbench.data import CorpusBatches, load_corpus
+from posbench.text import CHUNK, chunks, split_stream
+
+pytest.importorskip("tokenizers")
+
+WORDS = ["the", "king", "queen", "sword", "love", "death", "night", "day", "crown", "heart", "fair", "lord"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """Each test trains its BPEs into a cache of its own."""
+    monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path / "cache"))
+
+
+def _lines(n=3000, seed=0):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(n)]
+
+
+@pytest.fixture
+def words(tmp_path):
+    path = tmp_path / "words.txt"
+    path.write_text("\n".join(_lines()) + "\n")
+    return path
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _smoke(out, *more):
+    return invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}", *more)
+
+
+# --- bits per byte -----------------------------------------------------------------------------------
+
+
+def test_bits_per_byte_of_bytes_is_the_loss_over_ln_2(tmp_path, words):
+    res = _smoke(tmp_path / "r", "--set", f"data.path={words}")
+    assert res.exit_code == 0, res.output
+    for r in _rows(tmp_path / "r" / "smoke" / "alibi-seed0" / "eval.csv"):
+        assert r["tokenizer"] == "bytes"
+        assert float(r["bpb"]) == float(r["loss"]) / math.log(2)
+    assert "bpb(32)" in (tmp_path / "r" / "smoke" / "summary.md").read_text()
+
+
+def test_bits_per_byte_of_bpe_divides_by_the_bytes_its_tokens_spell(tmp_path, words):
+    res = _smoke(
+        tmp_path / "r", "--set", f"data.path={words}", "--set", "data.tokenizer=bpe", "--set", "data.vocab_size=300"
+    )
+    assert res.exit_code == 0, res.output
+    corpus = load_corpus(DataConfig(path=str(words), tokenizer="bpe", vocab_size=300))
+    rows = _rows(tmp_path / "r" / "smoke" / "alibi-seed0" / "eval.csv")
+    n = int(rows[0]["tokens"])
+    from tokenizers import Tokenizer
+
+    (cached,) = (tmp_path / "cache" / "tokenizers").glob("bpe-300-*.json")
+    spelled = len(Tokenizer.from_file(str(cached)).decode(corpus.val[1 : n + 1].tolist()).encode())
+    assert corpus.bytes_of(corpus.val[1 : n + 1]) == spelled > 2 * n  # a token is several bytes
+    for r in rows:
+        assert r["tokenizer"] == "bpe-300"
+        assert float(r["bpb"]) == pytest.approx(float(r["loss"]) * n / (spelled * math.log(2)), rel=1e-12)
+    summary = (tmp_path / "r" / "smoke" / "summary.md").read_text()
+    assert "tokenizer: bpe-300" in summary and "perplexity per token (bpe-300)" in summary
+
+
+def test_old_eval_files_read_as_bytes():
+    """eval.csv written before tokenizers (the committed references) reads with bpb = loss / ln 2."""
+    from conftest import ROOT
+
+    from posbench.measures.perplexity import read_eval
+
+    rows = read_eval(ROOT / "results" / "reference" / "alibi-seed0")
+    assert rows and all(r["tokenizer"] == "bytes" for r in rows)
+    assert float(rows[0]["bpb"]) == float(rows[0]["loss"]) / math.log(2)
+
+
+# --- the tokenizer -----------------------------------------------------------------------------------
+
+
+def test_a_cached_tokenizer_is_reused_not_trained_again(tmp_path, words):
+    args = ("--set", f"data.path={words}", "--set", "data.tokenizer=bpe", "--set", "data.vocab_size=300")
+    first = _smoke(tmp_path / "a", *args)
+    assert first.exit_code == 0 and "training a byte-level BPE of 300 tokens" in first.output
+    (cached,) = (tmp_path / "cache" / "tokenizers").glob("bpe-300-*.json")
+    stamp = cached.stat().st_mtime_ns
+    second = _smoke(tmp_path / "b", *args)
+    assert second.exit_code == 0 and "training a byte-level BPE" not in second.output
+    assert cached.stat().st_mtime_ns == stamp
+    a, b = (_rows(tmp_path / d / "smoke" / "alibi-seed0" / "eval.csv") for d in ("a", "b"))
+    assert a == b
+
+
+def test_the_tokenizer_never_saw_the_validation_text(tmp_path):
+    """Letters that occur only in the held-out tail never merge into a token."""
+    text = "\n".join(_lines(2000)) + "\n" + "QJXZ QJXZ ZXJQ\n" * 200
+    path = tmp_path / "t.txt"
+    path.write_text(text)
+    val_fraction = (len("QJXZ QJXZ ZXJQ\n") * 200 + 10) / len(text)
+    data = DataConfig(path=str(path), tokenizer="bpe", vocab_size=400, val_fraction=val_fraction)
+    load_corpus(data)
+    (cached,) = (tmp_path / "cache" / "tokenizers").glob("bpe-400-*.json")
+    vocab = json.loads(cached.read_text())["model"]["vocab"]
+    merged = [t for t in vocab if len(t) > 1 and set(t.replace("Ġ", "")) & set("QJXZ")]
+    assert merged == []
+    whole = DataConfig(path=str(path), tokenizer="bpe", vocab_size=400, val_fraction=0.001)
+    load_corpus(whole)  # trained on the same text with the tail in training: the letters merge
+    other = [p for p in (tmp_path / "cache" / "tokenizers").glob("bpe-400-*.json") if p != cached]
+    assert any(len(t) > 1 and set(t) & set("QJXZ") for t in json.loads(other[0].read_text())["model"]["vocab"])
+
+
+def test_a_tokenizer_json_and_a_sentencepiece_model_are_used_as_given(tmp_path, words):
+    load_corpus(DataConfig(path=str(words), tokenizer="bpe", vocab_size=300))
+    (cached,) = (tmp_path / "cache" / "tokenizers").glob("bpe-300-*.json")
+    by_file = load_corpus(DataConfig(path=str(words), tokenizer=str(cached)))
+    trained = load_corpus(DataConfig(path=str(words), tokenizer="bpe", vocab_size=300))
+    assert np.array_equal(by_file.train, trained.train) and np.array_equal(by_file.val, trained.val)
+    spm = pytest.importorskip("sentencepiece")
+    spm.SentencePieceTrainer.train(
+        input=str(words), model_prefix=str(tmp_path / "sp"), vocab_size=290, byte_fallback=True, minloglevel=2
+    )
+    res = _smoke(tmp_path / "r", "--set", f"data.path={words}", "--set", f"data.tokenizer={tmp_path / 'sp.model'}")
+    assert res.exit_code == 0, res.output
+    import yaml
+
+    cfg = yaml.safe_load((tmp_path / "r" / "smoke" / "alibi-seed0" / "config.yaml").read_text())
+    assert cfg["model"]["vocab_size"] == 290
+    assert _rows(tmp_path / "r" / "smoke" / "alibi-seed0" / "eval.csv")[0]["tokenizer"] == "sentencepiece sp.model"
+
+
+# --- sources and prepared corpora --------------------------------------------------------------------
+
+
+def test_chunks_are_a_function_of_the_bytes_alone():
+    data = b"".join(f"line {i} {'x' * (i % 300)}\n".encode() for i in range(20000))
+    whole = list(chunks(iter([data])))
+    pieces = [data[i : i + 777] for i in range(0, len(data), 777)]
+    assert list(chunks(iter(pieces))) == whole and b"".join(whole) == data
+    assert all(len(c) <= CHUNK and c.endswith(b"\n") for c in whole[:-1])
+    assert b"".join(split_stream(iter(pieces), 1000, 5000)) == data[1000:5000]
+
+
+def test_jsonl_parquet_and_datasets_rows_read_alike(tmp_path):
+    texts = _lines(500)
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    want = load_corpus(DataConfig(path=str(jsonl)))
+    assert bytes(np.asarray(want.train)).startswith((texts[0] + "\n\n" + texts[1]).encode())
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": texts}), tmp_path / "c.parquet")
+    got = load_corpus(DataConfig(path=str(tmp_path / "c.parquet"), text_field="body"))
+    assert np.array_equal(np.asarray(got.train), np.asarray(want.train))
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "ds"))
+    got = load_corpus(DataConfig(path=str(tmp_path / "ds")))
+    assert np.array_equal(np.asarray(got.val), np.asarray(want.val))
+
+
+def test_a_prepared_corpus_gives_the_batches_and_eval_tokens_of_the_in_memory_one(tmp_path, words):
+    res = invoke("prepare", words, "--out", tmp_path / "prep", "--tokenizer", "bpe", "--vocab-size", "300")
+    assert res.exit_code == 0, res.output
+    assert "training and" in res.output
+    prepared = load_corpus(DataConfig(path=str(tmp_path / "prep")))
+    assert isinstance(prepared.train, np.memmap)
+    memory = load_corpus(DataConfig(path=str(words), tokenizer="bpe", vocab_size=300))
+    for L in (16, 64):
+        a, b = CorpusBatches(prepared, 8, L), CorpusBatches(memory, 8, L)
+        ga, gb = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        for _ in range(5):
+            (xa, ya), (xb, yb) = a(ga), b(gb)
+            assert xa.dtype == torch.int64 and torch.equal(xa, xb) and torch.equal(ya, yb)
+    # a run on the prepared folder takes its tokenizer and scores what the in-memory run scores
+    r1 = _smoke(tmp_path / "p", "--set", f"data.path={tmp_path / 'prep'}")
+    r2 = _smoke(
+        tmp_path / "m", "--set", f"data.path={words}", "--set", "data.tokenizer=bpe", "--set", "data.vocab_size=300"
+    )
+    assert r1.exit_code == 0 and r2.exit_code == 0, r1.output + r2.output
+    rows = [_rows(tmp_path / d / "smoke" / "alibi-seed0" / "eval.csv") for d in ("p", "m")]
+    assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "more,message",
+    [
+        (("--set", "data.tokenizer=nowhere/tok.json"), "data.tokenizer 'nowhere/tok.json': no such file"),
+        (("--set", "data.tokenizer=bpe", "--set", "data.vocab_size=100"), "smaller than the 256 byte symbols"),
+        (("--set", "data.vocab_size=300"), "sizes a BPE trained here"),
+        (("--set", "data.tokenizer=bpe", "--set", "model.vocab_size=512"), "leave model.vocab_size unset"),
+    ],
+)
+def test_a_bad_tokenizer_is_one_line_and_writes_nothing(tmp_path, words, more, message):
+    res = _smoke(tmp_path / "r", "--set", f"data.path={words}", *more)
+    assert res.exit_code == 2, res.output
+    assert message in res.output and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_missing_text_field_and_an_empty_corpus_are_one_line(tmp_path):
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text(json.dumps({"body": "x"}) + "\n")
+    empty = tmp_path / "e.txt"
+    empty.write_text("")
+    for path, message in ((jsonl, "c.jsonl:1: no field 'text'"), (empty, "is empty")):
+        for res in (
+            _smoke(tmp_path / "r", "--set", f"data.path={path}", "--set", "data.tokenizer=bpe"),
+            invoke("prepare", path, "--out", tmp_path / "prep"),
+        ):
+            assert res.exit_code == 2, res.output
+            assert message in res.output and "Traceback" not in res.output
+        assert not (tmp_path / "r").exists() and not (tmp_path / "prep").exists()
+
+
+def test_a_missing_library_names_the_extra(tmp_path, words, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_tokenizers(name, *args, **kwargs):
+        if name == "tokenizers" or name.startswith("tokenizers."):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tokenizers)
+    monkeypatch.delitem(__import__("sys").modules, "tokenizers", raising=False)
+    res = _smoke(tmp_path / "r", "--set", f"data.path={words}", "--set", "data.tokenizer=bpe")
+    assert res.exit_code == 2
+    assert "needs the Python package 'tokenizers': pip install -e '.[text]'" in res.output
