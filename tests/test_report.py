@@ -168,6 +168,18 @@ def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path
         assert {"config.yaml", "eval.csv", "samples.txt", "train_log.jsonl"} <= {p.name for p in run.iterdir()}
 
 
+@pytest.mark.parametrize("name,tokenizer", [("reference-bytes", "bytes"), ("reference-bpe", "bpe-2048")])
+def test_the_committed_tokenizer_references_rebuild_to_their_committed_summary(tmp_path, name, tokenizer):
+    """results/reference-bytes and -bpe hold the README's tokenizer table: the defaults on bytes
+    and on a BPE of 2048 tokens, eight schemes, seed 0; their tables rebuild from the records."""
+    import csv
+
+    committed = _rebuilds_byte_for_byte(name, tmp_path)
+    with (committed / "summary.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["tokenizer"] for r in rows} == {tokenizer} and len({r["scheme"] for r in rows}) == 8
+
+
 def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp_path):
     """results/reference-extend holds the records of `make reproduce-extend` (no weights): rope
     trained at 100, 3 seeds, each copied and fine-tuned at 400 with six methods; a fresh report
