@@ -694,9 +694,11 @@ def test_evaluate_rope_scaling_adds_rows_and_report_rebuilds_them(tiny_runs, tmp
         "stride",
         "loss",
         "ppl",
+        "bpb",
         "tokens",
         "status",
         "attention",
+        "tokenizer",
     ]
     schemes = list(dict.fromkeys(r["scheme"] for r in summary))
     assert schemes == ["rope", "rope+linear", "rope+yarn", "alibi"]  # variants follow their scheme

@@ -49,9 +49,11 @@ def test_summary_csv_is_long_format_with_status(smoke):
         "stride",
         "loss",
         "ppl",
+        "bpb",
         "tokens",
         "status",
         "attention",
+        "tokenizer",
     ]
     assert len(rows) == len(SEED_SCHEMES) * 3
     by = {(r["scheme"], int(r["length"])): r for r in rows}
@@ -935,7 +937,7 @@ def test_a_length_only_some_seeds_reached_says_so_and_its_ratio_uses_those_seeds
     md = (exp / "summary.md").read_text()
     assert f"{rows['0', 80]:.2f} (1 of 2 seeds)" in md
     cells = [c.strip() for c in md.split("| alibi |")[1].splitlines()[0].split("|")]
-    assert cells[-2] == f"{rows['0', 80] / rows['0', 32]:.2f}"  # the ratio column, over seed 0
+    assert cells[-4] == f"{rows['0', 80] / rows['0', 32]:.2f}"  # the ratio column, over seed 0, before bpb
 
 
 def test_the_table_shows_seeds_that_blew_up_and_hides_no_ratio_behind_them():

@@ -245,3 +245,21 @@ def test_a_missing_library_names_the_extra(tmp_path, words, monkeypatch):
     res = _smoke(tmp_path / "r", "--set", f"data.path={words}", "--set", "data.tokenizer=bpe")
     assert res.exit_code == 2
     assert "needs the Python package 'tokenizers': pip install -e '.[text]'" in res.output
+
+
+def test_a_validation_set_of_its_own_is_held_out_whole(tmp_path, words):
+    """data.val_path: the training split is all of data.path, the validation split all of
+    val_path, in memory and prepared alike, and the BPE learns from the training files alone."""
+    held = tmp_path / "held.txt"
+    held.write_text("\n".join(_lines(300, seed=1)) + "\n")
+    corpus = load_corpus(DataConfig(path=str(words), val_path=str(held)))
+    assert bytes(np.asarray(corpus.train)) == words.read_bytes()
+    assert bytes(np.asarray(corpus.val)) == held.read_bytes()
+    res = invoke(
+        "prepare", words, "--out", tmp_path / "p", "--tokenizer", "bpe", "--vocab-size", "300", "--val-path", held
+    )
+    assert res.exit_code == 0, res.output
+    prepared = load_corpus(DataConfig(path=str(tmp_path / "p")))
+    memory = load_corpus(DataConfig(path=str(words), val_path=str(held), tokenizer="bpe", vocab_size=300))
+    assert np.array_equal(prepared.val, memory.val) and np.array_equal(prepared.train, memory.train)
+    assert prepared.bytes_of(prepared.val) == len(held.read_bytes())

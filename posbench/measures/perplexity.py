@@ -621,13 +621,15 @@ def _tokens_note(df: pd.DataFrame) -> str:
     )
 
 
-def grid(table: pd.DataFrame, train_len: int, metric: str, missing: str = "") -> tuple[list[list[str]], set]:
+def grid(
+    table: pd.DataFrame, train_len: int, metric: str, missing: str = "", bpb: bool = True
+) -> tuple[list[list[str]], set]:
     """The table as rows of strings (a header first): schemes x lengths, the seed count and
     ppl(longest)/ppl(train), and the (row, column) cells that are best."""
     lengths = lengths_of(table)
     digits = METRICS[metric][1]
     head = ["scheme"] + [str(L) for L in lengths] + ["seeds", f"ppl({lengths[-1]})/ppl({train_len})"]
-    with_bpb = metric != "bpb" and table[["bpb train", "bpb longest"]].notna().any().any()
+    with_bpb = bpb and metric != "bpb" and table[["bpb train", "bpb longest"]].notna().any().any()
     head += [f"bpb({train_len})", f"bpb({lengths[-1]})"] if with_bpb else []
     rows, best = [head], set()
     for i, s in enumerate(table.index, start=1):
@@ -673,7 +675,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
     for label, table in tables.items():
         train_len = table.attrs["train_len"]
         rows, best = grid(table, train_len, metric)
-        shown, shown_best = grid(table, train_len, metric, missing="—")
+        shown, shown_best = grid(table, train_len, metric, missing="—", bpb=False)  # the files hold bpb
         shown[0][shown[0].index(f"ppl({lengths_of(table)[-1]})/ppl({train_len})")] = (
             f"ppl({lengths_of(table)[-1]})/ppl(train)"
         )
