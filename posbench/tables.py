@@ -213,7 +213,7 @@ def plain_log_axis(ax) -> None:
     ax.yaxis.set_minor_formatter(plain)
 
 
-def plot_training(runs, path: Path) -> bool:
+def plot_training(runs, path: Path, unit: str = "byte") -> bool:
     """Every run's training loss against its step, from train_log.jsonl, one colour per scheme."""
     plt = pyplot()
     if plt is None:
@@ -229,7 +229,7 @@ def plot_training(runs, path: Path) -> bool:
         labelled.add(scheme)
         ax.plot([r["step"] for r in log], [r["loss"] for r in log], linewidth=1, alpha=0.8, **style(scheme), **kw)
     ax.set_xlabel("training step")
-    ax.set_ylabel("training loss (nats per byte)")
+    ax.set_ylabel(f"training loss (nats per {unit})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save(plt, fig, path)

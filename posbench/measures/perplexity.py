@@ -399,13 +399,16 @@ def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tup
 METRICS = {name: (m.label, m.digits) for name, m in Perplexity.metrics.items()}  # what a cell holds, decimals
 
 
+def token_unit(df: pd.DataFrame) -> str:
+    """What one token is: byte, or token (bpe-2048) under a tokenizer, named."""
+    tokenizers = sorted(set(df["tokenizer"])) if "tokenizer" in df else ["bytes"]
+    return "byte" if tokenizers == ["bytes"] else f"token ({', '.join(tokenizers)})"
+
+
 def metric_label(metric: str, df: pd.DataFrame) -> str:
     """What a cell holds: perplexity per byte, or per token under a tokenizer, named."""
     label = METRICS[metric][0]
-    tokenizers = sorted(set(df["tokenizer"])) if "tokenizer" in df else ["bytes"]
-    if tokenizers != ["bytes"] and "per byte" in label and metric != "bpb":
-        label = label.replace("per byte", f"per token ({', '.join(tokenizers)})")
-    return label
+    return label if metric == "bpb" else label.replace("per byte", f"per {token_unit(df)}")
 
 
 def with_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -707,8 +710,9 @@ def report(collected, metric: str, transpose: bool) -> dict:
         train_lens = (
             df.groupby("point")["train_len"].first().to_dict() if "point" in df else {"": int(df["train_len"].iloc[0])}
         )
-        plot_positions(position_losses(df), train_lens, folder / "positions.png")
-        plot_training(df.attrs["runs"], folder / "training.png")
+        unit = token_unit(df)
+        plot_positions(position_losses(df), train_lens, folder / "positions.png", unit)
+        plot_training(df.attrs["runs"], folder / "training.png", unit)
         if curve is not None:
             extend.plot_curve(curve[2], curve[1], folder / "steps.png")
             return ["summary.png", "positions.png", "training.png", "steps.png"]
@@ -775,7 +779,7 @@ def position_losses(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path) -> bool:
+def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = "byte") -> bool:
     """Mean loss at each position of the longest windows, one line per scheme (mean over seeds),
     a panel per protocol (and grid point), a dashed line at the training length (`train_lens`:
     grid point -> its length): where a scheme breaks."""
@@ -803,7 +807,7 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path) -> bool:
         ax.set_title(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", fontsize=10)
         ax.set_xlabel("position in the window")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("mean loss (nats per byte)")
+    axes[0][0].set_ylabel(f"mean loss (nats per {unit})")
     axes[0][0].legend(fontsize=7)
     return save(plt, fig, path)
 
