@@ -2,13 +2,12 @@
 
 import csv
 import math
-import signal
 
 import pytest
 import torch
 import yaml
 from conftest import invoke, smoke_experiment
-from test_sweeps import _cli, _same_weights, _wait_for
+from test_sweeps import _cli, _same_weights, kill_after_two_checkpoints
 
 from posbench.config import ExperimentConfig, ModelConfig, config_from_dict
 from posbench.extend.run import interpolate_rows, pose_positions
@@ -294,13 +293,7 @@ def test_an_extended_run_resumes_bit_identically_after_kill_9(parents, tmp_path)
     args += ["--set", "train.checkpoint_every=20", "--threads", "1"]
     killed = tmp_path / "killed"
     partial = killed / ".rope-seed0-yarn.partial"
-    proc = _cli(*args, "--out", killed)
-    try:
-        _wait_for(lambda: (partial / "checkpoint.prev.pt").is_file(), what="two checkpoints")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
+    kill_after_two_checkpoints([*args, "--out", killed], partial)
     assert not (killed / "rope-seed0-yarn").exists(), "it finished before it was killed"
     rerun = _cli(*args, "--out", killed)
     output, _ = rerun.communicate(timeout=300)

@@ -58,6 +58,17 @@ def _wait_for(check, timeout: float = 120, what: str = "") -> None:
         time.sleep(0.02)
 
 
+def kill_after_two_checkpoints(args, partial: Path) -> None:
+    """Start posbench with `args`, and SIGKILL it once `partial` holds two checkpoints."""
+    proc = _cli(*args)
+    try:
+        _wait_for(lambda: (partial / "checkpoint.prev.pt").is_file(), what="two checkpoints")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+
+
 def _weights(run: Path) -> dict:
     return torch.load(run / "model.pt", weights_only=True)["model"]
 
@@ -74,13 +85,7 @@ def test_kill_9_then_rerun_resumes_to_the_weights_of_an_unbroken_run(tmp_path):
     more = ("--set", "train.steps=400", "--set", "train.checkpoint_every=25")
     killed = tmp_path / "killed"
     partial = killed / "smoke" / ".alibi-seed0.partial"
-    proc = _cli(*_args(killed, text, *more))
-    try:
-        _wait_for(lambda: (partial / "checkpoint.prev.pt").is_file(), what="two checkpoints")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
+    kill_after_two_checkpoints(_args(killed, text, *more), partial)
     assert not (killed / "smoke" / "alibi-seed0").exists(), "it finished before it was killed"
     rerun = _cli(*_args(killed, text, *more))
     out, _ = rerun.communicate(timeout=300)
