@@ -345,7 +345,6 @@ def tokenize(data, stream, progress=None, report=None) -> tuple[Tokenizer, Itera
     arrays, chunk by chunk. `stream()` gives the corpus's pieces afresh each call."""
     if data.val_path:
         train_of, val_of = stream, (lambda: pieces(data.val_path, data.text_field, "data.val_path"))
-        key_source = train_of
         split = None
     else:
         sha, total = digest(stream())
@@ -361,13 +360,12 @@ def tokenize(data, stream, progress=None, report=None) -> tuple[Tokenizer, Itera
         def val_of():
             return split_stream(stream(), split, None)
 
-        key_source = None
     kind = tokenizer_kind(data.tokenizer)
     if kind == "bytes":
         tok = Tokenizer("bytes", BYTE_ALPHABET, "bytes")
     elif kind == "bpe":
-        if split is None:
-            sha, _ = digest(key_source())
+        if split is None:  # a validation set of its own: the key hashes the training files
+            sha, _ = digest(train_of())
         key = hashlib.sha256(f"{sha}:{split}:{data.vocab_size}".encode()).hexdigest()[:16]
         tok = bpe(chunks(train_of()), data.vocab_size, key, progress)
     else:
