@@ -19,6 +19,7 @@ from posbench import native
 from posbench.config import ATTENTION_BACKENDS as BACKENDS
 from posbench.errors import PosbenchError
 
+FLEX_CUDA_MIN_HEAD_DIM = 16  # below it torch's inductor refuses to lower the kernel ("NYI: ... at least 16")
 TINY_PROB = 1e-20  # BiasedAttention's probabilities below this are zeroed (subnormals are slow)
 FLEX_CANNOT_TRAIN_ON_CPU = (
     "model.attention=flex: torch has no FlexAttention backward on a CPU, so it cannot train "
@@ -41,6 +42,11 @@ def backend_for(
         return "sdpa" if why_not_native else "native"
     if name == "native" and why_not_native:
         raise PosbenchError(f"model.attention=native cannot run here: {why_not_native}; use auto, sdpa or eager")
+    if name == "flex" and device.type == "cuda" and head_dim < FLEX_CUDA_MIN_HEAD_DIM:
+        raise PosbenchError(
+            f"model.attention=flex cannot run here: FlexAttention's CUDA kernel needs a head dimension of at "
+            f"least {FLEX_CUDA_MIN_HEAD_DIM}, and model.d_model / model.n_head is {head_dim}; use auto, sdpa or eager"
+        )
     return name
 
 

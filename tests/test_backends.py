@@ -93,6 +93,17 @@ def test_native_named_outright_where_it_cannot_run_is_one_clear_error():
         attention.backend_for("native", torch.device("cuda"), 32)
 
 
+def test_flex_on_cuda_below_its_least_head_dimension_is_one_clear_error():
+    """torch's inductor refuses to lower FlexAttention for a head dimension under 16 on CUDA,
+    with a long traceback (seen on an H200); posbench says so first, and a CPU keeps flex."""
+    with pytest.raises(
+        PosbenchError, match="needs a head dimension of at least 16, and model.d_model / model.n_head is 8"
+    ):
+        attention.backend_for("flex", torch.device("cuda"), 8)
+    assert attention.backend_for("flex", torch.device("cuda"), 16) == "flex"
+    assert attention.backend_for("flex", CPU, 8) == "flex"
+
+
 def test_an_unknown_backend_is_refused_by_the_config():
     with pytest.raises(PosbenchError, match="model.attention='fast': expected one of auto, eager, sdpa"):
         ModelConfig(attention="fast")

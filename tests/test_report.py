@@ -168,6 +168,21 @@ def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path
         assert {"config.yaml", "eval.csv", "samples.txt", "train_log.jsonl"} <= {p.name for p in run.iterdir()}
 
 
+def test_the_task_reference_config_plans_the_committed_runs():
+    """configs/reproduce-tasks.yaml names the recipe its runs were trained with, so `make
+    reproduce-tasks` plans the committed folders, hash for hash, whatever the tasks' default."""
+    from conftest import ROOT
+
+    from posbench.config import load_sweep
+    from posbench.experiment.plan import plan_sweep
+    from posbench.resolve import resolve
+
+    grid = [(settings, resolve(cfg)) for settings, cfg in load_sweep(ROOT / "configs" / "reproduce-tasks.yaml")]
+    _, jobs = plan_sweep(grid)
+    committed = {p.name for p in (ROOT / "results" / "reference-tasks").iterdir() if p.is_dir()}
+    assert {job.folder.name for job in jobs} == committed
+
+
 @pytest.mark.parametrize("name,tokenizer", [("reference-bytes", "bytes"), ("reference-bpe", "bpe-2048")])
 def test_the_committed_tokenizer_references_rebuild_to_their_committed_summary(tmp_path, name, tokenizer):
     """results/reference-bytes and -bpe hold the README's tokenizer table: the defaults on bytes

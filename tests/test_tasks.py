@@ -12,10 +12,11 @@ import torch.nn as nn
 from conftest import invoke
 
 from posbench.accuracy import decode, exact, score
-from posbench.config import ModelConfig
+from posbench.config import ModelConfig, TrainConfig, load_config
 from posbench.errors import PosbenchError
 from posbench.measures.exact_match import buckets
 from posbench.model import TransformerLM
+from posbench.resolve import resolve
 from posbench.tasks import END, FILLER, IGNORE, PAD, TASKS, Task, build_task, pack
 
 SMALL = {"train_max": 6, "test_max": 9, "test_count": 12}
@@ -295,6 +296,52 @@ def test_buckets_are_each_length_to_12_then_halves_each_of_the_first_five_past_n
     assert buckets(20, 40, [10, 30]) == [(1, 10), (11, 20), (21, 30), (31, 40)]
     for spans in (buckets(20, 40), b, buckets(7, 100, [50])):  # they tile 1..test_max
         assert [n for lo, hi in spans for n in range(lo, hi + 1)] == list(range(1, spans[-1][1] + 1))
+
+
+# --- the recipe ---------------------------------------------------------------------------------
+
+
+def _recipe(cfg) -> dict:
+    t = cfg.train
+    return {
+        "steps": t.steps,
+        "batch_size": t.batch_size,
+        "n_layer": cfg.model.n_layer,
+        "lr": t.lr,
+        "min_lr": t.min_lr,
+        "warmup_steps": t.warmup_steps,
+    }
+
+
+def test_a_task_run_takes_its_tasks_recipe_where_the_config_leaves_it_out(tmp_path):
+    recipe = Task.budget
+    lm = _recipe(resolve(load_config(None)).cfg)
+    assert lm["n_layer"] == ModelConfig.n_layer and lm["lr"] == TrainConfig.lr  # perplexity keeps its own
+    assert all(lm[k] != recipe[k] for k in ("n_layer", "lr", "min_lr", "warmup_steps"))  # so the task's shows
+    for task in ("copy", "repeat", "sort"):
+        assert _recipe(resolve(load_config(None, values={"task": task})).cfg) == recipe
+    passkey = _recipe(resolve(load_config(None, values={"task": "passkey"})).cfg)
+    assert passkey == {**recipe, **TASKS.resolve("passkey").budget}
+    # a key the config gives wins, from a flag or from a file (a run's own config.yaml among them)
+    cfg = resolve(load_config(None, ["model.n_layer=2", "train.lr=0.003"], values={"task": "copy"})).cfg
+    assert _recipe(cfg) == {**recipe, "n_layer": 2, "lr": 0.003}
+    path = tmp_path / "c.yaml"
+    path.write_text("task: copy\nmodel: {n_layer: 3}\ntrain: {warmup_steps: 7}\n")
+    assert _recipe(resolve(load_config(path)).cfg) == {**recipe, "n_layer": 3, "warmup_steps": 7}
+
+
+def test_a_plugin_task_gets_the_built_in_recipe(tmp_path, monkeypatch):
+    (tmp_path / "echo_task.py").write_text(  # a module name of its own: sys.modules keeps the first import
+        "from posbench.tasks import Task\n"
+        "class Echo(Task):\n"
+        "    name = 'echo'\n"
+        "    def make(self, n, rng):\n"
+        "        return b'e:' + b'a' * n + b'=', b'a' * n + b'.'\n"
+        "    def longest(self, n):\n"
+        "        return 2 * n + 4\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _recipe(resolve(load_config(None, values={"task": "echo_task:Echo"})).cfg) == Task.budget
 
 
 # --- the command line ---------------------------------------------------------------------------

@@ -28,6 +28,8 @@ from posbench.stats import mean_ci, tied_for_best
 from posbench.tables import BAND_SEEDS, band, plot_training, pyplot, save, scheme_order, style, tex, transposed
 from posbench.tasks import Task, build_task
 
+RECIPE_KEYS = ("n_layer", "lr", "min_lr", "warmup_steps")  # besides steps and batch_size, a task's budget sets these
+
 
 class ExactMatch(Measure):
     name = "exact_match"
@@ -67,6 +69,10 @@ class ExactMatch(Measure):
         cfg.eval.lengths = [task.train_len]  # perplexity lengths: a task is scored at its own lengths
         cfg.train.steps = cfg.train.steps or task.budget["steps"]
         cfg.train.batch_size = cfg.train.batch_size or task.budget["batch_size"]
+        for key in RECIPE_KEYS:  # the task's recipe, where the config leaves the key out
+            section = "model" if key == "n_layer" else "train"
+            if key in task.budget and f"{section}.{key}" not in cfg.origins:
+                setattr(getattr(cfg, section), key, task.budget[key])
         unused = [
             name
             for name, on in (
