@@ -280,6 +280,11 @@ def run_bench(
                 "attention": models[s].backend(device),
             }
         )
+    # said now, so a bench stopped during the memory part (flex compiles a kernel per length) keeps them
+    progress(
+        "training speed: "
+        + ", ".join(f"{r['scheme']} {r['tokens_per_s']:,.0f} tokens/s ({r['ratio_vs_nope']:.2f}x NoPE)" for r in rows)
+    )
     longest = max(settings.multiples) * T
     for s in schemes:
         model = models[s].eval()

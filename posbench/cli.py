@@ -570,7 +570,7 @@ def bench(
             cfg.schemes,
             settings,
             peer,
-            progress=lambda m: err.print(m, highlight=False),
+            progress=lambda m: err.print(m, highlight=False, soft_wrap=True),
             options=cfg.scheme_options,
             device=dev,
         )

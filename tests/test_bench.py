@@ -26,6 +26,12 @@ def test_bench_quick_writes_every_row(tmp_path):
     for r in train.values():
         assert float(r["tokens_per_s"]) > 0 and 0 < float(r["mfu"]) < 1
         assert r["peer_ratio"] == ""  # no peer ran
+    # the speeds are said before the memory part starts, so a bench stopped there keeps them
+    said = res.output.index("training speed: nope ")
+    assert said < res.output.index("evaluation memory:")
+    line = res.output[said:].splitlines()[0]
+    for s, r in train.items():
+        assert f"{s} {float(r['tokens_per_s']):,.0f} tokens/s ({float(r['ratio_vs_nope']):.2f}x NoPE)" in line, s
     for s in SEED_SCHEMES:
         mem = {
             int(r["eval_len"]): float(r["peak_mem_mb"]) for r in rows if r["measurement"] == "eval" and r["scheme"] == s
