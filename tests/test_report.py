@@ -10,6 +10,7 @@ import pytest
 from conftest import SMOKE, invoke
 
 from posbench.measures.perplexity import comparison, grid, with_metric
+from posbench.schemes import SEED_SCHEMES
 from posbench.stats import t_quantile
 from posbench.tables import latex_table, transposed
 
@@ -181,6 +182,37 @@ def test_the_task_reference_config_plans_the_committed_runs():
     _, jobs = plan_sweep(grid)
     committed = {p.name for p in (ROOT / "results" / "reference-tasks").iterdir() if p.is_dir()}
     assert {job.folder.name for job in jobs} == committed
+
+
+@pytest.mark.parametrize(
+    "name,recipe,made",
+    [
+        ("gpu-a", {}, {"copy": SEED_SCHEMES, "reverse": ["nope", "sinusoidal", "learned", "t5"]}),
+        (
+            "gpu-b",
+            {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 500},
+            {"copy": SEED_SCHEMES, "reverse": ["nope", "sinusoidal"]},
+        ),
+    ],
+)
+def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made):
+    """results/recipe-search holds the GPU runs that chose the tasks' recipe (docs/tasks.md):
+    gpu-a at the default recipe, three seeds; gpu-b at a higher lr, seed 0. Their tables
+    rebuild from the records, and each record was trained at the recipe the docs name."""
+    import yaml
+
+    from posbench.tasks import Task
+
+    committed = _rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
+    configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in committed.iterdir() if p.is_dir()]
+    seeds = (0, 1, 2) if name == "gpu-a" else (0,)
+    assert {(c["task"], c["model"]["scheme"], c["seeds"][0]) for c in configs} == {
+        (t, s, n) for t, schemes in made.items() for s in schemes for n in seeds
+    }
+    want = {**Task.budget, **recipe}
+    for c in configs:
+        got = {**c["train"], "n_layer": c["model"]["n_layer"]}
+        assert {k: got[k] for k in want} == want and c["train"]["device"] == "cuda"
 
 
 @pytest.mark.parametrize("name,tokenizer", [("reference-bytes", "bytes"), ("reference-bpe", "bpe-2048")])
