@@ -14,9 +14,9 @@ install:
 extrapolate: install
 	posbench extrapolate --train-len 100 --test-len 200
 
-# the Ray and text extras too, so the tests of the Ray executor and of tokenizers run
+# the Ray, text and trackers extras too, so the tests of the Ray executor, tokenizers and trackers run
 test: install
-	$(PIP) install -q -e '.[test,ray,text]'
+	$(PIP) install -q -e '.[test,ray,text,trackers]'
 	$(PYTHON) -m pytest
 
 # ruff's rules and line length are in pyproject.toml

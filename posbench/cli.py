@@ -101,14 +101,23 @@ def _csv_names(text: Optional[str]) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
-def _print_summary(exps, metric=None, transpose: bool = False, out_dir=None, buckets=None, asked=None) -> None:
+def _print_summary(
+    exps, metric=None, transpose: bool = False, out_dir=None, buckets=None, asked=None, tracker=None
+) -> None:
+    """Write and print the report; with a tracker, send the experiment's tables and plots too."""
     from posbench.console import print_report
     from posbench.report import write_summary
+    from posbench.trackers import send_report
 
     print_report(*write_summary(exps, metric, transpose, out_dir, buckets, asked))
+    if tracker is not None and out_dir is None:
+        send_report(tracker, Path(exps[0] if isinstance(exps, list) else exps))
 
 
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: key=value")]
+TrackerOpt = Annotated[
+    Optional[str], typer.Option(help="also send each run to tensorboard, wandb, mlflow or trackio (train.tracker)")
+]
 AttentionOpt = Annotated[
     Optional[str], typer.Option(help="attention backend: auto, eager, sdpa, native or flex (model.attention)")
 ]
@@ -160,6 +169,7 @@ def extrapolate(
     stride: Stride = None,
     compile_: Compile = False,
     task: TaskOpt = None,
+    tracker: TrackerOpt = None,
 ):
     """Train one model per scheme at the training length and compare them at longer lengths.
 
@@ -188,10 +198,11 @@ def extrapolate(
             "eval.stride": (f"--stride {stride}", stride),
             "train.compile": ("--compile", compile_ or None),
             "task": (f"--task {task}", task),
+            "train.tracker": (f"--tracker {tracker}", tracker),
         }
         exp = resolve(load_config(config, set_ or [], values), test_len)
         _kernel_notes(exp.cfg)
-        _print_summary(run_experiment(exp, BarReporter(err)), asked=exp.cfg)
+        _print_summary(run_experiment(exp, BarReporter(err)), asked=exp.cfg, tracker=exp.cfg.train.tracker)
 
 
 @app.command()
@@ -205,6 +216,7 @@ def sweep(
     storage: Annotated[
         Optional[str], typer.Option(help="where Ray tasks keep checkpoints (default: each node's cache)")
     ] = None,
+    tracker: TrackerOpt = None,
 ):
     """Train and compare every run of a config's sweep: grid, in one experiment folder.
 
@@ -225,7 +237,8 @@ def sweep(
             raise PosbenchError(f"--executor {executor}: expected local or ray")
         if executor == "local" and (address or storage):
             raise PosbenchError("--address and --storage are for --executor ray")
-        grid = [(settings, resolve(cfg)) for settings, cfg in load_sweep(config, set_ or [])]
+        sets = [*(set_ or []), *([f"train.tracker={tracker}"] if tracker is not None else [])]
+        grid = [(settings, resolve(cfg)) for settings, cfg in load_sweep(config, sets)]
         if dry_run:
             folder, plan = plan_sweep(grid)
             out.print(grid_table(folder, grid, plan))
@@ -237,7 +250,7 @@ def sweep(
             folder = run_sweep_on_ray(grid, config.read_text(), BarReporter(err), address, storage)
         else:
             folder = run_sweep(grid, config.read_text(), BarReporter(err))
-        _print_summary(folder)
+        _print_summary(folder, tracker=grid[0][1].cfg.train.tracker)
 
 
 def _kernel_notes(cfg) -> None:
@@ -297,6 +310,7 @@ def train(
     attention: AttentionOpt = None,
     compile_: Compile = False,
     task: TaskOpt = None,
+    tracker: TrackerOpt = None,
 ):
     """Train (and evaluate at the config's lengths) the runs of a config, or one of them."""
     from posbench.experiment.execute import run_experiment
@@ -314,6 +328,7 @@ def train(
             "model.attention": (f"--attention {attention}", attention),
             "train.compile": ("--compile", compile_ or None),
             "task": (f"--task {task}", task),
+            "train.tracker": (f"--tracker {tracker}", tracker),
         }
         exp = resolve(load_config(config, set_ or [], values))
         _kernel_notes(exp.cfg)
@@ -321,7 +336,7 @@ def train(
         for s in exp.cfg.schemes:
             for n in exp.cfg.seeds:
                 out.print(f"run folder: {folder / run_name(s, n)}", highlight=False)
-        _print_summary(folder, asked=exp.cfg)
+        _print_summary(folder, asked=exp.cfg, tracker=exp.cfg.train.tracker)
 
 
 @app.command()
@@ -337,6 +352,7 @@ def evaluate(
     attention: AttentionOpt = None,
     protocol: Protocol = None,
     stride: Stride = None,
+    tracker: TrackerOpt = None,
 ):
     """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
 
@@ -356,7 +372,7 @@ def evaluate(
         Ls = _csv_ints(lengths, "--lengths")
         protocols = _csv_names(protocol) or None
         rc, measure, rows = evaluate_run(
-            run_dir, Ls, kinds or [None], rope_factor, device, attention, protocols, stride
+            run_dir, Ls, kinds or [None], rope_factor, device, attention, protocols, stride, tracker
         )
         out.print(plain_table(*measure.evaluation(rc, rows)))
         out.print(f"wrote {' and '.join(str(Path(run_dir) / name) for name in measure.records)}", highlight=False)
@@ -383,6 +399,7 @@ def extend(
     ] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     set_: Sets = None,
+    tracker: TrackerOpt = None,
 ):
     """Fine-tune finished runs at a longer length with each context-extension method, side by side.
 
@@ -392,6 +409,7 @@ def extend(
     from posbench.experiment.execute import run_jobs
     from posbench.extend.methods import parse_methods
     from posbench.extend.run import plan_extension, write_record
+    from posbench.trackers import check_tracker
 
     with user_errors():
         _set_threads(threads)
@@ -413,8 +431,9 @@ def extend(
         exp = plan.jobs[0].measure
         sources = {exp.source_key(plan.jobs[0].cfg): exp.source(plan.jobs[0].cfg, reporter)}
         write_record(plan)
-        run_jobs(plan.jobs[0].cfg, plan.jobs, plan.folder, reporter, sources)
-        _print_summary([plan.folder])
+        check_tracker(tracker, f"--tracker {tracker}")
+        run_jobs(plan.jobs[0].cfg, plan.jobs, plan.folder, reporter, sources, tracker)
+        _print_summary([plan.folder], tracker=tracker)
 
 
 @app.command()

@@ -18,6 +18,7 @@ from posbench.files import cache_dir, exclusive, safe_name
 from posbench.measures import measure_for
 from posbench.progress import Reporter
 from posbench.resolve import Experiment
+from posbench.trackers import send_run
 
 INSTALL = "--executor ray needs Ray, an optional extra: pip install -e '.[ray]' (or pip install ray)"
 
@@ -57,6 +58,7 @@ def run_sweep_on_ray(
                 rc, rdir, state = job.cfg, job.folder, job.state
                 if state != "todo":  # scoring what a finished run lacks is quick: here
                     run_one(job, source_of(job, sources), reporter)
+                    send_run(rc.train.tracker, exp, rdir)
                     continue
                 if not held.enter_context(exclusive(lock_file(rdir))):
                     reporter.note(f"{rdir.name}: another posbench process is running it; skipped here")
@@ -77,6 +79,7 @@ def run_sweep_on_ray(
                         cause = e.cause if isinstance(getattr(e, "cause", None), PosbenchError) else None
                         raise PosbenchError(f"{rdir.name}: {cause or str(e).strip().splitlines()[-1]}") from None
                     write_run(rdir, files)
+                    send_run(grid[0][1].cfg.train.tracker, exp, rdir)  # the driver sends, never a task
                     done += 1
                     reporter.note(f"{rdir.name}: {outcome} on {node}; {done} of {todo} back")
             except BaseException:

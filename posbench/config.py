@@ -18,6 +18,7 @@ from posbench.errors import PosbenchError, did_you_mean
 
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "native", "flex")  # see posbench/attention.py
 PROTOCOLS = ("nonoverlapping", "sliding")  # see posbench/evaluate.py
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow", "trackio")  # see posbench/trackers.py
 MAX_SWEEP_POINTS = 10_000  # a grid past this is a typo, not a study, and checking it would take minutes
 
 
@@ -85,6 +86,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     device: str = setting("auto")  # auto = cuda if present, else cpu
+    # tensorboard, wandb, mlflow or trackio: each run's records also go there (posbench/trackers.py)
+    tracker: Optional[str] = setting(None)
     threads: Optional[int] = setting(None)  # torch CPU threads per run; None: torch's default, or cores / workers
     workers: Optional[int] = setting(None)  # runs trained at once, one process each; None: one per core on a CPU
     compile: bool = setting(False)  # torch.compile the model for training; measured no gain on a 2-core CPU
@@ -99,6 +102,11 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise PosbenchError(f"train.{name}={getattr(self, name)} must be >= 0")
         check_device(self.device, f"train.device={self.device!r}")
+        if self.tracker is not None and self.tracker not in TRACKER_NAMES:
+            raise PosbenchError(
+                f"train.tracker={self.tracker!r}: unknown tracker{did_you_mean(str(self.tracker), TRACKER_NAMES)}; "
+                f"expected one of {', '.join(TRACKER_NAMES)}"
+            )
         if self.threads is not None and self.threads <= 0:
             raise PosbenchError(f"train.threads={self.threads} must be positive")
         if self.workers is not None and self.workers <= 0:

@@ -120,8 +120,10 @@ def run_in_workers(
     reporter: Reporter,
     workers: int,
     threads: Optional[int],
+    on_done: Callable[[int], None] = lambda i: None,
 ) -> None:
-    """work(*args, reporter) for each (label, args) job, in `workers` processes. `work` must be a module-level
+    """work(*args, reporter) for each (label, args) job, in `workers` processes; on_done(i) here,
+    in this process, as job i finishes. `work` must be a module-level
     function (the spawned workers import it by name). After the first error no new job starts;
     the jobs under way finish and are kept, and the error is raised here. An interrupt kills
     the workers at once and calls `cleanup` to remove what their unfinished jobs had written."""
@@ -157,6 +159,8 @@ def run_in_workers(
             if kind in ("done", "failed"):
                 if kind == "failed" and error is None:
                     error = args[1]
+                if kind == "done":
+                    on_done(args[0])
                 nxt = todo.pop(0) if todo and error is None else None
                 job_queue.put(nxt)
                 busy -= nxt is None

@@ -413,7 +413,10 @@ def test_a_sweep_on_a_local_ray_instance_gives_the_records_a_local_sweep_gives(t
     config = _sweep(tmp_path)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
     try:
-        res = invoke("sweep", config, "--executor", "ray", "--storage", tmp_path / "store", "--set", "train.threads=1")
+        res = invoke(
+            "sweep", config, "--executor", "ray", "--storage", tmp_path / "store", "--set", "train.threads=1",
+            "--tracker", "tensorboard",
+        )  # fmt: skip
     finally:
         ray.shutdown()
     assert res.exit_code == 0, res.output
@@ -422,13 +425,17 @@ def test_a_sweep_on_a_local_ray_instance_gives_the_records_a_local_sweep_gives(t
     assert "(1 of 2): sent" in said and "(2 of 2): sent" in said
     assert "; 1 of 2 back" in said and "; 2 of 2 back" in said
     assert invoke("sweep", config, "--set", "train.threads=1", "--set", f"out_dir={tmp_path / 'here'}").exit_code == 0
-    runs = sorted(p.name for p in (tmp_path / "r" / "grid").iterdir() if p.is_dir())
-    assert runs == sorted(p.name for p in (tmp_path / "here" / "grid").iterdir() if p.is_dir()) and len(runs) == 2
+    runs = sorted(p.parent.name for p in (tmp_path / "r" / "grid").glob("*/config.yaml"))
+    assert runs == sorted(p.parent.name for p in (tmp_path / "here" / "grid").glob("*/config.yaml")) and len(runs) == 2
     for run in runs:
         there, here = tmp_path / "r" / "grid" / run, tmp_path / "here" / "grid" / run
         assert _same_weights(there, here)
         assert (there / "eval.csv").read_text() == (here / "eval.csv").read_text()
     assert (tmp_path / "r" / "grid" / "summary.md").is_file()
+    # the driver sent each run to the tracker, from the records it wrote; no task did
+    sent = {p.name for p in (tmp_path / "r" / "grid" / "tensorboard").iterdir()}
+    assert sent == {*runs, "grid"}, sent
+    assert not list((tmp_path / "store").rglob("events.out.tfevents*"))
 
 
 def test_without_ray_the_ray_executor_is_one_line(tmp_path, monkeypatch):

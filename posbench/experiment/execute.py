@@ -41,6 +41,7 @@ from posbench.measures import Measure, measure_for
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
 from posbench.resolve import Experiment
+from posbench.trackers import check_tracker, send_run
 from posbench.workers import run_in_workers, worker_plan
 
 
@@ -78,6 +79,7 @@ def prepare(exp: Experiment, jobs: list[Job], reporter: Reporter) -> dict:
     """Refuse before anything trains what cannot run here, say what will be slow, and return
     the data the runs read (by its key), read once: a missing corpus fails here."""
     cfg = exp.cfg
+    check_tracker(cfg.train.tracker)  # a missing library fails here, before anything trains
     device = pick_device(cfg.train.device)
     gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     for job in jobs:
@@ -93,10 +95,18 @@ def prepare(exp: Experiment, jobs: list[Job], reporter: Reporter) -> dict:
     return {exp.measure.source_key(cfg): data}
 
 
-def run_jobs(cfg: ExperimentConfig, jobs: list[Job], folder: Path, reporter: Reporter, sources: dict) -> None:
+def run_jobs(
+    cfg: ExperimentConfig,
+    jobs: list[Job],
+    folder: Path,
+    reporter: Reporter,
+    sources: dict,
+    tracker: Optional[str] = None,
+) -> None:
     """Run the jobs into `folder`, in this process or in cfg.train.workers processes (each reads
-    its data itself). An experiment folder made here and left with nothing in it but lock
-    files is removed on failure."""
+    its data itself), and send each finished run to `tracker` (None: cfg.train.tracker) from
+    here. An experiment folder made here and left with nothing in it but lock files is removed
+    on failure."""
     to_train = sum(job.state == "todo" for job in jobs)
     reporter.plan(to_train)  # each run's progress says "3 of 8"
     workers, threads = worker_plan(cfg, to_train)
@@ -105,14 +115,17 @@ def run_jobs(cfg: ExperimentConfig, jobs: list[Job], folder: Path, reporter: Rep
     runs = dict.fromkeys([*planned(folder), *(job.folder.name for job in jobs)])
     write_atomic(folder / PLANNED, "".join(f"{name}\n" for name in runs))
     try:
+        tracker = tracker or cfg.train.tracker
         if workers > 1:
             labelled = [(job.folder.name, (job,)) for job in jobs]
-            run_in_workers(run_job, labelled, lambda: _remove_temporaries(jobs), reporter, workers, threads)
+            sent = lambda i: send_run(tracker, folder, jobs[i].folder)
+            run_in_workers(run_job, labelled, lambda: _remove_temporaries(jobs), reporter, workers, threads, sent)
         else:
             if threads:
                 torch.set_num_threads(threads)
             for job in jobs:
                 run_one(job, source_of(job, sources), reporter)
+                send_run(tracker, folder, job.folder)
     except BaseException:
         if created and not any(p for p in folder.iterdir() if not p.name.endswith(".lock") and p.name != PLANNED):
             shutil.rmtree(folder, ignore_errors=True)
@@ -255,11 +268,13 @@ def evaluate_run(
     attention: Optional[str] = None,
     protocols: Optional[list[str]] = None,
     stride: Optional[int] = None,
+    tracker: Optional[str] = None,
 ) -> tuple[ExperimentConfig, Measure, list[dict]]:
     """`posbench evaluate`: score a finished run again with its measure, at `lengths` (None: its
     config's), under `protocols` (None: its config's; sliding at `stride`), on `device` (None:
     the run's own) with the `attention` backend (None: the run's model.attention), merge the
-    rows into its records, and restore a deleted config.yaml from the checkpoint's copy.
+    rows into its records, send them to `tracker` (None: the run's train.tracker), and restore
+    a deleted config.yaml from the checkpoint's copy.
     Returns the run's config, its measure and the new rows."""
     rc, model = load_run(run_dir)
     if not (Path(run_dir) / CONFIG).is_file():
@@ -273,5 +288,8 @@ def evaluate_run(
         model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
     dev = pick_device(rc.train.device)
     measure = measure_for(rc)
+    tracker = tracker or rc.train.tracker
+    check_tracker(tracker, f"--tracker {tracker}")
     rows = measure.rescore(rc, Path(run_dir), model.to(dev), dev, lengths, variants, factor, protocols)
+    send_run(tracker, Path(run_dir).parent, Path(run_dir))  # the new results, to the run's tracker run
     return rc, measure, rows

@@ -1,0 +1,370 @@
+"""Experiment trackers: a run's records sent to TensorBoard, Weights & Biases, MLflow or Trackio.
+
+`train.tracker` (`--tracker`) names one. The records on disk stay the source of truth: a tracker
+gets a copy, for the dashboard a researcher already has open, and no report reads one back.
+Each tracker is its library's own client behind `Tracker`, offline, writing into the
+experiment folder beside the runs: tensorboard/ (event files), mlruns/ (an MLflow file store),
+wandb/ (offline runs, which `wandb sync` uploads) or trackio/ (Trackio's local store).
+
+A run is sent once its records are complete, trained and scored, by the process that drives
+the experiment (never a worker process or a Ray task), as a tracker run named as its folder
+and grouped by its experiment. What is sent: the resolved config, the attention backend and
+the library versions; loss, learning rate and throughput by step (train_log.jsonl); every
+result in eval.csv by length. The experiment's tables and plots go to a tracker run of their
+own, named after the experiment, each time its report is written. trackers.json in a run
+folder keeps the tracker run's id and what was sent, so a run scored again (posbench
+evaluate) sends its new results to the same tracker run, a run killed and resumed is sent
+once, when it completes, and a finished run is never sent twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import hashlib
+import importlib.util
+import io
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Optional
+
+from posbench.config import TRACKER_NAMES
+from posbench.errors import PosbenchError, did_you_mean
+
+INSTALL = "pip install 'posbench[trackers]'"
+RECORD = "trackers.json"  # in a run folder: {tracker: {"id": ..., "train": bool, "eval": sha256 of eval.csv}}
+EVAL_COLUMNS = {  # eval.csv's columns -> the names they are sent as
+    "loss": "loss",
+    "ppl": "ppl",
+    "bpb": "bpb",
+    "accuracy": "exact_match",
+    "token_accuracy": "token_accuracy",
+}
+IMAGES = ("summary.png", "positions.png", "training.png", "steps.png")  # the report's plots, where present
+
+
+def check_tracker(name: Optional[str], where: str = "train.tracker") -> None:
+    """An unknown tracker, or one whose library is not installed, is one line."""
+    if name is None:
+        return
+    if name not in TRACKER_NAMES:
+        raise PosbenchError(
+            f"{where}={name!r}: unknown tracker{did_you_mean(name, TRACKER_NAMES)}; "
+            f"expected one of {', '.join(TRACKER_NAMES)}"
+        )
+    if importlib.util.find_spec(name) is None:  # each library's module is named as its tracker
+        raise PosbenchError(f"{where}={name}: the {name} library is not installed; {INSTALL} (or pip install {name})")
+
+
+class Tracker:
+    """One tracker run. `key`: the id it had when sent before (None: a new run); `self.key` is
+    the id to keep. `axis` names the x of a series: step (training) or length (evaluation)."""
+
+    def __init__(self, store: Path, group: str, name: str, key: Optional[str], config: dict):
+        raise NotImplementedError
+
+    def scalars(self, axis: str, x: int, values: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def image(self, tag: str, path: Path) -> None:
+        raise NotImplementedError
+
+    def text(self, tag: str, text: str) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoard(Tracker):
+    """Event files in tensorboard/<run>: `tensorboard --logdir results/<experiment>/tensorboard`."""
+
+    def __init__(self, store, group, name, key, config):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.key = name  # its folder is the run
+        self.writer = SummaryWriter(log_dir=str(store / "tensorboard" / name))
+        if key is None:
+            self.text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()))  # indented: markdown code
+
+    def scalars(self, axis, x, values):
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, x)
+
+    def image(self, tag, path):
+        import matplotlib.image
+
+        self.writer.add_image(tag, matplotlib.image.imread(path)[..., :3], dataformats="HWC")
+
+    def text(self, tag, text):
+        self.writer.add_text(tag, text)
+
+    def close(self):
+        self.writer.close()
+
+
+class MLflow(Tracker):
+    """An MLflow file store in mlruns/ (`mlflow ui --backend-store-uri results/<experiment>/mlruns`),
+    one MLflow experiment per posbench experiment; the config is the run's params."""
+
+    def __init__(self, store, group, name, key, config):
+        # MLflow 3 refuses a file store unless asked; it is the store that needs no server or database
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=(store / "mlruns").resolve().as_uri())
+        if key is None:
+            found = self.client.get_experiment_by_name(group)
+            experiment = found.experiment_id if found else self.client.create_experiment(group)
+            key = self.client.create_run(experiment, run_name=name, tags={"posbench.experiment": group}).info.run_id
+            params = [Param(k, str(v)[:6000]) for k, v in config.items()]
+            for i in range(0, len(params), 100):  # MLflow takes 100 params a batch
+                self.client.log_batch(key, params=params[i : i + 100])
+        self.key = key
+        self.client.update_run(key, status="RUNNING")
+
+    def scalars(self, axis, x, values):
+        from mlflow.entities import Metric
+
+        self.client.log_batch(self.key, metrics=[Metric(k, v, 0, x) for k, v in values.items()])
+
+    def image(self, tag, path):
+        self.client.log_artifact(self.key, str(path))
+
+    def text(self, tag, text):
+        self.client.log_text(self.key, text, f"{tag}.md")
+
+    def close(self):
+        self.client.set_terminated(self.key)
+
+
+class WandB(Tracker):
+    """Offline runs in wandb/ (`wandb sync results/<experiment>/wandb/offline-run-*`), project and
+    group the experiment; a run sent again resumes its id."""
+
+    def __init__(self, store, group, name, key, config):
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        self.key = key or hashlib.sha256(f"{store.resolve()}/{name}".encode()).hexdigest()[:16]
+        settings = wandb.Settings(console="off", x_disable_stats=True, x_disable_meta=True)
+        self.run = wandb.init(
+            project=group,
+            group=group,
+            name=name,
+            id=self.key,
+            resume="allow",
+            mode="offline",
+            dir=str(store),
+            config=config,
+            settings=settings,
+            reinit="finish_previous",
+        )
+        self.axes: set = set()
+
+    def scalars(self, axis, x, values):
+        if axis == "step":
+            self.run.log(values, step=x)
+            return
+        prefix = next(iter(values)).split("/")[0]  # eval/... : its own x, as W&B's steps only rise
+        if prefix not in self.axes:
+            self.run.define_metric(f"{prefix}/{axis}")
+            self.run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/{axis}")
+            self.axes.add(prefix)
+        self.run.log({**values, f"{prefix}/{axis}": x})
+
+    def image(self, tag, path):
+        import wandb
+
+        self.run.log({tag: wandb.Image(str(path))})
+
+    def text(self, tag, text):
+        self.run.summary[tag] = text
+
+    def close(self):
+        self.run.finish()
+
+
+class Trackio(Tracker):
+    """Trackio's local store in trackio/ (`TRACKIO_DIR=results/<experiment>/trackio trackio show`),
+    project the experiment."""
+
+    def __init__(self, store, group, name, key, config):
+        import trackio
+
+        _trackio_at(store / "trackio")
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints where to view the dashboard
+            self.run = trackio.init(project=group, name=name, group=group, config=config, resume="allow")
+        self.key = name
+
+    def scalars(self, axis, x, values):
+        import trackio
+
+        trackio.log(values, step=x)
+
+    def image(self, tag, path):
+        import trackio
+
+        trackio.log({tag: trackio.Image(str(path))})
+
+    def text(self, tag, text):
+        import trackio
+
+        trackio.log({tag: trackio.Markdown(text)})
+
+    def close(self):
+        import trackio
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            trackio.finish()
+
+
+def _trackio_at(folder: Path) -> None:
+    """Trackio reads its store's folder (TRACKIO_DIR) once, into module constants: set both."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TRACKIO_DIR"] = str(folder)
+    for module in [m for n, m in sys.modules.items() if n == "trackio" or n.startswith("trackio.")]:
+        if hasattr(module, "TRACKIO_DIR"):
+            module.TRACKIO_DIR = folder
+        if hasattr(module, "MEDIA_DIR"):
+            module.MEDIA_DIR = folder / "media"
+
+
+CLASSES = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow, "trackio": Trackio}
+
+
+# --- what is sent ---------------------------------------------------------------------------------
+
+
+def send_run(tracker: Optional[str], exp_dir: Path, rdir: Path) -> None:
+    """Send what `rdir`'s records hold and its tracker run lacks: the config and training log
+    once, the evaluation results whenever eval.csv has changed since they were last sent."""
+    if tracker is None or not (rdir / "eval.csv").is_file():
+        return
+    import yaml
+
+    sent = _read_record(rdir).get(tracker, {})
+    evals = (rdir / "eval.csv").read_bytes()
+    digest = hashlib.sha256(evals).hexdigest()
+    if sent.get("train") and sent.get("eval") == digest:
+        return
+    config = yaml.safe_load((rdir / "config.yaml").read_text())
+    log = _train_log(rdir)
+    run = CLASSES[tracker](exp_dir, exp_dir.name, rdir.name, sent.get("id"), _flat_config(config, log))
+    try:
+        if not sent.get("train"):
+            _send_training(run, config, log)
+        _send_evaluation(run, evals.decode(), config["model"]["scheme"])
+    finally:
+        run.close()
+    _write_record(rdir, {**_read_record(rdir), tracker: {"id": run.key, "train": True, "eval": digest}})
+
+
+def send_report(tracker: Optional[str], exp_dir: Path) -> None:
+    """The experiment's tables (summary.md and .csv) and plots, to a tracker run named after it."""
+    if tracker is None or not (exp_dir / "summary.md").is_file():
+        return
+    record = exp_dir / RECORD
+    sent = json.loads(record.read_text()).get(tracker, {}) if record.is_file() else {}
+    run = CLASSES[tracker](exp_dir, exp_dir.name, exp_dir.name, sent.get("id"), {"experiment": exp_dir.name})
+    try:
+        run.text("summary", (exp_dir / "summary.md").read_text())
+        if (exp_dir / "summary.csv").is_file():
+            run.text("summary_csv", (exp_dir / "summary.csv").read_text())
+        for name in IMAGES:
+            if (exp_dir / name).is_file():
+                run.image(name.removesuffix(".png"), exp_dir / name)
+    finally:
+        run.close()
+    from posbench.files import write_atomic
+
+    mine = json.loads(record.read_text()) if record.is_file() else {}
+    write_atomic(record, json.dumps({**mine, tracker: {"id": run.key}}, indent=1) + "\n")
+
+
+def _send_training(run: Tracker, config: dict, log: list[dict]) -> None:
+    """Loss, lr and throughput by step; throughput is tokens/s for the corpus (batch x
+    train_len each step), instances/s for a task (its batches are padded to their longest)."""
+    train, task = config["train"], config.get("task", "lm")
+    per_step, unit = (
+        (train["batch_size"] * config["model"]["train_len"], "tokens_per_s")
+        if task == "lm"
+        else (train["batch_size"], "instances_per_s")
+    )
+    before = None
+    for row in log:
+        values = {"train/loss": row["loss"], "train/lr": row["lr"]}
+        if before is not None and row["seconds"] > before["seconds"]:
+            values[f"train/{unit}"] = per_step * (row["step"] - before["step"]) / (row["seconds"] - before["seconds"])
+        run.scalars("step", row["step"], {k: v for k, v in values.items() if math.isfinite(v)})
+        before = row
+
+
+def _send_evaluation(run: Tracker, evals: str, scheme: str) -> None:
+    """Each eval.csv row's measures at its length: eval/ppl, eval/exact_match, ...; a row of an
+    evaluation-time variant or another protocol names it (eval/ppl/rope+yarn/sliding)."""
+    rows = list(csv.DictReader(io.StringIO(evals)))
+    by_length: dict[int, dict] = {}
+    for r in rows:
+        if r.get("status", "ok") != "ok":
+            continue
+        variant = f"/{r['scheme']}" if r["scheme"] != scheme else ""
+        protocol = f"/{r['protocol']}" if r.get("protocol", "") not in ("", "nonoverlapping") else ""
+        where = variant + protocol
+        for column, name in EVAL_COLUMNS.items():
+            if r.get(column) not in (None, ""):
+                value = float(r[column])
+                if math.isfinite(value):
+                    by_length.setdefault(int(r["length"]), {})[f"eval/{name}{where}"] = value
+    for length in sorted(by_length):
+        run.scalars("length", length, by_length[length])
+
+
+def _train_log(rdir: Path) -> list[dict]:
+    path = rdir / "train_log.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _flat_config(config: dict, log: list[dict]) -> dict:
+    """The run's config as dotted keys, with how it was computed: backend and versions."""
+    import torch
+
+    from posbench import __version__
+
+    out: dict = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = json.dumps(value) if isinstance(value, (list, dict)) else value
+
+    walk("", config)
+    attention = next((row["attention"] for row in log if "attention" in row), None)
+    return {
+        **out,
+        "attention": attention,
+        "posbench": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _read_record(rdir: Path) -> dict:
+    path = rdir / RECORD
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}  # a record cut short is sent again, as if never sent
+
+
+def _write_record(rdir: Path, record: dict) -> None:
+    from posbench.files import write_atomic
+
+    write_atomic(rdir / RECORD, json.dumps(record, indent=1) + "\n")

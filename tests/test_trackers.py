@@ -1,0 +1,216 @@
+"""Trackers: what a run sends is read back with each library's own reader and equals its records.
+
+Each test runs configs/smoke.yaml with --tracker, then reads the tracker's files (TensorBoard's
+event reader, MlflowClient on the file store, the W&B offline run file's records, Trackio's
+local store) and compares a training loss at a step and a perplexity at a length with
+train_log.jsonl and eval.csv.
+"""
+
+import csv
+import glob
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, invoke, smoke_experiment
+
+from posbench.trackers import RECORD
+
+TRACKERS = ["tensorboard", "mlflow", "wandb", "trackio"]
+SCHEMES = ("--schemes", "nope,alibi")
+
+
+def _runs_and_series(tracker: str, exp: Path) -> dict[str, dict[str, dict[float, float]]]:
+    """{tracker run name: {tag: {x: value}}}, read with the tracker's own reader. x is the step
+    for train/*, the length for eval/*."""
+    return {"tensorboard": _tensorboard, "mlflow": _mlflow, "wandb": _wandb, "trackio": _trackio}[tracker](exp)
+
+
+def _tensorboard(exp):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for folder in sorted((exp / "tensorboard").iterdir()):
+        events = EventAccumulator(str(folder))
+        events.Reload()
+        out[folder.name] = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+        out[folder.name]["images"] = {tag: 1 for tag in events.Tags()["images"]}
+    return out
+
+
+def _mlflow(exp):
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(exp / "mlruns").resolve().as_uri())
+    experiment = client.get_experiment_by_name(exp.name)
+    out = {}
+    for run in client.search_runs([experiment.experiment_id]):
+        name = run.info.run_name
+        assert name not in out, f"two MLflow runs named {name}"
+        series = {t: {m.step: m.value for m in client.get_metric_history(run.info.run_id, t)} for t in run.data.metrics}
+        series["params"] = run.data.params
+        series["artifacts"] = {a.path: 1 for a in client.list_artifacts(run.info.run_id)}
+        out[name] = series
+    return out
+
+
+def _wandb_records(path: str):
+    """The records of a .wandb file: W&B's LevelDB-style log (a 7-byte header, 32 KiB blocks of
+    chunks, each a crc, a length and a type: full, first, middle, last), each record one of
+    W&B's own protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, buf = 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (kind == 0 and length == 0):  # a block's zero-filled tail
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            yield record
+
+
+def _wandb(exp):
+    out, ids = {}, {}
+    for path in sorted(glob.glob(str(exp / "wandb" / "offline-run-*" / "run-*.wandb"))):
+        name, series = None, {}
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                name = record.run.display_name
+                ids.setdefault(name, set()).add(record.run.run_id)
+            elif kind == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                for tag, value in row.items():
+                    if isinstance(value, (int, float)) and not tag.startswith("_") and not tag.endswith("/length"):
+                        x = row["eval/length"] if tag.startswith("eval/") else row["_step"]
+                        series.setdefault(tag, {})[x] = value
+        out.setdefault(name, {}).update(series)
+    for name, run_ids in ids.items():
+        assert len(run_ids) == 1, f"{name} was sent as {len(run_ids)} W&B runs"
+    return out
+
+
+def _trackio(exp):
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from posbench.trackers import _trackio_at
+
+    _trackio_at(exp / "trackio")
+    out = {}
+    for name in SQLiteStorage.get_runs(exp.name):
+        series = {}
+        for row in SQLiteStorage.get_logs(exp.name, name):
+            for tag, value in row.items():
+                if isinstance(value, (int, float)) and tag != "step":
+                    series.setdefault(tag, {})[row["step"]] = value
+        out[name] = series
+    return out
+
+
+def _records(run: Path) -> tuple[dict, dict]:
+    """(loss by step from train_log.jsonl, perplexity by length from eval.csv)."""
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    with open(run / "eval.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["protocol"] == "nonoverlapping"]
+    return {r["step"]: r["loss"] for r in log}, {int(r["length"]): float(r["ppl"]) for r in rows}
+
+
+@pytest.mark.parametrize("tracker", TRACKERS)
+def test_a_tracker_holds_the_loss_and_perplexity_of_the_records(tmp_path, tracker):
+    exp, res, _ = smoke_experiment(tmp_path, *SCHEMES, "--tracker", tracker)
+    sent = _runs_and_series(tracker, exp)
+    assert {"nope-seed0", "alibi-seed0", "smoke"} <= set(sent), sorted(sent)  # runs named as their folders
+    for name in ("nope-seed0", "alibi-seed0"):
+        loss, ppl = _records(exp / name)
+        assert loss[10] != loss[20] and ppl[32] != ppl[64]  # different values, so a mix-up shows
+        got = sent[name]
+        assert got["train/loss"][10] == pytest.approx(loss[10], rel=1e-6)  # TensorBoard keeps float32
+        assert got["train/loss"][20] == pytest.approx(loss[20], rel=1e-6)
+        assert got["eval/ppl"][48] == pytest.approx(ppl[48], rel=1e-6)
+        assert sorted(got["eval/ppl"]) == sorted(ppl) and len(got["train/loss"]) == len(loss)
+        assert "train/lr" in got and "train/tokens_per_s" in got
+        assert json.loads((exp / name / RECORD).read_text())[tracker]["train"] is True
+    if tracker == "tensorboard":  # the experiment's plots, as images, in a run named after it
+        assert {"summary", "training", "positions"} <= set(sent["smoke"]["images"])
+    if tracker == "mlflow":
+        assert {"summary.png", "positions.png", "summary.md"} <= set(sent["smoke"]["artifacts"])
+        params = sent["nope-seed0"]["params"]
+        assert params["model.n_layer"] == "1" and params["attention"] and params["torch"]
+
+
+def test_a_run_killed_and_resumed_is_one_tracker_run_and_evaluate_adds_to_it(tmp_path):
+    """Nothing is sent while a run is unfinished; the resumed run is sent once, and a later
+    posbench evaluate sends its new lengths to the same MLflow run."""
+    from test_sweeps import _args, _cli, _text, kill_after_two_checkpoints
+
+    text = _text(tmp_path)
+    more = ("--set", "train.steps=400", "--set", "train.checkpoint_every=25", "--tracker", "mlflow")
+    exp = tmp_path / "r" / "smoke"
+    kill_after_two_checkpoints(_args(tmp_path / "r", text, *more), exp / ".alibi-seed0.partial")
+    assert not (exp / "mlruns").exists() or "alibi-seed0" not in _mlflow(exp)
+    rerun = _cli(*_args(tmp_path / "r", text, *more))
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out
+    assert "resuming from its checkpoint" in out
+    loss, ppl = _records(exp / "alibi-seed0")
+    sent = _mlflow(exp)["alibi-seed0"]  # one run of that name (_mlflow asserts it)
+    assert sent["train/loss"] == pytest.approx(loss) and sent["eval/ppl"] == pytest.approx(ppl)
+    res = invoke("evaluate", exp / "alibi-seed0", "--lengths", "80")
+    assert res.exit_code == 0, res.output
+    _, ppl = _records(exp / "alibi-seed0")
+    sent = _mlflow(exp)["alibi-seed0"]
+    assert 80 in ppl and sent["eval/ppl"] == pytest.approx(ppl)
+
+
+def test_a_rerun_and_a_second_report_send_nothing_twice(tmp_path):
+    exp, _, text = smoke_experiment(tmp_path, *SCHEMES, "--tracker", "wandb")
+    first = sorted(glob.glob(str(exp / "wandb" / "offline-run-*")))
+    res = invoke(
+        "extrapolate", "--config", ROOT / "configs" / "smoke.yaml", *SCHEMES, "--tracker", "wandb",
+        "--set", f"out_dir={tmp_path / 'results'}", "--set", f"data.path={text}",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    again = sorted(glob.glob(str(exp / "wandb" / "offline-run-*")))
+    assert len(again) == len(first) + 1  # the report's run, sent again with the report; no run twice
+    _wandb(exp)  # each name is one W&B run id
+
+
+def test_runs_trained_in_workers_are_sent_by_the_driver(tmp_path):
+    exp, _, _ = smoke_experiment(tmp_path, *SCHEMES, "--tracker", "tensorboard", "--set", "train.workers=2")
+    sent = _tensorboard(exp)
+    for name in ("nope-seed0", "alibi-seed0"):
+        loss, _ = _records(exp / name)
+        assert sent[name]["train/loss"][10] == pytest.approx(loss[10], rel=1e-6)
+
+
+def test_an_unknown_tracker_is_one_line_with_a_suggestion(tmp_path):
+    res = invoke("extrapolate", "--tracker", "wandbb", "--set", f"out_dir={tmp_path}")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "train.tracker='wandbb': unknown tracker (did you mean 'wandb'?)" in " ".join(res.output.split())
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_tracker_whose_library_is_missing_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find(name, *a))
+    res = invoke(
+        "extrapolate", "--config", ROOT / "configs" / "smoke.yaml", "--tracker", "wandb",
+        "--set", f"out_dir={tmp_path / 'r'}",
+    )  # fmt: skip
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    said = " ".join(res.output.split())
+    assert "train.tracker=wandb: the wandb library is not installed; pip install 'posbench[trackers]'" in said
+    assert not (tmp_path / "r" / "smoke").exists()
