@@ -255,36 +255,50 @@ def send_run(tracker: Optional[str], exp_dir: Path, rdir: Path) -> None:
         return
     config = yaml.safe_load((rdir / "config.yaml").read_text())
     log = _train_log(rdir)
-    run = CLASSES[tracker](exp_dir, exp_dir.name, rdir.name, sent.get("id"), _flat_config(config, log))
+    with _kept_going(tracker, rdir.name):
+        run = CLASSES[tracker](exp_dir, exp_dir.name, rdir.name, sent.get("id"), _flat_config(config, log))
+        try:
+            if not sent.get("train"):
+                _send_training(run, config, log)
+            _send_evaluation(run, evals.decode(), config["model"]["scheme"])
+        finally:
+            run.close()
+        _write_record(rdir, {**_read_record(rdir), tracker: {"id": run.key, "train": True, "eval": digest}})
+
+
+@contextlib.contextmanager
+def _kept_going(tracker: str, what: str):
+    """A tracker that fails (its library's error, a full disk) costs its copy, never the run:
+    one line, and the next command sends what was not sent."""
     try:
-        if not sent.get("train"):
-            _send_training(run, config, log)
-        _send_evaluation(run, evals.decode(), config["model"]["scheme"])
-    finally:
-        run.close()
-    _write_record(rdir, {**_read_record(rdir), tracker: {"id": run.key, "train": True, "eval": digest}})
+        yield
+    except Exception as e:  # any library error: the records are already on disk
+        from posbench.errors import first_line
+
+        print(
+            f"note: {tracker}: {what} was not sent ({type(e).__name__}: {first_line(e)}); its records are "
+            f"kept, and the next posbench command on it sends it",
+            file=sys.stderr,
+        )
 
 
 def send_report(tracker: Optional[str], exp_dir: Path) -> None:
     """The experiment's tables (summary.md and .csv) and plots, to a tracker run named after it."""
     if tracker is None or not (exp_dir / "summary.md").is_file():
         return
-    record = exp_dir / RECORD
-    sent = json.loads(record.read_text()).get(tracker, {}) if record.is_file() else {}
-    run = CLASSES[tracker](exp_dir, exp_dir.name, exp_dir.name, sent.get("id"), {"experiment": exp_dir.name})
-    try:
-        run.text("summary", (exp_dir / "summary.md").read_text())
-        if (exp_dir / "summary.csv").is_file():
-            run.text("summary_csv", (exp_dir / "summary.csv").read_text())
-        for name in IMAGES:
-            if (exp_dir / name).is_file():
-                run.image(name.removesuffix(".png"), exp_dir / name)
-    finally:
-        run.close()
-    from posbench.files import write_atomic
-
-    mine = json.loads(record.read_text()) if record.is_file() else {}
-    write_atomic(record, json.dumps({**mine, tracker: {"id": run.key}}, indent=1) + "\n")
+    sent = _read_record(exp_dir).get(tracker, {})
+    with _kept_going(tracker, f"the report of {exp_dir.name}"):
+        run = CLASSES[tracker](exp_dir, exp_dir.name, exp_dir.name, sent.get("id"), {"experiment": exp_dir.name})
+        try:
+            run.text("summary", (exp_dir / "summary.md").read_text())
+            if (exp_dir / "summary.csv").is_file():
+                run.text("summary_csv", (exp_dir / "summary.csv").read_text())
+            for name in IMAGES:
+                if (exp_dir / name).is_file():
+                    run.image(name.removesuffix(".png"), exp_dir / name)
+        finally:
+            run.close()
+        _write_record(exp_dir, {**_read_record(exp_dir), tracker: {"id": run.key}})
 
 
 def _send_training(run: Tracker, config: dict, log: list[dict]) -> None:

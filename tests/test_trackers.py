@@ -90,7 +90,9 @@ def _wandb(exp):
                 name = record.run.display_name
                 ids.setdefault(name, set()).add(record.run.run_id)
             elif kind == "history":
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                row = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                }
                 for tag, value in row.items():
                     if isinstance(value, (int, float)) and not tag.startswith("_") and not tag.endswith("/length"):
                         x = row["eval/length"] if tag.startswith("eval/") else row["_step"]
@@ -214,3 +216,40 @@ def test_a_tracker_whose_library_is_missing_is_one_line_naming_the_install(tmp_p
     said = " ".join(res.output.split())
     assert "train.tracker=wandb: the wandb library is not installed; pip install 'posbench[trackers]'" in said
     assert not (tmp_path / "r" / "smoke").exists()
+
+
+def test_a_task_run_sends_its_accuracy_by_length(tmp_path):
+    from conftest import QUICK_TASK
+
+    res = invoke("extrapolate", "--task", "copy", "--schemes", "nope", "--tracker", "tensorboard",
+                 "--set", f"out_dir={tmp_path}", *QUICK_TASK)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    exp = tmp_path / "copy"
+    with open(exp / "nope-seed0" / "eval.csv") as f:
+        rows = list(csv.DictReader(f))
+    sent = _tensorboard(exp)["nope-seed0"]
+    assert sent["eval/exact_match"] == pytest.approx({int(r["length"]): float(r["accuracy"]) for r in rows})
+    assert sent["eval/token_accuracy"] == pytest.approx({int(r["length"]): float(r["token_accuracy"]) for r in rows})
+    assert "train/instances_per_s" in sent
+
+
+def test_a_tracker_that_fails_costs_its_copy_not_the_run(tmp_path, monkeypatch):
+    """The library's error is one note; the records are written, and the next command sends the run."""
+    from posbench import trackers
+
+    def broken(*args):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(trackers.TensorBoard, "__init__", broken)
+    exp, res, text = smoke_experiment(tmp_path, "--schemes", "nope", "--tracker", "tensorboard")
+    said = " ".join(res.output.split())
+    assert "note: tensorboard: nope-seed0 was not sent (OSError: No space left on device)" in said
+    assert (exp / "nope-seed0" / "eval.csv").is_file() and not (exp / "nope-seed0" / RECORD).exists()
+    monkeypatch.undo()
+    res = invoke(
+        "extrapolate", "--config", ROOT / "configs" / "smoke.yaml", "--schemes", "nope", "--tracker", "tensorboard",
+        "--set", f"out_dir={tmp_path / 'results'}", "--set", f"data.path={text}",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    loss, _ = _records(exp / "nope-seed0")
+    assert _tensorboard(exp)["nope-seed0"]["train/loss"][10] == pytest.approx(loss[10], rel=1e-6)
