@@ -56,8 +56,12 @@ def check_tracker(name: Optional[str], where: str = "train.tracker") -> None:
             f"{where}={name!r}: unknown tracker{did_you_mean(name, TRACKER_NAMES)}; "
             f"expected one of {', '.join(TRACKER_NAMES)}"
         )
-    if importlib.util.find_spec(name) is None:  # each library's module is named as its tracker
+    if not tracker_installed(name):
         raise PosbenchError(f"{where}={name}: the {name} library is not installed; {INSTALL} (or pip install {name})")
+
+
+def tracker_installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None  # each library's module is named as its tracker
 
 
 class Tracker:

@@ -253,3 +253,24 @@ def test_a_tracker_that_fails_costs_its_copy_not_the_run(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     loss, _ = _records(exp / "nope-seed0")
     assert _tensorboard(exp)["nope-seed0"]["train/loss"][10] == pytest.approx(loss[10], rel=1e-6)
+
+
+def test_evaluate_sends_to_the_runs_tracker_where_its_library_is_installed(tmp_path, monkeypatch):
+    """A run trained with a tracker, scored again where that library is missing (a laptop), is
+    scored without sending; where it is installed, the new lengths go to the same tracker run."""
+    import importlib.util
+
+    exp, _, _ = smoke_experiment(tmp_path, "--schemes", "nope", "--tracker", "tensorboard")
+    run = exp / "nope-seed0"
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else find(n, *a))
+    res = invoke("evaluate", run, "--lengths", "80")
+    assert res.exit_code == 0, res.output
+    res = invoke("evaluate", run, "--lengths", "96", "--tracker", "tensorboard")  # asked outright: one line
+    assert res.exit_code == 2 and "the tensorboard library is not installed" in " ".join(res.output.split())
+    monkeypatch.undo()
+    assert 80 not in _tensorboard(exp)["nope-seed0"]["eval/ppl"]
+    res = invoke("evaluate", run, "--lengths", "96")
+    assert res.exit_code == 0, res.output
+    _, ppl = _records(run)
+    assert {80, 96} <= set(ppl) and _tensorboard(exp)["nope-seed0"]["eval/ppl"] == pytest.approx(ppl, rel=1e-6)

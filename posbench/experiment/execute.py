@@ -41,7 +41,7 @@ from posbench.measures import Measure, measure_for
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
 from posbench.resolve import Experiment
-from posbench.trackers import check_tracker, send_run
+from posbench.trackers import check_tracker, send_run, tracker_installed
 from posbench.workers import run_in_workers, worker_plan
 
 
@@ -273,8 +273,8 @@ def evaluate_run(
     """`posbench evaluate`: score a finished run again with its measure, at `lengths` (None: its
     config's), under `protocols` (None: its config's; sliding at `stride`), on `device` (None:
     the run's own) with the `attention` backend (None: the run's model.attention), merge the
-    rows into its records, send them to `tracker` (None: the run's train.tracker), and restore
-    a deleted config.yaml from the checkpoint's copy.
+    rows into its records, send them to `tracker` (None: the run's train.tracker, where its
+    library is installed here), and restore a deleted config.yaml from the checkpoint's copy.
     Returns the run's config, its measure and the new rows."""
     rc, model = load_run(run_dir)
     if not (Path(run_dir) / CONFIG).is_file():
@@ -288,8 +288,10 @@ def evaluate_run(
         model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
     dev = pick_device(rc.train.device)
     measure = measure_for(rc)
-    tracker = tracker or rc.train.tracker
-    check_tracker(tracker, f"--tracker {tracker}")
+    if tracker is not None:
+        check_tracker(tracker, f"--tracker {tracker}")
+    elif rc.train.tracker is not None and tracker_installed(rc.train.tracker):  # the run's own, where it is here
+        tracker = rc.train.tracker
     rows = measure.rescore(rc, Path(run_dir), model.to(dev), dev, lengths, variants, factor, protocols)
     send_run(tracker, Path(run_dir).parent, Path(run_dir))  # the new results, to the run's tracker run
     return rc, measure, rows
