@@ -193,12 +193,14 @@ def test_the_task_reference_config_plans_the_committed_runs():
             {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 500},
             {"copy": SEED_SCHEMES, "reverse": ["nope", "sinusoidal"]},
         ),
+        ("cpu-reverse", {}, {"reverse": ["alibi", "rope", "xl", "hybrid"]}),
     ],
 )
 def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made):
-    """results/recipe-search holds the GPU runs that chose the tasks' recipe (docs/tasks.md):
-    gpu-a at the default recipe, three seeds; gpu-b at a higher lr, seed 0. Their tables
-    rebuild from the records, and each record was trained at the recipe the docs name."""
+    """results/recipe-search holds the runs that chose the tasks' recipe (docs/tasks.md): on a
+    GPU, gpu-a at the default recipe, three seeds, and gpu-b at a higher lr, seed 0; on this
+    CPU, cpu-reverse at the default recipe. Their tables rebuild from the records, and each
+    record was trained at the recipe the docs name."""
     import yaml
 
     from posbench.tasks import Task
@@ -212,7 +214,7 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     want = {**Task.budget, **recipe}
     for c in configs:
         got = {**c["train"], "n_layer": c["model"]["n_layer"]}
-        assert {k: got[k] for k in want} == want and c["train"]["device"] == "cuda"
+        assert {k: got[k] for k in want} == want and c["train"]["device"] == ("cuda" if "gpu" in name else "auto")
 
 
 @pytest.mark.parametrize("name,tokenizer", [("reference-bytes", "bytes"), ("reference-bpe", "bpe-2048")])
