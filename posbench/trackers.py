@@ -8,7 +8,7 @@ wandb/ (offline runs, which `wandb sync` uploads) or trackio/ (Trackio's local s
 
 A run is sent once its records are complete, trained and scored, by the process that drives
 the experiment (never a worker process or a Ray task), as a tracker run named as its folder
-and grouped by its experiment. What is sent: the resolved config, the attention backend and
+and grouped by its experiment (and a sweep's grid point). What is sent: the resolved config, the attention backend and
 the library versions; loss, learning rate and throughput by step (train_log.jsonl); every
 result in eval.csv by length. The experiment's tables and plots go to a tracker run of their
 own, named after the experiment, each time its report is written. trackers.json in a run
@@ -125,7 +125,8 @@ class MLflow(Tracker):
         if key is None:
             found = self.client.get_experiment_by_name(group)
             experiment = found.experiment_id if found else self.client.create_experiment(group)
-            key = self.client.create_run(experiment, run_name=name, tags={"posbench.experiment": group}).info.run_id
+            tags = {"posbench.experiment": group, "posbench.grid_point": str(config.get("grid_point", ""))}
+            key = self.client.create_run(experiment, run_name=name, tags=tags).info.run_id
             params = [Param(k, str(v)[:6000]) for k, v in config.items()]
             for i in range(0, len(params), 100):  # MLflow takes 100 params a batch
                 self.client.log_batch(key, params=params[i : i + 100])
@@ -160,6 +161,7 @@ class WandB(Tracker):
         self.run = wandb.init(
             project=group,
             group=group,
+            job_type=config.get("grid_point") or None,  # a sweep's runs, grouped by grid point too
             name=name,
             id=self.key,
             resume="allow",
@@ -259,8 +261,12 @@ def send_run(tracker: Optional[str], exp_dir: Path, rdir: Path) -> None:
         return
     config = yaml.safe_load((rdir / "config.yaml").read_text())
     log = _train_log(rdir)
+    flat = _flat_config(config, log)
+    point = grid_point(rdir.name, config["model"]["scheme"], config["seeds"][0])
+    if point:
+        flat["grid_point"] = point
     with _kept_going(tracker, rdir.name):
-        run = CLASSES[tracker](exp_dir, exp_dir.name, rdir.name, sent.get("id"), _flat_config(config, log))
+        run = CLASSES[tracker](exp_dir, exp_dir.name, rdir.name, sent.get("id"), flat)
         try:
             if not sent.get("train"):
                 _send_training(run, config, log)
@@ -341,6 +347,15 @@ def _send_evaluation(run: Tracker, evals: str, scheme: str) -> None:
                     by_length.setdefault(int(r["length"]), {})[f"eval/{name}{where}"] = value
     for length in sorted(by_length):
         run.scalars("length", length, by_length[length])
+
+
+def grid_point(folder: str, scheme: str, seed: int) -> str:
+    """A sweep run's grid point, from its folder's name: 'alibi-seed0-taskcopy-8e8e6430' ->
+    'taskcopy'; '' for a run of a plain experiment ('alibi-seed0')."""
+    from posbench.experiment.records import run_name
+
+    middle = folder.removeprefix(run_name(scheme, seed))
+    return middle.strip("-").rsplit("-", 1)[0] if middle.count("-") >= 2 else ""
 
 
 def _train_log(rdir: Path) -> list[dict]:

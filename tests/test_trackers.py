@@ -274,3 +274,20 @@ def test_evaluate_sends_to_the_runs_tracker_where_its_library_is_installed(tmp_p
     assert res.exit_code == 0, res.output
     _, ppl = _records(run)
     assert {80, 96} <= set(ppl) and _tensorboard(exp)["nope-seed0"]["eval/ppl"] == pytest.approx(ppl, rel=1e-6)
+
+
+def test_a_sweeps_runs_are_grouped_by_experiment_and_grid_point(tmp_path):
+    from test_sweeps import _sweep
+
+    res = invoke("sweep", _sweep(tmp_path), "--tracker", "mlflow")
+    assert res.exit_code == 0, res.output
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    exp = tmp_path / "r" / "grid"
+    client = MlflowClient(tracking_uri=(exp / "mlruns").resolve().as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("grid").experiment_id])
+    points = {r.info.run_name: r.data.tags.get("posbench.grid_point") for r in runs}
+    folders = sorted(p.parent.name for p in exp.glob("*/config.yaml"))
+    assert {points[f] for f in folders} == {"train_len16", "train_len24"}
+    assert points["grid"] == ""  # the experiment's own run: its tables and plots
