@@ -409,10 +409,11 @@ def extend(
     from posbench.experiment.execute import run_jobs
     from posbench.extend.methods import parse_methods
     from posbench.extend.run import plan_extension, write_record
-    from posbench.trackers import check_tracker
+    from posbench.trackers import check_tracker, usable
 
     with user_errors():
         _set_threads(threads)
+        check_tracker(tracker, "--tracker")
         plan = plan_extension(
             source,
             to,
@@ -430,8 +431,8 @@ def extend(
             reporter.note(note)
         exp = plan.jobs[0].measure
         sources = {exp.source_key(plan.jobs[0].cfg): exp.source(plan.jobs[0].cfg, reporter)}
+        tracker = tracker or usable(plan.jobs[0].cfg.train.tracker)  # the parents' own, where it is installed
         write_record(plan)
-        check_tracker(tracker, f"--tracker {tracker}")
         run_jobs(plan.jobs[0].cfg, plan.jobs, plan.folder, reporter, sources, tracker)
         _print_summary([plan.folder], tracker=tracker)
 

@@ -11,7 +11,7 @@ the experiment (never a worker process or a Ray task), as a tracker run named as
 and grouped by its experiment (and a sweep's grid point). What is sent: the resolved config, the attention backend and
 the library versions; loss, learning rate and throughput by step (train_log.jsonl); every
 result in eval.csv by length. The experiment's tables and plots go to a tracker run of their
-own, named after the experiment, each time its report is written. trackers.json in a run
+own, named after the experiment, each time a command that trains or scores writes its report. trackers.json in a run
 folder keeps the tracker run's id and what was sent, so a run scored again (posbench
 evaluate) sends its new results to the same tracker run, a run killed and resumed is sent
 once, when it completes, and a finished run is never sent twice.
@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -64,9 +65,16 @@ def tracker_installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None  # each library's module is named as its tracker
 
 
+def usable(name: Optional[str]) -> Optional[str]:
+    """A tracker a record names (a run's train.tracker), where its library is installed here."""
+    return name if name is not None and tracker_installed(name) else None
+
+
 class Tracker:
     """One tracker run. `key`: the id it had when sent before (None: a new run); `self.key` is
     the id to keep. `axis` names the x of a series: step (training) or length (evaluation)."""
+
+    resends_whole = False  # True: a run sent again is written whole again (W&B offline)
 
     def __init__(self, store: Path, group: str, name: str, key: Optional[str], config: dict):
         raise NotImplementedError
@@ -118,10 +126,18 @@ class MLflow(Tracker):
     def __init__(self, store, group, name, key, config):
         # MLflow 3 refuses a file store unless asked; it is the store that needs no server or database
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # offline: nothing leaves the machine
         from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=(store / "mlruns").resolve().as_uri())
+        uri = (store / "mlruns").resolve().as_uri()
+        self.client = MlflowClient(tracking_uri=uri)
+        try:  # a store moved with its folder keeps the old absolute artifact path: a new run then
+            if key is not None and not self.client.get_run(key).info.artifact_uri.startswith(uri):
+                key = None
+        except MlflowException:  # no such run here
+            key = None
         if key is None:
             found = self.client.get_experiment_by_name(group)
             experiment = found.experiment_id if found else self.client.create_experiment(group)
@@ -150,7 +166,10 @@ class MLflow(Tracker):
 
 class WandB(Tracker):
     """Offline runs in wandb/ (`wandb sync results/<experiment>/wandb/offline-run-*`), project and
-    group the experiment; a run sent again resumes its id."""
+    group the experiment. Offline, W&B does not resume: a run sent again is a new offline run of
+    the same id, and syncing it replaces the earlier one, so it is sent whole again."""
+
+    resends_whole = True
 
     def __init__(self, store, group, name, key, config):
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -249,31 +268,51 @@ CLASSES = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow, "tracki
 
 def send_run(tracker: Optional[str], exp_dir: Path, rdir: Path) -> None:
     """Send what `rdir`'s records hold and its tracker run lacks: the config and training log
-    once, the evaluation results whenever eval.csv has changed since they were last sent."""
+    once, and each evaluation result not sent before (posbench evaluate adds lengths)."""
     if tracker is None or not (rdir / "eval.csv").is_file():
         return
     import yaml
 
+    from posbench.config import config_from_dict
+    from posbench.schemes import run_label
+
+    exp_dir, rdir = exp_dir.resolve(), rdir.resolve()  # `posbench evaluate .` names them by path
     sent = _read_record(rdir).get(tracker, {})
-    evals = (rdir / "eval.csv").read_bytes()
-    digest = hashlib.sha256(evals).hexdigest()
-    if sent.get("train") and sent.get("eval") == digest:
-        return
     config = yaml.safe_load((rdir / "config.yaml").read_text())
+    points = _eval_points((rdir / "eval.csv").read_text(), run_label(config_from_dict(config).model))
+    before = sent.get("eval") if isinstance(sent.get("eval"), dict) else {}
+    fresh = {k: v for k, v in points.items() if before.get(k) != v}
+    if sent.get("train") and not fresh:
+        return
+    cls = CLASSES[tracker]
+    whole = cls.resends_whole and sent.get("id") is not None  # W&B: each send must hold the run whole
     log = _train_log(rdir)
     flat = _flat_config(config, log)
     point = grid_point(rdir.name, config["model"]["scheme"], config["seeds"][0])
     if point:
         flat["grid_point"] = point
     with _kept_going(tracker, rdir.name):
-        run = CLASSES[tracker](exp_dir, exp_dir.name, rdir.name, sent.get("id"), flat)
+        run = cls(exp_dir, exp_dir.name, rdir.name, sent.get("id"), flat)
+        now = {"id": run.key, "train": bool(sent.get("train")), "eval": before}
+
+        def remember(**done):  # after each part, so a failure later never makes a second run
+            now.update(done)
+            _write_record(rdir, {**_read_record(rdir), tracker: now})
+
         try:
-            if not sent.get("train"):
+            remember()
+            if not sent.get("train") or whole:
                 _send_training(run, config, log)
-            _send_evaluation(run, evals.decode(), config["model"]["scheme"])
+                remember(train=True)
+            by_length: dict[int, dict] = {}
+            for key, value in (points if whole else fresh).items():
+                name, length = key.rsplit("@", 1)
+                by_length.setdefault(int(length), {})[name] = value
+            for length in sorted(by_length):
+                run.scalars("length", length, by_length[length])
+            remember(eval=points)
         finally:
             run.close()
-        _write_record(rdir, {**_read_record(rdir), tracker: {"id": run.key, "train": True, "eval": digest}})
 
 
 @contextlib.contextmanager
@@ -296,6 +335,7 @@ def send_report(tracker: Optional[str], exp_dir: Path) -> None:
     """The experiment's tables (summary.md and .csv) and plots, to a tracker run named after it."""
     if tracker is None or not (exp_dir / "summary.md").is_file():
         return
+    exp_dir = exp_dir.resolve()
     sent = _read_record(exp_dir).get(tracker, {})
     with _kept_going(tracker, f"the report of {exp_dir.name}"):
         run = CLASSES[tracker](exp_dir, exp_dir.name, exp_dir.name, sent.get("id"), {"experiment": exp_dir.name})
@@ -329,24 +369,24 @@ def _send_training(run: Tracker, config: dict, log: list[dict]) -> None:
         before = row
 
 
-def _send_evaluation(run: Tracker, evals: str, scheme: str) -> None:
-    """Each eval.csv row's measures at its length: eval/ppl, eval/exact_match, ...; a row of an
-    evaluation-time variant or another protocol names it (eval/ppl/rope+yarn/sliding)."""
-    rows = list(csv.DictReader(io.StringIO(evals)))
-    by_length: dict[int, dict] = {}
-    for r in rows:
+def _eval_points(evals: str, label: str) -> dict[str, float]:
+    """{"eval/ppl@48": value, ...}: each measure of each eval.csv row at its length. A row of an
+    evaluation-time variant (rope+yarn), another protocol or stride names it after a dot,
+    eval/ppl.rope_yarn.sliding_s32: no name is a folder of another (MLflow's file store keeps a
+    metric as a file), and each is a name every tracker takes."""
+    points = {}
+    for r in csv.DictReader(io.StringIO(evals)):
         if r.get("status", "ok") != "ok":
             continue
-        variant = f"/{r['scheme']}" if r["scheme"] != scheme else ""
-        protocol = f"/{r['protocol']}" if r.get("protocol", "") not in ("", "nonoverlapping") else ""
-        where = variant + protocol
+        parts = [r["scheme"]] if r["scheme"] != label else []
+        if r.get("protocol", "") not in ("", "nonoverlapping"):
+            parts.append(r["protocol"] + (f"_s{r['stride']}" if r.get("stride") else ""))
+        suffix = "".join("." + re.sub(r"[^A-Za-z0-9_-]", "_", part) for part in parts)
         for column, name in EVAL_COLUMNS.items():
-            if r.get(column) not in (None, ""):
-                value = float(r[column])
-                if math.isfinite(value):
-                    by_length.setdefault(int(r["length"]), {})[f"eval/{name}{where}"] = value
-    for length in sorted(by_length):
-        run.scalars("length", length, by_length[length])
+            value = float(r[column]) if r.get(column) not in (None, "") else math.nan
+            if math.isfinite(value):
+                points[f"eval/{name}{suffix}@{r['length']}"] = value
+    return points
 
 
 def grid_point(folder: str, scheme: str, seed: int) -> str:

@@ -50,7 +50,11 @@ def _mlflow(exp):
     for run in client.search_runs([experiment.experiment_id]):
         name = run.info.run_name
         assert name not in out, f"two MLflow runs named {name}"
-        series = {t: {m.step: m.value for m in client.get_metric_history(run.info.run_id, t)} for t in run.data.metrics}
+        series = {}
+        for tag in run.data.metrics:
+            history = client.get_metric_history(run.info.run_id, tag)
+            series[tag] = {m.step: m.value for m in history}
+            assert len(series[tag]) == len(history), f"{name}: {tag} sent twice at some step"
         series["params"] = run.data.params
         series["artifacts"] = {a.path: 1 for a in client.list_artifacts(run.info.run_id)}
         out[name] = series
@@ -270,8 +274,10 @@ def test_evaluate_sends_to_the_runs_tracker_where_its_library_is_installed(tmp_p
     assert res.exit_code == 2 and "the tensorboard library is not installed" in " ".join(res.output.split())
     monkeypatch.undo()
     assert 80 not in _tensorboard(exp)["nope-seed0"]["eval/ppl"]
-    res = invoke("evaluate", run, "--lengths", "96")
+    monkeypatch.chdir(run)
+    res = invoke("evaluate", ".", "--lengths", "96")  # the run named by a relative path
     assert res.exit_code == 0, res.output
+    assert not (run / "tensorboard").exists()
     _, ppl = _records(run)
     assert {80, 96} <= set(ppl) and _tensorboard(exp)["nope-seed0"]["eval/ppl"] == pytest.approx(ppl, rel=1e-6)
 
@@ -291,3 +297,58 @@ def test_a_sweeps_runs_are_grouped_by_experiment_and_grid_point(tmp_path):
     folders = sorted(p.parent.name for p in exp.glob("*/config.yaml"))
     assert {points[f] for f in folders} == {"train_len16", "train_len24"}
     assert points["grid"] == ""  # the experiment's own run: its tables and plots
+
+
+def test_variants_protocols_and_lengths_added_later_are_each_sent_once(tmp_path):
+    """rope scored plain, as rope+yarn and under sliding windows: each series under a name of its
+    own, every value as in eval.csv; evaluate's new length is sent once, the rest not again."""
+    exp, _, _ = smoke_experiment(
+        tmp_path,
+        "--schemes",
+        "rope",
+        "--tracker",
+        "mlflow",
+        "--rope-scaling",
+        "yarn",
+        "--protocol",
+        "nonoverlapping,sliding",
+    )
+    run = exp / "rope-seed0"
+
+    def expected():
+        with open(run / "eval.csv") as f:
+            rows = list(csv.DictReader(f))
+        out = {}
+        for r in rows:
+            name = "eval/ppl" + (".rope_yarn" if r["scheme"] == "rope+yarn" else "")
+            name += f".sliding_s{r['stride']}" if r["protocol"] == "sliding" else ""
+            out.setdefault(name, {})[int(r["length"])] = float(r["ppl"])
+        return out
+
+    want = expected()
+    assert len(want) == 4, sorted(want)  # plain and yarn, each under both protocols
+    sent = _mlflow(exp)["rope-seed0"]
+    assert {k: v for k, v in sent.items() if k.startswith("eval/ppl")} == want
+    assert invoke("evaluate", run, "--lengths", "80").exit_code == 0
+    sent = _mlflow(exp)["rope-seed0"]  # _mlflow fails on a value sent twice at one length
+    assert {k: v for k, v in sent.items() if k.startswith("eval/ppl")} == expected() and 80 in sent["eval/ppl"]
+
+
+def test_a_wandb_run_sent_again_is_whole_in_its_newest_offline_run(tmp_path):
+    """W&B does not resume offline: syncing the newest offline run of an id replaces the older,
+    so a run sent again (evaluate) holds its training curve and every length again."""
+    exp, _, _ = smoke_experiment(tmp_path, "--schemes", "nope", "--tracker", "wandb")
+    run = exp / "nope-seed0"
+    assert invoke("evaluate", run, "--lengths", "80").exit_code == 0
+    mine = [p for p in sorted(glob.glob(str(exp / "wandb" / "offline-run-*" / "run-*.wandb")))]
+    key = json.loads((run / RECORD).read_text())["wandb"]["id"]
+    newest = [p for p in mine if p.endswith(f"run-{key}.wandb")][-1]
+    series = {}
+    for record in _wandb_records(newest):
+        if record.WhichOneof("record_type") == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            for tag, value in row.items():
+                if tag in ("train/loss", "eval/ppl"):
+                    series.setdefault(tag, {})[row["eval/length"] if tag == "eval/ppl" else row["_step"]] = value
+    loss, ppl = _records(run)
+    assert series["train/loss"] == pytest.approx(loss) and series["eval/ppl"] == pytest.approx(ppl) and 80 in ppl

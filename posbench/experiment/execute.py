@@ -41,7 +41,7 @@ from posbench.measures import Measure, measure_for
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
 from posbench.resolve import Experiment
-from posbench.trackers import check_tracker, send_run, tracker_installed
+from posbench.trackers import check_tracker, send_run, usable
 from posbench.workers import run_in_workers, worker_plan
 
 
@@ -115,7 +115,7 @@ def run_jobs(
     runs = dict.fromkeys([*planned(folder), *(job.folder.name for job in jobs)])
     write_atomic(folder / PLANNED, "".join(f"{name}\n" for name in runs))
     try:
-        tracker = tracker or cfg.train.tracker
+        tracker = usable(tracker or cfg.train.tracker)  # prepare() refused a missing one it was asked for
         if workers > 1:
             labelled = [(job.folder.name, (job,)) for job in jobs]
             sent = lambda i: send_run(tracker, folder, jobs[i].folder)
@@ -288,10 +288,9 @@ def evaluate_run(
         model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
     dev = pick_device(rc.train.device)
     measure = measure_for(rc)
-    if tracker is not None:
-        check_tracker(tracker, f"--tracker {tracker}")
-    elif rc.train.tracker is not None and tracker_installed(rc.train.tracker):  # the run's own, where it is here
-        tracker = rc.train.tracker
+    check_tracker(tracker, "--tracker")
+    tracker = tracker or usable(rc.train.tracker)  # the run's own, where its library is installed here
     rows = measure.rescore(rc, Path(run_dir), model.to(dev), dev, lengths, variants, factor, protocols)
-    send_run(tracker, Path(run_dir).parent, Path(run_dir))  # the new results, to the run's tracker run
+    where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
+    send_run(tracker, where.parent, where)  # the new results, to the run's tracker run
     return rc, measure, rows
