@@ -131,11 +131,11 @@ class MLflow(Tracker):
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        uri = (store / "mlruns").resolve().as_uri()
-        self.client = MlflowClient(tracking_uri=uri)
-        try:  # a store moved with its folder keeps the old absolute artifact path: a new run then
-            if key is not None and not self.client.get_run(key).info.artifact_uri.startswith(uri):
-                key = None
+        self.store = store.resolve()
+        self.client = MlflowClient(tracking_uri=(self.store / "mlruns").as_uri())
+        try:
+            if key is not None:
+                self.client.get_run(key)
         except MlflowException:  # no such run here
             key = None
         if key is None:
@@ -155,10 +155,23 @@ class MLflow(Tracker):
         self.client.log_batch(self.key, metrics=[Metric(k, v, 0, x) for k, v in values.items()])
 
     def image(self, tag, path):
-        self.client.log_artifact(self.key, str(path))
+        self._artifacts().log_artifact(str(path))
 
     def text(self, tag, text):
-        self.client.log_text(self.key, text, f"{tag}.md")
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / f"{tag}.md").write_text(text)
+            self._artifacts().log_artifact(str(Path(tmp) / f"{tag}.md"))
+
+    def _artifacts(self):
+        """The run's artifact folder in this store, where the file store puts it. MLflow records
+        it as an absolute path, which a store moved with its experiment folder would still name:
+        written here, nothing lands outside the experiment folder."""
+        from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
+
+        run = self.client.get_run(self.key)
+        return LocalArtifactRepository(str(self.store / "mlruns" / run.info.experiment_id / self.key / "artifacts"))
 
     def close(self):
         self.client.set_terminated(self.key)
@@ -285,7 +298,6 @@ def send_run(tracker: Optional[str], exp_dir: Path, rdir: Path) -> None:
     if sent.get("train") and not fresh:
         return
     cls = CLASSES[tracker]
-    whole = cls.resends_whole and sent.get("id") is not None  # W&B: each send must hold the run whole
     log = _train_log(rdir)
     flat = _flat_config(config, log)
     point = grid_point(rdir.name, config["model"]["scheme"], config["seeds"][0])
@@ -293,7 +305,9 @@ def send_run(tracker: Optional[str], exp_dir: Path, rdir: Path) -> None:
         flat["grid_point"] = point
     with _kept_going(tracker, rdir.name):
         run = cls(exp_dir, exp_dir.name, rdir.name, sent.get("id"), flat)
-        now = {"id": run.key, "train": bool(sent.get("train")), "eval": before}
+        # sent whole again: to W&B, whose offline runs do not resume, and to a new tracker run
+        whole = sent.get("id") is not None and (cls.resends_whole or run.key != sent["id"])
+        now = {"id": run.key, "train": bool(sent.get("train")) and not whole, "eval": before}
 
         def remember(**done):  # after each part, so a failure later never makes a second run
             now.update(done)

@@ -352,3 +352,40 @@ def test_a_wandb_run_sent_again_is_whole_in_its_newest_offline_run(tmp_path):
                     series.setdefault(tag, {})[row["eval/length"] if tag == "eval/ppl" else row["_step"]] = value
     loss, ppl = _records(run)
     assert series["train/loss"] == pytest.approx(loss) and series["eval/ppl"] == pytest.approx(ppl) and 80 in ppl
+
+
+def test_an_extended_run_sends_its_own_rows_as_its_own_series(tmp_path):
+    """A child of posbench extend labels its rows rope:yarn; those are its own results (eval/ppl),
+    while its evaluation-time variants get a name of their own."""
+    exp, _, _ = smoke_experiment(tmp_path, "--schemes", "rope")
+    out = tmp_path / "ext"
+    res = invoke("extend", exp, "--to", "64", "--steps", "4", "--methods", "yarn", "--out", out, "--tracker", "mlflow")
+    assert res.exit_code == 0, res.output
+    sent = _mlflow(out)["rope-seed0-yarn"]
+    with open(out / "rope-seed0-yarn" / "eval.csv") as f:
+        own = {int(r["length"]): float(r["ppl"]) for r in csv.DictReader(f) if r["scheme"] == "rope:yarn"}
+    assert own and sent["eval/ppl"] == own
+    assert not any(".rope_yarn" in tag for tag in sent if tag.startswith("eval/ppl") and tag != "eval/ppl")
+
+
+def test_an_mlflow_store_moved_with_its_folder_writes_nothing_outside_it(tmp_path):
+    """MLflow keeps a run's artifact path absolute; a moved experiment must not write into the old one."""
+    import shutil
+
+    (tmp_path / "a").mkdir()
+    exp, _, _ = smoke_experiment(tmp_path / "a", "--schemes", "nope", "--tracker", "mlflow")
+    moved = tmp_path / "b" / "smoke"
+    shutil.copytree(exp, moved)
+    shutil.rmtree(exp)  # the old store is gone: a write there would recreate it
+    res = invoke("evaluate", moved / "nope-seed0", "--lengths", "80")
+    assert res.exit_code == 0, res.output
+    assert not exp.exists()
+    _, ppl = _records(moved / "nope-seed0")
+    assert _mlflow(moved)["nope-seed0"]["eval/ppl"] == pytest.approx(ppl) and 80 in ppl
+    res = invoke(
+        "extrapolate", "--config", ROOT / "configs" / "smoke.yaml", "--schemes", "nope", "--tracker", "mlflow",
+        "--set", f"out_dir={tmp_path / 'b'}", "--set", f"data.path={tmp_path / 'a' / 'tiny.txt'}",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert not exp.exists()  # the report's plots went to the moved store, not the old path
+    assert len(list((moved / "mlruns").glob("*/*/artifacts/summary.png"))) == 1
