@@ -50,6 +50,7 @@ def run_sweep_on_ray(
                 f"--address {address or '(local)'}: cannot join a Ray cluster ({first_line(e)})"
             ) from None
     task = ray.remote(train_on_node)
+    tracker = grid[0][1].cfg.train.tracker  # checked by sweep_jobs, before anything was sent
     try:
         with contextlib.ExitStack() as held:
             pending, sent, done = {}, 0, 0
@@ -58,7 +59,7 @@ def run_sweep_on_ray(
                 rc, rdir, state = job.cfg, job.folder, job.state
                 if state != "todo":  # scoring what a finished run lacks is quick: here
                     run_one(job, source_of(job, sources), reporter)
-                    send_run(rc.train.tracker, exp, rdir)
+                    send_run(tracker, exp, rdir)
                     continue
                 if not held.enter_context(exclusive(lock_file(rdir))):
                     reporter.note(f"{rdir.name}: another posbench process is running it; skipped here")
@@ -79,7 +80,7 @@ def run_sweep_on_ray(
                         cause = e.cause if isinstance(getattr(e, "cause", None), PosbenchError) else None
                         raise PosbenchError(f"{rdir.name}: {cause or str(e).strip().splitlines()[-1]}") from None
                     write_run(rdir, files)
-                    send_run(grid[0][1].cfg.train.tracker, exp, rdir)  # the driver sends, never a task
+                    send_run(tracker, exp, rdir)  # the driver sends, never a task
                     done += 1
                     reporter.note(f"{rdir.name}: {outcome} on {node}; {done} of {todo} back")
             except BaseException:

@@ -72,6 +72,15 @@ class ModelConfig:
         return self.vocab_size * d + self.n_layer * (12 * d * d + 13 * d) + 2 * d
 
 
+def check_tracker_name(name: Optional[str], where: str = "train.tracker") -> None:
+    """None, or a tracker posbench/trackers.py knows; else one line with a suggestion."""
+    if name is not None and name not in TRACKER_NAMES:
+        raise PosbenchError(
+            f"{where}={name!r}: unknown tracker{did_you_mean(str(name), TRACKER_NAMES)}; "
+            f"expected one of {', '.join(TRACKER_NAMES)}"
+        )
+
+
 @dataclass
 class TrainConfig:
     """Optimiser and budget: AdamW, linear warmup, cosine decay to min_lr."""
@@ -102,11 +111,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise PosbenchError(f"train.{name}={getattr(self, name)} must be >= 0")
         check_device(self.device, f"train.device={self.device!r}")
-        if self.tracker is not None and self.tracker not in TRACKER_NAMES:
-            raise PosbenchError(
-                f"train.tracker={self.tracker!r}: unknown tracker{did_you_mean(str(self.tracker), TRACKER_NAMES)}; "
-                f"expected one of {', '.join(TRACKER_NAMES)}"
-            )
+        check_tracker_name(self.tracker)
         if self.threads is not None and self.threads <= 0:
             raise PosbenchError(f"train.threads={self.threads} must be positive")
         if self.workers is not None and self.workers <= 0:

@@ -8,13 +8,14 @@ wandb/ (offline runs, which `wandb sync` uploads) or trackio/ (Trackio's local s
 
 A run is sent once its records are complete, trained and scored, by the process that drives
 the experiment (never a worker process or a Ray task), as a tracker run named as its folder
-and grouped by its experiment (and a sweep's grid point). What is sent: the resolved config, the attention backend and
-the library versions; loss, learning rate and throughput by step (train_log.jsonl); every
-result in eval.csv by length. The experiment's tables and plots go to a tracker run of their
-own, named after the experiment, each time a command that trains or scores writes its report. trackers.json in a run
-folder keeps the tracker run's id and what was sent, so a run scored again (posbench
-evaluate) sends its new results to the same tracker run, a run killed and resumed is sent
-once, when it completes, and a finished run is never sent twice.
+and grouped by its experiment (and a sweep's grid point). What is sent: the resolved config,
+the attention backend and the library versions; loss, learning rate and throughput by step
+(train_log.jsonl); every result in eval.csv by length. The experiment's tables and plots go to
+a tracker run of their own, named after the experiment, each time a command that trains or
+scores writes its report. trackers.json in a run folder keeps the tracker run's id and what
+was sent, so a run scored again (posbench evaluate) sends its new results to the same tracker
+run, a run killed and resumed is sent once, when it completes, and a finished run is never
+sent twice.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from posbench.config import TRACKER_NAMES
-from posbench.errors import PosbenchError, did_you_mean
+from posbench.config import check_tracker_name
+from posbench.errors import PosbenchError
 
 INSTALL = "pip install 'posbench[trackers]'"
-RECORD = "trackers.json"  # in a run folder: {tracker: {"id": ..., "train": bool, "eval": sha256 of eval.csv}}
+RECORD = "trackers.json"  # in a run folder: {tracker: {"id": ..., "train": sent?, "eval": {"eval/ppl@48": value sent}}}
 EVAL_COLUMNS = {  # eval.csv's columns -> the names they are sent as
     "loss": "loss",
     "ppl": "ppl",
@@ -50,14 +51,8 @@ IMAGES = ("summary.png", "positions.png", "training.png", "steps.png")  # the re
 
 def check_tracker(name: Optional[str], where: str = "train.tracker") -> None:
     """An unknown tracker, or one whose library is not installed, is one line."""
-    if name is None:
-        return
-    if name not in TRACKER_NAMES:
-        raise PosbenchError(
-            f"{where}={name!r}: unknown tracker{did_you_mean(name, TRACKER_NAMES)}; "
-            f"expected one of {', '.join(TRACKER_NAMES)}"
-        )
-    if not tracker_installed(name):
+    check_tracker_name(name, where)
+    if name is not None and not tracker_installed(name):
         raise PosbenchError(f"{where}={name}: the {name} library is not installed; {INSTALL} (or pip install {name})")
 
 

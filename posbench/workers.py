@@ -122,9 +122,9 @@ def run_in_workers(
     threads: Optional[int],
     on_done: Callable[[int], None] = lambda i: None,
 ) -> None:
-    """work(*args, reporter) for each (label, args) job, in `workers` processes; on_done(i) here,
-    in this process, as job i finishes. `work` must be a module-level
-    function (the spawned workers import it by name). After the first error no new job starts;
+    """work(*args, reporter) for each (label, args) job, in `workers` processes, and on_done(i)
+    here, in this process, as job i finishes. `work` must be a module-level function (the
+    spawned workers import it by name). After the first error no new job starts;
     the jobs under way finish and are kept, and the error is raised here. An interrupt kills
     the workers at once and calls `cleanup` to remove what their unfinished jobs had written."""
     import multiprocessing as mp
