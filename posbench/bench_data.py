@@ -1,8 +1,10 @@
 """`posbench bench --data`: how fast a corpus becomes tokens, and what share of a training step
-fetching a batch from a memory-mapped (prepared) corpus takes."""
+fetching a batch from a memory-mapped (prepared) corpus takes. `posbench bench --task NAME`: a
+task's training step with its batch padded whole against cut into parts by length."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -69,4 +71,46 @@ def data_benchmark(cfg: ExperimentConfig, rounds: int = 30, reporter=None) -> li
         rows.append([f"fetch a batch from the memory map ({shape})", f"{1e3 * f:.3f} ms"])
         rows.append([f"one training step ({model_cfg.n_layer} layers, width {model_cfg.d_model})", f"{1e3 * s:.1f} ms"])
         rows.append(["fetch's share of a step", f"{100 * f / (f + s):.2f}%"])
+    return rows
+
+
+TASK_PARTS = (1, 2, 3, 4)  # a batch whole, then cut into 2, 3 and 4 parts by length
+
+
+def task_benchmark(cfg: ExperimentConfig, scheme: str, rounds: int = 10, reporter=None) -> list[list[str]]:
+    """Rows of a table: one training step of cfg.task at its recipe (the config's model and batch
+    size) with `scheme`, on the same instances, with the batch padded whole and cut into 2, 3 and 4 parts by
+    length: milliseconds a step (the fastest of `rounds` interleaved rounds, each on a fresh
+    batch), its ratio to the whole batch's, and the share of the inputs that is padding."""
+    import torch
+
+    from posbench.model import TransformerLM
+    from posbench.tasks import PAD, build_task
+    from posbench.train import _backward, make_optimizer
+
+    task = build_task(cfg.task, cfg.task_options)
+    torch.manual_seed(0)
+    model = TransformerLM(dataclasses.replace(cfg.model, scheme=scheme, options=cfg.scheme_options.get(scheme, {})))
+    opt = make_optimizer(model, 1e-4, 0.0)
+    cpu = torch.device("cpu")
+    cut = {k: task.batches(0, cfg.train.batch_size, parts=k) for k in TASK_PARTS}  # one stream each, the same
+    best, padding = dict.fromkeys(TASK_PARTS, float("inf")), {}
+    for r in range(rounds + 1):  # round 0 warms up
+        for k in TASK_PARTS if r % 2 else TASK_PARTS[::-1]:
+            batch = cut[k]()
+            parts = batch if isinstance(batch, list) else [batch]
+            padding[k] = sum(int((x == PAD).sum()) for x, _ in parts) / sum(x.numel() for x, _ in parts)
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            _backward(model, batch, cpu, compiling=False)
+            opt.step()
+            if r:
+                best[k] = min(best[k], time.perf_counter() - start)
+        if reporter is not None:
+            reporter(f"round {r} of {rounds}")
+    whole = best[1]
+    rows = [["batch", "ms a step", "x the whole batch's speed", "padding (last round)"]]
+    for k in TASK_PARTS:
+        name = "padded whole" if k == 1 else f"{k} parts by length"
+        rows.append([name, f"{1e3 * best[k]:.1f}", f"{whole / best[k]:.2f}", f"{100 * padding[k]:.0f}%"])
     return rows

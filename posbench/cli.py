@@ -549,6 +549,9 @@ def bench(
     data: Annotated[
         bool, typer.Option("--data", help="instead: tokenization MB/s and a memory-mapped batch's share of a step")
     ] = False,
+    task: Annotated[
+        Optional[str], typer.Option(help="instead: a task's training step, its batch padded whole vs cut by length")
+    ] = None,
 ):
     """Training tokens/s (vs NoPE and a peer), FLOP utilisation, and eval memory up to 64x."""
 
@@ -562,8 +565,28 @@ def bench(
             "schemes": (f"--schemes {schemes}", _scheme_list(schemes) if schemes is not None else None),
             "train.device": (f"--device {device}", device),  # checked with the config's own
             "model.attention": (f"--attention {attention}", attention),
+            "task": (f"--task {task}", task),
         }
         cfg = load_config(config, set_ or [], values)
+        if task is not None:  # on the CPU, where training cuts a task's batch by length
+            from posbench.bench_data import task_benchmark
+            from posbench.console import plain_table
+            from posbench.tasks import LM
+
+            if data:
+                raise PosbenchError("--data and --task are two benchmarks: give one")
+            if task == LM:
+                raise PosbenchError("--task lm: a corpus's batches are all one length; give a task, e.g. --task copy")
+            cfg = resolve(cfg).cfg  # the task's recipe: its depth and batch size
+            _set_threads(threads)
+            for scheme in cfg.schemes if schemes is not None else ["nope"]:
+                table = task_benchmark(cfg, scheme, rounds or 10, lambda m: err.print(m, highlight=False))
+                title = (
+                    f"task {cfg.task}, {scheme}: one training step on the CPU, {cfg.model.n_layer} layers, "
+                    f"batch {cfg.train.batch_size}"
+                )
+                out.print(plain_table(title, table, left=True))
+            return
         if data:  # the corpus's side of a step: nothing is written
             from posbench.bench_data import data_benchmark
             from posbench.console import plain_table

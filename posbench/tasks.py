@@ -23,6 +23,7 @@ IGNORE = -100  # the target of a position the loss skips (F.cross_entropy's igno
 TEST_SEED = "posbench-test"  # the test set's seed: fixed, so every run meets the same instances
 TEST_BYTES_LIMIT = 10**9  # the test set's bytes, at most: past it scoring would take days, and building it hangs
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+CPU_PARTS = 3  # a training batch on the CPU, cut into parts by length (docs/performance.md measures it)
 
 
 def symbols(syntax: bytes) -> str:
@@ -133,16 +134,20 @@ class Task:
             out += [(n, p, a) for p, a in seen.values()]
         return out
 
-    def batches(self, seed: int, batch_size: int, test: Optional[list] = None) -> Batches:
-        return Batches(self, seed, batch_size, test if test is not None else self.test_set())
+    def batches(self, seed: int, batch_size: int, test: Optional[list] = None, parts: int = 1) -> Batches:
+        return Batches(self, seed, batch_size, test if test is not None else self.test_set(), parts)
 
 
 class Batches:
     """Training batches: n ~ U(1..train_max), instances redrawn until none is a test instance,
-    padded with PAD on the right, the loss on the answer bytes alone. The order follows the seed."""
+    padded with PAD on the right, the loss on the answer bytes alone. The order follows the seed.
 
-    def __init__(self, task: Task, seed: int, batch_size: int, test: list):
-        self.task, self.batch_size = task, batch_size
+    With `parts` > 1 a batch comes as that many parts: its instances sorted by length, cut into
+    runs of equal count, each padded to its own longest. Training takes the parts as one step
+    (the same gradient, in fewer padded bytes: a batch padded whole is about 40% padding)."""
+
+    def __init__(self, task: Task, seed: int, batch_size: int, test: list, parts: int = 1):
+        self.task, self.batch_size, self.parts = task, batch_size, max(1, min(parts, batch_size))
         self.rng = random.Random(seed)
         self.held_out = {p + a for n, p, a in test if n <= task.train_max}
 
@@ -163,8 +168,14 @@ class Batches:
         self.rng.setstate((version, tuple(internal), gauss))
 
     def __call__(self, gen=None):
-        """Inputs (B, T) and targets (B, T), int64; targets are IGNORE outside the answers."""
-        return pack([self.instance() for _ in range(self.batch_size)])
+        """Inputs (B, T) and targets (B, T), int64; targets are IGNORE outside the answers. With
+        parts > 1, a list of such pairs, shortest instances first."""
+        instances = [self.instance() for _ in range(self.batch_size)]
+        if self.parts == 1:
+            return pack(instances)
+        instances.sort(key=lambda inst: len(inst[0]) + len(inst[1]))
+        cuts = [len(instances) * i // self.parts for i in range(self.parts + 1)]
+        return [pack(instances[a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
 def pack(instances: list[tuple[bytes, bytes]]):

@@ -24,6 +24,7 @@ from posbench.files import write_atomic
 from posbench.model import TransformerLM
 from posbench.progress import Reporter
 from posbench.schemes import run_label
+from posbench.tasks import IGNORE
 
 
 class Diverged(PosbenchError):
@@ -94,6 +95,7 @@ def train_model(
                 f"delete {folder} to train this run anew"
             ) from None
         reporter.note(f"{label}: resuming from its checkpoint at step {start} of {tc.steps}")
+    parts = getattr(batches, "parts", 1)  # a task's batch on the CPU comes in parts, cut by length
     params = list(model.parameters())  # once: model.parameters() walks every module each call
     forward = torch.compile(model) if tc.compile else model  # same weights, compiled graph
     log_path = folder / "train_log.jsonl"
@@ -129,16 +131,8 @@ def train_model(
             lr = lr_at(step, tc)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y, *pos = batches(gen)  # pos: PoSE's position ids, where the batches give them
-            inputs = (x.to(device), *(p.to(device) for p in pos))
-            y = y.to(device)
-            with autocast(device):
-                logits = (
-                    _compiled_call(forward, inputs) if tc.compile and step == start else forward(*inputs)
-                )  # (B, T, V)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = _backward(forward, batches(gen), device, compiling=tc.compile and step == start)
             if tc.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, tc.grad_clip, foreach=True)
             opt.step()
@@ -154,6 +148,7 @@ def train_model(
                     "lr": lr,
                     "seconds": round(time.perf_counter() - t0, 3),
                     "attention": backend,
+                    **({"parts": parts} if parts > 1 else {}),
                 }
                 log.write(json.dumps(rec) + "\n")
                 reporter.step(label, step + 1, value)
@@ -163,6 +158,29 @@ def train_model(
             if stop.is_set():
                 raise KeyboardInterrupt
     return model.cpu()
+
+
+def _backward(forward, batch, device, compiling: bool) -> torch.Tensor:
+    """The loss of one step's batch, its gradient accumulated. A batch is (x, y) or (x, y, pos),
+    pos PoSE's position ids, or a list of such parts (a task's batch cut by length): each
+    part's loss is its sum over the targets of all the parts, so the gradient is the whole
+    batch's mean, as one padded batch gives it."""
+    parts = batch if isinstance(batch, list) else [batch]
+    total = sum(int((y != IGNORE).sum()) for _, y, *_ in parts) if isinstance(batch, list) else None
+    losses = []
+    for i, (x, y, *pos) in enumerate(parts):
+        inputs = (x.to(device), *(p.to(device) for p in pos))
+        y = y.to(device)
+        with autocast(device):
+            logits = _compiled_call(forward, inputs) if compiling and i == 0 else forward(*inputs)  # (B, T, V)
+        if total is None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        else:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+            loss = loss / total
+        loss.backward()
+        losses.append(loss.detach())
+    return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
 
 @contextlib.contextmanager

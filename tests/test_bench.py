@@ -252,3 +252,39 @@ def test_rounds_is_checked_and_used(tmp_path, monkeypatch):
     )
     assert res.exit_code == 0, res.output
     assert seen == [2]
+
+
+def test_bench_task_times_a_step_whole_and_in_parts_on_the_same_instances(tmp_path):
+    from posbench.tasks import PAD, build_task
+
+    tiny = ["--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "train.batch_size=16"]
+    res = CliRunner().invoke(app, ["bench", "--task", "copy", "--schemes", "alibi", "--rounds", "1", *tiny])
+    assert res.exit_code == 0, res.output
+    assert "task copy, alibi: one training step on the CPU, 4 layers, batch 16" in res.output  # the recipe's depth
+    rows = {}
+    for line in res.output.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 4 and cells[0] and cells[1][:1].isdigit():
+            rows[cells[0]] = cells
+    assert list(rows) == ["padded whole", "2 parts by length", "3 parts by length", "4 parts by length"]
+    assert rows["padded whole"][2] == "1.00" and all(float(r[1]) > 0 for r in rows.values())
+    batches = build_task("copy", {}).batches(0, 16)
+    batches()  # the warm-up round's batch
+    x, _ = batches()  # the last round's: every stream draws the same instances
+    assert rows["padded whole"][3] == f"{100 * float((x == PAD).float().mean()):.0f}%"
+    padding = [int(r[3].rstrip("%")) for r in rows.values()]
+    assert padding == sorted(padding, reverse=True) and padding[2] < padding[0] / 2
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--task", "lm"], "--task lm: a corpus's batches are all one length; give a task, e.g. --task copy"),
+        (["--task", "copy", "--data"], "--data and --task are two benchmarks: give one"),
+        (["--task", "copi"], "unknown task 'copi' (did you mean 'copy'?)"),
+    ],
+)
+def test_bench_task_refuses_bad_input_in_one_line(args, message):
+    res = CliRunner().invoke(app, ["bench", *args])
+    assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+    assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output

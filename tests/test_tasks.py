@@ -3,6 +3,7 @@ decoding, the loss mask, train/test disjointness, one-line errors and a run end 
 
 import collections
 import csv
+import json
 import random
 import re
 
@@ -205,6 +206,51 @@ def test_the_loss_mask_covers_exactly_the_answer_bytes():
         assert [seq[t + 1] for t in scored] == list(a)  # the answer bytes, each predicted from the byte before
         assert scored == list(range(len(p) - 1, len(p) + len(a) - 1))
         assert x[i, : len(seq) - 1].tolist() == seq[:-1] and (x[i, len(seq) - 1 :] == PAD).all()
+
+
+def test_a_batch_in_parts_is_the_same_instances_sorted_by_length_each_part_padded_to_its_own_longest():
+    task = build_task("copy", {})
+    test = task.test_set()
+    whole = task.batches(5, 64, test)
+    cut = task.batches(5, 64, test, parts=3)
+    for _ in range(3):
+        x, y = whole()
+        parts = cut()
+        assert [p[0].shape[0] for p in parts] == [21, 21, 22]
+
+        def rows(x, y):
+            return [(tuple(r.tolist()), tuple(t.tolist())) for r, t in zip(x, y)]
+
+        def trimmed(x, y):  # each instance without its padding
+            return sorted((tuple(v for v in r if v != PAD), tuple(v for v in t if v != IGNORE)) for r, t in rows(x, y))
+
+        assert trimmed(x, y) == sorted(i for p in parts for i in trimmed(*p))  # the same instances
+        lengths = [[int((r != PAD).sum()) for r in p[0]] for p in parts]
+        for i, (px, _) in enumerate(parts):
+            assert px.shape[1] == max(lengths[i])  # padded to its own longest
+            if i:
+                assert min(lengths[i]) >= max(lengths[i - 1])  # shortest first
+        assert sum(p[0].numel() for p in parts) < 0.8 * x.numel()  # fewer padded bytes
+    assert whole.get_state() == cut.get_state()  # the instance stream is the same
+
+
+@pytest.mark.parametrize("scheme", ["nope", "sinusoidal", "t5", "rope"])
+def test_a_step_in_parts_has_the_whole_batch_s_loss_and_gradient(scheme):
+    from posbench.train import _backward
+
+    task = build_task("reverse", {"train_max": 12})
+    whole, parts = task.batches(1, 24)(), task.batches(1, 24, parts=4)()  # the same instances
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(scheme=scheme, n_layer=2, d_model=32, n_head=2, train_len=task.train_len))
+    grads = []
+    for batch in (whole, parts):
+        model.zero_grad(set_to_none=True)
+        loss = _backward(model, batch, torch.device("cpu"), compiling=False)
+        grads.append((loss, [p.grad.clone() for p in model.parameters()]))
+    (l1, g1), (l2, g2) = grads
+    assert torch.allclose(l1, l2, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(g1, g2))
+    assert l1 > 1.0  # an untrained model: a loss a per-part mean would change
 
 
 class Oracle(nn.Module):
@@ -439,6 +485,8 @@ def test_a_task_runs_end_to_end_resumes_and_reports(tmp_path):
         [ln for ln in (exp / r / "samples.txt").read_text().splitlines() if ln.startswith("prompt")] for r in runs
     ]
     assert prompts[0] and all(p == prompts[0] for p in prompts)  # the same instances for every scheme and seed
+    log = [json.loads(line) for line in (exp / "alibi-seed0" / "train_log.jsonl").read_text().splitlines()]
+    assert {line["parts"] for line in log} == {3}  # a CPU step's batch, cut by length
     config = (exp / "alibi-seed0" / "config.yaml").read_text()
     assert "task: reverse" in config and "test_max: 7" in config and "train_len: 18" in config
     summary = list(csv.DictReader((exp / "summary.csv").open()))

@@ -26,7 +26,7 @@ from posbench.files import safe_name, write_atomic, write_rows
 from posbench.measures.base import Measure, Metric, Section
 from posbench.stats import mean_ci, tied_for_best
 from posbench.tables import BAND_SEEDS, band, plot_training, pyplot, save, scheme_order, style, tex, transposed
-from posbench.tasks import Task, build_task
+from posbench.tasks import CPU_PARTS, Task, build_task
 
 RECIPE_KEYS = ("n_layer", "lr", "min_lr", "warmup_steps")  # besides steps and batch_size, a task's budget sets these
 
@@ -99,7 +99,10 @@ class ExactMatch(Measure):
         return json.dumps([rc.task, rc.task_options], sort_keys=True)
 
     def batches(self, rc, test):
-        return self.task.batches(rc.seeds[0], rc.train.batch_size, test)
+        from posbench.device import pick_device  # torch: reports read records without it
+
+        on_cpu = pick_device(rc.train.device).type == "cpu"  # elsewhere a part costs as much as the whole
+        return self.task.batches(rc.seeds[0], rc.train.batch_size, test, parts=CPU_PARTS if on_cpu else 1)
 
     def score(self, rc, rdir: Path, model, test, device, backend: str) -> None:
         try:
