@@ -242,6 +242,7 @@ class Repeat(Copy):
 
     name = "repeat"
     description = "one character n times -> the same string"
+    budget = {**Task.budget, "steps": 2000, "warmup_steps": 100}  # learned in half copy's steps
 
     def string(self, n, rng):
         return (rng.choice(self.opt["alphabet"]) * n).encode()
@@ -256,6 +257,7 @@ class Replace(Task):
     name = "replace"
     description = "n copies of a character a, and b -> n copies of b"
     syntax = b":=>" + END
+    budget = {**Task.budget, "steps": 2000, "warmup_steps": 100}  # learned in half copy's steps
     options = {**Task.options, "alphabet": symbols(syntax)}
 
     def check(self, where):

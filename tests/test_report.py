@@ -196,13 +196,19 @@ def test_the_task_reference_config_plans_the_committed_runs():
         ("cpu-reverse", {}, {"reverse": ["alibi", "rope", "xl", "hybrid"]}),
         ("cpu-other", {}, {"addition": ["nope", "alibi"], "recall": ["nope", "alibi"]}),
         ("cpu-passkey", {"steps": 800, "batch_size": 32, "warmup_steps": 40}, {"passkey": ["nope", "alibi"]}),
+        (
+            "cpu-repeat-replace",
+            {"steps": 2000, "warmup_steps": 100},
+            {"repeat": SEED_SCHEMES, "replace": SEED_SCHEMES},
+        ),
     ],
 )
 def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made):
     """results/recipe-search holds the runs that chose the tasks' recipe (docs/tasks.md): on a
     GPU, gpu-a at the default recipe, three seeds, and gpu-b at a higher lr, seed 0; on this
-    CPU, cpu-reverse, cpu-other (addition, recall) and cpu-passkey at the default recipe. Their
-    tables rebuild from the records, and each record was trained at the recipe the docs name."""
+    CPU, cpu-reverse, cpu-other (addition, recall), cpu-passkey and cpu-repeat-replace at the
+    default recipe. Their tables rebuild from the records, and each record was trained at the
+    recipe the docs name."""
     import yaml
 
     from posbench.tasks import Task

@@ -364,10 +364,14 @@ def test_a_task_run_takes_its_tasks_recipe_where_the_config_leaves_it_out(tmp_pa
     lm = _recipe(resolve(load_config(None)).cfg)
     assert lm["n_layer"] == ModelConfig.n_layer and lm["lr"] == TrainConfig.lr  # perplexity keeps its own
     assert all(lm[k] != recipe[k] for k in ("n_layer", "lr", "min_lr", "warmup_steps"))  # so the task's shows
-    for task in ("copy", "repeat", "sort"):
+    for task in ("copy", "reverse", "sort"):
         assert _recipe(resolve(load_config(None, values={"task": task})).cfg) == recipe
-    passkey = _recipe(resolve(load_config(None, values={"task": "passkey"})).cfg)
-    assert passkey == {**recipe, **TASKS.resolve("passkey").budget}
+    for task, own in (
+        ("passkey", {"steps": 800, "batch_size": 32, "warmup_steps": 40}),
+        ("repeat", {"steps": 2000, "warmup_steps": 100}),
+        ("replace", {"steps": 2000, "warmup_steps": 100}),
+    ):
+        assert _recipe(resolve(load_config(None, values={"task": task})).cfg) == {**recipe, **own}
     # a key the config gives wins, from a flag or from a file (a run's own config.yaml among them)
     cfg = resolve(load_config(None, ["model.n_layer=2", "train.lr=0.003"], values={"task": "copy"})).cfg
     assert _recipe(cfg) == {**recipe, "n_layer": 2, "lr": 0.003}
