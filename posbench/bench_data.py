@@ -86,7 +86,7 @@ def task_benchmark(cfg: ExperimentConfig, scheme: str, rounds: int = 10, reporte
 
     from posbench.model import TransformerLM
     from posbench.tasks import PAD, build_task
-    from posbench.train import _backward, make_optimizer
+    from posbench.train import loss_backward, make_optimizer
 
     task = build_task(cfg.task, cfg.task_options)
     torch.manual_seed(0)
@@ -102,7 +102,7 @@ def task_benchmark(cfg: ExperimentConfig, scheme: str, rounds: int = 10, reporte
             padding[k] = sum(int((x == PAD).sum()) for x, _ in parts) / sum(x.numel() for x, _ in parts)
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            _backward(model, batch, cpu, compiling=False)
+            loss_backward(model, batch, cpu, compiling=False)
             opt.step()
             if r:
                 best[k] = min(best[k], time.perf_counter() - start)

@@ -132,7 +132,7 @@ def train_model(
             for g in opt.param_groups:
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
-            loss = _backward(forward, batches(gen), device, compiling=tc.compile and step == start)
+            loss = loss_backward(forward, batches(gen), device, compiling=tc.compile and step == start)
             if tc.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, tc.grad_clip, foreach=True)
             opt.step()
@@ -160,7 +160,7 @@ def train_model(
     return model.cpu()
 
 
-def _backward(forward, batch, device, compiling: bool) -> torch.Tensor:
+def loss_backward(forward, batch, device, compiling: bool) -> torch.Tensor:
     """The loss of one step's batch, its gradient accumulated. A batch is (x, y) or (x, y, pos),
     pos PoSE's position ids, or a list of such parts (a task's batch cut by length): each
     part's loss is its sum over the targets of all the parts, so the gradient is the whole

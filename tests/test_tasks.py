@@ -236,7 +236,7 @@ def test_a_batch_in_parts_is_the_same_instances_sorted_by_length_each_part_padde
 
 @pytest.mark.parametrize("scheme", ["nope", "sinusoidal", "t5", "rope"])
 def test_a_step_in_parts_has_the_whole_batch_s_loss_and_gradient(scheme):
-    from posbench.train import _backward
+    from posbench.train import loss_backward
 
     task = build_task("reverse", {"train_max": 12})
     whole, parts = task.batches(1, 24)(), task.batches(1, 24, parts=4)()  # the same instances
@@ -245,7 +245,7 @@ def test_a_step_in_parts_has_the_whole_batch_s_loss_and_gradient(scheme):
     grads = []
     for batch in (whole, parts):
         model.zero_grad(set_to_none=True)
-        loss = _backward(model, batch, torch.device("cpu"), compiling=False)
+        loss = loss_backward(model, batch, torch.device("cpu"), compiling=False)
         grads.append((loss, [p.grad.clone() for p in model.parameters()]))
     (l1, g1), (l2, g2) = grads
     assert torch.allclose(l1, l2, atol=1e-6)
