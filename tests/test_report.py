@@ -184,6 +184,27 @@ def test_the_task_reference_config_plans_the_committed_runs():
     assert {job.folder.name for job in jobs} == committed
 
 
+def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_tasks_recipe():
+    """configs/recipe-check.yaml: 8 schemes x 3 seeds x 4 tasks, each run at its task's own
+    recipe, as a run that sets nothing gets it."""
+    from conftest import ROOT
+
+    from posbench.config import load_sweep
+    from posbench.experiment.plan import plan_sweep
+    from posbench.resolve import resolve
+    from posbench.tasks import TASKS
+
+    grid = [(settings, resolve(cfg)) for settings, cfg in load_sweep(ROOT / "configs" / "recipe-check.yaml")]
+    _, jobs = plan_sweep(grid)
+    assert len(jobs) == 96 and len({job.folder.name for job in jobs}) == 96
+    for _, exp in grid:
+        cfg, budget = exp.cfg, TASKS.resolve(exp.cfg.task).budget
+        got = {**vars(cfg.train), "n_layer": cfg.model.n_layer}
+        assert {k: got[k] for k in budget} == budget, cfg.task
+    assert {exp.cfg.task for _, exp in grid} == {"repeat", "replace", "copy", "reverse"}
+    assert sorted(grid[0][1].cfg.schemes) == sorted(SEED_SCHEMES) and grid[0][1].cfg.seeds == [0, 1, 2]
+
+
 @pytest.mark.parametrize(
     "name,recipe,made",
     [
