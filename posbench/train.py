@@ -165,18 +165,18 @@ def loss_backward(forward, batch, device, compiling: bool) -> torch.Tensor:
     pos PoSE's position ids, or a list of such parts (a task's batch cut by length): each
     part's loss is its sum over the targets of all the parts, so the gradient is the whole
     batch's mean, as one padded batch gives it."""
-    parts = batch if isinstance(batch, list) else [batch]
-    total = sum(int((y != IGNORE).sum()) for _, y, *_ in parts) if isinstance(batch, list) else None
+    whole = not isinstance(batch, list)
+    parts = [batch] if whole else batch
+    total = None if whole else sum(int((y != IGNORE).sum()) for _, y, *_ in parts)
     losses = []
     for i, (x, y, *pos) in enumerate(parts):
         inputs = (x.to(device), *(p.to(device) for p in pos))
         y = y.to(device)
         with autocast(device):
             logits = _compiled_call(forward, inputs) if compiling and i == 0 else forward(*inputs)  # (B, T, V)
-        if total is None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
-        else:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+        flat = logits.float().flatten(0, 1), y.flatten()
+        loss = F.cross_entropy(*flat, ignore_index=IGNORE, reduction="mean" if whole else "sum")
+        if not whole:
             loss = loss / total
         loss.backward()
         losses.append(loss.detach())
