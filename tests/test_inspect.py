@@ -101,8 +101,8 @@ def test_sinusoidal_similarity_depends_on_distance_and_peaks_at_zero():
     assert torch.equal(dist, torch.arange(-49, 50))
     assert torch.allclose(prof, prof.flip(0), atol=1e-6)  # symmetric in i - j
     assert dist[prof.argmax()] == 0
-    # C/2 (sin, cos) pairs with sin^2 + cos^2 = 1, each scaled by 1/sqrt(C): |PE_i|^2 = 1/2
-    assert prof[dist == 0].item() == pytest.approx(0.5, abs=1e-5)
+    # C/2 (sin, cos) pairs with sin^2 + cos^2 = 1, scaled to a mean square of rms^2 each: |PE_i|^2 = C rms^2
+    assert prof[dist == 0].item() == pytest.approx(C * 0.02**2, rel=1e-5)
 
 
 def test_encoding_is_none_unless_embed_changes_x():

@@ -7,7 +7,7 @@ import shutil
 
 import pandas as pd
 import pytest
-from conftest import SMOKE, invoke
+from conftest import ROOT, SMOKE, invoke
 
 from posbench.measures.perplexity import comparison, grid, with_metric
 from posbench.schemes import SEED_SCHEMES
@@ -451,3 +451,42 @@ def test_a_95_band_is_drawn_from_three_seeds_not_two(tmp_path, figures):
         shutil.rmtree(run)
     assert invoke("report", two).exit_code == 0
     assert bands(figures["summary.png"]) == 0
+
+
+def _table(text: str, after: str) -> dict[str, list[str]]:
+    """The first Markdown table after the line that starts with `after`: first cell -> the rest,
+    bold and intervals stripped (`6.54 ± 0.50` -> `6.54`)."""
+    lines = text[text.index(after) :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip().strip("*").split(" ± ")[0] for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_the_readme_language_model_tables_are_the_committed_records():
+    """Every number in the README's three language-model tables is a committed summary's: the
+    defaults (results/reference-bytes), the ALiBi reproduction (results/reference, both
+    protocols) and bytes against BPE (reference-bytes, reference-bpe)."""
+    readme = (ROOT / "README.md").read_text()
+    summary = {
+        n: (ROOT / "results" / n / "summary.md").read_text() for n in ("reference", "reference-bytes", "reference-bpe")
+    }
+    nonoverlapping = {n: _table(s, "## nonoverlapping") for n, s in summary.items()}
+    defaults = _table(readme, "## What the defaults show")
+    by_bytes = nonoverlapping["reference-bytes"]
+    assert len(defaults) == 8 and defaults == {s: cells[:4] + cells[5:6] for s, cells in by_bytes.items()}
+    alibi = _table(readme, "## A reproduction of the ALiBi paper's shape")
+    sliding = _table(summary["reference"], "## sliding")
+    assert len(alibi) == 4 and alibi == {
+        s: [f"{a} / {b}" for a, b in zip(cells[:4], sliding[s][:4])] for s, cells in nonoverlapping["reference"].items()
+    }
+    tokenizers = _table(readme, "| scheme | bytes | BPE |")
+    bpe = nonoverlapping["reference-bpe"]
+    assert len(tokenizers) == 8 and tokenizers == {
+        s: [f"{cells[6]} / {cells[7]}", f"{bpe[s][6]} / {bpe[s][7]}", f"{cells[5]} / {bpe[s][5]}"]
+        for s, cells in by_bytes.items()
+    }

@@ -281,6 +281,20 @@ def test_sinusoid_formula():
     assert pe[4, 0].item() == pytest.approx(math.sin(4))
 
 
+@pytest.mark.parametrize("rms", [0.02, 0.5])
+def test_sinusoidal_adds_the_sinusoid_at_its_rms(rms):
+    """Each position's added vector is the sinusoid, its root mean square over the width `rms`
+    (sin^2 + cos^2 = 1 in every pair, so exactly, at every position)."""
+    model = build("sinusoidal", options={"rms": rms} if rms != 0.02 else {})
+    x, pos = torch.zeros(1, 50, model.cfg.d_model), torch.arange(50)
+    added = model.scheme.embed(x, pos)[0]
+    assert added.pow(2).mean(-1).sqrt() == pytest.approx(torch.full((50,), rms), rel=1e-5)
+    pe = sinusoid(pos, model.cfg.d_model)
+    assert torch.allclose(added / added[3, 2], pe / pe[3, 2])
+    with pytest.raises(PosbenchError, match=r"scheme_options.sinusoidal.rms=0 must be positive"):
+        build("sinusoidal", options={"rms": 0})
+
+
 def test_learned_refuses_beyond_its_table_instead_of_clamping():
     model = build("learned", options={"max_len": 16})
     assert model.max_len == 16

@@ -19,18 +19,21 @@ def sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class Sinusoidal(PositionalScheme):
-    """The encoding is scaled by 1/sqrt(d_model), x-transformers' ScaledSinusoidalEmbedding at
-    its initial value. Unscaled, its unit amplitude drowns GPT-style token embeddings (std 0.02):
-    in-length perplexity measured 16.3 unscaled against 6.9 scaled at the default size."""
+    """The encoding is scaled to a root mean square of `rms` per element, by default 0.02: the
+    token embeddings' init std, and the learned table's, so neither drowns the other at the
+    start. At x-transformers' scale, 1/sqrt(d_model) (RMS 0.06 at width 128), a 4-layer model on
+    copy sat on the uniform-loss plateau 5-10x longer than NoPE; at RMS 0.02 it leaves it as
+    soon as NoPE does (docs/tasks.md, "The recipe")."""
 
     description = "fixed sin/cos of the absolute position added to the embeddings (Vaswani 2017)"
+    options = {"rms": 0.02}  # each element's root mean square; sin and cos alone have 1/sqrt(2)
 
     def __init__(self, cfg):
         super().__init__(cfg)
         require_even(cfg, "model.d_model", cfg.d_model)
 
     def embed(self, x, pos):
-        return x + sinusoid(pos, x.size(-1)).to(x.dtype) / math.sqrt(x.size(-1))
+        return x + sinusoid(pos, x.size(-1)).to(x.dtype) * (self.opt["rms"] * math.sqrt(2))
 
 
 class Learned(PositionalScheme):
