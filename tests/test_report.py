@@ -227,21 +227,24 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
             {"steps": 2000, "warmup_steps": 100},
             {"repeat": SEED_SCHEMES, "replace": SEED_SCHEMES},
         ),
+        ("cpu-sin-hybrid-copy-reverse", {}, {"copy": ["sinusoidal", "hybrid"], "reverse": ["sinusoidal", "hybrid"]}),
     ],
 )
 def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made):
     """results/recipe-search holds the runs that chose the tasks' recipe (docs/tasks.md): on a
     GPU, gpu-a at the default recipe, three seeds, and gpu-b at a higher lr, seed 0; on this
     CPU, cpu-reverse, cpu-other (addition, recall), cpu-passkey and cpu-repeat-replace (seed 0;
-    -s12, seeds 1 and 2) at the default recipe. Their tables rebuild from the records, and each
-    record was trained at the recipe the docs name."""
+    -s12, seeds 1 and 2) at the default recipe, and sinusoidal and hybrid again at their current
+    scale (cpu-sin-hybrid-*, three seeds). Their tables rebuild from the records, and each record
+    was trained at the recipe the docs name."""
     import yaml
 
     from posbench.tasks import Task
 
     committed = _rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
     configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in committed.iterdir() if p.is_dir()]
-    seeds = {"gpu-a": (0, 1, 2), "cpu-repeat-replace-s12": (1, 2)}.get(name, (0,))
+    three = name == "gpu-a" or "sin-hybrid" in name
+    seeds = (1, 2) if name == "cpu-repeat-replace-s12" else (0, 1, 2) if three else (0,)
     assert {(c["task"], c["model"]["scheme"], c["seeds"][0]) for c in configs} == {
         (t, s, n) for t, schemes in made.items() for s in schemes for n in seeds
     }
@@ -249,6 +252,8 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     for c in configs:
         got = {**c["train"], "n_layer": c["model"]["n_layer"]}
         assert {k: got[k] for k in want} == want and c["train"]["device"] == ("cuda" if "gpu" in name else "auto")
+        if "sin-hybrid" in name and c["model"]["scheme"] == "sinusoidal":  # the scale it has now, recorded
+            assert c["model"]["options"] == {"rms": 0.02}
 
 
 @pytest.mark.parametrize("name,tokenizer", [("reference-bytes", "bytes"), ("reference-bpe", "bpe-2048")])
