@@ -228,6 +228,11 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
             {"repeat": SEED_SCHEMES, "replace": SEED_SCHEMES},
         ),
         ("cpu-sin-hybrid-copy-reverse", {}, {"copy": ["sinusoidal", "hybrid"], "reverse": ["sinusoidal", "hybrid"]}),
+        (
+            "cpu-sin-hybrid-repeat-replace",
+            {"steps": 2000, "warmup_steps": 100},
+            {"repeat": ["sinusoidal", "hybrid"], "replace": ["sinusoidal", "hybrid"]},
+        ),
     ],
 )
 def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made):
