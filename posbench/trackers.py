@@ -30,7 +30,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Optional
@@ -176,9 +175,7 @@ class MLflow(Tracker):
 class WandB(Tracker):
     """Offline runs in wandb/ (`wandb sync results/<experiment>/wandb/offline-run-*`), project and
     group the experiment. Offline, W&B does not resume: a run sent again is a new offline run of
-    the same id, sent whole, and the older offline runs of that id are removed once it is
-    written, so one offline run per id is left and no sync order can put an older one last
-    (W&B names two runs of an id started in the same second `...-ID` and `...-ID-1`)."""
+    the same id, and syncing it replaces the earlier one, so it is sent whole again."""
 
     resends_whole = True
 
@@ -201,7 +198,6 @@ class WandB(Tracker):
             settings=settings,
             reinit="finish_previous",
         )
-        self.folder = Path(self.run.dir).parent  # wandb/offline-run-<time>-<id>
         self.axes: set = set()
 
     def scalars(self, axis, x, values):
@@ -225,10 +221,6 @@ class WandB(Tracker):
 
     def close(self):
         self.run.finish()
-        name = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(self.key)}(-\d+)?")
-        for older in self.folder.parent.glob(f"offline-run-*-{self.key}*"):
-            if older != self.folder and name.fullmatch(older.name):
-                shutil.rmtree(older)
 
 
 class Trackio(Tracker):
