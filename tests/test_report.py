@@ -205,38 +205,40 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
     assert sorted(grid[0][1].cfg.schemes) == sorted(SEED_SCHEMES) and grid[0][1].cfg.seeds == [0, 1, 2]
 
 
+REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's recipe
+
+
 @pytest.mark.parametrize(
-    "name,recipe,made",
+    "name,recipe,made,seeds",
     [
-        ("gpu-a", {}, {"copy": SEED_SCHEMES, "reverse": ["nope", "sinusoidal", "learned", "t5"]}),
+        ("gpu-a", {}, {"copy": SEED_SCHEMES, "reverse": ["nope", "sinusoidal", "learned", "t5"]}, (0, 1, 2)),
         (
             "gpu-b",
             {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 500},
             {"copy": SEED_SCHEMES, "reverse": ["nope", "sinusoidal"]},
+            (0,),
         ),
-        ("cpu-reverse", {}, {"reverse": ["alibi", "rope", "xl", "hybrid"]}),
-        ("cpu-reverse-s12", {}, {"reverse": ["xl"]}),
-        ("cpu-other", {}, {"addition": ["nope", "alibi"], "recall": ["nope", "alibi"]}),
-        ("cpu-passkey", {"steps": 800, "batch_size": 32, "warmup_steps": 40}, {"passkey": ["nope", "alibi"]}),
+        ("cpu-reverse", {}, {"reverse": ["alibi", "rope", "xl", "hybrid"]}, (0,)),
+        ("cpu-reverse-s12", {}, {"reverse": ["xl"]}, (1, 2)),
+        ("cpu-other", {}, {"addition": ["nope", "alibi"], "recall": ["nope", "alibi"]}, (0,)),
+        ("cpu-passkey", {"steps": 800, "batch_size": 32, "warmup_steps": 40}, {"passkey": ["nope", "alibi"]}, (0,)),
+        ("cpu-repeat-replace", REPEAT_RECIPE, {"repeat": SEED_SCHEMES, "replace": SEED_SCHEMES}, (0,)),
+        ("cpu-repeat-replace-s12", REPEAT_RECIPE, {"repeat": SEED_SCHEMES, "replace": SEED_SCHEMES}, (1, 2)),
         (
-            "cpu-repeat-replace",
-            {"steps": 2000, "warmup_steps": 100},
-            {"repeat": SEED_SCHEMES, "replace": SEED_SCHEMES},
+            "cpu-sin-hybrid-copy-reverse",
+            {},
+            {"copy": ["sinusoidal", "hybrid"], "reverse": ["sinusoidal", "hybrid"]},
+            (0, 1, 2),
         ),
-        (
-            "cpu-repeat-replace-s12",
-            {"steps": 2000, "warmup_steps": 100},
-            {"repeat": SEED_SCHEMES, "replace": SEED_SCHEMES},
-        ),
-        ("cpu-sin-hybrid-copy-reverse", {}, {"copy": ["sinusoidal", "hybrid"], "reverse": ["sinusoidal", "hybrid"]}),
         (
             "cpu-sin-hybrid-repeat-replace",
-            {"steps": 2000, "warmup_steps": 100},
+            REPEAT_RECIPE,
             {"repeat": ["sinusoidal", "hybrid"], "replace": ["sinusoidal", "hybrid"]},
+            (0, 1, 2),
         ),
     ],
 )
-def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made):
+def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made, seeds):
     """results/recipe-search holds the runs that chose the tasks' recipe (docs/tasks.md): on a
     GPU, gpu-a at the default recipe, three seeds, and gpu-b at a higher lr, seed 0; on this
     CPU, cpu-reverse, cpu-other (addition, recall), cpu-passkey and cpu-repeat-replace (seed 0;
@@ -249,8 +251,6 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
 
     committed = _rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
     configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in committed.iterdir() if p.is_dir()]
-    three = name == "gpu-a" or "sin-hybrid" in name
-    seeds = (1, 2) if name.endswith("-s12") else (0, 1, 2) if three else (0,)
     assert {(c["task"], c["model"]["scheme"], c["seeds"][0]) for c in configs} == {
         (t, s, n) for t, schemes in made.items() for s in schemes for n in seeds
     }

@@ -94,7 +94,7 @@ def _started(path: str) -> tuple[str, int]:
 
 def _wandb(exp):
     out, ids = {}, {}
-    for path in sorted(glob.glob(str(exp / "wandb" / "offline-run-*" / "run-*.wandb"))):
+    for path in sorted(glob.glob(str(exp / "wandb" / "offline-run-*" / "run-*.wandb")), key=_started):
         name, series = None, {}
         for record in _wandb_records(path):
             kind = record.WhichOneof("record_type")
