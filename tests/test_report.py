@@ -152,26 +152,31 @@ def test_the_committed_reference_rebuilds_to_its_committed_summary(tmp_path):
 
 def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path):
     """results/reference-tasks holds the records of configs/reproduce-tasks.yaml (no weights):
-    five schemes x three seeds x four tasks, and a fresh report of them gives the committed
-    tables digit for digit, the mean reciprocal rank over the tasks included."""
+    five schemes x three seeds x five tasks, each at its task's default recipe, and a fresh report
+    of them gives the committed tables digit for digit, the mean reciprocal rank included."""
     import yaml
 
+    from posbench.tasks import TASKS
+
     committed = _rebuilds_byte_for_byte("reference-tasks", tmp_path)
-    assert "## mean reciprocal rank past N over 12 (grid point, seed) pairs" in (committed / "summary.md").read_text()
+    assert "## mean reciprocal rank past N over 15 (grid point, seed) pairs" in (committed / "summary.md").read_text()
     runs = [p for p in committed.iterdir() if p.is_dir()]
-    made = {
-        (c["task"], c["model"]["scheme"], c["seeds"][0])
-        for c in (yaml.safe_load((p / "config.yaml").read_text()) for p in runs)
-    }
-    tasks, schemes = ("repeat", "replace", "copy", "reverse"), ("nope", "t5", "alibi", "rope", "sinusoidal")
-    assert len(runs) == 60 and made == {(t, s, n) for t in tasks for s in schemes for n in (0, 1, 2)}
+    configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in runs]
+    made = {(c["task"], c["model"]["scheme"], c["seeds"][0]) for c in configs}
+    for c in configs:
+        budget = TASKS[c["task"]].budget
+        trained = {**c["train"], "n_layer": c["model"]["n_layer"]}
+        assert {k: trained[k] for k in budget} == budget, c["task"]
+    tasks = ("repeat", "replace", "copy", "reverse", "sort")
+    schemes = ("nope", "t5", "alibi", "rope", "sinusoidal")
+    assert len(runs) == 75 and made == {(t, s, n) for t in tasks for s in schemes for n in (0, 1, 2)}
     for run in runs:
         assert {"config.yaml", "eval.csv", "samples.txt", "train_log.jsonl"} <= {p.name for p in run.iterdir()}
 
 
 def test_the_task_reference_config_plans_the_committed_runs():
-    """configs/reproduce-tasks.yaml names the recipe its runs were trained with, so `make
-    reproduce-tasks` plans the committed folders, hash for hash, whatever the tasks' default."""
+    """`make reproduce-tasks` plans the committed folders, hash for hash: the committed runs were
+    trained at each task's default recipe, which the config leaves to the tasks."""
     from conftest import ROOT
 
     from posbench.config import load_sweep
