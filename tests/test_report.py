@@ -235,6 +235,8 @@ REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's r
             {"copy": ["sinusoidal", "hybrid"], "reverse": ["sinusoidal", "hybrid"]},
             (0, 1, 2),
         ),
+        ("gpu-c-steps8000", {"steps": 8000}, {"copy": ["t5", "hybrid"], "reverse": ["t5", "hybrid"]}, (0, 1, 2)),
+        ("gpu-c-replace-lr", {**REPEAT_RECIPE, "lr": 1e-3, "min_lr": 1e-4}, {"replace": ["alibi"]}, (0, 1, 2)),
         (
             "cpu-sin-hybrid-repeat-replace",
             REPEAT_RECIPE,
@@ -245,7 +247,8 @@ REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's r
 )
 def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made, seeds):
     """results/recipe-search holds the runs that chose the tasks' recipe (docs/tasks.md): on a
-    GPU, gpu-a at the default recipe, three seeds, and gpu-b at a higher lr, seed 0; on this
+    GPU, gpu-a at the default recipe, three seeds, gpu-b at a higher lr, seed 0, and gpu-c at twice
+    the steps (t5, hybrid) and half the lr (alibi on replace), three seeds; on this
     CPU, cpu-reverse, cpu-other (addition, recall), cpu-passkey and cpu-repeat-replace (seed 0;
     -s12, seeds 1 and 2) at the default recipe, and sinusoidal and hybrid again at their current
     scale (cpu-sin-hybrid-*, three seeds). Their tables rebuild from the records, and each record
