@@ -509,3 +509,18 @@ def test_the_readme_language_model_tables_are_the_committed_records():
         s: [f"{cells[6]} / {cells[7]}", f"{bpe[s][6]} / {bpe[s][7]}", f"{cells[5]} / {bpe[s][5]}"]
         for s, cells in by_bytes.items()
     }
+
+
+def test_the_readme_task_table_is_the_committed_task_reference():
+    """Every number of the README's task table, the study's in brackets aside, is
+    results/reference-tasks' summary: in-distribution / past-N exact match per task, and the mean
+    reciprocal rank."""
+    readme = _table((ROOT / "README.md").read_text(), "| scheme | repeat | replace | copy | reverse | sort |")
+    summary = (ROOT / "results" / "reference-tasks" / "summary.md").read_text()
+    tasks = ("repeat", "replace", "copy", "reverse", "sort")
+    by_task = {t: _table(summary, f"## {t}: % exact match by length") for t in tasks}
+    rank = _table(summary, "## mean reciprocal rank")
+    assert sorted(readme) == sorted(rank) and len(readme) == 5
+    for scheme, cells in readme.items():
+        ours = [c.split(" [")[0] for c in cells]
+        assert ours == [f"{by_task[t][scheme][0]} / {by_task[t][scheme][1]}" for t in tasks] + [rank[scheme][0]]
