@@ -295,6 +295,24 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     assert len([p for p in exp.iterdir() if p.is_dir()]) == 4
 
 
+def test_a_reused_run_keeps_the_record_of_how_it_was_trained(tmp_path):
+    """A rerun that reuses a finished run scores it under the eval settings asked now and
+    records those, but keeps the training side of its config.yaml as it was trained: a rerun
+    from another folder or with more workers does not make a record claim them."""
+    config = _sweep(tmp_path, values="[16]")
+    assert invoke("sweep", config).exit_code == 0
+    (run,) = [p for p in (tmp_path / "r" / "grid").iterdir() if p.is_dir()]
+    before = yaml.safe_load((run / "config.yaml").read_text())
+    assert before["train"]["workers"] is None and before["eval"]["lengths"] == [16, 32, 48]
+
+    res = invoke("sweep", config, "--set", "train.workers=2", "--set", "eval.lengths=[32, 64]")
+    assert res.exit_code == 0 and "already trained, reusing its checkpoint" in res.output, res.output
+    after = yaml.safe_load((run / "config.yaml").read_text())
+    assert after["eval"]["lengths"] == [16, 32, 64] and after["train"] == before["train"]
+    assert {k: v for k, v in after.items() if k != "eval"} == {k: v for k, v in before.items() if k != "eval"}
+    assert {int(r["length"]) for r in csv.DictReader((run / "eval.csv").open())} >= {32, 48, 64}
+
+
 @pytest.mark.parametrize(
     "key, values, message",
     [

@@ -167,9 +167,12 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
                 f"{rdir.name}: diverged in an earlier attempt ({diverged_step(rdir)}); delete {rdir} to train it again"
             )
             return "diverged"
+        record = rc
         if state == "done":
-            _, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
+            trained, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
             model.cfg = dataclasses.replace(model.cfg, attention=rc.model.attention)  # scored as asked now
+            # its record keeps how it was trained (device, workers, out_dir) and takes how it is scored now
+            record = dataclasses.replace(trained, eval=rc.eval, model=model.cfg)
             reporter.note(f"{rdir.name}: already trained, reusing its checkpoint")
         elif job.parent is not None and not rc.model.extend:  # a parent's copy for posbench extend
             from posbench.extend.run import copy_parent
@@ -183,7 +186,7 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
                 return "diverged"
         device = pick_device(rc.train.device)
         job.measure.score(rc, rdir, model, data, device, model.backend(device))
-        write_atomic(rdir / CONFIG, dump_yaml(rc))  # eval settings may have changed
+        write_atomic(rdir / CONFIG, dump_yaml(record))  # eval settings may have changed
         return "reused" if state == "done" else "trained"
 
 
