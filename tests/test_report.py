@@ -235,6 +235,8 @@ REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's r
             {"copy": ["sinusoidal", "hybrid"], "reverse": ["sinusoidal", "hybrid"]},
             (0, 1, 2),
         ),
+        ("cpu-learned-reverse-s2", {}, {"reverse": ["learned"]}, (2,)),
+        ("cpu-t5-6000", {"steps": 6000}, {"copy": ["t5"]}, (2,)),
         ("gpu-c-steps8000", {"steps": 8000}, {"copy": ["t5", "hybrid"], "reverse": ["t5", "hybrid"]}, (0, 1, 2)),
         ("gpu-c-replace-lr", {**REPEAT_RECIPE, "lr": 1e-3, "min_lr": 1e-4}, {"replace": ["alibi"]}, (0, 1, 2)),
         (
