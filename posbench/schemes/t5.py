@@ -93,18 +93,16 @@ class T5Bias(PositionalScheme):
 
 
 class Hybrid(PositionalScheme):
-    """Sinusoidal embeddings added to the tokens, and T5Bias, with its options, on the logits
-    of every layer. The bias table starts at zero and is added as is (scale "none", init
-    "zeros"): with T5Bias's own start, N(0, 1) x sqrt(d_head), the sum of the two stays on the
-    synthetic tasks' loss plateau at some seeds where either alone leaves it (docs/tasks.md)."""
+    """Sinusoidal embeddings added to the tokens, and T5Bias, with its options and setup, on
+    the logits of every layer."""
 
     description = "sinusoidal absolute embeddings plus a T5 relative bias in every layer"
-    options = {**T5Bias.options, "scale": "none", "init": "zeros"}
+    options = T5Bias.options
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.absolute = Sinusoidal(dataclasses.replace(cfg, options={}))
-        self.relative = T5Bias(dataclasses.replace(cfg, options=self.opt))
+        self.relative = T5Bias(cfg)
 
     def embed(self, x, pos):
         return self.absolute.embed(x, pos)
