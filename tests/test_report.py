@@ -272,6 +272,25 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
             assert c["model"]["options"] == {"rms": 0.02}
 
 
+@pytest.mark.parametrize("name", ["hybrid-none-bytes", "hybrid-none-bpe", "sqrt-bytes"])
+def test_the_committed_flat_start_language_models_rebuild_and_record_their_start(tmp_path, name):
+    """results/recipe-search/lm-flat: T5 and hybrid on the default language model with the bias
+    table started at zero (docs/tasks.md, "The recipe"); each rebuilds, records that start, and
+    trained as the reference it is compared with did, but for the scheme's options."""
+    import yaml
+
+    committed = _rebuilds_byte_for_byte(f"recipe-search/lm-flat/{name}", tmp_path)
+    reference = "reference-bpe" if name.endswith("bpe") else "reference-bytes"
+    for run in (p for p in committed.iterdir() if p.is_dir()):
+        c = yaml.safe_load((run / "config.yaml").read_text())
+        ref = yaml.safe_load((ROOT / "results" / reference / run.name / "config.yaml").read_text())
+        assert c["model"]["options"]["init"] == "zeros" and ref["model"]["options"]["init"] == "normal"
+        assert c["model"]["options"]["scale"] == ("none" if "none" in name else "sqrt_head_dim")
+        recipe = ("steps", "batch_size", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
+        assert [c["train"][k] for k in recipe] == [ref["train"][k] for k in recipe]
+        assert c["data"] == ref["data"] and c["eval"] == ref["eval"]
+
+
 @pytest.mark.parametrize("name,tokenizer", [("reference-bytes", "bytes"), ("reference-bpe", "bpe-2048")])
 def test_the_committed_tokenizer_references_rebuild_to_their_committed_summary(tmp_path, name, tokenizer):
     """results/reference-bytes and -bpe hold the README's tokenizer table: the defaults on bytes
