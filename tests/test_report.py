@@ -237,6 +237,9 @@ REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's r
         ),
         ("cpu-learned-reverse-s2", {}, {"reverse": ["learned"]}, (2,)),
         ("cpu-t5-6000", {"steps": 6000}, {"copy": ["t5"]}, (2,)),
+        ("cpu-flat/hybrid-copy", {}, {"copy": ["hybrid"]}, (0, 1, 2)),
+        ("cpu-flat/hybrid-reverse", {}, {"reverse": ["hybrid"]}, (0, 1, 2)),
+        ("cpu-flat/t5-reverse", {}, {"reverse": ["t5"]}, (1,)),
         ("gpu-c-steps8000", {"steps": 8000}, {"copy": ["t5", "hybrid"], "reverse": ["t5", "hybrid"]}, (0, 1, 2)),
         ("gpu-c-replace-lr", {**REPEAT_RECIPE, "lr": 1e-3, "min_lr": 1e-4}, {"replace": ["alibi"]}, (0, 1, 2)),
         (
@@ -253,8 +256,9 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     the steps (t5, hybrid) and half the lr (alibi on replace), three seeds; on this
     CPU, cpu-reverse, cpu-other (addition, recall), cpu-passkey and cpu-repeat-replace (seed 0;
     -s12, seeds 1 and 2) at the default recipe, and sinusoidal and hybrid again at their current
-    scale (cpu-sin-hybrid-*, three seeds). Their tables rebuild from the records, and each record
-    was trained at the recipe the docs name."""
+    scale (cpu-sin-hybrid-*, three seeds), and T5 and hybrid with their table started at zero
+    (cpu-flat/*, where and only where the records say so). Their tables rebuild from the
+    records, and each record was trained at the recipe the docs name."""
     import yaml
 
     from posbench.tasks import Task
@@ -268,6 +272,8 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     for c in configs:
         got = {**c["train"], "n_layer": c["model"]["n_layer"]}
         assert {k: got[k] for k in want} == want and c["train"]["device"] == ("cuda" if "gpu" in name else "auto")
+        flat = c["model"]["options"].get("init") == "zeros"  # the T5 table started at zero: cpu-flat alone
+        assert flat == name.startswith("cpu-flat/") and (not flat or c["model"]["options"]["scale"] == "none")
         if "sin-hybrid" in name and c["model"]["scheme"] == "sinusoidal":  # the scale it has now, recorded
             assert c["model"]["options"] == {"rms": 0.02}
 
