@@ -240,6 +240,9 @@ REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's r
         ("cpu-flat/hybrid-copy", {}, {"copy": ["hybrid"]}, (0, 1, 2)),
         ("cpu-flat/hybrid-reverse", {}, {"reverse": ["hybrid"]}, (0, 1, 2)),
         ("cpu-flat/t5-reverse", {}, {"reverse": ["t5"]}, (1,)),
+        ("cpu-flat/t5-copy", {}, {"copy": ["t5"]}, (2,)),
+        ("cpu-flat/t5-repeat", REPEAT_RECIPE, {"repeat": ["t5"]}, (0,)),
+        ("cpu-flat/t5-replace", REPEAT_RECIPE, {"replace": ["t5"]}, (0,)),
         ("gpu-c-steps8000", {"steps": 8000}, {"copy": ["t5", "hybrid"], "reverse": ["t5", "hybrid"]}, (0, 1, 2)),
         ("gpu-c-replace-lr", {**REPEAT_RECIPE, "lr": 1e-3, "min_lr": 1e-4}, {"replace": ["alibi"]}, (0, 1, 2)),
         (
