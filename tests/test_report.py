@@ -237,6 +237,7 @@ REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's r
         ),
         ("cpu-learned-reverse-s2", {}, {"reverse": ["learned"]}, (2,)),
         ("cpu-t5-6000", {"steps": 6000}, {"copy": ["t5"]}, (2,)),
+        ("cpu-learned-8000", {"steps": 8000}, {"reverse": ["learned"]}, (2,)),
         ("cpu-flat/hybrid-copy", {}, {"copy": ["hybrid"]}, (0, 1, 2)),
         ("cpu-flat/hybrid-reverse", {}, {"reverse": ["hybrid"]}, (0, 1, 2)),
         ("cpu-flat/t5-reverse", {}, {"reverse": ["t5"]}, (1,)),
