@@ -186,7 +186,7 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
                 return "diverged"
         device = pick_device(rc.train.device)
         job.measure.score(rc, rdir, model, data, device, model.backend(device))
-        write_atomic(rdir / CONFIG, dump_yaml(record))  # eval settings may have changed
+        write_atomic(rdir / CONFIG, dump_yaml(record))  # how it was trained, and scored now
         return "reused" if state == "done" else "trained"
 
 
