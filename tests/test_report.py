@@ -150,6 +150,13 @@ def test_the_committed_reference_rebuilds_to_its_committed_summary(tmp_path):
         }
 
 
+def _recipe(config: dict, keys) -> dict:
+    """The training keys of a run's config.yaml named in `keys` (a task's budget: train.* and
+    the model's n_layer)."""
+    trained = {**config["train"], "n_layer": config["model"]["n_layer"]}
+    return {k: trained[k] for k in keys}
+
+
 def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path):
     """results/reference-tasks holds the records of configs/reproduce-tasks.yaml (no weights):
     five schemes x three seeds x five tasks, each at its task's default recipe, and a fresh report
@@ -165,8 +172,7 @@ def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path
     made = {(c["task"], c["model"]["scheme"], c["seeds"][0]) for c in configs}
     for c in configs:
         budget = TASKS[c["task"]].budget
-        trained = {**c["train"], "n_layer": c["model"]["n_layer"]}
-        assert {k: trained[k] for k in budget} == budget, c["task"]
+        assert _recipe(c, budget) == budget, c["task"]
     tasks = ("repeat", "replace", "copy", "reverse", "sort")
     schemes = ("nope", "t5", "alibi", "rope", "sinusoidal")
     assert len(runs) == 75 and made == {(t, s, n) for t in tasks for s in schemes for n in (0, 1, 2)}
@@ -274,8 +280,7 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     }
     want = {**Task.budget, **recipe}
     for c in configs:
-        got = {**c["train"], "n_layer": c["model"]["n_layer"]}
-        assert {k: got[k] for k in want} == want and c["train"]["device"] == ("cuda" if "gpu" in name else "auto")
+        assert _recipe(c, want) == want and c["train"]["device"] == ("cuda" if "gpu" in name else "auto")
         flat = c["model"]["options"].get("init") == "zeros"  # the T5 table started at zero: cpu-flat alone
         assert flat == name.startswith("cpu-flat/") and (not flat or c["model"]["options"]["scale"] == "none")
         if "sin-hybrid" in name and c["model"]["scheme"] == "sinusoidal":  # the scale it has now, recorded
