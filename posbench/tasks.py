@@ -46,6 +46,11 @@ class Task:
     # (model.n_layer) and the AdamW schedule (train.lr, min_lr, warmup_steps); docs/tasks.md
     # has the runs that chose it
     budget: dict = {"steps": 4000, "batch_size": 64, "n_layer": 4, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 200}
+    # schemes set up as the NoPE study's model (HF T5) sets up T5's bias, where the config leaves
+    # the option out: its table starts near zero, N(0, d_model^-0.5), and is added to the logits
+    # as is; started at zero and added as is here. Perplexity keeps x-transformers' N(0, 1) x
+    # sqrt(d_head) (REFERENCES.md). docs/tasks.md, "T5's start", has the runs
+    scheme_setup: dict = {s: {"init": "zeros", "scale": "none"} for s in ("t5", "hybrid")}
 
     def __init__(self, options: Optional[dict] = None, where: str = "task_options"):
         options = dict(options or {})

@@ -380,6 +380,30 @@ def test_a_task_run_takes_its_tasks_recipe_where_the_config_leaves_it_out(tmp_pa
     assert _recipe(resolve(load_config(path)).cfg) == {**recipe, "n_layer": 3, "warmup_steps": 7}
 
 
+def test_a_task_run_sets_t5s_bias_up_as_the_study_did_where_the_config_leaves_it_out(tmp_path):
+    """T5's and hybrid's tables start at zero and are added as is on a task (the NoPE study's
+    HF T5 starts them near zero, in logit units); perplexity keeps x-transformers' setup; an
+    option the config gives wins, one key at a time; a scheme not trained gets nothing."""
+    from posbench.schemes import SCHEMES
+
+    def options(*overrides, task="copy", schemes="[t5,hybrid,nope]"):
+        cfg = resolve(load_config(None, [f"schemes={schemes}", *overrides], values={"task": task})).cfg
+        return {s: (o.get("init"), o.get("scale")) for s, o in cfg.scheme_options.items()}
+
+    default = (SCHEMES["t5"].options["init"], SCHEMES["t5"].options["scale"])
+    assert default == ("normal", "sqrt_head_dim")
+    assert Task.scheme_setup == {s: {"init": "zeros", "scale": "none"} for s in ("t5", "hybrid")}
+    for task in ("repeat", "replace", "copy", "reverse", "sort"):
+        assert options(task=task) == {"t5": ("zeros", "none"), "hybrid": ("zeros", "none"), "nope": (None, None)}
+    assert options(task="lm") == {"t5": default, "hybrid": default, "nope": (None, None)}
+    assert options("scheme_options.t5.scale=sqrt_head_dim")["t5"] == ("zeros", "sqrt_head_dim")
+    path = tmp_path / "c.yaml"
+    path.write_text("task: copy\nschemes: [t5]\nscheme_options: {t5: {init: normal, scale: sqrt_head_dim}}\n")
+    cfg = resolve(load_config(path)).cfg
+    assert (cfg.scheme_options["t5"]["init"], cfg.model_for("t5").options["scale"]) == default
+    assert options(schemes="[nope]") == {"nope": (None, None)}
+
+
 def test_a_plugin_task_gets_the_built_in_recipe(tmp_path, monkeypatch):
     (tmp_path / "echo_task.py").write_text(  # a module name of its own: sys.modules keeps the first import
         "from posbench.tasks import Task\n"
@@ -392,6 +416,8 @@ def test_a_plugin_task_gets_the_built_in_recipe(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert _recipe(resolve(load_config(None, values={"task": "echo_task:Echo"})).cfg) == Task.budget
+    cfg = resolve(load_config(None, ["schemes=[t5]"], values={"task": "echo_task:Echo"})).cfg
+    assert {k: cfg.scheme_options["t5"][k] for k in ("init", "scale")} == Task.scheme_setup["t5"]
 
 
 # --- the command line ---------------------------------------------------------------------------

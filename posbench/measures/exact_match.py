@@ -73,6 +73,10 @@ class ExactMatch(Measure):
             section = "model" if key == "n_layer" else "train"
             if key in task.budget and f"{section}.{key}" not in cfg.origins:
                 setattr(getattr(cfg, section), key, task.budget[key])
+        for scheme, setup in task.scheme_setup.items():  # and its schemes' setup, likewise
+            if scheme in cfg.schemes:
+                given = cfg.scheme_options.setdefault(scheme, {})
+                given.update({k: v for k, v in setup.items() if f"scheme_options.{scheme}.{k}" not in cfg.origins})
         unused = [
             name
             for name, on in (
