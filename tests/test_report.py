@@ -243,6 +243,7 @@ REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's r
         ),
         ("cpu-learned-reverse-s2", {}, {"reverse": ["learned"]}, (2,)),
         ("cpu-t5-6000", {"steps": 6000}, {"copy": ["t5"]}, (2,)),
+        ("cpu-learned-6000", {"steps": 6000}, {"reverse": ["learned"]}, (2,)),
         ("cpu-learned-8000", {"steps": 8000}, {"reverse": ["learned"]}, (2,)),
         ("cpu-flat/hybrid-copy", {}, {"copy": ["hybrid"]}, (0, 1, 2)),
         ("cpu-flat/hybrid-reverse", {}, {"reverse": ["hybrid"]}, (0, 1, 2)),
@@ -252,6 +253,8 @@ REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's r
         ("cpu-flat/t5-replace", REPEAT_RECIPE, {"replace": ["t5"]}, (0,)),
         ("gpu-c-steps8000", {"steps": 8000}, {"copy": ["t5", "hybrid"], "reverse": ["t5", "hybrid"]}, (0, 1, 2)),
         ("gpu-c-replace-lr", {**REPEAT_RECIPE, "lr": 1e-3, "min_lr": 1e-4}, {"replace": ["alibi"]}, (0, 1, 2)),
+        ("gpu-t5-xtransformers", None, {t: ["t5"] for t in ("repeat", "replace", "copy", "reverse", "sort")}, (0, 1, 2)),
+        ("cpu-flat/hybrid-repeat-replace", REPEAT_RECIPE, {"repeat": ["hybrid"], "replace": ["hybrid"]}, (0, 1, 2)),
         (
             "cpu-sin-hybrid-repeat-replace",
             REPEAT_RECIPE,
@@ -271,15 +274,15 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     records, and each record was trained at the recipe the docs name."""
     import yaml
 
-    from posbench.tasks import Task
+    from posbench.tasks import TASKS, Task
 
     committed = _rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
     configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in committed.iterdir() if p.is_dir()]
     assert {(c["task"], c["model"]["scheme"], c["seeds"][0]) for c in configs} == {
         (t, s, n) for t, schemes in made.items() for s in schemes for n in seeds
     }
-    want = {**Task.budget, **recipe}
     for c in configs:
+        want = TASKS[c["task"]].budget if recipe is None else {**Task.budget, **recipe}  # None: each task's own
         assert _recipe(c, want) == want and c["train"]["device"] == ("cuda" if "gpu" in name else "auto")
         flat = c["model"]["options"].get("init") == "zeros"  # the T5 table started at zero: cpu-flat alone
         assert flat == name.startswith("cpu-flat/") and (not flat or c["model"]["options"]["scale"] == "none")
