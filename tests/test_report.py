@@ -159,8 +159,9 @@ def _recipe(config: dict, keys) -> dict:
 
 def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path):
     """results/reference-tasks holds the records of configs/reproduce-tasks.yaml (no weights):
-    five schemes x three seeds x five tasks, each at its task's default recipe, and a fresh report
-    of them gives the committed tables digit for digit, the mean reciprocal rank included."""
+    five schemes x three seeds x five tasks, each at its task's default recipe and T5 setup, and
+    a fresh report of them gives the committed tables digit for digit, the mean reciprocal rank
+    included."""
     import yaml
 
     from posbench.tasks import TASKS
@@ -171,8 +172,9 @@ def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path
     configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in runs]
     made = {(c["task"], c["model"]["scheme"], c["seeds"][0]) for c in configs}
     for c in configs:
-        budget = TASKS[c["task"]].budget
+        budget, setup = TASKS[c["task"]].budget, TASKS[c["task"]].scheme_setup.get(c["model"]["scheme"], {})
         assert _recipe(c, budget) == budget, c["task"]
+        assert {k: c["model"]["options"][k] for k in setup} == setup, c["model"]["scheme"]  # T5's as tasks set it
     tasks = ("repeat", "replace", "copy", "reverse", "sort")
     schemes = ("nope", "t5", "alibi", "rope", "sinusoidal")
     assert len(runs) == 75 and made == {(t, s, n) for t in tasks for s in schemes for n in (0, 1, 2)}
@@ -270,7 +272,9 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     CPU, cpu-reverse, cpu-other (addition, recall), cpu-passkey and cpu-repeat-replace (seed 0;
     -s12, seeds 1 and 2) at the default recipe, and sinusoidal and hybrid again at their current
     scale (cpu-sin-hybrid-*, three seeds), and T5 and hybrid with their table started at zero
-    (cpu-flat/*, where and only where the records say so). Their tables rebuild from the
+    (cpu-flat/*, where and only where the records say so); learned's reverse seed 2 at 6,000 and
+    8,000 steps; and the reference's T5 runs at the language model's T5 setup
+    (gpu-t5-xtransformers, each task at its own recipe). Their tables rebuild from the
     records, and each record was trained at the recipe the docs name."""
     import yaml
 
