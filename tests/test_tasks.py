@@ -13,7 +13,7 @@ import torch.nn as nn
 from conftest import invoke
 
 from posbench.accuracy import decode, exact, score
-from posbench.config import ModelConfig, TrainConfig, load_config
+from posbench.config import ModelConfig, TrainConfig, load_config, load_sweep
 from posbench.errors import PosbenchError
 from posbench.measures.exact_match import buckets
 from posbench.model import TransformerLM
@@ -402,6 +402,9 @@ def test_a_task_run_sets_t5s_bias_up_as_the_study_did_where_the_config_leaves_it
     cfg = resolve(load_config(path)).cfg
     assert (cfg.scheme_options["t5"]["init"], cfg.model_for("t5").options["scale"]) == default
     assert options(schemes="[nope]") == {"nope": (None, None)}
+    path.write_text("task: copy\nschemes: [t5]\nsweep: {scheme_options.t5.init: [normal, zeros]}\n")
+    swept = [resolve(cfg).cfg.scheme_options["t5"] for _, cfg in load_sweep(path)]  # a sweep's axis is given too
+    assert [(o["init"], o["scale"]) for o in swept] == [("normal", "none"), ("zeros", "none")]
 
 
 def test_a_plugin_task_gets_the_built_in_recipe(tmp_path, monkeypatch):
