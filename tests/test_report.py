@@ -219,6 +219,7 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
 
 
 REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's recipe
+FIVE_TASKS = ("repeat", "replace", "copy", "reverse", "sort")  # the task reference's
 
 
 @pytest.mark.parametrize(
@@ -255,7 +256,7 @@ REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's r
         ("cpu-flat/t5-replace", REPEAT_RECIPE, {"replace": ["t5"]}, (0,)),
         ("gpu-c-steps8000", {"steps": 8000}, {"copy": ["t5", "hybrid"], "reverse": ["t5", "hybrid"]}, (0, 1, 2)),
         ("gpu-c-replace-lr", {**REPEAT_RECIPE, "lr": 1e-3, "min_lr": 1e-4}, {"replace": ["alibi"]}, (0, 1, 2)),
-        ("gpu-t5-xtransformers", None, {t: ["t5"] for t in ("repeat", "replace", "copy", "reverse", "sort")}, (0, 1, 2)),
+        ("gpu-t5-xtransformers", None, {t: ["t5"] for t in FIVE_TASKS}, (0, 1, 2)),
         ("cpu-flat/hybrid-repeat-replace", REPEAT_RECIPE, {"repeat": ["hybrid"], "replace": ["hybrid"]}, (0, 1, 2)),
         (
             "cpu-sin-hybrid-repeat-replace",
