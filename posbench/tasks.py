@@ -49,7 +49,7 @@ class Task:
     # schemes set up as the NoPE study's model (HF T5) sets up T5's bias, where the config leaves
     # the option out: its table starts near zero, N(0, d_model^-0.5), and is added to the logits
     # as is; started at zero and added as is here. Perplexity keeps x-transformers' N(0, 1) x
-    # sqrt(d_head) (REFERENCES.md). docs/tasks.md, "T5's start", has the runs
+    # sqrt(d_head) (REFERENCES.md). docs/tasks.md, "The recipe", has the runs
     scheme_setup: dict = {s: {"init": "zeros", "scale": "none"} for s in ("t5", "hybrid")}
 
     def __init__(self, options: Optional[dict] = None, where: str = "task_options"):
