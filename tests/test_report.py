@@ -220,6 +220,7 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
 
 REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's recipe
 FIVE_TASKS = ("repeat", "replace", "copy", "reverse", "sort")  # the task reference's
+AT_TASKS_T5_SETUP = {"cpu-reverse-8000"}  # recipe-search runs made since tasks set T5 up (Task.scheme_setup)
 
 
 @pytest.mark.parametrize(
@@ -248,6 +249,7 @@ FIVE_TASKS = ("repeat", "replace", "copy", "reverse", "sort")  # the task refere
         ("cpu-t5-6000", {"steps": 6000}, {"copy": ["t5"]}, (2,)),
         ("cpu-learned-6000", {"steps": 6000}, {"reverse": ["learned"]}, (2,)),
         ("cpu-learned-8000", {"steps": 8000}, {"reverse": ["learned"]}, (2,)),
+        ("cpu-reverse-8000", {"steps": 8000}, {"reverse": ["learned", "hybrid", "alibi"]}, (0, 1, 2)),
         ("cpu-flat/hybrid-copy", {}, {"copy": ["hybrid"]}, (0, 1, 2)),
         ("cpu-flat/hybrid-reverse", {}, {"reverse": ["hybrid"]}, (0, 1, 2)),
         ("cpu-flat/t5-reverse", {}, {"reverse": ["t5"]}, (1,)),
@@ -274,7 +276,8 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     -s12, seeds 1 and 2) at the default recipe, and sinusoidal and hybrid again at their current
     scale (cpu-sin-hybrid-*, three seeds), and T5 and hybrid with their table started at zero
     (cpu-flat/*, where and only where the records say so); learned's reverse seed 2 at 6,000 and
-    8,000 steps; and the reference's T5 runs at the language model's T5 setup
+    8,000 steps, and reverse at 8,000 for the schemes run so far (cpu-reverse-8000, at the tasks'
+    T5 setup); and the reference's T5 runs at the language model's T5 setup
     (gpu-t5-xtransformers, each task at its own recipe). Their tables rebuild from the
     records, and each record was trained at the recipe the docs name."""
     import yaml
@@ -289,8 +292,10 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     for c in configs:
         want = TASKS[c["task"]].budget if recipe is None else {**Task.budget, **recipe}  # None: each task's own
         assert _recipe(c, want) == want and c["train"]["device"] == ("cuda" if "gpu" in name else "auto")
-        flat = c["model"]["options"].get("init") == "zeros"  # the T5 table started at zero: cpu-flat alone
-        assert flat == name.startswith("cpu-flat/") and (not flat or c["model"]["options"]["scale"] == "none")
+        flat = c["model"]["options"].get("init") == "zeros"  # the T5 table started at zero
+        if c["model"]["scheme"] in ("t5", "hybrid"):  # as cpu-flat set it, and the tasks' setup now gives it
+            assert flat == (name.startswith("cpu-flat/") or name in AT_TASKS_T5_SETUP), c["model"]["scheme"]
+        assert not flat or c["model"]["options"]["scale"] == "none"
         if "sin-hybrid" in name and c["model"]["scheme"] == "sinusoidal":  # the scale it has now, recorded
             assert c["model"]["options"] == {"rms": 0.02}
 
