@@ -14,6 +14,8 @@ from posbench.schemes import SEED_SCHEMES
 from posbench.stats import t_quantile
 from posbench.tables import latex_table, transposed
 
+FIVE_TASKS = ("repeat", "replace", "copy", "reverse", "sort")  # the task reference's, in its order
+
 
 def _rows():
     rows = []
@@ -175,9 +177,8 @@ def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path
         budget, setup = TASKS[c["task"]].budget, TASKS[c["task"]].scheme_setup.get(c["model"]["scheme"], {})
         assert _recipe(c, budget) == budget, c["task"]
         assert {k: c["model"]["options"][k] for k in setup} == setup, c["model"]["scheme"]  # T5's as tasks set it
-    tasks = ("repeat", "replace", "copy", "reverse", "sort")
     schemes = ("nope", "t5", "alibi", "rope", "sinusoidal")
-    assert len(runs) == 75 and made == {(t, s, n) for t in tasks for s in schemes for n in (0, 1, 2)}
+    assert len(runs) == 75 and made == {(t, s, n) for t in FIVE_TASKS for s in schemes for n in (0, 1, 2)}
     for run in runs:
         assert {"config.yaml", "eval.csv", "samples.txt", "train_log.jsonl"} <= {p.name for p in run.iterdir()}
 
@@ -219,7 +220,6 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
 
 
 REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's recipe
-FIVE_TASKS = ("repeat", "replace", "copy", "reverse", "sort")  # the task reference's
 AT_TASKS_T5_SETUP = {"cpu-reverse-8000"}  # recipe-search runs made since tasks set T5 up (Task.scheme_setup)
 
 
@@ -566,10 +566,9 @@ def test_the_readme_task_table_is_the_committed_task_reference():
     reciprocal rank."""
     readme = _table((ROOT / "README.md").read_text(), "| scheme | repeat | replace | copy | reverse | sort |")
     summary = (ROOT / "results" / "reference-tasks" / "summary.md").read_text()
-    tasks = ("repeat", "replace", "copy", "reverse", "sort")
-    by_task = {t: _table(summary, f"## {t}: % exact match by length") for t in tasks}
+    by_task = {t: _table(summary, f"## {t}: % exact match by length") for t in FIVE_TASKS}
     rank = _table(summary, "## mean reciprocal rank")
     assert sorted(readme) == sorted(rank) and len(readme) == 5
     for scheme, cells in readme.items():
         ours = [c.split(" [")[0] for c in cells]
-        assert ours == [f"{by_task[t][scheme][0]} / {by_task[t][scheme][1]}" for t in tasks] + [rank[scheme][0]]
+        assert ours == [f"{by_task[t][scheme][0]} / {by_task[t][scheme][1]}" for t in FIVE_TASKS] + [rank[scheme][0]]
