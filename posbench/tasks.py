@@ -227,6 +227,7 @@ class Copy(Task):
 class Reverse(Copy):
     name = "reverse"
     description = "a random string -> it reversed"
+    budget = {**Task.budget, "steps": 8000}  # learned's seed 2 is at 61% exact in distribution at 4,000 and 6,000
 
     def solve(self, s):
         return s[::-1]

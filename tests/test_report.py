@@ -220,7 +220,8 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
 
 
 REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's recipe
-AT_TASKS_T5_SETUP = {"cpu-reverse-8000"}  # recipe-search runs made since tasks set T5 up (Task.scheme_setup)
+AT_4000 = {"repeat": REPEAT_RECIPE, "replace": REPEAT_RECIPE, "copy": {}, "reverse": {}, "sort": {}}  # reverse at 4,000
+AT_TASKS_T5_SETUP = {"cpu-reverse-8000", "cpu-t5-reverse-4000"}  # made since tasks set T5 up (Task.scheme_setup)
 
 
 @pytest.mark.parametrize(
@@ -258,7 +259,11 @@ AT_TASKS_T5_SETUP = {"cpu-reverse-8000"}  # recipe-search runs made since tasks 
         ("cpu-flat/t5-replace", REPEAT_RECIPE, {"replace": ["t5"]}, (0,)),
         ("gpu-c-steps8000", {"steps": 8000}, {"copy": ["t5", "hybrid"], "reverse": ["t5", "hybrid"]}, (0, 1, 2)),
         ("gpu-c-replace-lr", {**REPEAT_RECIPE, "lr": 1e-3, "min_lr": 1e-4}, {"replace": ["alibi"]}, (0, 1, 2)),
-        ("gpu-t5-xtransformers", None, {t: ["t5"] for t in FIVE_TASKS}, (0, 1, 2)),
+        ("gpu-t5-xtransformers", AT_4000, {t: ["t5"] for t in FIVE_TASKS}, (0, 1, 2)),
+        ("gpu-reverse-4000", {}, {"reverse": ["nope", "alibi", "rope", "sinusoidal"]}, (0, 1, 2)),
+        ("cpu-t5-reverse-4000", {}, {"reverse": ["t5"]}, (0, 1, 2)),
+        ("gpu-reverse-8000", {"steps": 8000}, {"reverse": ["xl"]}, (0, 1, 2)),
+        ("gpu-alibi-replace-s0", REPEAT_RECIPE, {"replace": ["alibi"]}, (0,)),
         ("cpu-flat/hybrid-repeat-replace", REPEAT_RECIPE, {"repeat": ["hybrid"], "replace": ["hybrid"]}, (0, 1, 2)),
         (
             "cpu-sin-hybrid-repeat-replace",
@@ -269,20 +274,17 @@ AT_TASKS_T5_SETUP = {"cpu-reverse-8000"}  # recipe-search runs made since tasks 
     ],
 )
 def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made, seeds):
-    """results/recipe-search holds the runs that chose the tasks' recipe (docs/tasks.md): on a
-    GPU, gpu-a at the default recipe, three seeds, gpu-b at a higher lr, seed 0, and gpu-c at twice
-    the steps (t5, hybrid) and half the lr (alibi on replace), three seeds; on this
-    CPU, cpu-reverse, cpu-other (addition, recall), cpu-passkey and cpu-repeat-replace (seed 0;
-    -s12, seeds 1 and 2) at the default recipe, and sinusoidal and hybrid again at their current
-    scale (cpu-sin-hybrid-*, three seeds), and T5 and hybrid with their table started at zero
-    (cpu-flat/*, where and only where the records say so); learned's reverse seed 2 at 6,000 and
-    8,000 steps, and reverse at 8,000 for the schemes run so far (cpu-reverse-8000, at the tasks'
-    T5 setup); and the reference's T5 runs at the language model's T5 setup
-    (gpu-t5-xtransformers, each task at its own recipe). Their tables rebuild from the
+    """results/recipe-search holds the runs that chose the tasks' recipe (docs/tasks.md), each
+    folder at one recipe (`recipe`, over Task.budget's 4,000 steps) or one a task (AT_4000, the
+    task reference's recipe when reverse's was 4,000 steps): gpu-* on a GPU, cpu-* on this CPU;
+    reverse at 4,000 and 8,000 steps, copy and repeat/replace at theirs, a higher and a lower lr
+    (gpu-b, gpu-c-replace-lr), T5 and hybrid with their table started at zero where and only where
+    the records say so (cpu-flat/*, and the runs since tasks set T5 up), and the reference's T5
+    runs at the language model's T5 setup (gpu-t5-xtransformers). Their tables rebuild from the
     records, and each record was trained at the recipe the docs name."""
     import yaml
 
-    from posbench.tasks import TASKS, Task
+    from posbench.tasks import Task
 
     committed = _rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
     configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in committed.iterdir() if p.is_dir()]
@@ -290,7 +292,7 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
         (t, s, n) for t, schemes in made.items() for s in schemes for n in seeds
     }
     for c in configs:
-        want = TASKS[c["task"]].budget if recipe is None else {**Task.budget, **recipe}  # None: each task's own
+        want = {**Task.budget, **(recipe[c["task"]] if c["task"] in recipe else recipe)}  # one for all, or by task
         assert _recipe(c, want) == want and c["train"]["device"] == ("cuda" if "gpu" in name else "auto")
         flat = c["model"]["options"].get("init") == "zeros"  # the T5 table started at zero
         if c["model"]["scheme"] in ("t5", "hybrid"):  # as cpu-flat set it, and the tasks' setup now gives it
