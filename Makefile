@@ -36,8 +36,8 @@ bench: install
 reproduce: install
 	posbench extrapolate --config configs/reproduce-alibi.yaml
 
-# the committed comparison on synthetic tasks in results/reference-tasks/ (75 runs: about 5
-# minutes on one GPU with --set train.device=cuda --set train.workers=15; 5 to 6 hours on 2 cores)
+# the committed comparison on synthetic tasks in results/reference-tasks/ (75 runs: minutes
+# on one GPU with --set train.device=cuda --set train.workers=15; 6 to 7 hours on 2 cores)
 reproduce-tasks: install
 	posbench sweep configs/reproduce-tasks.yaml
 
