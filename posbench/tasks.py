@@ -205,6 +205,7 @@ class Copy(Task):
     name = "copy"
     description = "a random string -> the same string"
     options = {**Task.options, "alphabet": symbols(Task.syntax)}
+    budget = {**Task.budget, "steps": 2000}  # every seed scheme learns it at 2,000, at each of 3 seeds
 
     def make(self, n, rng):
         s = self.string(n, rng)
@@ -238,6 +239,7 @@ class Sort(Copy):
     description = "a random string -> its characters sorted (in the alphabet's byte order)"
     # a small alphabet, as the study's single-digit sort: repeated characters are part of sorting
     options = {**Task.options, "alphabet": LETTERS}
+    budget = Task.budget
 
     def solve(self, s):
         return bytes(sorted(s))
@@ -248,7 +250,7 @@ class Repeat(Copy):
 
     name = "repeat"
     description = "one character n times -> the same string"
-    budget = {**Task.budget, "steps": 2000, "warmup_steps": 100}  # learned in half copy's steps
+    budget = {**Task.budget, "steps": 2000, "warmup_steps": 100}  # every seed scheme learns it in these
 
     def string(self, n, rng):
         return (rng.choice(self.opt["alphabet"]) * n).encode()
@@ -263,7 +265,7 @@ class Replace(Task):
     name = "replace"
     description = "n copies of a character a, and b -> n copies of b"
     syntax = b":=>" + END
-    budget = {**Task.budget, "steps": 2000, "warmup_steps": 100}  # learned in half copy's steps
+    budget = {**Task.budget, "steps": 2000, "warmup_steps": 100}  # every seed scheme learns it in these
     options = {**Task.options, "alphabet": symbols(syntax)}
 
     def check(self, where):

@@ -221,7 +221,13 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
 
 REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's recipe
 AT_4000 = {"repeat": REPEAT_RECIPE, "replace": REPEAT_RECIPE, "copy": {}, "reverse": {}, "sort": {}}  # reverse at 4,000
-AT_TASKS_T5_SETUP = {"cpu-reverse-8000", "cpu-t5-reverse-4000"}  # made since tasks set T5 up (Task.scheme_setup)
+AT_TASKS_T5_SETUP = {  # made since tasks set T5 up (Task.scheme_setup)
+    "cpu-reverse-8000",
+    "cpu-t5-reverse-4000",
+    "cpu-t5-copy-4000",
+    "gpu-copy-2000",
+    "gpu-copy-3000",
+}
 
 
 @pytest.mark.parametrize(
@@ -264,6 +270,10 @@ AT_TASKS_T5_SETUP = {"cpu-reverse-8000", "cpu-t5-reverse-4000"}  # made since ta
         ("cpu-t5-reverse-4000", {}, {"reverse": ["t5"]}, (0, 1, 2)),
         ("gpu-reverse-8000", {"steps": 8000}, {"reverse": ["xl"]}, (0, 1, 2)),
         ("gpu-alibi-replace-s0", REPEAT_RECIPE, {"replace": ["alibi"]}, (0,)),
+        ("gpu-copy-4000", {}, {"copy": ["nope", "alibi", "rope", "sinusoidal"]}, (0, 1, 2)),
+        ("cpu-t5-copy-4000", {}, {"copy": ["t5"]}, (0, 1, 2)),
+        ("gpu-copy-2000", {"steps": 2000}, {"copy": ["learned", "xl", "hybrid"]}, (0, 1, 2)),
+        ("gpu-copy-3000", {"steps": 3000}, {"copy": SEED_SCHEMES}, (0, 1, 2)),
         ("cpu-flat/hybrid-repeat-replace", REPEAT_RECIPE, {"repeat": ["hybrid"], "replace": ["hybrid"]}, (0, 1, 2)),
         (
             "cpu-sin-hybrid-repeat-replace",
@@ -277,7 +287,7 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     """results/recipe-search holds the runs that chose the tasks' recipe (docs/tasks.md), each
     folder at one recipe (`recipe`, over Task.budget's 4,000 steps) or one a task (AT_4000, the
     task reference's recipe when reverse's was 4,000 steps): gpu-* on a GPU, cpu-* on this CPU;
-    reverse at 4,000 and 8,000 steps, copy and repeat/replace at theirs, a higher and a lower lr
+    copy at 2,000 to 8,000 steps, reverse at 4,000 to 8,000, repeat and replace at theirs, a higher and a lower lr
     (gpu-b, gpu-c-replace-lr), T5 and hybrid with their table started at zero where and only where
     the records say so (cpu-flat/*, and the runs since tasks set T5 up), and the reference's T5
     runs at the language model's T5 setup (gpu-t5-xtransformers). Their tables rebuild from the
