@@ -227,6 +227,7 @@ AT_TASKS_T5_SETUP = {  # made since tasks set T5 up (Task.scheme_setup)
     "cpu-t5-copy-4000",
     "gpu-copy-2000",
     "gpu-copy-3000",
+    "cpu-copy-2000",
 }
 
 
@@ -274,6 +275,7 @@ AT_TASKS_T5_SETUP = {  # made since tasks set T5 up (Task.scheme_setup)
         ("cpu-t5-copy-4000", {}, {"copy": ["t5"]}, (0, 1, 2)),
         ("gpu-copy-2000", {"steps": 2000}, {"copy": ["learned", "xl", "hybrid"]}, (0, 1, 2)),
         ("gpu-copy-3000", {"steps": 3000}, {"copy": SEED_SCHEMES}, (0, 1, 2)),
+        ("cpu-copy-2000", {"steps": 2000}, {"copy": SEED_SCHEMES}, (0, 1, 2)),
         ("cpu-flat/hybrid-repeat-replace", REPEAT_RECIPE, {"repeat": ["hybrid"], "replace": ["hybrid"]}, (0, 1, 2)),
         (
             "cpu-sin-hybrid-repeat-replace",
