@@ -229,6 +229,7 @@ AT_TASKS_T5_SETUP = {  # made since tasks set T5 up (Task.scheme_setup)
     "gpu-copy-3000",
     "cpu-copy-2000",
     "cpu-t5-8000",
+    "cpu-t5-fine-buckets",
 }
 
 
@@ -278,6 +279,7 @@ AT_TASKS_T5_SETUP = {  # made since tasks set T5 up (Task.scheme_setup)
         ("gpu-copy-3000", {"steps": 3000}, {"copy": SEED_SCHEMES}, (0, 1, 2)),
         ("cpu-copy-2000", {"steps": 2000}, {"copy": SEED_SCHEMES}, (0, 1, 2)),
         ("cpu-t5-8000", {**REPEAT_RECIPE, "steps": 8000}, {"repeat": ["t5"], "replace": ["t5"]}, (0,)),
+        ("cpu-t5-fine-buckets", REPEAT_RECIPE, {"repeat": ["t5"], "replace": ["t5"]}, (0, 1, 2)),
         ("cpu-flat/hybrid-repeat-replace", REPEAT_RECIPE, {"repeat": ["hybrid"], "replace": ["hybrid"]}, (0, 1, 2)),
         (
             "cpu-sin-hybrid-repeat-replace",
