@@ -228,7 +228,7 @@ class Copy(Task):
 class Reverse(Copy):
     name = "reverse"
     description = "a random string -> it reversed"
-    budget = {**Task.budget, "steps": 8000}  # learned's seed 2 is at 61% exact in distribution at 4,000 and 6,000
+    budget = {**Task.budget, "steps": 8000}  # learned's seed 2: 61% exact in distribution at 4,000, 82% at 6,000
 
     def solve(self, s):
         return s[::-1]
@@ -239,7 +239,7 @@ class Sort(Copy):
     description = "a random string -> its characters sorted (in the alphabet's byte order)"
     # a small alphabet, as the study's single-digit sort: repeated characters are part of sorting
     options = {**Task.options, "alphabet": LETTERS}
-    budget = Task.budget
+    budget = Task.budget  # not copy's 2,000 steps: sort was measured at 4,000
 
     def solve(self, s):
         return bytes(sorted(s))

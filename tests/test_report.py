@@ -220,7 +220,8 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
 
 
 REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's recipe
-AT_4000 = {"repeat": REPEAT_RECIPE, "replace": REPEAT_RECIPE, "copy": {}, "reverse": {}, "sort": {}}  # reverse at 4,000
+# the task reference's recipe by task when copy and reverse trained 4,000 steps
+AT_4000 = {"repeat": REPEAT_RECIPE, "replace": REPEAT_RECIPE, "copy": {}, "reverse": {}, "sort": {}}
 AT_TASKS_T5_SETUP = {  # made since tasks set T5 up (Task.scheme_setup)
     "cpu-reverse-8000",
     "cpu-t5-reverse-4000",
@@ -292,12 +293,13 @@ AT_TASKS_T5_SETUP = {  # made since tasks set T5 up (Task.scheme_setup)
 def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made, seeds):
     """results/recipe-search holds the runs that chose the tasks' recipe (docs/tasks.md), each
     folder at one recipe (`recipe`, over Task.budget's 4,000 steps) or one a task (AT_4000, the
-    task reference's recipe when reverse's was 4,000 steps): gpu-* on a GPU, cpu-* on this CPU;
-    copy at 2,000 to 8,000 steps, reverse at 4,000 to 8,000, repeat and replace at theirs, a higher and a lower lr
-    (gpu-b, gpu-c-replace-lr), T5 and hybrid with their table started at zero where and only where
-    the records say so (cpu-flat/*, and the runs since tasks set T5 up), and the reference's T5
-    runs at the language model's T5 setup (gpu-t5-xtransformers). Their tables rebuild from the
-    records, and each record was trained at the recipe the docs name."""
+    task reference's recipe when copy's and reverse's were 4,000 steps): gpu-* on a GPU, cpu-* on
+    this CPU; copy at 2,000 to 8,000 steps, reverse at 4,000 to 8,000, repeat and replace at
+    theirs, a higher and a lower lr (gpu-b, gpu-c-replace-lr), T5 and hybrid with their table
+    started at zero where and only where the records say so (cpu-flat/*, and the runs since tasks
+    set T5 up), and the reference's T5 runs at the language model's T5 setup
+    (gpu-t5-xtransformers). Their tables rebuild from the records, and each record was trained at
+    the recipe the docs name."""
     import yaml
 
     from posbench.tasks import Task
