@@ -83,6 +83,9 @@ class Tracker:
     def text(self, tag: str, text: str) -> None:
         raise NotImplementedError
 
+    def sent(self) -> None:
+        """Everything meant for this tracker run was handed over (before `close`)."""
+
     def close(self) -> None:
         pass
 
@@ -184,7 +187,9 @@ class WandB(Tracker):
         import wandb
 
         self.key = key or hashlib.sha256(f"{store.resolve()}/{name}".encode()).hexdigest()[:16]
-        settings = wandb.Settings(console="off", x_disable_stats=True, x_disable_meta=True)
+        # a busy machine starts W&B's service slowly: wait for it rather than drop the copy
+        wait = {"init_timeout": 600.0, "x_service_wait": 600.0}
+        settings = wandb.Settings(console="off", x_disable_stats=True, x_disable_meta=True, **wait)
         self.run = wandb.init(
             project=group,
             group=group,
@@ -198,6 +203,7 @@ class WandB(Tracker):
             settings=settings,
             reinit="finish_previous",
         )
+        self.folder = Path(self.run.settings.sync_dir)
         self.axes: set = set()
 
     def scalars(self, axis, x, values):
@@ -219,8 +225,24 @@ class WandB(Tracker):
     def text(self, tag, text):
         self.run.summary[tag] = text
 
+    def sent(self):
+        self.whole = True
+
     def close(self):
         self.run.finish()
+        if getattr(self, "whole", False):
+            self._drop_older()
+
+    def _drop_older(self):
+        """`wandb sync` of an id's offline runs keeps the last synced: a run is sent whole each
+        time, so once it is, the older offline runs of its id (and any a failed send left) go:
+        one folder per run, whatever order a shell syncs them in."""
+        import shutil
+
+        pattern = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(self.key)}(-\d+)?")
+        for folder in self.folder.parent.iterdir():
+            if folder != self.folder and folder.is_dir() and pattern.fullmatch(folder.name):
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 class Trackio(Tracker):
@@ -320,6 +342,7 @@ def send_run(tracker: Optional[str], exp_dir: Path, rdir: Path) -> None:
             for length in sorted(by_length):
                 run.scalars("length", length, by_length[length])
             remember(eval=points)
+            run.sent()
         finally:
             run.close()
 
@@ -355,6 +378,7 @@ def send_report(tracker: Optional[str], exp_dir: Path) -> None:
             for name in IMAGES:
                 if (exp_dir / name).is_file():
                     run.image(name.removesuffix(".png"), exp_dir / name)
+            run.sent()
         finally:
             run.close()
         _write_record(exp_dir, {**_read_record(exp_dir), tracker: {"id": run.key}})
