@@ -21,10 +21,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from posbench.compare.table import grid as compare_grid
+from posbench.compare.table import summarize
 from posbench.errors import PosbenchError
 from posbench.files import safe_name, write_atomic, write_rows
 from posbench.measures.base import Measure, Metric, Section
-from posbench.stats import mean_ci, tied_for_best
+from posbench.stats import mean_ci
 from posbench.tables import BAND_SEEDS, band, plot_training, pyplot, save, scheme_order, style, tex, transposed
 from posbench.tasks import CPU_PARTS, Task, build_task
 
@@ -41,6 +43,10 @@ class ExactMatch(Measure):
 
     def __init__(self, task: Task):
         self.task = task
+
+    def padding_benchmark(self):
+        """A task's instances vary in length: its batches are padded to their longest, or cut."""
+        return None
 
     def resolve(self, cfg, test_len) -> None:
         task = self.task
@@ -339,43 +345,24 @@ def by_bucket(df: pd.DataFrame, spans: list[tuple[int, int]], train_max: int) ->
 
 
 def comparison(long: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Schemes x buckets of one metric: its mean over seeds, its 95% interval, seeds, and the
-    schemes tied for best at each bucket (the same paired/Welch tests as perplexity)."""
+    """Schemes x buckets of one metric (compare.summarize): its mean over seeds, its 95%
+    interval, seeds, and the schemes tied for best at each bucket; in and out of distribution first."""
     long = long[long["metric"] == metric]
-    order = scheme_order(set(long["scheme"]))
     cols = list(dict.fromkeys(long["bucket"]))
     cols = [b for b in ("in", "out") if b in cols] + [b for b in cols if b not in ("in", "out")]
-    table = {}
-    for b in cols:
-        at = long[(long["bucket"] == b) & long["value"].notna()]
-        by_scheme = {s: dict(zip(g["seed"], g["value"])) for s, g in at.groupby("scheme")}
-        _, tied, _ = tied_for_best(by_scheme, ExactMatch.metrics[metric].higher_is_better)
-        values = {s: list(by_scheme[s].values()) for s in by_scheme}
-        table[b] = [mean_ci(values[s])[0] if s in values else math.nan for s in order]
-        table[f"ci {b}"] = [mean_ci(values[s])[1] if s in values else math.nan for s in order]
-        table[f"best {b}"] = [s in tied for s in order]
-    table["seeds"] = [long[long["scheme"] == s]["seed"].nunique() for s in order]
-    table = pd.DataFrame(table, index=order)
-    table.attrs["buckets"] = cols
-    return table
+    order = scheme_order(set(long["scheme"]))
+    return summarize(
+        long.rename(columns={"bucket": "column"}), cols, order, ExactMatch.metrics[metric].higher_is_better
+    )
 
 
-def cell(table: pd.DataFrame, scheme: str, b: str) -> str:
-    """'97.3 ± 1.2' (percent, with the 95% interval over seeds), or — where not scored."""
-    v, ci = table.loc[scheme, b], table.loc[scheme, f"ci {b}"]
-    if v != v:
-        return "—"
-    return f"{100 * v:.1f} ± {100 * ci:.1f}" if ci == ci else f"{100 * v:.1f}"
-
-
-def grid(table: pd.DataFrame) -> tuple[list[list[str]], set]:
-    """The table as rows of strings (a header first), and the (row, column) cells that are best."""
-    cols = table.attrs["buckets"]
-    head = ["scheme"] + [{"in": "in-dist", "out": "out-of-dist"}.get(b, b) for b in cols] + ["seeds"]
-    rows, best = [head], set()
-    for i, s in enumerate(table.index, start=1):
-        rows.append([s] + [cell(table, s, b) for b in cols] + [str(int(table.loc[s, "seeds"]))])
-        best |= {(i, j) for j, b in enumerate(cols, start=1) if table.loc[s, f"best {b}"]}
+def grid(table: pd.DataFrame, metric: str) -> tuple[list[list[str]], set]:
+    """The table as rows of strings (a header first), percent, and the (row, column) cells that are best."""
+    heads = [{"in": "in-dist", "out": "out-of-dist"}.get(b, b) for b in table.attrs["columns"]]
+    rows, best = compare_grid(table, heads, ExactMatch.metrics[metric].digits, scale=100, missing="—")
+    rows[0].append("seeds")
+    for s, row in zip(table.index, rows[1:]):
+        row.append(str(int(table.loc[s, "seeds"])))
     return rows, best
 
 
@@ -396,8 +383,8 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
         parts.append((point, configs, long, comparison(long, metric)))
     sections = []
     for point, configs, part, table in parts:
-        rows, best = grid(table)
-        if transpose or len(table.attrs["buckets"]) > 12:
+        rows, best = grid(table, metric)
+        if transpose or len(table.attrs["columns"]) > 12:
             rows, best = transposed(rows, best)
         where = f" ({point})" if point else ""
         task = build_task(configs[0].task, configs[0].task_options)

@@ -16,13 +16,15 @@ from typing import Optional
 
 import pandas as pd
 
+from posbench.compare.table import grid as compare_grid
+from posbench.compare.table import spread_note as compare_spread
+from posbench.compare.table import summarize
 from posbench.config import PROTOCOLS, length_grid
 from posbench.data import SHAKESPEARE_NAME
 from posbench.errors import PosbenchError
 from posbench.extend import report as extend
 from posbench.files import write_rows
 from posbench.measures.base import Measure, Metric, Section
-from posbench.stats import mean_ci, tied_for_best
 from posbench.tables import (
     BAND_SEEDS,
     UNRECORDED,
@@ -60,6 +62,16 @@ class Perplexity(Measure):
     def identity(self, part: dict) -> dict:
         """A perplexity run reads the corpus and no task: its task settings decide nothing."""
         return {k: v for k, v in part.items() if k not in ("task", "task_options")}
+
+    def throughput(self, cfg) -> tuple[int, str]:
+        """A step reads batch_size windows of train_len tokens each."""
+        return cfg.train.batch_size * cfg.model.train_len, "tokens_per_s"
+
+    def padding_benchmark(self) -> Optional[str]:
+        return "a corpus's batches are all one length; give a task, e.g. --task copy"
+
+    def not_extendable(self, cfg) -> Optional[str]:
+        return None
 
     def resolve(self, cfg, test_len: Optional[int]) -> None:
         if cfg.task_options:
@@ -427,51 +439,28 @@ def with_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
 
 
 def comparison(df: pd.DataFrame) -> pd.DataFrame:
-    """Schemes x lengths of one protocol: the mean `value` (ppl unless with_metric chose another)
-    over seeds, its 95% interval, the schemes tied for best, and ppl(longest)/ppl(train)."""
+    """Schemes x lengths of one protocol (compare.summarize): the mean `value` (ppl unless
+    with_metric chose another) over seeds, its 95% interval and the schemes tied for best, with
+    ppl(longest)/ppl(train) and bits per byte at both beside them."""
     if "value" not in df:
         df = with_metric(df, "ppl")
     order = list(dict.fromkeys(df["scheme"]))
-    ok = df[df["status"] == "ok"]
     lengths = sorted(df["length"].unique())
-    mean = ok.pivot_table(index="scheme", columns="length", values="value", aggfunc="mean")
-    mean = mean.reindex(index=order, columns=lengths)
     # a variant row (rope+yarn) counts against its base scheme's seeds: those are its checkpoints
     base_seeds = df.groupby(df["scheme"].str.split("+").str[0])["seed"].nunique()
-    seeds = pd.Series([base_seeds[s.split("+")[0]] for s in order], index=order)
-    status = df.pivot_table(index="scheme", columns="length", values="status", aggfunc="first")
-    status = status.reindex(index=order, columns=lengths)
-    scored = ok.pivot_table(index="scheme", columns="length", values="seed", aggfunc="nunique")
-    scored = scored.reindex(index=order, columns=lengths)
-    blown = df[df["status"] == "non-finite"]
-    blown = blown.pivot_table(index="scheme", columns="length", values="seed", aggfunc="nunique")
-    blown = blown.reindex(index=order, columns=lengths)
-    out = pd.DataFrame(index=order)
-    out.index.name = "scheme"
-    tests = set()
-    for L in lengths:
-        at = ok[ok["length"] == L]
-        by_scheme = {s: dict(zip(g["seed"], g["value"])) for s, g in at.groupby("scheme")}
-        _, tied, test = tied_for_best(by_scheme, Perplexity.metrics["ppl"].higher_is_better)
-        tests.add(test)
-        out[L] = mean[L]
-        out[f"ci {L}"] = [mean_ci(list(by_scheme[s].values()))[1] if s in by_scheme else math.nan for s in order]
-        out[f"status {L}"] = status[L]
-        out[f"n {L}"] = scored[L]  # seeds behind the mean, when fewer than the row's
-        out[f"nonfinite {L}"] = blown[L]  # seeds whose loss blew up there
-        out[f"best {L}"] = [s in tied for s in order]
+    seeds = {s: base_seeds[s.split("+")[0]] for s in order}
+    out = summarize(df.rename(columns={"length": "column"}), lengths, order, False, seeds)
+    ok = df[df["status"] == "ok"]
     base = int(df["train_len"].iloc[0])  # one per table; a fine-tuned child's too (its parent's)
     out["ratio"] = [
         math.nan
-        if (blown.loc[s].reindex([base, lengths[-1]]).fillna(0) > 0).any()  # none hidden
+        if (out.loc[s, [f"nonfinite {L}" for L in {base, lengths[-1]} if L in lengths]].fillna(0) > 0).any()
         else _ratio(ok[ok["scheme"] == s], base, lengths[-1])
         for s in order
     ]
     for name, L in (("bpb train", base), ("bpb longest", lengths[-1])):  # beside perplexity, in bits per byte
         have = ok[ok["length"] == L]
         out[name] = have.groupby("scheme")["bpb"].mean().reindex(order) if "bpb" in have else math.nan
-    out["seeds"] = seeds
-    out.attrs["tests"] = tests - {"none"}
     out.attrs["train_len"] = base  # a grid point's
     return out
 
@@ -485,48 +474,14 @@ def _ratio(rows: pd.DataFrame, base: int, longest: int) -> float:
     return b[both].mean() / a[both].mean() if len(both) else math.nan
 
 
-def cell(table: pd.DataFrame, scheme: str, L: int, missing: str = "", digits: int = 2) -> str:
-    """'12.34', or '12.34 ± 0.10' (the 95% interval over seeds), with '(1 of 3 seeds)' when
-    fewer seeds than the row's reached the length and '; 1 non-finite' when some blew up there;
-    'nan' when all did; the status (or `missing`) where the scheme could not be scored; blank
-    where never evaluated."""
-    v, ci, st = table.loc[scheme, L], table.loc[scheme, f"ci {L}"], table.loc[scheme, f"status {L}"]
-    if not isinstance(st, str):
-        return ""
-    blown = table.loc[scheme, f"nonfinite {L}"]
-    blown = 0 if blown != blown else int(blown)
-    if v != v:  # no seed scored here
-        return "nan" if blown else (missing or st)
-    text = f"{v:.{digits}f} ± {ci:.{digits}f}" if ci == ci else f"{v:.{digits}f}"
-    n, of = table.loc[scheme, f"n {L}"], table.loc[scheme, "seeds"]
-    if blown:
-        return f"{text} ({n:.0f} of {of} seeds; {blown} non-finite)"
-    return text if n == of else f"{text} ({n:.0f} of {of} seeds)"
-
-
-def is_best(table: pd.DataFrame, scheme: str, L: int) -> bool:
-    return bool(table.loc[scheme, f"best {L}"])
-
-
 def spread_note(tables: dict[str, pd.DataFrame]) -> str:
-    """What a cell's ± and its bold mean, or why there is no interval."""
+    """What a cell's ± and its bold mean, over every table of a report."""
     seeds = max(int(t["seeds"].max()) for t in tables.values())
-    if seeds < 2:
-        return "1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each length"
-    tests = set().union(*(t.attrs.get("tests", set()) for t in tables.values()))
-    how = {
-        "paired": "a paired t-test over seeds (the same seeds: the same init and data order)",
-        "welch": "Welch's t-test where the seed sets differ",
-    }
-    test = "; ".join(how[t] for t in sorted(tests)) or "no test (too few seeds)"
-    return (
-        f"mean ± 95% confidence interval over seeds (Student's t). Bold: the best scheme at each "
-        f"length and every scheme not significantly different from it (p >= 0.05, {test})"
-    )
+    return compare_spread(seeds, set().union(*(t.attrs.get("tests", set()) for t in tables.values())))
 
 
 def lengths_of(table: pd.DataFrame) -> list[int]:
-    return [c for c in table.columns if isinstance(c, int) or str(c).isdigit()]
+    return table.attrs["columns"]
 
 
 def trained_at(df: pd.DataFrame) -> str:
@@ -630,17 +585,14 @@ def grid(
     """The table as rows of strings (a header first): schemes x lengths, the seed count and
     ppl(longest)/ppl(train), and the (row, column) cells that are best."""
     lengths = lengths_of(table)
-    digits = METRICS[metric][1]
-    head = ["scheme"] + [str(L) for L in lengths] + ["seeds", f"ppl({lengths[-1]})/ppl({train_len})"]
+    rows, best = compare_grid(table, [str(L) for L in lengths], METRICS[metric][1], missing=missing)
+    rows[0] += ["seeds", f"ppl({lengths[-1]})/ppl({train_len})"]
     with_bpb = bpb and metric != "bpb" and table[["bpb train", "bpb longest"]].notna().any().any()
-    head += [f"bpb({train_len})", f"bpb({lengths[-1]})"] if with_bpb else []
-    rows, best = [head], set()
-    for i, s in enumerate(table.index, start=1):
-        cells = [cell(table, s, L, missing=missing, digits=digits) for L in lengths]
-        best |= {(i, j) for j, L in enumerate(lengths, start=1) if is_best(table, s, L)}
-        rows.append([s] + cells + [str(int(table.loc[s, "seeds"])), ratio_cell(table, s, train_len, lengths[-1])])
+    rows[0] += [f"bpb({train_len})", f"bpb({lengths[-1]})"] if with_bpb else []
+    for s, row in zip(table.index, rows[1:]):
+        row += [str(int(table.loc[s, "seeds"])), ratio_cell(table, s, train_len, lengths[-1])]
         if with_bpb:
-            rows[-1] += [_bpb_cell(table.loc[s, k]) for k in ("bpb train", "bpb longest")]
+            row += [_bpb_cell(table.loc[s, k]) for k in ("bpb train", "bpb longest")]
     return rows, best
 
 

@@ -1,0 +1,99 @@
+"""The one table builder and the one cell: a measure's long rows -> schemes x columns of the
+mean over seeds, its 95% interval, how many seeds it stands on, and the schemes tied for best."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pandas as pd
+
+from posbench.stats import mean_ci, tied_for_best
+
+OK = "ok"  # a row's status where it was scored; any other says why not (beyond-max-len, non-finite)
+NON_FINITE = "non-finite"
+
+
+def summarize(
+    long: pd.DataFrame,
+    columns: list,
+    order: list[str],
+    higher_is_better: bool,
+    seeds: Optional[dict[str, int]] = None,
+) -> pd.DataFrame:
+    """`long` holds a row per (scheme, seed, column): its `value` and `status` (OK, or why it has
+    no value). The table has a row per scheme of `order` and, for each column c: c, the mean of
+    the seeds scored there; `ci c`, its 95% interval (Student's t); `status c`, the first row's
+    status (NaN where none was evaluated); `n c`, the seeds scored; `nonfinite c`, the seeds whose
+    value blew up; `best c`, whether the scheme is best or not significantly different from the
+    best, by the metric's direction. `seeds` is each row's seed count (default: its own seeds).
+    attrs["tests"]: the tests that decided the ties (paired, welch)."""
+    out = pd.DataFrame(index=pd.Index(order, name="scheme"))
+    scored = long[(long["status"] == OK) & long["value"].notna()]
+    tests: set[str] = set()
+    for c in columns:
+        at, here = scored[scored["column"] == c], long[long["column"] == c]
+        by_scheme = {s: dict(zip(g["seed"], g["value"])) for s, g in at.groupby("scheme", sort=False)}
+        _, tied, test = tied_for_best(by_scheme, higher_is_better)
+        tests |= set(test.split("+")) - {"none"}
+        stats = {s: mean_ci(list(v.values())) for s, v in by_scheme.items()}
+        first = here.groupby("scheme", sort=False)["status"].first()
+        blown = here[here["status"] == NON_FINITE].groupby("scheme", sort=False)["seed"].nunique()
+        out[c] = [stats[s][0] if s in stats else math.nan for s in order]
+        out[f"ci {c}"] = [stats[s][1] if s in stats else math.nan for s in order]
+        out[f"status {c}"] = first.reindex(order)
+        out[f"n {c}"] = [len(by_scheme[s]) if s in by_scheme else math.nan for s in order]
+        out[f"nonfinite {c}"] = blown.reindex(order)
+        out[f"best {c}"] = [s in tied for s in order]
+    own = long.groupby("scheme", sort=False)["seed"].nunique()
+    out["seeds"] = [(seeds or own)[s] for s in order]
+    out.attrs["tests"] = tests
+    out.attrs["columns"] = list(columns)
+    return out
+
+
+def cell(table: pd.DataFrame, scheme: str, c, digits: int, scale: float = 1.0, missing: str = "") -> str:
+    """'12.34', or '12.34 ± 0.10' (the 95% interval over seeds), each times `scale`, with
+    '(1 of 3 seeds)' when fewer seeds than the row's were scored there and '; 1 non-finite' when
+    some blew up; 'nan' when every seed did; `missing` (else the status) where the scheme could
+    not be scored; blank where it was never evaluated."""
+    v, ci, st = table.loc[scheme, c], table.loc[scheme, f"ci {c}"], table.loc[scheme, f"status {c}"]
+    if not isinstance(st, str):
+        return ""
+    blown = table.loc[scheme, f"nonfinite {c}"]
+    blown = 0 if blown != blown else int(blown)
+    if v != v:  # no seed scored here
+        return "nan" if blown else (missing or st)
+    text = f"{scale * v:.{digits}f} ± {scale * ci:.{digits}f}" if ci == ci else f"{scale * v:.{digits}f}"
+    n, of = table.loc[scheme, f"n {c}"], table.loc[scheme, "seeds"]
+    if blown:
+        return f"{text} ({n:.0f} of {of} seeds; {blown} non-finite)"
+    return text if n == of else f"{text} ({n:.0f} of {of} seeds)"
+
+
+def grid(
+    table: pd.DataFrame, heads: list[str], digits: int, scale: float = 1.0, missing: str = ""
+) -> tuple[list[list[str]], set]:
+    """The table as rows of strings, a header first ("scheme" and `heads`, a head per column),
+    and the (row, column) cells to set in bold. A measure appends its own columns to each row."""
+    columns = table.attrs["columns"]
+    rows, best = [["scheme", *heads]], set()
+    for i, s in enumerate(table.index, start=1):
+        rows.append([s] + [cell(table, s, c, digits, scale, missing) for c in columns])
+        best |= {(i, j) for j, c in enumerate(columns, start=1) if table.loc[s, f"best {c}"]}
+    return rows, best
+
+
+def spread_note(seeds: int, tests: set[str]) -> str:
+    """What a cell's ± and its bold mean, or why there is no interval."""
+    if seeds < 2:
+        return "1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each length"
+    how = {
+        "paired": "a paired t-test over seeds (the same seeds: the same init and data order)",
+        "welch": "Welch's t-test where the seed sets differ",
+    }
+    test = "; ".join(how[t] for t in sorted(tests)) or "no test (too few seeds)"
+    return (
+        f"mean ± 95% confidence interval over seeds (Student's t). Bold: the best scheme at each "
+        f"length and every scheme not significantly different from it (p >= 0.05, {test})"
+    )
