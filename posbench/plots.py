@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
+from posbench.compare.plot import pyplot, save
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.schemes import SCHEMES, PositionalScheme, build_scheme
-from posbench.tables import pyplot, save
 
 OFFSETS = (0, 100, 1000)  # absolute positions of the key in the rotation plot
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pandas as pd
+import pytest
 
 from posbench.compare.table import cell, grid, summarize
 
@@ -84,3 +86,99 @@ def test_grid_rows_bold_the_best_cells_by_position():
     rows, best = grid(summarize(long, [1, 2], ["a", "b"], higher_is_better=False), ["1", "2"], digits=1)
     assert rows == [["scheme", "1", "2"], ["a", "2.0", "9.0"], ["b", "3.0", "4.0"]]
     assert best == {(1, 1), (2, 2)}
+
+
+# --- the one band plot: what it plots, where its legend goes, lines that never look alike ----
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """Every figure a report writes, by file name, kept open for reading back."""
+    from posbench.compare import plot
+    from posbench.measures import perplexity
+
+    kept, save = {}, plot.save
+
+    def keep(plt, fig, path):
+        fig.canvas.draw()  # lays the figure out as saved, so extents read back as drawn
+        kept[path.name] = fig
+        return save(plt, fig, path)
+
+    for module in (plot, perplexity):
+        monkeypatch.setattr(module, "save", keep)
+    return kept
+
+
+def _report(tmp_path, name: str):
+    from conftest import ROOT, invoke
+
+    copy = tmp_path / name
+    shutil.copytree(ROOT / "results" / name, copy)
+    res = invoke("report", copy)
+    assert res.exit_code == 0, res.output
+
+
+def _legend_clear_of_data(fig) -> bool:
+    """Whether every legend lies outside every panel that draws data."""
+    boxes = [ax.get_window_extent() for ax in fig.axes if ax.get_lines()]
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    return bool(legends) and all(
+        not leg.get_window_extent().overlaps(box) for leg in legends for box in boxes
+    )  # fmt: skip
+
+
+def test_the_summary_plot_names_its_metric_and_unit_and_its_legend_covers_no_data(tmp_path, figures):
+    _report(tmp_path, "reference")
+    summary = figures["summary.png"]
+    ax = summary.axes[0]
+    assert ax.get_ylabel() == "perplexity per byte", ax.get_ylabel()
+    assert "perplexity" in ax.get_title() and "nonoverlapping" in ax.get_title()
+    assert "evaluation length (bytes)" in ax.get_xlabel()
+    for name in ("summary.png", "positions.png", "training.png"):
+        assert _legend_clear_of_data(figures[name]), name
+
+
+def test_a_task_plot_names_its_metric_and_its_legend_covers_no_data(tmp_path, figures):
+    _report(tmp_path, "recipe-search/cpu-passkey")
+    summary = figures["summary.png"]
+    assert summary.axes[0].get_ylabel() == "% exact match"
+    assert _legend_clear_of_data(summary) and _legend_clear_of_data(figures["training.png"])
+
+
+def test_every_line_of_an_extension_plot_looks_different_and_its_log_axis_is_labelled(tmp_path, figures):
+    """The extension reference draws rope, its evaluation-time variants and its fine-tuned
+    children: a variant keeps rope's hue, but no two lines share colour, dashes and marker, and
+    no child takes another scheme's colour. steps.png's log axis reads in numbers, more than one."""
+    from matplotlib.colors import to_hex
+
+    from posbench.compare.plot import colour
+    from posbench.schemes import SCHEMES
+
+    _report(tmp_path, "reference-extend")
+    for name in ("summary.png", "steps.png"):
+        looks = {  # dashes as drawn: get_linestyle() names every custom pattern "--"
+            line.get_label(): (to_hex(line.get_color()), repr(line._unscaled_dash_pattern), line.get_marker())
+            for ax in figures[name].axes
+            for line in ax.get_lines()
+            if not line.get_label().startswith("_")
+        }
+        assert len(looks) > 5 and len(set(looks.values())) == len(looks), looks
+        others = {colour(s) for s in SCHEMES if s != "rope"}
+        assert not any(look[0] in others for label, look in looks.items() if label.startswith("rope")), looks
+    ax = figures["steps.png"].axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels(minor=True) + ax.get_yticklabels() if t.get_text()]
+    visible = [t for t in labels if t]
+    assert ax.get_yscale() == "log" and len(visible) >= 2, labels
+
+
+def test_lines_that_can_share_a_plot_never_look_alike():
+    """Every registered scheme, rope's evaluation-time variants (and one at another factor), the
+    modified schemes and every fine-tuning method's child: distinct (colour, dashes, marker)."""
+    from posbench.compare.plot import style
+    from posbench.extend.methods import METHODS
+    from posbench.schemes import MODIFIERS, SCHEMES
+
+    names = list(SCHEMES) + [f"rope+{v}" for v in SCHEMES["rope"].eval_variants] + ["rope+yarn@4"]
+    names += [f"{m}rope" for m in MODIFIERS] + [f"rope:{m}" for m in METHODS]
+    looks = {n: (style(n)["color"], repr(style(n)["linestyle"]), style(n)["marker"]) for n in names}
+    assert len(set(looks.values())) == len(names), looks

@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 from conftest import ROOT, SMOKE, invoke
 
+from posbench.compare.render import latex_table, transposed
 from posbench.measures.perplexity import comparison, grid, with_metric
 from posbench.schemes import SEED_SCHEMES
 from posbench.stats import t_quantile
-from posbench.tables import latex_table, transposed
 
 FIVE_TASKS = ("repeat", "replace", "copy", "reverse", "sort")  # the task reference's, in its order
 
@@ -430,16 +430,16 @@ def test_a_task_experiment_reports_without_torch(tmp_path):
 @pytest.fixture
 def figures(monkeypatch):
     """Every figure a report writes, by file name, kept for its lines."""
-    from posbench import tables
-    from posbench.measures import exact_match, perplexity
+    from posbench.compare import plot
+    from posbench.measures import perplexity
 
-    kept, save = {}, tables.save
+    kept, save = {}, plot.save
 
     def keep(plt, fig, path):
         kept[path.name] = fig
         return save(plt, fig, path)
 
-    for module in (tables, perplexity, exact_match):
+    for module in (plot, perplexity):
         monkeypatch.setattr(module, "save", keep)
     return kept
 
@@ -466,7 +466,7 @@ def test_a_scheme_has_one_colour_in_summary_positions_and_training_png(tmp_path,
     summary, positions, training = (line_styles(figures[n]) for n in ("summary.png", "positions.png", "training.png"))
     for s in ("sinusoidal", "t5", "rope", "alibi"):
         assert summary[s][0] == positions[s][0] == training[s][0], (s, summary, positions, training)
-    from posbench.tables import colour
+    from posbench.compare.plot import colour
 
     assert summary["alibi"][0] == colour("alibi") and summary["rope"][0] == colour("rope")
 
@@ -478,7 +478,7 @@ def test_a_task_report_colours_its_schemes_as_a_perplexity_report_does(tmp_path,
     summary, training = line_styles(figures["summary.png"]), line_styles(figures["training.png"])
     for s in ("nope", "alibi"):
         assert summary[s][0] == training[s][0], (s, summary, training)
-    from posbench.tables import colour
+    from posbench.compare.plot import colour
 
     assert summary["alibi"][0] == colour("alibi")  # as in a perplexity report's plots
 
@@ -505,7 +505,7 @@ def test_adding_rope_yarn_recolours_no_other_scheme(tmp_path, figures):
     import subprocess
     import sys
 
-    from posbench.tables import colour, style
+    from posbench.compare.plot import colour, style
 
     assert colour("rope+yarn") == colour("rope") and style("rope+yarn")["linestyle"] != style("rope")["linestyle"]
     variants = [style(f"rope+{v}")["linestyle"] for v in ("linear", "ntk", "dynamic", "yarn")]
@@ -513,7 +513,7 @@ def test_adding_rope_yarn_recolours_no_other_scheme(tmp_path, figures):
     plugin = "examples.my_scheme:MyScheme"  # a colour from its name, the same in every process
     for seed in ("1", "2"):
         other = subprocess.run(
-            [sys.executable, "-c", f"from posbench.tables import colour; print(colour({plugin!r}))"],
+            [sys.executable, "-c", f"from posbench.compare.plot import colour; print(colour({plugin!r}))"],
             env={**os.environ, "PYTHONHASHSEED": seed},
             capture_output=True,
             text=True,

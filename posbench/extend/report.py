@@ -72,24 +72,15 @@ def curve_section(rows: list[list[str]], L2: int):
 
 
 def plot_curve(by: dict, L2: int, path: Path) -> bool:
-    """Perplexity at L2 against fine-tuning steps, a line per method with its 95% band."""
+    """Perplexity at L2 against fine-tuning steps (compare.band_plot), a line per method with its
+    95% band, on a log axis labelled in plain numbers."""
+    from posbench.compare.plot import Line, Panel, band_plot
     from posbench.stats import mean_ci
-    from posbench.tables import band, pyplot, save, style
 
-    plt = pyplot()
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
+    panel = Panel(f"perplexity at {L2} while fine-tuning")
     for label, points in by.items():
         steps = sorted(points)
         stats = [mean_ci(points[s]) for s in steps]
-        means = [m for m, _ in stats]
-        cis = [c if math.isfinite(c) else 0.0 for _, c in stats]
-        ax.plot(steps, means, marker="o", markersize=3, label=label, **style(label))
-        band(ax, steps, means, cis, min(len(points[s]) for s in steps), label)
-    ax.set_xlabel("fine-tuning steps; band: 95% over seeds")
-    ax.set_ylabel(f"perplexity at {L2}")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return save(plt, fig, path)
+        seeds = min(len(points[s]) for s in steps)
+        panel.lines.append(Line(label, steps, [m for m, _ in stats], [c for _, c in stats], seeds))
+    return band_plot([panel], path, f"perplexity at {L2}", "fine-tuning steps; band: 95% over seeds", log=True)

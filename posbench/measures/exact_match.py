@@ -21,13 +21,15 @@ from pathlib import Path
 
 import pandas as pd
 
+from posbench.compare.order import scheme_order
+from posbench.compare.plot import BAND_SEEDS, Line, Panel, band_plot, plot_training
+from posbench.compare.render import tex, transposed
 from posbench.compare.table import grid as compare_grid
 from posbench.compare.table import summarize
 from posbench.errors import PosbenchError
 from posbench.files import safe_name, write_atomic, write_rows
 from posbench.measures.base import Measure, Metric, Section
 from posbench.stats import mean_ci
-from posbench.tables import BAND_SEEDS, band, plot_training, pyplot, save, scheme_order, style, tex, transposed
 from posbench.tasks import CPU_PARTS, Task, build_task
 
 RECIPE_KEYS = ("n_layer", "lr", "min_lr", "warmup_steps")  # besides steps and batch_size, a task's budget sets these
@@ -517,30 +519,24 @@ def spread(long: pd.DataFrame) -> str:
 
 
 def plot(sections: list, path: Path, metric: str) -> bool:
-    """The metric against length (each bucket at its longest length), one line per scheme with its
-    95% band over seeds, a dashed line at the longest training length; a panel per grid point."""
-    plt = pyplot()
-    if plt is None:
-        return False
-    fig, axes = plt.subplots(1, len(sections), figsize=(7 * len(sections), 4), squeeze=False)
-    for ax, (point, configs, long, _) in zip(axes[0], sections):
+    """The metric against length (compare.band_plot), each bucket at its longest length: a line
+    per scheme with its 95% band over seeds, a dashed line at the longest training length; a
+    panel per grid point."""
+    panels = []
+    for point, configs, long, _ in sections:
         train_max = build_task(configs[0].task, configs[0].task_options).train_max
         part = long[~long["bucket"].isin(["in", "out"]) & (long["metric"] == metric)]
+        title = f"{configs[0].task}: {TITLES[metric]} by length" + (f"\n{point}" if point else "")
+        panel = Panel(title, mark=train_max)
         for s in scheme_order(set(part["scheme"])):
             g = part[part["scheme"] == s]
-            xs, means, cis, seeds = [], [], [], g["seed"].nunique()
+            line = Line(s, [], [], [], g["seed"].nunique())
             for hi, at in g.groupby("hi"):
                 vals = at["value"].dropna().tolist()
                 if vals:
                     mean, ci = mean_ci(vals)
-                    xs.append(hi), means.append(100 * mean), cis.append(0 if ci != ci else 100 * ci)
-            ax.plot(xs, means, marker="o", markersize=3, label=s, **style(s))
-            band(ax, xs, means, cis, seeds, s)
-        ax.axvline(train_max, color="black", linestyle="--", linewidth=1)
-        ax.set_title(f"{configs[0].task}: {TITLES[metric]} by length" + (f"\n{point}" if point else ""), fontsize=10)
-        ax.set_xlabel(f"instance length; dashed: the longest trained ({train_max}); band: 95% ({BAND_SEEDS}+ seeds)")
-        ax.set_ylabel(ExactMatch.metrics[metric].label)
-        ax.set_ylim(-2, 102)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return save(plt, fig, path)
+                    line.xs.append(hi), line.means.append(100 * mean), line.cis.append(100 * ci)
+            panel.lines.append(line)
+        panels.append(panel)
+    xlabel = f"instance length; dashed: the longest trained; band: 95% ({BAND_SEEDS}+ seeds)"
+    return band_plot(panels, path, ExactMatch.metrics[metric].label, xlabel, log=False, ylim=(-2, 102), share_y=False)

@@ -16,6 +16,9 @@ from typing import Optional
 
 import pandas as pd
 
+from posbench.compare.order import point_order, scheme_order
+from posbench.compare.plot import BAND_SEEDS, Line, Panel, band_plot, legend_outside, plot_training, pyplot, save, style
+from posbench.compare.render import tex, transposed
 from posbench.compare.table import grid as compare_grid
 from posbench.compare.table import spread_note as compare_spread
 from posbench.compare.table import summarize
@@ -25,21 +28,8 @@ from posbench.errors import PosbenchError
 from posbench.extend import report as extend
 from posbench.files import write_rows
 from posbench.measures.base import Measure, Metric, Section
-from posbench.tables import (
-    BAND_SEEDS,
-    UNRECORDED,
-    band,
-    plain_log_axis,
-    plot_training,
-    point_order,
-    pyplot,
-    save,
-    scheme_order,
-    style,
-    tex,
-    transposed,
-)
 
+UNRECORDED = "unrecorded"  # a run whose train_log.jsonl does not name its attention backend
 DEFAULT_BUDGET = {"steps": 500, "batch_size": 16}  # 500 x 16 x 100 tokens: enough for the schemes' order to show
 
 
@@ -658,11 +648,11 @@ def report(collected, metric: str, transpose: bool) -> dict:
     )
 
     def plots(folder: Path) -> list[str]:
-        plot(tables, folder / "summary.png", metric, what)
+        unit = token_unit(df)
+        plot(tables, folder / "summary.png", metric, what, unit)
         train_lens = (
             df.groupby("point")["train_len"].first().to_dict() if "point" in df else {"": int(df["train_len"].iloc[0])}
         )
-        unit = token_unit(df)
         plot_positions(position_losses(df), train_lens, folder / "positions.png", unit)
         plot_training(df.attrs["runs"], folder / "training.png", unit)
         if curve is not None:
@@ -744,7 +734,7 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = 
         pos.groupby(["point", "protocol", "stride"]).groups,
         key=lambda ps: (train_lens[ps[0]], ps[0], ps[1] != "nonoverlapping", ps[1:]),
     )
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups) + 2, 4), sharey=True, squeeze=False)
     for ax, (point, protocol, stride) in zip(axes[0], groups):
         part = pos[(pos["point"] == point) & (pos["protocol"] == protocol) & (pos["stride"] == stride)]
         train_len = train_lens[point]
@@ -753,42 +743,30 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = 
         part = part[part["tokens"] >= part["tokens"].max() / 2]
         for s in scheme_order(set(part["scheme"])):
             line = part[part["scheme"] == s].groupby("position")["loss"].mean()
-            ax.plot(line.index, line.values, label=s, linewidth=1, **style(s))
+            ax.plot(line.index, line.values, label=s, linewidth=1, **{**style(s), "marker": None})
         ax.axvline(train_len, color="black", linestyle="--", linewidth=1, label=f"training length {train_len}")
         where = f"{point}; " if point else ""
         ax.set_title(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", fontsize=10)
         ax.set_xlabel("position in the window")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"mean loss (nats per {unit})")
-    axes[0][0].legend(fontsize=7)
+    legend_outside(fig, list(axes[0]))
     return save(plt, fig, path)
 
 
-def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl", label: str = "") -> bool:
-    """The metric against length, one line per scheme with its 95% band over seeds (with enough
-    seeds for one to mean something: tables.BAND_SEEDS), a dashed
-    line at the training length, a panel per table (protocol, and grid point)."""
-    plt = pyplot()
-    if plt is None:
-        return False
-    fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4), sharey=True, squeeze=False)
-    for ax, (label, table) in zip(axes[0], tables.items()):
+def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl", what: str = "", unit: str = "byte") -> bool:
+    """The metric against length (compare.band_plot): a line per scheme with its 95% band over
+    seeds, a dashed line at the training length, a panel per table (protocol, and grid point)."""
+    what = what or METRICS[metric][0]
+    panels = []
+    for label, table in tables.items():
         lengths = lengths_of(table)
-        for s in table.index:
-            mean = table.loc[s, lengths].astype(float).values
-            ci = table.loc[s, [f"ci {L}" for L in lengths]].astype(float).fillna(0).values
-            ax.plot(lengths, mean, marker="o", markersize=3, label=s, **style(s))
-            band(ax, lengths, mean, ci, int(table.loc[s, "seeds"]), s)
-        ax.axvline(table.attrs["train_len"], color="black", linestyle="--", linewidth=1)
-        ax.set_title(label, fontsize=10)
-        ax.set_xlabel(f"evaluation length (bytes); dashed: the training length; band: 95% ({BAND_SEEDS}+ seeds)")
-        values = table[lengths].astype(float).values
-        finite = values[values == values]
-        if metric != "loss" and finite.size and finite.max() / max(finite.min(), 1e-9) > 3:
-            plain_log_axis(ax)  # a wide range: a log axis, labelled 6, 8, 10
-        if finite.size:  # a wide band (few seeds, one that blew up) must not squash the means
-            ax.set_ylim(bottom=max(ax.get_ylim()[0], 0.8 * finite.min()))
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(label or METRICS[metric][0])
-    axes[0][0].legend(fontsize=8)
-    return save(plt, fig, path)
+        lines = [
+            Line(s, lengths, list(table.loc[s, lengths].astype(float)),
+                 list(table.loc[s, [f"ci {L}" for L in lengths]].astype(float)), int(table.loc[s, "seeds"]))
+            for s in table.index
+        ]  # fmt: skip
+        panels.append(Panel(f"{what} by length: {label}", lines, table.attrs["train_len"]))
+    length = "bytes" if unit == "byte" else "tokens"
+    xlabel = f"evaluation length ({length}); dashed: the training length; band: 95% ({BAND_SEEDS}+ seeds)"
+    return band_plot(panels, path, what, xlabel, log=False if metric == "loss" else None)

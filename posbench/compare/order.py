@@ -1,0 +1,45 @@
+"""The order rows and panels come in: schemes as the registry lists them, grid points by their settings."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+
+def point_order(df: pd.DataFrame) -> list:
+    """The grid points in order of their settings (numbers as numbers), or [None] for none."""
+    if "point" not in df:
+        return [None]
+    first = df.groupby("point")["train_len"].first()
+    return sorted(first.index, key=lambda p: (first[p], p))
+
+
+def scheme_order(names: set) -> list[str]:
+    """Registry order (the order of the paper tables), each scheme followed by its
+    evaluation-time variants (rope, rope+ntk, rope+yarn, ...), its fine-tuned children
+    (rope:pi, in the order of the methods) and its modified selves (noisy_rope, offset_rope);
+    plugins after."""
+    from posbench.extend.methods import METHODS
+    from posbench.schemes import SCHEMES
+
+    def method(n):  # a fine-tuned run's rows (rope:yarn) in the order of the methods
+        m = n.partition(":")[2]
+        return list(METHODS).index(m) if m in METHODS else len(METHODS), n
+
+    order = []
+    for s in SCHEMES:
+        order += [s] if s in names else []
+        order += sorted(n for n in names if n.startswith(s + "+"))
+        order += sorted((n for n in names if n.startswith(s + ":")), key=method)
+        order += sorted(n for n in names if base_of(n) == s and n != s and "+" not in n and ":" not in n)
+    return order + sorted(names - set(order))
+
+
+def base_of(name: str) -> str:
+    """The trained scheme a row stands on: rope for rope, rope+yarn, rope:pi, noisy_rope and offset_rope."""
+    from posbench.schemes import MODIFIERS
+
+    name = name.partition("+")[0].partition(":")[0]
+    for prefix in MODIFIERS:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
