@@ -18,6 +18,11 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
+# for the tests of the build itself (its cache, its compiler, what it says): a fresh build with no
+# optimisation, since what they check does not depend on the code the compiler makes
+QUICK_BUILD = (["-O0"],)
+
+
 def pytorch_cope_attention(q, k, v, table, qpos, kpos):
     """The PyTorch twin: CoPE's bias (the paper's formula) through the generic grad-bias attention."""
     keep = (kpos[None, :] <= qpos[:, None]).to(q.dtype)
@@ -248,6 +253,7 @@ def test_the_build_is_cached_and_reused(monkeypatch, tmp_path):
         return real(cmd, **kw)
 
     monkeypatch.setattr(native.subprocess, "run", spy)
+    monkeypatch.setattr(native, "FLAG_SETS", QUICK_BUILD)
     first = native._build("cope")
     assert first.is_file() and len(runs) >= 1
     n = len(runs)
@@ -260,6 +266,7 @@ def test_cc_may_carry_words(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "unavailable", {})
     monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", f"env {shutil.which('cc')}")
+    monkeypatch.setattr(native, "FLAG_SETS", QUICK_BUILD)
     assert native.load("cope") is not None, native.unavailable
 
 
@@ -629,15 +636,15 @@ HAS_AVX512 = os.path.exists("/proc/cpuinfo") and "avx512f" in open("/proc/cpuinf
         pytest.param(["-O3", "-fopenmp"], id="generic"),  # no -march: scalar transposes and gathers
     ],
 )
-def test_the_four_row_tiles_of_avx2_cpus_match_the_definition_too(monkeypatch, tmp_path, flags):
+def test_the_four_row_tiles_of_avx2_cpus_match_the_definition_too(monkeypatch, flags):
     """Built without AVX-512 (as on most laptops: R = 4 rows a tile, AVX2 gathers and 8 x 8
     transposes), or for no particular CPU (the plain C loops those replace), attention with a
     bias, with XL's relative term, and CoPE give what the native build checked above gives:
-    the fp64 definitions within 1e-5."""
+    the fp64 definitions within 1e-5. Each variant goes to the kernel cache, keyed by its
+    source, headers, flags and compiler, so it is compiled once on a machine, not once a run."""
     monkeypatch.setattr(native, "FLAG_SETS", (flags,))
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "unavailable", {})
-    monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path))
     B, H, Tq, Tk, D = 2, 3, 21, 37, 24  # a query block whose rows are not a multiple of 4
     q, k, v = qkv_views(B, H, Tq, Tk, D)
     g = torch.Generator().manual_seed(3)
@@ -683,6 +690,7 @@ def test_a_first_build_is_said_before_the_compiler_runs(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "unavailable", {})
     monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "FLAG_SETS", QUICK_BUILD)
     heard = []
     assert native.load("attention", heard.append) is not None
     assert len(heard) == 1 and heard[0].parent == tmp_path / "native" and any(heard[0].glob("*.so"))  # then built
