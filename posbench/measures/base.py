@@ -6,15 +6,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+AGGREGATES = ("mean", "pooled", "ratio_of_means")
+
 
 @dataclass(frozen=True)
 class Metric:
-    """One number a measure reports, registered once with its direction."""
+    """One number a measure reports, registered once: its name, where its records hold it, its
+    direction and how it is aggregated. Over seeds a cell is always the mean with its interval;
+    `aggregate` says what one seed's value is: its record's `column` as is (mean), `pooled`
+    right-of-total (the sum of `pooled[0]` over the sum of `pooled[1]` across a bucket's
+    lengths), or a ratio of two means (ratio_of_means: a measure derives it, no column)."""
 
-    name: str  # as --metric names it
+    name: str  # as --metric names it, and as trackers send it
     label: str  # what a table cell holds
     higher_is_better: bool
     digits: int = 2
+    column: Optional[str] = None  # eval.csv's column that holds it (None: derived from others)
+    aggregate: str = "mean"
+    pooled: tuple[str, ...] = ()  # (right, of): the counts that pool
+    scale: float = 1.0  # a cell shows value x scale (100: percent)
+    title: str = ""  # a report's title for it
+    how: str = ""  # how one value is scored, for a report's description
+
+    def __post_init__(self):
+        if self.aggregate not in AGGREGATES or (self.aggregate == "pooled") != (len(self.pooled) == 2):
+            raise ValueError(f"metric {self.name}: aggregate {self.aggregate!r} with pooled {self.pooled!r}")
 
 
 @dataclass
@@ -98,3 +114,18 @@ class Measure:
     def identity(self, part: dict) -> dict:
         """A run's identity (config.identity) as this measure reads it."""
         return part if self.reads_corpus else {k: v for k, v in part.items() if k != "data"}
+
+    # --- what else its runs offer (trackers, bench and extend ask; none asks the kind) ---------
+    def throughput(self, cfg) -> tuple[int, str]:
+        """What one training step of `cfg` processes and the unit of its rate, as trackers send
+        it: (per_step, unit). Each row of a batch is an instance, whatever it holds."""
+        return cfg.train.batch_size, "instances_per_s"
+
+    def padding_benchmark(self) -> Optional[str]:
+        """None where its training batches vary in length, so that `posbench bench --task` can time
+        a step padded whole against cut by length; else why not, for the user."""
+        return f"runs scored by {self.name} have no batches cut by length; give a task, e.g. --task copy"
+
+    def not_extendable(self, cfg) -> Optional[str]:
+        """None where `posbench extend` can fine-tune a run of `cfg` to a longer context; else why not."""
+        return f"a run of task '{cfg.task}'; extend fine-tunes language models (task lm)"

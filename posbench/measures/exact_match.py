@@ -39,9 +39,18 @@ class ExactMatch(Measure):
     name = "exact_match"
     records = ("eval.csv", "samples.txt")
     metrics = {
-        "exact_match": Metric("exact_match", "% exact match", higher_is_better=True, digits=1),
-        "token_accuracy": Metric("token_accuracy", "% answer bytes right", higher_is_better=True, digits=1),
-    }
+        "exact_match": Metric(
+            "exact_match", "% exact match", True, 1, column="accuracy", aggregate="pooled",
+            pooled=("correct", "instances"), scale=100, title="exact-match accuracy",
+            how="greedy decoding, exact match of the whole answer",
+        ),
+        "token_accuracy": Metric(
+            "token_accuracy", "% answer bytes right", True, 1, column="token_accuracy", aggregate="pooled",
+            pooled=("tokens_correct", "tokens"), scale=100, title="per-token accuracy",
+            how="per-token accuracy: the answer bytes (END included) right over all of them, each predicted given "
+            "the true bytes before it (teacher-forced), summed over a bucket's lengths",
+        ),
+    }  # fmt: skip
 
     def __init__(self, task: Task):
         self.task = task
@@ -166,9 +175,6 @@ class ExactMatch(Measure):
 
 
 METRIC = "exact_match"  # eval.csv's `metric`: the measure that scored the row (each row holds both metrics)
-
-TITLES = {"exact_match": "exact-match accuracy", "token_accuracy": "per-token accuracy"}  # a report's title, by metric
-
 
 EVAL_COLUMNS = [
     "task",
@@ -305,16 +311,13 @@ SUMMARY_COLUMNS = [
     "attention",
 ]
 
-# what each metric's value sums over a bucket: (right, out of)
-COUNTS = {"exact_match": ("correct", "instances"), "token_accuracy": ("tokens_correct", "tokens")}
-
 
 def by_bucket(df: pd.DataFrame, spans: list[tuple[int, int]], train_max: int) -> pd.DataFrame:
     """One row per (metric, scheme, seed, bucket): the fraction of the bucket's instances exact,
     or of its answer bytes right, summed over its lengths (so a long length weighs its bytes);
     no value where some length of it could not be scored. Every row carries both counts."""
     out = []
-    for metric, (right, of) in COUNTS.items():
+    for metric, (right, of) in ((m.name, m.pooled) for m in ExactMatch.metrics.values()):
         for (scheme, seed), g in df.groupby(["scheme", "seed"], sort=False):
             totals = [(1, train_max, "in"), (train_max + 1, 10**9, "out")]
             for lo, hi, name in [(lo, hi, bucket_name(lo, hi)) for lo, hi in spans] + totals:
@@ -361,7 +364,8 @@ def comparison(long: pd.DataFrame, metric: str) -> pd.DataFrame:
 def grid(table: pd.DataFrame, metric: str) -> tuple[list[list[str]], set]:
     """The table as rows of strings (a header first), percent, and the (row, column) cells that are best."""
     heads = [{"in": "in-dist", "out": "out-of-dist"}.get(b, b) for b in table.attrs["columns"]]
-    rows, best = compare_grid(table, heads, ExactMatch.metrics[metric].digits, scale=100, missing="—")
+    m = ExactMatch.metrics[metric]
+    rows, best = compare_grid(table, heads, m.digits, m.scale, missing="—")
     rows[0].append("seeds")
     for s, row in zip(table.index, rows[1:]):
         row.append(str(int(table.loc[s, "seeds"])))
@@ -415,7 +419,7 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
         return ["summary.png", "training.png"]
 
     return {
-        "title": f"{names}: {TITLES[metric]} by length"
+        "title": f"{names}: {ExactMatch.metrics[metric].title} by length"
         + (f", trained on 1..{task.train_max}, tested to {task.test_max}" if len(parts) == 1 else ""),
         "describe": describe(parts[0][1], long, metric)
         + (
@@ -496,16 +500,9 @@ def describe(configs: list, long: pd.DataFrame, metric: str) -> list[str]:
         f"- training: {t.steps} steps x {t.batch_size} instances, lengths uniform in 1..{task.train_max}, "
         f"loss on the answer bytes only, AdamW lr {t.lr:g}, seeds {sorted(set(long['seed']))}",
         f"- evaluation: up to {task.opt['test_count']} fixed test instances per length 1..{task.test_max}, "
-        f"never trained on; {SCORED[metric]}",
+        f"never trained on; {ExactMatch.metrics[metric].how}",
         f"- cells: {ExactMatch.metrics[metric].label}, {spread(long)}; — : the scheme cannot encode those lengths",
     ]
-
-
-SCORED = {  # how a cell of each metric is scored, for the description
-    "exact_match": "greedy decoding, exact match of the whole answer",
-    "token_accuracy": "per-token accuracy: the answer bytes (END included) right over all of them, each "
-    "predicted given the true bytes before it (teacher-forced), summed over a bucket's lengths",
-}
 
 
 def spread(long: pd.DataFrame) -> str:
@@ -526,7 +523,7 @@ def plot(sections: list, path: Path, metric: str) -> bool:
     for point, configs, long, _ in sections:
         train_max = build_task(configs[0].task, configs[0].task_options).train_max
         part = long[~long["bucket"].isin(["in", "out"]) & (long["metric"] == metric)]
-        title = f"{configs[0].task}: {TITLES[metric]} by length" + (f"\n{point}" if point else "")
+        title = f"{configs[0].task}: {ExactMatch.metrics[metric].title} by length" + (f"\n{point}" if point else "")
         panel = Panel(title, mark=train_max)
         for s in scheme_order(set(part["scheme"])):
             g = part[part["scheme"] == s]

@@ -41,10 +41,12 @@ def default_stride(train_len: int) -> int:
 class Perplexity(Measure):
     name = "perplexity"
     metrics = {
-        "ppl": Metric("ppl", "perplexity per byte", higher_is_better=False, digits=2),
-        "loss": Metric("loss", "loss in nats per byte", higher_is_better=False, digits=3),
-        "ratio": Metric("ratio", "perplexity over its perplexity at the training length", False, digits=3),
-        "bpb": Metric("bpb", "bits per byte", higher_is_better=False, digits=3),
+        "ppl": Metric("ppl", "perplexity per byte", higher_is_better=False, digits=2, column="ppl"),
+        "loss": Metric("loss", "loss in nats per byte", higher_is_better=False, digits=3, column="loss"),
+        "ratio": Metric(
+            "ratio", "perplexity over its perplexity at the training length", False, 3, aggregate="ratio_of_means"
+        ),
+        "bpb": Metric("bpb", "bits per byte", higher_is_better=False, digits=3, column="bpb"),
     }
     reads_corpus = True
     records = ("eval.csv", "positions.csv")
@@ -398,9 +400,6 @@ def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tup
     return missing
 
 
-METRICS = {name: (m.label, m.digits) for name, m in Perplexity.metrics.items()}  # what a cell holds, decimals
-
-
 def token_unit(df: pd.DataFrame) -> str:
     """What one token is: byte, or token (bpe-2048) under a tokenizer, named."""
     tokenizers = sorted(set(df["tokenizer"])) if "tokenizer" in df else ["bytes"]
@@ -409,15 +408,15 @@ def token_unit(df: pd.DataFrame) -> str:
 
 def metric_label(metric: str, df: pd.DataFrame) -> str:
     """What a cell holds: perplexity per byte, or per token under a tokenizer, named."""
-    label = METRICS[metric][0]
+    label = Perplexity.metrics[metric].label
     return label if metric == "bpb" else label.replace("per byte", f"per {token_unit(df)}")
 
 
 def with_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
     """df with a `value` column: each row's ppl, loss, or ppl over the same run's (scheme,
     seed, protocol) ppl at the training length."""
-    if metric not in METRICS:
-        raise PosbenchError(f"--metric {metric}: expected one of {', '.join(METRICS)}")
+    if metric not in Perplexity.metrics:
+        raise PosbenchError(f"--metric {metric}: expected one of {', '.join(Perplexity.metrics)}")
     df = df.copy()
     if metric != "ratio":
         df["value"] = df[metric]
@@ -575,7 +574,7 @@ def grid(
     """The table as rows of strings (a header first): schemes x lengths, the seed count and
     ppl(longest)/ppl(train), and the (row, column) cells that are best."""
     lengths = lengths_of(table)
-    rows, best = compare_grid(table, [str(L) for L in lengths], METRICS[metric][1], missing=missing)
+    rows, best = compare_grid(table, [str(L) for L in lengths], Perplexity.metrics[metric].digits, missing=missing)
     rows[0] += ["seeds", f"ppl({lengths[-1]})/ppl({train_len})"]
     with_bpb = bpb and metric != "bpb" and table[["bpb train", "bpb longest"]].notna().any().any()
     rows[0] += [f"bpb({train_len})", f"bpb({lengths[-1]})"] if with_bpb else []
@@ -757,7 +756,7 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = 
 def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl", what: str = "", unit: str = "byte") -> bool:
     """The metric against length (compare.band_plot): a line per scheme with its 95% band over
     seeds, a dashed line at the training length, a panel per table (protocol, and grid point)."""
-    what = what or METRICS[metric][0]
+    what = what or Perplexity.metrics[metric].label
     panels = []
     for label, table in tables.items():
         lengths = lengths_of(table)
