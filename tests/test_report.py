@@ -7,6 +7,7 @@ import shutil
 
 import pandas as pd
 import pytest
+import yaml
 from conftest import ROOT, SMOKE, invoke
 
 from posbench.compare.render import latex_table, transposed
@@ -219,121 +220,60 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
     assert sorted(grid[0][1].cfg.schemes) == sorted(SEED_SCHEMES) and grid[0][1].cfg.seeds == [0, 1, 2]
 
 
-REPEAT_RECIPE = {"steps": 2000, "warmup_steps": 100}  # repeat's and replace's recipe
-# the task reference's recipe by task when copy and reverse trained 4,000 steps
-AT_4000 = {"repeat": REPEAT_RECIPE, "replace": REPEAT_RECIPE, "copy": {}, "reverse": {}, "sort": {}}
-AT_TASKS_T5_SETUP = {  # made since tasks set T5 up (Task.scheme_setup)
-    "cpu-reverse-8000",
-    "cpu-t5-reverse-4000",
-    "cpu-t5-copy-4000",
-    "gpu-copy-2000",
-    "gpu-copy-3000",
-    "cpu-copy-2000",
-    "cpu-t5-8000",
-    "cpu-t5-fine-buckets",
-}
+RECIPE_SEARCH = ROOT / "results" / "recipe-search"
+RECIPES = yaml.safe_load((RECIPE_SEARCH / "recipes.yaml").read_text())  # what each folder there holds
 
 
-@pytest.mark.parametrize(
-    "name,recipe,made,seeds",
-    [
-        ("gpu-a", {}, {"copy": SEED_SCHEMES, "reverse": ["nope", "sinusoidal", "learned", "t5"]}, (0, 1, 2)),
-        (
-            "gpu-b",
-            {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 500},
-            {"copy": SEED_SCHEMES, "reverse": ["nope", "sinusoidal"]},
-            (0,),
-        ),
-        ("cpu-reverse", {}, {"reverse": ["alibi", "rope", "xl", "hybrid"]}, (0,)),
-        ("cpu-reverse-s12", {}, {"reverse": ["xl"]}, (1, 2)),
-        ("cpu-other", {}, {"addition": ["nope", "alibi"], "recall": ["nope", "alibi"]}, (0,)),
-        ("cpu-passkey", {"steps": 800, "batch_size": 32, "warmup_steps": 40}, {"passkey": ["nope", "alibi"]}, (0,)),
-        ("cpu-repeat-replace", REPEAT_RECIPE, {"repeat": SEED_SCHEMES, "replace": SEED_SCHEMES}, (0,)),
-        ("cpu-repeat-replace-s12", REPEAT_RECIPE, {"repeat": SEED_SCHEMES, "replace": SEED_SCHEMES}, (1, 2)),
-        (
-            "cpu-sin-hybrid-copy-reverse",
-            {},
-            {"copy": ["sinusoidal", "hybrid"], "reverse": ["sinusoidal", "hybrid"]},
-            (0, 1, 2),
-        ),
-        ("cpu-learned-reverse-s2", {}, {"reverse": ["learned"]}, (2,)),
-        ("cpu-t5-6000", {"steps": 6000}, {"copy": ["t5"]}, (2,)),
-        ("cpu-learned-6000", {"steps": 6000}, {"reverse": ["learned"]}, (2,)),
-        ("cpu-learned-8000", {"steps": 8000}, {"reverse": ["learned"]}, (2,)),
-        ("cpu-reverse-8000", {"steps": 8000}, {"reverse": ["learned", "hybrid", "alibi"]}, (0, 1, 2)),
-        ("cpu-flat/hybrid-copy", {}, {"copy": ["hybrid"]}, (0, 1, 2)),
-        ("cpu-flat/hybrid-reverse", {}, {"reverse": ["hybrid"]}, (0, 1, 2)),
-        ("cpu-flat/t5-reverse", {}, {"reverse": ["t5"]}, (1,)),
-        ("cpu-flat/t5-copy", {}, {"copy": ["t5"]}, (2,)),
-        ("cpu-flat/t5-repeat", REPEAT_RECIPE, {"repeat": ["t5"]}, (0,)),
-        ("cpu-flat/t5-replace", REPEAT_RECIPE, {"replace": ["t5"]}, (0,)),
-        ("gpu-c-steps8000", {"steps": 8000}, {"copy": ["t5", "hybrid"], "reverse": ["t5", "hybrid"]}, (0, 1, 2)),
-        ("gpu-c-replace-lr", {**REPEAT_RECIPE, "lr": 1e-3, "min_lr": 1e-4}, {"replace": ["alibi"]}, (0, 1, 2)),
-        ("gpu-t5-xtransformers", AT_4000, {t: ["t5"] for t in FIVE_TASKS}, (0, 1, 2)),
-        ("gpu-reverse-4000", {}, {"reverse": ["nope", "alibi", "rope", "sinusoidal"]}, (0, 1, 2)),
-        ("cpu-t5-reverse-4000", {}, {"reverse": ["t5"]}, (0, 1, 2)),
-        ("gpu-reverse-8000", {"steps": 8000}, {"reverse": ["xl"]}, (0, 1, 2)),
-        ("gpu-alibi-replace-s0", REPEAT_RECIPE, {"replace": ["alibi"]}, (0,)),
-        ("gpu-copy-4000", {}, {"copy": ["nope", "alibi", "rope", "sinusoidal"]}, (0, 1, 2)),
-        ("cpu-t5-copy-4000", {}, {"copy": ["t5"]}, (0, 1, 2)),
-        ("gpu-copy-2000", {"steps": 2000}, {"copy": ["learned", "xl", "hybrid"]}, (0, 1, 2)),
-        ("gpu-copy-3000", {"steps": 3000}, {"copy": SEED_SCHEMES}, (0, 1, 2)),
-        ("cpu-copy-2000", {"steps": 2000}, {"copy": SEED_SCHEMES}, (0, 1, 2)),
-        ("cpu-t5-8000", {**REPEAT_RECIPE, "steps": 8000}, {"repeat": ["t5"], "replace": ["t5"]}, (0,)),
-        ("cpu-t5-fine-buckets", REPEAT_RECIPE, {"repeat": ["t5"], "replace": ["t5"]}, (0, 1, 2)),
-        ("cpu-flat/hybrid-repeat-replace", REPEAT_RECIPE, {"repeat": ["hybrid"], "replace": ["hybrid"]}, (0, 1, 2)),
-        (
-            "cpu-sin-hybrid-repeat-replace",
-            REPEAT_RECIPE,
-            {"repeat": ["sinusoidal", "hybrid"], "replace": ["sinusoidal", "hybrid"]},
-            (0, 1, 2),
-        ),
-    ],
-)
-def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name, recipe, made, seeds):
+def test_every_folder_of_runs_in_the_recipe_search_has_its_entry():
+    """results/recipe-search/recipes.yaml names every folder there that holds runs, and only
+    those: a folder committed without an entry fails here rather than going unchecked."""
+    folders = {run.parent.parent.relative_to(RECIPE_SEARCH).as_posix() for run in RECIPE_SEARCH.rglob("config.yaml")}
+    assert folders == set(RECIPES["tasks"]) | set(RECIPES["language_models"])
+
+
+@pytest.mark.parametrize("name", list(RECIPES["tasks"]))
+def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_path, name):
     """results/recipe-search holds the runs that chose the tasks' recipe (docs/tasks.md), each
-    folder at one recipe (`recipe`, over Task.budget's 4,000 steps) or one a task (AT_4000, the
-    task reference's recipe when copy's and reverse's were 4,000 steps): gpu-* on a GPU, cpu-* on
-    this CPU; copy at 2,000 to 8,000 steps, reverse at 4,000 to 8,000, repeat and replace at
-    theirs, a higher and a lower lr (gpu-b, gpu-c-replace-lr), T5 and hybrid with their table
-    started at zero where and only where the records say so (cpu-flat/*, and the runs since tasks
-    set T5 up), and the reference's T5 runs at the language model's T5 setup
-    (gpu-t5-xtransformers). Their tables rebuild from the records, and each record was trained at
-    the recipe the docs name."""
-    import yaml
-
-    from posbench.tasks import Task
-
+    folder described by its entry in recipes.yaml: gpu-* on a GPU, cpu-* on this CPU; copy at
+    2,000 to 8,000 steps, reverse at 4,000 to 8,000, repeat and replace at theirs, a higher and a
+    lower lr (gpu-b, gpu-c-replace-lr), T5 and hybrid with their table started at zero where and
+    only where the entry says so (cpu-flat/*, and the runs since tasks set T5 up), and the
+    reference's T5 runs at the language model's T5 setup (gpu-t5-xtransformers). Their tables
+    rebuild from the records, and each record was trained at the recipe its entry names."""
+    entry = RECIPES["tasks"][name]
     committed = _rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
     configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in committed.iterdir() if p.is_dir()]
+    made, seeds = entry["made"], entry["seeds"]
     assert {(c["task"], c["model"]["scheme"], c["seeds"][0]) for c in configs} == {
         (t, s, n) for t, schemes in made.items() for s in schemes for n in seeds
     }
+    bias_tables = {"t5", "hybrid"} & {s for schemes in made.values() for s in schemes}
+    assert ("flat_start" in entry) == bool(bias_tables)  # said where, and only where, it applies
     for c in configs:
-        want = {**Task.budget, **(recipe[c["task"]] if c["task"] in recipe else recipe)}  # one for all, or by task
-        assert _recipe(c, want) == want and c["train"]["device"] == ("cuda" if "gpu" in name else "auto")
-        flat = c["model"]["options"].get("init") == "zeros"  # the T5 table started at zero
-        if c["model"]["scheme"] in ("t5", "hybrid"):  # as cpu-flat set it, and the tasks' setup now gives it
-            assert flat == (name.startswith("cpu-flat/") or name in AT_TASKS_T5_SETUP), c["model"]["scheme"]
-        assert not flat or c["model"]["options"]["scale"] == "none"
-        if "sin-hybrid" in name and c["model"]["scheme"] == "sinusoidal":  # the scale it has now, recorded
-            assert c["model"]["options"] == {"rms": 0.02}
+        want = entry["by_task"][c["task"]] if "by_task" in entry else entry["recipe"]
+        assert _recipe(c, want) == want and c["train"]["device"] == ("cuda" if name.startswith("gpu-") else "auto")
+        scheme, options = c["model"]["scheme"], c["model"]["options"]
+        flat = options.get("init") == "zeros"  # the T5 table started at zero
+        if scheme in bias_tables:  # as cpu-flat set it, and the tasks' setup now gives it
+            assert flat == entry["flat_start"], scheme
+        assert not flat or options["scale"] == "none"
+        if scheme in entry.get("options", {}):  # the options it recorded, e.g. sinusoidal's scale then
+            assert options == entry["options"][scheme], scheme
 
 
-@pytest.mark.parametrize("name", ["hybrid-none-bytes", "hybrid-none-bpe", "sqrt-bytes"])
+@pytest.mark.parametrize("name", list(RECIPES["language_models"]))
 def test_the_committed_flat_start_language_models_rebuild_and_record_their_start(tmp_path, name):
     """results/recipe-search/lm-flat: T5 and hybrid on the default language model with the bias
-    table started at zero (docs/tasks.md, "The recipe"); each rebuilds, records that start, and
-    trained as the reference it is compared with did, but for the scheme's options."""
-    import yaml
-
-    committed = _rebuilds_byte_for_byte(f"recipe-search/lm-flat/{name}", tmp_path)
-    reference = "reference-bpe" if name.endswith("bpe") else "reference-bytes"
+    table started at zero (docs/tasks.md, "The recipe"); each rebuilds, records that start at the
+    scale its entry in recipes.yaml names, and trained as the reference it names did, but for the
+    scheme's options."""
+    entry = RECIPES["language_models"][name]
+    committed = _rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
     for run in (p for p in committed.iterdir() if p.is_dir()):
         c = yaml.safe_load((run / "config.yaml").read_text())
-        ref = yaml.safe_load((ROOT / "results" / reference / run.name / "config.yaml").read_text())
+        ref = yaml.safe_load((ROOT / "results" / entry["reference"] / run.name / "config.yaml").read_text())
         assert c["model"]["options"]["init"] == "zeros" and ref["model"]["options"]["init"] == "normal"
-        assert c["model"]["options"]["scale"] == ("none" if "none" in name else "sqrt_head_dim")
+        assert c["model"]["options"]["scale"] == entry["scale"]
         recipe = ("steps", "batch_size", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
         assert [c["train"][k] for k in recipe] == [ref["train"][k] for k in recipe]
         assert c["data"] == ref["data"] and c["eval"] == ref["eval"]
