@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from posbench.config import EvalConfig, ModelConfig, length_grid, load_config
+from posbench.config import EvalConfig, ModelConfig, blame, length_grid, load_config
 from posbench.console import BarReporter, err, out
 from posbench.errors import PosbenchError, first_line
 
@@ -571,12 +571,16 @@ def bench(
         if task is not None:  # on the CPU, where training cuts a task's batch by length
             from posbench.bench_data import task_benchmark
             from posbench.console import plain_table
-            from posbench.tasks import LM
+            from posbench.measures import measure_for
 
             if data:
                 raise PosbenchError("--data and --task are two benchmarks: give one")
-            if task == LM:
-                raise PosbenchError("--task lm: a corpus's batches are all one length; give a task, e.g. --task copy")
+            try:  # before resolve, whose lengths a corpus's config may fail here
+                why_not = measure_for(cfg).padding_benchmark()
+            except PosbenchError as e:  # an unknown task, named where it was given, as resolve names it
+                raise blame(cfg, e, cfg.source) from None
+            if why_not is not None:
+                raise PosbenchError(f"--task {task}: {why_not}")
             cfg = resolve(cfg).cfg  # the task's recipe: its depth and batch size
             _set_threads(threads)
             for scheme in cfg.schemes if schemes is not None else ["nope"]:

@@ -45,10 +45,10 @@ def _resolve_vocab(cfg: ExperimentConfig, measure: Measure) -> None:
     (read from its file, or data.vocab_size for a BPE still to train)."""
     from posbench.text import BYTE_ALPHABET, is_prepared, tokenizer_kind, vocab_of
 
+    if not measure.reads_corpus and cfg.data.tokenizer != "bytes":  # its runs read their own bytes
+        raise PosbenchError(f"data.tokenizer {cfg.data.tokenizer}: a task is written in bytes", "data.tokenizer")
     tokens = measure.reads_corpus and (tokenizer_kind(cfg.data.tokenizer) != "bytes" or is_prepared(cfg.data.path))
     if not tokens:
-        if measure.reads_corpus is False and cfg.data.tokenizer != "bytes":
-            raise PosbenchError(f"data.tokenizer {cfg.data.tokenizer}: a task is written in bytes", "data.tokenizer")
         if cfg.model.vocab_size < BYTE_ALPHABET:
             raise PosbenchError(
                 f"model.vocab_size={cfg.model.vocab_size}: the corpus is bytes, so it must be >= 256",

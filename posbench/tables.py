@@ -74,27 +74,14 @@ def point_labels(parts: dict) -> dict:
     """Run folder -> 'model.train_len=64, train.lr=0.001': the settings in which its training
     differs from other runs' (all '' when they share them all). Where the task differs, what
     each task derives is left out: its train_len and the options it left at the task's default."""
+    from posbench.tasks import task_derived
+
     flats = {rdir: flat(part) for rdir, part in parts.items()}
     keys = sorted({k for f in flats.values() for k in f})
     varying = [k for k in keys if len({repr(f.get(k)) for f in flats.values()}) > 1]
     if "task" in varying:
-        varying = [k for k in varying if not all(_task_derived(f, k) for f in flats.values())]
+        varying = [k for k in varying if not all(task_derived(f, k) for f in flats.values())]
     return {rdir: ", ".join(f"{k}={f.get(k)}" for k in varying) for rdir, f in flats.items()}
-
-
-def _task_derived(run: dict, key: str) -> bool:
-    """Whether the run's task set `key` itself: train_len always, an option where it is the default."""
-    from posbench.tasks import LM, TASKS
-
-    if run.get("task") in (None, LM) or key not in run:
-        return False
-    if key == "model.train_len":
-        return True
-    option = key.removeprefix("task_options.")
-    defaults = TASKS.resolve(run["task"]).options
-    if option == "test_max":  # its default, None, resolves to 2 train_max
-        return run[key] == 2 * run.get("task_options.train_max", defaults["train_max"])
-    return option != key and option in defaults and run[key] == defaults[option]
 
 
 def point_order(df: pd.DataFrame) -> list:

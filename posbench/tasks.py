@@ -411,3 +411,17 @@ TASKS = Registry(
 
 def build_task(name: str, options: dict) -> Task:
     return TASKS.build(name, options)
+
+
+def task_derived(run: dict, key: str) -> bool:
+    """Whether a run's task set `key` of its flattened config (config.flat) itself: train_len
+    always, a task option where it is the task's default (test_max's, None, is 2 train_max)."""
+    if run.get("task") in (None, LM) or key not in run:
+        return False
+    if key == "model.train_len":
+        return True
+    option = key.removeprefix("task_options.")
+    defaults = TASKS.resolve(run["task"]).options
+    if option == "test_max":
+        return run[key] == 2 * run.get("task_options.train_max", defaults["train_max"])
+    return option != key and option in defaults and run[key] == defaults[option]

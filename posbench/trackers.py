@@ -385,14 +385,13 @@ def send_report(tracker: Optional[str], exp_dir: Path) -> None:
 
 
 def _send_training(run: Tracker, config: dict, log: list[dict]) -> None:
-    """Loss, lr and throughput by step; throughput is tokens/s for the corpus (batch x
-    train_len each step), instances/s for a task (its batches are padded to their longest)."""
-    train, task = config["train"], config.get("task", "lm")
-    per_step, unit = (
-        (train["batch_size"] * config["model"]["train_len"], "tokens_per_s")
-        if task == "lm"
-        else (train["batch_size"], "instances_per_s")
-    )
+    """Loss, lr and throughput by step, in the unit the run's measure names (tokens/s for the
+    corpus, instances/s for a task, whose batches are padded to their longest)."""
+    from posbench.config import config_from_dict
+    from posbench.measures import measure_for
+
+    cfg = config_from_dict(config)
+    per_step, unit = measure_for(cfg).throughput(cfg)
     before = None
     for row in log:
         values = {"train/loss": row["loss"], "train/lr": row["lr"]}

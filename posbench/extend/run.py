@@ -101,7 +101,6 @@ def plan_extension(
     from posbench.experiment.plan import Job, plan_state
     from posbench.experiment.records import read_config, run_name
     from posbench.measures import measure_for
-    from posbench.measures.perplexity import Perplexity
 
     if steps <= 0:
         raise PosbenchError(f"--steps {steps} must be positive")
@@ -118,8 +117,9 @@ def plan_extension(
     for pdir in parents:
         prc = read_config(pdir) if (pdir / "config.yaml").is_file() else load_run(pdir)[0]
         measure = measure_for(prc)
-        if not isinstance(measure, Perplexity):
-            raise PosbenchError(f"{pdir}: a run of task '{prc.task}'; extend fine-tunes language models (task lm)")
+        why_not = measure.not_extendable(prc)
+        if why_not is not None:
+            raise PosbenchError(f"{pdir}: {why_not}")
         if prc.model.extend:
             raise PosbenchError(f"{pdir}: already a fine-tuned run ({prc.model.extend['method']}); extend its parent")
         L, scheme, seed = prc.model.train_len, prc.model.scheme, prc.seeds[0]
