@@ -77,7 +77,7 @@ def print_report(collected, parts: dict, folder: Path) -> None:
         )
         return
     for s in parts["sections"]:
-        s.legend = parts["legend"]
+        s.legend = s.legend or parts["legend"]  # a section with its own note keeps it
         out.print(_fitted(s, out), crop=False)
     if collected.diverged:
         out.print(f"diverged, so not in the table: {', '.join(collected.diverged.values())}", highlight=False)

@@ -201,3 +201,26 @@ def test_a_metric_names_its_column_direction_and_aggregation_once():
         Metric("x", "x", True, aggregate="pooled")
     with pytest.raises(ValueError):
         Metric("x", "x", True, aggregate="median")
+
+
+def test_the_extension_steps_table_bolds_the_best_method_at_each_step():
+    """The drift fix of extend's curve, now a view through the engine: results/reference-extend's
+    steps table marks, at each step, the method with the lowest mean perplexity over its seeds'
+    curve.csv (and any not significantly different), as every other table does."""
+    import csv
+
+    from conftest import ROOT
+
+    committed = ROOT / "results" / "reference-extend"
+    means: dict = {}
+    for path in committed.glob("*/curve.csv"):
+        with path.open() as f:
+            for r in csv.DictReader(f):
+                means.setdefault(int(r["step"]), {}).setdefault(r["scheme"], []).append(float(r["ppl"]))
+    section = (committed / "summary.md").read_text().split("after k fine-tuning steps\n\n")[1].strip().splitlines()
+    head, rows = section[0].strip("|").split("|"), [r.strip("|").split("|") for r in section[2:]]
+    assert [int(h) for h in head[1:]] == sorted(means)
+    for j, step in enumerate(sorted(means), start=1):
+        best = min(means[step], key=lambda s: sum(means[step][s]) / len(means[step][s]))
+        assert next(r[j] for r in rows if r[0].strip() == best).strip().startswith("**"), (step, best)
+    assert any(not r[j].strip().startswith("**") for r in rows for j in range(1, len(head)))

@@ -84,10 +84,10 @@ def grid(
     return rows, best
 
 
-def spread_note(seeds: int, tests: set[str]) -> str:
-    """What a cell's ± and its bold mean, or why there is no interval."""
+def spread_note(seeds: int, tests: set[str], at: str = "length") -> str:
+    """What a cell's ± and its bold mean (the best at each `at`: length, step), or why there is no interval."""
     if seeds < 2:
-        return "1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each length"
+        return f"1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each {at}"
     how = {
         "paired": "a paired t-test over seeds (the same seeds: the same init and data order)",
         "welch": "Welch's t-test where the seed sets differ",
@@ -95,5 +95,5 @@ def spread_note(seeds: int, tests: set[str]) -> str:
     test = "; ".join(how[t] for t in sorted(tests)) or "no test (too few seeds)"
     return (
         f"mean ± 95% confidence interval over seeds (Student's t). Bold: the best scheme at each "
-        f"length and every scheme not significantly different from it (p >= 0.05, {test})"
+        f"{at} and every scheme not significantly different from it (p >= 0.05, {test})"
     )

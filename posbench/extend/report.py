@@ -3,7 +3,6 @@ fine-tuning steps (a table and steps.png), read from the children's curve.csv.""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Optional
 
@@ -30,44 +29,53 @@ def describe(configs: list) -> list[str]:
 
 
 def curve_table(runs) -> Optional[tuple]:
-    """(rows of strings, the L2) for perplexity at L2 against fine-tuning steps, mean ± 95%
-    interval over seeds; None when no run has a curve."""
-    from posbench.stats import mean_ci
+    """Perplexity at L2 against fine-tuning steps, a view of the children's curve.csv through
+    the comparison engine (compare.summarize): (the table, L2, {method: {step: [ppl per seed]}});
+    None when no run has a curve."""
+    import pandas as pd
 
-    by = {}
-    L2 = None
-    for run in runs:
-        for r in read_curve(run.folder):
-            by.setdefault(r["scheme"], {}).setdefault(int(r["step"]), []).append(float(r["ppl"]))
-            L2 = int(r["length"])
-    if not by:
+    from posbench.compare.order import scheme_order
+    from posbench.compare.table import summarize
+
+    rows = [
+        {
+            "scheme": r["scheme"],
+            "seed": int(r["seed"]),
+            "column": int(r["step"]),
+            "value": float(r["ppl"]),
+            "status": "ok",
+        }
+        for run in runs
+        for r in read_curve(run.folder)
+    ]
+    if not rows:
         return None
-    steps = sorted({s for v in by.values() for s in v})
-    rows = [["method"] + [str(s) for s in steps]]
-    for label in sorted(
-        by, key=lambda x: list(METHODS).index(x.partition(":")[2]) if x.partition(":")[2] in METHODS else 99
-    ):
-        cells = []
-        for s in steps:
-            vals = by[label].get(s, [])
-            if not vals:
-                cells.append("")
-                continue
-            mean, ci = mean_ci(vals)
-            cells.append(f"{mean:.2f}" + (f" ± {ci:.2f}" if len(vals) > 1 and math.isfinite(ci) else ""))
-        rows.append([label] + cells)
-    return rows, L2, by
+    long = pd.DataFrame(rows).assign(status="ok")  # a curve records the steps it scored
+    L2 = next(int(r["length"]) for run in runs for r in read_curve(run.folder))
+    by: dict = {}
+    for r in rows:
+        by.setdefault(r["scheme"], {}).setdefault(r["column"], []).append(r["value"])
+    steps = sorted(set(long["column"]))
+    return summarize(long, steps, scheme_order(set(long["scheme"])), higher_is_better=False), L2, by
 
 
-def curve_section(rows: list[list[str]], L2: int):
-    """The report's table of perplexity at L2 against fine-tuning steps."""
+def curve_section(table, L2: int):
+    """The report's table of perplexity at L2 against fine-tuning steps: the best method at each
+    step and every one not significantly different from it in bold."""
+    from posbench.compare.render import tex
+    from posbench.compare.table import grid, spread_note
     from posbench.measures.base import Section
 
+    rows, best = grid(table, [str(s) for s in table.attrs["columns"]], digits=2)
+    rows[0][0] = "method"
+    note = spread_note(int(table["seeds"].max()), table.attrs["tests"], at="step")
     return Section(
         heading=f"perplexity at {L2} after k fine-tuning steps",
-        caption=f"perplexity at {L2} after k fine-tuning steps (columns), mean and 95\\% interval over seeds",
+        caption=f"perplexity at {L2} after k fine-tuning steps (columns); {tex(note)}.",
         rows=rows,
-        title=f"perplexity at {L2} after k fine-tuning steps (mean ± 95% over seeds)",
+        best=best,
+        title=f"perplexity at {L2} after k fine-tuning steps",
+        legend=note,
     )
 
 
