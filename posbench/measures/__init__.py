@@ -9,8 +9,9 @@ Reading records and building tables import no torch; training and scoring do, wh
 from __future__ import annotations
 
 from posbench.measures.base import Measure, Metric, Section
+from posbench.measures.plugin import Scorer, ScoringRun
 
-__all__ = ["Measure", "Metric", "Section", "measure_for"]
+__all__ = ["Measure", "Metric", "Scorer", "ScoringRun", "Section", "measure_for"]
 
 
 def measure_for(cfg) -> Measure:

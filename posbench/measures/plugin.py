@@ -1,0 +1,228 @@
+"""A user's measure (module:Class): a trained run judged by another number, its records beside
+the run's own, tabled, plotted and sent to trackers by the comparison engine.
+
+`posbench evaluate RUN --measure examples.my_measure:NextByteAccuracy` imports the class, hands
+it the run's model and data (a `ScoringRun`) and writes what it returns, a row per length, into
+RUN/measures/<name>.csv, with RUN/measures/<name>.json naming its metrics (label, direction,
+digits), so that reports read them with no import of the user's code. Every report of the
+experiment then holds a table per metric with intervals over seeds, a plot and LaTeX.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+
+from posbench.errors import PosbenchError
+from posbench.files import write_atomic, write_rows
+from posbench.measures.base import Metric, Section
+
+FOLDER = "measures"  # in a run folder: <name>.csv and <name>.json per user measure
+KEYS = ["scheme", "seed", "train_len", "length", "status", "attention"]  # every row's, before its metrics
+
+
+class Scorer:
+    """A measure a user adds: `name` (its records' file name), `metrics` (what each row holds,
+    by name) and `score`, which returns a row per length: {"length": L, <metric>: value, ...},
+    with "status" where a length could not be scored ("beyond-max-len")."""
+
+    name: str = ""
+    metrics: dict[str, Metric] = {}
+
+    def score(self, run: ScoringRun) -> list[dict]:
+        raise NotImplementedError
+
+
+@dataclass
+class ScoringRun:
+    """What a measure scores: a trained run's model (in eval mode, on `device`), its config, and
+    what it read (the corpus of a language model, the test set of a task)."""
+
+    cfg: Any  # the run's ExperimentConfig
+    model: Any  # its TransformerLM: forward(tokens (B, T)) -> logits (B, T, V)
+    device: Any
+    source: Any
+
+    @property
+    def lengths(self) -> list[int]:
+        """The lengths the run was scored at: its eval.lengths."""
+        return list(self.cfg.eval.lengths)
+
+    def windows(self, L: int, batch_size: Optional[int] = None):
+        """Batches of the validation tokens cut into non-overlapping windows of L, as perplexity
+        reads them: (inputs, targets) of (b, L) each, targets one token on, on the run's device."""
+        import torch
+
+        from posbench.evaluate import eval_tokens
+
+        if not hasattr(self.source, "val"):
+            raise PosbenchError(f"a run of task {self.cfg.task} has no corpus to cut into windows")
+        tokens = eval_tokens(self.source, self.cfg, self.lengths).long()
+        starts = list(range(0, len(tokens) - L - 1 + 1, L))  # whole windows only
+        size = batch_size or self.cfg.eval.batch_size
+        for i in range(0, len(starts), size):
+            idx = torch.tensor(starts[i : i + size])[:, None] + torch.arange(L + 1)  # (b, L+1)
+            win = tokens[idx].to(self.device)
+            yield win[:, :-1], win[:, 1:]
+
+
+def load_measure(spec: str) -> Scorer:
+    """The user's measure `spec` names (module:Class), checked."""
+    from posbench.registry import load_plugin
+
+    cls = load_plugin(
+        spec, "measure", Scorer, "posbench.measures.plugin.Scorer", "examples.my_measure:NextByteAccuracy"
+    )
+    measure = cls()
+    if not measure.name or not measure.name.replace("_", "").isalnum():
+        raise PosbenchError(f"measure '{spec}': its name {measure.name!r} must be a word (letters, digits, _)")
+    if not measure.metrics or not all(isinstance(m, Metric) for m in measure.metrics.values()):
+        raise PosbenchError(f"measure '{spec}': metrics must name at least one Metric")
+    return measure
+
+
+def score_run(run_dir: Path, spec: str, device: Optional[str] = None) -> tuple[Scorer, Any, list[dict]]:
+    """`posbench evaluate RUN --measure SPEC`: score the run by the user's measure and write its
+    records (a row per length; the whole file anew). Returns the measure, the run's config and the rows."""
+    import dataclasses
+
+    import torch
+
+    from posbench.config import check_device
+    from posbench.device import pick_device
+    from posbench.experiment.checkpoint import load_run
+    from posbench.measures import measure_for
+    from posbench.schemes import run_label
+
+    measure = load_measure(spec)
+    rc, model = load_run(run_dir)
+    if device is not None:
+        check_device(device, f"--device {device}")
+        rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
+    dev = pick_device(rc.train.device)
+    model = model.to(dev).eval()
+    source = measure_for(rc).source(rc)
+    with torch.no_grad():
+        scored = measure.score(ScoringRun(rc, model, dev, source))
+    ident = {"scheme": run_label(rc.model), "seed": rc.seeds[0], "train_len": rc.model.train_len}
+    rows = []
+    for r in scored:
+        if not isinstance(r, dict) or not isinstance(r.get("length"), int):
+            raise PosbenchError(f"measure '{spec}': score must return dicts with an int 'length', got {r!r}")
+        missing = [m for m in measure.metrics if m not in r and r.get("status", "ok") == "ok"]
+        if missing:
+            raise PosbenchError(f"measure '{spec}': a row at length {r['length']} lacks {', '.join(missing)}")
+        rows.append(
+            {**ident, "status": "ok", "attention": model.backend(dev), **r}
+            | {m: float(r.get(m, math.nan)) for m in measure.metrics}
+        )
+    if not rows:
+        raise PosbenchError(f"measure '{spec}': score returned no rows")
+    folder = Path(run_dir) / FOLDER
+    folder.mkdir(exist_ok=True)
+    write_rows(folder / f"{measure.name}.csv", rows, KEYS + list(measure.metrics))
+    meta = {"measure": spec, "metrics": {n: dataclasses.asdict(m) for n, m in measure.metrics.items()}}
+    write_atomic(folder / f"{measure.name}.json", json.dumps(meta, indent=1) + "\n")
+    return measure, rc, rows
+
+
+# --- records and reports (no torch) ---------------------------------------------------------------
+
+
+def read_measures(rdir: Path) -> dict[str, tuple[dict[str, Metric], list[dict]]]:
+    """The run's user measures: name -> (its metrics, its rows); a malformed record is one line."""
+    out = {}
+    for meta_path in sorted((Path(rdir) / FOLDER).glob("*.json")):
+        name, path = meta_path.stem, meta_path.with_suffix(".csv")
+        bad = PosbenchError(f"{path}: malformed measure records; score the run again with posbench evaluate --measure")
+        try:
+            meta = json.loads(meta_path.read_text())
+            metrics = {n: Metric(**{**m, "pooled": tuple(m["pooled"])}) for n, m in meta["metrics"].items()}
+            with path.open(newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                rows = list(reader)
+            if reader.fieldnames != KEYS + list(metrics) or not rows:
+                raise ValueError
+            for r in rows:
+                int(r["length"]), int(r["seed"]), int(r["train_len"]), *(float(r[m]) for m in metrics)
+        except (OSError, UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
+            raise bad from None
+        out[name] = (metrics, rows)
+    return out
+
+
+def report(collected) -> tuple[list[Section], dict[str, pd.DataFrame], dict[str, list], list[str]]:
+    """The user measures' part of a report: for each measure and metric a table of schemes x
+    lengths (compare.summarize), their long rows by measure (written as <name>.csv beside
+    summary.csv), the panels of a plot per measure (<name>.png) and a line each for summary.md."""
+    from posbench.compare.order import scheme_order
+    from posbench.compare.plot import Line, Panel
+    from posbench.compare.render import tex
+    from posbench.compare.table import grid, spread_note, summarize
+
+    found: dict[str, tuple[dict, list]] = {}
+    specs: dict[str, set] = {}
+    for run in collected.runs:
+        for name, (metrics, rows) in read_measures(run.folder).items():
+            point = collected.points.get(run.folder, "")
+            found.setdefault(name, (metrics, []))[1].extend({**r, "point": point} for r in rows)
+            specs.setdefault(name, set()).add(json.loads((run.folder / FOLDER / f"{name}.json").read_text())["measure"])
+    sections, frames, panels = [], {}, {}
+    describe = []
+    for name, (metrics, rows) in sorted(found.items()):
+        labels, runs = ", ".join(m.label for m in metrics.values()), len({(r["scheme"], r["seed"]) for r in rows})
+        describe.append(
+            f"- {name}: {labels}, a user's measure ({', '.join(sorted(specs[name]))}) scored by posbench "
+            f"evaluate --measure on {runs} runs"
+        )
+    for name, (metrics, rows) in sorted(found.items()):
+        df = pd.DataFrame(rows)
+        for c in ("seed", "train_len", "length"):
+            df[c] = df[c].astype(int)
+        frames[name] = df
+        for metric in metrics.values():
+            for point in sorted(set(df["point"])):
+                part = df[df["point"] == point]
+                long = part.assign(column=part["length"], value=pd.to_numeric(part[metric.name], errors="coerce"))
+                lengths = sorted(set(long["length"]))
+                table = summarize(long, lengths, scheme_order(set(long["scheme"])), metric.higher_is_better)
+                rows_, best = grid(table, [str(L) for L in lengths], metric.digits, metric.scale, missing="—")
+                rows_[0].append("seeds")
+                for s, row in zip(table.index, rows_[1:]):
+                    row.append(str(int(table.loc[s, "seeds"])))
+                note = spread_note(int(table["seeds"].max()), table.attrs["tests"])
+                where = f" ({point})" if point else ""
+                heading = f"{name}: {metric.label} by length{where}"
+                sections.append(
+                    Section(heading, f"{tex(heading)}; {tex(note)}.", rows_, best, title=heading, legend=note)
+                )
+                lines = [
+                    Line(s, lengths, [metric.scale * table.loc[s, L] for L in lengths],
+                         [metric.scale * table.loc[s, f"ci {L}"] for L in lengths], int(table.loc[s, "seeds"]))
+                    for s in table.index
+                ]  # fmt: skip
+                mark = int(part["train_len"].iloc[0])
+                panels.setdefault(name, []).append((metric.label, Panel(heading, lines, mark)))
+    return sections, frames, panels, describe
+
+
+def write_plots(frames: dict, panels: dict, folder: Path) -> list[str]:
+    """<name>.png per user measure: each metric against length, a panel per metric (and grid point)."""
+    from posbench.compare.plot import BAND_SEEDS, band_plot
+
+    written = []
+    for name, drawn in panels.items():
+        labels = sorted({label for label, _ in drawn})
+        xlabel = f"evaluation length; dashed: the training length; band: 95% ({BAND_SEEDS}+ seeds)"
+        ylabel = labels[0] if len(labels) == 1 else "see each panel's title"
+        if band_plot(
+            [p for _, p in drawn], folder / f"{name}.png", ylabel, xlabel, log=False, share_y=len(labels) == 1
+        ):
+            written.append(f"{name}.png")
+    return written
