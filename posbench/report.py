@@ -14,19 +14,9 @@ from typing import Optional
 
 from posbench.config import differences, flat, identity, shared_identity
 from posbench.errors import PosbenchError
-from posbench.experiment.records import (
-    CONFIG,
-    DIVERGED,
-    EVAL,
-    SWEEP_RECORD,
-    WEIGHTS,
-    diverged_step,
-    lock_file,
-    read_config,
-    trained_with,
-)
+from posbench.experiment.records import CONFIG, EVAL, SWEEP_RECORD, diverged_step, read_config, run_state, trained_with
 from posbench.extend.methods import EXTEND_RECORD
-from posbench.files import atomic, lock_holder, write_atomic
+from posbench.files import atomic, write_atomic
 from posbench.measures import Measure, measure_for
 from posbench.tables import latex_table, markdown_table, point_labels
 
@@ -63,19 +53,19 @@ def collect(exp_dir: Path) -> Collected:
     out, first, kinds = None, None, {}
     diverged, running = {}, []
     for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        has = {f: (rdir / f).is_file() for f in (CONFIG, EVAL, WEIGHTS)}
-        if (rdir / DIVERGED).is_file() and not has[WEIGHTS]:  # no weights, no rows: named, not scored
+        run = run_state(rdir)
+        if run.state == "diverged":  # no weights, no rows: named, not scored
             c = read_config(rdir)
             diverged[rdir.name] = f"{c.schemes[0]} seed {c.seeds[0]} {diverged_step(rdir)}"
             continue
-        if not any(has.values()):
+        if not run.here:
             continue  # not a run folder
-        if not (has[CONFIG] and has[EVAL]):
-            if lock_holder(lock_file(rdir)) is not None:
+        if not run.scored:
+            if run.holder is not None:
                 running.append(rdir.name)  # another process is training or scoring it
                 continue
-            lacks = " and ".join(f for f in (CONFIG, EVAL) if not has[f])
-            finish = f"posbench evaluate {rdir}" if has[WEIGHTS] else "posbench extrapolate (or train) again"
+            lacks = " and ".join(f for f in (CONFIG, EVAL) if not (rdir / f).is_file())
+            finish = f"posbench evaluate {rdir}" if run.trained else "posbench extrapolate (or train) again"
             raise PosbenchError(
                 f"{rdir}: a run folder without {lacks}; finish it with {finish}, or move it out of {exp_dir}"
             )
@@ -101,7 +91,7 @@ def collect(exp_dir: Path) -> Collected:
         out.parts[rdir] = part
     for lock in sorted(exp_dir.glob(".*.lock")):  # a run still training has no folder of its own yet
         name = lock.name[1 : -len(".lock")]
-        if not (exp_dir / name).exists() and lock_holder(lock) is not None:
+        if not (exp_dir / name).exists() and run_state(exp_dir / name).state == "running":
             running.append(name)
     if out is None and running:  # nothing to table yet: another process is training every run
         return Collected(None, diverged=diverged, running=running)

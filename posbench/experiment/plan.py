@@ -15,17 +15,8 @@ from typing import Optional
 
 from posbench.config import ExperimentConfig, config_from_dict, differences, identity, read_record, shared_identity
 from posbench.errors import PosbenchError
-from posbench.experiment.records import (
-    CONFIG,
-    DIVERGED,
-    WEIGHTS,
-    diverged_step,
-    lock_file,
-    partial_dir,
-    read_config,
-    run_name,
-)
-from posbench.files import lock_holder, safe_name
+from posbench.experiment.records import CONFIG, diverged_step, partial_dir, read_config, run_name, run_state
+from posbench.files import safe_name
 from posbench.measures import Measure
 from posbench.resolve import Experiment
 
@@ -72,7 +63,8 @@ def plan_state(rc: ExperimentConfig, measure: Measure, rdir: Path) -> str:
     """ "todo", "done" or "diverged" for the run `rc` in `rdir`; an error if the folder holds
     another config's run or something that is not a run. The records of this very run without
     its weights (a committed reference: config.yaml, eval.csv, no model.pt) are trained again."""
-    if not ((rdir / WEIGHTS).is_file() or (rdir / DIVERGED).is_file()):
+    run = run_state(rdir)  # its lock is not read: a look at it could turn away the process taking it
+    if not (run.trained or run.diverged):
         if not rdir.exists() or not any(rdir.iterdir()):
             return "todo"
         if not (rdir / CONFIG).is_file():
@@ -93,9 +85,9 @@ def plan_state(rc: ExperimentConfig, measure: Measure, rdir: Path) -> str:
             f"{rdir} was trained under a different config ({', '.join(diff)}); "
             f"choose another experiment name with --set name=NEW, or delete that folder"
         )
-    if (rdir / WEIGHTS).is_file():
+    if run.trained:
         return "done"
-    return "diverged" if (rdir / DIVERGED).is_file() else "todo"
+    return "diverged" if run.diverged else "todo"
 
 
 def _check_same_experiment(exp: Experiment, folder: Path) -> None:
@@ -166,7 +158,7 @@ def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
 
 def plan_note(job: Job) -> str:
     """What a run would do now: train, resume at step N, or be skipped, and why."""
-    holder = lock_holder(lock_file(job.folder))
+    holder = run_state(job.folder).holder
     if holder is not None:
         return f"skip: another process (pid {holder or '?'}) holds it"
     if job.state == "done":

@@ -11,11 +11,13 @@ so an interrupted run leaves nothing that could pass for a finished one. A lock 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
 from posbench.config import ExperimentConfig, config_from_dict, read_record
-from posbench.files import safe_name
+from posbench.files import lock_holder, safe_name
 
 CONFIG, WEIGHTS, DIVERGED, FAILED = "config.yaml", "model.pt", "diverged.json", "failed.txt"
 CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"  # mid-run state; the one before it
@@ -50,6 +52,51 @@ def partial_dir(rdir: Path) -> Path:
 def lock_file(rdir: Path) -> Path:
     """The run's lock: whoever holds it alone may write `rdir` and its partial folder."""
     return rdir.with_name("." + rdir.name + ".lock")
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a run is, from its folder, its partial folder and its lock: the one reading that
+    status, report, plan and extend share (each says it in its own words)."""
+
+    folder: Path  # the run folder, whether or not it exists
+    trained: bool  # model.pt: its weights are final
+    diverged: bool  # diverged.json and no model.pt: its loss blew up, there is nothing to score
+    scored: bool  # config.yaml and eval.csv: a report can table it (a committed reference has no model.pt)
+    here: bool  # its folder holds a run's record; else all there is of it lies in its partial folder
+    partial: bool  # its partial folder exists: training began there
+
+    @cached_property
+    def holder(self) -> Optional[int]:
+        """The pid of the process holding the run (0: unknown), None when no one does. Read only
+        when asked: a look at the lock can make a process taking it that instant think it held."""
+        return lock_holder(lock_file(self.folder))
+
+    @property
+    def state(self) -> str:
+        """ "diverged", "done" (trained), "running" (neither, and another process holds it),
+        "unfinished" (neither: records without weights, or a partial folder) or "none"."""
+        if self.diverged:
+            return "diverged"
+        if self.trained:
+            return "done"
+        if self.holder is not None:
+            return "running"
+        return "unfinished" if self.here or self.partial else "none"
+
+
+def run_state(rdir: Path) -> RunState:
+    """The state of the run that lives, or would live, in `rdir`."""
+    rdir = Path(rdir)
+    has = {f: (rdir / f).is_file() for f in (CONFIG, EVAL, WEIGHTS, DIVERGED)}
+    return RunState(
+        folder=rdir,
+        trained=has[WEIGHTS],
+        diverged=has[DIVERGED] and not has[WEIGHTS],
+        scored=has[CONFIG] and has[EVAL],
+        here=any(has.values()),
+        partial=partial_dir(rdir).is_dir(),
+    )
 
 
 def diverged_step(rdir: Path) -> str:

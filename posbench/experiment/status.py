@@ -8,19 +8,18 @@ from typing import Optional
 from posbench.errors import PosbenchError
 from posbench.experiment.records import (
     CHECKPOINT,
-    CONFIG,
-    DIVERGED,
     EVAL,
     FAILED,
     PREVIOUS,
     WEIGHTS,
+    RunState,
     diverged_step,
-    lock_file,
+    partial_dir,
     planned,
     read_config,
     read_train_log,
+    run_state,
 )
-from posbench.files import lock_holder
 
 
 def run_status(exp: Path) -> list[dict]:
@@ -34,11 +33,10 @@ def run_status(exp: Path) -> list[dict]:
         hidden = folder.name.startswith(".")
         if hidden and not folder.name.endswith(".partial"):
             continue
-        rdir = exp / folder.name[1 : -len(".partial")] if hidden else folder
-        if not hidden and not any((folder / f).is_file() for f in (CONFIG, WEIGHTS, DIVERGED)):
-            continue  # not a run folder
-        if not hidden or rdir.name not in rows:  # a finished folder outranks a partial one left beside it
-            rows[rdir.name] = _status_of(folder, rdir, hidden)
+        name = folder.name[1 : -len(".partial")] if hidden else folder.name
+        run = run_state(exp / name)
+        if name not in rows and (run.here or run.partial):  # else not a run folder
+            rows[name] = _status_of(run)  # a finished folder outranks a partial one left beside it
     for name in planned(exp):  # asked for, never started
         rows.setdefault(
             name,
@@ -54,7 +52,11 @@ def run_status(exp: Path) -> list[dict]:
     return [rows[name] for name in sorted(rows)]
 
 
-def _status_of(folder: Path, rdir: Path, hidden: bool) -> dict:
+def _status_of(run: RunState) -> dict:
+    """status's words for a run's state; a run's own folder is read where it holds a record,
+    else its partial folder."""
+    rdir = run.folder
+    folder = rdir if run.here else partial_dir(rdir)
     try:
         cfg = read_config(folder)
         ident = {"scheme": cfg.schemes[0], "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
@@ -62,18 +64,17 @@ def _status_of(folder: Path, rdir: Path, hidden: bool) -> dict:
     except PosbenchError:
         ident, steps = {"scheme": "?", "seed": "?", "train_len": "?"}, None
     row = {"run": rdir.name, **ident}
-    holder = lock_holder(lock_file(rdir))
-    step = checkpoint_step(folder) if hidden else None
+    if run.state == "diverged":
+        return {**row, "state": "diverged", "detail": diverged_step(rdir)}
+    step = checkpoint_step(folder) if not run.here else None
     at = f"at step {step} of {steps}" if step is not None else "no checkpoint yet"
-    if holder is not None:
-        logged = read_train_log(folder) if hidden else []
+    if run.holder is not None:  # training it, or scoring a trained run
+        logged = read_train_log(folder) if not run.here else []
         now = f"at step {logged[-1]['step'] + 1} of {steps}" if logged and "step" in logged[-1] else at
-        doing = f"training, {now}" if hidden else "evaluating"
-        return {**row, "state": "running", "detail": f"{doing} (pid {holder or '?'})"}
-    if not hidden:
-        if (folder / DIVERGED).is_file() and not (folder / WEIGHTS).is_file():
-            return {**row, "state": "diverged", "detail": diverged_step(folder)}
-        missing = [f for f in (WEIGHTS, EVAL) if not (folder / f).is_file()]
+        doing = f"training, {now}" if not run.here else "evaluating"
+        return {**row, "state": "running", "detail": f"{doing} (pid {run.holder or '?'})"}
+    if run.here:
+        missing = [f for f in (WEIGHTS, EVAL) if not (rdir / f).is_file()]
         return {
             **row,
             "state": "done" if not missing else "partial",

@@ -35,14 +35,17 @@ def parents_in(folder: Path) -> list[Path]:
     """The finished runs to extend: `folder` itself if it is a run, else its runs. An
     unfinished one (no model.pt, or a training still under way) is an error, before anything
     is written; a diverged one has nothing to extend and is left out."""
-    from posbench.experiment.records import CONFIG, DIVERGED, WEIGHTS, partial_dir, planned
+    from posbench.experiment.records import diverged_step, planned, run_state
 
     folder = Path(folder)
     if not folder.is_dir():
         raise PosbenchError(f"{folder}: no such run or experiment folder")
-    if (folder / WEIGHTS).is_file():
+    run = run_state(folder)
+    if run.state == "done":
         return [folder]
-    if (folder / CONFIG).is_file() or partial_dir(folder).is_dir():
+    if run.state == "diverged":
+        raise PosbenchError(f"{folder}: a run that diverged {diverged_step(folder)}; it has no model.pt to extend")
+    if run.state != "none":
         raise PosbenchError(f"{folder}: an unfinished run (no model.pt); finish training it before extending it")
     runs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
     names = {p.name for p in runs}
@@ -51,11 +54,10 @@ def parents_in(folder: Path) -> list[Path]:
             raise PosbenchError(f"{folder / name}: an unfinished run (not trained yet); finish {folder} first")
     found = []
     for p in runs:
-        if (p / WEIGHTS).is_file():
+        state = run_state(p).state
+        if state == "done":
             found.append(p)
-        elif (p / DIVERGED).is_file():
-            continue
-        elif (p / CONFIG).is_file() or partial_dir(p).is_dir():
+        elif state in ("running", "unfinished"):
             raise PosbenchError(f"{p}: an unfinished run (no model.pt); finish training it before extending {folder}")
     for p in sorted(folder.glob(".*.partial")):
         raise PosbenchError(f"{folder / p.name[1 : -len('.partial')]}: an unfinished run; finish {folder} first")
