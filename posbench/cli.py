@@ -353,17 +353,37 @@ def evaluate(
     protocol: Protocol = None,
     stride: Stride = None,
     tracker: TrackerOpt = None,
+    measure: Annotated[
+        Optional[str], typer.Option(help="instead: score it by a user's measure, module:Class (docs/architecture.md)")
+    ] = None,
 ):
     """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
 
     --rope-scaling yarn also scores the rope checkpoint rescaled at evaluation time (rows
     rope+yarn), beside plain rope, at these lengths and the training length. --protocol
-    sliding (with --stride) scores it under sliding windows, as extrapolate does."""
+    sliding (with --stride) scores it under sliding windows, as extrapolate does. --measure
+    examples.my_measure:NextByteAccuracy scores it by a measure of your own instead, at its
+    config's lengths, into RUN/measures/; every report of its experiment then shows it."""
     from posbench.console import plain_table
     from posbench.experiment.execute import evaluate_run
 
     with user_errors():
         _set_threads(threads)
+        if measure is not None:
+            given = [f for f, v in (("--lengths", lengths), ("--rope-scaling", rope_scaling), ("--protocol", protocol),
+                                    ("--stride", stride), ("--attention", attention)) if v is not None]  # fmt: skip
+            if given:
+                raise PosbenchError(f"{given[0]} applies to the run's own measure, not to --measure {measure}")
+            from posbench.measures.plugin import score_run
+
+            scorer, rc, rows = score_run(run_dir, measure, device, tracker)
+            table = [["length", *(m.label for m in scorer.metrics.values()), "status"]]
+            for r in rows:
+                cells = [f"{m.scale * r[n]:.{m.digits}f}" if r[n] == r[n] else "—" for n, m in scorer.metrics.items()]
+                table.append([str(r["length"]), *cells, r["status"]])
+            out.print(plain_table(f"{scorer.name}: {rc.model.scheme} seed {rc.seeds[0]}", table))
+            out.print(f"wrote {Path(run_dir) / 'measures' / (scorer.name + '.csv')}", highlight=False, soft_wrap=True)
+            return
         kinds = _csv_names(rope_scaling)
         if rope_factor is not None and not kinds:
             raise PosbenchError("--rope-factor needs --rope-scaling, e.g. --rope-scaling yarn")

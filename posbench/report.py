@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from posbench.compare.render import latex_table, markdown_table
 from posbench.config import differences, flat, identity, shared_identity
 from posbench.errors import PosbenchError
 from posbench.experiment.records import CONFIG, EVAL, SWEEP_RECORD, diverged_step, read_config, run_state, trained_with
 from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import atomic, write_atomic
-from posbench.measures import Measure, measure_for
-from posbench.tables import latex_table, markdown_table, point_labels
+from posbench.measures import Measure, measure_for, plugin
+from posbench.tables import point_labels
 
 
 @dataclass
@@ -182,16 +183,23 @@ def write_summary(
         for run in collected.runs:
             run.rows = collected.measure.asked(run.rows, asked)
     parts = collected.measure.report(collected, metric, transpose, buckets)
+    extra, frames, panels, lines = plugin.report(collected)  # what users' measures scored, after the run's own
+    parts["sections"] += extra
+    parts["describe"] = parts["describe"] + lines
     folder.mkdir(parents=True, exist_ok=True)
     frame, columns = parts["csv"]
     with atomic(folder / "summary.csv") as tmp:
         frame.to_csv(tmp, index=False, columns=columns)
+    for name, rows in frames.items():
+        with atomic(folder / f"{name}.csv") as tmp:
+            rows.to_csv(tmp, index=False)
     write_atomic(folder / "summary.md", markdown(parts, collected))
     write_atomic(
         folder / "summary.tex",
         "\n".join(line for s in parts["sections"] for line in latex_table(s.rows, s.best, s.caption)),
     )
     parts["written"] = ["summary.csv", "summary.md", "summary.tex", *parts["plots"](folder)]
+    parts["written"] += [f"{name}.csv" for name in frames] + plugin.write_plots(frames, panels, folder)
     return collected, parts, folder
 
 

@@ -39,13 +39,6 @@ from posbench.errors import PosbenchError
 
 INSTALL = "pip install 'posbench[trackers]'"
 RECORD = "trackers.json"  # in a run folder: {tracker: {"id": ..., "train": sent?, "eval": {"eval/ppl@48": value sent}}}
-EVAL_COLUMNS = {  # eval.csv's columns -> the names they are sent as
-    "loss": "loss",
-    "ppl": "ppl",
-    "bpb": "bpb",
-    "accuracy": "exact_match",
-    "token_accuracy": "token_accuracy",
-}
 IMAGES = ("summary.png", "positions.png", "training.png", "steps.png")  # the report's plots, where present
 
 
@@ -304,12 +297,15 @@ def send_run(tracker: Optional[str], exp_dir: Path, rdir: Path) -> None:
     import yaml
 
     from posbench.config import config_from_dict
+    from posbench.measures import measure_for
     from posbench.schemes import run_label
 
     exp_dir, rdir = exp_dir.resolve(), rdir.resolve()  # `posbench evaluate .` names them by path
     sent = _read_record(rdir).get(tracker, {})
     config = yaml.safe_load((rdir / "config.yaml").read_text())
-    points = _eval_points((rdir / "eval.csv").read_text(), run_label(config_from_dict(config).model))
+    cfg = config_from_dict(config)
+    columns = {m.column: m.name for m in measure_for(cfg).metrics.values() if m.column}  # each sent by its name
+    points = _eval_points((rdir / "eval.csv").read_text(), run_label(cfg.model), columns) | _measure_points(rdir)
     before = sent.get("eval") if isinstance(sent.get("eval"), dict) else {}
     fresh = {k: v for k, v in points.items() if before.get(k) != v}
     if sent.get("train") and not fresh:
@@ -401,8 +397,9 @@ def _send_training(run: Tracker, config: dict, log: list[dict]) -> None:
         before = row
 
 
-def _eval_points(evals: str, label: str) -> dict[str, float]:
-    """{"eval/ppl@48": value, ...}: each measure of each eval.csv row at its length. A row of an
+def _eval_points(evals: str, label: str, columns: dict[str, str]) -> dict[str, float]:
+    """{"eval/ppl@48": value, ...}: each metric (`columns`: eval.csv's column -> the metric's
+    name) of each eval.csv row at its length. A row of an
     evaluation-time variant (rope+yarn), another protocol or stride names it after a dot,
     eval/ppl.rope_yarn.sliding_s32: no name is a folder of another (MLflow's file store keeps a
     metric as a file), and each is a name every tracker takes."""
@@ -414,10 +411,25 @@ def _eval_points(evals: str, label: str) -> dict[str, float]:
         if r.get("protocol", "") not in ("", "nonoverlapping"):
             parts.append(r["protocol"] + (f"_s{r['stride']}" if r.get("stride") else ""))
         suffix = "".join("." + re.sub(r"[^A-Za-z0-9_-]", "_", part) for part in parts)
-        for column, name in EVAL_COLUMNS.items():
+        for column, name in columns.items():
             value = float(r[column]) if r.get(column) not in (None, "") else math.nan
             if math.isfinite(value):
                 points[f"eval/{name}{suffix}@{r['length']}"] = value
+    return points
+
+
+def _measure_points(rdir: Path) -> dict[str, float]:
+    """{"eval/next_byte_accuracy@48": value, ...}: what users' measures scored (RUN/measures/),
+    each metric by its name."""
+    from posbench.measures.plugin import read_measures
+
+    points = {}
+    for metrics, rows in read_measures(rdir).values():
+        for r in rows:
+            for name in metrics:
+                value = float(r[name]) if r["status"] == "ok" and r[name] != "" else math.nan
+                if math.isfinite(value):
+                    points[f"eval/{name}@{r['length']}"] = value
     return points
 
 

@@ -87,9 +87,13 @@ def load_measure(spec: str) -> Scorer:
     return measure
 
 
-def score_run(run_dir: Path, spec: str, device: Optional[str] = None) -> tuple[Scorer, Any, list[dict]]:
-    """`posbench evaluate RUN --measure SPEC`: score the run by the user's measure and write its
-    records (a row per length; the whole file anew). Returns the measure, the run's config and the rows."""
+def score_run(
+    run_dir: Path, spec: str, device: Optional[str] = None, tracker: Optional[str] = None
+) -> tuple[Scorer, Any, list[dict]]:
+    """`posbench evaluate RUN --measure SPEC`: score the run by the user's measure, write its
+    records (a row per length; the whole file anew) and send them to `tracker` (None: the run's
+    train.tracker, where its library is installed here). Returns the measure, the run's config
+    and the rows."""
     import dataclasses
 
     import torch
@@ -99,7 +103,9 @@ def score_run(run_dir: Path, spec: str, device: Optional[str] = None) -> tuple[S
     from posbench.experiment.checkpoint import load_run
     from posbench.measures import measure_for
     from posbench.schemes import run_label
+    from posbench.trackers import check_tracker, send_run, usable
 
+    check_tracker(tracker, "--tracker")
     measure = load_measure(spec)
     rc, model = load_run(run_dir)
     if device is not None:
@@ -129,6 +135,8 @@ def score_run(run_dir: Path, spec: str, device: Optional[str] = None) -> tuple[S
     write_rows(folder / f"{measure.name}.csv", rows, KEYS + list(measure.metrics))
     meta = {"measure": spec, "metrics": {n: dataclasses.asdict(m) for n, m in measure.metrics.items()}}
     write_atomic(folder / f"{measure.name}.json", json.dumps(meta, indent=1) + "\n")
+    where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
+    send_run(tracker or usable(rc.train.tracker), where.parent, where)
     return measure, rc, rows
 
 
