@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny model config and a tiny corpus, so no test needs the network."""
 
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,11 @@ _runner = CliRunner()
 def invoke(*args):
     """Run the posbench CLI in-process, as a user would type it."""
     return _runner.invoke(app, [str(a) for a in args])
+
+
+def folded(text: str) -> str:
+    """Help or README text with its line breaks and rich's box edges folded into single spaces."""
+    return re.sub(r"[\s│]+", " ", text)
 
 
 def report_rebuilt(exp: Path, copy: Path, removed: tuple):
@@ -69,6 +75,26 @@ def task_experiment(out: Path, schemes: str, *more, task: str = "copy", name: st
     )
     assert res.exit_code == 0, res.output
     return out / (name or task)
+
+
+def processes() -> dict:
+    """pid -> (parent pid, state letter), from /proc (Linux, where CI runs; no `ps` needed)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # it exited while we looked
+            continue
+        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+        found[int(stat.parent.name)] = (int(ppid), state)
+    return found
+
+
+@pytest.fixture(scope="session")
+def smoke(tmp_path_factory):
+    """One smoke experiment over every seed scheme, trained once for the whole suite: (experiment
+    folder, result, text file). Tests only read it; a test that changes it works on a copy."""
+    return smoke_experiment(tmp_path_factory.mktemp("smoke"))
 
 
 @pytest.fixture(autouse=True)

@@ -2,11 +2,12 @@
 
 import csv
 import math
+import shutil
 
 import pytest
 import torch
 import yaml
-from conftest import invoke, smoke_experiment
+from conftest import SMOKE, invoke, smoke_experiment
 from test_sweeps import _cli, _same_weights, kill_after_two_checkpoints
 
 from posbench.config import ExperimentConfig, ModelConfig, config_from_dict
@@ -20,10 +21,18 @@ def _rows(path):
 
 
 @pytest.fixture(scope="module")
-def parents(tmp_path_factory):
-    """configs/smoke.yaml for rope, learned and alibi (trained at 32), seed 0."""
-    exp, _, text = smoke_experiment(tmp_path_factory.mktemp("parents"), "--schemes", "rope,learned,alibi")
-    return exp, text
+def parents(smoke, tmp_path_factory):
+    """configs/smoke.yaml for rope, learned and alibi (trained at 32), seed 0: the suite's smoke
+    runs of those schemes, copied into a folder that extrapolate makes an experiment of without
+    training them again."""
+    trained, _, text = smoke
+    out = tmp_path_factory.mktemp("parents")
+    for run in ("rope-seed0", "learned-seed0", "alibi-seed0"):
+        shutil.copytree(trained / run, out / "smoke" / run)
+    schemes = ("--schemes", "rope,learned,alibi")
+    res = invoke("extrapolate", "--config", SMOKE, *schemes, "--set", f"out_dir={out}", "--set", f"data.path={text}")
+    assert res.exit_code == 0 and res.output.count("already trained") == 3, res.output
+    return out / "smoke", text
 
 
 def _extend(parents, out, *more):

@@ -154,15 +154,15 @@ def test_ctrl_c_saves_a_checkpoint_and_a_damaged_one_falls_back_to_the_previous(
 
 
 def _children(pid: int) -> list[int]:
-    from test_cli import _processes
+    from conftest import processes
 
-    return [p for p, (ppid, _) in _processes().items() if ppid == pid]
+    return [p for p, (ppid, _) in processes().items() if ppid == pid]
 
 
 def _alive(pids: list[int]) -> list[int]:
-    from test_cli import _processes
+    from conftest import processes
 
-    now = _processes()
+    now = processes()
     return [p for p in pids if p in now and now[p][1] != "Z"]  # a zombie is dead, unreaped
 
 

@@ -1,0 +1,213 @@
+"""Bad input (flags, config files, corpora, plugins, usage): one line that names where it came
+from, a non-zero exit, and nothing left behind."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import SMOKE, invoke
+
+
+def _assert_clean_failure(res, message, results: Path):
+    assert res.exit_code != 0
+    assert "Traceback" not in res.output
+    assert message in " ".join(res.output.split()), res.output
+    assert not results.exists(), "a failed command left a results folder behind"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--schemes", "alibi,ropee"], "unknown scheme 'ropee'"),
+        (["--set", "modell.n_layer=1"], "did you mean 'model'?"),
+        (["--set", "train.steps=abc"], "train.steps: expected an integer"),
+        (["--set", "model.n_head=3"], "is not divisible by model.n_head=3"),
+        (["--train-len", "100", "--test-len", "50"], "--test-len 50 is shorter than --train-len 100"),
+        (["--lengths", "10,64"], "eval.lengths [10] are shorter than the training length"),
+        (["--set", "model.d_model=-8"], "model.d_model=-8 must be positive"),
+        (["--set", "data.path=/no/such/*.txt"], "data.path '/no/such/*.txt' matches no file"),
+        (["--lengths", "32,abc"], "expected comma-separated integers"),
+        (["--schemes", "alibi,alibi"], "schemes: alibi listed more than once"),
+        (["--seeds", "0,0"], "seeds: 0 listed more than once"),
+        (["--lengths", "32,48,48"], "eval.lengths: 48 listed more than once"),
+        (["--seeds", "99999999999999999999"], "is not a seed torch takes"),
+        (["--set", "model.vocab_size=10"], "--set model.vocab_size=10: the corpus is bytes"),
+        (["--set", "model.n_layer=99999999999999999999"], "GiB for its weights alone, more than the"),
+        (["--set", "train.grad_clip=-1"], "train.grad_clip=-1.0 must be >= 0"),
+        (["--set", "model.scheme=rope"], "model.scheme='rope' is not read"),
+        (["--rope-factor", "2"], "eval.rope_factor is set but eval.rope_scaling is empty"),
+        (["--test-len", "64", "--lengths", "32,48"], "--test-len and --lengths both set"),
+        (["--set", "eval.tokens=40"], "eval.tokens=40 is fewer than the longest eval length 64"),
+        (["--schemes", "alibi]"], "unknown scheme 'alibi]'"),  # given as typed, not read as YAML
+        (["--threads", "-1"], "train.threads=-1 must be positive"),
+    ],
+)
+def test_extrapolate_errors_are_one_line_and_leave_nothing(tmp_path, corpus_file, args, message):
+    out = tmp_path / "results"
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}", *args
+    )
+    _assert_clean_failure(res, message, out)
+
+
+def test_malformed_and_missing_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {n_layer: 2\n")
+    _assert_clean_failure(
+        invoke("extrapolate", "--config", bad), "bad.yaml: malformed YAML at line", tmp_path / "results"
+    )
+    _assert_clean_failure(
+        invoke("extrapolate", "--config", tmp_path / "gone.yaml"),
+        "gone.yaml: config file not found",
+        tmp_path / "results",
+    )
+
+
+def test_unwritable_out_dir_is_one_line(tmp_path, corpus_file):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--set",
+        f"out_dir={blocker}",
+        "--set",
+        f"data.path={corpus_file}",
+    )
+    assert res.exit_code != 0 and "Traceback" not in res.output and "error:" in res.output
+
+
+def test_bad_files_and_evaluate_flags_are_one_line_and_keep_what_is_on_disk(tmp_path, smoke, corpus_file):
+    """An empty corpus, a config with a key twice, a config path that does not exist, a negative
+    --threads for evaluate, a run's config.yaml that is not text: each is one line that names the
+    culprit, exit 2, and what is on disk is kept. `alibi:` with nothing under it is no options."""
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    base = ["--set", f"out_dir={out}", "--set", f"data.path={corpus_file}"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _assert_clean_failure(
+        invoke("extrapolate", "--config", SMOKE, *base, "--set", f"data.path={empty}"), "is empty", out
+    )
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("name: a\nname: b\n")
+    _assert_clean_failure(invoke("extrapolate", "--config", twice), "key 'name' appears twice", out)
+    marked = tmp_path / "x[b].yaml"
+    _assert_clean_failure(invoke("extrapolate", "--config", marked), "x[b].yaml: config file not found", out)
+    null_options = tmp_path / "null.yaml"  # `alibi:` with nothing under it means no options
+    null_options.write_text(
+        yaml.safe_dump({**yaml.safe_load(open(SMOKE)), "schemes": ["alibi"], "scheme_options": {"alibi": None}})
+    )
+    assert invoke("extrapolate", "--config", null_options, *base).exit_code == 0
+    res = invoke("evaluate", exp / "alibi-seed0", "--threads", "-1")
+    assert res.exit_code == 2 and "--threads -1: the thread count must be positive" in res.output
+
+    # a run folder whose records are not text: named, and the experiment's files are kept
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    (copy / "rope-seed0" / "config.yaml").write_bytes(b"\xff\xfe")
+    res = invoke("report", copy)
+    assert res.exit_code == 2 and "rope-seed0/config.yaml: not a text file" in " ".join(res.output.split())
+
+
+def test_a_broken_plugin_is_one_line(tmp_path, corpus_file, monkeypatch):
+    """A user's class that raises when built names itself and check-scheme; one that breaks
+    mid-forward still gets one line (the catch-all), not a traceback."""
+    (tmp_path / "brokenplug.py").write_text(
+        "from posbench.schemes import PositionalScheme\n"
+        "class Raises(PositionalScheme):\n"
+        "    def __init__(self, cfg):\n"
+        "        super().__init__(cfg)\n"
+        "        raise ValueError('my constructor fails')\n"
+        "class BadBias(PositionalScheme):\n"
+        "    def bias(self, q, k, qpos, kpos, layer):\n"
+        "        return q.new_zeros(3, 3)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "results"
+    base = ["--config", SMOKE, "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}"]
+    res = invoke("extrapolate", *base, "--schemes", "brokenplug:Raises")
+    _assert_clean_failure(res, "scheme 'brokenplug:Raises' failed to build (ValueError: my constructor fails)", out)
+    res = invoke("extrapolate", *base, "--schemes", "brokenplug:BadBias")
+    assert "Traceback" not in res.output
+    assert res.exit_code == 1, "a bug, not a bad input: exit 1"
+    error = res.output[res.output.index("error:") :]  # after any note on kernels that cannot run
+    assert "unexpected RuntimeError" in error and len(error.strip().splitlines()) <= 2
+    assert not list(out.rglob("*.partial")) and not list(out.rglob("model.pt"))
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--bogus"], "error: No such option: --bogus (see 'posbench --help')"),
+        (["extrapolate", "--test-len", "abc"], "Invalid value for '--test-len'"),
+        (["evaluate"], "Missing argument"),
+    ],
+)
+def test_usage_errors_are_one_line_from_the_console_script(args, message):
+    """typer prints usage errors in a boxed panel; posbench's entry point prints one line."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "posbench.cli", *args], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_bare_posbench_prints_its_help_once():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "posbench.cli"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.count("Usage: posbench") == 1, res.stdout
+
+
+def test_yaml_merge_keys_and_a_runs_own_config_with_another_scheme(tmp_path, smoke):
+    """Anchors and `<<:` merges still load under the duplicate-key check; a run's config.yaml
+    (which names its scheme twice) takes --schemes without complaint."""
+    from posbench.config import load_config
+
+    merged = tmp_path / "merge.yaml"
+    merged.write_text(
+        "model: {n_layer: 1, d_model: 32, n_head: 2}\n"
+        "scheme_options:\n"
+        "  hybrid: &t5 {max_distance: 64, num_buckets: 16}\n"
+        "  t5: {<<: *t5, num_buckets: 8}\n"
+    )
+    cfg = load_config(merged, [])
+    assert cfg.model.n_layer == 1 and cfg.scheme_options["t5"] == {"max_distance": 64, "num_buckets": 8}
+    exp, _, _ = smoke
+    cfg = load_config(exp / "rope-seed0" / "config.yaml", ['schemes=["alibi"]'])
+    assert cfg.schemes == ["alibi"] and cfg.model_for("alibi").scheme == "alibi"
+
+
+def test_a_model_too_big_to_train_is_refused_before_allocation():
+    """16 bytes a parameter to train (weights, gradients, AdamW's moments), 4 to hold it."""
+    from posbench.config import ModelConfig, check_trainable
+    from posbench.errors import PosbenchError
+
+    cfg = ModelConfig(n_layer=2, d_model=128)  # 12 * 2 * 128^2 + 256 * 128 = 425,984 parameters
+    check_trainable(cfg, device_memory=16 * 425_984)
+    with pytest.raises(PosbenchError, match="model.n_layer=2, model.d_model=128: about 4.3e.05 parameters"):
+        check_trainable(cfg, device_memory=16 * 425_984 - 1)
+    check_trainable(cfg, device_memory=4 * 425_984, bytes_per_param=4)
+
+
+def test_blame_names_the_flag_not_a_file_with_a_fault_of_its_own(tmp_path):
+    """The file alone fails (train.steps is fine there, eval lengths are not); the flags add
+    another fault: each message names its own source."""
+    from posbench.config import load_config
+    from posbench.errors import PosbenchError
+    from posbench.resolve import resolve
+
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("model: {train_len: 64}\neval: {lengths: [32, 64]}\n")
+    with pytest.raises(PosbenchError, match=r"partial.yaml: eval.lengths \[32\] are shorter"):
+        resolve(load_config(partial, []))
+    with pytest.raises(PosbenchError, match="^--set train.steps=0 must be positive"):
+        load_config(partial, ["model.train_len=32", "train.steps=0"])

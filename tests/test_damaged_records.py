@@ -1,0 +1,146 @@
+"""Damaged records and checkpoints: each is named in one line, and what is on disk stays as it
+was."""
+
+import shutil
+
+import torch
+import yaml
+from conftest import SMOKE, invoke
+
+
+def test_run_dir_without_checkpoint(tmp_path):
+    (tmp_path / "empty").mkdir()
+    res = invoke("evaluate", tmp_path / "empty")
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "holds no checkpoint (model.pt)" in res.output
+
+
+def test_corrupt_checkpoint_keeps_what_is_on_disk(smoke, tmp_path):
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    (run / "model.pt").write_bytes(b"not a checkpoint at all")
+    before = (run / "eval.csv").read_text()
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "corrupt or not a posbench checkpoint" in res.output
+    assert (run / "eval.csv").read_text() == before
+
+
+def test_weights_of_another_version_of_a_scheme_are_one_line(smoke, tmp_path):
+    """A checkpoint whose tensors do not fit the scheme (KERPLE's r1 saved as one per head where
+    the scheme holds one per head and layer) says so, instead of calling a good file corrupt."""
+    exp, _, _ = smoke
+    run = tmp_path / "t5-seed0"
+    shutil.copytree(exp / "t5-seed0", run)
+    ckpt = torch.load(run / "model.pt", weights_only=True)
+    ckpt["model"]["scheme.table"] = ckpt["model"]["scheme.table"][:, :1]
+    torch.save(ckpt, run / "model.pt")
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "its weights do not fit scheme 't5'" in res.output and "retrain it" in res.output
+
+
+def test_a_checkpoint_with_nan_weights_is_refused(smoke, tmp_path):
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    ckpt = torch.load(run / "model.pt", weights_only=True)
+    ckpt["model"]["tok.weight"][0, 0] = float("nan")
+    torch.save(ckpt, run / "model.pt")
+    before = (run / "eval.csv").read_text()
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and "holds non-finite weights" in res.output
+    assert (run / "eval.csv").read_text() == before
+
+
+def test_a_run_records_every_scheme_option_and_a_checkpoint_without_them_is_refused(smoke, tmp_path):
+    """A checkpoint that does not say how its scheme was set up cannot be scored as trained:
+    the defaults may have moved (t5's scale did). One line, and nothing is changed."""
+    exp, _, _ = smoke
+    run = tmp_path / "t5-seed0"
+    shutil.copytree(exp / "t5-seed0", run)
+    record = yaml.safe_load((run / "config.yaml").read_text())
+    assert record["model"]["options"]["scale"] == "sqrt_head_dim" and record["model"]["options"]["init"] == "normal"
+    ckpt = torch.load(run / "model.pt", weights_only=True)
+    for key in ("scale", "init"):
+        del ckpt["config"]["model"]["options"][key]
+        del ckpt["config"]["scheme_options"]["t5"][key]
+    torch.save(ckpt, run / "model.pt")
+    (run / "config.yaml").unlink()
+    before = (run / "eval.csv").read_text()
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and "does not record scheme 't5''s option(s) init, scale" in " ".join(res.output.split())
+    assert (run / "eval.csv").read_text() == before
+
+
+def test_report_of_an_empty_folder(tmp_path):
+    res = invoke("report", tmp_path)
+    assert res.exit_code != 0 and "holds no evaluated runs" in res.output
+
+
+def test_damaged_records_are_one_line(smoke, tmp_path):
+    exp, _, _ = smoke
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    (copy / "rope-seed0" / "eval.csv").write_text("scheme,length\nrope,abc\n")
+    res = invoke("report", copy)
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "eval.csv: malformed evaluation rows" in " ".join(res.output.split())
+
+
+def test_an_empty_config_yaml_is_a_damaged_record_not_the_defaults(smoke, tmp_path):
+    """A run's config.yaml left empty (a full disk, a crash) would read as the default config:
+    a report would make it a grid point of its own, status would show the default train_len."""
+    from posbench.experiment.status import run_status
+
+    exp, _, text = smoke
+    copy = tmp_path / "smoke"
+    shutil.copytree(exp, copy)
+    (copy / "rope-seed0" / "config.yaml").write_text("")
+    before = (copy / "summary.csv").read_text()
+    for args in (
+        ["report", copy],
+        ["evaluate", copy / "rope-seed0"],
+        ["extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path}", "--set", f"data.path={text}"],
+    ):
+        res = invoke(*args)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        said = " ".join(res.output.split())
+        assert "rope-seed0/config.yaml: empty" in said and len(res.output.strip().splitlines()) <= 2
+    assert (copy / "summary.csv").read_text() == before and (copy / "rope-seed0" / "model.pt").is_file()
+    row = {r["run"]: r for r in run_status(copy)}["rope-seed0"]
+    assert (row["scheme"], row["train_len"]) == ("?", "?")
+
+
+def test_report_never_drops_a_run_in_silence(smoke, tmp_path):
+    """A run whose eval.csv is garbage, empty or only a header is an error naming that file,
+    and the summary that was there stays, instead of a summary rewritten without the run."""
+    exp, _, _ = smoke
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    summary = (copy / "summary.csv").read_text()
+    header = (copy / "alibi-seed0" / "eval.csv").read_text().splitlines()[0] + "\n"
+    for damage in [
+        'garbage,,,"\n',
+        "",
+        header,
+        header + "alibi,0,32,32,2.9,18.1,799,weird\n",
+        header + "alibi,0,32,32,abc,18.1,799,ok\n",
+        b"\xff\xfe",
+    ]:
+        target = copy / "alibi-seed0" / "eval.csv"
+        target.write_bytes(damage if isinstance(damage, bytes) else damage.encode())
+        res = invoke("report", copy)
+        assert res.exit_code == 2, (damage, res.output)
+        assert "alibi-seed0/eval.csv: malformed evaluation rows" in " ".join(res.output.split()), damage
+        assert (copy / "summary.csv").read_text() == summary
+
+
+def test_report_names_a_run_folder_missing_its_records(smoke, tmp_path):
+    exp, _, _ = smoke
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    (copy / "rope-seed0" / "eval.csv").unlink()
+    res = invoke("report", copy)
+    assert res.exit_code == 2 and "rope-seed0: a run folder without eval.csv" in " ".join(res.output.split())

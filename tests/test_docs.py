@@ -1,0 +1,112 @@
+"""The help, the README and the Makefile say what the code does (#30.12, #30.13)."""
+
+import shutil
+
+import pytest
+from conftest import folded, invoke
+
+
+def test_help_offers_only_input_that_is_taken_and_names_the_length_defaults():
+    """#30.12: --protocol takes a comma list (no `both`), --compile is a flag and says so when
+    given a value, and extrapolate's help names where its lengths come from."""
+    import subprocess
+    import sys
+
+    from posbench.config import EvalConfig, ModelConfig, length_grid
+
+    text = folded(invoke("extrapolate", "--help").output)
+    assert "or both" not in text and "nonoverlapping,sliding" in text
+    L, grid = ModelConfig().train_len, ",".join(map(str, length_grid(100, 200)))
+    assert f"(default: model.train_len, {L})" in text
+    assert f"(default: eval.lengths, {','.join(map(str, EvalConfig().lengths))})" in text
+    assert f"scores L and 1/4, 1/2 and all of the way to N (--test-len 200 from 100: {grid})" in text
+    for command in ("extrapolate", "train"):
+        help_lines = invoke(command, "--help").output.splitlines()
+        compile_line = next(line for line in help_lines if "--compile" in line)
+        assert "<bool>" not in compile_line and "no value" in folded("\n".join(help_lines)), compile_line
+    args = [sys.executable, "-m", "posbench.cli", "train", "--compile", "true"]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "--compile take no value" in lines[0], res.stderr
+
+
+def test_readme_says_what_a_run_folder_holds(smoke):
+    """#30.13: the files the README lists in a run folder are the ones a run writes;
+    positions.png is the experiment's, never a run's."""
+    import re
+
+    from conftest import ROOT
+
+    from posbench.measures.exact_match import ExactMatch
+
+    readme = (ROOT / "README.md").read_text()
+    exp, _, _ = smoke
+    written = {p.name for p in (exp / "alibi-seed0").iterdir() if not p.name.startswith(".")}
+    listed = readme[readme.index("a folder per run") :].split("\n\n")[0]
+    named = set(re.findall(r"`(\w+\.\w+)`", listed))
+    assert written <= named and named - written == set(ExactMatch.records) - written, (named, written)
+    for at in [m.start() for m in re.finditer(r"`positions\.png`", readme)]:
+        before = readme[max(0, at - 60) : at]
+        assert "experiment's" in before or "run" not in before, before
+
+
+def test_docs_count_the_hooks_name_the_interval_and_state_the_length_rule():
+    """#30.13: the hook table and its sentence agree, default.yaml names the interval the tables
+    print, and the README states how --test-len picks lengths, not only an example."""
+    import pandas as pd
+    from conftest import ROOT
+
+    from posbench.config import length_grid
+    from posbench.measures.perplexity import spread_note
+    from posbench.schemes import PositionalScheme
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Write your own scheme") :].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    hooks = [line.split("`")[1].split("(")[0] for line in rows]
+    assert all(callable(getattr(PositionalScheme, h, None)) for h in hooks), hooks
+    intro = folded(section.split("| hook |")[0])
+    required = [r for r in rows if "optional" not in r]
+    words = {3: "three", 4: "four"}
+    assert f" {words[len(required)]} hooks" in intro and "up to" not in intro, intro
+    assert ("optional" in intro) == (len(required) < len(rows)), intro
+    seeds_line = next(line for line in (ROOT / "configs" / "default.yaml").read_text().splitlines() if "seeds:" in line)
+    assert "mean ± 95%" in spread_note({"x": pd.DataFrame({"seeds": [2]})})
+    assert "mean ± 95% interval" in seeds_line and "std" not in seeds_line, seeds_line
+    assert length_grid(100, 200) == [100, 125, 150, 200]
+    text = folded(readme)
+    assert "`--test-len N` scores the training length L" in text and "1/4, 1/2 and all of the way from L to N" in text
+    assert "`--test-len 200` scores 100, 125, 150, 200" in text
+
+
+def test_bench_quick_says_its_timings_are_rough(tmp_path):
+    """#30.13: one round cannot be compared; the README and the command both say so."""
+    from conftest import ROOT
+
+    res = invoke("bench", "--quick", "--schemes", "nope", "--out", tmp_path / "bench.csv")
+    assert res.exit_code == 0, res.output
+    assert "note: --quick timed 1 round at batch 4" in folded(res.output), res.output
+    readme = folded((ROOT / "README.md").read_text())
+    assert "`--quick` times one round, too few to compare schemes" in readme
+
+
+def test_make_installs_the_test_extra_only_for_test_and_lint():
+    """#30.13: `make extrapolate` (and smoke) install the package alone; test and lint add `.[test]`."""
+    import subprocess
+
+    from conftest import ROOT
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+
+    def dry(target):
+        res = subprocess.run(["make", "-n", "-C", str(ROOT), target], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    for target in ("extrapolate", "smoke"):
+        assert "[test" not in dry(target) and "pip install -q -e ." in dry(target)
+    for target in ("test", "lint"):
+        assert "'.[test" in dry(target)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert all(f"make {t}" in ci for t in ("lint", "test", "smoke"))

@@ -1,0 +1,117 @@
+"""posbench evaluate on a trained run: new lengths, the run's own config, another device, a
+process without the training loop; and the table of a length only some seeds reached."""
+
+import csv
+import shutil
+
+import pytest
+import torch
+import yaml
+from conftest import SMOKE, invoke
+
+
+def test_evaluate_an_existing_run_at_new_lengths(smoke, tmp_path):
+    exp, _, _ = smoke
+    run = tmp_path / "rope-seed0"
+    shutil.copytree(exp / "rope-seed0", run)
+    res = invoke("evaluate", run, "--lengths", "32,96")
+    assert res.exit_code == 0, res.output
+    rows = {int(r["length"]): r for r in csv.DictReader((run / "eval.csv").open())}
+    assert sorted(rows) == [32, 48, 64, 96]
+    old = {int(r["length"]): r for r in csv.DictReader((exp / "rope-seed0" / "eval.csv").open())}
+    assert rows[32]["loss"] == old[32]["loss"]  # evaluation is deterministic
+
+
+def test_evaluate_reads_the_runs_config_and_rescores_rows_on_other_tokens(smoke, tmp_path):
+    """The run's config.yaml is its record: evaluate scores with its eval.tokens, and rows left
+    from other tokens are scored again, so one eval.csv never mixes token sets. A config.yaml
+    that does not match the weights is refused; a missing one is restored."""
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    old = {r["length"]: r for r in csv.DictReader((run / "eval.csv").open())}
+    assert len(old) >= 3 and {r["tokens"] for r in old.values()} != {"400"}
+    rec = yaml.safe_load((run / "config.yaml").read_text())
+    rec["eval"]["tokens"] = 400
+    (run / "config.yaml").write_text(yaml.safe_dump(rec))
+    assert invoke("evaluate", run, "--lengths", "32").exit_code == 0
+    new = {r["length"]: r for r in csv.DictReader((run / "eval.csv").open())}
+    assert set(new) == set(old) and {r["tokens"] for r in new.values()} == {"400"}
+
+    rec["train"]["steps"] += 1
+    (run / "config.yaml").write_text(yaml.safe_dump(rec))
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and "config.yaml does not describe model.pt (train.steps: 30 in model.pt," in " ".join(
+        res.output.split()
+    )
+    (run / "config.yaml").unlink()
+    assert invoke("evaluate", run, "--lengths", "32").exit_code == 0
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == rec["train"]["steps"] - 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_run_trained_on_a_gpu_is_scored_here_with_device_cpu(smoke, tmp_path):
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    rec = yaml.safe_load((run / "config.yaml").read_text())
+    rec["train"]["device"] = "cuda"  # as if trained on a GPU (the device does not decide weights)
+    (run / "config.yaml").write_text(yaml.safe_dump(rec))
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and "no CUDA device is available here (evaluate takes --device cpu)" in res.output
+    assert invoke("evaluate", run, "--lengths", "32", "--device", "cpu").exit_code == 0
+    res = invoke("evaluate", run, "--lengths", "32", "--device", "tpu")
+    assert res.exit_code == 2 and "--device tpu: expected auto, cpu, cuda or cuda:N" in res.output
+
+
+def test_evaluate_scores_a_run_without_loading_the_training_loop(smoke, tmp_path):
+    """Scoring is the measure's: `posbench evaluate` runs in a process where posbench.train
+    cannot be imported, and adds the asked length to the run's eval.csv."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    code = (
+        "import sys; sys.modules['posbench.train'] = None; from posbench.cli import main; "
+        f"sys.argv = ['posbench', 'evaluate', {str(run)!r}, '--lengths', '48']; sys.exit(main())"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "48" in {r["length"] for r in csv.DictReader((run / "eval.csv").open())}
+
+
+def test_a_length_only_some_seeds_reached_says_so_and_its_ratio_uses_those_seeds(tmp_path, corpus_file):
+    out = tmp_path / "r"
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--seeds",
+        "0,1",
+        "--set",
+        "train.steps=3",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={corpus_file}",
+    )
+    assert res.exit_code == 0, res.output
+    exp = out / "smoke"
+    assert invoke("evaluate", exp / "alibi-seed0", "--lengths", "80").exit_code == 0
+    assert invoke("report", exp).exit_code == 0
+    rows = {
+        (r["seed"], int(r["length"])): float(r["ppl"])
+        for r in csv.DictReader((exp / "alibi-seed0" / "eval.csv").open())
+    }
+    md = (exp / "summary.md").read_text()
+    assert f"{rows['0', 80]:.2f} (1 of 2 seeds)" in md
+    cells = [c.strip() for c in md.split("| alibi |")[1].splitlines()[0].split("|")]
+    assert cells[-4] == f"{rows['0', 80] / rows['0', 32]:.2f}"  # the ratio column, over seed 0, before bpb

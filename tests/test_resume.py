@@ -1,0 +1,208 @@
+"""An experiment run again: it resumes, moves and grows, and never mixes runs trained under
+other settings."""
+
+import csv
+import shutil
+
+import yaml
+from conftest import SMOKE, invoke
+
+
+def test_rerun_resumes_and_is_reproducible(smoke, tmp_path):
+    """Same config and seed, fresh folder: the same numbers. Same folder: nothing retrained."""
+    exp, _, text = smoke
+    out = tmp_path / "again"
+    args = [
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi,rope",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+    ]
+    assert invoke(*args).exit_code == 0
+    fresh = list(csv.DictReader((out / "smoke" / "summary.csv").open()))
+    first = [r for r in csv.DictReader((exp / "summary.csv").open()) if r["scheme"] in ("alibi", "rope")]
+    assert fresh == first
+    stamp = (out / "smoke" / "alibi-seed0" / "model.pt").stat().st_mtime_ns
+    res = invoke(*args)
+    assert res.exit_code == 0 and "already trained" in res.output
+    assert (out / "smoke" / "alibi-seed0" / "model.pt").stat().st_mtime_ns == stamp
+
+
+def test_a_moved_experiment_still_resumes(smoke, tmp_path):
+    """Where the results live is not part of what was trained."""
+    exp, _, text = smoke
+    out = tmp_path / "moved"
+    shutil.copytree(exp, out / "smoke")
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}", "--set", f"data.path={text}"
+    )
+    assert res.exit_code == 0, res.output
+    assert "already trained" in res.output
+
+
+def test_rerun_with_other_threads_resumes(smoke, tmp_path):
+    exp, _, text = smoke
+    out = tmp_path / "t"
+    shutil.copytree(exp, out / "smoke")
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "rope",
+        "--threads",
+        "1",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+    )
+    assert res.exit_code == 0 and "already trained" in res.output
+
+
+def test_a_run_that_lost_its_config_yaml_resumes_from_the_checkpoints_copy(smoke, tmp_path):
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    shutil.copytree(exp, out / "smoke")
+    (out / "smoke" / "alibi-seed0" / "config.yaml").unlink()
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}", "--set", f"data.path={text}"
+    )
+    assert res.exit_code == 0 and "already trained" in res.output, res.output
+    assert (out / "smoke" / "alibi-seed0" / "config.yaml").is_file()
+
+
+def test_growing_the_lengths_scores_only_the_new_one(smoke, tmp_path, monkeypatch):
+    import posbench.evaluate
+
+    exp, _, text = smoke
+    out = tmp_path / "grow"
+    shutil.copytree(exp, out / "smoke")
+    scored = []
+    real = posbench.evaluate.evaluate_model
+
+    def spy(model, tokens, lengths, *a, **kw):
+        scored.append(list(lengths))
+        return real(model, tokens, lengths, *a, **kw)
+
+    monkeypatch.setattr(posbench.evaluate, "evaluate_model", spy)
+    lengths = yaml.safe_load(open(SMOKE))["eval"]["lengths"]
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--lengths",
+        ",".join(map(str, lengths + [56])),
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+    )
+    assert res.exit_code == 0, res.output
+    assert scored == [[56]]
+
+
+def test_an_experiment_grows_by_a_scheme_with_its_own_options_and_other_threads(smoke, tmp_path):
+    """What an experiment's runs must share leaves out scheme options, threads and workers."""
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    shutil.copytree(exp, out / "smoke")
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "randomized",
+        "--threads",
+        "1",
+        "--set",
+        "scheme_options.randomized.max_pos=256",
+        "--set",
+        "train.workers=1",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+    )
+    assert res.exit_code == 0, res.output
+    assert (out / "smoke" / "randomized-seed0" / "model.pt").is_file()
+
+
+def test_failure_keeps_earlier_results(smoke, tmp_path, corpus_file):
+    """A bad rerun into an existing experiment fails cleanly and leaves the old runs as they were."""
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    shutil.copytree(exp, out / "smoke")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+        "--set",
+        "train.steps=7",
+    )
+    assert res.exit_code != 0 and "holds runs trained under other settings" in res.output
+    assert "train.steps: 30 in alibi-seed0, 7 here" in " ".join(res.output.split())
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
+def test_an_experiment_never_mixes_training_settings(smoke, tmp_path):
+    """A run trained at another length joins no experiment (it would be averaged as a seed),
+    and report refuses a folder assembled from two, naming the setting."""
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    shutil.copytree(exp, out / "smoke")
+    res = invoke(
+        "extrapolate",
+        "--config",
+        SMOKE,
+        "--schemes",
+        "alibi",
+        "--seeds",
+        "1",
+        "--train-len",
+        "48",
+        "--lengths",
+        "48,64",
+        "--set",
+        f"out_dir={out}",
+        "--set",
+        f"data.path={text}",
+    )
+    assert res.exit_code == 2 and "model.train_len: 32 in alibi-seed0, 48 here" in " ".join(res.output.split())
+    assert not (out / "smoke" / "alibi-seed1").exists()
+    other = tmp_path / "other"
+    assert (
+        invoke(
+            "extrapolate",
+            "--config",
+            SMOKE,
+            "--schemes",
+            "alibi",
+            "--seeds",
+            "1",
+            "--set",
+            "train.steps=4",
+            "--set",
+            f"out_dir={other}",
+            "--set",
+            f"data.path={text}",
+        ).exit_code
+        == 0
+    )
+    shutil.copytree(other / "smoke" / "alibi-seed1", out / "smoke" / "alibi-seed1")
+    summary = (out / "smoke" / "summary.csv").read_text()
+    res = invoke("report", out / "smoke")
+    assert res.exit_code == 2 and "train.steps: 30 in alibi-seed0, 4 in alibi-seed1" in " ".join(res.output.split())
+    assert (out / "smoke" / "summary.csv").read_text() == summary
