@@ -374,9 +374,9 @@ def evaluate(
                                     ("--stride", stride), ("--attention", attention)) if v is not None]  # fmt: skip
             if given:
                 raise PosbenchError(f"{given[0]} applies to the run's own measure, not to --measure {measure}")
-            from posbench.measures.plugin import score_run
+            from posbench.experiment.execute import measure_run
 
-            scorer, rc, rows = score_run(run_dir, measure, device, tracker)
+            rc, scorer, rows = measure_run(run_dir, measure, device, tracker)
             table = [["length", *(m.label for m in scorer.metrics.values()), "status"]]
             for r in rows:
                 cells = [f"{m.scale * r[n]:.{m.digits}f}" if r[n] == r[n] else "—" for n, m in scorer.metrics.items()]

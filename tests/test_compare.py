@@ -95,7 +95,6 @@ def test_grid_rows_bold_the_best_cells_by_position():
 def figures(monkeypatch):
     """Every figure a report writes, by file name, kept open for reading back."""
     from posbench.compare import plot
-    from posbench.measures import perplexity
 
     kept, save = {}, plot.save
 
@@ -104,8 +103,7 @@ def figures(monkeypatch):
         kept[path.name] = fig
         return save(plt, fig, path)
 
-    for module in (plot, perplexity):
-        monkeypatch.setattr(module, "save", keep)
+    monkeypatch.setattr(plot, "save", keep)  # every figure is drawn there
     return kept
 
 
@@ -224,3 +222,16 @@ def test_the_extension_steps_table_bolds_the_best_method_at_each_step():
         best = min(means[step], key=lambda s: sum(means[step][s]) / len(means[step][s]))
         assert next(r[j] for r in rows if r[0].strip() == best).strip().startswith("**"), (step, best)
     assert any(not r[j].strip().startswith("**") for r in rows for j in range(1, len(head)))
+
+
+def test_a_task_report_says_what_its_bold_means_as_a_perplexity_report_does():
+    """The drift fix of the spread note: task tables' note is the engine's, naming the test that
+    decided the ties (the task reference pairs its seeds), word for word as perplexity's."""
+    from conftest import ROOT
+
+    from posbench.compare.table import spread_note
+
+    md = (ROOT / "results" / "reference-tasks" / "summary.md").read_text()
+    ppl = (ROOT / "results" / "reference" / "summary.md").read_text()
+    note = spread_note(3, {"paired"})
+    assert f"- cells: % exact match, {note};" in md and f"- cells: perplexity per byte, {note}" in ppl

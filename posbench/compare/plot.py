@@ -151,10 +151,12 @@ def band_plot(
     log: Optional[bool] = None,
     ylim: Optional[tuple] = None,
     share_y: bool = True,
+    markers: bool = True,
 ) -> bool:
     """A panel per table, a line per scheme with its 95% band, a dashed line at each panel's
     mark. `log`: a log y axis (None: where the values span more than 3x); without `ylim`, a wide
-    band (few seeds, one that blew up) does not squash the means."""
+    band (few seeds, one that blew up) does not squash the means; `markers`: a mark at each
+    point (off for a dense axis such as window positions)."""
     plt = pyplot()
     if plt is None:
         return False
@@ -162,7 +164,8 @@ def band_plot(
     for ax, panel in zip(axes[0], panels):
         finite = []
         for line in panel.lines:
-            ax.plot(line.xs, line.means, markersize=3, label=line.name, **style(line.name))
+            look = style(line.name) if markers else {**style(line.name), "marker": None, "linewidth": 1}
+            ax.plot(line.xs, line.means, markersize=3, label=line.name, **look)
             if line.seeds >= BAND_SEEDS:
                 lo = [m - (c if c == c else 0) for m, c in zip(line.means, line.cis)]
                 hi = [m + (c if c == c else 0) for m, c in zip(line.means, line.cis)]

@@ -37,7 +37,7 @@ from posbench.experiment.records import (
     run_name,
 )
 from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
-from posbench.measures import Measure, measure_for
+from posbench.measures import Measure, Scorer, ScoringRun, measure_for
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
 from posbench.resolve import Experiment
@@ -296,4 +296,27 @@ def evaluate_run(
     rows = measure.rescore(rc, Path(run_dir), model.to(dev), dev, lengths, variants, factor, protocols)
     where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
     send_run(tracker, where.parent, where)  # the new results, to the run's tracker run
+    return rc, measure, rows
+
+
+def measure_run(
+    run_dir: Path, spec: str, device: Optional[str] = None, tracker: Optional[str] = None
+) -> tuple[ExperimentConfig, Scorer, list[dict]]:
+    """`posbench evaluate RUN --measure SPEC`: score a finished run by a user's measure on what
+    it read (measures/plugin.py), on `device` (None: the run's own), and send the rows to
+    `tracker` (None: the run's train.tracker, where its library is installed here). Returns the
+    run's config, the measure and its rows."""
+    from posbench.measures.plugin import load_measure, score_into
+
+    check_tracker(tracker, "--tracker")
+    measure = load_measure(spec)
+    rc, model = load_run(run_dir)
+    if device is not None:  # a run trained on a GPU can be scored on a laptop
+        check_device(device, f"--device {device}")
+        rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
+    dev = pick_device(rc.train.device)
+    run = ScoringRun(rc, model.to(dev).eval(), dev, measure_for(rc).source(rc))
+    rows = score_into(measure, spec, run, Path(run_dir))
+    where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
+    send_run(tracker or usable(rc.train.tracker), where.parent, where)
     return rc, measure, rows

@@ -8,8 +8,7 @@ Reading records and building tables import no torch; training and scoring do, wh
 
 from __future__ import annotations
 
-from posbench.measures.base import Measure, Metric, Section
-from posbench.measures.plugin import Scorer, ScoringRun
+from posbench.measures.base import Measure, Metric, Scorer, ScoringRun, Section
 
 __all__ = ["Measure", "Metric", "Scorer", "ScoringRun", "Section", "measure_for"]
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from posbench.errors import PosbenchError
+
 AGGREGATES = ("mean", "pooled", "ratio_of_means")
 
 
@@ -129,3 +131,48 @@ class Measure:
     def not_extendable(self, cfg) -> Optional[str]:
         """None where `posbench extend` can fine-tune a run of `cfg` to a longer context; else why not."""
         return f"a run of task '{cfg.task}'; extend fine-tunes language models (task lm)"
+
+
+class Scorer:
+    """A measure a user adds: `name` (its records' file name), `metrics` (what each row holds,
+    by name) and `score`, which returns a row per length: {"length": L, <metric>: value, ...},
+    with "status" where a length could not be scored ("beyond-max-len")."""
+
+    name: str = ""
+    metrics: dict[str, Metric] = {}
+
+    def score(self, run: ScoringRun) -> list[dict]:
+        raise NotImplementedError
+
+
+@dataclass
+class ScoringRun:
+    """What a measure scores: a trained run's model (in eval mode, on `device`), its config, and
+    what it read (the corpus of a language model, the test set of a task)."""
+
+    cfg: Any  # the run's ExperimentConfig
+    model: Any  # its TransformerLM: forward(tokens (B, T)) -> logits (B, T, V)
+    device: Any
+    source: Any
+
+    @property
+    def lengths(self) -> list[int]:
+        """The lengths the run was scored at: its eval.lengths."""
+        return list(self.cfg.eval.lengths)
+
+    def windows(self, L: int, batch_size: Optional[int] = None):
+        """Batches of the validation tokens cut into non-overlapping windows of L, as perplexity
+        reads them: (inputs, targets) of (b, L) each, targets one token on, on the run's device."""
+        import torch
+
+        from posbench.evaluate import eval_tokens
+
+        if not hasattr(self.source, "val"):
+            raise PosbenchError(f"a run of task {self.cfg.task} has no corpus to cut into windows")
+        tokens = eval_tokens(self.source, self.cfg, self.lengths).long()
+        starts = list(range(0, len(tokens) - L - 1 + 1, L))  # whole windows only
+        size = batch_size or self.cfg.eval.batch_size
+        for i in range(0, len(starts), size):
+            idx = torch.tensor(starts[i : i + size])[:, None] + torch.arange(L + 1)  # (b, L+1)
+            win = tokens[idx].to(self.device)
+            yield win[:, :-1], win[:, 1:]

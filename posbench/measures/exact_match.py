@@ -25,7 +25,7 @@ from posbench.compare.order import scheme_order
 from posbench.compare.plot import BAND_SEEDS, Line, Panel, band_plot, plot_training
 from posbench.compare.render import tex, transposed
 from posbench.compare.table import grid as compare_grid
-from posbench.compare.table import summarize
+from posbench.compare.table import spread_note, summarize
 from posbench.errors import PosbenchError
 from posbench.files import safe_name, write_atomic, write_rows
 from posbench.measures.base import Measure, Metric, Section
@@ -388,7 +388,7 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
         long = by_bucket(df[df["point"] == point], spans, task.train_max).assign(point=point)
         parts.append((point, configs, long, comparison(long, metric)))
     sections = []
-    for point, configs, part, table in parts:
+    for point, configs, _, table in parts:
         rows, best = grid(table, metric)
         if transpose or len(table.attrs["columns"]) > 12:
             rows, best = transposed(rows, best)
@@ -400,7 +400,7 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
         sections.append(
             Section(
                 heading=name,
-                caption=f"{tex(configs[0].task)}: {tex(label)} by length{tex(where)}; {tex(spread(part))}.",
+                caption=f"{tex(configs[0].task)}: {tex(label)} by length{tex(where)}; {tex(spread(table))}.",
                 rows=rows,
                 best=best,
                 title=name,
@@ -421,14 +421,14 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
     return {
         "title": f"{names}: {ExactMatch.metrics[metric].title} by length"
         + (f", trained on 1..{task.train_max}, tested to {task.test_max}" if len(parts) == 1 else ""),
-        "describe": describe(parts[0][1], long, metric)
+        "describe": describe(parts[0][1], long, metric, spread(*(table for *_, table in parts)))
         + (
             [f"- grid points (a table each; the lines above describe the first): {'; '.join(p for p, *_ in parts)}"]
             if len(parts) > 1
             else []
         ),
         "sections": sections,
-        "legend": spread(long),
+        "legend": spread(*(table for *_, table in parts)),
         "csv": (long, SUMMARY_COLUMNS + (["point"] if len(parts) > 1 else [])),
         "plots": plots,
     }
@@ -484,7 +484,7 @@ def frame(collected) -> pd.DataFrame:
     return df
 
 
-def describe(configs: list, long: pd.DataFrame, metric: str) -> list[str]:
+def describe(configs: list, long: pd.DataFrame, metric: str, note: str) -> list[str]:
     c = configs[0]
     task, m, t = build_task(c.task, c.task_options), c.model, c.train
     params = m.params
@@ -501,18 +501,13 @@ def describe(configs: list, long: pd.DataFrame, metric: str) -> list[str]:
         f"loss on the answer bytes only, AdamW lr {t.lr:g}, seeds {sorted(set(long['seed']))}",
         f"- evaluation: up to {task.opt['test_count']} fixed test instances per length 1..{task.test_max}, "
         f"never trained on; {ExactMatch.metrics[metric].how}",
-        f"- cells: {ExactMatch.metrics[metric].label}, {spread(long)}; — : the scheme cannot encode those lengths",
+        f"- cells: {ExactMatch.metrics[metric].label}, {note}; — : the scheme cannot encode those lengths",
     ]
 
 
-def spread(long: pd.DataFrame) -> str:
-    """What a cell's ± and its bold mean, or why there is no interval."""
-    if long["seed"].nunique() < 2:
-        return "1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each length"
-    return (
-        "mean ± 95% interval over seeds (Student's t); bold: the best and every scheme not significantly "
-        "different from it"
-    )
+def spread(*tables: pd.DataFrame) -> str:
+    """What a cell's ± and its bold mean over these tables (compare.table.spread_note)."""
+    return spread_note(max(int(t["seeds"].max()) for t in tables), set().union(*(t.attrs["tests"] for t in tables)))
 
 
 def plot(sections: list, path: Path, metric: str) -> bool:

@@ -17,7 +17,7 @@ from typing import Optional
 import pandas as pd
 
 from posbench.compare.order import point_order, scheme_order
-from posbench.compare.plot import BAND_SEEDS, Line, Panel, band_plot, legend_outside, plot_training, pyplot, save, style
+from posbench.compare.plot import BAND_SEEDS, Line, Panel, band_plot, plot_training
 from posbench.compare.render import tex, transposed
 from posbench.compare.table import grid as compare_grid
 from posbench.compare.table import spread_note as compare_spread
@@ -721,11 +721,12 @@ def position_losses(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = "byte") -> bool:
-    """Mean loss at each position of the longest windows, one line per scheme (mean over seeds),
-    a panel per protocol (and grid point), a dashed line at the training length (`train_lens`:
-    grid point -> its length): where a scheme breaks."""
-    plt = pyplot()
-    if plt is None or pos.empty:
+    """Mean loss at each position of the longest windows (compare.band_plot): a line per scheme
+    with its 95% band over seeds, a panel per protocol (and grid point), a dashed line at the
+    training length (`train_lens`: grid point -> its length): where a scheme breaks."""
+    from posbench.stats import t_quantile
+
+    if pos.empty:
         return False
     longest = pos["length"].max()
     pos = pos[pos["length"] == longest]
@@ -733,24 +734,22 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = 
         pos.groupby(["point", "protocol", "stride"]).groups,
         key=lambda ps: (train_lens[ps[0]], ps[0], ps[1] != "nonoverlapping", ps[1:]),
     )
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups) + 2, 4), sharey=True, squeeze=False)
-    for ax, (point, protocol, stride) in zip(axes[0], groups):
+    panels = []
+    for point, protocol, stride in groups:
         part = pos[(pos["point"] == point) & (pos["protocol"] == protocol) & (pos["stride"] == stride)]
-        train_len = train_lens[point]
         # the positions every window scores: all of them in chunks, a sliding window's last
         # `stride` (its first window alone scores the rest, too few tokens to draw)
         part = part[part["tokens"] >= part["tokens"].max() / 2]
-        for s in scheme_order(set(part["scheme"])):
-            line = part[part["scheme"] == s].groupby("position")["loss"].mean()
-            ax.plot(line.index, line.values, label=s, linewidth=1, **{**style(s), "marker": None})
-        ax.axvline(train_len, color="black", linestyle="--", linewidth=1, label=f"training length {train_len}")
         where = f"{point}; " if point else ""
-        ax.set_title(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", fontsize=10)
-        ax.set_xlabel("position in the window")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"mean loss (nats per {unit})")
-    legend_outside(fig, list(axes[0]))
-    return save(plt, fig, path)
+        panel = Panel(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", mark=train_lens[point])
+        for s in scheme_order(set(part["scheme"])):
+            at = part[part["scheme"] == s].groupby("position")["loss"].agg(["mean", "std", "count"])
+            n = int(at["count"].min())
+            half = t_quantile(0.975, n - 1) * at["std"] / at["count"] ** 0.5 if n > 1 else at["mean"] * math.nan
+            panel.lines.append(Line(s, list(at.index), list(at["mean"]), list(half), n))
+        panels.append(panel)
+    xlabel = f"position in the window; dashed: the training length; band: 95% ({BAND_SEEDS}+ seeds)"
+    return band_plot(panels, path, f"mean loss (nats per {unit})", xlabel, log=False, markers=False)
 
 
 def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl", what: str = "", unit: str = "byte") -> bool:

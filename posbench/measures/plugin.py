@@ -13,63 +13,16 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
 
 import pandas as pd
 
 from posbench.errors import PosbenchError
 from posbench.files import write_atomic, write_rows
-from posbench.measures.base import Metric, Section
+from posbench.measures.base import Metric, Scorer, ScoringRun, Section
 
 FOLDER = "measures"  # in a run folder: <name>.csv and <name>.json per user measure
 KEYS = ["scheme", "seed", "train_len", "length", "status", "attention"]  # every row's, before its metrics
-
-
-class Scorer:
-    """A measure a user adds: `name` (its records' file name), `metrics` (what each row holds,
-    by name) and `score`, which returns a row per length: {"length": L, <metric>: value, ...},
-    with "status" where a length could not be scored ("beyond-max-len")."""
-
-    name: str = ""
-    metrics: dict[str, Metric] = {}
-
-    def score(self, run: ScoringRun) -> list[dict]:
-        raise NotImplementedError
-
-
-@dataclass
-class ScoringRun:
-    """What a measure scores: a trained run's model (in eval mode, on `device`), its config, and
-    what it read (the corpus of a language model, the test set of a task)."""
-
-    cfg: Any  # the run's ExperimentConfig
-    model: Any  # its TransformerLM: forward(tokens (B, T)) -> logits (B, T, V)
-    device: Any
-    source: Any
-
-    @property
-    def lengths(self) -> list[int]:
-        """The lengths the run was scored at: its eval.lengths."""
-        return list(self.cfg.eval.lengths)
-
-    def windows(self, L: int, batch_size: Optional[int] = None):
-        """Batches of the validation tokens cut into non-overlapping windows of L, as perplexity
-        reads them: (inputs, targets) of (b, L) each, targets one token on, on the run's device."""
-        import torch
-
-        from posbench.evaluate import eval_tokens
-
-        if not hasattr(self.source, "val"):
-            raise PosbenchError(f"a run of task {self.cfg.task} has no corpus to cut into windows")
-        tokens = eval_tokens(self.source, self.cfg, self.lengths).long()
-        starts = list(range(0, len(tokens) - L - 1 + 1, L))  # whole windows only
-        size = batch_size or self.cfg.eval.batch_size
-        for i in range(0, len(starts), size):
-            idx = torch.tensor(starts[i : i + size])[:, None] + torch.arange(L + 1)  # (b, L+1)
-            win = tokens[idx].to(self.device)
-            yield win[:, :-1], win[:, 1:]
 
 
 def load_measure(spec: str) -> Scorer:
@@ -87,35 +40,18 @@ def load_measure(spec: str) -> Scorer:
     return measure
 
 
-def score_run(
-    run_dir: Path, spec: str, device: Optional[str] = None, tracker: Optional[str] = None
-) -> tuple[Scorer, Any, list[dict]]:
-    """`posbench evaluate RUN --measure SPEC`: score the run by the user's measure, write its
-    records (a row per length; the whole file anew) and send them to `tracker` (None: the run's
-    train.tracker, where its library is installed here). Returns the measure, the run's config
-    and the rows."""
+def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[dict]:
+    """Score `run` by the user's measure and write its records into the run folder `rdir` (a row
+    per length; the whole file anew). Returns the rows."""
     import dataclasses
 
     import torch
 
-    from posbench.config import check_device
-    from posbench.device import pick_device
-    from posbench.experiment.checkpoint import load_run
-    from posbench.measures import measure_for
     from posbench.schemes import run_label
-    from posbench.trackers import check_tracker, send_run, usable
 
-    check_tracker(tracker, "--tracker")
-    measure = load_measure(spec)
-    rc, model = load_run(run_dir)
-    if device is not None:
-        check_device(device, f"--device {device}")
-        rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
-    dev = pick_device(rc.train.device)
-    model = model.to(dev).eval()
-    source = measure_for(rc).source(rc)
     with torch.no_grad():
-        scored = measure.score(ScoringRun(rc, model, dev, source))
+        scored = measure.score(run)
+    rc = run.cfg
     ident = {"scheme": run_label(rc.model), "seed": rc.seeds[0], "train_len": rc.model.train_len}
     rows = []
     for r in scored:
@@ -125,19 +61,17 @@ def score_run(
         if missing:
             raise PosbenchError(f"measure '{spec}': a row at length {r['length']} lacks {', '.join(missing)}")
         rows.append(
-            {**ident, "status": "ok", "attention": model.backend(dev), **r}
+            {**ident, "status": "ok", "attention": run.model.backend(run.device), **r}
             | {m: float(r.get(m, math.nan)) for m in measure.metrics}
         )
     if not rows:
         raise PosbenchError(f"measure '{spec}': score returned no rows")
-    folder = Path(run_dir) / FOLDER
+    folder = Path(rdir) / FOLDER
     folder.mkdir(exist_ok=True)
     write_rows(folder / f"{measure.name}.csv", rows, KEYS + list(measure.metrics))
     meta = {"measure": spec, "metrics": {n: dataclasses.asdict(m) for n, m in measure.metrics.items()}}
     write_atomic(folder / f"{measure.name}.json", json.dumps(meta, indent=1) + "\n")
-    where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
-    send_run(tracker or usable(rc.train.tracker), where.parent, where)
-    return measure, rc, rows
+    return rows
 
 
 # --- records and reports (no torch) ---------------------------------------------------------------
