@@ -183,24 +183,36 @@ def write_summary(
         for run in collected.runs:
             run.rows = collected.measure.asked(run.rows, asked)
     parts = collected.measure.report(collected, metric, transpose, buckets)
+    stem = "summary" if out else view(collected.measure, metric, transpose, buckets)
     extra, frames, panels, lines = plugin.report(collected)  # what users' measures scored, after the run's own
     parts["sections"] += extra
     parts["describe"] = parts["describe"] + lines
     folder.mkdir(parents=True, exist_ok=True)
     frame, columns = parts["csv"]
-    with atomic(folder / "summary.csv") as tmp:
+    with atomic(folder / f"{stem}.csv") as tmp:
         frame.to_csv(tmp, index=False, columns=columns)
-    for name, rows in frames.items():
-        with atomic(folder / f"{name}.csv") as tmp:
-            rows.to_csv(tmp, index=False)
-    write_atomic(folder / "summary.md", markdown(parts, collected))
+    write_atomic(folder / f"{stem}.md", markdown(parts, collected))
     write_atomic(
-        folder / "summary.tex",
+        folder / f"{stem}.tex",
         "\n".join(line for s in parts["sections"] for line in latex_table(s.rows, s.best, s.caption)),
     )
-    parts["written"] = ["summary.csv", "summary.md", "summary.tex", *parts["plots"](folder)]
-    parts["written"] += [f"{name}.csv" for name in frames] + plugin.write_plots(frames, panels, folder)
+    parts["written"] = [f"{stem}.csv", f"{stem}.md", f"{stem}.tex", *parts["plots"](folder, stem)]
+    if stem == "summary":  # a view changes the run's own tables alone
+        for name, rows in frames.items():
+            with atomic(folder / f"{name}.csv") as tmp:
+                rows.to_csv(tmp, index=False)
+        parts["written"] += [f"{name}.csv" for name in frames] + plugin.write_plots(frames, panels, folder)
     return collected, parts, folder
+
+
+def view(measure: Measure, metric: Optional[str], transpose: bool, buckets: Optional[list[int]]) -> str:
+    """The name a report's files take: summary for the experiment's own tables, or, for another
+    view (another metric, buckets, transposed), summary-<view> beside them, never over them."""
+    default = next(iter(measure.metrics))
+    parts = [metric] if metric not in (None, default) else []
+    parts += ["buckets-" + "-".join(map(str, buckets))] if buckets is not None else []
+    parts += ["transposed"] if transpose else []
+    return "-".join(["summary", *parts])
 
 
 def markdown(parts: dict, collected: Collected) -> str:

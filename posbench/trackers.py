@@ -222,7 +222,12 @@ class WandB(Tracker):
         self.whole = True
 
     def close(self):
+        import wandb
+
         self.run.finish()
+        # W&B's service writes the offline run file after finish returns: wait for it, so the
+        # file is whole when posbench moves on (a report, a test, a sync read it)
+        wandb.teardown()
         if getattr(self, "whole", False):
             self._drop_older()
 

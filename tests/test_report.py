@@ -78,9 +78,12 @@ def test_report_joins_experiments_and_refuses_ones_that_do_not_compare(tmp_path,
     res = invoke("report", tmp_path / "a", tmp_path / "b", "--metric", "ratio", "--transpose")
     assert res.exit_code == 0, res.output
     joined = tmp_path / "a+b"
-    text = (joined / "summary.md").read_text()
+    text = (joined / "summary-ratio-transposed.md").read_text()  # a view, named for what it shows
     assert "| length | alibi | rope |" in text and "perplexity over its perplexity at the training length" in text
-    for name in ("summary.csv", "summary.tex", "summary.png", "positions.png", "training.png"):
+    for name in ("summary-ratio-transposed.csv", "summary-ratio-transposed.tex", "summary-ratio-transposed.png"):
+        assert (joined / name).is_file(), name
+    assert invoke("report", tmp_path / "a", tmp_path / "b").exit_code == 0
+    for name in ("summary.md", "summary.csv", "summary.tex", "summary.png", "positions.png", "training.png"):
         assert (joined / name).is_file(), name
     # another training length, or other protocols: one line, nothing written
     assert (
@@ -530,3 +533,22 @@ def test_the_readme_task_table_is_the_committed_task_reference():
     for scheme, cells in readme.items():
         ours = [c.split(" [")[0] for c in cells]
         assert ours == [f"{by_task[t][scheme][0]} / {by_task[t][scheme][1]}" for t in FIVE_TASKS] + [rank[scheme][0]]
+
+
+def test_a_report_of_another_view_is_written_beside_the_experiments_summary_never_over_it(tmp_path):
+    """#47.2: report --metric bpb (or --buckets, --transpose) writes summary-bpb.* beside the
+    experiment's own summary, which stays byte for byte; --out puts a view where it says."""
+    from conftest import ROOT
+
+    copy = tmp_path / "reference"
+    shutil.copytree(ROOT / "results" / "reference", copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+    res = invoke("report", copy, "--metric", "bpb")
+    assert res.exit_code == 0, res.output
+    assert {p.name: p.read_bytes() for p in copy.iterdir() if p.name in before} == before
+    assert (copy / "summary-bpb.md").read_text().count("bits per byte") >= 2
+    new = {p.name for p in copy.iterdir() if p.is_file()} - set(before)
+    assert new == {f"summary-bpb.{x}" for x in ("md", "csv", "tex", "png")}
+    assert "summary-bpb.md" in "".join(res.output.split())  # said where it went
+    res = invoke("report", copy, "--metric", "bpb", "--out", tmp_path / "bpb")
+    assert res.exit_code == 0 and (tmp_path / "bpb" / "summary.md").read_text() == (copy / "summary-bpb.md").read_text()

@@ -121,11 +121,13 @@ def test_report_metric_token_accuracy_tables_answer_bytes_right_over_answer_byte
     from eval.csv; summary.csv holds the rows of both metrics whichever is tabled."""
     res = invoke("report", experiment, "--metric", "token_accuracy")
     assert res.exit_code == 0, res.output
-    md = (experiment / "summary.md").read_text()
+    md = (experiment / "summary-token_accuracy.md").read_text()  # a view, beside the summary
     assert md.startswith("# copy: per-token accuracy by length")
     heading = "copy: % answer bytes right by length (trained on 1..3)"
     table = md_table(md, heading)
-    assert "% answer bytes right by length" in (experiment / "summary.tex").read_text().replace("\\%", "%")
+    assert "% answer bytes right by length" in (experiment / "summary-token_accuracy.tex").read_text().replace(
+        "\\%", "%"
+    )
     cells = set()
     for scheme in ("nope", "alibi"):
         rows = eval_rows(experiment / f"{scheme}-seed0")

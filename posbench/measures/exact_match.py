@@ -413,8 +413,11 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
     names = ", ".join(dict.fromkeys(c.task for _, configs, _, _ in parts for c in configs))
     long = pd.concat([long for _, _, long, _ in parts])
 
-    def plots(folder: Path) -> list[str]:
-        plot(parts, folder / "summary.png", metric)
+    def plots(folder: Path, stem: str = "summary") -> list[str]:
+        """The metric's plot as <stem>.png; training.png, which no view changes, with the summary."""
+        plot(parts, folder / f"{stem}.png", metric)
+        if stem != "summary":
+            return [f"{stem}.png"]
         plot_training({run.folder: run for run in collected.runs}, folder / "training.png")
         return ["summary.png", "training.png"]
 

@@ -646,9 +646,12 @@ def report(collected, metric: str, transpose: bool) -> dict:
         f"blank: not evaluated"
     )
 
-    def plots(folder: Path) -> list[str]:
+    def plots(folder: Path, stem: str = "summary") -> list[str]:
+        """The metric's plot as <stem>.png; the others, which no view changes, with the summary."""
         unit = token_unit(df)
-        plot(tables, folder / "summary.png", metric, what, unit)
+        plot(tables, folder / f"{stem}.png", metric, what, unit)
+        if stem != "summary":
+            return [f"{stem}.png"]
         train_lens = (
             df.groupby("point")["train_len"].first().to_dict() if "point" in df else {"": int(df["train_len"].iloc[0])}
         )
