@@ -226,7 +226,7 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
     `options` (its scheme_options). A scheme that cannot be loaded, or options it does not
     take, raise PosbenchError; anything else that goes wrong is a failed row."""
     options = options or {}
-    SCHEMES.resolve(spec).validate_options(options, where=f"scheme_options.{spec}")
+    SCHEMES.lookup(spec).validate_options(options, where=f"scheme_options.{spec}")
     L = TINY["train_len"]
     got: dict = {}
 

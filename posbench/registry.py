@@ -15,7 +15,7 @@ from posbench.errors import PosbenchError, did_you_mean, first_line
 
 
 class Registry(Mapping):
-    """name -> class, in registration order. `resolve` also takes `module:Class` for a user's
+    """name -> class, in registration order. `lookup` also takes `module:Class` for a user's
     subclass of `base`; `check` looks further at such a class, `explain` words an unknown name."""
 
     def __init__(
@@ -48,7 +48,7 @@ class Registry(Mapping):
     def __len__(self) -> int:
         return len(self.entries)
 
-    def resolve(self, name: str) -> type:
+    def lookup(self, name: str) -> type:
         """A registered name, or `module:Class` naming a user's subclass of the base class."""
         if name in self.entries:
             return self[name]
@@ -71,8 +71,8 @@ class Registry(Mapping):
         )
 
     def build(self, name: str, *args, hint: str = ""):
-        """resolve(name)(*args); a user's class that fails to build is one line naming it (and `hint`)."""
-        cls = self.resolve(name)
+        """lookup(name)(*args); a user's class that fails to build is one line naming it (and `hint`)."""
+        cls = self.lookup(name)
         try:
             return cls(*args)
         except PosbenchError:

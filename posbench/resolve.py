@@ -32,7 +32,7 @@ def resolve(cfg: ExperimentConfig, test_len: Optional[int] = None) -> Experiment
         cfg.schemes = list(SEED_SCHEMES)
     try:
         measure = measure_for(cfg)
-        measure.resolve(cfg, test_len)
+        measure.decide(cfg, test_len)
         _resolve_vocab(cfg, measure)
         _resolve_schemes(cfg)
     except PosbenchError as e:
@@ -82,11 +82,11 @@ def _resolve_schemes(cfg: ExperimentConfig) -> None:
     every eval.rope_scaling kind belongs to some scheme."""
     for s in cfg.schemes:
         build_scheme(cfg.model_for(s))
-        cfg.scheme_options[s] = {**SCHEMES.resolve(s).options, **cfg.scheme_options.get(s, {})}
+        cfg.scheme_options[s] = {**SCHEMES.lookup(s).options, **cfg.scheme_options.get(s, {})}
     for s, opts in cfg.scheme_options.items():  # options of unselected schemes are kept, checked
         if s not in cfg.schemes:
-            SCHEMES.resolve(s).validate_options(opts, where=f"scheme_options.{s}")
-    known = {v for c in [*SCHEMES.values(), *map(SCHEMES.resolve, cfg.schemes)] for v in c.eval_variants}
+            SCHEMES.lookup(s).validate_options(opts, where=f"scheme_options.{s}")
+    known = {v for c in [*SCHEMES.values(), *map(SCHEMES.lookup, cfg.schemes)] for v in c.eval_variants}
     for kind in cfg.eval.rope_scaling:
         if kind not in known:
             raise PosbenchError(

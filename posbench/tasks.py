@@ -421,7 +421,7 @@ def task_derived(run: dict, key: str) -> bool:
     if key == "model.train_len":
         return True
     option = key.removeprefix("task_options.")
-    defaults = TASKS.resolve(run["task"]).options
+    defaults = TASKS.lookup(run["task"]).options
     if option == "test_max":
         return run[key] == 2 * run.get("task_options.train_max", defaults["train_max"])
     return option != key and option in defaults and run[key] == defaults[option]

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny model config and a tiny corpus, so no test needs the network."""
+"""Shared fixtures and helpers: a tiny model config, a tiny corpus, and a smoke experiment trained
+once for the whole suite; no test needs the network."""
 
 import random
 import re

@@ -523,11 +523,11 @@ def test_a_modifier_takes_its_base_s_options_and_randomized_takes_any_base():
     with torch.no_grad():
         assert torch.equal(via_option.eval()(x), by_name.eval()(x))
     with pytest.raises(PosbenchError, match="scheme 'noisy_noisy_rope': its base 'noisy_rope' is itself a modifier"):
-        SCHEMES.resolve("noisy_noisy_rope")  # refused by name, before any model is built
+        SCHEMES.lookup("noisy_noisy_rope")  # refused by name, before any model is built
     with pytest.raises(PosbenchError, match="scheme 'offset_randomized': its base 'randomized' is itself a modifier"):
-        SCHEMES.resolve("offset_randomized")
+        SCHEMES.lookup("offset_randomized")
     with pytest.raises(PosbenchError, match="scheme 'noisy_ropee': unknown scheme 'ropee'"):
-        SCHEMES.resolve("noisy_ropee")
+        SCHEMES.lookup("noisy_ropee")
     # positions 0..T-1 at evaluation reach as far as the base encodes: learned's 64 rows, not past
     consecutive = TransformerLM(
         tiny("noisy_learned", options={"max_len": 64, "max_pos": 64, "eval_positions": "consecutive"})

@@ -216,7 +216,7 @@ def test_the_recipe_check_config_plans_every_seed_scheme_seed_and_task_at_each_t
     _, jobs = plan_sweep(grid)
     assert len(jobs) == 96 and len({job.folder.name for job in jobs}) == 96
     for _, exp in grid:
-        cfg, budget = exp.cfg, TASKS.resolve(exp.cfg.task).budget
+        cfg, budget = exp.cfg, TASKS.lookup(exp.cfg.task).budget
         got = {**vars(cfg.train), "n_layer": cfg.model.n_layer}
         assert {k: got[k] for k in budget} == budget, cfg.task
     assert {exp.cfg.task for _, exp in grid} == {"repeat", "replace", "copy", "reverse"}

@@ -170,7 +170,7 @@ def default_curve(steps: int) -> list[int]:
 def _variants(rc: ExperimentConfig) -> list[str]:
     from posbench.schemes import SCHEMES
 
-    return list(SCHEMES.resolve(rc.model.scheme).eval_variants)
+    return list(SCHEMES.lookup(rc.model.scheme).eval_variants)
 
 
 def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None, eval=None, options=None):

@@ -59,8 +59,8 @@ class Measure:
     reads_corpus: bool = False  # whether runs read the corpus (else the data settings are not theirs)
     records: tuple[str, ...] = ("eval.csv",)  # the files `score` writes into a run folder
 
-    # --- resolving a config (posbench/resolve.py calls these once) ---------------------------
-    def resolve(self, cfg, test_len: Optional[int]) -> None:
+    # --- deciding a config (posbench/resolve.py calls it once) -----------------------------------
+    def decide(self, cfg, test_len: Optional[int]) -> None:
         """Decide train_len, the training budget and the evaluation lengths in `cfg`, in place,
         and refuse settings that do not apply to this measure."""
         raise NotImplementedError

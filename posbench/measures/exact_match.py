@@ -59,7 +59,7 @@ class ExactMatch(Measure):
         """A task's instances vary in length: its batches are padded to their longest, or cut."""
         return None
 
-    def resolve(self, cfg, test_len) -> None:
+    def decide(self, cfg, test_len) -> None:
         task = self.task
         if test_len is not None:
             raise PosbenchError(

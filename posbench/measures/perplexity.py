@@ -65,7 +65,7 @@ class Perplexity(Measure):
     def not_extendable(self, cfg) -> Optional[str]:
         return None
 
-    def resolve(self, cfg, test_len: Optional[int]) -> None:
+    def decide(self, cfg, test_len: Optional[int]) -> None:
         if cfg.task_options:
             raise PosbenchError("task_options are set but task is lm: set task, e.g. task: copy", "task_options")
         for key, value in DEFAULT_BUDGET.items():
@@ -104,7 +104,7 @@ class Perplexity(Measure):
 
         notes = []
         kinds = set(cfg.eval.rope_scaling)
-        if kinds and not any(kinds & set(SCHEMES.resolve(s).eval_variants) for s in cfg.schemes):
+        if kinds and not any(kinds & set(SCHEMES.lookup(s).eval_variants) for s in cfg.schemes):
             owners = [name for name, cls in SCHEMES.items() if kinds & set(cls.eval_variants)]
             notes.append(
                 f"eval.rope_scaling {cfg.eval.rope_scaling}: no scheme run here has these "

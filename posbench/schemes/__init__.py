@@ -60,7 +60,7 @@ def _modified(name: str, registry):
     from posbench.schemes.randomized import modified
 
     modifier, what = MODIFIERS[prefix]
-    return modified(name, name[len(prefix) :], registry.resolve(modifier), what, registry)
+    return modified(name, name[len(prefix) :], registry.lookup(modifier), what, registry)
 
 
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]  # the default experiment
@@ -107,7 +107,7 @@ def catalogue() -> list[tuple[str, str]]:
 
 def resolve_scheme(name: str) -> type:
     """A registered name, or `module:Class` naming a user's PositionalScheme subclass."""
-    return SCHEMES.resolve(name)
+    return SCHEMES.lookup(name)
 
 
 def build_scheme(cfg):

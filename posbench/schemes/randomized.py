@@ -149,7 +149,7 @@ def build_base(modifier, cfg):
     try:
         if type(modifier).registry is None:
             raise PosbenchError(f"{cfg.scheme}: build it by name (posbench.schemes.SCHEMES), which finds its base")
-        cls = type(modifier).registry.resolve(base)
+        cls = type(modifier).registry.lookup(base)
     except PosbenchError as e:
         raise PosbenchError(f"{where}: {e}") from None
     if issubclass(cls, Modifier):
@@ -170,7 +170,7 @@ def modified(name: str, base: str, modifier: type, what: str, registry) -> Optio
     if name in _MODIFIED:
         return _MODIFIED[name]
     try:
-        base_cls = registry.resolve(base)
+        base_cls = registry.lookup(base)
     except PosbenchError as e:
         if ":" in name:  # perhaps a plugin whose module's name begins so: let the registry try that
             return None
