@@ -49,6 +49,11 @@ def collect(exp_dir: Path) -> Collected:
     exp_dir = Path(exp_dir)
     if not exp_dir.is_dir():
         raise PosbenchError(f"{exp_dir}: no such experiment directory")
+    if run_state(exp_dir).here:  # a run, not an experiment: its experiment holds its table
+        raise PosbenchError(
+            f"{exp_dir} is one run; its table is its experiment's: posbench report {exp_dir.parent} "
+            f"(posbench evaluate {exp_dir} scores it again)"
+        )
     sweep = (exp_dir / SWEEP_RECORD).is_file()
     extension = (exp_dir / EXTEND_RECORD).is_file()  # parents and their fine-tuned children: one table
     out, first, kinds = None, None, {}

@@ -552,3 +552,16 @@ def test_a_report_of_another_view_is_written_beside_the_experiments_summary_neve
     assert "summary-bpb.md" in "".join(res.output.split())  # said where it went
     res = invoke("report", copy, "--metric", "bpb", "--out", tmp_path / "bpb")
     assert res.exit_code == 0 and (tmp_path / "bpb" / "summary.md").read_text() == (copy / "summary-bpb.md").read_text()
+
+
+def test_a_report_of_one_run_folder_names_its_experiment(tmp_path):
+    """#47.9: a run folder is not called a folder without runs: the line names its experiment."""
+    from conftest import ROOT
+
+    copy = tmp_path / "reference"
+    shutil.copytree(ROOT / "results" / "reference", copy)
+    res = invoke("report", copy / "rope-seed0")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"is one run; its table is its experiment's: posbench report {copy}" in text, text
+    assert "holds no evaluated runs" not in text and not (copy / "rope-seed0" / "summary.md").exists()
