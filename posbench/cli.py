@@ -15,6 +15,7 @@ from rich.markup import escape
 from posbench.config import EvalConfig, ModelConfig, blame, length_grid, load_config
 from posbench.console import BarReporter, err, out
 from posbench.errors import PosbenchError, first_line
+from posbench.tasks import TASKS
 
 app = typer.Typer(
     add_completion=False,
@@ -136,9 +137,7 @@ _TRAIN_LEN, _LENGTHS = ModelConfig().train_len, ",".join(map(str, EvalConfig().l
 _GRID = f"--test-len {2 * _TRAIN_LEN} from {_TRAIN_LEN}: {','.join(map(str, length_grid(_TRAIN_LEN, 2 * _TRAIN_LEN)))}"
 TaskOpt = Annotated[
     Optional[str],
-    typer.Option(
-        help="lm (perplexity, the default), copy, reverse, sort, addition, parity, passkey, recall, or module:Class"
-    ),
+    typer.Option(help=f"lm (perplexity, the default), {', '.join(TASKS)}, or module:Class"),
 ]
 
 
@@ -173,8 +172,8 @@ def extrapolate(
 ):
     """Train one model per scheme at the training length and compare them at longer lengths.
 
-    --task copy (reverse, sort, addition, parity, passkey, recall) trains on a synthetic task
-    instead of the corpus and scores exact-match accuracy by length."""
+    --task copy (or another of --task's) trains on a synthetic task instead of the corpus and
+    scores exact-match accuracy by length."""
     from posbench.experiment.execute import run_experiment
     from posbench.resolve import resolve
 

@@ -110,3 +110,14 @@ def test_make_installs_the_test_extra_only_for_test_and_lint():
         assert "'.[test" in dry(target)
     ci = (ROOT / ".ci" / "run").read_text()
     assert all(f"make {t}" in ci for t in ("lint", "test", "smoke"))
+
+
+def test_extrapolate_help_names_every_registered_task():
+    """#47.11: --task's help is the registry's list, so a task added is a task listed."""
+    from conftest import invoke
+
+    from posbench.tasks import TASKS
+
+    res = invoke("extrapolate", "--help")
+    text = "".join(res.output.split())
+    assert res.exit_code == 0 and all(name in text for name in TASKS), res.output
