@@ -17,7 +17,7 @@ def _long(rows):
 
 def test_the_table_shows_seeds_that_blew_up_and_hides_no_ratio_behind_them():
     """Seed 0 blew up at 64, seed 1 did not: the cell shows seed 1's value and says one seed
-    blew up, and the ratio is not taken from the seed that survived."""
+    blew up, and so does the ratio, each seed's own ppl(64)/ppl(32) over the seeds scored at both."""
     from posbench.measures.perplexity import comparison
 
     rows = [
@@ -33,7 +33,7 @@ def test_the_table_shows_seeds_that_blew_up_and_hides_no_ratio_behind_them():
     df = pd.DataFrame(rows, columns=["scheme", "seed", "train_len", "length", "ppl", "status"])
     table = comparison(df)
     assert cell(table, "alibi", 64, 2) == "13.00 (1 of 2 seeds; 1 non-finite)"
-    assert table.loc["alibi", "ratio"] != table.loc["alibi", "ratio"]  # NaN, not 13/12
+    assert cell(table, "alibi", "ratio", 2) == f"{13 / 12:.2f} (1 of 2 seeds; 1 non-finite)"  # never hidden
     assert cell(table, "rope", 64, 2) == "6.00 (1 of 2 seeds)"
     assert table.loc["rope", "ratio"] == 6.0 / 5.0  # over seed 0, the one scored at both
 
@@ -235,3 +235,28 @@ def test_a_task_report_says_what_its_bold_means_as_a_perplexity_report_does():
     ppl = (ROOT / "results" / "reference" / "summary.md").read_text()
     note = spread_note(3, {"paired"})
     assert f"- cells: % exact match, {note};" in md and f"- cells: perplexity per byte, {note}" in ppl
+
+
+def test_the_ratio_column_has_an_interval_and_a_bold_best_like_every_other_cell():
+    """#47.4: results/reference's ppl(800)/ppl(100) is each seed's own ratio from its eval.csv,
+    their mean ± Student's t interval, and the lowest (with any not significantly different)
+    in bold."""
+    import csv
+
+    from conftest import ROOT
+
+    from posbench.stats import mean_ci
+
+    committed = ROOT / "results" / "reference"
+    ratios: dict = {}
+    for path in sorted(committed.glob("*/eval.csv")):
+        with path.open() as f:
+            ppl = {int(r["length"]): float(r["ppl"]) for r in csv.DictReader(f) if r["protocol"] == "nonoverlapping"}
+        ratios.setdefault(path.parent.name.split("-seed")[0], []).append(ppl[800] / ppl[100])
+    md = (committed / "summary.md").read_text().split("## nonoverlapping\n\n")[1].split("\n\n")[0].splitlines()
+    cells = {r.strip("|").split("|")[0].strip(): r.strip("|").split("|")[6].strip() for r in md[2:]}
+    for scheme, values in ratios.items():
+        mean, ci = mean_ci(values)
+        assert cells[scheme].strip("*") == f"{mean:.2f} ± {ci:.2f}", (scheme, cells[scheme])
+    best = min(ratios, key=lambda s: sum(ratios[s]))
+    assert cells[best].startswith("**") and not all(c.startswith("**") for c in cells.values())

@@ -19,9 +19,9 @@ import pandas as pd
 from posbench.compare.order import point_order, scheme_order
 from posbench.compare.plot import BAND_SEEDS, Line, Panel, band_plot, plot_training
 from posbench.compare.render import tex, transposed
+from posbench.compare.table import cell, summarize
 from posbench.compare.table import grid as compare_grid
 from posbench.compare.table import spread_note as compare_spread
-from posbench.compare.table import summarize
 from posbench.config import PROTOCOLS, length_grid
 from posbench.data import SHAKESPEARE_NAME
 from posbench.errors import PosbenchError
@@ -441,12 +441,10 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     out = summarize(df.rename(columns={"length": "column"}), lengths, order, False, seeds)
     ok = df[df["status"] == "ok"]
     base = int(df["train_len"].iloc[0])  # one per table; a fine-tuned child's too (its parent's)
-    out["ratio"] = [
-        math.nan
-        if (out.loc[s, [f"nonfinite {L}" for L in {base, lengths[-1]} if L in lengths]].fillna(0) > 0).any()
-        else _ratio(ok[ok["scheme"] == s], base, lengths[-1])
-        for s in order
-    ]
+    ratio = summarize(_ratios(df, base, lengths[-1]), ["ratio"], order, False, seeds)  # an interval, ties
+    for c in ("ratio", "ci ratio", "status ratio", "n ratio", "nonfinite ratio", "best ratio"):
+        out[c] = ratio[c]
+    out.attrs["tests"] = out.attrs["tests"] | ratio.attrs["tests"]
     for name, L in (("bpb train", base), ("bpb longest", lengths[-1])):  # beside perplexity, in bits per byte
         have = ok[ok["length"] == L]
         out[name] = have.groupby("scheme")["bpb"].mean().reindex(order) if "bpb" in have else math.nan
@@ -454,13 +452,22 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _ratio(rows: pd.DataFrame, base: int, longest: int) -> float:
-    """ppl(longest) / ppl(base) over the seeds scored at both, so that a length only some
-    seeds reached is not divided by another set of seeds' mean."""
-    a = rows[rows["length"] == base].set_index("seed")["ppl"]
-    b = rows[rows["length"] == longest].set_index("seed")["ppl"]
-    both = a.index.intersection(b.index)
-    return b[both].mean() / a[both].mean() if len(both) else math.nan
+def _ratios(df: pd.DataFrame, base: int, longest: int) -> pd.DataFrame:
+    """Each run's ppl(longest) / ppl(base), a row per (scheme, seed) scored at both lengths, for
+    compare.summarize: status ok, or the status of the length that has no value (non-finite,
+    beyond-max-len)."""
+    rows = []
+    at = df[df["length"].isin([base, longest])].set_index(["scheme", "seed", "length"])
+    for scheme, seed in dict.fromkeys(zip(df["scheme"], df["seed"])):
+        if (scheme, seed, base) not in at.index or (scheme, seed, longest) not in at.index:
+            continue
+        a, b = at.loc[(scheme, seed, base)], at.loc[(scheme, seed, longest)]
+        bad = [r["status"] for r in (a, b) if r["status"] != "ok"]
+        value = b["ppl"] / a["ppl"] if not bad else math.nan
+        rows.append(
+            {"scheme": scheme, "seed": seed, "column": "ratio", "value": value, "status": bad[0] if bad else "ok"}
+        )
+    return pd.DataFrame(rows, columns=["scheme", "seed", "column", "value", "status"])
 
 
 def spread_note(tables: dict[str, pd.DataFrame]) -> str:
@@ -578,8 +585,9 @@ def grid(
     rows[0] += ["seeds", f"ppl({lengths[-1]})/ppl({train_len})"]
     with_bpb = bpb and metric != "bpb" and table[["bpb train", "bpb longest"]].notna().any().any()
     rows[0] += [f"bpb({train_len})", f"bpb({lengths[-1]})"] if with_bpb else []
+    best |= {(i, len(lengths) + 2) for i, s in enumerate(table.index, start=1) if table.loc[s, "best ratio"]}
     for s, row in zip(table.index, rows[1:]):
-        row += [str(int(table.loc[s, "seeds"])), ratio_cell(table, s, train_len, lengths[-1])]
+        row += [str(int(table.loc[s, "seeds"])), ratio_cell(table, s)]
         if with_bpb:
             row += [_bpb_cell(table.loc[s, k]) for k in ("bpb train", "bpb longest")]
     return rows, best
@@ -589,16 +597,11 @@ def _bpb_cell(value) -> str:
     return f"{value:.3f}" if value == value else ""
 
 
-def ratio_cell(table: pd.DataFrame, scheme: str, train_len: int, longest: int) -> str:
-    """ppl(longest)/ppl(train): its value; blank where either length was not scored; — where
-    the scheme cannot encode the longest; nan where the loss blew up there."""
-    r = table.loc[scheme, "ratio"]
-    if r == r:
-        return f"{r:.2f}"
-    status = [table.loc[scheme, f"status {L}"] if f"status {L}" in table else None for L in (train_len, longest)]
-    if not all(isinstance(st, str) for st in status):
-        return ""
-    return "—" if "beyond-max-len" in status else "nan"
+def ratio_cell(table: pd.DataFrame, scheme: str) -> str:
+    """ppl(longest)/ppl(train) (compare.cell): the mean of each seed's ratio with its interval;
+    blank where either length was not scored; — where the scheme cannot encode the longest; nan
+    where the loss blew up there."""
+    return cell(table, scheme, "ratio", 2, missing="—")
 
 
 def report(collected, metric: str, transpose: bool) -> dict:
