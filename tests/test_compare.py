@@ -183,8 +183,8 @@ def test_lines_that_can_share_a_plot_never_look_alike():
 
 
 def test_a_metric_names_its_column_direction_and_aggregation_once():
-    """Every metric of the two measures reads a column its records hold, or is derived (a ratio
-    of means); a pooled metric names the two counts it pools; one that mixes them up is refused."""
+    """Every metric of the two measures reads a column its records hold, or is derived (each
+    run's ratio); a pooled metric names the two counts it pools; one that mixes them up is refused."""
     from posbench.measures.base import Metric
     from posbench.measures.exact_match import EVAL_COLUMNS as TASK_COLUMNS
     from posbench.measures.exact_match import ExactMatch
@@ -192,7 +192,7 @@ def test_a_metric_names_its_column_direction_and_aggregation_once():
 
     for measure, columns in ((Perplexity, EVAL_COLUMNS), (ExactMatch, TASK_COLUMNS)):
         for m in measure.metrics.values():
-            assert (m.column in columns) == (m.aggregate != "ratio_of_means"), m
+            assert (m.column in columns) == (m.aggregate != "derived"), m
             assert set(m.pooled) <= set(columns), m
     assert ExactMatch.metrics["exact_match"].pooled == ("correct", "instances")
     with pytest.raises(ValueError):

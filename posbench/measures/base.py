@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from posbench.errors import PosbenchError
 
-AGGREGATES = ("mean", "pooled", "ratio_of_means")
+AGGREGATES = ("mean", "pooled", "derived")
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class Metric:
     direction and how it is aggregated. Over seeds a cell is always the mean with its interval;
     `aggregate` says what one seed's value is: its record's `column` as is (mean), `pooled`
     right-of-total (the sum of `pooled[0]` over the sum of `pooled[1]` across a bucket's
-    lengths), or a ratio of two means (ratio_of_means: a measure derives it, no column)."""
+    lengths), or `derived` by its measure from other columns (a run's ppl at L over its ppl at
+    the training length), with no column of its own."""
 
     name: str  # as --metric names it, and as trackers send it
     label: str  # what a table cell holds

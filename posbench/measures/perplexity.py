@@ -44,7 +44,7 @@ class Perplexity(Measure):
         "ppl": Metric("ppl", "perplexity per byte", higher_is_better=False, digits=2, column="ppl"),
         "loss": Metric("loss", "loss in nats per byte", higher_is_better=False, digits=3, column="loss"),
         "ratio": Metric(
-            "ratio", "perplexity over its perplexity at the training length", False, 3, aggregate="ratio_of_means"
+            "ratio", "perplexity over its perplexity at the training length", False, 3, aggregate="derived"
         ),
         "bpb": Metric("bpb", "bits per byte", higher_is_better=False, digits=3, column="bpb"),
     }
