@@ -487,7 +487,7 @@ def prepare(
             val_fraction=val_fraction,
             val_path=val_path,
         )
-        total = sum(f.stat().st_size for f in source_files(source) if f.is_file()) or None
+        total = sum(f.stat().st_size for f in source_files(source, "SOURCE") if f.is_file()) or None
         start = time.perf_counter()
         with Progress(
             TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err, transient=True

@@ -67,6 +67,10 @@ def is_dataset_folder(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
+KEYS = {"path": "data.path", "text_field": "data.text_field", "val_path": "data.val_path"}  # a config names them
+FLAGS = {"path": "SOURCE", "text_field": "--text-field", "val_path": "--val-path"}  # posbench prepare names them
+
+
 def source_files(pattern: str, what: str = "data.path") -> list[Path]:
     """The files (or `datasets` folders) a path or glob names, in name order."""
     expanded = os.path.expanduser(pattern)
@@ -79,28 +83,29 @@ def source_files(pattern: str, what: str = "data.path") -> list[Path]:
     return files
 
 
-def pieces(pattern: str, field: str, what: str = "data.path") -> Iterator[bytes]:
-    """The corpus's byte stream in pieces, read one file (or batch of rows) at a time."""
+def pieces(pattern: str, field: str, what: str = "data.path", field_key: str = "data.text_field") -> Iterator[bytes]:
+    """The corpus's byte stream in pieces, read one file (or batch of rows) at a time; `what`
+    and `field_key` are how an error names the path and the field (a config key, or a flag)."""
     for f in source_files(pattern, what):
         if f.is_dir():
-            yield from _dataset_rows(f, field)
+            yield from _dataset_rows(f, field, field_key)
         elif f.suffix == ".jsonl":
-            yield from _jsonl_rows(f, field)
+            yield from _jsonl_rows(f, field, field_key)
         elif f.suffix == ".parquet":
-            yield from _parquet_rows(f, field)
+            yield from _parquet_rows(f, field, field_key)
         else:
             with f.open("rb") as fh:
                 while block := fh.read(CHUNK):
                     yield block
 
 
-def _document(text, where: str, field: str) -> bytes:
+def _document(text, where: str, field: str, key: str) -> bytes:
     if not isinstance(text, str):
-        raise PosbenchError(f"{where}: field '{field}' (data.text_field) holds {type(text).__name__}, not text")
+        raise PosbenchError(f"{where}: field '{field}' ({key}) holds {type(text).__name__}, not text")
     return text.encode("utf-8") + b"\n\n"
 
 
-def _jsonl_rows(path: Path, field: str) -> Iterator[bytes]:
+def _jsonl_rows(path: Path, field: str, key: str) -> Iterator[bytes]:
     with path.open(encoding="utf-8") as fh:
         for n, line in enumerate(fh, start=1):
             if not line.strip():
@@ -110,11 +115,12 @@ def _jsonl_rows(path: Path, field: str) -> Iterator[bytes]:
             except ValueError:
                 raise PosbenchError(f"{path}:{n}: not a JSON object per line") from None
             if not isinstance(row, dict) or field not in row:
-                raise PosbenchError(f"{path}:{n}: no field '{field}' (set data.text_field to the text's field)")
-            yield _document(row[field], f"{path}:{n}", field)
+                have = f"; its fields: {', '.join(row)}" if isinstance(row, dict) and row else ""
+                raise PosbenchError(f"{path}:{n}: no field '{field}' (set {key} to the text's field){have}")
+            yield _document(row[field], f"{path}:{n}", field, key)
 
 
-def _parquet_rows(path: Path, field: str) -> Iterator[bytes]:
+def _parquet_rows(path: Path, field: str, key: str) -> Iterator[bytes]:
     pq = need("pyarrow.parquet", f"reading {path}")
     try:
         table = pq.ParquetFile(path)
@@ -122,13 +128,13 @@ def _parquet_rows(path: Path, field: str) -> Iterator[bytes]:
         raise PosbenchError(f"{path}: not a readable parquet file ({e})") from None
     if field not in table.schema_arrow.names:
         have = ", ".join(table.schema_arrow.names)
-        raise PosbenchError(f"{path}: no column '{field}' (data.text_field); its columns: {have}")
+        raise PosbenchError(f"{path}: no column '{field}' ({key}); its columns: {have}")
     for rows in table.iter_batches(columns=[field], batch_size=1024):
         for text in rows.column(0).to_pylist():
-            yield _document(text, str(path), field)
+            yield _document(text, str(path), field, key)
 
 
-def _dataset_rows(path: Path, field: str) -> Iterator[bytes]:
+def _dataset_rows(path: Path, field: str, key: str) -> Iterator[bytes]:
     datasets = need("datasets", f"reading the datasets folder {path}")
     try:
         ds = datasets.load_from_disk(str(path))
@@ -139,10 +145,10 @@ def _dataset_rows(path: Path, field: str) -> Iterator[bytes]:
             raise PosbenchError(f"{path}: a DatasetDict without a 'train' split (its splits: {', '.join(ds)})")
         ds = ds["train"]
     if field not in ds.column_names:
-        raise PosbenchError(f"{path}: no column '{field}' (data.text_field); its columns: {', '.join(ds.column_names)}")
+        raise PosbenchError(f"{path}: no column '{field}' ({key}); its columns: {', '.join(ds.column_names)}")
     for rows in ds.iter(batch_size=1024):
         for text in rows[field]:
-            yield _document(text, str(path), field)
+            yield _document(text, str(path), field, key)
 
 
 # --- the split and the chunks ----------------------------------------------------------------------
@@ -340,11 +346,16 @@ def digest(stream: Iterator[bytes]) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-def tokenize(data, stream, progress=None, report=None) -> tuple[Tokenizer, Iterator, Iterator]:
+def tokenize(data, stream, progress=None, report=None, names=KEYS) -> tuple[Tokenizer, Iterator, Iterator]:
     """The tokenizer (a BPE trained on the training split if asked) and the two splits' token
-    arrays, chunk by chunk. `stream()` gives the corpus's pieces afresh each call."""
+    arrays, chunk by chunk. `stream()` gives the corpus's pieces afresh each call; `names` says
+    how an error names the settings (KEYS, or FLAGS for posbench prepare)."""
     if data.val_path:
-        train_of, val_of = stream, (lambda: pieces(data.val_path, data.text_field, "data.val_path"))
+
+        def val_of():
+            return pieces(data.val_path, data.text_field, names["val_path"], names["text_field"])
+
+        train_of = stream
         split = None
     else:
         sha, total = digest(stream())
@@ -431,16 +442,16 @@ def prepare(data, out: Path, progress=None, advance=None) -> dict:
     import shutil
 
     if is_prepared(data.path):
-        raise PosbenchError(f"data.path {data.path}: already a prepared folder")
+        raise PosbenchError(f"SOURCE {data.path}: already a prepared folder")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise PosbenchError(f"{out}: exists and is not empty; choose another --out or delete it")
 
     def stream():
-        return pieces(data.path, data.text_field)
+        return pieces(data.path, data.text_field, FLAGS["path"], FLAGS["text_field"])
 
-    sources = [str(f) for f in source_files(data.path)]
-    tok, train, val = tokenize(data, stream, progress, advance)
+    sources = [str(f) for f in source_files(data.path, FLAGS["path"])]
+    tok, train, val = tokenize(data, stream, progress, advance, FLAGS)
     dt = dtype_for(tok.vocab_size)
     tmp = out.with_name("." + out.name + ".partial")
     if tmp.exists():

@@ -263,3 +263,19 @@ def test_a_validation_set_of_its_own_is_held_out_whole(tmp_path, words):
     memory = load_corpus(DataConfig(path=str(words), val_path=str(held), tokenizer="bpe", vocab_size=300))
     assert np.array_equal(prepared.val, memory.val) and np.array_equal(prepared.train, memory.train)
     assert prepared.bytes_of(prepared.val) == len(held.read_bytes())
+
+
+def test_prepares_errors_name_its_own_flags_and_the_fields_it_found(tmp_path):
+    """#47.10: posbench prepare says --text-field and SOURCE (its own words, not the config's
+    data.text_field and data.path), and lists the fields a row has; training keeps the keys."""
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text(json.dumps({"content": "x", "path": "a.py"}) + "\n")
+    res = invoke("prepare", jsonl, "--out", tmp_path / "prep")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "(set --text-field to the text's field); its fields: content, path" in said, said
+    assert "data.text_field" not in said and not (tmp_path / "prep").exists()
+    res = invoke("prepare", tmp_path / "none*.txt", "--out", tmp_path / "prep")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"SOURCE '{tmp_path / 'none*.txt'}' matches no file" in said, said
+    res = _smoke(tmp_path / "r", "--set", f"data.path={jsonl}", "--set", "data.tokenizer=bpe")
+    assert "(set data.text_field to the text's field); its fields: content, path" in " ".join(res.output.split())
