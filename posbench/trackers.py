@@ -429,7 +429,7 @@ def _measure_points(rdir: Path) -> dict[str, float]:
     from posbench.measures.plugin import read_measures
 
     points = {}
-    for metrics, rows in read_measures(rdir).values():
+    for _, metrics, rows in read_measures(rdir).values():
         for r in rows:
             for name in metrics:
                 value = float(r[name]) if r["status"] == "ok" and r[name] != "" else math.nan

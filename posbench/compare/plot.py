@@ -136,6 +136,17 @@ class Line:
     seeds: int  # the band is drawn with BAND_SEEDS or more
 
 
+def lines(table, scale: float = 1.0) -> list[Line]:
+    """A line per scheme of a compare.summarize table: its columns as x, each mean and interval
+    times `scale`, and the row's seeds (which decide whether a band is drawn)."""
+    xs = table.attrs["columns"]
+    return [
+        Line(s, xs, [scale * float(table.loc[s, c]) for c in xs],
+             [scale * float(table.loc[s, f"ci {c}"]) for c in xs], int(table.loc[s, "seeds"]))
+        for s in table.index
+    ]  # fmt: skip
+
+
 @dataclass
 class Panel:
     title: str

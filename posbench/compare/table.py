@@ -72,14 +72,16 @@ def cell(table: pd.DataFrame, scheme: str, c, digits: int, scale: float = 1.0, m
 
 
 def grid(
-    table: pd.DataFrame, heads: list[str], digits: int, scale: float = 1.0, missing: str = ""
+    table: pd.DataFrame, heads: list[str], digits: int, scale: float = 1.0, missing: str = "", seeds: bool = False
 ) -> tuple[list[list[str]], set]:
-    """The table as rows of strings, a header first ("scheme" and `heads`, a head per column),
-    and the (row, column) cells to set in bold. A measure appends its own columns to each row."""
+    """The table as rows of strings, a header first ("scheme" and `heads`, a head per column,
+    then "seeds" with `seeds`: each row's seed count), and the (row, column) cells to set in
+    bold. A measure appends its own columns to each row."""
     columns = table.attrs["columns"]
-    rows, best = [["scheme", *heads]], set()
+    rows, best = [["scheme", *heads] + (["seeds"] if seeds else [])], set()
     for i, s in enumerate(table.index, start=1):
         rows.append([s] + [cell(table, s, c, digits, scale, missing) for c in columns])
+        rows[-1] += [str(int(table.loc[s, "seeds"]))] if seeds else []
         best |= {(i, j) for j, c in enumerate(columns, start=1) if table.loc[s, f"best {c}"]}
     return rows, best
 

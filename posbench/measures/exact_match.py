@@ -365,11 +365,7 @@ def grid(table: pd.DataFrame, metric: str) -> tuple[list[list[str]], set]:
     """The table as rows of strings (a header first), percent, and the (row, column) cells that are best."""
     heads = [{"in": "in-dist", "out": "out-of-dist"}.get(b, b) for b in table.attrs["columns"]]
     m = ExactMatch.metrics[metric]
-    rows, best = compare_grid(table, heads, m.digits, m.scale, missing="—")
-    rows[0].append("seeds")
-    for s, row in zip(table.index, rows[1:]):
-        row.append(str(int(table.loc[s, "seeds"])))
-    return rows, best
+    return compare_grid(table, heads, m.digits, m.scale, missing="—", seeds=True)
 
 
 def report(collected, metric: str, transpose: bool, edges) -> dict:

@@ -17,7 +17,7 @@ from typing import Optional
 import pandas as pd
 
 from posbench.compare.order import point_order, scheme_order
-from posbench.compare.plot import BAND_SEEDS, Line, Panel, band_plot, plot_training
+from posbench.compare.plot import BAND_SEEDS, Line, Panel, band_plot, lines, plot_training
 from posbench.compare.render import tex, transposed
 from posbench.compare.table import cell, summarize
 from posbench.compare.table import grid as compare_grid
@@ -581,13 +581,14 @@ def grid(
     """The table as rows of strings (a header first): schemes x lengths, the seed count and
     ppl(longest)/ppl(train), and the (row, column) cells that are best."""
     lengths = lengths_of(table)
-    rows, best = compare_grid(table, [str(L) for L in lengths], Perplexity.metrics[metric].digits, missing=missing)
-    rows[0] += ["seeds", f"ppl({lengths[-1]})/ppl({train_len})"]
+    heads = [str(L) for L in lengths]
+    rows, best = compare_grid(table, heads, Perplexity.metrics[metric].digits, missing=missing, seeds=True)
+    rows[0] += [f"ppl({lengths[-1]})/ppl({train_len})"]
     with_bpb = bpb and metric != "bpb" and table[["bpb train", "bpb longest"]].notna().any().any()
     rows[0] += [f"bpb({train_len})", f"bpb({lengths[-1]})"] if with_bpb else []
     best |= {(i, len(lengths) + 2) for i, s in enumerate(table.index, start=1) if table.loc[s, "best ratio"]}
     for s, row in zip(table.index, rows[1:]):
-        row += [str(int(table.loc[s, "seeds"])), ratio_cell(table, s)]
+        row += [ratio_cell(table, s)]
         if with_bpb:
             row += [_bpb_cell(table.loc[s, k]) for k in ("bpb train", "bpb longest")]
     return rows, best
@@ -764,13 +765,7 @@ def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl", what:
     what = what or Perplexity.metrics[metric].label
     panels = []
     for label, table in tables.items():
-        lengths = lengths_of(table)
-        lines = [
-            Line(s, lengths, list(table.loc[s, lengths].astype(float)),
-                 list(table.loc[s, [f"ci {L}" for L in lengths]].astype(float)), int(table.loc[s, "seeds"]))
-            for s in table.index
-        ]  # fmt: skip
-        panels.append(Panel(f"{what} by length: {label}", lines, table.attrs["train_len"]))
+        panels.append(Panel(f"{what} by length: {label}", lines(table), table.attrs["train_len"]))
     length = "bytes" if unit == "byte" else "tokens"
     xlabel = f"evaluation length ({length}); dashed: the training length; band: 95% ({BAND_SEEDS}+ seeds)"
     return band_plot(panels, path, what, xlabel, log=False if metric == "loss" else None)

@@ -77,8 +77,9 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
 # --- records and reports (no torch) ---------------------------------------------------------------
 
 
-def read_measures(rdir: Path) -> dict[str, tuple[dict[str, Metric], list[dict]]]:
-    """The run's user measures: name -> (its metrics, its rows); a malformed record is one line."""
+def read_measures(rdir: Path) -> dict[str, tuple[str, dict[str, Metric], list[dict]]]:
+    """The run's user measures: name -> (its module:Class, its metrics, its rows); a malformed
+    record is one line."""
     out = {}
     for meta_path in sorted((Path(rdir) / FOLDER).glob("*.json")):
         name, path = meta_path.stem, meta_path.with_suffix(".csv")
@@ -95,7 +96,7 @@ def read_measures(rdir: Path) -> dict[str, tuple[dict[str, Metric], list[dict]]]
                 int(r["length"]), int(r["seed"]), int(r["train_len"]), *(float(r[m]) for m in metrics)
         except (OSError, UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
             raise bad from None
-        out[name] = (metrics, rows)
+        out[name] = (meta["measure"], metrics, rows)
     return out
 
 
@@ -104,26 +105,24 @@ def report(collected) -> tuple[list[Section], dict[str, pd.DataFrame], dict[str,
     lengths (compare.summarize), their long rows by measure (written as <name>.csv beside
     summary.csv), the panels of a plot per measure (<name>.png) and a line each for summary.md."""
     from posbench.compare.order import scheme_order
-    from posbench.compare.plot import Line, Panel
+    from posbench.compare.plot import Panel, lines
     from posbench.compare.render import tex
     from posbench.compare.table import grid, spread_note, summarize
 
     found: dict[str, tuple[dict, list]] = {}
     specs: dict[str, set] = {}
     for run in collected.runs:
-        for name, (metrics, rows) in read_measures(run.folder).items():
+        for name, (spec, metrics, rows) in read_measures(run.folder).items():
             point = collected.points.get(run.folder, "")
             found.setdefault(name, (metrics, []))[1].extend({**r, "point": point} for r in rows)
-            specs.setdefault(name, set()).add(json.loads((run.folder / FOLDER / f"{name}.json").read_text())["measure"])
-    sections, frames, panels = [], {}, {}
-    describe = []
+            specs.setdefault(name, set()).add(spec)
+    sections, frames, panels, describe = [], {}, {}, []
     for name, (metrics, rows) in sorted(found.items()):
         labels, runs = ", ".join(m.label for m in metrics.values()), len({(r["scheme"], r["seed"]) for r in rows})
         describe.append(
             f"- {name}: {labels}, a user's measure ({', '.join(sorted(specs[name]))}) scored by posbench "
             f"evaluate --measure on {runs} runs"
         )
-    for name, (metrics, rows) in sorted(found.items()):
         df = pd.DataFrame(rows)
         for c in ("seed", "train_len", "length"):
             df[c] = df[c].astype(int)
@@ -134,23 +133,16 @@ def report(collected) -> tuple[list[Section], dict[str, pd.DataFrame], dict[str,
                 long = part.assign(column=part["length"], value=pd.to_numeric(part[metric.name], errors="coerce"))
                 lengths = sorted(set(long["length"]))
                 table = summarize(long, lengths, scheme_order(set(long["scheme"])), metric.higher_is_better)
-                rows_, best = grid(table, [str(L) for L in lengths], metric.digits, metric.scale, missing="—")
-                rows_[0].append("seeds")
-                for s, row in zip(table.index, rows_[1:]):
-                    row.append(str(int(table.loc[s, "seeds"])))
+                heads = [str(L) for L in lengths]
+                rows_, best = grid(table, heads, metric.digits, metric.scale, missing="—", seeds=True)
                 note = spread_note(int(table["seeds"].max()), table.attrs["tests"])
                 where = f" ({point})" if point else ""
                 heading = f"{name}: {metric.label} by length{where}"
                 sections.append(
                     Section(heading, f"{tex(heading)}; {tex(note)}.", rows_, best, title=heading, legend=note)
                 )
-                lines = [
-                    Line(s, lengths, [metric.scale * table.loc[s, L] for L in lengths],
-                         [metric.scale * table.loc[s, f"ci {L}"] for L in lengths], int(table.loc[s, "seeds"]))
-                    for s in table.index
-                ]  # fmt: skip
                 mark = int(part["train_len"].iloc[0])
-                panels.setdefault(name, []).append((metric.label, Panel(heading, lines, mark)))
+                panels.setdefault(name, []).append((metric.label, Panel(heading, lines(table, metric.scale), mark)))
     return sections, frames, panels, describe
 
 
