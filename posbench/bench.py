@@ -5,6 +5,8 @@ each scheme against NoPE, posbench against a peer library, model FLOP/s against 
 matmul measured in the same run. Schemes, peers and the matmul are timed in interleaved rounds
 (matmul, nope, t5, ..., then t5, matmul, nope, ...) and each keeps its fastest round, so a burst of
 load hits all of them alike; the order is shuffled each round, so no model always follows the matmul.
+A time stands only where a second round confirms it: on a busy machine a step with all cores'
+threads waits at every op for the one that was descheduled, and a round can run 30x slow.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ BENCH_COLUMNS = [
 ]
 EVAL_MULTIPLES = (1, 4, 16, 64)
 PEERS = ("x-transformers",)
+AGREE = 1.25  # the fastest round stands when another comes within 25% of it
 
 
 @dataclasses.dataclass
@@ -51,13 +54,23 @@ class BenchSettings:
     steps: int = 4  # timed steps per round
     # many short rounds: a burst of load spoils a few, the minimum skips them
     rounds: int = 30
-    warmup: int = 3
+    warmup: int = 3  # the first step of each model allocates AdamW's state and is several times slower
     multiples: tuple = EVAL_MULTIPLES
 
     @classmethod
     def quick(cls) -> BenchSettings:
+        # one round cannot tell a step from a stalled one, so five, of which two must agree;
         # 16x and 32x are long enough that the query blocks dominate: linear memory doubles
-        return cls(batch_size=4, steps=2, rounds=1, warmup=1, multiples=(1, 16, 32))
+        return cls(batch_size=4, steps=2, rounds=5, warmup=2, multiples=(1, 16, 32))
+
+
+def confirmed(rounds: list[float]) -> Optional[float]:
+    """The fastest of a function's round times, if a second round came within AGREE of it; else
+    None. Load only ever adds time, so the fastest round is the best estimate, but only when it
+    is not alone: a lone fast round is luck, and a run whose rounds all disagree (a machine
+    busy throughout) has no time worth printing."""
+    fastest = sorted(rounds)[:2]
+    return fastest[0] if len(fastest) == 2 and fastest[1] <= AGREE * fastest[0] else None
 
 
 PEAK_N = 2048  # the matmul that MFU is measured against on a CPU: 2048 x 2048 by 2048 x 2048, fp32
@@ -107,10 +120,10 @@ def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], No
 
 def time_interleaved(
     steps: dict[str, Callable[[], None]], s: BenchSettings, sync: Callable[[], None] = lambda: None
-) -> dict[str, float]:
-    """Seconds per step of each function: the fastest of its interleaved rounds. Load from
-    other processes only ever adds time, so the minimum is the least contaminated estimate.
-    `sync` waits for queued work (a GPU's), so a round's clock stops when its steps are done."""
+) -> dict[str, list[float]]:
+    """Seconds per step of each function in each of its interleaved rounds (`confirmed` picks
+    the time that stands). `sync` waits for queued work (a GPU's), so a round's clock stops
+    when its steps are done."""
     for fn in steps.values():
         for _ in range(s.warmup):
             fn()
@@ -128,7 +141,7 @@ def time_interleaved(
                 steps[name]()
             sync()
             times[name].append((time.perf_counter() - t) / s.steps)
-    return {k: min(v) for k, v in times.items()}
+    return times
 
 
 def eval_peak_memory_mb(model: TransformerLM, T: int) -> float:
@@ -242,7 +255,9 @@ def run_bench(
 ) -> tuple[list[dict], float]:
     """Rows of bench.csv and the measured matmul peak (FLOP/s). `options`: each scheme's own
     (the config's scheme_options), so the numbers describe the models a run would train.
-    `device`: cpu (fp32, the tested default) or cuda (bf16 autocast, as training runs there)."""
+    `device`: cpu (fp32, the tested default) or cuda (bf16 autocast, as training runs there).
+    A time no second round confirms is None, and so is every number built on it (its tokens/s,
+    its ratio to NoPE, its MFU; the peak and every MFU where the matmul's is unconfirmed)."""
     if peer:
         _import_peer(peer)
     schemes = ["nope"] + [s for s in schemes if s != "nope"]  # NoPE is every ratio's baseline
@@ -260,31 +275,28 @@ def run_bench(
                 steps[f"peer:{s}"] = other
     progress(f"timing training steps: {len(steps) - 1} models and the matmul peak x {settings.rounds} rounds")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    sec = time_interleaved(steps, settings, sync)
-    peak = 2 * n**3 / sec["matmul peak"]
+    sec = {name: confirmed(rounds) for name, rounds in time_interleaved(steps, settings, sync).items()}
+    peak = 2 * n**3 / sec["matmul peak"] if sec["matmul peak"] else None
     tokens = settings.batch_size * T
     rows = []
     for s in schemes:
-        tps = tokens / sec[s]
-        peer_tps = tokens / sec[f"peer:{s}"] if f"peer:{s}" in sec else None
+        tps = tokens / sec[s] if sec[s] else None
+        peer_tps = tokens / sec[f"peer:{s}"] if sec.get(f"peer:{s}") else None
         rows.append(
             {
                 "scheme": s,
                 "measurement": "train",
                 "tokens_per_s": tps,
-                "ratio_vs_nope": sec["nope"] / sec[s],
-                "mfu": tps * model_flops_per_token(models[s].cfg, models[s]) / peak,
+                "ratio_vs_nope": sec["nope"] / sec[s] if sec["nope"] and tps else None,
+                "mfu": tps * model_flops_per_token(models[s].cfg, models[s]) / peak if tps and peak else None,
                 "peer_tokens_per_s": peer_tps,
-                "peer_ratio": tps / peer_tps if peer_tps else None,
+                "peer_ratio": tps / peer_tps if tps and peer_tps else None,
                 "device": device_name(device),
                 "attention": models[s].backend(device),
             }
         )
     # said now, so a bench stopped during the memory part (flex compiles a kernel per length) keeps them
-    progress(
-        "training speed: "
-        + ", ".join(f"{r['scheme']} {r['tokens_per_s']:,.0f} tokens/s ({r['ratio_vs_nope']:.2f}x NoPE)" for r in rows)
-    )
+    progress("training speed: " + ", ".join(map(speed_words, rows)))
     longest = max(settings.multiples) * T
     for s in schemes:
         model = models[s].eval()
@@ -311,6 +323,14 @@ def run_bench(
                 }
             )
     return rows, peak
+
+
+def speed_words(row: dict) -> str:
+    """'rope 59,272 tokens/s (0.94x NoPE)', or what could not be confirmed."""
+    if row["tokens_per_s"] is None:
+        return f"{row['scheme']} unconfirmed"
+    ratio = f"{row['ratio_vs_nope']:.2f}x NoPE" if row["ratio_vs_nope"] is not None else "NoPE unconfirmed"
+    return f"{row['scheme']} {row['tokens_per_s']:,.0f} tokens/s ({ratio})"
 
 
 def device_name(device: torch.device) -> str:

@@ -560,7 +560,7 @@ def bench(
     ] = None,
     attention: AttentionOpt = None,
     rounds: Annotated[
-        Optional[int], typer.Option(help="interleaved timing rounds (default 30; 1 with --quick)")
+        Optional[int], typer.Option(help="interleaved timing rounds, at least 2 (default 30; 5 with --quick)")
     ] = None,
     out_file: Annotated[Path, typer.Option("--out", help="the CSV to write, or a folder for bench.csv")] = Path(
         "results/bench/bench.csv"
@@ -628,8 +628,8 @@ def bench(
         out_file = _writable_csv(out_file)  # before the minutes of timing, not after
         settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
         if rounds is not None:
-            if rounds < 1:
-                raise PosbenchError(f"--rounds {rounds}: at least one round is needed")
+            if rounds < 2:
+                raise PosbenchError(f"--rounds {rounds}: at least two rounds are needed (a time stands when two agree)")
             settings.rounds = rounds
         rows, peak = run_bench(
             cfg.model,
@@ -641,8 +641,8 @@ def bench(
             device=dev,
         )
         write_bench(rows, out_file)
-        out.print(bench_table(rows, peak, cfg.model, dev, peer))
-        if quick:  # one round cannot skip a burst of load, as the minimum over many does
+        out.print(bench_table(rows, peak, cfg.model, dev, peer, settings.rounds))
+        if quick:  # five rounds skip fewer bursts of load than the fastest of thirty does
             rounds = f"{settings.rounds} round{'s' * (settings.rounds > 1)}"
             err.print(
                 f"note: --quick timed {rounds} at batch {settings.batch_size}: its tokens/s and ratios are rough; "

@@ -265,24 +265,28 @@ def _backends(rows) -> str:
     return ", ".join(sorted({r["attention"] for r in rows}))
 
 
-def bench_table(rows, peak, mc, device, peer) -> Group:
+def bench_table(rows, peak, mc, device, peer, rounds: int) -> Group:
     """`posbench bench`: the setting, then training speed and eval memory at each length, two
-    tables so that each fits 80 columns with the peer's columns and four lengths."""
+    tables so that each fits 80 columns with the peer's columns and four lengths; below them,
+    what a — in the speed table means, where no two of the `rounds` rounds confirmed a time."""
+    from posbench.bench import AGREE
+
     train = [r for r in rows if r["measurement"] == "train"]
     lengths = sorted({r["eval_len"] for r in rows if r["measurement"] == "eval"})
     mem = {(r["scheme"], r["eval_len"]): r["peak_mem_mb"] for r in rows if r["measurement"] == "eval"}
     where = rows[0]["device"] if rows else str(device)
     if device.type == "cuda":
-        where, peak_text = f"{where}, bf16 autocast", f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
+        where, peak_text = f"{where}, bf16 autocast", f"bf16 matmul peak {_number(peak, 1e12, 'TFLOP/s')}"
     else:
-        peak_text = f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s"
+        peak_text = f"fp32 matmul peak {_number(peak, 1e9, 'GFLOP/s')}"
 
     def f(v, fmt):
         return "—" if v is None else format(v, fmt)
 
     speed = [["scheme", "tokens/s", "x NoPE", "MFU", *(["peer tok/s", "x peer"] if peer else [])]]
     for r in train:
-        mfu = f(r["mfu"], ".0%" if r["mfu"] >= 0.1 else ".1%" if r["mfu"] >= 0.01 else ".2%")  # a GPU's can be tiny
+        small = (r["mfu"] or 1) < 0.1  # a GPU's can be tiny
+        mfu = f(r["mfu"], ".2%" if small and r["mfu"] < 0.01 else ".1%" if small else ".0%")
         speed.append([r["scheme"], f(r["tokens_per_s"], ".0f"), f(r["ratio_vs_nope"], ".2f"), mfu])
         if peer:
             speed[-1] += [f(r["peer_tokens_per_s"], ".0f"), f(r["peer_ratio"], ".2f")]
@@ -292,9 +296,20 @@ def bench_table(rows, peak, mc, device, peer) -> Group:
         f"posbench bench: {mc.n_layer} layers, d_model {mc.d_model}, {mc.n_head} heads, "
         f"T={mc.train_len}; {where}; attention {_backends(rows)}; {peak_text}" + (f"; peer: {peer}" if peer else "")
     )
+    unconfirmed = [r["scheme"] for r in train if r["tokens_per_s"] is None] + (["the matmul"] if peak is None else [])
+    why = (
+        f"—: no two of the {rounds} rounds came within {AGREE - 1:.0%} of each other for {', '.join(unconfirmed)} "
+        f"(on a busy machine a step can stall many times over), so no time is shown; rerun when the machine "
+        f"is quieter, or with more --rounds"
+    )
     # the setting is a paragraph above the tables, not a title squeezed to a narrow table's width
     return Group(
         Text(title),
         plain_table("training speed", speed),
         plain_table("peak eval memory (MB), batch 1", memory),
+        *([Text(why)] if unconfirmed else []),
     )
+
+
+def _number(value, unit: float, name: str) -> str:
+    return "—" if value is None else f"{value / unit:.0f} {name}"

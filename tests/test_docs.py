@@ -83,11 +83,14 @@ def test_bench_quick_says_its_timings_are_rough(tmp_path):
     """#30.13: one round cannot be compared; the README and the command both say so."""
     from conftest import ROOT
 
+    from posbench.bench import BenchSettings
+
     res = invoke("bench", "--quick", "--schemes", "nope", "--out", tmp_path / "bench.csv")
     assert res.exit_code == 0, res.output
-    assert "note: --quick timed 1 round at batch 4" in folded(res.output), res.output
+    quick = BenchSettings.quick()
+    assert f"note: --quick timed {quick.rounds} rounds at batch {quick.batch_size}" in folded(res.output), res.output
     readme = folded((ROOT / "README.md").read_text())
-    assert "`--quick` times one round, too few to compare schemes" in readme
+    assert f"`--quick` times {quick.rounds} short rounds, too few to compare schemes" in readme
 
 
 def test_make_installs_the_test_extra_only_for_test_and_lint():
