@@ -29,16 +29,26 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def worker_plan(cfg: ExperimentConfig, to_train: int) -> tuple[int, Optional[int]]:
+def worker_plan(
+    cfg: ExperimentConfig, to_train: int, note: Callable[[str], None] = lambda message: None
+) -> tuple[int, Optional[int]]:
     """(processes, torch threads in each). A model this small scales poorly over threads: on 2
     cores, two runs at once with 1 thread each finish sooner than one after the other with 2
     threads. A GPU gets 1 process, and runs too small to repay a worker's start
-    (configs/smoke.yaml) stay in this process."""
+    (configs/smoke.yaml) stay in this process, which `note` hears of where several runs on
+    several cores then train one after another."""
     tc = cfg.train
     workers = tc.workers
     if workers is None:
-        small = tc.steps * tc.batch_size * cfg.model.train_len < SMALL_RUN_TOKENS
+        tokens = tc.steps * tc.batch_size * cfg.model.train_len
+        small = tokens < SMALL_RUN_TOKENS
         workers = 1 if small or pick_device(tc.device).type != "cpu" else cpu_cores()
+        if small and to_train > 1 and cpu_cores() > 1:
+            note(
+                f"{to_train} runs train one after another: each is {tokens:,} tokens (train.steps x "
+                f"train.batch_size x model.train_len), under the {SMALL_RUN_TOKENS:,} that repay a "
+                f"worker's start; --set train.workers={min(cpu_cores(), to_train)} trains them side by side"
+            )
     workers = max(1, min(workers, to_train))
     threads = tc.threads or (max(1, cpu_cores() // workers) if workers > 1 else None)
     return workers, threads

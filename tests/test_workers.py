@@ -1,0 +1,33 @@
+"""How runs are shared out over processes: one per core, or one after another, said."""
+
+from posbench.config import ExperimentConfig
+from posbench.resolve import resolve
+from posbench.workers import SMALL_RUN_TOKENS, worker_plan
+
+
+def _plan(monkeypatch, cores: int, steps: int, to_train: int) -> tuple[tuple, list[str]]:
+    monkeypatch.setattr("posbench.workers.cpu_cores", lambda: cores)
+    cfg = resolve(ExperimentConfig()).cfg
+    cfg.train.device, cfg.train.steps = "cpu", steps
+    said: list[str] = []
+    return worker_plan(cfg, to_train, said.append), said
+
+
+def test_runs_too_small_for_a_worker_train_one_after_another_and_say_so(monkeypatch):
+    """#47.8: the README says one run per core; runs under SMALL_RUN_TOKENS train one at a time,
+    and now one line says so, with their size and how to train them side by side."""
+    cfg = resolve(ExperimentConfig()).cfg
+    per_step = cfg.train.batch_size * cfg.model.train_len
+    small = SMALL_RUN_TOKENS // per_step - 1  # steps of a run just under the line
+    plan, said = _plan(monkeypatch, cores=2, steps=small, to_train=3)
+    assert plan == (1, None) and len(said) == 1
+    assert said[0].startswith(f"3 runs train one after another: each is {small * per_step:,} tokens")
+    assert f"under the {SMALL_RUN_TOKENS:,}" in said[0] and "--set train.workers=2 trains them side by side" in said[0]
+
+
+def test_nothing_is_said_where_runs_go_side_by_side_or_nothing_could(monkeypatch):
+    cfg = resolve(ExperimentConfig()).cfg
+    big = SMALL_RUN_TOKENS // (cfg.train.batch_size * cfg.model.train_len) + 1
+    assert _plan(monkeypatch, cores=2, steps=big, to_train=3) == ((2, 1), [])
+    assert _plan(monkeypatch, cores=2, steps=10, to_train=1) == ((1, None), [])  # one run: nothing to share
+    assert _plan(monkeypatch, cores=1, steps=10, to_train=3) == ((1, None), [])  # one core: nothing to share
