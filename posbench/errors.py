@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 class PosbenchError(Exception):
@@ -22,7 +22,9 @@ def first_line(e: BaseException, limit: int = 200, last: bool = False) -> str:
     return (lines[-1] if last else lines[0])[:limit] if lines else type(e).__name__
 
 
-def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """ " (did you mean 'rope'?)" for the closest of `choices`, or "" when none is close."""
-    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.5)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+def did_you_mean(name: str, choices: Iterable[str], aliases: Mapping[str, str] | None = None) -> str:
+    """ " (did you mean 'rope'?)" for the closest of `choices`, or "" when none is close. Case
+    does not count, and `aliases` (what papers call a choice: rotary -> rope) suggest theirs."""
+    by_lower = {str(c).lower(): str(c) for c in choices} | {k.lower(): v for k, v in (aliases or {}).items()}
+    close = difflib.get_close_matches(str(name).lower(), list(by_lower), n=1, cutoff=0.5)
+    return f" (did you mean '{by_lower[close[0]]}'?)" if close else ""

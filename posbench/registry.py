@@ -16,7 +16,9 @@ from posbench.errors import PosbenchError, did_you_mean, first_line
 
 class Registry(Mapping):
     """name -> class, in registration order. `lookup` also takes `module:Class` for a user's
-    subclass of `base`; `check` looks further at such a class, `explain` words an unknown name."""
+    subclass of `base`; `check` looks further at such a class, `explain` words an unknown name.
+    `aliases` (another name -> the registered one) are never looked up, only suggested: a run's
+    folder and records keep one name per class."""
 
     def __init__(
         self,
@@ -28,8 +30,10 @@ class Registry(Mapping):
         check: Callable[[str, type], None] | None = None,
         explain: Callable[[str], None] | None = None,
         derive: Callable[[str, Registry], type | None] | None = None,
+        aliases: dict[str, str] | None = None,
     ):
         self.kind, self.entries, self.base, self.example = kind, entries, base, example
+        self.aliases = aliases or {}
         self.also, self.check, self.explain = also, check, explain  # also: names valid outside the registry
         self.derive = derive  # names made from registered ones (noisy_rope), or None
         self.loaded: dict[str, type] = {}
@@ -66,7 +70,8 @@ class Registry(Mapping):
             self.explain(name)
         names = [*self.also, *self.entries]
         raise PosbenchError(
-            f"unknown {self.kind} '{name}'{did_you_mean(name, names)}; valid {self.kind}s: {', '.join(names)}, "
+            f"unknown {self.kind} '{name}'{did_you_mean(name, names, self.aliases)}; valid {self.kind}s: "
+            f"{', '.join(names)}, "
             f"or module:Class"
         )
 

@@ -44,6 +44,16 @@ SCHEMES = Registry(
     example="examples.my_scheme:MyScheme",
     explain=_explain,
     derive=lambda name, registry: _modified(name, registry),
+    # what papers and other libraries call them, suggested for an unknown name
+    aliases={
+        "rotary": "rope",
+        "roformer": "rope",
+        "none": "nope",
+        "transformer-xl": "xl",
+        "transformer_xl": "xl",
+        "gpt2": "learned",
+        "gpt-2": "learned",
+    },
 )
 
 
