@@ -21,6 +21,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # a docstring's paragraph reflows to the terminal's width
     help="Which positional encoding lets a transformer LM work beyond its training length?",
 )
 
@@ -334,7 +335,7 @@ def train(
         folder = run_experiment(exp, BarReporter(err))
         for s in exp.cfg.schemes:
             for n in exp.cfg.seeds:
-                out.print(f"run folder: {folder / run_name(s, n)}", highlight=False)
+                out.print(f"run folder: {folder / run_name(s, n)}", highlight=False, soft_wrap=True)
         _print_summary(folder, asked=exp.cfg, tracker=exp.cfg.train.tracker)
 
 
@@ -394,7 +395,8 @@ def evaluate(
             run_dir, Ls, kinds or [None], rope_factor, device, attention, protocols, stride, tracker
         )
         out.print(plain_table(*measure.evaluation(rc, rows)))
-        out.print(f"wrote {' and '.join(str(Path(run_dir) / name) for name in measure.records)}", highlight=False)
+        written = " and ".join(str(Path(run_dir) / name) for name in measure.records)
+        out.print(f"wrote {written}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -652,7 +654,7 @@ def bench(
                 soft_wrap=True,
             )
         _kernel_notes(cfg)
-        out.print(f"wrote {out_file}", highlight=False)
+        out.print(f"wrote {out_file}", highlight=False, soft_wrap=True)
 
 
 def _writable_csv(path: Path) -> Path:
@@ -677,7 +679,7 @@ def check_scheme(
     scheme: Annotated[str, typer.Argument(help="a registered name or module:Class")],
     set_: Annotated[
         Optional[list[str]],
-        typer.Option("--set", help="one of the scheme's options: key=value, e.g. window=8 (scheme_options.<scheme>)"),
+        typer.Option("--set", help="one of the scheme's options: key=value, e.g. window=8 (scheme_options.SCHEME)"),
     ] = None,
 ):
     """Check a scheme at a tiny size: causality, forward, backward, beyond the training length."""
@@ -703,7 +705,7 @@ def check_scheme(
 @app.command()
 def inspect(
     target: Annotated[str, typer.Argument(help="a scheme (name or module:Class) or a run folder")],
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="default: results/inspect/<name>")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="default: results/inspect/NAME")] = None,
     length: Annotated[Optional[int], typer.Option(help="positions to draw; default 2x train_len")] = None,
 ):
     """Plot what a scheme does to attention (and, for a trained run, what it learned)."""

@@ -74,6 +74,7 @@ def print_report(collected, parts: dict, folder: Path) -> None:
             f"{folder}: every run is still running in another process ({', '.join(collected.running)}); "
             f"nothing to report yet: rerun posbench report {folder} once it is done",
             highlight=False,
+            soft_wrap=True,
         )
         return
     for s in parts["sections"]:
@@ -87,7 +88,7 @@ def print_report(collected, parts: dict, folder: Path) -> None:
         )
     for name in parts["written"]:
         if (folder / name).exists():
-            out.print(f"wrote {folder / name}", highlight=False)
+            out.print(f"wrote {folder / name}", highlight=False, soft_wrap=True)  # a path unbroken, to copy
 
 
 def checks_table(scheme: str, results) -> Table:
@@ -232,7 +233,7 @@ class BarReporter(Reporter):
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def note(self, message):
-        self.console.print(message, highlight=False)
+        self.console.print(message, highlight=False, soft_wrap=True)  # the terminal folds it: no path is cut
 
 
 def grid_table(exp: Path, grid, plan) -> Table:

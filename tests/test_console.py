@@ -55,7 +55,7 @@ def test_bench_tables_in_80_columns_tell_100_from_1600(tmp_path):
         for L, mb in ((100, 3.1 + i), (1600, 655.4 + i)):
             mb = None if s == "learned" and L > 100 else mb  # beyond its table
             rows.append({"scheme": s, "measurement": "eval", "eval_len": L, "peak_mem_mb": mb, **where})
-    text = _rendered(bench_table(rows, 1.2e11, ModelConfig(), torch.device("cpu"), "x-transformers"))
+    text = _rendered(bench_table(rows, 1.2e11, ModelConfig(), torch.device("cpu"), "x-transformers", rounds=30))
     assert "…" not in text, text
     head = next(line for line in text.splitlines() if "scheme" in line and "100" in line)
     assert _whole("100", head) and _whole("1600", head), text
@@ -167,3 +167,51 @@ def test_a_sweeps_progress_names_each_grid_point(tmp_path):
     assert len(runs) == 2
     for k, run in enumerate(runs, start=1):
         assert f"alibi seed 0, {run.removeprefix('alibi-seed0-')} ({k} of 2)" in said, res.output
+
+
+def _help(command: str, width: int) -> str:
+    from typer.testing import CliRunner
+
+    from posbench.cli import app
+
+    res = CliRunner().invoke(app, [command, "--help"], terminal_width=width, env={"COLUMNS": str(width)})
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_help_prose_reflows_to_the_terminal_and_loses_no_word():
+    """#47.11: a docstring's paragraph broke where its source line did ("... instead of the
+    corpus and" / "scores exact-match accuracy by length."). At any width a paragraph now flows
+    whole, and every word of it and of each option's help is shown (no <name> taken for markup)."""
+    import inspect
+
+    import click
+    import typer
+    from conftest import folded
+
+    from posbench.cli import app
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        wide = _help(name, 2000)
+        lines = [folded(line).strip() for line in wide.splitlines()]
+        for paragraph in inspect.cleandoc(command.help or "").split("\n\n"):
+            assert " ".join(paragraph.split()) in lines, (name, paragraph, wide)
+        shown = folded(_help(name, 80))
+        for param in command.params:
+            if isinstance(param, click.Option) and param.help:
+                assert " ".join(param.help.split()) in shown, (name, param.help, shown)
+
+
+def test_a_path_is_printed_unbroken_in_80_columns(tmp_path):
+    """#47.11: `wrote results/...` broke a long path across two lines; it is printed whole and
+    the terminal folds it, so it can be copied."""
+    import shutil
+
+    from conftest import ROOT, invoke
+
+    deep = tmp_path / ("a-folder-name-long-enough-to-pass-eighty-columns-" * 2) / "reference-bytes"
+    shutil.copytree(ROOT / "results" / "reference-bytes", deep)
+    res = invoke("report", deep)
+    assert res.exit_code == 0, res.output
+    assert f"wrote {deep / 'summary.md'}\n" in res.output, res.output
