@@ -95,8 +95,11 @@ class TensorBoard(Tracker):
             self.text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()))  # indented: markdown code
 
     def scalars(self, axis, x, values):
+        # TensorBoard's x is always "step": a series along another axis says so in its tag
+        # (eval_by_length/ppl), where its chart's title shows it
         for tag, value in values.items():
-            self.writer.add_scalar(tag, value, x)
+            group, _, name = tag.partition("/")
+            self.writer.add_scalar(tag if axis == "step" else f"{group}_by_{axis}/{name}", value, x)
 
     def image(self, tag, path):
         import matplotlib.image

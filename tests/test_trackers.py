@@ -29,14 +29,19 @@ def _runs_and_series(tracker: str, exp: Path) -> dict[str, dict[str, dict[float,
     return {"tensorboard": _tensorboard, "mlflow": _mlflow, "wandb": _wandb, "trackio": _trackio}[tracker](exp)
 
 
-def _tensorboard(exp):
+def _tensorboard(exp, raw: bool = False):
+    """TensorBoard's x is always a step, so its evaluation series say they are by length
+    (eval_by_length/ppl); read back under the other trackers' names (eval/ppl) unless `raw`."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = {}
     for folder in sorted((exp / "tensorboard").iterdir()):
         events = EventAccumulator(str(folder))
         events.Reload()
-        out[folder.name] = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+        out[folder.name] = {
+            (tag if raw else tag.replace("eval_by_length/", "eval/", 1)): {e.step: e.value for e in events.Scalars(tag)}
+            for tag in events.Tags()["scalars"]
+        }
         out[folder.name]["images"] = {tag: 1 for tag in events.Tags()["images"]}
     return out
 
@@ -157,6 +162,11 @@ def test_a_tracker_holds_the_loss_and_perplexity_of_the_records(tmp_path, tracke
         assert json.loads((exp / name / RECORD).read_text())[tracker]["train"] is True
     if tracker == "tensorboard":  # the experiment's plots, as images, in a run named after it
         assert {"summary", "training", "positions"} <= set(sent["smoke"]["images"])
+        # #47.11: a series whose step is the length says so in its name, which titles its chart
+        tags = set(_tensorboard(exp, raw=True)["nope-seed0"]) - {"images"}
+        assert {t.split("/")[0] for t in tags} == {"train", "eval_by_length"}, tags
+        _, ppl = _records(exp / "nope-seed0")
+        assert _tensorboard(exp, raw=True)["nope-seed0"]["eval_by_length/ppl"] == pytest.approx(ppl, rel=1e-6)
     if tracker == "mlflow":
         assert {"summary.png", "positions.png", "summary.md"} <= set(sent["smoke"]["artifacts"])
         params = sent["nope-seed0"]["params"]
