@@ -450,8 +450,8 @@ def extend(
         reporter = BarReporter(err)
         for note in plan.notes:
             reporter.note(note)
-        exp = plan.jobs[0].measure
-        sources = {exp.source_key(plan.jobs[0].cfg): exp.source(plan.jobs[0].cfg, reporter)}
+        task, first = plan.jobs[0].task, plan.jobs[0].cfg
+        sources = {task.source_key(first): task.source(first, reporter)}
         tracker = tracker or usable(plan.jobs[0].cfg.train.tracker)  # the parents' own, where it is installed
         write_record(plan)
         run_jobs(plan.jobs[0].cfg, plan.jobs, plan.folder, reporter, sources, tracker)
@@ -592,12 +592,12 @@ def bench(
         if task is not None:  # on the CPU, where training cuts a task's batch by length
             from posbench.bench_data import task_benchmark
             from posbench.console import plain_table
-            from posbench.measures import measure_for
+            from posbench.tasks import task_for
 
             if data:
                 raise PosbenchError("--data and --task are two benchmarks: give one")
             try:  # before resolve, whose lengths a corpus's config may fail here
-                why_not = measure_for(cfg).padding_benchmark()
+                why_not = task_for(cfg).padding_benchmark()
             except PosbenchError as e:  # an unknown task, named where it was given, as resolve names it
                 raise blame(cfg, e, cfg.source) from None
             if why_not is not None:

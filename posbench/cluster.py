@@ -15,9 +15,9 @@ from posbench.experiment.execute import run_one, source_of, sweep_jobs
 from posbench.experiment.plan import Job, plan_state
 from posbench.experiment.records import lock_file, partial_dir
 from posbench.files import cache_dir, exclusive, safe_name
-from posbench.measures import measure_for
 from posbench.progress import Reporter
 from posbench.resolve import Experiment
+from posbench.tasks import task_for
 from posbench.trackers import send_run
 
 INSTALL = "--executor ray needs Ray, an optional extra: pip install -e '.[ray]' (or pip install ray)"
@@ -116,9 +116,9 @@ def train_on_node(raw: dict, experiment: str, run: str, storage: Optional[str]):
     rc = config_from_dict(raw)
     rdir = Path(storage or cache_dir() / "ray") / safe_name(experiment) / run
     rdir.parent.mkdir(parents=True, exist_ok=True)
-    measure = measure_for(rc)
-    job = Job(rc, measure, rdir, plan_state(rc, measure, rdir))
-    outcome = run_one(job, measure.source(rc), Reporter())
+    task = task_for(rc)
+    job = Job(rc, task, task.measure(), rdir, plan_state(rc, task, rdir))
+    outcome = run_one(job, task.source(rc), Reporter())
     files = {p.name: p.read_bytes() for p in rdir.iterdir() if p.is_file()}
     return outcome, socket.gethostname(), files
 

@@ -18,8 +18,9 @@ from posbench.errors import PosbenchError
 from posbench.experiment.records import CONFIG, EVAL, SWEEP_RECORD, diverged_step, read_config, run_state, trained_with
 from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import atomic, write_atomic
-from posbench.measures import Measure, measure_for, plugin
+from posbench.measures import Measure, plugin
 from posbench.tables import point_labels
+from posbench.tasks import task_for
 
 
 @dataclass
@@ -76,7 +77,8 @@ def collect(exp_dir: Path) -> Collected:
                 f"{rdir}: a run folder without {lacks}; finish it with {finish}, or move it out of {exp_dir}"
             )
         cfg = read_config(rdir)
-        measure = measure_for(cfg)
+        task = task_for(cfg)
+        measure = task.measure()
         kinds.setdefault(type(measure), rdir)
         if len(kinds) > 1:  # perplexity and exact match share no table
             (a, first_dir), (b, other_dir) = kinds.items()
@@ -84,7 +86,7 @@ def collect(exp_dir: Path) -> Collected:
                 f"this report mixes runs scored by {a.name} (e.g. {first_dir}) with runs scored by {b.name} "
                 f"(e.g. {other_dir}); report them apart"
             )
-        part = shared_identity(measure.identity(identity(cfg)))
+        part = shared_identity(task.identity(identity(cfg)))
         if first is None:
             first, out = (rdir, part), Collected(measure)
         elif part != first[1] and not (sweep or extension):

@@ -1,7 +1,7 @@
-"""The one step from a validated config to a resolved experiment: the measure and schemes built once.
+"""The one step from a validated config to a resolved experiment: its task, measure and schemes built once.
 
 A config as loaded holds what the user gave; `resolve` decides everything else, once: the
-measure (and with it the task), train_len, the training budget and the evaluation lengths,
+task (train_len, the training budget, the vocabulary), the measure (the evaluation lengths),
 and every scheme's options filled with its defaults, so that a run's record names every
 choice its weights were made under. An error names the file or flag its value came from.
 """
@@ -13,68 +13,34 @@ from typing import Optional
 
 from posbench.config import ExperimentConfig, blame
 from posbench.errors import PosbenchError, did_you_mean
-from posbench.measures import Measure, measure_for
+from posbench.measures import Measure
 from posbench.schemes import SCHEMES, SEED_SCHEMES, build_scheme
+from posbench.tasks import TrainingTask, task_for
 
 
 @dataclass
 class Experiment:
-    """A resolved config and the measure its runs are trained for and scored by."""
+    """A resolved config, the task its runs learn and the measure they are scored by."""
 
     cfg: ExperimentConfig
+    task: TrainingTask
     measure: Measure
 
 
 def resolve(cfg: ExperimentConfig, test_len: Optional[int] = None) -> Experiment:
-    """Resolve `cfg` in place and return it with its measure. `test_len` (extrapolate's
+    """Resolve `cfg` in place and return it with its task and measure. `test_len` (extrapolate's
     --test-len) asks for the lengths from train_len to it, once train_len is decided."""
     if cfg.schemes is None:
         cfg.schemes = list(SEED_SCHEMES)
     try:
-        measure = measure_for(cfg)
+        task = task_for(cfg)
+        task.decide(cfg)
+        measure = task.measure()
         measure.decide(cfg, test_len)
-        _resolve_vocab(cfg, measure)
         _resolve_schemes(cfg)
     except PosbenchError as e:
         raise blame(cfg, e, cfg.source) from None
-    return Experiment(cfg, measure)
-
-
-def _resolve_vocab(cfg: ExperimentConfig, measure: Measure) -> None:
-    """model.vocab_size follows data.tokenizer: at least the 256 bytes, or the tokenizer's size
-    (read from its file, or data.vocab_size for a BPE still to train)."""
-    from posbench.text import BYTE_ALPHABET, is_prepared, tokenizer_kind, vocab_of
-
-    if not measure.reads_corpus and cfg.data.tokenizer != "bytes":  # its runs read their own bytes
-        raise PosbenchError(f"data.tokenizer {cfg.data.tokenizer}: a task is written in bytes", "data.tokenizer")
-    tokens = measure.reads_corpus and (tokenizer_kind(cfg.data.tokenizer) != "bytes" or is_prepared(cfg.data.path))
-    if not tokens:
-        if cfg.model.vocab_size < BYTE_ALPHABET:
-            raise PosbenchError(
-                f"model.vocab_size={cfg.model.vocab_size}: the corpus is bytes, so it must be >= 256",
-                "model.vocab_size",
-            )
-        return
-    if is_prepared(cfg.data.path):  # its tokens were made by one tokenizer: the config takes it
-        from posbench.text import read_prepared_meta
-
-        meta = read_prepared_meta(cfg.data.path)
-        given = cfg.origins.get("data.tokenizer") and (cfg.data.tokenizer, cfg.data.vocab_size)
-        if given and given != (meta["spec"], meta["bpe_vocab_size"]):
-            raise PosbenchError(
-                f"data.path {cfg.data.path} holds tokens of {meta['tokenizer']}, not of data.tokenizer "
-                f"{cfg.data.tokenizer}; leave data.tokenizer unset to use its own",
-                "data.tokenizer",
-            )
-        cfg.data.tokenizer, cfg.data.vocab_size = meta["spec"], meta["bpe_vocab_size"]
-    vocab = vocab_of(cfg.data)
-    if "model.vocab_size" in cfg.origins and cfg.model.vocab_size != vocab:
-        raise PosbenchError(
-            f"model.vocab_size={cfg.model.vocab_size}, but data.tokenizer {cfg.data.tokenizer} has {vocab} tokens; "
-            f"leave model.vocab_size unset: it follows the tokenizer",
-            "model.vocab_size",
-        )
-    cfg.model.vocab_size = vocab
+    return Experiment(cfg, task, measure)
 
 
 def _resolve_schemes(cfg: ExperimentConfig) -> None:

@@ -389,13 +389,13 @@ def send_report(tracker: Optional[str], exp_dir: Path) -> None:
 
 
 def _send_training(run: Tracker, config: dict, log: list[dict]) -> None:
-    """Loss, lr and throughput by step, in the unit the run's measure names (tokens/s for the
-    corpus, instances/s for a task, whose batches are padded to their longest)."""
+    """Loss, lr and throughput by step, in the unit the run's task names (tokens/s for the
+    corpus, instances/s for a synthetic task, whose batches are padded to their longest)."""
     from posbench.config import config_from_dict
-    from posbench.measures import measure_for
+    from posbench.tasks import task_for
 
     cfg = config_from_dict(config)
-    per_step, unit = measure_for(cfg).throughput(cfg)
+    per_step, unit = task_for(cfg).throughput(cfg)
     before = None
     for row in log:
         values = {"train/loss": row["loss"], "train/lr": row["lr"]}

@@ -79,8 +79,8 @@ def test_a_finished_run_is_classified_without_reading_its_lock(tmp_path, monkeyp
     for name, files, want in [("t", ("model.pt",), "done"), ("d", ("diverged.json",), "diverged"), ("r", (), "todo")]:
         rdir = _run(tmp_path / name, *files)
         (rdir / "config.yaml").write_text(dump_yaml(rc))
-        assert plan_state(rc, exp.measure, rdir) == want
-    assert plan_state(rc, exp.measure, tmp_path / "absent") == "todo"
+        assert plan_state(rc, exp.task, rdir) == want
+    assert plan_state(rc, exp.task, tmp_path / "absent") == "todo"
 
 
 @pytest.fixture
@@ -138,9 +138,9 @@ def test_extend_names_a_diverged_run_given_to_it(experiment):
 def test_plan_skips_a_run_another_process_holds(experiment):
     from posbench.experiment.plan import Job, plan_note
 
-    job = Job(None, None, experiment / "rope-seed1", "todo")
+    job = Job(None, None, None, experiment / "rope-seed1", "todo")
     assert plan_note(job) == f"skip: another process (pid {os.getpid()}) holds it"
-    assert plan_note(Job(None, None, experiment / "alibi-seed1", "diverged")) == "skip: diverged at step 12"
+    assert plan_note(Job(None, None, None, experiment / "alibi-seed1", "diverged")) == "skip: diverged at step 12"
 
 
 def test_a_diverged_run_is_diverged_to_status_and_report_whoever_holds_it(experiment):

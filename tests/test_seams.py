@@ -1,8 +1,8 @@
-"""One seam per concept: the kind of run is asked of its measure or task, never compared outside them.
+"""One seam per concept: the kind of run is asked of its task or measure, never compared outside them.
 
-Trackers, bench, extend and the tables ask the run's measure (its throughput unit, whether its
-batches can be cut by length, whether extend fine-tunes it) or its task (which settings it
-derived); only posbench/tasks.py and posbench/measures/ may name the kind.
+Trackers, bench, extend, plans and the tables ask the run's task (its throughput unit, whether
+its batches can be cut by length, whether extend fine-tunes it, which settings decide its weights,
+which it derived); only posbench/tasks/ and posbench/measures/ may name the kind.
 """
 
 import ast
@@ -12,22 +12,24 @@ import pytest
 
 from posbench.config import dump_yaml, flat, identity, load_config
 from posbench.errors import PosbenchError
-from posbench.measures import Measure, measure_for
+from posbench.measures import measure_for
 from posbench.measures.exact_match import ExactMatch
 from posbench.measures.perplexity import Perplexity
 from posbench.resolve import resolve
-from posbench.tasks import task_derived
+from posbench.tasks import CorpusTask, TrainingTask, task_derived, task_for
+from posbench.tasks.synthetic import SyntheticTask
 
 PACKAGE = Path(__file__).resolve().parents[1] / "posbench"
-KIND_OWNERS = ("tasks.py", "tasks", "measures")  # the task and measure packages, as files or folders
+KIND_OWNERS = ("tasks", "measures")  # the task and measure packages
 
 
-def _measure_classes(package: Path) -> set[str]:
-    """Every class the measure package defines, Measure itself included."""
-    names = {"Measure"}
-    for path in (package / "measures").rglob("*.py"):
-        names |= {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)}
-    return names - {"Metric", "Section"}  # what a measure reports, not a measure
+def _kind_classes(package: Path) -> set[str]:
+    """Every class the task and measure packages define, their interfaces included."""
+    names = set()
+    for owner in KIND_OWNERS:
+        for path in (package / owner).rglob("*.py"):
+            names |= {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)}
+    return names - {"Metric", "Section"}  # what a measure reports, not a kind
 
 
 def _named(node) -> str:
@@ -37,8 +39,8 @@ def _named(node) -> str:
 
 def kind_comparisons(package: Path) -> list[str]:
     """'path:line: what' for every comparison with "lm" or LM and every isinstance (or `is`)
-    on a measure class in `package`, outside its task and measure packages."""
-    measures = _measure_classes(package)
+    on a task or measure class in `package`, outside its task and measure packages."""
+    kinds = _kind_classes(package)
     found = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package)
@@ -52,14 +54,14 @@ def kind_comparisons(package: Path) -> list[str]:
                         operands += op.elts
                 if any(isinstance(o, ast.Constant) and o.value == "lm" or _named(o) == "LM" for o in operands):
                     found.append(f"{rel}:{node.lineno}: compares with the kind lm")
-                if any(_named(o) in measures for o in operands):
-                    found.append(f"{rel}:{node.lineno}: compares with a measure class")
+                if any(_named(o) in kinds for o in operands):
+                    found.append(f"{rel}:{node.lineno}: compares with a task or measure class")
             elif (
                 isinstance(node, ast.Call) and _named(node.func) in ("isinstance", "issubclass") and len(node.args) == 2
             ):
                 classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
-                if any(_named(c) in measures for c in classes):
-                    found.append(f"{rel}:{node.lineno}: isinstance on a measure class")
+                if any(_named(c) in kinds for c in classes):
+                    found.append(f"{rel}:{node.lineno}: isinstance on a task or measure class")
     return found
 
 
@@ -71,6 +73,8 @@ def test_the_scan_finds_each_way_of_asking_the_kind(tmp_path):
     """The scan above would see a fork on the kind, written any of the ways it was written before."""
     (tmp_path / "measures").mkdir()
     (tmp_path / "measures" / "mine.py").write_text("class Perplexity: ...\nclass ExactMatch: ...\nclass Mine: ...\n")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "corpus.py").write_text("class CorpusTask: ...\n")
     (tmp_path / "measures" / "ok.py").write_text("x = task == 'lm'\n")  # the measures' own: allowed
     (tmp_path / "forks.py").write_text(
         "a = task == 'lm'\n"
@@ -79,13 +83,15 @@ def test_the_scan_finds_each_way_of_asking_the_kind(tmp_path):
         "d = isinstance(m, (int, mine.Mine))\n"
         "e = type(m) is ExactMatch\n"
         "f = task == 'copy' and isinstance(x, dict)\n"  # neither: not a fork on the kind
+        "g = isinstance(t, CorpusTask)\n"
     )
     assert kind_comparisons(tmp_path) == [
         "forks.py:1: compares with the kind lm",
         "forks.py:2: compares with the kind lm",
-        "forks.py:3: isinstance on a measure class",
-        "forks.py:4: isinstance on a measure class",
-        "forks.py:5: compares with a measure class",
+        "forks.py:3: isinstance on a task or measure class",
+        "forks.py:4: isinstance on a task or measure class",
+        "forks.py:5: compares with a task or measure class",
+        "forks.py:7: isinstance on a task or measure class",
     ]
 
 
@@ -102,9 +108,9 @@ def _resolved(task=None, *sets):
         ("reverse", [], (64, "instances_per_s")),  # the task's own batch size
     ],
 )
-def test_a_measure_names_what_one_training_step_processes_and_its_unit(task, sets, want):
+def test_a_task_names_what_one_training_step_processes_and_its_unit(task, sets, want):
     exp = _resolved(task, *sets)
-    assert exp.measure.throughput(exp.cfg) == want
+    assert exp.task.throughput(exp.cfg) == want
 
 
 class _Recorded:
@@ -118,7 +124,7 @@ class _Recorded:
 @pytest.mark.parametrize(
     "task,per_step,unit", [(None, 8 * 32, "train/tokens_per_s"), ("copy", 8, "train/instances_per_s")]
 )
-def test_trackers_send_the_throughput_the_runs_measure_names(task, per_step, unit):
+def test_trackers_send_the_throughput_the_runs_task_names(task, per_step, unit):
     import yaml
 
     from posbench.trackers import _send_training
@@ -138,27 +144,32 @@ def test_trackers_send_the_throughput_the_runs_measure_names(task, per_step, uni
     assert run.points[2][2] == {"train/loss": 1.5, "train/lr": 5e-4}
 
 
-def test_bench_task_asks_the_measure_whether_its_batches_can_be_cut():
-    assert Perplexity().padding_benchmark() == "a corpus's batches are all one length; give a task, e.g. --task copy"
-    assert measure_for(_resolved("copy").cfg).padding_benchmark() is None
+def test_bench_task_asks_the_task_whether_its_batches_can_be_cut():
+    assert CorpusTask().padding_benchmark() == "a corpus's batches are all one length; give a task, e.g. --task copy"
+    assert task_for(_resolved("copy").cfg).padding_benchmark() is None
 
-    class Other(Measure):
+    class Other(TrainingTask):
         name = "other"
 
     assert (
-        Other().padding_benchmark()
-        == "runs scored by other have no batches cut by length; give a task, e.g. --task copy"
+        Other().padding_benchmark() == "a run of task other has no batches cut by length; give a task, e.g. --task copy"
     )
 
 
-def test_extend_asks_the_measure_whether_it_fine_tunes_its_runs():
+def test_extend_asks_the_task_whether_it_fine_tunes_its_runs():
     lm, copy = _resolved().cfg, _resolved("sort").cfg
-    assert Perplexity().not_extendable(lm) is None
-    assert isinstance(measure_for(copy), ExactMatch)
-    assert measure_for(copy).not_extendable(copy) == "a run of task 'sort'; extend fine-tunes language models (task lm)"
+    assert CorpusTask().not_extendable(lm) is None
+    assert isinstance(task_for(copy), SyntheticTask)
+    assert task_for(copy).not_extendable(copy) == "a run of task 'sort'; extend fine-tunes language models (task lm)"
 
 
-def test_extend_refuses_a_task_run_in_the_measures_words(tmp_path):
+def test_a_task_names_the_measure_its_runs_are_scored_by():
+    lm, copy = _resolved().cfg, _resolved("sort").cfg
+    assert isinstance(measure_for(lm), Perplexity) and isinstance(task_for(lm).measure(), Perplexity)
+    assert isinstance(measure_for(copy), ExactMatch) and measure_for(copy).task.name == "sort"
+
+
+def test_extend_refuses_a_task_run_in_the_tasks_words(tmp_path):
     from posbench.extend.methods import METHODS
     from posbench.extend.run import plan_extension
 

@@ -2,7 +2,8 @@
 
 Every run holds its lock while it trains and is scored. It trains in its hidden partial folder,
 resuming from a checkpoint there, and is renamed into place once config, log and weights
-exist. Nothing here asks which measure a run has: the measure makes its batches and scores it.
+exist. Nothing here asks which task or measure a run has: its task makes its batches, its measure
+scores it.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from posbench.experiment.records import (
     run_name,
 )
 from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
-from posbench.measures import Measure, Scorer, ScoringRun, measure_for
+from posbench.measures import Measure, Scorer, ScoringRun
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
 from posbench.resolve import Experiment
+from posbench.tasks import task_for
 from posbench.trackers import check_tracker, send_run, usable
 from posbench.workers import run_in_workers, worker_plan
 
@@ -89,10 +91,10 @@ def prepare(exp: Experiment, jobs: list[Job], reporter: Reporter) -> dict:
     backend = backend_for(cfg.model.attention, device, cfg.model.head_dim, cfg.train.compile)
     if backend == "flex" and device.type == "cpu" and any(job.state == "todo" for job in jobs):
         raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)
-    data = exp.measure.source(cfg, reporter)
-    for note in exp.measure.notes(cfg, data):
+    data = exp.task.source(cfg, reporter)
+    for note in [*exp.task.notes(cfg, data), *exp.measure.notes(cfg, data)]:
         reporter.note(note)
-    return {exp.measure.source_key(cfg): data}
+    return {exp.task.source_key(cfg): data}
 
 
 def run_jobs(
@@ -134,15 +136,15 @@ def run_jobs(
 
 def source_of(job: Job, sources: dict):
     """The data a job's run reads, from `sources` (by its key), read and kept there if missing."""
-    key = job.measure.source_key(job.cfg)
+    key = job.task.source_key(job.cfg)
     if key not in sources:
-        sources[key] = job.measure.source(job.cfg)
+        sources[key] = job.task.source(job.cfg)
     return sources[key]
 
 
 def run_job(job: Job, reporter: Reporter) -> str:
     """run_one in a worker process, which reads the run's data itself."""
-    return run_one(job, job.measure.source(job.cfg), reporter)
+    return run_one(job, job.task.source(job.cfg), reporter)
 
 
 def run_one(job: Job, data, reporter: Reporter) -> str:
@@ -200,7 +202,7 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
     rc, rdir = job.cfg, job.folder
     partial = partial_dir(rdir)
     record = partial / CONFIG
-    if record.is_file() and _identity_of(record, job) != run_identity(rc, job.measure):
+    if record.is_file() and _identity_of(record, job) != run_identity(rc, job.task):
         reporter.note(f"{rdir.name}: its unfinished training was under other settings; starting it anew")
         shutil.rmtree(partial)
     partial.mkdir(parents=True, exist_ok=True)
@@ -212,7 +214,7 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
 
             init, batches, probe = fine_tuning(job, data, partial)
         else:
-            init, batches, probe = None, job.measure.batches(rc, data), None
+            init, batches, probe = None, job.task.batches(rc, data), None
         model = train_model(rc, batches, reporter, partial, init, probe)
     except Diverged as e:
         write_atomic(partial / DIVERGED, json.dumps({"status": "diverged", "step": e.step, "loss": str(e.loss)}) + "\n")
@@ -237,7 +239,7 @@ def _identity_of(record: Path, job: Job) -> Optional[dict]:
     from posbench.config import config_from_dict
 
     try:
-        return run_identity(config_from_dict(read_yaml(record)), job.measure)
+        return run_identity(config_from_dict(read_yaml(record)), job.task)
     except PosbenchError:
         return None
 
@@ -290,10 +292,12 @@ def evaluate_run(
     if attention is not None:  # how it is scored, not what it learned: the weights are the same
         model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
     dev = pick_device(rc.train.device)
-    measure = measure_for(rc)
+    task = task_for(rc)
+    measure = task.measure()
     check_tracker(tracker, "--tracker")
     tracker = tracker or usable(rc.train.tracker)  # the run's own, where its library is installed here
-    rows = measure.rescore(rc, Path(run_dir), model.to(dev), dev, lengths, variants, factor, protocols)
+    source = task.source(rc)
+    rows = measure.rescore(rc, Path(run_dir), model.to(dev), source, dev, lengths, variants, factor, protocols)
     where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
     send_run(tracker, where.parent, where)  # the new results, to the run's tracker run
     return rc, measure, rows
@@ -315,7 +319,7 @@ def measure_run(
         check_device(device, f"--device {device}")
         rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
     dev = pick_device(rc.train.device)
-    run = ScoringRun(rc, model.to(dev).eval(), dev, measure_for(rc).source(rc))
+    run = ScoringRun(rc, model.to(dev).eval(), dev, task_for(rc).source(rc))
     rows = score_into(measure, spec, run, Path(run_dir))
     where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
     send_run(tracker or usable(rc.train.tracker), where.parent, where)

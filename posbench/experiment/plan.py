@@ -1,7 +1,7 @@
 """Planning: which runs an experiment or a sweep holds, where each lives, and what each still needs.
 
 Nothing here writes. A folder that holds another config's run is an error, never overwritten;
-two runs are the same run when their identities (config.identity, as their measure reads it)
+two runs are the same run when their identities (config.identity, as their task reads it)
 are equal.
 """
 
@@ -19,13 +19,16 @@ from posbench.experiment.records import CONFIG, diverged_step, partial_dir, read
 from posbench.files import safe_name
 from posbench.measures import Measure
 from posbench.resolve import Experiment
+from posbench.tasks import TrainingTask
 
 
 @dataclass
 class Job:
-    """One planned run: its resolved config, its measure, its folder, and what it needs."""
+    """One planned run: its resolved config, the task it learns, the measure it is scored by,
+    its folder, and what it needs."""
 
     cfg: ExperimentConfig
+    task: TrainingTask
     measure: Measure
     folder: Path
     # "todo", "done" (trained), "diverged" (its loss blew up in an earlier attempt), "copy" (extend's parents)
@@ -35,14 +38,14 @@ class Job:
     curve: Optional[list] = None  # posbench extend: the steps its perplexity at L2 is scored after
 
 
-def run_identity(rc: ExperimentConfig, measure: Measure) -> dict:
+def run_identity(rc: ExperimentConfig, task: TrainingTask) -> dict:
     """What decides a run's weights."""
-    return measure.identity(identity(rc))
+    return task.identity(identity(rc))
 
 
-def run_digest(rc: ExperimentConfig, measure: Measure) -> str:
+def run_digest(rc: ExperimentConfig, task: TrainingTask) -> str:
     """A hash of everything that decides a run's weights."""
-    return hashlib.sha256(json.dumps(run_identity(rc, measure), sort_keys=True).encode()).hexdigest()[:8]
+    return hashlib.sha256(json.dumps(run_identity(rc, task), sort_keys=True).encode()).hexdigest()[:8]
 
 
 def plan_runs(exp: Experiment) -> list[Job]:
@@ -55,11 +58,11 @@ def plan_runs(exp: Experiment) -> list[Job]:
         for n in cfg.seeds:
             rc = cfg.for_run(s, n)
             rdir = folder / run_name(s, n)
-            jobs.append(Job(rc, exp.measure, rdir, plan_state(rc, exp.measure, rdir)))
+            jobs.append(Job(rc, exp.task, exp.measure, rdir, plan_state(rc, exp.task, rdir)))
     return jobs
 
 
-def plan_state(rc: ExperimentConfig, measure: Measure, rdir: Path) -> str:
+def plan_state(rc: ExperimentConfig, task: TrainingTask, rdir: Path) -> str:
     """ "todo", "done" or "diverged" for the run `rc` in `rdir`; an error if the folder holds
     another config's run or something that is not a run. The records of this very run without
     its weights (a committed reference: config.yaml, eval.csv, no model.pt) are trained again."""
@@ -78,7 +81,7 @@ def plan_state(rc: ExperimentConfig, measure: Measure, rdir: Path) -> str:
             old = load_run(rdir)[0]
     except PosbenchError as e:
         raise PosbenchError(f"{e}; delete {rdir} to retrain it") from None
-    ours, theirs = run_identity(old, measure), run_identity(rc, measure)
+    ours, theirs = run_identity(old, task), run_identity(rc, task)
     if ours != theirs:
         diff = differences(ours, theirs, (rdir.name, "here"))
         raise PosbenchError(
@@ -93,12 +96,12 @@ def plan_state(rc: ExperimentConfig, measure: Measure, rdir: Path) -> str:
 def _check_same_experiment(exp: Experiment, folder: Path) -> None:
     """An experiment's runs differ in scheme and seed only; a run trained at another length or
     size would be averaged with them as if it were another seed."""
-    new = shared_identity(run_identity(exp.cfg, exp.measure))
+    new = shared_identity(run_identity(exp.cfg, exp.task))
     for cfg_file in sorted(folder.glob(f"*/{CONFIG}")):
         if cfg_file.parent.name.startswith("."):
             continue
         try:
-            old = shared_identity(run_identity(config_from_dict(read_record(cfg_file)), exp.measure))
+            old = shared_identity(run_identity(config_from_dict(read_record(cfg_file)), exp.task))
         except PosbenchError:
             continue  # a damaged run folder is reported when it is planned
         if old != new:
@@ -109,7 +112,7 @@ def _check_same_experiment(exp: Experiment, folder: Path) -> None:
             )
 
 
-def sweep_run_name(rc: ExperimentConfig, measure: Measure, settings: dict) -> str:
+def sweep_run_name(rc: ExperimentConfig, task: TrainingTask, settings: dict) -> str:
     """'alibi-seed0-train_len64-3f9c2a1e': readable, then a hash of everything that decides
     the weights, so a folder is one config and a changed setting is a new folder."""
     readable = [
@@ -117,7 +120,7 @@ def sweep_run_name(rc: ExperimentConfig, measure: Measure, settings: dict) -> st
         for k, v in settings.items()
         if k not in ("schemes", "seeds", "model.scheme")
     ]
-    return "-".join([run_name(rc.schemes[0], rc.seeds[0]), *readable, run_digest(rc, measure)])
+    return "-".join([run_name(rc.schemes[0], rc.seeds[0]), *readable, run_digest(rc, task)])
 
 
 def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
@@ -141,9 +144,9 @@ def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
         for s in cfg.schemes:
             for n in cfg.seeds:
                 rc = cfg.for_run(s, n)
-                rdir = folder / sweep_run_name(rc, exp.measure, settings)
+                rdir = folder / sweep_run_name(rc, exp.task, settings)
                 where = ", ".join(f"{k}={v}" for k, v in settings.items())
-                digest = run_digest(rc, exp.measure)  # the readable part of two names may differ
+                digest = run_digest(rc, exp.task)  # the readable part of two names may differ
                 same = seen.get(digest)
                 if same is not None and same[0] != where:
                     raise PosbenchError(
@@ -152,7 +155,7 @@ def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
                     )
                 if same is None:
                     seen[digest] = where, rdir
-                    jobs.append(Job(rc, exp.measure, rdir, plan_state(rc, exp.measure, rdir), point=cfg))
+                    jobs.append(Job(rc, exp.task, exp.measure, rdir, plan_state(rc, exp.task, rdir), point=cfg))
     return folder, jobs
 
 

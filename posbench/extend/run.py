@@ -66,11 +66,11 @@ def parents_in(folder: Path) -> list[Path]:
     return found
 
 
-def parent_identity(rc: ExperimentConfig, measure) -> str:
+def parent_identity(rc: ExperimentConfig, task) -> str:
     """The hash of what decided a parent's weights: its children record it."""
     from posbench.experiment.plan import run_identity
 
-    return hashlib.sha256(json.dumps(run_identity(rc, measure), sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(run_identity(rc, task), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # --- the children's configs ----------------------------------------------------------------------
@@ -102,7 +102,7 @@ def plan_extension(
     from posbench.experiment.checkpoint import load_run
     from posbench.experiment.plan import Job, plan_state
     from posbench.experiment.records import read_config, run_name
-    from posbench.measures import measure_for
+    from posbench.tasks import task_for
 
     if steps <= 0:
         raise PosbenchError(f"--steps {steps} must be positive")
@@ -118,8 +118,9 @@ def plan_extension(
     jobs, notes, skipped = [], [], {}
     for pdir in parents:
         prc = read_config(pdir) if (pdir / "config.yaml").is_file() else load_run(pdir)[0]
-        measure = measure_for(prc)
-        why_not = measure.not_extendable(prc)
+        task = task_for(prc)
+        measure = task.measure()
+        why_not = task.not_extendable(prc)
         if why_not is not None:
             raise PosbenchError(f"{pdir}: {why_not}")
         if prc.model.extend:
@@ -130,13 +131,13 @@ def plan_extension(
         want = sorted(set(lengths or [*prc.eval.lengths, to, 2 * to, 4 * to]))
         if min(want) < 1:
             raise PosbenchError(f"--lengths: every length must be positive, not {min(want)}")
-        ident = parent_identity(prc, measure)
+        ident = parent_identity(prc, task)
         copy_rc = _with(
             prc, overrides, folder, eval={"lengths": want, "rope_scaling": _variants(prc), "rope_factor": None}
         )
         copy_dir = folder / run_name(scheme, seed)
-        state = plan_state(copy_rc, measure, copy_dir)  # "todo": copied, never trained
-        jobs.append(Job(copy_rc, measure, copy_dir, "copy" if state == "todo" else state, parent=pdir))
+        state = plan_state(copy_rc, task, copy_dir)  # "todo": copied, never trained
+        jobs.append(Job(copy_rc, task, measure, copy_dir, "copy" if state == "todo" else state, parent=pdir))
         for m in methods:
             if not applies(m, scheme):
                 skipped.setdefault(m.name, []).append(scheme)
@@ -144,7 +145,7 @@ def plan_extension(
             rc = child_config(prc, m, to, steps, lr, want, ident, abf_base, folder, overrides)
             rdir = folder / f"{run_name(scheme, seed)}-{m.name}"
             points = sorted({s for s in (curve or default_curve(steps)) if 0 <= s <= steps})
-            jobs.append(Job(rc, measure, rdir, plan_state(rc, measure, rdir), parent=pdir, curve=points))
+            jobs.append(Job(rc, task, measure, rdir, plan_state(rc, task, rdir), parent=pdir, curve=points))
     for name, schemes in skipped.items():
         only = ", ".join(METHODS[name].schemes)
         notes.append(f"{name} applies to {only} only: not to {', '.join(sorted(set(schemes)))}")
@@ -322,7 +323,7 @@ class Curve:
 def fine_tuning(job, data, folder: Path):
     """What train_model needs beyond a fresh run's for a child: (init, batches, probe)."""
     rc = job.cfg
-    batches = job.measure.batches(rc, data)
+    batches = job.task.batches(rc, data)
     if rc.model.extend["method"] == "pose":
         batches = PoSEBatches(batches, rc.model.extend["to_len"])
     write_atomic(folder / PARENT, parent_path(job) + "\n")

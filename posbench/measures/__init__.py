@@ -1,9 +1,9 @@
-"""What a run is scored by: the Measure interface, its metrics, and the measure a config asks for.
+"""How a model is judged: the Measure interface, its metrics, and the measure a config's runs are scored by.
 
-A measure is the one place that knows how a run of its kind is trained (its training length,
-budget and batches), scored (into the run's records), read back and tabled. Everything else
-(resolving, planning, executing, reporting) asks the measure and never which kind it is.
-Reading records and building tables import no torch; training and scoring do, when called.
+A measure is the one place that knows how a run is scored (into the run's records), read back
+and tabled; what a run learned from is its task's (posbench/tasks/). Everything else (resolving,
+planning, executing, reporting) asks the task and the measure and never which kind they are.
+Reading records and building tables import no torch; scoring does, when called.
 """
 
 from __future__ import annotations
@@ -14,14 +14,8 @@ __all__ = ["Measure", "Metric", "Scorer", "ScoringRun", "Section", "measure_for"
 
 
 def measure_for(cfg) -> Measure:
-    """The measure a config asks for: perplexity for task lm, else exact match of that task."""
-    from posbench.tasks import LM
+    """The measure a config's runs are scored by: its task's (perplexity for task lm, exact match
+    of a synthetic task)."""
+    from posbench.tasks import task_for
 
-    if cfg.task == LM:
-        from posbench.measures.perplexity import Perplexity
-
-        return Perplexity()
-    from posbench.measures.exact_match import ExactMatch
-    from posbench.tasks import build_task
-
-    return ExactMatch(build_task(cfg.task, cfg.task_options))
+    return task_for(cfg).measure()

@@ -53,43 +53,31 @@ class Section:
 
 
 class Measure:
-    """The interface; posbench/measures/perplexity.py and exact_match.py implement it."""
+    """The interface; posbench/measures/perplexity.py and exact_match.py implement it. A measure
+    judges a trained model: what a run learned from is its task's (posbench/tasks/)."""
 
     name: str = ""
     metrics: dict[str, Metric] = {}
-    reads_corpus: bool = False  # whether runs read the corpus (else the data settings are not theirs)
     records: tuple[str, ...] = ("eval.csv",)  # the files `score` writes into a run folder
 
-    # --- deciding a config (posbench/resolve.py calls it once) -----------------------------------
+    # --- deciding a config (posbench/resolve.py calls it once, after the task's) ----------------
     def decide(self, cfg, test_len: Optional[int]) -> None:
-        """Decide train_len, the training budget and the evaluation lengths in `cfg`, in place,
-        and refuse settings that do not apply to this measure."""
+        """Decide what the runs are scored at (eval.*) in `cfg`, in place, and refuse evaluation
+        settings that do not apply to this measure."""
         raise NotImplementedError
 
     def notes(self, cfg, source) -> list[str]:
-        """What to say before training, given what the runs read: what will be slow, what adds nothing."""
+        """What to say before scoring, given what the runs read: what will be slow, what adds nothing."""
         return []
 
-    # --- training and scoring (these import torch) ---------------------------------------------
-    def source(self, rc, reporter=None) -> Any:
-        """What a run reads: the corpus, or a task's test set. Built once per process and key;
-        `reporter` hears of a first download."""
-        raise NotImplementedError
-
-    def source_key(self, rc) -> str:
-        raise NotImplementedError
-
-    def batches(self, rc, source):
-        """Training batches: batches(gen) -> (x, y), y = -100 where no loss is taken, with
-        get_state / set_state for a checkpoint."""
-        raise NotImplementedError
-
+    # --- scoring (these import torch) ----------------------------------------------------------
     def score(self, rc, rdir: Path, model, source, device, backend: str) -> None:
         """Score what the run's records still lack under `rc`, into them."""
         raise NotImplementedError
 
-    def rescore(self, rc, rdir: Path, model, device, lengths, variants, factor, protocols) -> list[dict]:
-        """`posbench evaluate`: score a trained run again as asked; returns the new rows."""
+    def rescore(self, rc, rdir: Path, model, source, device, lengths, variants, factor, protocols) -> list[dict]:
+        """`posbench evaluate`: score a trained run again as asked, on `source` (what its task
+        reads); returns the new rows."""
         raise NotImplementedError
 
     def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
@@ -113,25 +101,6 @@ class Measure:
     def join_checks(self, rows: list[dict]) -> list[tuple[str, set]]:
         """What two experiments joined into one table must share, beyond their settings."""
         return []
-
-    def identity(self, part: dict) -> dict:
-        """A run's identity (config.identity) as this measure reads it."""
-        return part if self.reads_corpus else {k: v for k, v in part.items() if k != "data"}
-
-    # --- what else its runs offer (trackers, bench and extend ask; none asks the kind) ---------
-    def throughput(self, cfg) -> tuple[int, str]:
-        """What one training step of `cfg` processes and the unit of its rate, as trackers send
-        it: (per_step, unit). Each row of a batch is an instance, whatever it holds."""
-        return cfg.train.batch_size, "instances_per_s"
-
-    def padding_benchmark(self) -> Optional[str]:
-        """None where its training batches vary in length, so that `posbench bench --task` can time
-        a step padded whole against cut by length; else why not, for the user."""
-        return f"runs scored by {self.name} have no batches cut by length; give a task, e.g. --task copy"
-
-    def not_extendable(self, cfg) -> Optional[str]:
-        """None where `posbench extend` can fine-tune a run of `cfg` to a longer context; else why not."""
-        return f"a run of task '{cfg.task}'; extend fine-tunes language models (task lm)"
 
 
 class Scorer:

@@ -15,7 +15,6 @@ out-of-distribution totals.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 
@@ -27,12 +26,10 @@ from posbench.compare.render import tex, transposed
 from posbench.compare.table import grid as compare_grid
 from posbench.compare.table import spread_note, summarize
 from posbench.errors import PosbenchError
-from posbench.files import safe_name, write_atomic, write_rows
+from posbench.files import write_atomic, write_rows
 from posbench.measures.base import Measure, Metric, Section
 from posbench.stats import mean_ci
-from posbench.tasks import CPU_PARTS, Task, build_task
-
-RECIPE_KEYS = ("n_layer", "lr", "min_lr", "warmup_steps")  # besides steps and batch_size, a task's budget sets these
+from posbench.tasks import Task, build_task
 
 
 class ExactMatch(Measure):
@@ -55,45 +52,22 @@ class ExactMatch(Measure):
     def __init__(self, task: Task):
         self.task = task
 
-    def padding_benchmark(self):
-        """A task's instances vary in length: its batches are padded to their longest, or cut."""
-        return None
-
     def decide(self, cfg, test_len) -> None:
-        task = self.task
         if test_len is not None:
             raise PosbenchError(
                 "--test-len sets perplexity lengths; a task's are task_options.train_max and test_max, "
                 "e.g. --set task_options.test_max=60"
             )
-        derived = {
-            "model.train_len": (cfg.model.train_len, task.train_len),
-            "eval.lengths": (cfg.eval.lengths, [task.train_len]),
-        }
-        for key, (value, own) in derived.items():
-            # a task run's own record holds the lengths it derived: those are no choice of the user's
-            if key in cfg.origins and value != own:
-                raise PosbenchError(
-                    f"{key}={value}: a task derives it (task {cfg.task}: train_len {task.train_len}, its "
-                    f"longest training instance); lengths are perplexity's, a task's are task_options.train_max "
-                    f"and test_max",
-                    key,
-                )
-        cfg.task_options = {**type(task).options, **cfg.task_options, "test_max": task.test_max}
-        if cfg.name == "default":  # lm's; a task's runs go to results/<task> unless named
-            cfg.name = safe_name(cfg.task)
-        cfg.model.train_len = task.train_len
-        cfg.eval.lengths = [task.train_len]  # perplexity lengths: a task is scored at its own lengths
-        cfg.train.steps = cfg.train.steps or task.budget["steps"]
-        cfg.train.batch_size = cfg.train.batch_size or task.budget["batch_size"]
-        for key in RECIPE_KEYS:  # the task's recipe, where the config leaves the key out
-            section = "model" if key == "n_layer" else "train"
-            if key in task.budget and f"{section}.{key}" not in cfg.origins:
-                setattr(getattr(cfg, section), key, task.budget[key])
-        for scheme, setup in task.scheme_setup.items():  # and its schemes' setup, likewise
-            if scheme in cfg.schemes:
-                given = cfg.scheme_options.setdefault(scheme, {})
-                given.update({k: v for k, v in setup.items() if f"scheme_options.{scheme}.{k}" not in cfg.origins})
+        own = [self.task.train_len]
+        # a task run's own record holds the lengths it derived: those are no choice of the user's
+        if "eval.lengths" in cfg.origins and cfg.eval.lengths != own:
+            raise PosbenchError(
+                f"eval.lengths={cfg.eval.lengths}: a task derives it (task {cfg.task}: train_len "
+                f"{self.task.train_len}, its longest training instance); lengths are perplexity's, a task's are "
+                f"task_options.train_max and test_max",
+                "eval.lengths",
+            )
+        cfg.eval.lengths = own  # perplexity lengths: a task is scored at its own lengths
         unused = [
             name
             for name, on in (
@@ -107,24 +81,6 @@ class ExactMatch(Measure):
                 f"{unused[0]} applies to perplexity (task lm), not to task {cfg.task}", unused[0].split()[0]
             )
 
-    def notes(self, cfg, test) -> list[str]:
-        return [
-            f"task {cfg.task}: train_len {cfg.model.train_len} (its longest training instance), "
-            f"{cfg.train.steps} steps x {cfg.train.batch_size} instances per run"
-        ]
-
-    def source(self, rc, reporter=None) -> list:
-        return self.task.test_set()
-
-    def source_key(self, rc) -> str:
-        return json.dumps([rc.task, rc.task_options], sort_keys=True)
-
-    def batches(self, rc, test):
-        from posbench.device import pick_device  # torch: reports read records without it
-
-        on_cpu = pick_device(rc.train.device).type == "cpu"  # elsewhere a part costs as much as the whole
-        return self.task.batches(rc.seeds[0], rc.train.batch_size, test, parts=CPU_PARTS if on_cpu else 1)
-
     def score(self, rc, rdir: Path, model, test, device, backend: str) -> None:
         try:
             scored = {r["attention"] for r in read_task_eval(rdir)} == {backend}
@@ -133,7 +89,7 @@ class ExactMatch(Measure):
         if not scored:
             evaluate_task_into(rc, rdir, model.to(device), test, device, backend)
 
-    def rescore(self, rc, rdir: Path, model, device, lengths, variants, factor, protocols) -> list[dict]:
+    def rescore(self, rc, rdir: Path, model, test, device, lengths, variants, factor, protocols) -> list[dict]:
         for flag, given in (
             ("--lengths", lengths),
             ("--rope-scaling", any(v is not None for v in variants)),
@@ -144,7 +100,7 @@ class ExactMatch(Measure):
                     f"{flag}: a run of task {rc.task} is scored by exact match and per-token accuracy at its "
                     f"task's test lengths (task_options.test_max); {flag} applies to perplexity (task lm)"
                 )
-        return evaluate_task_into(rc, rdir, model, self.task.test_set(), device, model.backend(device))
+        return evaluate_task_into(rc, rdir, model, test, device, model.backend(device))
 
     def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
         table = [["length", "exact", "per-token", "instances", "answer bytes", "status"]]

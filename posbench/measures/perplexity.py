@@ -9,7 +9,6 @@ length, protocol, stride); positions.csv the mean loss at each window position.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 from typing import Optional
@@ -30,7 +29,6 @@ from posbench.files import write_rows
 from posbench.measures.base import Measure, Metric, Section
 
 UNRECORDED = "unrecorded"  # a run whose train_log.jsonl does not name its attention backend
-DEFAULT_BUDGET = {"steps": 500, "batch_size": 16}  # 500 x 16 x 100 tokens: enough for the schemes' order to show
 
 
 def default_stride(train_len: int) -> int:
@@ -48,29 +46,9 @@ class Perplexity(Measure):
         ),
         "bpb": Metric("bpb", "bits per byte", higher_is_better=False, digits=3, column="bpb"),
     }
-    reads_corpus = True
     records = ("eval.csv", "positions.csv")
 
-    def identity(self, part: dict) -> dict:
-        """A perplexity run reads the corpus and no task: its task settings decide nothing."""
-        return {k: v for k, v in part.items() if k not in ("task", "task_options")}
-
-    def throughput(self, cfg) -> tuple[int, str]:
-        """A step reads batch_size windows of train_len tokens each."""
-        return cfg.train.batch_size * cfg.model.train_len, "tokens_per_s"
-
-    def padding_benchmark(self) -> Optional[str]:
-        return "a corpus's batches are all one length; give a task, e.g. --task copy"
-
-    def not_extendable(self, cfg) -> Optional[str]:
-        return None
-
     def decide(self, cfg, test_len: Optional[int]) -> None:
-        if cfg.task_options:
-            raise PosbenchError("task_options are set but task is lm: set task, e.g. task: copy", "task_options")
-        for key, value in DEFAULT_BUDGET.items():
-            if getattr(cfg.train, key) is None:
-                setattr(cfg.train, key, value)
         L = cfg.model.train_len
         if test_len is not None:  # the grid runs from the training length, however it is given
             cfg.eval.lengths = length_grid(L, test_len)
@@ -120,19 +98,6 @@ class Perplexity(Measure):
             )
         return notes
 
-    def source(self, rc, reporter=None):
-        from posbench.data import load_corpus
-
-        return load_corpus(rc.data, reporter.note if reporter is not None else None)
-
-    def source_key(self, rc) -> str:
-        return json.dumps(rc.to_dict()["data"], sort_keys=True)
-
-    def batches(self, rc, corpus):
-        from posbench.data import CorpusBatches
-
-        return CorpusBatches(corpus, rc.train.batch_size, rc.model.train_len)
-
     def score(self, rc, rdir: Path, model, corpus, device, backend: str) -> None:
         from posbench.evaluate import eval_tokens
 
@@ -140,9 +105,7 @@ class Perplexity(Measure):
         for (variant, protocol), lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():
             evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
 
-    def rescore(self, rc, rdir: Path, model, device, lengths, variants, factor, protocols) -> list[dict]:
-        from posbench.data import load_corpus
-
+    def rescore(self, rc, rdir: Path, model, corpus, device, lengths, variants, factor, protocols) -> list[dict]:
         for p in protocols or []:
             if p not in PROTOCOLS:
                 raise PosbenchError(f"--protocol {p}: expected {' or '.join(PROTOCOLS)}")
@@ -162,7 +125,7 @@ class Perplexity(Measure):
         if any(v is not None for v in variants):  # a variant row reads against the plain one, and
             variants = [None, *(v for v in variants if v is not None)]  # both need the ratio's base
             lengths = sorted({rc.model.train_len, *lengths})
-        return evaluate_into(rc, rdir, model, load_corpus(rc.data), lengths, variants, factor, protocols)
+        return evaluate_into(rc, rdir, model, corpus, lengths, variants, factor, protocols)
 
     def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
         how = rows[0]["attention"] if rows else rc.model.attention

@@ -1,4 +1,4 @@
-"""Synthetic tasks: the registry, one generator per task, the fixed test set and the training batches.
+"""Synthetic tasks' generators: the registry, one generator per task, the fixed test set and the batches.
 
 A task makes instances as byte strings, a prompt and an answer, e.g. b"copy:abc=" + b"abc.".
 The answer always ends in END, so a model that stops one byte early or late is wrong. An
@@ -16,6 +16,7 @@ from typing import Optional
 
 from posbench.errors import PosbenchError
 from posbench.registry import Registry, check_options
+from posbench.tasks.corpus import LM
 
 END = b"."  # every answer's last byte
 PAD = 0  # the byte that pads a batch's short instances; never scored
@@ -385,11 +386,10 @@ def _check_plugin(name: str, cls: type) -> None:
         )
 
 
-LM = "lm"  # not a task: next-byte perplexity on the corpus (posbench/measures/perplexity.py)
 TASKS = Registry(
     "task",
     {
-        name: f"posbench.tasks:{cls}"
+        name: f"posbench.tasks.generators:{cls}"
         for name, cls in (
             ("copy", "Copy"),
             ("reverse", "Reverse"),
