@@ -260,3 +260,40 @@ def test_the_ratio_column_has_an_interval_and_a_bold_best_like_every_other_cell(
         assert cells[scheme].strip("*") == f"{mean:.2f} ± {ci:.2f}", (scheme, cells[scheme])
     best = min(ratios, key=lambda s: sum(ratios[s]))
     assert cells[best].startswith("**") and not all(c.startswith("**") for c in cells.values())
+
+
+def test_a_column_where_every_scheme_ties_has_no_bold():
+    """Bold singles out the best and what a test cannot tell from it; where that is every
+    scheme (all at 0.0 past a task's training length), it would single out nothing."""
+    from posbench.compare.table import ALL_TIED, spread_note
+
+    rows = [(s, seed, "past", 0.0, "ok") for s in "abc" for seed in range(3)]
+    rows += [
+        (s, seed, "in", v + 0.01 * seed, "ok") for s, v in (("a", 1.0), ("b", 0.5), ("c", 0.2)) for seed in range(3)
+    ]
+    table = summarize(_long(rows), ["in", "past"], ["a", "b", "c"], higher_is_better=True)
+    assert [s for s in "abc" if table.loc[s, "best in"]] == ["a"]
+    assert not any(table.loc[s, "best past"] for s in "abc")
+    assert ALL_TIED in table.attrs["tests"] and "none at a length where every scheme ties" in spread_note(
+        3, table.attrs["tests"]
+    )
+    one_seed = summarize(_long([(s, 0, "past", 0.0, "ok") for s in "ab"]), ["past"], ["a", "b"], True)
+    assert not one_seed["best past"].any()
+
+
+def test_the_task_reference_bolds_no_column_whole():
+    """#47.11, the drift fix of the tie rule: results/reference-tasks bolded every cell of a
+    column where the schemes tied (rows of 0.0 past N among them); its tables, regenerated, bold
+    no column whole, and its note says why a column has no bold."""
+    from conftest import ROOT
+
+    md = (ROOT / "results" / "reference-tasks" / "summary.md").read_text()
+    assert "none at a length where every scheme ties" in md
+    tables = [part.split("\n\n")[0].splitlines() for part in md.split("\n\n| scheme | in-dist |")[1:]]
+    assert len(tables) == 5  # a task's table each
+    for table in tables:
+        cells = [row.strip("|").split("|")[1:-1] for row in table[2:]]
+        for j in range(len(cells[0])):
+            column = [row[j].strip() for row in cells]
+            assert not all(c.startswith("**") for c in column), column
+        assert any(c.strip().startswith("**") for row in cells for c in row)  # bold where a best stands out

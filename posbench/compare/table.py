@@ -12,6 +12,7 @@ from posbench.stats import mean_ci, tied_for_best
 
 OK = "ok"  # a row's status where it was scored; any other says why not (beyond-max-len, non-finite)
 NON_FINITE = "non-finite"
+ALL_TIED = "all tied"  # in attrs["tests"]: a column where every scheme tied, so none is bold
 
 
 def summarize(
@@ -26,8 +27,10 @@ def summarize(
     the seeds scored there; `ci c`, its 95% interval (Student's t); `status c`, the first row's
     status (NaN where none was evaluated); `n c`, the seeds scored; `nonfinite c`, the seeds whose
     value blew up; `best c`, whether the scheme is best or not significantly different from the
-    best, by the metric's direction. `seeds` is each row's seed count (default: its own seeds).
-    attrs["tests"]: the tests that decided the ties (paired, welch)."""
+    best, by the metric's direction, and none where every scheme scored there is (bold on every
+    cell, such as a row of 0.0 past a task's training length, would single out nothing). `seeds`
+    is each row's seed count (default: its own seeds). attrs["tests"]: the tests that decided the
+    ties (paired, welch), and ALL_TIED where a column had no best."""
     out = pd.DataFrame(index=pd.Index(order, name="scheme"))
     scored = long[(long["status"] == OK) & long["value"].notna()]
     tests: set[str] = set()
@@ -36,6 +39,8 @@ def summarize(
         by_scheme = {s: dict(zip(g["seed"], g["value"])) for s, g in at.groupby("scheme", sort=False)}
         _, tied, test = tied_for_best(by_scheme, higher_is_better)
         tests |= set(test.split("+")) - {"none"}
+        if len(by_scheme) > 1 and tied == set(by_scheme):
+            tied, tests = set(), tests | {ALL_TIED}
         stats = {s: mean_ci(list(v.values())) for s, v in by_scheme.items()}
         first = here.groupby("scheme", sort=False)["status"].first()
         blown = here[here["status"] == NON_FINITE].groupby("scheme", sort=False)["seed"].nunique()
@@ -87,15 +92,17 @@ def grid(
 
 
 def spread_note(seeds: int, tests: set[str], at: str = "length") -> str:
-    """What a cell's ± and its bold mean (the best at each `at`: length, step), or why there is no interval."""
+    """What a cell's ± and its bold mean (the best at each `at`: length, step), or why there is no
+    interval; and, where a column had every scheme tied (ALL_TIED in `tests`), that it has no bold."""
+    none = f"; none at a {at} where every scheme ties" if ALL_TIED in tests else ""
     if seeds < 2:
-        return f"1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each {at}"
+        return f"1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each {at}{none}"
     how = {
         "paired": "a paired t-test over seeds (the same seeds: the same init and data order)",
         "welch": "Welch's t-test where the seed sets differ",
     }
-    test = "; ".join(how[t] for t in sorted(tests)) or "no test (too few seeds)"
+    test = "; ".join(how[t] for t in sorted(tests - {ALL_TIED})) or "no test (too few seeds)"
     return (
         f"mean ± 95% confidence interval over seeds (Student's t). Bold: the best scheme at each "
-        f"{at} and every scheme not significantly different from it (p >= 0.05, {test})"
+        f"{at} and every scheme not significantly different from it (p >= 0.05, {test}){none}"
     )
