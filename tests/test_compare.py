@@ -297,3 +297,23 @@ def test_the_task_reference_bolds_no_column_whole():
             column = [row[j].strip() for row in cells]
             assert not all(c.startswith("**") for c in column), column
         assert any(c.strip().startswith("**") for row in cells for c in row)  # bold where a best stands out
+
+
+def test_extend_rows_keep_every_parent_above_the_fine_tuned_children():
+    """#47.11: an extension of alibi, hybrid and rope listed alibi and hybrid below rope's
+    children. Runs trained from scratch (and rope evaluated rescaled) come first in registry
+    order; then the children, by parent in that order and by method."""
+    from posbench.compare.order import scheme_order
+    from posbench.extend.methods import METHODS
+    from posbench.schemes import SCHEMES
+
+    parents = {"nope", "rope", "alibi", "hybrid"}
+    children = {f"{p}:{m}" for p in parents for m in ("plain", "pi") if m == "plain" or p == "rope"}
+    order = scheme_order(parents | {"rope+yarn"} | children)
+    trained = [s for s in SCHEMES if s in parents]
+    rows = [r for s in trained for r in ([s, "rope+yarn"] if s == "rope" else [s])]  # rope's variant beside it
+    assert order[: len(rows)] == rows
+    tail = order[len(trained) + 1 :]
+    assert set(tail) == children
+    key = [(trained.index(c.split(":")[0]), list(METHODS).index(c.split(":")[1])) for c in tail]
+    assert key == sorted(key)

@@ -15,9 +15,10 @@ def point_order(df: pd.DataFrame) -> list:
 
 def scheme_order(names: set) -> list[str]:
     """Registry order (the order of the paper tables), each scheme followed by its
-    evaluation-time variants (rope, rope+ntk, rope+yarn, ...), its fine-tuned children
-    (rope:pi, in the order of the methods) and its modified selves (noisy_rope, offset_rope);
-    plugins after."""
+    evaluation-time variants (rope, rope+ntk, rope+yarn, ...) and its modified selves
+    (noisy_rope, offset_rope); then the fine-tuned children (rope:pi), by parent in that order
+    and by method, so that extend's table keeps every parent together (alibi and hybrid above
+    rope's children, not below them); plugins after."""
     from posbench.extend.methods import METHODS
     from posbench.schemes import SCHEMES
 
@@ -29,8 +30,8 @@ def scheme_order(names: set) -> list[str]:
     for s in SCHEMES:
         order += [s] if s in names else []
         order += sorted(n for n in names if n.startswith(s + "+"))
-        order += sorted((n for n in names if n.startswith(s + ":")), key=method)
         order += sorted(n for n in names if base_of(n) == s and n != s and "+" not in n and ":" not in n)
+    order += [n for parent in list(order) for n in sorted((n for n in names if n.startswith(parent + ":")), key=method)]
     return order + sorted(names - set(order))
 
 
