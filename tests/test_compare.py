@@ -317,3 +317,5 @@ def test_extend_rows_keep_every_parent_above_the_fine_tuned_children():
     assert set(tail) == children
     key = [(trained.index(c.split(":")[0]), list(METHODS).index(c.split(":")[1])) for c in tail]
     assert key == sorted(key)
+    alone = {f"rope:{m}" for m in METHODS if m != "interpolate"}  # extend's steps table: children, no parent
+    assert scheme_order(alone) == [f"rope:{m}" for m in METHODS if f"rope:{m}" in alone]

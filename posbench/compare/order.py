@@ -31,7 +31,13 @@ def scheme_order(names: set) -> list[str]:
         order += [s] if s in names else []
         order += sorted(n for n in names if n.startswith(s + "+"))
         order += sorted(n for n in names if base_of(n) == s and n != s and "+" not in n and ":" not in n)
-    order += [n for parent in list(order) for n in sorted((n for n in names if n.startswith(parent + ":")), key=method)]
+    place = {s: i for i, s in enumerate(SCHEMES)}
+
+    def child(n):  # rope:pi by its parent's place (rope, then noisy_rope), whether or not the parent is a row here
+        parent = n.partition(":")[0]
+        return place[base_of(parent)], parent != base_of(parent), parent, method(n)
+
+    order += sorted((n for n in names if ":" in n and base_of(n) in place and n not in order), key=child)
     return order + sorted(names - set(order))
 
 
