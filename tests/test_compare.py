@@ -319,3 +319,18 @@ def test_extend_rows_keep_every_parent_above_the_fine_tuned_children():
     assert key == sorted(key)
     alone = {f"rope:{m}" for m in METHODS if m != "interpolate"}  # extend's steps table: children, no parent
     assert scheme_order(alone) == [f"rope:{m}" for m in METHODS if f"rope:{m}" in alone]
+
+
+def test_the_extension_steps_caption_does_not_repeat_the_first_tables():
+    """#47.11, the drift fix of extend's steps caption: it repeated the first table's note
+    (Student's t, the test and its p) a table below it; it now says what is its own, the best
+    method at each step, and points to the test above. results/reference-extend regenerated."""
+    from conftest import ROOT
+
+    from posbench.compare.table import spread_note
+
+    tex = (ROOT / "results" / "reference-extend" / "summary.tex").read_text()
+    first, steps = [c.split("}\n")[0] for c in tex.split("\\caption{")[1:]]
+    assert spread_note(3, {"paired"}).replace("±", "$\\pm$").replace("%", "\\%") in first
+    assert "Student's t" not in steps and "p >= 0.05" not in steps
+    assert "bold: the best method at each step and every method not significantly different from it" in steps

@@ -61,14 +61,22 @@ def curve_table(runs) -> Optional[tuple]:
 
 def curve_section(table, L2: int):
     """The report's table of perplexity at L2 against fine-tuning steps: the best method at each
-    step and every one not significantly different from it in bold."""
+    step and every one not significantly different from it in bold. Its note says only that:
+    the first table's, just above it, already says what a cell's interval is and which test
+    decided the ties."""
     from posbench.compare.render import tex
-    from posbench.compare.table import grid, spread_note
+    from posbench.compare.table import ALL_TIED, grid
     from posbench.measures.base import Section
 
     rows, best = grid(table, [str(s) for s in table.attrs["columns"]], digits=2)
     rows[0][0] = "method"
-    note = spread_note(int(table["seeds"].max()), table.attrs["tests"], at="step")
+    several = int(table["seeds"].max()) > 1
+    note = (
+        ("mean ± 95% interval over seeds" if several else "1 seed")
+        + "; bold: the best method at each step"
+        + (" and every method not significantly different from it, by the test of the table above" if several else "")
+        + ("; none at a step where every method ties" if ALL_TIED in table.attrs["tests"] else "")
+    )
     return Section(
         heading=f"perplexity at {L2} after k fine-tuning steps",
         caption=f"perplexity at {L2} after k fine-tuning steps (columns); {tex(note)}.",
