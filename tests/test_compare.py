@@ -334,3 +334,19 @@ def test_the_extension_steps_caption_does_not_repeat_the_first_tables():
     assert spread_note(3, {"paired"}).replace("±", "$\\pm$").replace("%", "\\%") in first
     assert "Student's t" not in steps and "p >= 0.05" not in steps
     assert "bold: the best method at each step and every method not significantly different from it" in steps
+
+
+def test_a_header_tells_the_seeds_of_each_row():
+    """#47.4: a header said `seeds [0, 1, 2]` when 6 of 8 rows stood on one seed. Where every row
+    has the same seeds it reads as before; else each set is said with its rows, the largest
+    group as the rest."""
+    from posbench.compare.table import seeds_said
+
+    full = {"t5": [0, 1, 2], "rope": [0, 1, 2]}
+    one = {s: [0] for s in ("nope", "sinusoidal", "learned", "xl", "alibi", "hybrid")}
+    frame = pd.DataFrame([(s, n) for s, seeds in {**full, **one}.items() for n in seeds], columns=["scheme", "seed"])
+    assert seeds_said(frame[frame["scheme"].isin(full)]) == f"seeds {sorted(set(full['t5']))}"  # as before
+    said = seeds_said(frame)
+    assert said == f"seeds {full['t5']} ({', '.join(full)}); [0] (the other {len(one)} rows)"
+    two = pd.DataFrame([("a", 0), ("a", 1), ("b", 1)], columns=["scheme", "seed"])
+    assert seeds_said(two) == "seeds [0, 1] (a); [1] (b)"  # no group of one is called the rest

@@ -91,6 +91,24 @@ def grid(
     return rows, best
 
 
+def seeds_said(rows: pd.DataFrame) -> str:
+    """The seeds a report's rows (a row per scheme, seed, ...) stand on, for its header: 'seeds
+    [0, 1, 2]' where every scheme has the same, else each set with its schemes, most seeds first
+    and the largest group last as the rest: 'seeds [0, 1, 2] (t5, rope); [0] (the other 6 rows)'."""
+    groups: dict[tuple, list[str]] = {}
+    for scheme, seeds in rows.groupby("scheme", sort=False)["seed"]:
+        groups.setdefault(tuple(sorted({int(n) for n in seeds})), []).append(str(scheme))
+    if len(groups) <= 1:
+        return f"seeds {list(next(iter(groups), ()))}"
+    rest = max(groups, key=lambda seeds: len(groups[seeds]))  # the first of the largest groups
+    rest = rest if len(groups[rest]) > 1 else None
+    said = [f"{list(seeds)} ({', '.join(groups[seeds])})" for seeds in sorted(groups, key=lambda s: (-len(s), s))]
+    if rest is not None:
+        said.remove(f"{list(rest)} ({', '.join(groups[rest])})")
+        said.append(f"{list(rest)} (the other {len(groups[rest])} rows)")
+    return f"seeds {'; '.join(said)}"
+
+
 def spread_note(seeds: int, tests: set[str], at: str = "length") -> str:
     """What a cell's ± and its bold mean (the best at each `at`: length, step), or why there is no
     interval; and, where a column had every scheme tied (ALL_TIED in `tests`), that it has no bold."""
