@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from posbench.config import EvalConfig, ModelConfig, blame, length_grid, load_config
+from posbench.config import EvalConfig, ModelConfig, length_grid, load_config
 from posbench.console import BarReporter, err, out
 from posbench.errors import PosbenchError, first_line
 from posbench.tasks import TASKS
@@ -389,11 +389,18 @@ def evaluate(
             raise PosbenchError("--rope-factor needs --rope-scaling, e.g. --rope-scaling yarn")
         if stride is not None and stride <= 0:
             raise PosbenchError(f"--stride {stride} must be positive")
-        Ls = _csv_ints(lengths, "--lengths")
-        protocols = _csv_names(protocol) or None
-        rc, measure, rows = evaluate_run(
-            run_dir, Ls, kinds or [None], rope_factor, device, attention, protocols, stride, tracker
-        )
+        asked = {
+            "eval.rope_scaling": (f"--rope-scaling {rope_scaling}", kinds),  # none unless given
+            "eval.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
+        }
+        for key, flag, value in (
+            ("eval.lengths", f"--lengths {lengths}", _csv_ints(lengths, "--lengths")),
+            ("eval.protocol", f"--protocol {protocol}", _csv_names(protocol)),
+            ("eval.stride", f"--stride {stride}", stride),
+        ):
+            if value:  # else the run's own
+                asked[key] = (flag, value)
+        rc, measure, rows = evaluate_run(run_dir, asked, device, attention, tracker)
         out.print(plain_table(*measure.evaluation(rc, rows)))
         written = " and ".join(str(Path(run_dir) / name) for name in measure.records)
         out.print(f"wrote {written}", highlight=False, soft_wrap=True)
@@ -579,7 +586,7 @@ def bench(
     from posbench.bench import BenchSettings, run_bench, write_bench
     from posbench.console import bench_table
     from posbench.device import pick_device
-    from posbench.resolve import resolve
+    from posbench.resolve import resolve_training
 
     with user_errors(on_interrupt="nothing was written; an earlier bench.csv is kept"):
         values = {
@@ -592,17 +599,14 @@ def bench(
         if task is not None:  # on the CPU, where training cuts a task's batch by length
             from posbench.bench_data import task_benchmark
             from posbench.console import plain_table
-            from posbench.tasks import task_for
 
             if data:
                 raise PosbenchError("--data and --task are two benchmarks: give one")
-            try:  # before resolve, whose lengths a corpus's config may fail here
-                why_not = task_for(cfg).padding_benchmark()
-            except PosbenchError as e:  # an unknown task, named where it was given, as resolve names it
-                raise blame(cfg, e, cfg.source) from None
+            exp = resolve_training(cfg)  # the task's recipe: its depth and batch size
+            why_not = exp.task.padding_benchmark()
             if why_not is not None:
                 raise PosbenchError(f"--task {task}: {why_not}")
-            cfg = resolve(cfg).cfg  # the task's recipe: its depth and batch size
+            cfg = exp.cfg
             _set_threads(threads)
             for scheme in cfg.schemes if schemes is not None else ["nope"]:
                 table = task_benchmark(cfg, scheme, rounds or 10, lambda m: err.print(m, highlight=False))
@@ -621,10 +625,8 @@ def bench(
             out.print(plain_table("the data pipeline (posbench prepare, memory-mapped batches)", table, left=True))
             return
         # the bench evaluates at its own multiples of train_len and never reads eval.*, so the
-        # config's test lengths must not stop a longer train_len (--set model.train_len=1024
-        # against the default [100..200]): one length longer than any train_len, and its tokens
-        cfg.eval.lengths, cfg.eval.tokens = [2**40], 2**40
-        cfg = resolve(cfg).cfg
+        # config's test lengths must not stop a longer train_len (--set model.train_len=1024)
+        cfg = resolve_training(cfg).cfg
         _set_threads(threads)
         dev = pick_device(cfg.train.device, "bench takes --device cpu")
         out_file = _writable_csv(out_file)  # before the minutes of timing, not after

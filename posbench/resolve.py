@@ -8,8 +8,9 @@ choice its weights were made under. An error names the file or flag its value ca
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from posbench.config import ExperimentConfig, blame
 from posbench.errors import PosbenchError, did_you_mean
@@ -30,16 +31,45 @@ class Experiment:
 def resolve(cfg: ExperimentConfig, test_len: Optional[int] = None) -> Experiment:
     """Resolve `cfg` in place and return it with its task and measure. `test_len` (extrapolate's
     --test-len) asks for the lengths from train_len to it, once train_len is decided."""
+    return _resolved(cfg, test_len, scored=True)
+
+
+def resolve_training(cfg: ExperimentConfig) -> Experiment:
+    """Resolve what `cfg` trains, in place: its task (train_len, budget, vocabulary) and its
+    schemes; not how it is scored (eval.*), which `posbench bench` does at lengths of its own."""
+    return _resolved(cfg, None, scored=False)
+
+
+def _resolved(cfg: ExperimentConfig, test_len: Optional[int], scored: bool) -> Experiment:
     if cfg.schemes is None:
         cfg.schemes = list(SEED_SCHEMES)
     try:
         task = task_for(cfg)
         task.decide(cfg)
         measure = task.measure()
-        measure.decide(cfg, test_len)
+        if scored:
+            measure.decide(cfg, test_len)
         _resolve_schemes(cfg)
     except PosbenchError as e:
         raise blame(cfg, e, cfg.source) from None
+    return Experiment(cfg, task, measure)
+
+
+def resolve_scoring(rc: ExperimentConfig, asked: dict[str, tuple[str, Any]]) -> Experiment:
+    """A trained run's config as a command asks it scored again (`posbench evaluate`): `asked`
+    maps eval.* keys to (the flag as given, its value); the run's measure decides the rest once,
+    as resolve does (the training length always scored, sliding's default stride), and refuses
+    what does not apply to it. An error names the flag. The run's own record is not changed."""
+    origins = {key: flag for key, (flag, _) in asked.items()}
+    try:
+        changes = {key.removeprefix("eval."): value for key, (_, value) in asked.items()}
+        cfg = dataclasses.replace(rc, eval=dataclasses.replace(rc.eval, **changes))
+        cfg.origins = origins
+        task = task_for(cfg)
+        measure = task.measure()
+        measure.decide(cfg, None)
+    except PosbenchError as e:
+        raise blame(origins, e) from None
     return Experiment(cfg, task, measure)
 
 

@@ -350,3 +350,22 @@ def test_a_header_tells_the_seeds_of_each_row():
     assert said == f"seeds {full['t5']} ({', '.join(full)}); [0] (the other {len(one)} rows)"
     two = pd.DataFrame([("a", 0), ("a", 1), ("b", 1)], columns=["scheme", "seed"])
     assert seeds_said(two) == "seeds [0, 1] (a); [1] (b)"  # no group of one is called the rest
+
+
+def test_the_reciprocal_rank_table_has_intervals_and_the_engines_tie_rule():
+    """The drift fix of the mean reciprocal rank: its table wrote its own cells, the bare mean,
+    and bolded the top value alone; through the engine each cell has its 95% interval (over the
+    (grid point, seed) pairs, and over a point's seeds) and bold follows the paired test. In
+    results/reference-tasks NoPE (0.76) and ALiBi (0.58) cannot be told apart over 15 pairs:
+    both are bold, with every mean as before (the README's table)."""
+    from conftest import ROOT
+
+    md = (ROOT / "results" / "reference-tasks" / "summary.md").read_text()
+    table = md.split("## mean reciprocal rank past N over 15 (grid point, seed) pairs")[1].split("\n\n")[1]
+    rows = {
+        r.strip("|").split("|")[0].strip(): [c.strip() for c in r.strip("|").split("|")[1:]]
+        for r in table.splitlines()[2:]
+    }
+    assert [rows[s][0] for s in ("nope", "alibi", "t5")] == ["**0.76 ± 0.15**", "**0.58 ± 0.18**", "0.43 ± 0.13"]
+    assert all(" ± " in c for cells in rows.values() for c in cells)
+    assert "averaged over the 15 pairs" in (ROOT / "results" / "reference-tasks" / "summary.tex").read_text()

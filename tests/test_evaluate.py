@@ -116,3 +116,34 @@ def test_a_length_only_some_seeds_reached_says_so_and_its_ratio_uses_those_seeds
     cells = [c.strip() for c in md.split("| alibi |")[1].splitlines()[0].split("|")]
     # the ratio column, before bpb: seed 0's own ratio, saying it stands on one of the two seeds
     assert cells[-4].strip("*") == f"{rows['0', 80] / rows['0', 32]:.2f} (1 of 2 seeds)"
+
+
+def test_evaluate_decides_as_extrapolate_decides_and_names_its_flags(smoke, tmp_path):
+    """evaluate's flags go through the run's measure, as a config's keys do (resolve.resolve_scoring):
+    the training length, every ratio's base, is scored beside --lengths under the same backend;
+    sliding takes a quarter of train_len as its stride; an error names the flag and writes nothing."""
+    from posbench.experiment.execute import evaluate_run
+
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    L = yaml.safe_load((run / "config.yaml").read_text())["model"]["train_len"]
+    _, _, rows = evaluate_run(run, {"eval.lengths": ("--lengths 96", [96])})
+    assert sorted(int(r["length"]) for r in rows) == [L, 96]
+    _, _, rows = evaluate_run(run, {"eval.protocol": ("--protocol sliding", ["sliding"])})
+    assert {(r["protocol"], int(r["stride"])) for r in rows} == {("sliding", L // 4)}
+    before = (run / "eval.csv").read_bytes()
+    for args, said in (
+        (
+            ["--lengths", str(L // 2)],
+            f"--lengths {L // 2}: eval.lengths [{L // 2}] are shorter than the training length",
+        ),
+        (["--protocol", "sliding", "--stride", str(L + 1)], f"--stride {L + 1}: eval.stride={L + 1} is longer than"),
+        (
+            ["--protocol", "slidng"],
+            "--protocol slidng: eval.protocol: unknown protocol 'slidng' (did you mean 'sliding'?)",
+        ),
+    ):
+        res = invoke("evaluate", run, *args)
+        assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
+        assert len(res.output.strip().splitlines()) == 1 and (run / "eval.csv").read_bytes() == before

@@ -82,7 +82,7 @@ def test_a_users_measure_is_sent_to_the_runs_tracker_as_its_own_series(scored):
     run = exp / "nope-seed0"
     events = EventAccumulator(str(exp / "tensorboard" / run.name))
     events.Reload()
-    sent = {e.step: e.value for e in events.Scalars("eval/next_byte_accuracy")}
+    sent = {e.step: e.value for e in events.Scalars("eval_by_length/next_byte_accuracy")}  # the step: the length
     assert sent == pytest.approx(_records(run), rel=1e-6)
 
 

@@ -213,3 +213,15 @@ def test_test_max_derived_is_checked_against_the_runs_own_train_max():
     run = _flat("copy", train_max=10)
     assert run["task_options.test_max"] == 20 and run["task_options.train_max"] == 10
     assert task_derived({**run, "task_options.test_max": 40}, "task_options.test_max") is False
+
+
+def test_bench_resolves_what_a_config_trains_and_not_how_it_is_scored():
+    """bench times training and scoring at lengths of its own: a train_len past the config's
+    eval.lengths is no error there, and its eval section is left as given."""
+    from posbench.resolve import resolve_training
+
+    sets = ["model.train_len=1024"]
+    with pytest.raises(PosbenchError, match=r"eval.lengths \[100, 125, 150, 200\] are shorter"):
+        resolve(load_config(None, sets, {}))
+    exp = resolve_training(load_config(None, sets, {}))
+    assert (exp.cfg.model.train_len, exp.cfg.train.steps, exp.cfg.eval.lengths) == (1024, 500, [100, 125, 150, 200])

@@ -211,6 +211,21 @@ def test_mean_reciprocal_rank_ranks_each_point_and_seed_and_shares_ties():
     assert mrr["rope"] == pytest.approx((1 / 3 + 1 / 3 + 1 / 2.5) / 3)
     section = ranks_section(long, "exact_match")
     assert section.rows[0] == ["scheme", "mean reciprocal rank", "task=copy", "task=sort"]
-    assert [r[:2] for r in section.rows[1:]] == [["nope", "0.83"], ["alibi", "0.63"], ["rope", "0.36"]]
-    assert section.rows[1][2:] == ["0.75", "1.00"] and section.best == {(1, 1)}
+    # through the engine's cells: the mean and its 95% interval over the pairs (t = 4.303 at 2
+    # degrees of freedom), and over a point's seeds, with the seeds a point lacks named
+    rope = [1 / 3, 1 / 3, 1 / 2.5]
+    sd = math.sqrt(sum((x - sum(rope) / 3) ** 2 for x in rope) / 2)
+    assert section.rows[3][:2] == ["rope", f"0.36 ± {4.303 * sd / math.sqrt(3):.2f}"]
+    assert [(r[0], r[1].split(" ± ")[0]) for r in section.rows[1:]] == [("nope", "0.83"), ("alibi", "0.63")] + [
+        ("rope", "0.36")
+    ]
+    assert [r[2:] for r in section.rows[1:]] == [
+        ["0.75 ± 3.18", "1.00 (1 of 2 seeds)"],  # copy: 1 and 1/2 (t = 12.71 at 1 degree of freedom)
+        ["0.75 ± 3.18", "0.40 (1 of 2 seeds)"],
+        ["0.33 ± 0.00", "0.40 (1 of 2 seeds)"],
+    ]
+    # the pairs cannot tell the three apart at p < 0.05, nor copy's two seeds: no bold there;
+    # sort's one seed has a best, as any one-seed column does
+    assert section.best == {(1, 3)}
+    assert "none at a column where every scheme ties" in section.caption
     assert "3 (grid point, seed) pairs" in section.heading

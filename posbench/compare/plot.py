@@ -136,12 +136,13 @@ class Line:
     seeds: int  # the band is drawn with BAND_SEEDS or more
 
 
-def lines(table, scale: float = 1.0) -> list[Line]:
-    """A line per scheme of a compare.summarize table: its columns as x, each mean and interval
-    times `scale`, and the row's seeds (which decide whether a band is drawn)."""
-    xs = table.attrs["columns"]
+def lines(table, scale: float = 1.0, xs: Optional[dict] = None) -> list[Line]:
+    """A line per scheme of a compare.summarize table: its columns as x (or, with `xs`, those
+    columns it names, each at its x), each mean and interval times `scale`, and the row's seeds
+    (which decide whether a band is drawn)."""
+    xs = xs or {c: c for c in table.attrs["columns"]}
     return [
-        Line(s, xs, [scale * float(table.loc[s, c]) for c in xs],
+        Line(s, list(xs.values()), [scale * float(table.loc[s, c]) for c in xs],
              [scale * float(table.loc[s, f"ci {c}"]) for c in xs], int(table.loc[s, "seeds"]))
         for s in table.index
     ]  # fmt: skip

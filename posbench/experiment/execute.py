@@ -41,7 +41,7 @@ from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
 from posbench.measures import Measure, Scorer, ScoringRun
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
-from posbench.resolve import Experiment
+from posbench.resolve import Experiment, resolve_scoring
 from posbench.tasks import task_for
 from posbench.trackers import check_tracker, send_run, usable
 from posbench.workers import run_in_workers, worker_plan
@@ -266,41 +266,33 @@ def _remove_temporaries(jobs: list[Job]) -> None:
 
 def evaluate_run(
     run_dir: Path,
-    lengths: Optional[list[int]],
-    variants: list[Optional[str]] = (None,),
-    factor: Optional[float] = None,
+    asked: dict,
     device: Optional[str] = None,
     attention: Optional[str] = None,
-    protocols: Optional[list[str]] = None,
-    stride: Optional[int] = None,
     tracker: Optional[str] = None,
 ) -> tuple[ExperimentConfig, Measure, list[dict]]:
-    """`posbench evaluate`: score a finished run again with its measure, at `lengths` (None: its
-    config's), under `protocols` (None: its config's; sliding at `stride`), on `device` (None:
-    the run's own) with the `attention` backend (None: the run's model.attention), merge the
-    rows into its records, send them to `tracker` (None: the run's train.tracker, where its
-    library is installed here), and restore a deleted config.yaml from the checkpoint's copy.
-    Returns the run's config, its measure and the new rows."""
+    """`posbench evaluate`: score a finished run again with its measure, as `asked` (eval.* keys
+    -> (the flag as given, its value); the rest is the run's config's, resolve.resolve_scoring),
+    on `device` (None: the run's own) with the `attention` backend (None: the run's
+    model.attention), merge the rows into its records, send them to `tracker` (None: the run's
+    train.tracker, where its library is installed here), and restore a deleted config.yaml from
+    the checkpoint's copy. Returns the config it was scored under, its measure and the new rows."""
     rc, model = load_run(run_dir)
     if not (Path(run_dir) / CONFIG).is_file():
         write_atomic(Path(run_dir) / CONFIG, dump_yaml(rc))
     if device is not None:  # a run trained on a GPU can be scored on a laptop
         check_device(device, f"--device {device}")
         rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
-    if stride is not None:
-        rc = dataclasses.replace(rc, eval=dataclasses.replace(rc.eval, stride=stride))
     if attention is not None:  # how it is scored, not what it learned: the weights are the same
         model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
+    exp = resolve_scoring(rc, asked)
     dev = pick_device(rc.train.device)
-    task = task_for(rc)
-    measure = task.measure()
     check_tracker(tracker, "--tracker")
     tracker = tracker or usable(rc.train.tracker)  # the run's own, where its library is installed here
-    source = task.source(rc)
-    rows = measure.rescore(rc, Path(run_dir), model.to(dev), source, dev, lengths, variants, factor, protocols)
+    rows = exp.measure.rescore(exp.cfg, Path(run_dir), model.to(dev), exp.task.source(exp.cfg), dev)
     where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
     send_run(tracker, where.parent, where)  # the new results, to the run's tracker run
-    return rc, measure, rows
+    return exp.cfg, exp.measure, rows
 
 
 def measure_run(

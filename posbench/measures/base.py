@@ -75,9 +75,10 @@ class Measure:
         """Score what the run's records still lack under `rc`, into them."""
         raise NotImplementedError
 
-    def rescore(self, rc, rdir: Path, model, source, device, lengths, variants, factor, protocols) -> list[dict]:
-        """`posbench evaluate`: score a trained run again as asked, on `source` (what its task
-        reads); returns the new rows."""
+    def rescore(self, cfg, rdir: Path, model, source, device) -> list[dict]:
+        """`posbench evaluate`: score a trained run again as `cfg` asks (resolve.resolve_scoring
+        decided it), on `source` (what its task reads), whatever its records hold; returns the
+        new rows."""
         raise NotImplementedError
 
     def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:

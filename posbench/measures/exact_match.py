@@ -21,14 +21,13 @@ from pathlib import Path
 import pandas as pd
 
 from posbench.compare.order import scheme_order
-from posbench.compare.plot import BAND_SEEDS, Line, Panel, band_plot, plot_training
+from posbench.compare.plot import BAND_SEEDS, Panel, band_plot, lines, plot_training
 from posbench.compare.render import tex, transposed
+from posbench.compare.table import OK, cell, spread_note, summarize
 from posbench.compare.table import grid as compare_grid
-from posbench.compare.table import spread_note, summarize
 from posbench.errors import PosbenchError
 from posbench.files import write_atomic, write_rows
 from posbench.measures.base import Measure, Metric, Section
-from posbench.stats import mean_ci
 from posbench.tasks import Task, build_task
 
 
@@ -87,20 +86,10 @@ class ExactMatch(Measure):
         except PosbenchError:
             scored = False
         if not scored:
-            evaluate_task_into(rc, rdir, model.to(device), test, device, backend)
+            evaluate_task_into(rc, rdir, model.to(device), self.task, test, device, backend)
 
-    def rescore(self, rc, rdir: Path, model, test, device, lengths, variants, factor, protocols) -> list[dict]:
-        for flag, given in (
-            ("--lengths", lengths),
-            ("--rope-scaling", any(v is not None for v in variants)),
-            ("--protocol", protocols),
-        ):
-            if given:
-                raise PosbenchError(
-                    f"{flag}: a run of task {rc.task} is scored by exact match and per-token accuracy at its "
-                    f"task's test lengths (task_options.test_max); {flag} applies to perplexity (task lm)"
-                )
-        return evaluate_task_into(rc, rdir, model, test, device, model.backend(device))
+    def rescore(self, cfg, rdir: Path, model, test, device) -> list[dict]:
+        return evaluate_task_into(cfg, rdir, model, self.task, test, device, model.backend(device))
 
     def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
         table = [["length", "exact", "per-token", "instances", "answer bytes", "status"]]
@@ -153,11 +142,10 @@ EVAL_COLUMNS = [
 SAMPLES_PER_BUCKET = 3
 
 
-def evaluate_task_into(rc, rdir: Path, model, test: list, device, backend: str) -> list[dict]:
+def evaluate_task_into(rc, rdir: Path, model, task: Task, test: list, device, backend: str) -> list[dict]:
     """Score a run on its task's test set; write eval.csv and samples.txt. Returns the rows."""
     from posbench.accuracy import score
 
-    task = build_task(rc.task, rc.task_options)
     rows = score(model, test, device)
     ident = {
         "task": rc.task,
@@ -332,20 +320,19 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
     points: dict[str, list] = {}
     for run in collected.runs:
         points.setdefault(collected.points[run.folder], []).append(run.cfg)
-    parts = []
+    parts = []  # (point, its configs, its task, its rows by bucket, its table)
     for point in sorted(points):
         configs = points[point]
-        task = build_task(configs[0].task, configs[0].task_options)
+        task = build_task(configs[0].task, configs[0].task_options)  # a sweep's points may differ in it
         spans = buckets(task.train_max, task.test_max, edges if edges is not None else configs[0].eval.buckets)
         long = by_bucket(df[df["point"] == point], spans, task.train_max).assign(point=point)
-        parts.append((point, configs, long, comparison(long, metric)))
+        parts.append((point, configs, task, long, comparison(long, metric)))
     sections = []
-    for point, configs, _, table in parts:
+    for point, configs, task, _, table in parts:
         rows, best = grid(table, metric)
         if transpose or len(table.attrs["columns"]) > 12:
             rows, best = transposed(rows, best)
         where = f" ({point})" if point else ""
-        task = build_task(configs[0].task, configs[0].task_options)
         trained = f"trained on 1..{task.train_max}" + (f"; {point}" if point else "")
         label = ExactMatch.metrics[metric].label
         name = f"{configs[0].task}: {label} by length ({trained})"
@@ -358,12 +345,11 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
                 title=name,
             )
         )
+    long = pd.concat([long for *_, long, _ in parts])
     if len(parts) > 1:
-        sections.append(ranks_section(pd.concat([long for _, _, long, _ in parts]), metric))
-    first = parts[0][1][0]
-    task = build_task(first.task, first.task_options)
-    names = ", ".join(dict.fromkeys(c.task for _, configs, _, _ in parts for c in configs))
-    long = pd.concat([long for _, _, long, _ in parts])
+        sections.append(ranks_section(long, metric))
+    task = parts[0][2]
+    names = ", ".join(dict.fromkeys(c.task for _, configs, *_ in parts for c in configs))
 
     def plots(folder: Path, stem: str = "summary") -> list[str]:
         """The metric's plot as <stem>.png; training.png, which no view changes, with the summary."""
@@ -376,7 +362,7 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
     return {
         "title": f"{names}: {ExactMatch.metrics[metric].title} by length"
         + (f", trained on 1..{task.train_max}, tested to {task.test_max}" if len(parts) == 1 else ""),
-        "describe": describe(parts[0][1], long, metric, spread(*(table for *_, table in parts)))
+        "describe": describe(parts[0][1], task, long, metric, spread(*(table for *_, table in parts)))
         + (
             [f"- grid points (a table each; the lines above describe the first): {'; '.join(p for p, *_ in parts)}"]
             if len(parts) > 1
@@ -406,24 +392,32 @@ def reciprocal_ranks(long: pd.DataFrame, metric: str) -> pd.DataFrame:
 
 
 def ranks_section(long: pd.DataFrame, metric: str) -> Section:
-    """Mean reciprocal rank past N over every (grid point, seed), and its mean at each point."""
-    rr = reciprocal_ranks(long, metric)
+    """Mean reciprocal rank past N over every (grid point, seed), and its mean at each point,
+    each with its 95% interval and the schemes tied for best (compare.summarize); the schemes
+    by their mean reciprocal rank, highest first."""
+    rr = reciprocal_ranks(long, metric).assign(status=OK, value=lambda d: d["rr"])
     points = list(dict.fromkeys(rr["point"]))
-    order = sorted(scheme_order(set(rr["scheme"])), key=lambda s: -rr[rr["scheme"] == s]["rr"].mean())
-    rows = [["scheme", "mean reciprocal rank", *points]]
-    for s in order:
-        mine = rr[rr["scheme"] == s]
-        rows.append([s, f"{mine['rr'].mean():.2f}", *(f"{mine[mine['point'] == p]['rr'].mean():.2f}" for p in points)])
-    top = rows[1][1] if len(rows) > 1 else None
-    label = ExactMatch.metrics[metric].label
     queries = rr.groupby(["point", "seed"]).ngroups
+    pairs = rr.assign(seed=rr["point"] + "|" + rr["seed"].astype(str), column="all")  # each pair a sample
+    everywhere = summarize(pairs, ["all"], scheme_order(set(rr["scheme"])), True)
+    order = list(everywhere.sort_values("all", ascending=False, kind="stable").index)
+    at_points = summarize(rr.rename(columns={"point": "column"}), points, order, True)
+    rows, best = [["scheme", "mean reciprocal rank", *points]], set()
+    for i, s in enumerate(order, start=1):
+        rows.append([s, cell(everywhere, s, "all", 2), *(cell(at_points, s, p, 2) for p in points)])
+        best |= {(i, 1)} if everywhere.loc[s, "best all"] else set()
+        best |= {(i, j) for j, p in enumerate(points, start=2) if at_points.loc[s, f"best {p}"]}
+    label = ExactMatch.metrics[metric].label
     name = f"mean reciprocal rank past N over {queries} (grid point, seed) pairs"
+    seeds = int(at_points["seeds"].max()) if len(order) else 0
+    note = spread_note(seeds, everywhere.attrs["tests"] | at_points.attrs["tests"], at="column")
     return Section(
         heading=name,
         caption=f"the schemes ranked by {tex(label)} past N at each grid point and seed (tied schemes share "
-        f"their mean rank), one over the rank, averaged over the {queries} pairs; a column per grid point.",
+        f"their mean rank), one over the rank, averaged over the {queries} pairs (their interval and test "
+        f"pair by grid point and seed) and, a column per grid point, over its {seeds} seeds; {tex(note)}.",
         rows=rows,
-        best={(i, 1) for i, r in enumerate(rows[1:], start=1) if r[1] == top},
+        best=best,
         title=name,
     )
 
@@ -439,9 +433,8 @@ def frame(collected) -> pd.DataFrame:
     return df
 
 
-def describe(configs: list, long: pd.DataFrame, metric: str, note: str) -> list[str]:
-    c = configs[0]
-    task, m, t = build_task(c.task, c.task_options), c.model, c.train
+def describe(configs: list, task: Task, long: pd.DataFrame, metric: str, note: str) -> list[str]:
+    c, m, t = configs[0], configs[0].model, configs[0].train
     params = m.params
     # a long alphabet is counted, not printed: its backquotes and stars would break the Markdown
     options = ", ".join(
@@ -467,23 +460,13 @@ def spread(*tables: pd.DataFrame) -> str:
 
 def plot(sections: list, path: Path, metric: str) -> bool:
     """The metric against length (compare.band_plot), each bucket at its longest length: a line
-    per scheme with its 95% band over seeds, a dashed line at the longest training length; a
-    panel per grid point."""
+    per scheme of its table with its 95% band over seeds, a dashed line at the longest training
+    length; a panel per grid point."""
     panels = []
-    for point, configs, long, _ in sections:
-        train_max = build_task(configs[0].task, configs[0].task_options).train_max
-        part = long[~long["bucket"].isin(["in", "out"]) & (long["metric"] == metric)]
+    for point, configs, task, long, table in sections:
+        at = dict(zip(long["bucket"], long["hi"]))  # a bucket's longest length: its x
+        xs = {c: at[c] for c in table.attrs["columns"] if c not in ("in", "out")}
         title = f"{configs[0].task}: {ExactMatch.metrics[metric].title} by length" + (f"\n{point}" if point else "")
-        panel = Panel(title, mark=train_max)
-        for s in scheme_order(set(part["scheme"])):
-            g = part[part["scheme"] == s]
-            line = Line(s, [], [], [], g["seed"].nunique())
-            for hi, at in g.groupby("hi"):
-                vals = at["value"].dropna().tolist()
-                if vals:
-                    mean, ci = mean_ci(vals)
-                    line.xs.append(hi), line.means.append(100 * mean), line.cis.append(100 * ci)
-            panel.lines.append(line)
-        panels.append(panel)
+        panels.append(Panel(title, lines(table, 100, xs), mark=task.train_max))
     xlabel = f"instance length; dashed: the longest trained; band: 95% ({BAND_SEEDS}+ seeds)"
     return band_plot(panels, path, ExactMatch.metrics[metric].label, xlabel, log=False, ylim=(-2, 102), share_y=False)

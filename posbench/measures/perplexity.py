@@ -21,7 +21,7 @@ from posbench.compare.render import tex, transposed
 from posbench.compare.table import cell, summarize
 from posbench.compare.table import grid as compare_grid
 from posbench.compare.table import spread_note as compare_spread
-from posbench.config import PROTOCOLS, length_grid
+from posbench.config import length_grid
 from posbench.data import SHAKESPEARE_NAME
 from posbench.errors import PosbenchError
 from posbench.extend import report as extend
@@ -105,27 +105,13 @@ class Perplexity(Measure):
         for (variant, protocol), lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():
             evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
 
-    def rescore(self, rc, rdir: Path, model, corpus, device, lengths, variants, factor, protocols) -> list[dict]:
-        for p in protocols or []:
-            if p not in PROTOCOLS:
-                raise PosbenchError(f"--protocol {p}: expected {' or '.join(PROTOCOLS)}")
-        if "sliding" in (protocols or rc.eval.protocol):
-            rc.eval.stride = rc.eval.stride or default_stride(rc.model.train_len)
-            if rc.eval.stride > rc.model.train_len:
-                raise PosbenchError(
-                    f"--stride {rc.eval.stride} is longer than the training length {rc.model.train_len}, "
-                    f"the shortest window; a window cannot score more than its length"
-                )
-        lengths = lengths or rc.eval.lengths
-        if min(lengths) < rc.model.train_len:
-            raise PosbenchError(
-                f"--lengths {','.join(map(str, lengths))}: every length must be >= the training length "
-                f"{rc.model.train_len}"
-            )
-        if any(v is not None for v in variants):  # a variant row reads against the plain one, and
-            variants = [None, *(v for v in variants if v is not None)]  # both need the ratio's base
-            lengths = sorted({rc.model.train_len, *lengths})
-        return evaluate_into(rc, rdir, model, corpus, lengths, variants, factor, protocols)
+    def rescore(self, cfg, rdir: Path, model, corpus, device) -> list[dict]:
+        """Plain and each of eval.rope_scaling's variants (a variant row reads against the plain
+        one), at eval.lengths (the training length, every ratio's base, among them)."""
+        ev = cfg.eval
+        return evaluate_into(
+            cfg, rdir, model, corpus, ev.lengths, [None, *ev.rope_scaling], ev.rope_factor, ev.protocol
+        )
 
     def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
         how = rows[0]["attention"] if rows else rc.model.attention
