@@ -369,3 +369,16 @@ def test_the_reciprocal_rank_table_has_intervals_and_the_engines_tie_rule():
     assert [rows[s][0] for s in ("nope", "alibi", "t5")] == ["**0.76 ± 0.15**", "**0.58 ± 0.18**", "0.43 ± 0.13"]
     assert all(" ± " in c for cells in rows.values() for c in cells)
     assert "averaged over the 15 pairs" in (ROOT / "results" / "reference-tasks" / "summary.tex").read_text()
+
+
+def test_a_reports_header_tells_the_seeds_of_each_row(tmp_path):
+    """#47.4: results/reference with alibi's seeds 1 and 2 removed: the header no longer says
+    seeds [0, 1, 2] of every row."""
+    from conftest import ROOT, invoke
+
+    copy = tmp_path / "reference"
+    shutil.copytree(ROOT / "results" / "reference", copy)
+    for n in (1, 2):
+        shutil.rmtree(copy / f"alibi-seed{n}")
+    assert invoke("report", copy).exit_code == 0
+    assert "seeds [0] (alibi); [0, 1, 2] (the other 3 rows)" in (copy / "summary.md").read_text()

@@ -23,7 +23,7 @@ import pandas as pd
 from posbench.compare.order import scheme_order
 from posbench.compare.plot import BAND_SEEDS, Panel, band_plot, lines, plot_training
 from posbench.compare.render import tex, transposed
-from posbench.compare.table import OK, cell, spread_note, summarize
+from posbench.compare.table import OK, cell, seeds_said, spread_note, summarize
 from posbench.compare.table import grid as compare_grid
 from posbench.errors import PosbenchError
 from posbench.files import write_atomic, write_rows
@@ -446,7 +446,7 @@ def describe(configs: list, task: Task, long: pd.DataFrame, metric: str, note: s
         f"- model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, {params / 1e6:.2f}M parameters "
         f"with NoPE; train_len {m.train_len} (the longest training instance)",
         f"- training: {t.steps} steps x {t.batch_size} instances, lengths uniform in 1..{task.train_max}, "
-        f"loss on the answer bytes only, AdamW lr {t.lr:g}, seeds {sorted(set(long['seed']))}",
+        f"loss on the answer bytes only, AdamW lr {t.lr:g}, {seeds_said(long)}",
         f"- evaluation: up to {task.opt['test_count']} fixed test instances per length 1..{task.test_max}, "
         f"never trained on; {ExactMatch.metrics[metric].how}",
         f"- cells: {ExactMatch.metrics[metric].label}, {note}; — : the scheme cannot encode those lengths",

@@ -18,7 +18,7 @@ import pandas as pd
 from posbench.compare.order import point_order, scheme_order
 from posbench.compare.plot import BAND_SEEDS, Line, Panel, band_plot, lines, plot_training
 from posbench.compare.render import tex, transposed
-from posbench.compare.table import cell, summarize
+from posbench.compare.table import cell, seeds_said, summarize
 from posbench.compare.table import grid as compare_grid
 from posbench.compare.table import spread_note as compare_spread
 from posbench.config import length_grid
@@ -450,7 +450,7 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
         f"{params / 1e6:.2f}M parameters with NoPE, vocab {m.vocab_size}",
         f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
         f"= {tokens:,} tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
-        f"to {t.min_lr:g}), seeds {sorted(set(df['seed']))}",
+        f"to {t.min_lr:g}), {seeds_said(df)}",
         f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}; bpb: bits per byte, the summed loss in "
         f"bits over the UTF-8 bytes the scored tokens cover (comparable across tokenizers)",
     ]
