@@ -56,24 +56,27 @@ def test_a_training_command_tables_what_it_asked_for_not_what_evaluate_added(tmp
     assert "| scheme | 32 | 48 | 64 | seeds | ppl(64)/ppl(32) |" in md and "rope+yarn" not in md
     assert invoke("report", exp).exit_code == 0
     md = (exp / "summary.md").read_text()
-    assert "| scheme | 32 | 48 | 64 | 96 | seeds | ppl(96)/ppl(32) |" in md and "| rope+yarn |" in md
+    # the headline ratio stays at the longest length every scheme was scored at (#47.7)
+    assert "| scheme | 32 | 48 | 64 | 96 | seeds | ppl(64)/ppl(32) |" in md and "| rope+yarn |" in md
 
 
-def test_a_ratio_not_scored_is_blank_not_the_cannot_encode_mark(tmp_path):
-    """ppl(longest)/ppl(train) is — where the scheme cannot encode the longest length
-    (learned's table of 48 at 64), and blank where it was never scored there (after evaluate
-    scores alibi alone at 96)."""
+def test_the_headline_ratio_stays_where_every_scheme_was_scored(tmp_path):
+    """#47.7: ppl(longest)/ppl(train) is — where the scheme cannot encode the longest length
+    (learned's table of 48 at 64); after evaluate scores alibi alone at 96, the ratio stays at 64,
+    where every scheme was scored, with the same cells (it moved to 96 and went blank for the
+    others)."""
 
     def ratios(exp):
         lines = [r.split("|") for r in (exp / "summary.md").read_text().splitlines() if r.startswith("| ")]
         at = next(i for i, c in enumerate(lines[0]) if c.strip().startswith("ppl("))  # the ratio's column
-        return {r[1].strip(): r[at].strip() for r in lines[1:]}
+        return lines[0][at].strip(), {r[1].strip(): r[at].strip() for r in lines[1:]}
 
     exp, _ = _smoke(tmp_path, "s", schemes="alibi,learned")
-    assert ratios(exp)["learned"] == "—" and ratios(exp)["alibi"] not in ("", "—")
+    head, before = ratios(exp)
+    assert head == "ppl(64)/ppl(32)" and before["learned"] == "—" and before["alibi"] not in ("", "—")
     assert invoke("evaluate", exp / "alibi-seed0", "--lengths", "96").exit_code == 0
     assert invoke("report", exp).exit_code == 0
-    assert ratios(exp)["learned"] == "" and ratios(exp)["alibi"] not in ("", "—")
+    assert " 96 |" in (exp / "summary.md").read_text() and ratios(exp) == (head, before)
 
 
 def test_report_transpose_transposes_the_terminal_table_too(tmp_path):

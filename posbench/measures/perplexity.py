@@ -379,7 +379,9 @@ def with_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
 def comparison(df: pd.DataFrame) -> pd.DataFrame:
     """Schemes x lengths of one protocol (compare.summarize): the mean `value` (ppl unless
     with_metric chose another) over seeds, its 95% interval and the schemes tied for best, with
-    ppl(longest)/ppl(train) and bits per byte at both beside them."""
+    ppl(longest)/ppl(train) and bits per byte at both beside them. The longest is the longest
+    length every scheme (as trained) was scored at, so that `posbench evaluate` scoring one run
+    further does not move the headline to a length the others lack."""
     if "value" not in df:
         df = with_metric(df, "ppl")
     order = list(dict.fromkeys(df["scheme"]))
@@ -390,14 +392,17 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     out = summarize(df.rename(columns={"length": "column"}), lengths, order, False, seeds)
     ok = df[df["status"] == "ok"]
     base = int(df["train_len"].iloc[0])  # one per table; a fine-tuned child's too (its parent's)
-    ratio = summarize(_ratios(df, base, lengths[-1]), ["ratio"], order, False, seeds)  # an interval, ties
+    plain = df[~df["scheme"].str.contains("+", regex=False)]  # the runs as trained; a variant's rows are extra
+    everyone = set.intersection(*(set(g) for _, g in plain.groupby("scheme", sort=False)["length"]), set(lengths))
+    longest = max(everyone, default=lengths[-1])
+    ratio = summarize(_ratios(df, base, longest), ["ratio"], order, False, seeds)  # an interval, ties
     for c in ("ratio", "ci ratio", "status ratio", "n ratio", "nonfinite ratio", "best ratio"):
         out[c] = ratio[c]
     out.attrs["tests"] = out.attrs["tests"] | ratio.attrs["tests"]
-    for name, L in (("bpb train", base), ("bpb longest", lengths[-1])):  # beside perplexity, in bits per byte
+    for name, L in (("bpb train", base), ("bpb longest", longest)):  # beside perplexity, in bits per byte
         have = ok[ok["length"] == L]
         out[name] = have.groupby("scheme")["bpb"].mean().reindex(order) if "bpb" in have else math.nan
-    out.attrs["train_len"] = base  # a grid point's
+    out.attrs["train_len"], out.attrs["longest"] = base, longest  # a grid point's
     return out
 
 
@@ -532,9 +537,9 @@ def grid(
     lengths = lengths_of(table)
     heads = [str(L) for L in lengths]
     rows, best = compare_grid(table, heads, Perplexity.metrics[metric].digits, missing=missing, seeds=True)
-    rows[0] += [f"ppl({lengths[-1]})/ppl({train_len})"]
+    rows[0] += [f"ppl({table.attrs['longest']})/ppl({train_len})"]
     with_bpb = bpb and metric != "bpb" and table[["bpb train", "bpb longest"]].notna().any().any()
-    rows[0] += [f"bpb({train_len})", f"bpb({lengths[-1]})"] if with_bpb else []
+    rows[0] += [f"bpb({train_len})", f"bpb({table.attrs['longest']})"] if with_bpb else []
     best |= {(i, len(lengths) + 2) for i, s in enumerate(table.index, start=1) if table.loc[s, "best ratio"]}
     for s, row in zip(table.index, rows[1:]):
         row += [ratio_cell(table, s)]
@@ -573,8 +578,8 @@ def report(collected, metric: str, transpose: bool) -> dict:
         train_len = table.attrs["train_len"]
         rows, best = grid(table, train_len, metric)
         shown, shown_best = grid(table, train_len, metric, missing="—", bpb=False)  # the files hold bpb
-        shown[0][shown[0].index(f"ppl({lengths_of(table)[-1]})/ppl({train_len})")] = (
-            f"ppl({lengths_of(table)[-1]})/ppl(train)"
+        shown[0][shown[0].index(f"ppl({table.attrs['longest']})/ppl({train_len})")] = (
+            f"ppl({table.attrs['longest']})/ppl(train)"
         )
         if transpose:
             rows, best = transposed(rows, best)
