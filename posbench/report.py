@@ -112,12 +112,15 @@ def collect(exp_dir: Path) -> Collected:
     return out
 
 
-def join(collected: list[Collected], dirs: list[Path]) -> Collected:
+def join(collected: list[Collected], dirs: list[Path], metric: Optional[str] = None) -> Collected:
     """Several experiments as one comparison: refused unless they are scored by one measure,
-    share what it names (training length, protocols...) and hold no (scheme, seed) twice."""
+    share what it names (training length, protocols...) and hold no (scheme, seed) twice. Where
+    they differ only in settings the `metric` compares across (bits per byte: the tokenizer),
+    each setting is a grid point: a table each."""
     if len(collected) == 1:
         return collected[0]
     first, name = collected[0], dirs[0].name
+    compares = getattr(first.measure.metrics.get(metric or ""), "compares", ())
     for other, d in zip(collected[1:], dirs[1:]):
         if type(other.measure) is not type(first.measure):
             raise PosbenchError(
@@ -132,16 +135,23 @@ def join(collected: list[Collected], dirs: list[Path]) -> Collected:
                     f"cannot join {name} and {d.name}: their {what} differ "
                     f"({', '.join(map(str, sorted(a, key=str)))} against {', '.join(map(str, sorted(b, key=str)))})"
                 )
-        ours, theirs = _settings(first), _settings(other)
+        ours, theirs = _settings(first, compares), _settings(other, compares)
         if ours != theirs:  # a row's header would name one budget for runs trained under another
             a, b = next((a, b) for a, b in zip(ours, theirs) if a != b) if len(ours) == len(theirs) else (ours, theirs)
             diff = differences(a, b, (name, f"in {d.name}")) if isinstance(a, dict) else ["their grid points differ"]
+            across = [
+                m.name
+                for m in first.measure.metrics.values()
+                if m.compares and any(k in " ".join(diff) for k in m.compares)
+            ]
+            hint = f"; in {across[0]} they compare: --metric {across[0]}" if across and not compares else ""
             raise PosbenchError(
                 f"cannot join {name} and {d.name}: they were trained under different settings ({', '.join(diff)}); "
-                f"a joined table compares runs that differ only in scheme and seed"
+                f"a joined table compares runs that differ only in scheme and seed{hint}"
             )
+        apart = _settings(first) != _settings(other)  # in what the metric compares across: points apart
         mine = {(run.cfg.schemes[0], run.cfg.seeds[0]) for run in first.runs}
-        clash = mine & {(run.cfg.schemes[0], run.cfg.seeds[0]) for run in other.runs}
+        clash = set() if apart else mine & {(run.cfg.schemes[0], run.cfg.seeds[0]) for run in other.runs}
         if clash:
             s, n = sorted(clash)[0]
             raise PosbenchError(f"cannot join {name} and {d.name}: both hold {s} seed {n}")
@@ -154,12 +164,18 @@ def join(collected: list[Collected], dirs: list[Path]) -> Collected:
         joined.running += c.running
         joined.points.update(c.points)
         joined.parts.update(c.parts)
+    if any(_settings(c) != _settings(first) for c in collected[1:]):  # a table per tokenizer, say
+        joined.points = point_labels(joined.parts)
     return joined
 
 
-def _settings(c: Collected) -> list[dict]:
-    """What an experiment's runs share, once per grid point, in a fixed order."""
-    unique = {repr(sorted(flat(part).items(), key=str)): part for part in c.parts.values()}
+def _settings(c: Collected, leaving: tuple[str, ...] = ()) -> list[dict]:
+    """What an experiment's runs share, once per grid point, in a fixed order, but for the
+    settings in `leaving`."""
+    unique = {}
+    for part in c.parts.values():
+        kept = {k: v for k, v in flat(part).items() if k not in leaving}
+        unique[repr(sorted(kept.items(), key=str))] = kept
     return [unique[k] for k in sorted(unique)]
 
 
@@ -182,7 +198,7 @@ def write_summary(
     scored = [(c, d) for c, d in zip(every, dirs) if c.runs]
     if not scored:  # every run is still another process's
         return Collected(None, running=[r for c in every for r in c.running]), None, folder
-    collected = join([c for c, _ in scored], [d for _, d in scored])
+    collected = join([c for c, _ in scored], [d for _, d in scored], metric)
     for c in every:
         if not c.runs:
             collected.running += c.running

@@ -16,4 +16,19 @@ def point_labels(parts: dict) -> dict:
     varying = [k for k in keys if len({repr(f.get(k)) for f in flats.values()}) > 1]
     if "task" in varying:
         varying = [k for k in varying if not all(task_derived(f, k) for f in flats.values())]
-    return {rdir: ", ".join(f"{k}={f.get(k)}" for k in varying) for rdir, f in flats.items()}
+    return {rdir: ", ".join(f"{k}={f[k] if k in f else _default(k)}" for k in varying) for rdir, f in flats.items()}
+
+
+def _default(key: str):
+    """A setting a run's identity leaves out, at the default it was left out at (a field added
+    later: data.tokenizer bytes)."""
+    import dataclasses
+
+    from posbench.config import ExperimentConfig
+
+    value = ExperimentConfig()
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(value):  # inside a dict (task_options): no default of its own
+            return None
+        value = getattr(value, part, None)
+    return None if dataclasses.is_dataclass(value) else value

@@ -565,3 +565,25 @@ def test_a_report_of_one_run_folder_names_its_experiment(tmp_path):
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert f"is one run; its table is its experiment's: posbench report {copy}" in text, text
     assert "holds no evaluated runs" not in text and not (copy / "rope-seed0" / "summary.md").exists()
+
+
+def test_the_readme_bytes_against_bpe_table_is_one_report_in_bits_per_byte(tmp_path):
+    """#47.5: the two tokenizers' references join in bits per byte, a table per tokenizer, and
+    give the README's bytes-against-BPE cells; in perplexity, which does not compare across
+    tokenizers, the join is refused with one line that names the metric that does. A terminal
+    table of a BPE experiment shows bits per byte beside perplexity."""
+    refs = [ROOT / "results" / "reference-bytes", ROOT / "results" / "reference-bpe"]
+    res = invoke("report", *refs, "--out", tmp_path / "ppl")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1 and not (tmp_path / "ppl").exists()
+    assert "in bpb they compare: --metric bpb" in " ".join(res.output.split())
+    res = invoke("report", *refs, "--metric", "bpb", "--out", tmp_path / "bpb")
+    assert res.exit_code == 0, res.output
+    md = (tmp_path / "bpb" / "summary.md").read_text()
+    by = {t: _table(md, f"## data.tokenizer={t},") for t in ("bytes", "bpe")}
+    readme = _table((ROOT / "README.md").read_text(), "| scheme | bytes | BPE |")
+    assert len(readme) == 8 and readme == {
+        s: [f"{by['bytes'][s][0]} / {by['bytes'][s][3]}", f"{by['bpe'][s][0]} / {by['bpe'][s][3]}", cells[2]]
+        for s, cells in readme.items()
+    }
+    shown = invoke("report", refs[1], "--out", tmp_path / "one").output
+    assert "bpb(100)" in shown and "bpb(200)" in shown

@@ -30,6 +30,9 @@ class Metric:
     scale: float = 1.0  # a cell shows value x scale (100: percent)
     title: str = ""  # a report's title for it
     how: str = ""  # how one value is scored, for a report's description
+    # settings whose runs its values still compare across (bits per byte: the tokenizer's), so a
+    # report of it may join experiments that differ in them, a table per setting
+    compares: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.aggregate not in AGGREGATES or (self.aggregate == "pooled") != (len(self.pooled) == 2):

@@ -44,7 +44,14 @@ class Perplexity(Measure):
         "ratio": Metric(
             "ratio", "perplexity over its perplexity at the training length", False, 3, aggregate="derived"
         ),
-        "bpb": Metric("bpb", "bits per byte", higher_is_better=False, digits=3, column="bpb"),
+        "bpb": Metric(
+            "bpb",
+            "bits per byte",
+            higher_is_better=False,
+            digits=3,
+            column="bpb",
+            compares=("data.tokenizer", "data.vocab_size", "model.vocab_size"),
+        ),
     }
     records = ("eval.csv", "positions.csv")
 
@@ -573,11 +580,13 @@ def report(collected, metric: str, transpose: bool) -> dict:
             label = protocol_label(protocol, stride)
             tables[label if point is None else f"{point}; {label}"] = comparison(part)
     note = spread_note(tables)
+    tokenized = bool(set(df["tokenizer"].dropna()) - {"bytes", ""})
     sections = []
     for label, table in tables.items():
         train_len = table.attrs["train_len"]
         rows, best = grid(table, train_len, metric)
-        shown, shown_best = grid(table, train_len, metric, missing="—", bpb=False)  # the files hold bpb
+        # the files hold bpb; the terminal too where a tokenizer makes it differ from loss / ln 2
+        shown, shown_best = grid(table, train_len, metric, missing="—", bpb=tokenized)
         shown[0][shown[0].index(f"ppl({table.attrs['longest']})/ppl({train_len})")] = (
             f"ppl({table.attrs['longest']})/ppl(train)"
         )
