@@ -32,21 +32,21 @@ def setting(default=dataclasses.MISSING, *, factory=dataclasses.MISSING, identit
 class ModelConfig:
     """The transformer's shape and its positional scheme; a checkpoint carries one of these."""
 
-    scheme: str = "nope"  # a name in posbench.schemes.SCHEMES, or module:Class
+    scheme: str = field(default="nope", metadata={"derived": True})  # from `schemes`: a name or module:Class
     n_layer: int = 2
     n_head: int = 4
     d_model: int = 128
     train_len: int = 100  # the longest sequence seen in training
     vocab_size: int = 256  # bytes
     dropout: float = 0.0  # off: short runs on a small corpus barely overfit
-    options: dict = field(default_factory=dict)  # the scheme's own options, e.g. t5 max_distance
+    options: dict = field(default_factory=dict, metadata={"derived": True})  # from scheme_options.<scheme>
     # the attention call: auto (the C kernels on a CPU in fp32, else SDPA), eager (the plain
     # formula, the reference), sdpa, native or flex; a run's records name the one that ran
     attention: str = setting("auto")  # the backends differ in the last bits; records name the one that ran
     # written by `posbench extend` on a run fine-tuned from another (posbench/extend.py): its
     # method, its parent's identity, the lengths L and L2, and the RoPE scaling it fixes; null
     # (and then no part of the run's identity) on a run trained from scratch
-    extend: Optional[dict] = field(default=None, metadata={"omitted_when_null": True})
+    extend: Optional[dict] = field(default=None, metadata={"omitted_when_null": True, "derived": True})
 
     def __post_init__(self):
         _positive(self, "model", ["n_layer", "n_head", "d_model", "train_len", "vocab_size"])
@@ -428,12 +428,13 @@ def _coerce(value: Any, tp, where: str) -> Any:
 def _build(cls, raw: dict, where: str = ""):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    shown = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("derived")]  # posbench sets the rest
     kwargs = {}
     for key, value in raw.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
-            hint = did_you_mean(key, names).replace("'", f"'{where}." if where else "'", 1)
-            raise PosbenchError(f"{path}: unknown key{hint}; valid keys: {', '.join(names)}")
+            hint = did_you_mean(key, shown).replace("'", f"'{where}." if where else "'", 1)
+            raise PosbenchError(f"{path}: unknown key{hint}; valid keys: {', '.join(shown)}")
         kwargs[key] = _coerce(value, hints[key], path)
     return cls(**kwargs)
 

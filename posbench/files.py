@@ -53,21 +53,33 @@ def _missing(x) -> bool:
 
 
 @contextlib.contextmanager
-def exclusive(path: Path):
+def exclusive(path: Path, remove: bool = False):
     """Hold the lock file `path` for the block: yields True if this process has it, False if
     another holds it. It is an flock, so the kernel releases it when its holder dies, kill -9
-    included; the file itself stays, holding the last holder's pid."""
+    included; the file itself stays, holding the last holder's pid, unless `remove` and the
+    block ended without an error: then the holder unlinks it before letting go. A process that
+    locked a file unlinked that way (it opened it before the unlink) takes the new one instead."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             yield False
             return
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed it after we opened it: lock the file now at `path`
+    try:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         yield True
+        if remove:
+            path.unlink(missing_ok=True)  # while still held: no one can take the old file for the run's lock
     finally:
         os.close(fd)  # closing releases the lock
 

@@ -211,3 +211,13 @@ def test_blame_names_the_flag_not_a_file_with_a_fault_of_its_own(tmp_path):
         resolve(load_config(partial, []))
     with pytest.raises(PosbenchError, match="^--set train.steps=0 must be positive"):
         load_config(partial, ["model.train_len=32", "train.steps=0"])
+
+
+def test_a_wrong_model_key_lists_the_keys_a_user_sets(tmp_path):
+    """#47.11: model.scheme, model.options and model.extend are posbench's (from schemes,
+    scheme_options and extend): a wrong key's message lists the others, not those."""
+    res = invoke("extrapolate", "--set", "model.schme=3", "--set", f"out_dir={tmp_path}")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "model.schme: unknown key" in said and "n_layer" in said
+    keys = said.split("valid keys:")[1]
+    assert all(k not in keys.replace(",", " ").split() for k in ("scheme", "options", "extend")), said

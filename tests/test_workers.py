@@ -31,3 +31,16 @@ def test_nothing_is_said_where_runs_go_side_by_side_or_nothing_could(monkeypatch
     assert _plan(monkeypatch, cores=2, steps=big, to_train=3) == ((2, 1), [])
     assert _plan(monkeypatch, cores=2, steps=10, to_train=1) == ((1, None), [])  # one run: nothing to share
     assert _plan(monkeypatch, cores=1, steps=10, to_train=3) == ((1, None), [])  # one core: nothing to share
+
+
+def test_extrapolate_says_when_its_runs_go_one_after_another_and_leaves_no_lock_file(tmp_path, monkeypatch):
+    """#47.8 and #47.11, end to end: two smoke runs on two cores train in sequence, which the
+    command says in a line; a finished run leaves no .SCHEME-seedN.lock behind."""
+    from conftest import smoke_experiment
+
+    import posbench.workers
+
+    monkeypatch.setattr(posbench.workers, "cpu_cores", lambda: 2)
+    exp, res, _ = smoke_experiment(tmp_path, "--schemes", "nope,alibi")
+    assert "2 runs train one after another" in " ".join(res.output.split())
+    assert sorted(p.name for p in exp.iterdir() if p.name.endswith(".lock")) == []

@@ -111,7 +111,7 @@ def run_jobs(
     on failure."""
     to_train = sum(job.state == "todo" for job in jobs)
     reporter.plan(to_train)  # each run's progress says "3 of 8"
-    workers, threads = worker_plan(cfg, to_train)
+    workers, threads = worker_plan(cfg, to_train, reporter.note)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     runs = dict.fromkeys([*planned(folder), *(job.folder.name for job in jobs)])
@@ -154,7 +154,7 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
     rc, rdir, state = job.cfg, job.folder, job.state
     if job.point is not None:  # "alibi seed 0" is at every grid point: its folder names the point
         reporter = Marked(reporter, ", " + rdir.name.removeprefix(run_name(rc.schemes[0], rc.seeds[0]) + "-"))
-    with exclusive(lock_file(rdir)) as held:
+    with exclusive(lock_file(rdir), remove=True) as held:
         if not held:
             pid = lock_holder(lock_file(rdir))
             reporter.note(
