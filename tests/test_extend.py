@@ -352,3 +352,14 @@ def test_a_reference_committed_without_weights_is_trained_again(extended, parent
     assert "rope seed 0 (1 of 9): training" in res.output or ": training," in res.output
     assert (copy / "rope-seed0-yarn" / "model.pt").is_file()
     assert (copy / "summary.md").read_text() == (out / "summary.md").read_text()
+
+
+def test_a_childs_scoring_is_decided_by_its_measure_as_any_configs(parents, tmp_path):
+    """extend's configs go through the measure's decisions, as extrapolate's do: a length under
+    the parent's training length (32) is refused in one line, with nothing written; a child is
+    scored from its parent's length, beside it, though it trains at L2."""
+    exp, _ = parents
+    res = invoke("extend", exp / "rope-seed0", "--to", "64", "--lengths", "16,64", "--out", tmp_path / "ext")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "eval.lengths [16] are shorter than the training length model.train_len=32" in " ".join(res.output.split())
+    assert not (tmp_path / "ext").exists()

@@ -175,7 +175,12 @@ def _variants(rc: ExperimentConfig) -> list[str]:
 
 
 def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None, eval=None, options=None):
-    """rc with sections changed, in a new experiment folder, with the user's --set overrides."""
+    """rc with sections changed, in a new experiment folder, with the user's --set overrides;
+    its measure decides how it is scored, as for any config (posbench/resolve.py), and an error
+    names the --set it came from. What it trains is the parent's, resolved when it was trained."""
+    from posbench.config import blame
+    from posbench.tasks import task_for
+
     raw = rc.to_dict()
     raw.update(name=folder.name, out_dir=str(folder.parent))
     for section, changes in (("model", model), ("train", train), ("eval", eval)):
@@ -186,7 +191,13 @@ def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None,
     origins: dict = {}
     for o in overrides:
         apply_override(raw, o, origins)
-    return config_from_dict(raw, source="extend")
+    cfg = config_from_dict(raw, source="extend")
+    cfg.origins = origins
+    try:
+        task_for(cfg).measure().decide(cfg, None)
+    except PosbenchError as e:
+        raise blame(origins, e) from None
+    return cfg
 
 
 def child_config(

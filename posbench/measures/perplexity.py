@@ -57,15 +57,18 @@ class Perplexity(Measure):
 
     def decide(self, cfg, test_len: Optional[int]) -> None:
         L = cfg.model.train_len
+        # the shortest length scored: the training length, or a fine-tuned child's parent's
+        # (posbench extend scores a child beside its parent, from the parent's length)
+        floor = cfg.model.extend["from_len"] if cfg.model.extend else L
         if test_len is not None:  # the grid runs from the training length, however it is given
             cfg.eval.lengths = length_grid(L, test_len)
         if "sliding" in cfg.eval.protocol:
             if cfg.eval.stride is None:
                 cfg.eval.stride = default_stride(L)
-            if cfg.eval.stride > L:
+            if cfg.eval.stride > floor:
                 raise PosbenchError(
                     f"eval.stride={cfg.eval.stride} is longer than the shortest window, "
-                    f"model.train_len={L}; a window cannot score more than its length",
+                    f"model.train_len={floor}; a window cannot score more than its length",
                     "eval.stride",
                 )
         # the training length, the base of every ratio, is always scored; columns read in order
@@ -75,11 +78,11 @@ class Perplexity(Measure):
                 f"eval.tokens={cfg.eval.tokens} is fewer than the longest eval length {max(cfg.eval.lengths)}",
                 "eval.tokens",
             )
-        short = [n for n in cfg.eval.lengths if n < L]
+        short = [n for n in cfg.eval.lengths if n < floor]
         if short:
             raise PosbenchError(
                 f"eval.lengths {short} are shorter than the training length "
-                f"model.train_len={L}; test lengths must be >= it",
+                f"model.train_len={floor}; test lengths must be >= it",
                 "eval.lengths",
             )
 
