@@ -100,6 +100,16 @@ def smoke(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _threads():
+    """One torch thread for every test (a command's --threads may have changed it): the suite's
+    models are so small that a second thread only adds OpenMP's hand-offs, which cost seconds a
+    run on a busy machine. Tests of code whose threads matter (the C kernels) ask for `two_threads`."""
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads, as on the 2-core machines the suite runs on, for a test whose code
+    splits its work across threads (the C kernels' OpenMP loops): that path is the one checked."""
     torch.set_num_threads(2)
 
 

@@ -22,6 +22,8 @@ needs_kernel = pytest.mark.skipif(
 # optimisation, since what they check does not depend on the code the compiler makes
 QUICK_BUILD = (["-O0"],)
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' parallel loops, not one thread's
+
 
 def pytorch_cope_attention(q, k, v, table, qpos, kpos):
     """The PyTorch twin: CoPE's bias (the paper's formula) through the generic grad-bias attention."""
