@@ -85,8 +85,8 @@ def check_tracker_name(name: Optional[str], where: str = "train.tracker") -> Non
 class TrainConfig:
     """Optimiser and budget: AdamW, linear warmup, cosine decay to min_lr."""
 
-    # null: the measure's budget: 500 steps of 16 for lm (posbench/measures/perplexity.py), a
-    # task's own for a task (posbench/tasks.py)
+    # null: the task's budget: 500 steps of 16 for lm (posbench/tasks/corpus.py), a
+    # synthetic task's own (posbench/tasks/generators.py)
     steps: Optional[int] = None
     batch_size: Optional[int] = None
     lr: float = 3e-3  # small models train well with a high lr; warmup keeps it stable

@@ -18,7 +18,7 @@ def _long(rows):
 def test_the_table_shows_seeds_that_blew_up_and_hides_no_ratio_behind_them():
     """Seed 0 blew up at 64, seed 1 did not: the cell shows seed 1's value and says one seed
     blew up, and so does the ratio, each seed's own ppl(64)/ppl(32) over the seeds scored at both."""
-    from posbench.measures.perplexity import comparison
+    from posbench.measures.perplexity.views import comparison
 
     rows = [
         ("alibi", s, 32, L, ppl, st)
@@ -188,7 +188,8 @@ def test_a_metric_names_its_column_direction_and_aggregation_once():
     from posbench.measures.base import Metric
     from posbench.measures.exact_match import EVAL_COLUMNS as TASK_COLUMNS
     from posbench.measures.exact_match import ExactMatch
-    from posbench.measures.perplexity import EVAL_COLUMNS, Perplexity
+    from posbench.measures.perplexity import Perplexity
+    from posbench.measures.perplexity.records import EVAL_COLUMNS
 
     for measure, columns in ((Perplexity, EVAL_COLUMNS), (ExactMatch, TASK_COLUMNS)):
         for m in measure.metrics.values():

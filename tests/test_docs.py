@@ -57,7 +57,7 @@ def test_docs_count_the_hooks_name_the_interval_and_state_the_length_rule():
     from conftest import ROOT
 
     from posbench.config import length_grid
-    from posbench.measures.perplexity import spread_note
+    from posbench.measures.perplexity.views import spread_note
     from posbench.schemes import PositionalScheme
 
     readme = (ROOT / "README.md").read_text()

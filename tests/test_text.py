@@ -82,7 +82,7 @@ def test_old_eval_files_read_as_bytes():
     """eval.csv written before tokenizers (the committed references) reads with bpb = loss / ln 2."""
     from conftest import ROOT
 
-    from posbench.measures.perplexity import read_eval
+    from posbench.measures.perplexity.records import read_eval
 
     rows = read_eval(ROOT / "results" / "reference" / "alibi-seed0")
     assert rows and all(r["tokenizer"] == "bytes" for r in rows)

@@ -1,7 +1,7 @@
 """The corpus language model (task lm): random windows of the corpus at train_len, next-token loss.
 
 Its runs read the corpus (posbench/data.py) and are scored by perplexity
-(posbench/measures/perplexity.py). The corpus's tokenizer decides the vocabulary.
+(posbench/measures/perplexity/). The corpus's tokenizer decides the vocabulary.
 """
 
 from __future__ import annotations

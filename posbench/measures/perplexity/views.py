@@ -1,17 +1,11 @@
-"""Perplexity: next-byte loss on the corpus at each length, its records (eval.csv, positions.csv) and tables.
-
-A run of task lm trains on random windows of the corpus at train_len and is scored at every
-eval length on the same validation tokens, under each protocol (posbench/evaluate.py holds the
-torch side: windows and the forward passes). Its eval.csv holds a row per (scheme label,
-length, protocol, stride); positions.csv the mean loss at each window position.
-"""
+"""Perplexity's tables and plots: schemes x lengths per protocol (and grid point) through the
+comparison engine, the ratio ppl(longest)/ppl(train), bits per byte, the description, and the
+plots of perplexity by length and loss by position."""
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
-from typing import Optional
 
 import pandas as pd
 
@@ -21,342 +15,20 @@ from posbench.compare.render import tex, transposed
 from posbench.compare.table import cell, seeds_said, summarize
 from posbench.compare.table import grid as compare_grid
 from posbench.compare.table import spread_note as compare_spread
-from posbench.config import length_grid
 from posbench.data import SHAKESPEARE_NAME
 from posbench.errors import PosbenchError
 from posbench.extend import report as extend
-from posbench.files import write_rows
-from posbench.measures.base import Measure, Metric, Section
+from posbench.measures.base import Section
+from posbench.measures.perplexity.records import (
+    EVAL_COLUMNS,
+    METRICS,
+    POSITION_COLUMNS,
+    PROTOCOL_NAMES,
+    protocol_label,
+    read_positions,
+)
 
 UNRECORDED = "unrecorded"  # a run whose train_log.jsonl does not name its attention backend
-
-
-def default_stride(train_len: int) -> int:
-    """Sliding windows advance by a quarter of the training length unless told otherwise."""
-    return max(1, train_len // 4)
-
-
-class Perplexity(Measure):
-    name = "perplexity"
-    metrics = {
-        "ppl": Metric("ppl", "perplexity per byte", higher_is_better=False, digits=2, column="ppl"),
-        "loss": Metric("loss", "loss in nats per byte", higher_is_better=False, digits=3, column="loss"),
-        "ratio": Metric(
-            "ratio", "perplexity over its perplexity at the training length", False, 3, aggregate="derived"
-        ),
-        "bpb": Metric(
-            "bpb",
-            "bits per byte",
-            higher_is_better=False,
-            digits=3,
-            column="bpb",
-            compares=("data.tokenizer", "data.vocab_size", "model.vocab_size"),
-        ),
-    }
-    records = ("eval.csv", "positions.csv")
-
-    def decide(self, cfg, test_len: Optional[int]) -> None:
-        L = cfg.model.train_len
-        # the shortest length scored: the training length, or a fine-tuned child's parent's
-        # (posbench extend scores a child beside its parent, from the parent's length)
-        floor = cfg.model.extend["from_len"] if cfg.model.extend else L
-        if test_len is not None:  # the grid runs from the training length, however it is given
-            cfg.eval.lengths = length_grid(L, test_len)
-        if "sliding" in cfg.eval.protocol:
-            if cfg.eval.stride is None:
-                cfg.eval.stride = default_stride(L)
-            if cfg.eval.stride > floor:
-                raise PosbenchError(
-                    f"eval.stride={cfg.eval.stride} is longer than the shortest window, "
-                    f"model.train_len={floor}; a window cannot score more than its length",
-                    "eval.stride",
-                )
-        # the training length, the base of every ratio, is always scored; columns read in order
-        cfg.eval.lengths = sorted({L, *cfg.eval.lengths})
-        if cfg.eval.tokens < max(cfg.eval.lengths):
-            raise PosbenchError(
-                f"eval.tokens={cfg.eval.tokens} is fewer than the longest eval length {max(cfg.eval.lengths)}",
-                "eval.tokens",
-            )
-        short = [n for n in cfg.eval.lengths if n < floor]
-        if short:
-            raise PosbenchError(
-                f"eval.lengths {short} are shorter than the training length "
-                f"model.train_len={floor}; test lengths must be >= it",
-                "eval.lengths",
-            )
-
-    def notes(self, cfg, corpus) -> list[str]:
-        from posbench.evaluate import eval_tokens, windows
-        from posbench.schemes import SCHEMES
-
-        notes = []
-        kinds = set(cfg.eval.rope_scaling)
-        if kinds and not any(kinds & set(SCHEMES.lookup(s).eval_variants) for s in cfg.schemes):
-            owners = [name for name, cls in SCHEMES.items() if kinds & set(cls.eval_variants)]
-            notes.append(
-                f"eval.rope_scaling {cfg.eval.rope_scaling}: no scheme run here has these "
-                f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
-            )
-        if "sliding" in cfg.eval.protocol:  # stride 1 is exact and slow: say how slow first
-            n = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1
-            count = sum(len(windows(n, L, "sliding", cfg.eval.stride)) for L in cfg.eval.lengths)
-            chunks = sum(len(windows(n, L, "nonoverlapping", None)) for L in cfg.eval.lengths)
-            notes.append(
-                f"sliding evaluation, stride {cfg.eval.stride}: {count:,} windows per run over all lengths, "
-                f"about {count / chunks:.0f}x the forward passes of non-overlapping evaluation"
-            )
-        return notes
-
-    def score(self, rc, rdir: Path, model, corpus, device, backend: str) -> None:
-        from posbench.evaluate import eval_tokens
-
-        n_tokens = len(eval_tokens(corpus, rc, rc.eval.lengths)) - 1  # the same for every run
-        for (variant, protocol), lengths in _unevaluated(rc, rdir, model, n_tokens, backend).items():
-            evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
-
-    def rescore(self, cfg, rdir: Path, model, corpus, device) -> list[dict]:
-        """Plain and each of eval.rope_scaling's variants (a variant row reads against the plain
-        one), at eval.lengths (the training length, every ratio's base, among them)."""
-        ev = cfg.eval
-        return evaluate_into(
-            cfg, rdir, model, corpus, ev.lengths, [None, *ev.rope_scaling], ev.rope_factor, ev.protocol
-        )
-
-    def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
-        how = rows[0]["attention"] if rows else rc.model.attention
-        table = [["scheme", "length", "protocol", "loss", "ppl", "status"]]
-        for r in rows:
-            ok = r["status"] == "ok"
-            table.append(
-                [
-                    r["scheme"],
-                    str(r["length"]),
-                    protocol_label(r["protocol"], r["stride"]),
-                    f"{r['loss']:.4f}" if ok else "—",
-                    f"{r['ppl']:.2f}" if ok else "—",
-                    r["status"],
-                ]
-            )
-        from posbench.schemes import run_label
-
-        return f"{run_label(rc.model)} seed {rc.seeds[0]}, trained at {rc.model.train_len}; attention {how}", table
-
-    def read(self, rdir: Path) -> list[dict]:
-        return read_eval(rdir)
-
-    def asked(self, rows: list[dict], cfg) -> list[dict]:
-        lengths = set(cfg.eval.lengths)
-        protocols = {(p, str(cfg.eval.stride) if p == "sliding" else "") for p in cfg.eval.protocol}
-        variants = {None, *cfg.eval.rope_scaling}
-
-        def variant(label: str):
-            return label.partition("+")[2].partition("@")[0] or None
-
-        return [
-            r
-            for r in rows
-            if int(r["length"]) in lengths
-            and (r["protocol"], str(r["stride"])) in protocols
-            and variant(r["scheme"]) in variants
-        ]
-
-    def report(self, collected, metric: str, transpose: bool, buckets) -> dict:
-        if buckets is not None:
-            raise PosbenchError("--buckets applies to the runs of a task, not to perplexity (task lm)")
-        return report(collected, metric or "ppl", transpose)
-
-    def join_checks(self, rows: list[dict]) -> list[tuple[str, set]]:
-        return join_checks(rows)
-
-
-PROTOCOL_NAMES = {
-    "nonoverlapping": "non-overlapping chunks, every token scored once",
-    "sliding": "sliding windows, each scoring its last stride tokens, every token scored once",
-}
-
-
-def protocol_label(protocol: str, stride) -> str:
-    """How a table names a protocol: `nonoverlapping`, or `sliding, stride 25`."""
-    return protocol if protocol == "nonoverlapping" else f"{protocol}, stride {stride}"
-
-
-EVAL_COLUMNS = [
-    "scheme",
-    "seed",
-    "train_len",
-    "length",
-    "protocol",
-    "stride",
-    "loss",
-    "ppl",
-    "bpb",  # bits per byte: the summed loss in bits over the UTF-8 bytes the scored tokens cover
-    "tokens",
-    "status",
-    "attention",
-    "tokenizer",
-]
-BYTES_COLUMNS = [c for c in EVAL_COLUMNS if c not in ("bpb", "tokenizer")]  # eval.csv before tokenizers: bytes
-
-
-POSITION_COLUMNS = ["scheme", "length", "protocol", "stride", "position", "loss", "tokens"]
-
-
-STATUSES = ("ok", "beyond-max-len", "non-finite")  # scored; cannot encode the length; blew up
-
-
-def eval_rows(cfg, rows: list[dict], label: Optional[str] = None) -> list[dict]:
-    """Rows of one run; `label` names an evaluation-time variant's rows, e.g. rope+yarn."""
-    from posbench.schemes import run_label
-
-    ident = {"scheme": label or run_label(cfg.model), "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
-    return [{**ident, **r} for r in rows]
-
-
-def read_eval(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "eval.csv"
-    if not path.is_file():
-        return []
-    bad = PosbenchError(f"{path}: malformed evaluation rows; delete it and run evaluate again")
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-            header = reader.fieldnames
-    except (UnicodeDecodeError, csv.Error):
-        raise bad from None
-    if header == BYTES_COLUMNS and rows:  # written before tokenizers: bytes, so bpb = loss / ln 2
-        for r in rows:
-            ok = r.get("status") == "ok" and r.get("loss") not in (None, "")
-            r["bpb"], r["tokenizer"] = (repr(float(r["loss"]) / math.log(2)) if ok else "nan"), "bytes"
-        rows = [{c: r[c] for c in EVAL_COLUMNS} for r in rows]
-    elif header != EVAL_COLUMNS or not rows:
-        raise bad
-    for r in rows:
-        try:
-            int(r["length"]), int(r["tokens"]), int(r["seed"]), int(r["train_len"])
-            if r["status"] not in STATUSES or (r["status"] == "ok" and not math.isfinite(float(r["loss"]))):
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise bad from None
-    return rows
-
-
-def evaluate_into(
-    rc,
-    rdir: Path,
-    model,
-    corpus,
-    lengths: list[int],
-    variants: list[Optional[str]] = (None,),
-    factor: Optional[float] = None,
-    protocols: Optional[list[str]] = None,
-) -> list[dict]:
-    """Evaluate at `lengths` under each protocol (None: the config's), as trained (None) and as
-    each named evaluation-time variant, and merge the rows into the run's eval.csv and their
-    loss per position into positions.csv: a (scheme label, length, protocol, stride) row
-    replaces its old one. The plain rows come first, then each variant's."""
-    from posbench.device import pick_device
-    from posbench.evaluate import eval_tokens, evaluate_model
-    from posbench.schemes import run_label, variant_label
-
-    unknown = [v for v in variants if v is not None and v not in model.scheme.eval_variants]
-    if unknown:
-        have = ", ".join(model.scheme.eval_variants) or "none"
-        raise PosbenchError(
-            f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have})"
-        )
-    if factor is not None and not factor >= 1.0:
-        raise PosbenchError(f"rope factor {factor}: must be >= 1")
-    device = pick_device(rc.train.device)
-    tokens = eval_tokens(corpus, rc, lengths)
-    labels = {variant_label(run_label(rc.model), v, factor) for v in variants}
-    n = len(tokens) - 1
-    stale = {
-        int(r["length"])
-        for r in read_eval(rdir)
-        if r["scheme"] in labels and int(r["tokens"]) != n and int(r["length"]) <= n
-    }
-    if stale - set(lengths):  # rows scored on other tokens do not compare with these: redo them
-        lengths = sorted(set(lengths) | stale)
-        tokens = eval_tokens(corpus, rc, lengths)
-    rows, positions = [], []
-    n_bytes = corpus.bytes_of(tokens[1:])  # the targets: every protocol scores each once
-    for protocol in protocols or rc.eval.protocol:
-        stride = rc.eval.stride if protocol == "sliding" else None
-        for v in variants:
-            label = variant_label(run_label(rc.model), v, factor)
-            scored, by_position = evaluate_model(
-                model, tokens, lengths, rc.eval.batch_size, device, v, factor, protocol, stride
-            )
-            for r in scored:  # bits per byte: the loss summed over the n scored tokens, over their bytes
-                r["bpb"] = r["loss"] / math.log(2) * (n / n_bytes) if r["status"] == "ok" else float("nan")
-                r["tokenizer"] = corpus.tokenizer
-            rows += eval_rows(rc, scored, label)
-            for L, (sums, counts) in by_position.items():
-                ident = {"scheme": label, "length": L, "protocol": protocol, "stride": stride}
-                positions += [
-                    {**ident, "position": p, "loss": sums[p].item() / c.item(), "tokens": c.item()}
-                    for p, c in enumerate(counts)
-                    if c > 0
-                ]
-    new = {_row_key(r) for r in rows}
-    keep = [r for r in read_eval(rdir) if _row_key(r) not in new]
-    base = run_label(rc.model)
-
-    def order(r):
-        return r["scheme"] != base, r["scheme"], r["protocol"], int(r["length"])
-
-    write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
-    kept = [r for r in read_positions(rdir) if _row_key(r) not in new]
-    write_rows(
-        rdir / "positions.csv",
-        sorted(kept + positions, key=lambda r: (*order(r), int(r["position"]))),
-        POSITION_COLUMNS,
-    )
-    return rows
-
-
-def _row_key(r: dict) -> tuple:
-    """What one evaluation row stands for: scheme label, length, protocol and stride."""
-    return r["scheme"], int(r["length"]), r["protocol"], str(r["stride"] if r["stride"] is not None else "")
-
-
-def read_positions(run_dir: Path) -> list[dict]:
-    """positions.csv's rows: the mean loss at each window position (empty if none yet)."""
-    path = Path(run_dir) / "positions.csv"
-    if not path.is_file():
-        return []
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-        if reader.fieldnames != POSITION_COLUMNS:
-            raise ValueError
-        for r in rows:
-            int(r["length"]), int(r["position"]), int(r["tokens"]), float(r["loss"])
-    except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
-        raise PosbenchError(f"{path}: malformed loss-per-position rows; delete it and run evaluate again") from None
-    return rows
-
-
-def _unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tuple, list[int]]:
-    """For each (variant, protocol) (variant None: as trained), the lengths still lacking a row
-    scored on these tokens by this attention backend; eval.rope_scaling kinds apply to a run
-    only if its scheme declares them."""
-    from posbench.schemes import run_label, variant_label
-
-    variants = [None] + [v for v in rc.eval.rope_scaling if v in model.scheme.eval_variants]
-    have = {(*_row_key(r), int(r["tokens"]), r["attention"]) for r in read_eval(rdir)}
-    missing = {}
-    for protocol in rc.eval.protocol:
-        stride = str(rc.eval.stride) if protocol == "sliding" else ""
-        for v in variants:
-            label = variant_label(run_label(rc.model), v, rc.eval.rope_factor)
-            lengths = [L for L in rc.eval.lengths if (label, L, protocol, stride, n_tokens, backend) not in have]
-            if lengths:
-                missing[v, protocol] = lengths
-    return missing
 
 
 def token_unit(df: pd.DataFrame) -> str:
@@ -367,15 +39,15 @@ def token_unit(df: pd.DataFrame) -> str:
 
 def metric_label(metric: str, df: pd.DataFrame) -> str:
     """What a cell holds: perplexity per byte, or per token under a tokenizer, named."""
-    label = Perplexity.metrics[metric].label
+    label = METRICS[metric].label
     return label if metric == "bpb" else label.replace("per byte", f"per {token_unit(df)}")
 
 
 def with_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
     """df with a `value` column: each row's ppl, loss, or ppl over the same run's (scheme,
     seed, protocol) ppl at the training length."""
-    if metric not in Perplexity.metrics:
-        raise PosbenchError(f"--metric {metric}: expected one of {', '.join(Perplexity.metrics)}")
+    if metric not in METRICS:
+        raise PosbenchError(f"--metric {metric}: expected one of {', '.join(METRICS)}")
     df = df.copy()
     if metric != "ratio":
         df["value"] = df[metric]
@@ -546,7 +218,7 @@ def grid(
     ppl(longest)/ppl(train), and the (row, column) cells that are best."""
     lengths = lengths_of(table)
     heads = [str(L) for L in lengths]
-    rows, best = compare_grid(table, heads, Perplexity.metrics[metric].digits, missing=missing, seeds=True)
+    rows, best = compare_grid(table, heads, METRICS[metric].digits, missing=missing, seeds=True)
     rows[0] += [f"ppl({table.attrs['longest']})/ppl({train_len})"]
     with_bpb = bpb and metric != "bpb" and table[["bpb train", "bpb longest"]].notna().any().any()
     rows[0] += [f"bpb({train_len})", f"bpb({table.attrs['longest']})"] if with_bpb else []
@@ -728,7 +400,7 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = 
 def plot(tables: dict[str, pd.DataFrame], path: Path, metric: str = "ppl", what: str = "", unit: str = "byte") -> bool:
     """The metric against length (compare.band_plot): a line per scheme with its 95% band over
     seeds, a dashed line at the training length, a panel per table (protocol, and grid point)."""
-    what = what or Perplexity.metrics[metric].label
+    what = what or METRICS[metric].label
     panels = []
     for label, table in tables.items():
         panels.append(Panel(f"{what} by length: {label}", lines(table), table.attrs["train_len"]))

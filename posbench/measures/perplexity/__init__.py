@@ -1,0 +1,140 @@
+"""Perplexity: next-token loss on the corpus at each length, the measure of task lm's runs.
+
+A run is scored at every eval length on the same validation tokens, under each protocol. Its
+rooms: records.py (eval.csv, a row per scheme label, length, protocol and stride; positions.csv,
+the mean loss at each window position; the metrics), score.py (scoring into them;
+posbench/evaluate.py holds the forward passes) and views.py (tables and plots). This module
+decides how a config's runs are scored and answers the Measure interface.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from posbench.config import length_grid
+from posbench.errors import PosbenchError
+from posbench.measures.base import Measure
+from posbench.measures.perplexity.records import METRICS, protocol_label, read_eval
+from posbench.measures.perplexity.score import default_stride, evaluate_into, unevaluated
+from posbench.measures.perplexity.views import join_checks, report
+
+
+class Perplexity(Measure):
+    name = "perplexity"
+    metrics = METRICS
+    records = ("eval.csv", "positions.csv")
+
+    def decide(self, cfg, test_len: Optional[int]) -> None:
+        L = cfg.model.train_len
+        # the shortest length scored: the training length, or a fine-tuned child's parent's
+        # (posbench extend scores a child beside its parent, from the parent's length)
+        floor = cfg.model.extend["from_len"] if cfg.model.extend else L
+        if test_len is not None:  # the grid runs from the training length, however it is given
+            cfg.eval.lengths = length_grid(L, test_len)
+        if "sliding" in cfg.eval.protocol:
+            if cfg.eval.stride is None:
+                cfg.eval.stride = default_stride(L)
+            if cfg.eval.stride > floor:
+                raise PosbenchError(
+                    f"eval.stride={cfg.eval.stride} is longer than the shortest window, "
+                    f"model.train_len={floor}; a window cannot score more than its length",
+                    "eval.stride",
+                )
+        # the training length, the base of every ratio, is always scored; columns read in order
+        cfg.eval.lengths = sorted({L, *cfg.eval.lengths})
+        if cfg.eval.tokens < max(cfg.eval.lengths):
+            raise PosbenchError(
+                f"eval.tokens={cfg.eval.tokens} is fewer than the longest eval length {max(cfg.eval.lengths)}",
+                "eval.tokens",
+            )
+        short = [n for n in cfg.eval.lengths if n < floor]
+        if short:
+            raise PosbenchError(
+                f"eval.lengths {short} are shorter than the training length "
+                f"model.train_len={floor}; test lengths must be >= it",
+                "eval.lengths",
+            )
+
+    def notes(self, cfg, corpus) -> list[str]:
+        from posbench.evaluate import eval_tokens, windows
+        from posbench.schemes import SCHEMES
+
+        notes = []
+        kinds = set(cfg.eval.rope_scaling)
+        if kinds and not any(kinds & set(SCHEMES.lookup(s).eval_variants) for s in cfg.schemes):
+            owners = [name for name, cls in SCHEMES.items() if kinds & set(cls.eval_variants)]
+            notes.append(
+                f"eval.rope_scaling {cfg.eval.rope_scaling}: no scheme run here has these "
+                f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
+            )
+        if "sliding" in cfg.eval.protocol:  # stride 1 is exact and slow: say how slow first
+            n = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1
+            count = sum(len(windows(n, L, "sliding", cfg.eval.stride)) for L in cfg.eval.lengths)
+            chunks = sum(len(windows(n, L, "nonoverlapping", None)) for L in cfg.eval.lengths)
+            notes.append(
+                f"sliding evaluation, stride {cfg.eval.stride}: {count:,} windows per run over all lengths, "
+                f"about {count / chunks:.0f}x the forward passes of non-overlapping evaluation"
+            )
+        return notes
+
+    def score(self, rc, rdir: Path, model, corpus, device, backend: str) -> None:
+        from posbench.evaluate import eval_tokens
+
+        n_tokens = len(eval_tokens(corpus, rc, rc.eval.lengths)) - 1  # the same for every run
+        for (variant, protocol), lengths in unevaluated(rc, rdir, model, n_tokens, backend).items():
+            evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
+
+    def rescore(self, cfg, rdir: Path, model, corpus, device) -> list[dict]:
+        """Plain and each of eval.rope_scaling's variants (a variant row reads against the plain
+        one), at eval.lengths (the training length, every ratio's base, among them)."""
+        ev = cfg.eval
+        return evaluate_into(
+            cfg, rdir, model, corpus, ev.lengths, [None, *ev.rope_scaling], ev.rope_factor, ev.protocol
+        )
+
+    def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
+        how = rows[0]["attention"] if rows else rc.model.attention
+        table = [["scheme", "length", "protocol", "loss", "ppl", "status"]]
+        for r in rows:
+            ok = r["status"] == "ok"
+            table.append(
+                [
+                    r["scheme"],
+                    str(r["length"]),
+                    protocol_label(r["protocol"], r["stride"]),
+                    f"{r['loss']:.4f}" if ok else "—",
+                    f"{r['ppl']:.2f}" if ok else "—",
+                    r["status"],
+                ]
+            )
+        from posbench.schemes import run_label
+
+        return f"{run_label(rc.model)} seed {rc.seeds[0]}, trained at {rc.model.train_len}; attention {how}", table
+
+    def read(self, rdir: Path) -> list[dict]:
+        return read_eval(rdir)
+
+    def asked(self, rows: list[dict], cfg) -> list[dict]:
+        lengths = set(cfg.eval.lengths)
+        protocols = {(p, str(cfg.eval.stride) if p == "sliding" else "") for p in cfg.eval.protocol}
+        variants = {None, *cfg.eval.rope_scaling}
+
+        def variant(label: str):
+            return label.partition("+")[2].partition("@")[0] or None
+
+        return [
+            r
+            for r in rows
+            if int(r["length"]) in lengths
+            and (r["protocol"], str(r["stride"])) in protocols
+            and variant(r["scheme"]) in variants
+        ]
+
+    def report(self, collected, metric: str, transpose: bool, buckets) -> dict:
+        if buckets is not None:
+            raise PosbenchError("--buckets applies to the runs of a task, not to perplexity (task lm)")
+        return report(collected, metric or "ppl", transpose)
+
+    def join_checks(self, rows: list[dict]) -> list[tuple[str, set]]:
+        return join_checks(rows)

@@ -1,0 +1,121 @@
+"""Perplexity's records: eval.csv (a row per scheme label, length, protocol and stride) and
+positions.csv (the mean loss at each window position), their columns and readers; no torch."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Optional
+
+from posbench.errors import PosbenchError
+from posbench.measures.base import Metric
+
+PROTOCOL_NAMES = {
+    "nonoverlapping": "non-overlapping chunks, every token scored once",
+    "sliding": "sliding windows, each scoring its last stride tokens, every token scored once",
+}
+
+
+def protocol_label(protocol: str, stride) -> str:
+    """How a table names a protocol: `nonoverlapping`, or `sliding, stride 25`."""
+    return protocol if protocol == "nonoverlapping" else f"{protocol}, stride {stride}"
+
+
+EVAL_COLUMNS = [
+    "scheme",
+    "seed",
+    "train_len",
+    "length",
+    "protocol",
+    "stride",
+    "loss",
+    "ppl",
+    "bpb",  # bits per byte: the summed loss in bits over the UTF-8 bytes the scored tokens cover
+    "tokens",
+    "status",
+    "attention",
+    "tokenizer",
+]
+BYTES_COLUMNS = [c for c in EVAL_COLUMNS if c not in ("bpb", "tokenizer")]  # eval.csv before tokenizers: bytes
+
+
+POSITION_COLUMNS = ["scheme", "length", "protocol", "stride", "position", "loss", "tokens"]
+
+
+STATUSES = ("ok", "beyond-max-len", "non-finite")  # scored; cannot encode the length; blew up
+
+
+def eval_rows(cfg, rows: list[dict], label: Optional[str] = None) -> list[dict]:
+    """Rows of one run; `label` names an evaluation-time variant's rows, e.g. rope+yarn."""
+    from posbench.schemes import run_label
+
+    ident = {"scheme": label or run_label(cfg.model), "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
+    return [{**ident, **r} for r in rows]
+
+
+def read_eval(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "eval.csv"
+    if not path.is_file():
+        return []
+    bad = PosbenchError(f"{path}: malformed evaluation rows; delete it and run evaluate again")
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            header = reader.fieldnames
+    except (UnicodeDecodeError, csv.Error):
+        raise bad from None
+    if header == BYTES_COLUMNS and rows:  # written before tokenizers: bytes, so bpb = loss / ln 2
+        for r in rows:
+            ok = r.get("status") == "ok" and r.get("loss") not in (None, "")
+            r["bpb"], r["tokenizer"] = (repr(float(r["loss"]) / math.log(2)) if ok else "nan"), "bytes"
+        rows = [{c: r[c] for c in EVAL_COLUMNS} for r in rows]
+    elif header != EVAL_COLUMNS or not rows:
+        raise bad
+    for r in rows:
+        try:
+            int(r["length"]), int(r["tokens"]), int(r["seed"]), int(r["train_len"])
+            if r["status"] not in STATUSES or (r["status"] == "ok" and not math.isfinite(float(r["loss"]))):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise bad from None
+    return rows
+
+
+def row_key(r: dict) -> tuple:
+    """What one evaluation row stands for: scheme label, length, protocol and stride."""
+    return r["scheme"], int(r["length"]), r["protocol"], str(r["stride"] if r["stride"] is not None else "")
+
+
+def read_positions(run_dir: Path) -> list[dict]:
+    """positions.csv's rows: the mean loss at each window position (empty if none yet)."""
+    path = Path(run_dir) / "positions.csv"
+    if not path.is_file():
+        return []
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+        if reader.fieldnames != POSITION_COLUMNS:
+            raise ValueError
+        for r in rows:
+            int(r["length"]), int(r["position"]), int(r["tokens"]), float(r["loss"])
+    except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
+        raise PosbenchError(f"{path}: malformed loss-per-position rows; delete it and run evaluate again") from None
+    return rows
+
+
+METRICS = {  # what a perplexity report tables, by --metric
+    "ppl": Metric("ppl", "perplexity per byte", higher_is_better=False, digits=2, column="ppl"),
+    "loss": Metric("loss", "loss in nats per byte", higher_is_better=False, digits=3, column="loss"),
+    "ratio": Metric("ratio", "perplexity over its perplexity at the training length", False, 3, aggregate="derived"),
+    "bpb": Metric(
+        "bpb",
+        "bits per byte",
+        higher_is_better=False,
+        digits=3,
+        column="bpb",
+        compares=("data.tokenizer", "data.vocab_size", "model.vocab_size"),
+    ),
+}

@@ -1,0 +1,119 @@
+"""Perplexity's scoring: each length's windows of the validation tokens, under each protocol
+and evaluation-time variant, merged into the run's records (posbench/evaluate.py holds the
+forward passes)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+from posbench.errors import PosbenchError
+from posbench.files import write_rows
+from posbench.measures.perplexity.records import (
+    EVAL_COLUMNS,
+    POSITION_COLUMNS,
+    eval_rows,
+    read_eval,
+    read_positions,
+    row_key,
+)
+
+
+def default_stride(train_len: int) -> int:
+    """Sliding windows advance by a quarter of the training length unless told otherwise."""
+    return max(1, train_len // 4)
+
+
+def evaluate_into(
+    rc,
+    rdir: Path,
+    model,
+    corpus,
+    lengths: list[int],
+    variants: list[Optional[str]] = (None,),
+    factor: Optional[float] = None,
+    protocols: Optional[list[str]] = None,
+) -> list[dict]:
+    """Evaluate at `lengths` under each protocol (None: the config's), as trained (None) and as
+    each named evaluation-time variant, and merge the rows into the run's eval.csv and their
+    loss per position into positions.csv: a (scheme label, length, protocol, stride) row
+    replaces its old one. The plain rows come first, then each variant's."""
+    from posbench.device import pick_device
+    from posbench.evaluate import eval_tokens, evaluate_model
+    from posbench.schemes import run_label, variant_label
+
+    unknown = [v for v in variants if v is not None and v not in model.scheme.eval_variants]
+    if unknown:
+        have = ", ".join(model.scheme.eval_variants) or "none"
+        raise PosbenchError(
+            f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have})"
+        )
+    if factor is not None and not factor >= 1.0:
+        raise PosbenchError(f"rope factor {factor}: must be >= 1")
+    device = pick_device(rc.train.device)
+    tokens = eval_tokens(corpus, rc, lengths)
+    labels = {variant_label(run_label(rc.model), v, factor) for v in variants}
+    n = len(tokens) - 1
+    stale = {
+        int(r["length"])
+        for r in read_eval(rdir)
+        if r["scheme"] in labels and int(r["tokens"]) != n and int(r["length"]) <= n
+    }
+    if stale - set(lengths):  # rows scored on other tokens do not compare with these: redo them
+        lengths = sorted(set(lengths) | stale)
+        tokens = eval_tokens(corpus, rc, lengths)
+    rows, positions = [], []
+    n_bytes = corpus.bytes_of(tokens[1:])  # the targets: every protocol scores each once
+    for protocol in protocols or rc.eval.protocol:
+        stride = rc.eval.stride if protocol == "sliding" else None
+        for v in variants:
+            label = variant_label(run_label(rc.model), v, factor)
+            scored, by_position = evaluate_model(
+                model, tokens, lengths, rc.eval.batch_size, device, v, factor, protocol, stride
+            )
+            for r in scored:  # bits per byte: the loss summed over the n scored tokens, over their bytes
+                r["bpb"] = r["loss"] / math.log(2) * (n / n_bytes) if r["status"] == "ok" else float("nan")
+                r["tokenizer"] = corpus.tokenizer
+            rows += eval_rows(rc, scored, label)
+            for L, (sums, counts) in by_position.items():
+                ident = {"scheme": label, "length": L, "protocol": protocol, "stride": stride}
+                positions += [
+                    {**ident, "position": p, "loss": sums[p].item() / c.item(), "tokens": c.item()}
+                    for p, c in enumerate(counts)
+                    if c > 0
+                ]
+    new = {row_key(r) for r in rows}
+    keep = [r for r in read_eval(rdir) if row_key(r) not in new]
+    base = run_label(rc.model)
+
+    def order(r):
+        return r["scheme"] != base, r["scheme"], r["protocol"], int(r["length"])
+
+    write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
+    kept = [r for r in read_positions(rdir) if row_key(r) not in new]
+    write_rows(
+        rdir / "positions.csv",
+        sorted(kept + positions, key=lambda r: (*order(r), int(r["position"]))),
+        POSITION_COLUMNS,
+    )
+    return rows
+
+
+def unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tuple, list[int]]:
+    """For each (variant, protocol) (variant None: as trained), the lengths still lacking a row
+    scored on these tokens by this attention backend; eval.rope_scaling kinds apply to a run
+    only if its scheme declares them."""
+    from posbench.schemes import run_label, variant_label
+
+    variants = [None] + [v for v in rc.eval.rope_scaling if v in model.scheme.eval_variants]
+    have = {(*row_key(r), int(r["tokens"]), r["attention"]) for r in read_eval(rdir)}
+    missing = {}
+    for protocol in rc.eval.protocol:
+        stride = str(rc.eval.stride) if protocol == "sliding" else ""
+        for v in variants:
+            label = variant_label(run_label(rc.model), v, rc.eval.rope_factor)
+            lengths = [L for L in rc.eval.lengths if (label, L, protocol, stride, n_tokens, backend) not in have]
+            if lengths:
+                missing[v, protocol] = lengths
+    return missing
