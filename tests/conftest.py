@@ -98,6 +98,15 @@ def smoke(tmp_path_factory):
     return smoke_experiment(tmp_path_factory.mktemp("smoke"))
 
 
+@pytest.fixture(scope="session")
+def task_smoke(tmp_path_factory) -> Path:
+    """One copy-task experiment of nope and alibi at QUICK_TASK's size (task_experiment), trained
+    once for the whole suite: its experiment folder, named `copy`. Tests only read it; a test that
+    changes it (deletes a file, reports into it) works on a copy:
+    `shutil.copytree(task_smoke, tmp_path / "copy")`."""
+    return task_experiment(tmp_path_factory.mktemp("task"), "nope,alibi")
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     """One torch thread for every test (a command's --threads may have changed it): the suite's

@@ -6,6 +6,7 @@ import csv
 import json
 import random
 import re
+import shutil
 
 import pytest
 import torch
@@ -609,13 +610,11 @@ def test_a_task_plugin_that_fails_to_build_is_one_line(tmp_path, monkeypatch):
 # --- the report of a task's runs ----------------------------------------------------------------
 
 
-def test_a_diverged_task_run_is_named_and_the_other_schemes_are_tabled(tmp_path):
+def test_a_diverged_task_run_is_named_and_the_other_schemes_are_tabled(tmp_path, task_smoke):
     """A run folder holding config.yaml and diverged.json, with no weights and no rows, is a run
     that diverged: the report tables the other schemes and names the diverged run, on the
     screen and in summary.md."""
-    from conftest import task_experiment
-
-    exp = task_experiment(tmp_path, "nope,alibi")
+    exp = shutil.copytree(task_smoke, tmp_path / "copy")
     run = exp / "alibi-seed0"
     for name in ("model.pt", "eval.csv", "samples.txt"):
         (run / name).unlink()
@@ -630,14 +629,12 @@ def test_a_diverged_task_run_is_named_and_the_other_schemes_are_tabled(tmp_path)
     assert any("alibi" in ln and "diverged" in ln for ln in md.splitlines()), md
 
 
-def test_a_task_run_another_process_holds_is_reported_as_still_running(tmp_path):
+def test_a_task_run_another_process_holds_is_reported_as_still_running(tmp_path, task_smoke):
     """A run folder without eval.csv whose lock another process holds is in progress: the report
     tables the other schemes and says the run is still running in another process."""
-    from conftest import task_experiment
-
     from posbench.files import exclusive
 
-    exp = task_experiment(tmp_path, "nope,alibi")
+    exp = shutil.copytree(task_smoke, tmp_path / "copy")
     (exp / "alibi-seed0" / "eval.csv").unlink()
     with exclusive(exp / ".alibi-seed0.lock") as mine:
         assert mine
@@ -681,12 +678,10 @@ def test_joining_task_experiments_that_share_a_scheme_and_seed_is_one_line(tmp_p
     assert not (tmp_path / "a+b").exists()
 
 
-def test_a_one_seed_task_table_claims_no_interval(tmp_path):
+def test_a_one_seed_task_table_claims_no_interval(task_smoke):
     """With one seed there is no interval: the description, the caption and the terminal say
     so, and no cell carries a ±."""
-    from conftest import task_experiment
-
-    exp = task_experiment(tmp_path, "nope,alibi")
+    exp = task_smoke
     md, tex = (exp / "summary.md").read_text(), (exp / "summary.tex").read_text()
     assert "1 seed: no interval; use --seeds 0,1,2" in md and "95% interval" not in md and "±" not in md
     assert "1 seed: no interval" in tex and "95\\% interval" not in tex
