@@ -7,6 +7,8 @@ import torch
 import yaml
 from conftest import SMOKE, invoke
 
+from posbench.experiment.checkpoint import weights_digest
+
 
 def test_run_dir_without_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
@@ -35,6 +37,7 @@ def test_weights_of_another_version_of_a_scheme_are_one_line(smoke, tmp_path):
     shutil.copytree(exp / "t5-seed0", run)
     ckpt = torch.load(run / "model.pt", weights_only=True)
     ckpt["model"]["scheme.table"] = ckpt["model"]["scheme.table"][:, :1]
+    ckpt["sha256"] = weights_digest(ckpt["model"])  # as the version that saved it wrote it
     torch.save(ckpt, run / "model.pt")
     res = invoke("evaluate", run, "--lengths", "32")
     assert res.exit_code == 2 and "Traceback" not in res.output
@@ -47,6 +50,7 @@ def test_a_checkpoint_with_nan_weights_is_refused(smoke, tmp_path):
     shutil.copytree(exp / "alibi-seed0", run)
     ckpt = torch.load(run / "model.pt", weights_only=True)
     ckpt["model"]["tok.weight"][0, 0] = float("nan")
+    ckpt["sha256"] = weights_digest(ckpt["model"])  # saved so: the checksum holds, the weights do not
     torch.save(ckpt, run / "model.pt")
     before = (run / "eval.csv").read_text()
     res = invoke("evaluate", run, "--lengths", "32")
@@ -144,3 +148,35 @@ def test_report_names_a_run_folder_missing_its_records(smoke, tmp_path):
     (copy / "rope-seed0" / "eval.csv").unlink()
     res = invoke("report", copy)
     assert res.exit_code == 2 and "rope-seed0: a run folder without eval.csv" in " ".join(res.output.split())
+
+
+def _flip_inside_a_tensor(path):
+    """One byte flipped in the middle of model.pt's largest tensor: the file still loads."""
+    import struct
+    import zipfile
+
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26 : info.header_offset + 30])
+    raw[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0xFF
+    path.write_bytes(raw)
+
+
+def test_a_model_pt_with_bytes_flipped_inside_is_refused_and_no_record_is_touched(smoke, tmp_path):
+    """#41: model.pt carries a checksum of its weights, checked on load: a byte flipped inside a
+    tensor (which torch loads without a word) is one line, and eval.csv keeps its rows."""
+    import torch
+
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    good = torch.load(run / "model.pt", weights_only=True)["model"]
+    _flip_inside_a_tensor(run / "model.pt")
+    bad = torch.load(run / "model.pt", weights_only=True)["model"]
+    assert any(not torch.equal(good[k], bad[k]) for k in good)  # it loads, other weights
+    before = (run / "eval.csv").read_bytes()
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "damaged: its weights do not match the checksum written with them" in " ".join(res.output.split())
+    assert (run / "eval.csv").read_bytes() == before

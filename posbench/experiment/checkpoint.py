@@ -8,6 +8,7 @@ and the one it replaces is kept as checkpoint.prev.pt, a fallback if the newest 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import random
 from pathlib import Path
@@ -28,9 +29,27 @@ def weights_identity(cfg: ExperimentConfig) -> dict:
     return {k: v for k, v in identity(cfg).items() if k != "data"}
 
 
+def weights_digest(state: dict) -> str:
+    """sha256 over a state dict's names and tensor bytes, in name order: written with the
+    weights and checked on load, so a file damaged on disk is never scored."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _damaged(ckpt: dict, key: str) -> bool:
+    """Whether a checkpoint's weights differ from the checksum written with them (one saved
+    before checksums were written has none, and is taken as it is)."""
+    return "sha256" in ckpt and weights_digest(ckpt[key]) != ckpt["sha256"]
+
+
 def save_checkpoint(path: Path, model: TransformerLM, cfg: ExperimentConfig) -> None:
+    state = model.state_dict()
     with atomic(path) as tmp:
-        torch.save({"config": cfg.to_dict(), "model": model.state_dict()}, tmp)
+        torch.save({"config": cfg.to_dict(), "model": state, "sha256": weights_digest(state)}, tmp)
 
 
 def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
@@ -47,6 +66,11 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
         raise PosbenchError(f"{run_dir}: holds no checkpoint (model.pt); train it first")
     try:
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        if _damaged(ckpt, "model"):
+            raise PosbenchError(
+                f"{ckpt_path}: damaged: its weights do not match the checksum written with them; "
+                f"restore the file or delete the run to retrain it"
+            )
         cfg = config_from_dict(ckpt["config"], source=str(ckpt_path))
         model = TransformerLM(cfg.model)
     except PosbenchError:
@@ -118,7 +142,7 @@ def save_progress(folder: Path, state: dict) -> None:
     replaces becomes checkpoint.prev.pt, so a checkpoint damaged on disk has a fallback."""
     path, tmp = folder / CHECKPOINT, folder / (TMP_PREFIX + CHECKPOINT)
     with open(tmp, "wb") as f:
-        torch.save(state, f)
+        torch.save({**state, "sha256": weights_digest(state["model"])}, f)
         f.flush()
         os.fsync(f.fileno())
     if path.exists():
@@ -144,6 +168,8 @@ def load_progress(folder: Path, reporter: Optional[Reporter] = None, label: str 
             state = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(state, dict) or not {"model", "optimizer", "step", "data"} <= set(state):
                 raise ValueError("not a posbench training checkpoint")
+            if _damaged(state, "model"):
+                raise ValueError("its weights do not match the checksum written with them")
         except Exception as e:  # torch raises many kinds for a truncated file
             damaged.append(f"{path}: corrupt or truncated checkpoint ({first_line(e, 120)})")
             continue
