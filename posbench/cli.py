@@ -483,19 +483,24 @@ def prepare(
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from posbench.config import DataConfig
+    from posbench.config import DataConfig, blame
     from posbench.text import prepare as prepare_tokens
     from posbench.text import source_files
 
     with user_errors(on_interrupt=f"nothing was written to {out_dir}"):
-        data = DataConfig(
-            path=source,
-            tokenizer=tokenizer,
-            vocab_size=vocab_size,
-            text_field=text_field,
-            val_fraction=val_fraction,
-            val_path=val_path,
-        )
+        flags = {"data.tokenizer": f"--tokenizer {tokenizer}", "data.vocab_size": f"--vocab-size {vocab_size}"}
+        flags.update({"data.val_fraction": f"--val-fraction {val_fraction}", "data.val_path": f"--val-path {val_path}"})
+        try:
+            data = DataConfig(
+                path=source,
+                tokenizer=tokenizer,
+                vocab_size=vocab_size,
+                text_field=text_field,
+                val_fraction=val_fraction,
+                val_path=val_path,
+            )
+        except PosbenchError as e:  # named by its flag, as the user gave it
+            raise blame(flags, e) from None
         total = sum(f.stat().st_size for f in source_files(source, "SOURCE") if f.is_file()) or None
         start = time.perf_counter()
         with Progress(
@@ -741,9 +746,10 @@ def _interrupt(signum, frame):
 
 def main():
     # a console script does not put the working directory on sys.path, so a user's
-    # `mymodule:MyScheme` beside their config would not import; add it, as uvicorn does
+    # `mymodule:MyScheme` beside their config would not import; add it last, after the installed
+    # packages, so that a tokenizers.py or wandb.py where the user stands never runs in their place
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        sys.path.append(os.getcwd())
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up like Ctrl-C: no half-written runs
     try:
         code = app(prog_name="posbench", standalone_mode=False)

@@ -18,6 +18,7 @@ from posbench.errors import PosbenchError, did_you_mean
 
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "native", "flex")  # see posbench/attention.py
 PROTOCOLS = ("nonoverlapping", "sliding")  # see posbench/evaluate.py
+MAX_BPE_VOCAB = 2**20  # a BPE trained here: past it the tokenizers library aborts in Rust
 TRACKER_NAMES = ("tensorboard", "wandb", "mlflow", "trackio")  # see posbench/trackers.py
 MAX_SWEEP_POINTS = 10_000  # a grid past this is a typo, not a study, and checking it would take minutes
 
@@ -150,6 +151,12 @@ class DataConfig:
             raise PosbenchError(
                 f"data.vocab_size={self.vocab_size} is smaller than the 256 byte symbols a byte-level BPE "
                 f"starts from; use at least 256",
+                "data.vocab_size",
+            )
+        if self.tokenizer == "bpe" and self.vocab_size > MAX_BPE_VOCAB:
+            raise PosbenchError(
+                f"data.vocab_size={self.vocab_size:,} is more tokens than a BPE trained here can have "
+                f"(at most {MAX_BPE_VOCAB:,}; GPT-2's has 50,257)",
                 "data.vocab_size",
             )
 

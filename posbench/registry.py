@@ -106,7 +106,7 @@ def load_plugin(spec: str, kind: str, base: type, public: str, example: str) -> 
     except ImportError as e:
         missing = getattr(e, "name", None) or ""
         # the module itself (or its package) is not found, not a module it imports: say where
-        # posbench looks (the CLI puts the working directory on sys.path)
+        # posbench looks (the CLI puts the working directory last on sys.path)
         where = (
             f"; posbench imports it from the working directory ({os.getcwd()}) or PYTHONPATH: run "
             f"posbench from the folder that holds {module_name.replace('.', '/')}.py"

@@ -221,3 +221,25 @@ def test_a_wrong_model_key_lists_the_keys_a_user_sets(tmp_path):
     assert res.exit_code == 2 and "model.schme: unknown key" in said and "n_layer" in said
     keys = said.split("valid keys:")[1]
     assert all(k not in keys.replace(",", " ").split() for k in ("scheme", "options", "extend")), said
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [  # #41's smaller cases: each is one line before anything runs
+        (
+            ["extrapolate", "--task", "copy", "--set", "task_options.alphabet=a"],
+            "--set task_options.alphabet=a: task_options.alphabet: task copy has 1 distinct instance(s) of length 1",
+        ),
+        (
+            ["prepare", "SOURCE", "--tokenizer", "bpe", "--vocab-size", "1000000000"],
+            "--vocab-size 1000000000: data.vocab_size=1,000,000,000 is more tokens than a BPE trained here can have",
+        ),
+    ],
+)
+def test_what_would_fail_late_or_abort_is_one_line_first(tmp_path, args, said):
+    (tmp_path / "small.txt").write_text("to be or not to be\n" * 50)
+    args = [str(tmp_path / "small.txt") if a == "SOURCE" else a for a in args]
+    out = ["--out", tmp_path / "out"] if args[0] == "prepare" else ["--set", f"out_dir={tmp_path / 'out'}"]
+    res = invoke(*args, *out)
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert said in " ".join(res.output.split()) and not (tmp_path / "out").exists()

@@ -147,3 +147,14 @@ def test_evaluate_decides_as_extrapolate_decides_and_names_its_flags(smoke, tmp_
         res = invoke("evaluate", run, *args)
         assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
         assert len(res.output.strip().splitlines()) == 1 and (run / "eval.csv").read_bytes() == before
+
+
+def test_a_length_given_twice_is_one_line_not_two_rows(smoke, tmp_path):
+    """#41: evaluate --lengths 64,64 wrote the row twice."""
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    before = (run / "eval.csv").read_bytes()
+    res = invoke("evaluate", run, "--lengths", "64,64")
+    assert res.exit_code == 2 and "--lengths 64,64: eval.lengths: 64 listed more than once" in res.output
+    assert (run / "eval.csv").read_bytes() == before

@@ -363,3 +363,10 @@ def test_a_childs_scoring_is_decided_by_its_measure_as_any_configs(parents, tmp_
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
     assert "eval.lengths [16] are shorter than the training length model.train_len=32" in " ".join(res.output.split())
     assert not (tmp_path / "ext").exists()
+
+
+def test_curve_steps_past_the_fine_tuning_are_refused_not_dropped(parents, tmp_path):
+    """#41: --curve 2,9 with --steps 4 was scored at 2 alone, without a word."""
+    res = _extend(parents, tmp_path / "ext", "--curve", "2,9")
+    assert res.exit_code == 2 and "--curve 9: the steps scored while fine-tuning lie in 0..4 (--steps)" in res.output
+    assert not (tmp_path / "ext").exists()

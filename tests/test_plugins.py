@@ -357,3 +357,19 @@ def test_a_plugin_module_not_found_hints_at_the_working_directory(on_path):
     module = on_path("plug_needs_dep", "import no_such_dependency_xyz\n")  # found, but its import is not
     res = invoke("check-scheme", f"{module}:Thing")
     assert "No module named 'no_such_dependency_xyz'" in res.output and "run posbench from" not in res.output
+
+
+def test_a_file_named_like_a_library_where_the_user_stands_never_runs(tmp_path):
+    """#41: the working directory is searched for a module:Class plugin after the installed
+    packages: a tokenizers.py there does not replace the library that trains a BPE."""
+    import subprocess
+    import sys
+
+    (tmp_path / "tokenizers.py").write_text("raise SystemExit('the local tokenizers.py ran')\n")
+    (tmp_path / "small.txt").write_text("to be or not to be that is the question\n" * 200)
+    # as the console script starts it: `python -c` would put the working directory first itself
+    code = "import sys; from posbench.cli import main; sys.argv = ['posbench', *sys.argv[1:]]; main()"
+    args = ["prepare", "small.txt", "--tokenizer", "bpe", "--vocab-size", "300", "--out", "prepared"]
+    res = subprocess.run([sys.executable, "-P", "-c", code, *args], cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0 and "local tokenizers.py ran" not in res.stderr, res.stderr
+    assert (tmp_path / "prepared" / "tokens.json").is_file()

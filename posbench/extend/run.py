@@ -110,6 +110,9 @@ def plan_extension(
         raise PosbenchError(f"--lr {lr} must be positive")
     if not abf_base > 1:
         raise PosbenchError(f"--abf-base {abf_base} must be > 1")
+    outside = [s for s in curve or [] if not 0 <= s <= steps]
+    if outside:
+        raise PosbenchError(f"--curve {outside[0]}: the steps scored while fine-tuning lie in 0..{steps} (--steps)")
     parents = parents_in(source)
     source = Path(source)
     folder = Path(out) if out is not None else source.parent / f"{source.name}-extend{to}"
@@ -144,7 +147,7 @@ def plan_extension(
                 continue
             rc = child_config(prc, m, to, steps, lr, want, ident, abf_base, folder, overrides)
             rdir = folder / f"{run_name(scheme, seed)}-{m.name}"
-            points = sorted({s for s in (curve or default_curve(steps)) if 0 <= s <= steps})
+            points = sorted(set(curve or default_curve(steps)))
             jobs.append(Job(rc, task, measure, rdir, plan_state(rc, task, rdir), parent=pdir, curve=points))
     for name, schemes in skipped.items():
         only = ", ".join(METHODS[name].schemes)

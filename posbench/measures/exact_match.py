@@ -28,7 +28,7 @@ from posbench.compare.table import grid as compare_grid
 from posbench.errors import PosbenchError
 from posbench.files import write_atomic, write_rows
 from posbench.measures.base import Measure, Metric, Section
-from posbench.tasks import Task, build_task
+from posbench.tasks.generators import Task, build_task
 
 
 class ExactMatch(Measure):
