@@ -246,7 +246,9 @@ def test_runs_record_their_backend_and_a_mixed_report_says_so(tmp_path, capsys):
     assert set(df["attention"]) == {"eager"}
     assert "- attention: eager backend (model.attention)" in (exp / "summary.md").read_text()
 
-    evaluate_run(exp / "alibi-seed0", [16, 32], attention="sdpa")  # scored again another way
+    evaluate_run(
+        exp / "alibi-seed0", {"eval.lengths": ("--lengths 16,32", [16, 32])}, attention="sdpa"
+    )  # scored again another way
     write_summary(exp)
     text = (exp / "summary.md").read_text()
     assert "DIFFERENT backends across runs" in text

@@ -370,3 +370,32 @@ def test_curve_steps_past_the_fine_tuning_are_refused_not_dropped(parents, tmp_p
     res = _extend(parents, tmp_path / "ext", "--curve", "2,9")
     assert res.exit_code == 2 and "--curve 9: the steps scored while fine-tuning lie in 0..4 (--steps)" in res.output
     assert not (tmp_path / "ext").exists()
+
+
+def test_extend_refuses_a_model_override_before_writing_and_gives_training_ones_to_the_children(parents, tmp_path):
+    """#41: `extend --set model.n_layer=3` wrote a parent copy whose config.yaml misdescribed its
+    model.pt, then failed blaming that file; it is refused before anything is written. A
+    training override (train.batch_size) is the children's: the copy keeps its parent's."""
+    res = _extend(parents, tmp_path / "bad", "--set", "model.n_layer=3")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    said = " ".join(res.output.split())
+    assert "--set model.n_layer=3: extend fine-tunes the parent's weights" in said and "(model.n_layer: 1)" in said
+    assert not (tmp_path / "bad").exists()
+    exp, _ = parents
+    res = invoke(
+        "extend",
+        exp / "alibi-seed0",
+        "--to",
+        "64",
+        "--steps",
+        "2",
+        "--out",
+        tmp_path / "ok",
+        "--set",
+        "train.batch_size=4",
+    )
+    assert res.exit_code == 0, res.output
+    copy = yaml.safe_load((tmp_path / "ok" / "alibi-seed0" / "config.yaml").read_text())
+    child = yaml.safe_load((tmp_path / "ok" / "alibi-seed0-plain" / "config.yaml").read_text())
+    parent = yaml.safe_load((exp / "alibi-seed0" / "config.yaml").read_text())
+    assert copy["train"]["batch_size"] == parent["train"]["batch_size"] != 4 and child["train"]["batch_size"] == 4

@@ -62,7 +62,7 @@ def plan_runs(exp: Experiment) -> list[Job]:
     return jobs
 
 
-def plan_state(rc: ExperimentConfig, task: TrainingTask, rdir: Path) -> str:
+def plan_state(rc: ExperimentConfig, task: TrainingTask, rdir: Path, elsewhere: str = "--set name=NEW") -> str:
     """ "todo", "done" or "diverged" for the run `rc` in `rdir`; an error if the folder holds
     another config's run or something that is not a run. The records of this very run without
     its weights (a committed reference: config.yaml, eval.csv, no model.pt) are trained again."""
@@ -86,7 +86,7 @@ def plan_state(rc: ExperimentConfig, task: TrainingTask, rdir: Path) -> str:
         diff = differences(ours, theirs, (rdir.name, "here"))
         raise PosbenchError(
             f"{rdir} was trained under a different config ({', '.join(diff)}); "
-            f"choose another experiment name with --set name=NEW, or delete that folder"
+            f"choose another experiment folder with {elsewhere}, or delete that folder"
         )
     if run.trained:
         return "done"

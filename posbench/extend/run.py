@@ -135,11 +135,12 @@ def plan_extension(
         if min(want) < 1:
             raise PosbenchError(f"--lengths: every length must be positive, not {min(want)}")
         ident = parent_identity(prc, task)
+        settings = parent_settings(prc, overrides)
         copy_rc = _with(
-            prc, overrides, folder, eval={"lengths": want, "rope_scaling": _variants(prc), "rope_factor": None}
+            prc, settings, folder, eval={"lengths": want, "rope_scaling": _variants(prc), "rope_factor": None}
         )
         copy_dir = folder / run_name(scheme, seed)
-        state = plan_state(copy_rc, task, copy_dir)  # "todo": copied, never trained
+        state = plan_state(copy_rc, task, copy_dir, "--out")  # "todo": copied, never trained
         jobs.append(Job(copy_rc, task, measure, copy_dir, "copy" if state == "todo" else state, parent=pdir))
         for m in methods:
             if not applies(m, scheme):
@@ -148,7 +149,7 @@ def plan_extension(
             rc = child_config(prc, m, to, steps, lr, want, ident, abf_base, folder, overrides)
             rdir = folder / f"{run_name(scheme, seed)}-{m.name}"
             points = sorted(set(curve or default_curve(steps)))
-            jobs.append(Job(rc, task, measure, rdir, plan_state(rc, task, rdir), parent=pdir, curve=points))
+            jobs.append(Job(rc, task, measure, rdir, plan_state(rc, task, rdir, "--out"), parent=pdir, curve=points))
     for name, schemes in skipped.items():
         only = ", ".join(METHODS[name].schemes)
         notes.append(f"{name} applies to {only} only: not to {', '.join(sorted(set(schemes)))}")
@@ -164,6 +165,30 @@ def plan_extension(
         "lengths": sorted({L for job in jobs for L in job.cfg.eval.lengths}),
     }
     return Plan(folder, jobs, notes, record)
+
+
+def parent_settings(prc: ExperimentConfig, overrides) -> list[str]:
+    """The --set overrides a parent's copy takes: those that change how runs are run or scored,
+    not what its weights were trained under (a child takes every one, e.g. train.batch_size).
+    One that changes the model is refused: the parent's weights fit the parent's model alone."""
+    from posbench.config import flat
+    from posbench.experiment.checkpoint import weights_identity
+
+    base = flat(weights_identity(prc))
+    kept = []
+    for o in overrides:
+        raw = prc.to_dict()
+        apply_override(raw, o, {})
+        changed = [k for k, v in flat(weights_identity(config_from_dict(raw))).items() if base.get(k) != v]
+        model = [k for k in changed if k.startswith("model.")]
+        if model:
+            raise PosbenchError(
+                f"--set {o}: extend fine-tunes the parent's weights, which fit its model as trained ({model[0]}: "
+                f"{base.get(model[0])}); its model settings cannot change"
+            )
+        if not changed:
+            kept.append(o)
+    return kept
 
 
 def default_curve(steps: int) -> list[int]:
