@@ -404,6 +404,7 @@ def evaluate(
         out.print(plain_table(*measure.evaluation(rc, rows)))
         written = " and ".join(str(Path(run_dir) / name) for name in measure.records)
         out.print(f"wrote {written}", highlight=False, soft_wrap=True)
+        _unsent(rc.train.tracker, tracker)
 
 
 @app.command()
@@ -738,6 +739,19 @@ def _usage_errors() -> tuple:
 
         kinds.append(ClickException)
     return tuple(kinds)
+
+
+def _unsent(own: Optional[str], given: Optional[str]) -> None:
+    """A line where a run's own tracker (train.tracker) was not sent the new rows: its library is
+    not installed here, and no --tracker was given instead."""
+    from posbench.trackers import INSTALL, tracker_installed
+
+    if own is not None and given is None and not tracker_installed(own):
+        err.print(
+            f"not sent to {own} (the run's train.tracker): its library is not installed here; {INSTALL} "
+            f"(or pip install {own}), then evaluate again",
+            highlight=False,
+        )
 
 
 def _interrupt(signum, frame):

@@ -158,3 +158,21 @@ def test_a_length_given_twice_is_one_line_not_two_rows(smoke, tmp_path):
     res = invoke("evaluate", run, "--lengths", "64,64")
     assert res.exit_code == 2 and "--lengths 64,64: eval.lengths: 64 listed more than once" in res.output
     assert (run / "eval.csv").read_bytes() == before
+
+
+def test_evaluate_says_when_the_runs_own_tracker_cannot_be_sent_the_rows(smoke, tmp_path, monkeypatch):
+    """#41: a run recorded with train.tracker whose library is not installed here was scored
+    and its rows not sent, without a word."""
+    import posbench.trackers
+
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    rec = yaml.safe_load((run / "config.yaml").read_text())
+    rec["train"]["tracker"] = "trackio"
+    (run / "config.yaml").write_text(yaml.safe_dump(rec))
+    monkeypatch.setattr(posbench.trackers, "tracker_installed", lambda name: name != "trackio")
+    res = invoke("evaluate", run, "--lengths", "32")
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "not sent to trackio (the run's train.tracker): its library is not installed here" in said
