@@ -438,12 +438,30 @@ def load_prepared(path: str) -> Tokens:
 def prepare(data, out: Path, progress=None, advance=None) -> dict:
     """Tokenize data.path once into out/: train.bin and val.bin (uint8, uint16 or uint32),
     byte_lengths.npy, the tokenizer's own file and tokens.json (tokenizer, source digests, token
-    and byte counts). Written under a temporary name and renamed when whole."""
+    and byte counts). Written under a temporary name and renamed when whole, by one process at a
+    time: a second `posbench prepare` into the same folder is refused, naming the first."""
+    from posbench.files import exclusive, lock_holder
+
+    out = Path(out)
+    lock = out.resolve().with_name(f".{out.resolve().name}.lock")  # beside it; `--out .` too
+    with exclusive(lock) as held:
+        if not held:
+            pid = lock_holder(lock)
+            raise PosbenchError(
+                f"{out}: another posbench prepare{f' (pid {pid})' if pid else ''} is writing it; wait for it to "
+                f"finish, or choose another --out"
+            )
+        try:
+            return _prepare(data, out, progress, advance)
+        finally:
+            lock.unlink(missing_ok=True)  # while still held: a process that opened it takes the next one
+
+
+def _prepare(data, out: Path, progress, advance) -> dict:
     import shutil
 
     if is_prepared(data.path):
         raise PosbenchError(f"SOURCE {data.path}: already a prepared folder")
-    out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise PosbenchError(f"{out}: exists and is not empty; choose another --out or delete it")
 

@@ -279,3 +279,23 @@ def test_prepares_errors_name_its_own_flags_and_the_fields_it_found(tmp_path):
     assert res.exit_code == 2 and f"SOURCE '{tmp_path / 'none*.txt'}' matches no file" in said, said
     res = _smoke(tmp_path / "r", "--set", f"data.path={jsonl}", "--set", "data.tokenizer=bpe")
     assert "(set data.text_field to the text's field); its fields: content, path" in " ".join(res.output.split())
+
+
+def test_a_second_prepare_into_one_folder_is_refused_naming_the_first(tmp_path):
+    """#41: two `prepare` into one --out mixed their files (tokens.json of one source, train.bin
+    of the other's tokens); while one writes, the other is one line naming it, and writes nothing."""
+    import os
+
+    from posbench.files import exclusive
+
+    (tmp_path / "a.txt").write_text("to be or not to be that is the question\n" * 200)
+    out = tmp_path / "prepared"
+    with exclusive(tmp_path / ".prepared.lock") as held:  # as the first process holds it
+        assert held
+        res = invoke("prepare", tmp_path / "a.txt", "--out", out)
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"another posbench prepare (pid {os.getpid()}) is writing it" in " ".join(res.output.split())
+    assert not out.exists()
+    res = invoke("prepare", tmp_path / "a.txt", "--out", out)  # once it is done, the folder is free
+    assert res.exit_code == 0, res.output
+    assert (out / "tokens.json").is_file() and not (tmp_path / ".prepared.lock").exists()
