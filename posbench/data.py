@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +36,17 @@ class Corpus:
     val: torch.Tensor  # (N_val,) the tail of the text (or data.val_path), never trained on
     tokenizer: str = "bytes"  # as tables name it: bytes, bpe-2048, tokenizer.json...
     byte_lengths: Optional[np.ndarray] = None  # (vocab,) the UTF-8 bytes each token spells; None: 1 each
+    digest: str = ""  # what identifies its tokens (a prepared folder's, from tokens.json); "": its tokens' sha256
+
+    def sha256(self) -> str:
+        """The sha256 of what a run reads: its tokenizer and both splits' tokens (a prepared
+        folder: its source digest, tokenizer and token counts, from tokens.json, never read whole)."""
+        if not self.digest:
+            h = hashlib.sha256(self.tokenizer.encode())
+            for split in (self.train, self.val):
+                h.update(b"|" + np.ascontiguousarray(np.asarray(split)).tobytes())
+            self.digest = h.hexdigest()
+        return self.digest
 
     def bytes_of(self, tokens) -> int:
         """The UTF-8 bytes a run of tokens covers: what bits per byte divides by."""
@@ -133,7 +145,10 @@ def load_corpus(cfg: DataConfig, fetching=None) -> Corpus:
 
     if text.is_prepared(cfg.path):
         t = text.load_prepared(cfg.path)
-        return Corpus(t.name, t.train, t.val, t.tokenizer, t.byte_lengths)
+        meta = text.read_prepared_meta(cfg.path)
+        keys = ("source_sha256", "tokenizer", "vocab_size", "train_tokens", "val_tokens", "val_path", "val_fraction")
+        pinned = hashlib.sha256(json.dumps({k: meta.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()
+        return Corpus(t.name, t.train, t.val, t.tokenizer, t.byte_lengths, pinned)
     plain = cfg.path is None or all(
         f.is_file() and f.suffix not in (".jsonl", ".parquet") for f in text.source_files(cfg.path)
     )

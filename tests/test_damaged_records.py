@@ -180,3 +180,29 @@ def test_a_model_pt_with_bytes_flipped_inside_is_refused_and_no_record_is_touche
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
     assert "damaged: its weights do not match the checksum written with them" in " ".join(res.output.split())
     assert (run / "eval.csv").read_bytes() == before
+
+
+def test_a_run_is_scored_and_fine_tuned_only_on_the_data_it_read(tmp_path):
+    """#41: evaluate, a rerun and extend read data.path afresh: a corpus changed under its name
+    gave an old model's rows on other text, merged with its own. A run's data.json pins the
+    sha256 of what it read; each of them refuses other data in one line, before anything is
+    scored or trained, and the records stay as they were."""
+    from conftest import smoke_experiment
+
+    exp, _, text = smoke_experiment(tmp_path, "--schemes", "alibi")
+    run = exp / "alibi-seed0"
+    pinned = yaml.safe_load((run / "data.json").read_text())
+    assert len(pinned["sha256"]) == 64 and str(text) in pinned["corpus"]
+    text.write_text("all the world is a stage and all the men and women merely players\n" * 400)
+    before = (run / "eval.csv").read_bytes()
+    for args in (
+        ["evaluate", run, "--lengths", "32"],
+        ["extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={exp.parent}"]
+        + ["--set", f"data.path={text}"],
+        ["extend", run, "--to", "64", "--steps", "2", "--out", tmp_path / "ext"],
+    ):
+        res = invoke(*args)
+        said = " ".join(res.output.split())
+        assert res.exit_code == 2 and f"read {text} (bytes) with sha256 {pinned['sha256'][:12]}" in said, res.output
+        assert "its scores would not compare" in said and (run / "eval.csv").read_bytes() == before
+    assert not (tmp_path / "ext").exists()

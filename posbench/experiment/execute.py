@@ -31,10 +31,12 @@ from posbench.experiment.records import (
     PREVIOUS,
     SWEEP_RECORD,
     WEIGHTS,
+    check_read,
     diverged_step,
     lock_file,
     partial_dir,
     planned,
+    record_read,
     run_name,
 )
 from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
@@ -109,6 +111,7 @@ def run_jobs(
     its data itself), and send each finished run to `tracker` (None: cfg.train.tracker) from
     here. An experiment folder made here and left with nothing in it but lock files is removed
     on failure."""
+    check_reads(jobs, sources)
     to_train = sum(job.state == "todo" for job in jobs)
     reporter.plan(to_train)  # each run's progress says "3 of 8"
     workers, threads = worker_plan(cfg, to_train, reporter.note)
@@ -132,6 +135,16 @@ def run_jobs(
         if created and not any(p for p in folder.iterdir() if not p.name.endswith(".lock") and p.name != PLANNED):
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def check_reads(jobs: list[Job], sources: dict) -> None:
+    """Refuse, before anything runs, a run (or the parent it is fine-tuned from) that read other
+    data than its config names now (records.check_read)."""
+    for job in jobs:
+        digest = job.task.fingerprint(source_of(job, sources))
+        for read in (job.folder, job.parent):
+            if read is not None:
+                check_read(read, digest)
 
 
 def source_of(job: Job, sources: dict):
@@ -189,6 +202,7 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
         device = pick_device(rc.train.device)
         job.measure.score(rc, rdir, model, data, device, model.backend(device))
         write_atomic(rdir / CONFIG, dump_yaml(record))  # how it was trained, and scored now
+        record_read(rdir, getattr(data, "name", rc.task), job.task.fingerprint(data))
         return "reused" if state == "done" else "trained"
 
 
@@ -289,7 +303,11 @@ def evaluate_run(
     dev = pick_device(rc.train.device)
     check_tracker(tracker, "--tracker")
     tracker = tracker or usable(rc.train.tracker)  # the run's own, where its library is installed here
-    rows = exp.measure.rescore(exp.cfg, Path(run_dir), model.to(dev), exp.task.source(exp.cfg), dev)
+    source = exp.task.source(exp.cfg)
+    digest = exp.task.fingerprint(source)
+    check_read(run_dir, digest)  # before a row is scored: on other data they would not compare
+    rows = exp.measure.rescore(exp.cfg, Path(run_dir), model.to(dev), source, dev)
+    record_read(run_dir, getattr(source, "name", rc.task), digest)
     where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
     send_run(tracker, where.parent, where)  # the new results, to the run's tracker run
     return exp.cfg, exp.measure, rows
@@ -311,7 +329,9 @@ def measure_run(
         check_device(device, f"--device {device}")
         rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
     dev = pick_device(rc.train.device)
-    run = ScoringRun(rc, model.to(dev).eval(), dev, task_for(rc).source(rc))
+    task = task_for(rc)
+    run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))
+    check_read(run_dir, task.fingerprint(run.source))
     rows = score_into(measure, spec, run, Path(run_dir))
     where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
     send_run(tracker or usable(rc.train.tracker), where.parent, where)

@@ -1,8 +1,9 @@
 """A run folder's layout and its records, read by plain code: no torch, no training code.
 
 A run folder holds config.yaml (fully resolved), model.pt (weights plus that same config),
-train_log.jsonl (step, loss, lr, seconds, attention backend) and its measure's records (e.g.
-eval.csv); a run whose loss blew up holds diverged.json instead of model.pt. Folders are built
+train_log.jsonl (step, loss, lr, seconds, attention backend), data.json (the sha256 of the corpus
+it read: what it is scored and fine-tuned on is checked against it) and its measure's records
+(e.g. eval.csv); a run whose loss blew up holds diverged.json instead of model.pt. Folders are built
 under a hidden name (.<run>.partial), beside their mid-run checkpoints, and renamed when whole,
 so an interrupted run leaves nothing that could pass for a finished one. A lock file per run
 (.<run>.lock) keeps two processes from writing one run.
@@ -17,11 +18,13 @@ from pathlib import Path
 from typing import Optional
 
 from posbench.config import ExperimentConfig, config_from_dict, read_record
+from posbench.errors import PosbenchError
 from posbench.files import lock_holder, safe_name
 
 CONFIG, WEIGHTS, DIVERGED, FAILED = "config.yaml", "model.pt", "diverged.json", "failed.txt"
 CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"  # mid-run state; the one before it
 EVAL = "eval.csv"  # the scored rows, in the columns of the run's measure
+DATA = "data.json"  # what the run read, by sha256 (the corpus's tokens), where its config cannot say it
 PLANNED = "runs.txt"  # the run folders an experiment was asked to hold, one a line: status names the missing ones
 SWEEP_RECORD = "sweep.yaml"  # the grid a sweep's experiment folder was made by; its runs may differ
 
@@ -119,3 +122,32 @@ def trained_with(rdir: Path) -> Optional[str]:
     """The attention backend a run trained with, from its train_log.jsonl (None if unrecorded)."""
     log = read_train_log(rdir)
     return log[0].get("attention") if log and isinstance(log[0], dict) else None
+
+
+def check_read(rdir: Path, digest: Optional[str]) -> None:
+    """Refuse to score or fine-tune the run in `rdir` on data other than it read: its data.json
+    names the sha256 of what it read; `digest` is what its config reads now (None: nothing to pin,
+    a synthetic task's runs, whose options make their data)."""
+    path = Path(rdir) / DATA
+    if digest is None or not path.is_file():
+        return
+    try:
+        read = json.loads(path.read_text())
+        was, name = read["sha256"], read["corpus"]
+    except (ValueError, KeyError, TypeError):
+        raise PosbenchError(
+            f"{path}: malformed; restore it, or delete it to pin the run to the data it reads now"
+        ) from None
+    if was != digest:
+        raise PosbenchError(
+            f"{rdir} read {name} with sha256 {was[:12]}, but the data its config names now has sha256 "
+            f"{digest[:12]}: its scores would not compare; restore that data, or train the run anew"
+        )
+
+
+def record_read(rdir: Path, name: str, digest: Optional[str]) -> None:
+    """data.json: the sha256 of what the run read, where it has none yet."""
+    from posbench.files import write_atomic
+
+    if digest is not None and not (Path(rdir) / DATA).is_file():
+        write_atomic(Path(rdir) / DATA, json.dumps({"corpus": name, "sha256": digest}, indent=1) + "\n")

@@ -39,6 +39,11 @@ class TrainingTask:
     def source_key(self, rc) -> str:
         raise NotImplementedError
 
+    def fingerprint(self, source) -> Optional[str]:
+        """The sha256 of what a run read, where its config cannot say it (a file's contents may
+        change under its name); None where its options make its data (a synthetic task)."""
+        return None
+
     def batches(self, rc, source):
         """Training batches: batches(gen) -> (x, y), y = -100 where no loss is taken, with
         get_state / set_state for a checkpoint."""

@@ -40,6 +40,9 @@ class CorpusTask(TrainingTask):
     def source_key(self, rc) -> str:
         return json.dumps(rc.to_dict()["data"], sort_keys=True)
 
+    def fingerprint(self, corpus) -> Optional[str]:
+        return corpus.sha256()
+
     def batches(self, rc, corpus):
         from posbench.data import CorpusBatches
 
