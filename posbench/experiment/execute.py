@@ -291,12 +291,9 @@ def evaluate_run(
     model.attention), merge the rows into its records, send them to `tracker` (None: the run's
     train.tracker, where its library is installed here), and restore a deleted config.yaml from
     the checkpoint's copy. Returns the config it was scored under, its measure and the new rows."""
-    rc, model = load_run(run_dir)
+    trained, rc, model = _to_score(run_dir, device)
     if not (Path(run_dir) / CONFIG).is_file():
-        write_atomic(Path(run_dir) / CONFIG, dump_yaml(rc))
-    if device is not None:  # a run trained on a GPU can be scored on a laptop
-        check_device(device, f"--device {device}")
-        rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
+        write_atomic(Path(run_dir) / CONFIG, dump_yaml(trained))
     if attention is not None:  # how it is scored, not what it learned: the weights are the same
         model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
     exp = resolve_scoring(rc, asked)
@@ -308,8 +305,7 @@ def evaluate_run(
     check_read(run_dir, digest)  # before a row is scored: on other data they would not compare
     rows = exp.measure.rescore(exp.cfg, Path(run_dir), model.to(dev), source, dev)
     record_read(run_dir, getattr(source, "name", rc.task), digest)
-    where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
-    send_run(tracker, where.parent, where)  # the new results, to the run's tracker run
+    _send(tracker, run_dir)
     return exp.cfg, exp.measure, rows
 
 
@@ -324,15 +320,27 @@ def measure_run(
 
     check_tracker(tracker, "--tracker")
     measure = load_measure(spec)
-    rc, model = load_run(run_dir)
-    if device is not None:  # a run trained on a GPU can be scored on a laptop
-        check_device(device, f"--device {device}")
-        rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
+    _, rc, model = _to_score(run_dir, device)
     dev = pick_device(rc.train.device)
     task = task_for(rc)
     run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))
     check_read(run_dir, task.fingerprint(run.source))
     rows = score_into(measure, spec, run, Path(run_dir))
-    where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
-    send_run(tracker or usable(rc.train.tracker), where.parent, where)
+    _send(tracker or usable(rc.train.tracker), run_dir)
     return rc, measure, rows
+
+
+def _to_score(run_dir: Path, device: Optional[str]) -> tuple[ExperimentConfig, ExperimentConfig, TransformerLM]:
+    """A finished run's config as trained, as scored on `device` (None: the run's own), and its model."""
+    trained, model = load_run(run_dir)
+    rc = trained
+    if device is not None:  # a run trained on a GPU can be scored on a laptop
+        check_device(device, f"--device {device}")
+        rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, device=device))
+    return trained, rc, model
+
+
+def _send(tracker: Optional[str], run_dir: Path) -> None:
+    """A rescored run's new results, to its tracker run."""
+    where = Path(run_dir).resolve()  # `posbench evaluate .` too: its experiment is the folder above
+    send_run(tracker, where.parent, where)
