@@ -189,13 +189,13 @@ def extrapolate(
             "train.threads": (f"--threads {threads}", threads),
             "train.device": (f"--device {device}", device),
             "model.attention": (f"--attention {attention}", attention),
-            "eval.rope_scaling": (
+            "eval.perplexity.rope_scaling": (
                 f"--rope-scaling {rope_scaling}",
                 _csv_names(rope_scaling) if rope_scaling is not None else None,
             ),
-            "eval.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
-            "eval.protocol": (f"--protocol {protocol}", _csv_names(protocol) if protocol is not None else None),
-            "eval.stride": (f"--stride {stride}", stride),
+            "eval.perplexity.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
+            "eval.perplexity.protocol": (f"--protocol {protocol}", _csv_names(protocol) if protocol else None),
+            "eval.perplexity.stride": (f"--stride {stride}", stride),
             "train.compile": ("--compile", compile_ or None),
             "task": (f"--task {task}", task),
             "train.tracker": (f"--tracker {tracker}", tracker),
@@ -390,13 +390,13 @@ def evaluate(
         if stride is not None and stride <= 0:
             raise PosbenchError(f"--stride {stride} must be positive")
         asked = {
-            "eval.rope_scaling": (f"--rope-scaling {rope_scaling}", kinds),  # none unless given
-            "eval.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
+            "eval.perplexity.rope_scaling": (f"--rope-scaling {rope_scaling}", kinds),  # none unless given
+            "eval.perplexity.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
         }
         for key, flag, value in (
             ("eval.lengths", f"--lengths {lengths}", _csv_ints(lengths, "--lengths")),
-            ("eval.protocol", f"--protocol {protocol}", _csv_names(protocol)),
-            ("eval.stride", f"--stride {stride}", stride),
+            ("eval.perplexity.protocol", f"--protocol {protocol}", _csv_names(protocol)),
+            ("eval.perplexity.stride", f"--stride {stride}", stride),
         ):
             if value:  # else the run's own
                 asked[key] = (flag, value)

@@ -162,12 +162,9 @@ class DataConfig:
 
 
 @dataclass
-class EvalConfig:
-    """How models are scored: at each length, the same validation tokens, under each protocol."""
+class PerplexityConfig:
+    """How perplexity (posbench/measures/perplexity/) scores a language model's runs."""
 
-    lengths: list[int] = field(default_factory=lambda: [100, 125, 150, 200])
-    tokens: int = 32768  # validation tokens scored at every length (the same ones)
-    batch_size: int = 16
     # nonoverlapping: chunks of each length, every token scored once; sliding: windows of each
     # length advancing by `stride`, each scoring its last `stride` tokens (the first, all of
     # its tokens). Both may be listed: each gives its own rows
@@ -177,13 +174,56 @@ class EvalConfig:
     # scheme declares them (rope: linear, ntk, dynamic, yarn); the checkpoints are not retrained
     rope_scaling: list[str] = field(default_factory=list)
     rope_factor: Optional[float] = None  # a fixed scale s for those rows; None = L'/L per length
-    # a task's length buckets, by their last length; empty: the default of measures/exact_match.buckets
+
+    def __post_init__(self):
+        if self.rope_factor is not None and not self.rope_factor >= 1.0:
+            raise PosbenchError(f"eval.perplexity.rope_factor={self.rope_factor} must be >= 1 (or null)")
+        if self.rope_factor is not None and not self.rope_scaling:
+            raise PosbenchError(
+                "eval.perplexity.rope_factor is set but eval.perplexity.rope_scaling is empty: nothing to scale"
+            )
+        _unique(self.rope_scaling, "eval.perplexity.rope_scaling")
+        if not self.protocol:
+            raise PosbenchError("eval.perplexity.protocol is empty")
+        for p in self.protocol:
+            if p not in PROTOCOLS:
+                raise PosbenchError(
+                    f"eval.perplexity.protocol: unknown protocol '{p}'{did_you_mean(p, PROTOCOLS)}; "
+                    f"valid: {', '.join(PROTOCOLS)}"
+                )
+        _unique(self.protocol, "eval.perplexity.protocol")
+        if self.stride is not None and self.stride <= 0:
+            raise PosbenchError(f"eval.perplexity.stride={self.stride} must be positive")
+
+
+@dataclass
+class ExactMatchConfig:
+    """How exact match (posbench/measures/exact_match.py) tables a synthetic task's runs."""
+
+    # length buckets, by their last length; empty: each length to 40, else ten (exact_match.buckets)
     buckets: list[int] = field(default_factory=list)
 
     def __post_init__(self):
+        for n in self.buckets:
+            if n <= 0:
+                raise PosbenchError(f"eval.exact_match.buckets: {n} is not a positive length")
+        _unique(self.buckets, "eval.exact_match.buckets")
+        self.buckets = sorted(self.buckets)
+
+
+@dataclass
+class EvalConfig:
+    """How models are scored: what every measure shares (the lengths, the validation tokens of
+    a corpus, the batch), then a section of each measure's own options, named as the measure."""
+
+    lengths: list[int] = field(default_factory=lambda: [100, 125, 150, 200])
+    tokens: int = 32768  # validation tokens scored at every length (the same ones)
+    batch_size: int = 16
+    perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
+    exact_match: ExactMatchConfig = field(default_factory=ExactMatchConfig)
+
+    def __post_init__(self):
         _positive(self, "eval", ["tokens", "batch_size"])
-        if self.rope_factor is not None and not self.rope_factor >= 1.0:
-            raise PosbenchError(f"eval.rope_factor={self.rope_factor} must be >= 1 (or null)")
         if not self.lengths:
             raise PosbenchError("eval.lengths is empty")
         for n in self.lengths:
@@ -192,22 +232,14 @@ class EvalConfig:
         _unique(self.lengths, "eval.lengths")
         if self.tokens < max(self.lengths):
             raise PosbenchError(f"eval.tokens={self.tokens} is fewer than the longest eval length {max(self.lengths)}")
-        _unique(self.rope_scaling, "eval.rope_scaling")
-        if not self.protocol:
-            raise PosbenchError("eval.protocol is empty")
-        for p in self.protocol:
-            if p not in PROTOCOLS:
-                raise PosbenchError(
-                    f"eval.protocol: unknown protocol '{p}'{did_you_mean(p, PROTOCOLS)}; valid: {', '.join(PROTOCOLS)}"
-                )
-        _unique(self.protocol, "eval.protocol")
-        if self.stride is not None and self.stride <= 0:
-            raise PosbenchError(f"eval.stride={self.stride} must be positive")
-        for n in self.buckets:
-            if n <= 0:
-                raise PosbenchError(f"eval.buckets: {n} is not a positive length")
-        _unique(self.buckets, "eval.buckets")
-        self.buckets = sorted(self.buckets)
+
+
+# a measure's key spelled as a key of eval itself, as the committed records under results/ spell
+# it: read as the measure's own (`measure_key`); a config that gives a key both ways is refused
+MEASURE_KEYS = {
+    **{f"eval.{k}": f"eval.perplexity.{k}" for k in ("protocol", "stride", "rope_scaling", "rope_factor")},
+    "eval.buckets": "eval.exact_match.buckets",
+}
 
 
 @dataclass
@@ -244,8 +276,6 @@ class ExperimentConfig:
                 f"model.scheme={self.model.scheme!r} is not read: runs train the `schemes` list; "
                 f"set schemes: [{self.model.scheme}]"
             )
-        if self.eval.rope_factor is not None and not self.eval.rope_scaling:
-            raise PosbenchError("eval.rope_factor is set but eval.rope_scaling is empty: nothing to scale")
         if self.schemes == []:
             raise PosbenchError("schemes is empty")
         if not self.seeds:
@@ -274,6 +304,37 @@ class ExperimentConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def measure_key(key: str) -> str:
+    """The dotted key as its measure's section names it: eval.stride -> eval.perplexity.stride."""
+    for short, full in MEASURE_KEYS.items():
+        if key == short or key.startswith(short + "."):
+            return full + key[len(short) :]
+    return key
+
+
+def measure_sections(raw: dict) -> dict:
+    """`raw` with each measure's key that its eval section spells as eval's own moved into the
+    measure's section (MEASURE_KEYS); the rest as given."""
+    ev = raw.get("eval")
+    if not isinstance(ev, dict) or not any(f"eval.{k}" in MEASURE_KEYS for k in ev):
+        return raw
+    ev = dict(ev)
+    for short, full in MEASURE_KEYS.items():
+        key = short.split(".")[1]
+        if key not in ev:
+            continue
+        section, name = full.split(".")[1:]
+        part = ev.get(section)
+        part = dict(part) if isinstance(part, dict) else {} if part is None else part
+        if not isinstance(part, dict):
+            raise PosbenchError(f"eval.{section}: expected a mapping of {section} keys, got {part!r}")
+        if name in part:
+            raise PosbenchError(f"{short} and {full} both given: keep {full}", full)
+        part[name] = ev.pop(key)
+        ev[section] = part
+    return {**raw, "eval": ev}
 
 
 def identity(cfg) -> dict:
@@ -449,7 +510,7 @@ def _build(cls, raw: dict, where: str = ""):
 def config_from_dict(raw: dict, source: Optional[str] = None) -> ExperimentConfig:
     """A validated config from a raw dict; an error names `source`, the file it came from."""
     try:
-        return _build(ExperimentConfig, raw)
+        return _build(ExperimentConfig, measure_sections(raw))
     except PosbenchError as e:
         raise PosbenchError(f"{source}: {e}" if source else str(e), e.key) from None
 
@@ -534,6 +595,7 @@ def assign(raw: dict, key: str, value: Any, where: Optional[str] = None, origins
     where = where or key
     if not key:
         raise PosbenchError(f"{where}: the key is empty")
+    key = measure_key(key)
     node = raw
     parts = key_parts(key)
     for p in parts[:-1]:
@@ -593,6 +655,10 @@ def load_config(
     raw = read_yaml(path) if path else {}
     if "sweep" in raw:
         raise PosbenchError(f"{path}: holds a sweep: block; run its grid with posbench sweep {path}")
+    try:
+        raw = measure_sections(raw)
+    except PosbenchError as e:
+        raise PosbenchError(f"{path}: {e}", e.key) from None
     origins = {k: str(path) for k in flat(raw)}
     # a plain value, not a (flag, value) pair, is blamed on the command line as a whole
     values = {k: fv if isinstance(fv, tuple) else ("command line", fv) for k, fv in (values or {}).items()}
@@ -628,6 +694,11 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> list[tuple[dict, 
     block = raw.pop("sweep", None)
     if not isinstance(block, dict) or not block:
         raise PosbenchError(f"{path}: needs a sweep: block of lists, e.g. sweep: {{model.train_len: [32, 64]}}")
+    try:
+        raw = measure_sections(raw)
+    except PosbenchError as e:
+        raise PosbenchError(f"{path}: {e}", e.key) from None
+    block = {measure_key(str(key)): values for key, values in block.items()}
     for key, values in block.items():
         if not isinstance(values, list) or not values:
             raise PosbenchError(f"{path}: sweep.{key}: expected a non-empty list of values, got {values!r}")

@@ -8,11 +8,10 @@ choice its weights were made under. An error names the file or flag its value ca
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from posbench.config import ExperimentConfig, blame
+from posbench.config import ExperimentConfig, assign, blame, config_from_dict
 from posbench.errors import PosbenchError, did_you_mean
 from posbench.measures import Measure
 from posbench.schemes import SCHEMES, SEED_SCHEMES, build_scheme
@@ -62,8 +61,10 @@ def resolve_scoring(rc: ExperimentConfig, asked: dict[str, tuple[str, Any]]) -> 
     what does not apply to it. An error names the flag. The run's own record is not changed."""
     origins = {key: flag for key, (flag, _) in asked.items()}
     try:
-        changes = {key.removeprefix("eval."): value for key, (_, value) in asked.items()}
-        cfg = dataclasses.replace(rc, eval=dataclasses.replace(rc.eval, **changes))
+        raw = rc.to_dict()
+        for key, (_, value) in asked.items():
+            assign(raw, key, value)
+        cfg = config_from_dict(raw)
         cfg.origins = origins
         task = task_for(cfg)
         measure = task.measure()
@@ -75,7 +76,7 @@ def resolve_scoring(rc: ExperimentConfig, asked: dict[str, tuple[str, Any]]) -> 
 
 def _resolve_schemes(cfg: ExperimentConfig) -> None:
     """Every scheme builds with its options (bad options fail before anything trains), and
-    every eval.rope_scaling kind belongs to some scheme."""
+    every eval.perplexity.rope_scaling kind belongs to some scheme."""
     for s in cfg.schemes:
         build_scheme(cfg.model_for(s))
         cfg.scheme_options[s] = {**SCHEMES.lookup(s).options, **cfg.scheme_options.get(s, {})}
@@ -83,10 +84,10 @@ def _resolve_schemes(cfg: ExperimentConfig) -> None:
         if s not in cfg.schemes:
             SCHEMES.lookup(s).validate_options(opts, where=f"scheme_options.{s}")
     known = {v for c in [*SCHEMES.values(), *map(SCHEMES.lookup, cfg.schemes)] for v in c.eval_variants}
-    for kind in cfg.eval.rope_scaling:
+    for kind in cfg.eval.perplexity.rope_scaling:
         if kind not in known:
             raise PosbenchError(
-                f"eval.rope_scaling: unknown kind '{kind}'{did_you_mean(kind, sorted(known))}; "
+                f"eval.perplexity.rope_scaling: unknown kind '{kind}'{did_you_mean(kind, sorted(known))}; "
                 f"valid: {', '.join(sorted(known))}",
-                "eval.rope_scaling",
+                "eval.perplexity.rope_scaling",
             )

@@ -36,7 +36,7 @@ def _assert_clean_failure(res, message, results: Path):
         (["--set", "model.n_layer=99999999999999999999"], "GiB for its weights alone, more than the"),
         (["--set", "train.grad_clip=-1"], "train.grad_clip=-1.0 must be >= 0"),
         (["--set", "model.scheme=rope"], "model.scheme='rope' is not read"),
-        (["--rope-factor", "2"], "eval.rope_factor is set but eval.rope_scaling is empty"),
+        (["--rope-factor", "2"], "eval.perplexity.rope_factor is set but eval.perplexity.rope_scaling is empty"),
         (["--test-len", "64", "--lengths", "32,48"], "--test-len and --lengths both set"),
         (["--set", "eval.tokens=40"], "eval.tokens=40 is fewer than the longest eval length 64"),
         (["--schemes", "alibi]"], "unknown scheme 'alibi]'"),  # given as typed, not read as YAML

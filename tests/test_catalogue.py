@@ -250,11 +250,11 @@ def test_catalogue_lists_at_least_16_entries_with_rope_variants_marked():
 
 def test_rope_scaling_config_is_checked_by_name():
     with pytest.raises(PosbenchError) as e:
-        resolve(load_config(None, ["eval.rope_scaling=[yarm]"]))
-    assert "eval.rope_scaling: unknown kind 'yarm' (did you mean 'yarn'?)" in str(e.value)
-    with pytest.raises(PosbenchError, match="eval.rope_factor=0.5 must be >= 1"):
-        load_config(None, ["eval.rope_factor=0.5"])
-    assert load_config(None, ["eval.rope_scaling=yarn"]).eval.rope_scaling == ["yarn"]
+        resolve(load_config(None, ["eval.perplexity.rope_scaling=[yarm]"]))
+    assert "eval.perplexity.rope_scaling: unknown kind 'yarm' (did you mean 'yarn'?)" in str(e.value)
+    with pytest.raises(PosbenchError, match="eval.perplexity.rope_factor=0.5 must be >= 1"):
+        load_config(None, ["eval.perplexity.rope_factor=0.5"])
+    assert load_config(None, ["eval.perplexity.rope_scaling=yarn"]).eval.perplexity.rope_scaling == ["yarn"]
 
 
 # --- xPos --------------------------------------------------------------------------------------

@@ -217,3 +217,50 @@ def test_a_bad_plugin_option_is_blamed_on_its_flag(monkeypatch, option, said):
     with pytest.raises(PosbenchError) as e:
         resolve(load_config(None, [f"schemes=[{PLUGIN}]", flag]))
     assert str(e.value).startswith(f"--set {flag}") and said in str(e.value), str(e.value)
+
+
+def test_a_measure_s_options_are_its_own_section_and_eval_s_own_spelling_still_reads(tmp_path):
+    """eval.perplexity holds perplexity's options, eval.exact_match a task's buckets. A config
+    or a committed record that spells them as keys of eval itself (results/ holds such records)
+    reads into the same sections, from a file, --set or a sweep; given both ways, one line."""
+    from posbench.config import config_from_dict, load_sweep, read_record
+
+    record = ROOT / "results" / "reference" / "alibi-seed0" / "config.yaml"
+    raw = read_record(record)
+    assert "protocol" in raw["eval"] and "perplexity" not in raw["eval"]  # the record's own spelling
+    cfg = config_from_dict(raw)
+    assert cfg.eval.perplexity.protocol == raw["eval"]["protocol"] == ["nonoverlapping", "sliding"]
+    assert cfg.eval.perplexity.stride == raw["eval"]["stride"] == 25
+
+    old = tmp_path / "old.yaml"
+    old.write_text("eval:\n  protocol: [sliding]\n  stride: 7\n  buckets: [20, 10]\n")
+    cfg = load_config(old, ["eval.rope_scaling=[yarn]"])
+    assert cfg.eval.perplexity.protocol == ["sliding"] and cfg.eval.perplexity.stride == 7
+    assert cfg.eval.exact_match.buckets == [10, 20] and cfg.eval.perplexity.rope_scaling == ["yarn"]
+    assert cfg.origins["eval.perplexity.stride"] == str(old)
+    assert cfg.origins["eval.perplexity.rope_scaling"] == "--set eval.rope_scaling=[yarn]"
+    assert not hasattr(cfg.eval, "protocol")
+
+    new = tmp_path / "new.yaml"
+    new.write_text("eval:\n  perplexity: {protocol: [sliding], stride: 7}\n  exact_match: {buckets: [10, 20]}\n")
+    assert load_config(new).eval == load_config(old).eval
+
+    both = tmp_path / "both.yaml"
+    both.write_text("eval:\n  stride: 7\n  perplexity: {stride: 9}\n")
+    with pytest.raises(PosbenchError, match="eval.stride and eval.perplexity.stride both given: keep eval.perplexity"):
+        load_config(both)
+
+    swept = tmp_path / "sweep.yaml"
+    swept.write_text("sweep:\n  eval.stride: [5, 10]\neval:\n  protocol: [sliding]\n")
+    grid = load_sweep(swept)
+    assert [(s, c.eval.perplexity.stride) for s, c in grid] == [
+        ({"eval.perplexity.stride": 5}, 5),
+        ({"eval.perplexity.stride": 10}, 10),
+    ]
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("eval:\n  perplexity: {protocl: [sliding]}\n")
+    with pytest.raises(
+        PosbenchError, match="eval.perplexity.protocl: unknown key .*did you mean 'eval.perplexity.protocol'"
+    ):
+        load_config(bad)

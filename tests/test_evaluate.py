@@ -130,7 +130,7 @@ def test_evaluate_decides_as_extrapolate_decides_and_names_its_flags(smoke, tmp_
     L = yaml.safe_load((run / "config.yaml").read_text())["model"]["train_len"]
     _, _, rows = evaluate_run(run, {"eval.lengths": ("--lengths 96", [96])})
     assert sorted(int(r["length"]) for r in rows) == [L, 96]
-    _, _, rows = evaluate_run(run, {"eval.protocol": ("--protocol sliding", ["sliding"])})
+    _, _, rows = evaluate_run(run, {"eval.perplexity.protocol": ("--protocol sliding", ["sliding"])})
     assert {(r["protocol"], int(r["stride"])) for r in rows} == {("sliding", L // 4)}
     before = (run / "eval.csv").read_bytes()
     for args, said in (
@@ -138,10 +138,13 @@ def test_evaluate_decides_as_extrapolate_decides_and_names_its_flags(smoke, tmp_
             ["--lengths", str(L // 2)],
             f"--lengths {L // 2}: eval.lengths [{L // 2}] are shorter than the training length",
         ),
-        (["--protocol", "sliding", "--stride", str(L + 1)], f"--stride {L + 1}: eval.stride={L + 1} is longer than"),
+        (
+            ["--protocol", "sliding", "--stride", str(L + 1)],
+            f"--stride {L + 1}: eval.perplexity.stride={L + 1} is longer than",
+        ),
         (
             ["--protocol", "slidng"],
-            "--protocol slidng: eval.protocol: unknown protocol 'slidng' (did you mean 'sliding'?)",
+            "--protocol slidng: eval.perplexity.protocol: unknown protocol 'slidng' (did you mean 'sliding'?)",
         ),
     ):
         res = invoke("evaluate", run, *args)

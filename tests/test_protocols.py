@@ -160,10 +160,10 @@ def test_evaluate_adds_sliding_rows_beside_the_non_overlapping_ones(tmp_path, co
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--protocol", "slidng"], "eval.protocol: unknown protocol 'slidng' (did you mean 'sliding'?)"),
-        (["--protocol", "sliding", "--stride", "0"], "eval.stride=0 must be positive"),
-        (["--protocol", "sliding", "--stride", "33"], "eval.stride=33 is longer than the shortest window"),
-        (["--set", "eval.protocol=[]"], "eval.protocol is empty"),
+        (["--protocol", "slidng"], "eval.perplexity.protocol: unknown protocol 'slidng' (did you mean 'sliding'?)"),
+        (["--protocol", "sliding", "--stride", "0"], "eval.perplexity.stride=0 must be positive"),
+        (["--protocol", "sliding", "--stride", "33"], "eval.perplexity.stride=33 is longer than the shortest window"),
+        (["--set", "eval.perplexity.protocol=[]"], "eval.perplexity.protocol is empty"),
     ],
 )
 def test_bad_protocols_and_strides_are_one_line_and_write_nothing(tmp_path, args, message):

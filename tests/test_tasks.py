@@ -467,7 +467,18 @@ TINY = [
         (["--task", "recall", "--set", "task_options.test_max=60"], "recall's keys are distinct"),
         (["--task", "copy", "--train-len", "50"], "a task's are task_options.train_max and test_max"),
         (["--task", "copy", "--set", "model.train_len=50"], "model.train_len=50: a task derives it"),
-        (["--task", "copy", "--rope-scaling", "yarn"], "eval.rope_scaling applies to perplexity"),
+        (
+            ["--task", "copy", "--rope-scaling", "yarn"],
+            "eval.perplexity.rope_scaling is an option of the perplexity measure",
+        ),
+        (
+            ["--task", "copy", "--protocol", "sliding"],
+            "eval.perplexity.protocol is an option of the perplexity measure",
+        ),
+        (
+            ["--set", "eval.exact_match.buckets=[50]"],
+            "eval.exact_match.buckets is an option of the exact_match measure",
+        ),
         (["--set", "task_options.train_max=5"], "task_options are set but task is lm"),
         (["--task", "posbench.tasks:Task"], "task 'posbench.tasks:Task': Task does not define make or longest"),
         (

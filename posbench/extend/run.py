@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from posbench.config import ExperimentConfig, apply_override, config_from_dict, dump_yaml
+from posbench.config import ExperimentConfig, apply_override, assign, config_from_dict, dump_yaml
 from posbench.errors import PosbenchError
 from posbench.extend.methods import (
     ABF_BASE,
@@ -137,7 +137,10 @@ def plan_extension(
         ident = parent_identity(prc, task)
         settings = parent_settings(prc, overrides)
         copy_rc = _with(
-            prc, settings, folder, eval={"lengths": want, "rope_scaling": _variants(prc), "rope_factor": None}
+            prc,
+            settings,
+            folder,
+            eval={"lengths": want, "perplexity.rope_scaling": _variants(prc), "perplexity.rope_factor": None},
         )
         copy_dir = folder / run_name(scheme, seed)
         state = plan_state(copy_rc, task, copy_dir, "--out")  # "todo": copied, never trained
@@ -212,7 +215,8 @@ def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None,
     raw = rc.to_dict()
     raw.update(name=folder.name, out_dir=str(folder.parent))
     for section, changes in (("model", model), ("train", train), ("eval", eval)):
-        raw[section].update(changes or {})
+        for key, value in (changes or {}).items():
+            assign(raw, f"{section}.{key}", value)
     if options is not None:
         raw["model"]["options"] = options
         raw["scheme_options"] = {rc.model.scheme: dict(options)} if options else {}
@@ -256,7 +260,13 @@ def child_config(
     train = {"steps": steps, "lr": lr, "min_lr": float(f"{lr / 10:.6g}"), "warmup_steps": max(1, round(steps / 20))}
     model = {"train_len": L if method.at_parent_len else to, "extend": ext}
     return _with(
-        prc, overrides, folder, model, train, {"lengths": lengths, "rope_scaling": [], "rope_factor": None}, options
+        prc,
+        overrides,
+        folder,
+        model,
+        train,
+        {"lengths": lengths, "perplexity.rope_scaling": [], "perplexity.rope_factor": None},
+        options,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -105,6 +106,22 @@ class Measure:
     def join_checks(self, rows: list[dict]) -> list[tuple[str, set]]:
         """What two experiments joined into one table must share, beyond their settings."""
         return []
+
+
+def only_own_section(cfg, own: str) -> None:
+    """Refuse a key of another measure's section of eval (posbench/config.py) that is set away
+    from its default: the runs of `cfg` are scored by the measure `own`, which never reads it."""
+    for f in dataclasses.fields(cfg.eval):
+        section = getattr(cfg.eval, f.name)
+        if f.name == own or not dataclasses.is_dataclass(section):
+            continue
+        default = type(section)()
+        for g in dataclasses.fields(section):
+            if getattr(section, g.name) != getattr(default, g.name):
+                key = f"eval.{f.name}.{g.name}"
+                raise PosbenchError(
+                    f"{key} is an option of the {f.name} measure; the runs of task {cfg.task} are scored by {own}", key
+                )
 
 
 class Scorer:

@@ -27,7 +27,7 @@ from posbench.compare.table import OK, cell, seeds_said, spread_note, summarize
 from posbench.compare.table import grid as compare_grid
 from posbench.errors import PosbenchError
 from posbench.files import write_atomic, write_rows
-from posbench.measures.base import Measure, Metric, Section
+from posbench.measures.base import Measure, Metric, Section, only_own_section
 from posbench.tasks.generators import Task, build_task
 
 
@@ -67,18 +67,7 @@ class ExactMatch(Measure):
                 "eval.lengths",
             )
         cfg.eval.lengths = own  # perplexity lengths: a task is scored at its own lengths
-        unused = [
-            name
-            for name, on in (
-                ("eval.rope_scaling", cfg.eval.rope_scaling),
-                ("eval.protocol sliding", "sliding" in cfg.eval.protocol),
-            )
-            if on
-        ]
-        if unused:
-            raise PosbenchError(
-                f"{unused[0]} applies to perplexity (task lm), not to task {cfg.task}", unused[0].split()[0]
-            )
+        only_own_section(cfg, self.name)
 
     def score(self, rc, rdir: Path, model, test, device, backend: str) -> None:
         try:
@@ -165,7 +154,7 @@ def samples(rc, task: Task, test: list, model, device, rows: list[dict]) -> str:
     """samples.txt: for each length bucket, its first few test instances (the same ones in
     every run, so two schemes' files compare line by line) and the model's greedy answers."""
     acc = {r["length"]: r for r in rows}
-    spans = buckets(task.train_max, task.test_max, rc.eval.buckets)
+    spans = buckets(task.train_max, task.test_max, rc.eval.exact_match.buckets)
     shown = [[(p, a) for n, p, a in test if lo <= n <= hi][:SAMPLES_PER_BUCKET] for lo, hi in spans]
     flat = [inst for group in shown for inst in group]
     from posbench.accuracy import decode, show
@@ -324,7 +313,8 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
     for point in sorted(points):
         configs = points[point]
         task = build_task(configs[0].task, configs[0].task_options)  # a sweep's points may differ in it
-        spans = buckets(task.train_max, task.test_max, edges if edges is not None else configs[0].eval.buckets)
+        ends = edges if edges is not None else configs[0].eval.exact_match.buckets
+        spans = buckets(task.train_max, task.test_max, ends)
         long = by_bucket(df[df["point"] == point], spans, task.train_max).assign(point=point)
         parts.append((point, configs, task, long, comparison(long, metric)))
     sections = []

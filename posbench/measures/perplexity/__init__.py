@@ -14,7 +14,7 @@ from typing import Optional
 
 from posbench.config import length_grid
 from posbench.errors import PosbenchError
-from posbench.measures.base import Measure
+from posbench.measures.base import Measure, only_own_section
 from posbench.measures.perplexity.records import METRICS, protocol_label, read_eval
 from posbench.measures.perplexity.score import default_stride, evaluate_into, unevaluated
 from posbench.measures.perplexity.views import join_checks, report
@@ -32,14 +32,16 @@ class Perplexity(Measure):
         floor = cfg.model.extend["from_len"] if cfg.model.extend else L
         if test_len is not None:  # the grid runs from the training length, however it is given
             cfg.eval.lengths = length_grid(L, test_len)
-        if "sliding" in cfg.eval.protocol:
-            if cfg.eval.stride is None:
-                cfg.eval.stride = default_stride(L)
-            if cfg.eval.stride > floor:
+        only_own_section(cfg, self.name)
+        own = cfg.eval.perplexity
+        if "sliding" in own.protocol:
+            if own.stride is None:
+                own.stride = default_stride(L)
+            if own.stride > floor:
                 raise PosbenchError(
-                    f"eval.stride={cfg.eval.stride} is longer than the shortest window, "
+                    f"eval.perplexity.stride={own.stride} is longer than the shortest window, "
                     f"model.train_len={floor}; a window cannot score more than its length",
-                    "eval.stride",
+                    "eval.perplexity.stride",
                 )
         # the training length, the base of every ratio, is always scored; columns read in order
         cfg.eval.lengths = sorted({L, *cfg.eval.lengths})
@@ -61,19 +63,20 @@ class Perplexity(Measure):
         from posbench.schemes import SCHEMES
 
         notes = []
-        kinds = set(cfg.eval.rope_scaling)
+        own = cfg.eval.perplexity
+        kinds = set(own.rope_scaling)
         if kinds and not any(kinds & set(SCHEMES.lookup(s).eval_variants) for s in cfg.schemes):
             owners = [name for name, cls in SCHEMES.items() if kinds & set(cls.eval_variants)]
             notes.append(
-                f"eval.rope_scaling {cfg.eval.rope_scaling}: no scheme run here has these "
+                f"eval.perplexity.rope_scaling {own.rope_scaling}: no scheme run here has these "
                 f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
             )
-        if "sliding" in cfg.eval.protocol:  # stride 1 is exact and slow: say how slow first
+        if "sliding" in own.protocol:  # stride 1 is exact and slow: say how slow first
             n = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1
-            count = sum(len(windows(n, L, "sliding", cfg.eval.stride)) for L in cfg.eval.lengths)
+            count = sum(len(windows(n, L, "sliding", own.stride)) for L in cfg.eval.lengths)
             chunks = sum(len(windows(n, L, "nonoverlapping", None)) for L in cfg.eval.lengths)
             notes.append(
-                f"sliding evaluation, stride {cfg.eval.stride}: {count:,} windows per run over all lengths, "
+                f"sliding evaluation, stride {own.stride}: {count:,} windows per run over all lengths, "
                 f"about {count / chunks:.0f}x the forward passes of non-overlapping evaluation"
             )
         return notes
@@ -83,14 +86,14 @@ class Perplexity(Measure):
 
         n_tokens = len(eval_tokens(corpus, rc, rc.eval.lengths)) - 1  # the same for every run
         for (variant, protocol), lengths in unevaluated(rc, rdir, model, n_tokens, backend).items():
-            evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.rope_factor, [protocol])
+            evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.perplexity.rope_factor, [protocol])
 
     def rescore(self, cfg, rdir: Path, model, corpus, device) -> list[dict]:
-        """Plain and each of eval.rope_scaling's variants (a variant row reads against the plain
+        """Plain and each of eval.perplexity.rope_scaling's variants (a variant row reads against the plain
         one), at eval.lengths (the training length, every ratio's base, among them)."""
-        ev = cfg.eval
+        own = cfg.eval.perplexity
         return evaluate_into(
-            cfg, rdir, model, corpus, ev.lengths, [None, *ev.rope_scaling], ev.rope_factor, ev.protocol
+            cfg, rdir, model, corpus, cfg.eval.lengths, [None, *own.rope_scaling], own.rope_factor, own.protocol
         )
 
     def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
@@ -117,8 +120,9 @@ class Perplexity(Measure):
 
     def asked(self, rows: list[dict], cfg) -> list[dict]:
         lengths = set(cfg.eval.lengths)
-        protocols = {(p, str(cfg.eval.stride) if p == "sliding" else "") for p in cfg.eval.protocol}
-        variants = {None, *cfg.eval.rope_scaling}
+        own = cfg.eval.perplexity
+        protocols = {(p, str(own.stride) if p == "sliding" else "") for p in own.protocol}
+        variants = {None, *own.rope_scaling}
 
         def variant(label: str):
             return label.partition("+")[2].partition("@")[0] or None

@@ -65,8 +65,8 @@ def evaluate_into(
         tokens = eval_tokens(corpus, rc, lengths)
     rows, positions = [], []
     n_bytes = corpus.bytes_of(tokens[1:])  # the targets: every protocol scores each once
-    for protocol in protocols or rc.eval.protocol:
-        stride = rc.eval.stride if protocol == "sliding" else None
+    for protocol in protocols or rc.eval.perplexity.protocol:
+        stride = rc.eval.perplexity.stride if protocol == "sliding" else None
         for v in variants:
             label = variant_label(run_label(rc.model), v, factor)
             scored, by_position = evaluate_model(
@@ -102,17 +102,17 @@ def evaluate_into(
 
 def unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tuple, list[int]]:
     """For each (variant, protocol) (variant None: as trained), the lengths still lacking a row
-    scored on these tokens by this attention backend; eval.rope_scaling kinds apply to a run
+    scored on these tokens by this attention backend; eval.perplexity.rope_scaling kinds apply to a run
     only if its scheme declares them."""
     from posbench.schemes import run_label, variant_label
 
-    variants = [None] + [v for v in rc.eval.rope_scaling if v in model.scheme.eval_variants]
+    variants = [None] + [v for v in rc.eval.perplexity.rope_scaling if v in model.scheme.eval_variants]
     have = {(*row_key(r), int(r["tokens"]), r["attention"]) for r in read_eval(rdir)}
     missing = {}
-    for protocol in rc.eval.protocol:
-        stride = str(rc.eval.stride) if protocol == "sliding" else ""
+    for protocol in rc.eval.perplexity.protocol:
+        stride = str(rc.eval.perplexity.stride) if protocol == "sliding" else ""
         for v in variants:
-            label = variant_label(run_label(rc.model), v, rc.eval.rope_factor)
+            label = variant_label(run_label(rc.model), v, rc.eval.perplexity.rope_factor)
             lengths = [L for L in rc.eval.lengths if (label, L, protocol, stride, n_tokens, backend) not in have]
             if lengths:
                 missing[v, protocol] = lengths
