@@ -408,6 +408,88 @@ def evaluate(
 
 
 @app.command()
+def pretrained(
+    model_path: Annotated[
+        Path, typer.Argument(help="a transformers folder (config.json, weights, tokenizer) or a .gguf")
+    ],
+    lengths: Annotated[
+        Optional[str], typer.Option(help="e.g. 1024,2048,4096 (default: its context and twice it)")
+    ] = None,
+    test_len: Annotated[
+        Optional[int], typer.Option(help="longest test length N: its context and 1/4, 1/2 and all of the way to N")
+    ] = None,
+    rope_scaling: Annotated[
+        Optional[str], typer.Option(help="also score it scaled at evaluation: linear,dynamic,yarn,llama3,longrope")
+    ] = None,
+    rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/context per length)")] = None,
+    protocol: Protocol = None,
+    stride: Stride = None,
+    name: Annotated[
+        Optional[str], typer.Option(help="the experiment folder under results/ (default: pretrained)")
+    ] = None,
+    data: Annotated[Optional[str], typer.Option(help="text files or a glob (default: the Shakespeare corpus)")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
+    config: ConfigOpt = None,
+    set_: Sets = None,
+):
+    """Score a pretrained causal LM from disk, past its context, as posbench scores its own runs.
+
+    Perplexity and bits per byte at each length, under each protocol and RoPE variant
+    (transformers' own code), on posbench's corpus cut by the model's tokenizer; nothing is
+    fetched from a hub. Rows go to results/NAME/MODEL/, a report of which joins any other."""
+    from posbench.experiment.pretrained import model_config, run_pretrained, tokenizer_of
+    from posbench.pretrained import load_pretrained
+    from posbench.resolve import Experiment
+    from posbench.tasks import task_for
+
+    with user_errors():
+        _set_threads(threads)
+        if test_len is not None and lengths is not None:
+            raise PosbenchError("--test-len and --lengths both set the evaluation lengths; give one")
+        values = {
+            "name": (f"--name {name}", name or "pretrained"),
+            "eval.lengths": (f"--lengths {lengths}", _csv_ints(lengths, "--lengths")),
+            "eval.perplexity.rope_scaling": (f"--rope-scaling {rope_scaling}", _csv_names(rope_scaling) or None),
+            "eval.perplexity.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
+            "eval.perplexity.protocol": (f"--protocol {protocol}", _csv_names(protocol) if protocol else None),
+            "eval.perplexity.stride": (f"--stride {stride}", stride),
+            "data.path": (f"--data {data}", data),
+            "train.device": (f"--device {device}", device),
+        }
+        cfg = load_config(config, set_ or [], values)
+        model = load_pretrained(model_path)
+        kinds = cfg.eval.perplexity.rope_scaling
+        if kinds and not model.eval_variants:
+            raise PosbenchError(
+                f"--rope-scaling {','.join(kinds)}: {model.name} ({model.config.model_type}) has no rotary embedding"
+            )
+        wrong = [k for k in kinds if k not in model.eval_variants]
+        if wrong:
+            hint = "; transformers' NTK-aware scaling is dynamic" if wrong[0] == "ntk" else ""
+            raise PosbenchError(
+                f"--rope-scaling {wrong[0]}: not a RoPE type transformers has; valid: "
+                f"{', '.join(model.eval_variants)}{hint}"
+            )
+        folder = Path(cfg.out_dir) / cfg.name
+        origins = cfg.origins
+        cfg = model_config(cfg, model, tokenizer_of(model, folder))
+        cfg.origins = origins
+        if lengths is None and test_len is None and "eval.lengths" not in cfg.origins:
+            cfg.eval.lengths = [model.context, 2 * model.context]
+        task = task_for(cfg)
+        measure = task.measure()
+        try:
+            measure.decide(cfg, test_len)
+        except PosbenchError as e:
+            from posbench.config import blame
+
+            raise blame(cfg, e) from None
+        folder = run_pretrained(Experiment(cfg, task, measure), model, BarReporter(err))
+        _print_summary(folder, asked=cfg)
+
+
+@app.command()
 def extend(
     source: Annotated[Path, typer.Argument(help="a finished run, or an experiment folder: each of its runs")],
     to: Annotated[int, typer.Option("--to", help="the new length L2 to fine-tune at (longer than the trained one)")],

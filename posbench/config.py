@@ -48,6 +48,10 @@ class ModelConfig:
     # method, its parent's identity, the lengths L and L2, and the RoPE scaling it fixes; null
     # (and then no part of the run's identity) on a run trained from scratch
     extend: Optional[dict] = field(default=None, metadata={"omitted_when_null": True, "derived": True})
+    # written by `posbench pretrained` on a model it did not train (posbench/pretrained.py): its
+    # name, path, architecture, context and the sha256 of each file it was read from; the shape
+    # above is then the model's own, read from its config
+    pretrained: Optional[dict] = field(default=None, metadata={"omitted_when_null": True, "derived": True})
 
     def __post_init__(self):
         _positive(self, "model", ["n_layer", "n_head", "d_model", "train_len", "vocab_size"])

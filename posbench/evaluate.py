@@ -6,7 +6,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from posbench.config import ExperimentConfig
 from posbench.data import Corpus, as_tensor
@@ -50,7 +49,7 @@ def eval_tokens(corpus: Corpus, cfg: ExperimentConfig, lengths: list[int]) -> to
 
 @torch.no_grad()
 def evaluate_model(
-    model: TransformerLM,
+    model: TransformerLM,  # or what posbench/pretrained.py loads: the same scoring methods
     tokens: torch.Tensor,
     lengths: list[int],
     batch_size: int,
@@ -82,7 +81,7 @@ def evaluate_model(
         if model.max_len is not None and L > model.max_len:
             rows.append({**row, "status": "beyond-max-len"})
             continue
-        with model.scheme.eval_variant(variant, model.cfg.train_len, L, factor):
+        with model.eval_variant(variant, L, factor):
             sums, counts = _nll_by_position(model, tokens, L, batch_size, device, protocol, stride)
         loss = sums.sum().item() / n
         if not math.isfinite(loss):  # a blow-up at some length is a result, not a lost row
@@ -117,6 +116,4 @@ def _nll_by_position(model, tokens, L: int, batch_size: int, device, protocol, s
 def _nll(model, win, device) -> torch.Tensor:
     """Each target's loss in nats, fp64 on the CPU: (b, T) for windows (b, T+1)."""
     with autocast(device):
-        logits = model(win[:, :-1])  # (b, T, V)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), win[:, 1:].flatten(), reduction="none")
-    return nll.view(win.size(0), -1).double().cpu()
+        return model.token_losses(win).double().cpu()

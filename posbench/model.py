@@ -118,5 +118,22 @@ class TransformerLM(nn.Module):
             x = blk(x, pos, backend, block)
         return self.head(self.ln_f(x))  # (B, T, V)
 
+    # --- what scoring asks of a model (posbench/evaluate.py); posbench/pretrained.py answers it too
+
+    @property
+    def eval_variants(self) -> tuple[str, ...]:
+        """The evaluation-time variants its scheme declares (rope: linear, ntk, dynamic, yarn)."""
+        return tuple(self.scheme.eval_variants)
+
+    def eval_variant(self, name: Optional[str], length: int, factor: Optional[float] = None):
+        """A context in which the model scores as variant `name` at `length` (None: as trained)."""
+        return self.scheme.eval_variant(name, self.cfg.train_len, length, factor)
+
+    def token_losses(self, win: torch.Tensor) -> torch.Tensor:
+        """Each target's loss in nats, (b, T), for windows of tokens (b, T + 1)."""
+        logits = self(win[:, :-1])  # (b, T, V)
+        nll = F.cross_entropy(logits.float().flatten(0, 1), win[:, 1:].flatten(), reduction="none")
+        return nll.view(win.size(0), -1)
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -132,8 +132,10 @@ def variant_label(scheme: str, variant: Optional[str], factor: Optional[float] =
 
 
 def run_label(model_cfg) -> str:
-    """The scheme column of a run's rows: rope, or rope:yarn for a run that `posbench extend`
-    fine-tuned from a rope run with method yarn."""
+    """The scheme column of a run's rows: rope, rope:yarn for a run that `posbench extend`
+    fine-tuned from a rope run with method yarn, or a pretrained model's name."""
+    if getattr(model_cfg, "pretrained", None):
+        return model_cfg.pretrained["name"]
     ext = model_cfg.extend
     return f"{model_cfg.scheme}:{ext['method']}" if ext else model_cfg.scheme
 

@@ -28,21 +28,12 @@ class Perplexity(Measure):
     def decide(self, cfg, test_len: Optional[int]) -> None:
         L = cfg.model.train_len
         # the shortest length scored: the training length, or a fine-tuned child's parent's
-        # (posbench extend scores a child beside its parent, from the parent's length)
-        floor = cfg.model.extend["from_len"] if cfg.model.extend else L
+        # (posbench extend scores a child beside its parent, from the parent's length); a
+        # pretrained model's, any (its context, model.train_len, is scored beside them)
+        floor = cfg.model.extend["from_len"] if cfg.model.extend else 1 if cfg.model.pretrained else L
         if test_len is not None:  # the grid runs from the training length, however it is given
             cfg.eval.lengths = length_grid(L, test_len)
         only_own_section(cfg, self.name)
-        own = cfg.eval.perplexity
-        if "sliding" in own.protocol:
-            if own.stride is None:
-                own.stride = default_stride(L)
-            if own.stride > floor:
-                raise PosbenchError(
-                    f"eval.perplexity.stride={own.stride} is longer than the shortest window, "
-                    f"model.train_len={floor}; a window cannot score more than its length",
-                    "eval.perplexity.stride",
-                )
         # the training length, the base of every ratio, is always scored; columns read in order
         cfg.eval.lengths = sorted({L, *cfg.eval.lengths})
         if cfg.eval.tokens < max(cfg.eval.lengths):
@@ -57,6 +48,19 @@ class Perplexity(Measure):
                 f"model.train_len={floor}; test lengths must be >= it",
                 "eval.lengths",
             )
+        own = cfg.eval.perplexity
+        if "sliding" in own.protocol:
+            # a pretrained model's windows may be shorter than its context: the shortest is its own
+            shortest = cfg.eval.lengths[0] if cfg.model.pretrained else floor
+            if own.stride is None:
+                own.stride = default_stride(min(L, shortest) if cfg.model.pretrained else L)
+            if own.stride > shortest:
+                where = f"eval.lengths {shortest}" if cfg.model.pretrained else f"model.train_len={floor}"
+                raise PosbenchError(
+                    f"eval.perplexity.stride={own.stride} is longer than the shortest window, "
+                    f"{where}; a window cannot score more than its length",
+                    "eval.perplexity.stride",
+                )
 
     def notes(self, cfg, corpus) -> list[str]:
         from posbench.evaluate import eval_tokens, windows

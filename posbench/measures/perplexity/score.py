@@ -43,9 +43,9 @@ def evaluate_into(
     from posbench.evaluate import eval_tokens, evaluate_model
     from posbench.schemes import run_label, variant_label
 
-    unknown = [v for v in variants if v is not None and v not in model.scheme.eval_variants]
+    unknown = [v for v in variants if v is not None and v not in model.eval_variants]
     if unknown:
-        have = ", ".join(model.scheme.eval_variants) or "none"
+        have = ", ".join(model.eval_variants) or "none"
         raise PosbenchError(
             f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have})"
         )
@@ -106,7 +106,7 @@ def unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tupl
     only if its scheme declares them."""
     from posbench.schemes import run_label, variant_label
 
-    variants = [None] + [v for v in rc.eval.perplexity.rope_scaling if v in model.scheme.eval_variants]
+    variants = [None] + [v for v in rc.eval.perplexity.rope_scaling if v in model.eval_variants]
     have = {(*row_key(r), int(r["tokens"]), r["attention"]) for r in read_eval(rdir)}
     missing = {}
     for protocol in rc.eval.perplexity.protocol:

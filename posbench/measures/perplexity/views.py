@@ -130,17 +130,25 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
     tokenizers = sorted(set(df["tokenizer"])) if "tokenizer" in df else ["bytes"]
     if tokenizers != ["bytes"]:
         corpus = corpus.removesuffix(" (bytes)").removesuffix(", bytes") + f"; tokenizer: {', '.join(tokenizers)}"
-    tokens = t.steps * t.batch_size * m.train_len
-    lines = [
-        f"- corpus: {corpus}; validation = last {c.data.val_fraction:.0%} of it",
-        f"- model: {m.n_layer} layer{'s' if m.n_layer > 1 else ''}, d_model {m.d_model}, {m.n_head} heads, "
-        f"{params / 1e6:.2f}M parameters with NoPE, vocab {m.vocab_size}",
-        f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
-        f"= {tokens:,} tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
-        f"to {t.min_lr:g}), {seeds_said(df)}",
+    lines = [f"- corpus: {corpus}; validation = last {c.data.val_fraction:.0%} of it"]
+    if m.pretrained is None:
+        tokens = t.steps * t.batch_size * m.train_len
+        lines += [
+            f"- model: {m.n_layer} layer{'s' if m.n_layer > 1 else ''}, d_model {m.d_model}, {m.n_head} heads, "
+            f"{params / 1e6:.2f}M parameters with NoPE, vocab {m.vocab_size}",
+            f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
+            f"= {tokens:,} tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
+            f"to {t.min_lr:g}), {seeds_said(df)}",
+        ]
+    for p in {id(c.model.pretrained): c.model.pretrained for c in configs if c.model.pretrained}.values():
+        lines.append(
+            f"- {p['name']}: pretrained, not trained here ({p['architecture']}, read from {p['path']}; the "
+            f"sha256 of its files in its config.yaml), context {p['context']:,} (dashed where a length is marked)"
+        )
+    lines.append(
         f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}; bpb: bits per byte, the summed loss in "
-        f"bits over the UTF-8 bytes the scored tokens cover (comparable across tokenizers)",
-    ]
+        f"bits over the UTF-8 bytes the scored tokens cover (comparable across tokenizers)"
+    )
     lines.append(f"- attention: {backends_note(df)}")
     if "point" in df:
         points = "; ".join(point_order(df))

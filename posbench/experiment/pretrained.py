@@ -1,0 +1,116 @@
+"""`posbench pretrained`: a model posbench did not train, scored as a run of task lm.
+
+Its experiment folder holds one run folder per model, named as the model, with config.yaml
+(model.pretrained: the model's name, path, architecture, context and the sha256 of each file it
+was read from; the shape is the model's own), eval.csv and positions.csv, a row per length,
+protocol and RoPE variant (`<model>+yarn@2`), and data.json (the corpus, by sha256). The
+tokenizer the corpus is cut with is the model's: its tokenizer.json, or for a .gguf file the one
+transformers builds from it, kept as tokenizer.json in the experiment folder. A rerun scores what
+the records lack and refuses other model files or data under the same name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from posbench.config import ExperimentConfig, config_from_dict, differences, dump_yaml, read_record
+from posbench.device import pick_device
+from posbench.errors import PosbenchError
+from posbench.experiment.records import CONFIG, check_read, lock_file, record_read
+from posbench.files import exclusive, lock_holder, safe_name, write_atomic
+from posbench.progress import Reporter
+from posbench.resolve import Experiment
+
+TOKENIZER = "tokenizer.json"  # in the experiment folder: a .gguf model's tokenizer, as transformers reads it
+
+
+def tokenizer_of(model, folder: Path) -> str:
+    """The tokenizer file the corpus is cut with: the model folder's own tokenizer.json (or
+    sentencepiece tokenizer.model), else the one transformers built, written into `folder`."""
+    if model.path.is_dir():
+        for name in (TOKENIZER, "tokenizer.model"):
+            if (model.path / name).is_file():
+                return str(model.path / name)
+    backend = getattr(model.tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise PosbenchError(f"{model.path}: its tokenizer has no tokenizer.json form for posbench to cut text with")
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / TOKENIZER, backend.to_str() + "\n")
+    return str(folder / TOKENIZER)
+
+
+def model_config(cfg: ExperimentConfig, model, tokenizer: str) -> ExperimentConfig:
+    """`cfg` with what the model decides: its shape and context (model.train_len), its scheme's
+    family (rope, or learned positions), its tokenizer (data.tokenizer) and model.pretrained."""
+    c = model.config
+    model_cfg = dataclasses.replace(
+        cfg.model,
+        scheme="rope" if model.rotary is not None else "learned",
+        n_layer=int(c.num_hidden_layers),
+        n_head=int(c.num_attention_heads),
+        d_model=int(c.hidden_size),
+        train_len=model.context,
+        vocab_size=int(c.vocab_size),
+        pretrained={
+            "name": model.name,
+            "path": str(model.path.resolve()),
+            "architecture": c.model_type,
+            "context": model.context,
+            "rope": dict(c.rope_parameters) if model.rotary is not None else None,
+            "files": model.digest(),
+        },
+    )
+    data = dataclasses.replace(cfg.data, tokenizer=tokenizer)
+    return dataclasses.replace(cfg, schemes=[model_cfg.scheme], seeds=[0], model=model_cfg, data=data)
+
+
+def check_same_model(rdir: Path, rc: ExperimentConfig) -> None:
+    """Refuse to add rows to a run folder that holds another model's (other files, or another
+    shape or context under the same name): its rows would not compare."""
+    path = rdir / CONFIG
+    if not path.is_file():
+        return
+    was = config_from_dict(read_record(path), source=str(path)).model.pretrained or {}
+    now = rc.model.pretrained
+    diff = differences(
+        {"files": was.get("files"), "context": was.get("context")},
+        {"files": now["files"], "context": now["context"]},
+        names=(rdir.name, "here"),
+    )
+    if diff:
+        raise PosbenchError(
+            f"{rdir} holds the scores of other model files under the name {now['name']} ({diff[0]}); "
+            "score this one with --name NEW"
+        )
+
+
+def run_pretrained(exp: Experiment, model, reporter: Reporter) -> Path:
+    """Score the model as `exp` asks into its run folder (what the records lack), then write
+    its record; returns the experiment folder."""
+    rc = exp.cfg
+    folder = Path(rc.out_dir) / rc.name
+    rdir = folder / safe_name(model.name)
+    corpus = exp.task.source(rc, reporter)
+    for note in exp.measure.notes(rc, corpus):
+        reporter.note(note)
+    vocab = corpus.byte_lengths.shape[0] if corpus.byte_lengths is not None else 256
+    if vocab > rc.model.vocab_size:
+        raise PosbenchError(
+            f"{model.path}: its tokenizer has {vocab:,} tokens, more than the model's "
+            f"{rc.model.vocab_size:,} embeddings"
+        )
+    digest = exp.task.fingerprint(corpus)
+    check_same_model(rdir, rc)
+    check_read(rdir, digest)
+    folder.mkdir(parents=True, exist_ok=True)
+    with exclusive(lock_file(rdir), remove=True) as held:
+        if not held:
+            pid = lock_holder(lock_file(rdir))
+            raise PosbenchError(f"{rdir}: another posbench process{f' (pid {pid})' if pid else ''} is scoring it")
+        rdir.mkdir(exist_ok=True)
+        device = pick_device(rc.train.device)
+        exp.measure.score(rc, rdir, model.to(device), corpus, device, model.backend(device))
+        write_atomic(rdir / CONFIG, dump_yaml(rc))
+        record_read(rdir, corpus.name, digest)
+    return folder

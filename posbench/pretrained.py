@@ -1,0 +1,168 @@
+"""A pretrained causal LM from disk, scored as posbench scores its own runs.
+
+`load_pretrained(path)` reads a transformers folder (config.json, weights, tokenizer) or a
+.gguf file (through transformers' GGUF loader) with nothing fetched from a hub, and returns a
+`PretrainedLM`: the model and its tokenizer behind the methods posbench/evaluate.py asks of a
+model (`token_losses`, `eval_variant`, `eval_variants`, `max_len`, `backend`), so both protocols,
+per-position loss and every length are scored by the same code as posbench's runs.
+
+Each target's loss is the model's own: its backbone's hidden states through its output layer
+(with the final logit soft-capping a config names), cut into chunks of positions so that no
+length x vocabulary logit matrix is held. An evaluation-time variant is transformers' own RoPE
+code: the rotary embedding rebuilt from the config with `rope_parameters` of that type and
+factor, swapped in for the block. A model with no rotary embedding takes no variant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from posbench.errors import PosbenchError
+
+# transformers' RoPE types (modeling_rope_utils.ROPE_INIT_FUNCTIONS), as posbench names its variants
+VARIANTS = ("linear", "dynamic", "yarn", "llama3", "longrope")
+LOGIT_CHUNK = 1024  # positions whose logits are held at once: 1024 x a 49k vocabulary is 200 MB in fp32
+# what a variant needs beyond its factor, where the model's config gives none: Llama 3.1's
+LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> PretrainedLM:
+    """The model and tokenizer at `path`: a transformers folder or a .gguf file; one line if it
+    is neither, if transformers cannot read it, or if it has no tokenizer."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        folder, gguf = path.parent, path.name
+    elif path.is_dir() and (path / "config.json").is_file():
+        folder, gguf = path, None
+    elif path.exists():
+        raise PosbenchError(
+            f"{path}: not a model: expected a transformers folder (config.json, weights) or a .gguf file"
+        )
+    else:
+        raise PosbenchError(f"{path}: no such model folder or file")
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise PosbenchError("scoring a pretrained model needs transformers: pip install -e '.[pretrained]'") from None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing from a hub, whatever the folder names
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    where = {"gguf_file": gguf} if gguf else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **where)
+    except Exception as e:  # as for the model below
+        raise PosbenchError(f"{path}: its tokenizer cannot be read ({_first_line(e)})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=dtype, attn_implementation="sdpa", **where
+        )
+    except Exception as e:  # transformers, safetensors and gguf raise their own kinds
+        raise PosbenchError(f"{path}: transformers cannot load it as a causal LM ({_first_line(e)})") from None
+    return PretrainedLM(model, tokenizer, path)
+
+
+class PretrainedLM(nn.Module):
+    """A transformers causal LM behind posbench's scoring methods (see the module docstring)."""
+
+    def __init__(self, hf, tokenizer, path: Path):
+        super().__init__()
+        self.hf, self.tokenizer, self.path = hf.eval(), tokenizer, Path(path)
+        self.config = hf.config
+        self.backbone = hf.base_model  # the decoder stack: tokens -> hidden states
+        self.head = hf.get_output_embeddings()
+        self.context = int(getattr(self.config, "max_position_embeddings", 0) or getattr(self.config, "n_positions", 0))
+        self.rotary = getattr(self.backbone, "rotary_emb", None)
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.path.suffix == ".gguf" else self.path.name
+
+    @property
+    def max_len(self) -> Optional[int]:
+        """Learned absolute positions end at the context; rotary ones go on."""
+        return None if self.rotary is not None else self.context or None
+
+    @property
+    def eval_variants(self) -> tuple[str, ...]:
+        return VARIANTS if self.rotary is not None else ()
+
+    def backend(self, device) -> str:
+        return self.config._attn_implementation or "eager"
+
+    def token_losses(self, win: torch.Tensor) -> torch.Tensor:
+        """Each target's loss in nats, (b, T), for windows of tokens (b, T + 1)."""
+        hidden = self.backbone(input_ids=win[:, :-1]).last_hidden_state  # (b, T, d)
+        out = []
+        for i in range(0, hidden.size(1), LOGIT_CHUNK):
+            logits = self.head(hidden[:, i : i + LOGIT_CHUNK]).float()  # (b, chunk, V)
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            targets = win[:, 1 + i : 1 + i + LOGIT_CHUNK]
+            out.append(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape))
+        return torch.cat(out, dim=1)
+
+    @contextlib.contextmanager
+    def eval_variant(self, name: Optional[str], length: int, factor: Optional[float] = None):
+        """Within the block the model's rotary embedding is its `name` type at `factor` (None:
+        length / the model's context, at least 1), built by transformers from the config."""
+        if name is None:
+            yield
+            return
+        if name not in self.eval_variants:
+            if self.rotary is None:
+                raise PosbenchError(
+                    f"{self.name} ({self.config.model_type}) has no rotary embedding: a RoPE variant ({name}) "
+                    "does not apply to it"
+                )
+            raise PosbenchError(f"{name}: not a RoPE variant; valid: {', '.join(VARIANTS)}")
+        s = factor if factor is not None else max(1.0, length / self.context)
+        config = copy.deepcopy(self.config)
+        config.rope_parameters = self.rope_parameters(name, s)
+        rotary = type(self.rotary)(config=config).to(self.rotary.inv_freq.device)
+        self.backbone.rotary_emb = rotary
+        try:
+            yield
+        finally:
+            self.backbone.rotary_emb = self.rotary
+
+    def rope_parameters(self, name: str, factor: float) -> dict:
+        """The config's rope_parameters as variant `name` at `factor`."""
+        own = dict(self.config.rope_parameters or {})
+        params = {**own, "rope_type": name, "factor": float(factor)}
+        params.setdefault("original_max_position_embeddings", self.context)
+        if name == "llama3":
+            params = {**LLAMA3, **params}
+        if name == "longrope" and not ("short_factor" in own and "long_factor" in own):
+            raise PosbenchError(
+                f"longrope needs the model's own short_factor and long_factor (searched for it); {self.name}'s "
+                "config has none"
+            )
+        return params
+
+    def digest(self) -> dict:
+        """The sha256 of each file the model was read from (config, weights, tokenizer)."""
+        files = [self.path] if self.path.is_file() else sorted(p for p in self.path.iterdir() if p.is_file())
+        return {p.name: _sha256(p) for p in files}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

@@ -1,0 +1,182 @@
+"""Pretrained models from disk, scored by posbench's protocols: the same losses as transformers
+computes itself, for every RoPE variant, past the model's context."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from posbench.errors import PosbenchError  # noqa: E402
+from posbench.evaluate import evaluate_model  # noqa: E402
+from posbench.pretrained import load_pretrained  # noqa: E402
+
+CONTEXT = 32  # the tiny models' max_position_embeddings
+TEXT = " ".join(f"line {i} of a text the tokenizer learns, {i * 7 % 13} and {i * 5 % 11}." for i in range(400))
+
+
+def _tokenizer(vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=alphabet))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Llama (RoPE, grouped-query attention) and a tiny GPT-2 (learned positions), each
+    saved as a transformers folder with a tokenizer; weights large enough that positions matter."""
+    root = tmp_path_factory.mktemp("pretrained")
+    tok = _tokenizer(320)
+    torch.manual_seed(0)
+    llama = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=CONTEXT, rope_theta=100.0, initializer_range=0.2,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(llama).save_pretrained(root / "llama")
+    gpt2 = transformers.GPT2Config(vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=CONTEXT)
+    transformers.GPT2LMHeadModel(gpt2).save_pretrained(root / "gpt2")
+    for name in ("llama", "gpt2"):
+        tok.save_pretrained(root / name)
+    return root
+
+
+def _tokens(model, n: int) -> torch.Tensor:
+    ids = model.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert len(ids) > n
+    return torch.tensor(ids[: n + 1])
+
+
+def _hf(folder, rope=None):
+    """The model as transformers loads it, with `rope` as its config's rope_parameters."""
+    config = transformers.AutoConfig.from_pretrained(folder)
+    if rope is not None:
+        config.rope_parameters = {**config.rope_parameters, **rope}
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, config=config).eval()
+
+
+# each variant as transformers' own config spells it, at factor 2 over the context
+ROPES = {
+    None: None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": CONTEXT},
+    "llama3": {
+        "rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": CONTEXT,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(ROPES))
+def test_nonoverlapping_perplexity_is_the_models_own_loss_on_the_same_windows(models, variant):
+    """Chunks of L inputs and their next tokens, within and past the context: posbench's mean
+    loss equals transformers' own logits' cross-entropy over the same windows. (Its `labels=`
+    loss would need L + 1 inputs, and a dynamic RoPE rescales at the length it is given.)"""
+    model = load_pretrained(models / "llama")
+    tokens = _tokens(model, 6 * CONTEXT)
+    hf = _hf(models / "llama", ROPES[variant])
+    for L in (CONTEXT, 2 * CONTEXT, 3 * CONTEXT):
+        (row,), _ = evaluate_model(model, tokens, [L], 4, torch.device("cpu"), variant, 2.0 if variant else None)
+        total = count = 0
+        with torch.no_grad():
+            for start in range(0, len(tokens) - 1, L):
+                win = tokens[start : start + L + 1][None]
+                logits = hf(input_ids=win[:, :-1]).logits[0].double()
+                total += F.cross_entropy(logits, win[0, 1:], reduction="sum").item()
+                count += win.size(1) - 1
+        assert count == len(tokens) - 1
+        assert row["status"] == "ok" and row["loss"] == pytest.approx(total / count, rel=1e-5), (variant, L)
+
+
+def test_the_variants_change_the_loss_past_the_context_so_the_equality_above_tells_them_apart(models):
+    model = load_pretrained(models / "llama")
+    tokens = _tokens(model, 6 * CONTEXT)
+    losses = {
+        v: evaluate_model(model, tokens, [3 * CONTEXT], 4, torch.device("cpu"), v, 2.0 if v else None)[0][0]["loss"]
+        for v in ROPES
+    }
+    assert len({round(x, 6) for x in losses.values()}) == len(ROPES), losses
+
+
+def test_sliding_perplexity_is_transformers_strided_recipe(models):
+    """transformers' perplexity guide: windows of max_length tokens starting every `stride`,
+    each scoring the targets no earlier window scored. With max_length = L + 1, the windows
+    are posbench's sliding windows of L inputs."""
+    model = load_pretrained(models / "llama")
+    L, stride = 2 * CONTEXT, 16
+    tokens = _tokens(model, L + 10 * stride)  # the last window ends at the last token
+    (row,), _ = evaluate_model(model, tokens, [L], 3, torch.device("cpu"), protocol="sliding", stride=stride)
+    hf = _hf(models / "llama")
+    seq_len, max_length = len(tokens), L + 1
+    nll_sum, n_tokens, prev_end = 0.0, 0, 0
+    with torch.no_grad():
+        for begin in range(0, seq_len, stride):
+            end = min(begin + max_length, seq_len)
+            trg_len = end - prev_end
+            ids = tokens[begin:end][None]
+            target = ids.clone()
+            target[:, :-trg_len] = -100
+            scored = (target[:, 1:] != -100).sum().item()
+            nll_sum += hf(input_ids=ids, labels=target).loss.double().item() * scored
+            n_tokens += scored
+            prev_end = end
+            if end == seq_len:
+                break
+    assert n_tokens == len(tokens) - 1
+    assert row["loss"] == pytest.approx(nll_sum / n_tokens, rel=1e-5)
+
+
+def test_a_model_without_rope_takes_no_variant_and_stops_at_its_learned_positions(models):
+    model = load_pretrained(models / "gpt2")
+    tokens = _tokens(model, 4 * CONTEXT)
+    rows, _ = evaluate_model(model, tokens, [CONTEXT, 2 * CONTEXT], 4, torch.device("cpu"))
+    assert [r["status"] for r in rows] == ["ok", "beyond-max-len"]
+    hf = _hf(models / "gpt2")
+    with torch.no_grad():
+        wins = [tokens[s : s + CONTEXT + 1] for s in range(0, len(tokens) - 1, CONTEXT)]
+        nll = [F.cross_entropy(hf(input_ids=w[None, :-1]).logits[0].double(), w[1:], reduction="sum") for w in wins]
+    assert rows[0]["loss"] == pytest.approx(sum(nll).item() / (len(tokens) - 1), rel=1e-5)
+    with pytest.raises(PosbenchError, match=r"gpt2 \(gpt2\) has no rotary embedding: a RoPE variant \(yarn\)"):
+        evaluate_model(model, tokens, [CONTEXT], 4, torch.device("cpu"), "yarn", 2.0)
+
+
+def test_losses_are_the_same_whatever_the_chunk_of_logits_held_at_once(models, monkeypatch):
+    model = load_pretrained(models / "llama")
+    win = _tokens(model, 2 * CONTEXT)[None]
+    whole = model.token_losses(win)
+    monkeypatch.setattr("posbench.pretrained.LOGIT_CHUNK", 7)
+    assert torch.equal(model.token_losses(win), whole) and whole.shape == (1, 2 * CONTEXT)
+
+
+def test_longrope_needs_the_models_own_factors(models):
+    model = load_pretrained(models / "llama")
+    with pytest.raises(PosbenchError, match="longrope needs the model's own short_factor and long_factor"):
+        evaluate_model(model, _tokens(model, CONTEXT), [CONTEXT], 4, torch.device("cpu"), "longrope", 2.0)
+
+
+def test_what_is_not_a_model_is_one_line(models, tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("hello")
+    with pytest.raises(PosbenchError, match="not a model: expected a transformers folder"):
+        load_pretrained(tmp_path / "notes")
+    with pytest.raises(PosbenchError, match="no such model folder or file"):
+        load_pretrained(tmp_path / "absent")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in (models / "llama").iterdir():
+        if not f.name.startswith("tokenizer"):
+            (bare / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(PosbenchError, match="its tokenizer cannot be read"):
+        load_pretrained(bare)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in (models / "llama").iterdir():
+        (broken / f.name).write_bytes(f.read_bytes()[:100] if f.suffix == ".safetensors" else f.read_bytes())
+    with pytest.raises(PosbenchError, match="transformers cannot load it as a causal LM"):
+        load_pretrained(broken)
