@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from posbench import registry
 from posbench.config import EvalConfig, ModelConfig, length_grid, load_config
 from posbench.console import BarReporter, err, out
 from posbench.errors import PosbenchError, first_line
@@ -24,6 +25,8 @@ app = typer.Typer(
     rich_markup_mode="markdown",  # a docstring's paragraph reflows to the terminal's width
     help="Which positional encoding lets a transformer LM work beyond its training length?",
 )
+# a user's module that only a run folder's records name is said before it is imported
+registry.notice = lambda line: err.print(f"note: {line}", highlight=False, markup=False, soft_wrap=True)
 
 
 @contextlib.contextmanager

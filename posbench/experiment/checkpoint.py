@@ -22,6 +22,7 @@ from posbench.experiment.records import CHECKPOINT, CONFIG, DIVERGED, PREVIOUS, 
 from posbench.files import TMP_PREFIX, atomic
 from posbench.model import TransformerLM
 from posbench.progress import Reporter
+from posbench.registry import named_by
 
 
 def weights_identity(cfg: ExperimentConfig) -> dict:
@@ -72,7 +73,8 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
                 f"restore the file or delete the run to retrain it"
             )
         cfg = config_from_dict(ckpt["config"], source=str(ckpt_path))
-        model = TransformerLM(cfg.model)
+        with named_by(run_dir):  # a scheme of the user's, named by the run's record: said before it runs
+            model = TransformerLM(cfg.model)
     except PosbenchError:
         raise
     except Exception as e:  # torch raises many kinds for a truncated or foreign file

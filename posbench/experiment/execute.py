@@ -43,6 +43,7 @@ from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
 from posbench.measures import Measure, Scorer, ScoringRun
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
+from posbench.registry import named_by
 from posbench.resolve import Experiment, resolve_scoring
 from posbench.tasks import task_for
 from posbench.trackers import check_tracker, send_run, usable
@@ -296,7 +297,8 @@ def evaluate_run(
         write_atomic(Path(run_dir) / CONFIG, dump_yaml(trained))
     if attention is not None:  # how it is scored, not what it learned: the weights are the same
         model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
-    exp = resolve_scoring(rc, asked)
+    with named_by(run_dir):  # its task, if a user's module:Class, is said before it is imported
+        exp = resolve_scoring(rc, asked)
     dev = pick_device(rc.train.device)
     check_tracker(tracker, "--tracker")
     tracker = tracker or usable(rc.train.tracker)  # the run's own, where its library is installed here
@@ -322,7 +324,8 @@ def measure_run(
     measure = load_measure(spec)
     _, rc, model = _to_score(run_dir, device)
     dev = pick_device(rc.train.device)
-    task = task_for(rc)
+    with named_by(run_dir):
+        task = task_for(rc)
     run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))
     check_read(run_dir, task.fingerprint(run.source))
     rows = score_into(measure, spec, run, Path(run_dir))

@@ -102,6 +102,8 @@ def plan_extension(
     from posbench.experiment.checkpoint import load_run
     from posbench.experiment.plan import Job, plan_state
     from posbench.experiment.records import read_config, run_name
+    from posbench.registry import named_by
+    from posbench.schemes import SCHEMES
     from posbench.tasks import task_for
 
     if steps <= 0:
@@ -121,7 +123,9 @@ def plan_extension(
     jobs, notes, skipped = [], [], {}
     for pdir in parents:
         prc = read_config(pdir) if (pdir / "config.yaml").is_file() else load_run(pdir)[0]
-        task = task_for(prc)
+        with named_by(pdir):  # its scheme and task, if a user's module:Class, are said before they run
+            SCHEMES.lookup(prc.model.scheme)
+            task = task_for(prc)
         measure = task.measure()
         why_not = task.not_extendable(prc)
         if why_not is not None:
