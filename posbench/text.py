@@ -475,17 +475,30 @@ def load_prepared(path: str) -> Tokens:
     """A prepared folder's splits, memory-mapped: windows are read from disk as they are drawn."""
     folder = Path(os.path.expanduser(path))
     meta = read_prepared_meta(path)
-    dt = np.dtype(meta["dtype"])
+    dt, vocab = np.dtype(meta["dtype"]), int(meta["vocab_size"])
     arrays = []
     for split in ("train", "val"):
         file = folder / f"{split}.bin"
         want = int(meta[f"{split}_tokens"])
         if not file.is_file() or file.stat().st_size != want * dt.itemsize:
             raise PosbenchError(f"{file}: missing or not the {want:,} tokens tokens.json says; prepare it again")
-        arrays.append(np.memmap(file, dtype=dt, mode="r", shape=(want,)))
+        tokens = np.memmap(file, dtype=dt, mode="r", shape=(want,))
+        top = largest(tokens)
+        if top >= vocab:  # the model's embedding has `vocab` rows: such an id would fail deep in a forward pass
+            raise PosbenchError(
+                f"{file}: holds token id {top:,}, past the vocabulary of {vocab:,} that tokens.json gives; "
+                f"prepare it again"
+            )
+        arrays.append(tokens)
     lengths_file = folder / "byte_lengths.npy"
     lengths = np.load(lengths_file) if lengths_file.is_file() else np.ones(int(meta["vocab_size"]), np.int64)
     return Tokens(meta.get("name", str(folder)), arrays[0], arrays[1], meta["tokenizer"], lengths)
+
+
+def largest(tokens: np.ndarray, step: int = 1 << 24) -> int:
+    """The largest id in a memory-mapped token file, read a slice at a time (never whole in
+    memory), as fast as the disk reads it, once per process that loads it."""
+    return max((int(tokens[i : i + step].max()) for i in range(0, len(tokens), step)), default=-1)
 
 
 def prepare(data, out: Path, progress=None, advance=None) -> dict:

@@ -353,3 +353,21 @@ def test_no_character_is_cut_in_two_so_bits_per_byte_counts_the_file(tmp_path):
     assert res.exit_code == 0, res.output
     meta = json.loads((tmp_path / "prep" / "tokens.json").read_text())
     assert meta["train_bytes"] + meta["val_bytes"] == text.stat().st_size
+
+
+def test_a_token_id_past_the_vocabulary_in_a_prepared_file_is_one_line(tmp_path, words):
+    """#41: it was an IndexError naming no file, after training; it is refused before anything
+    is trained or written, naming the file, the id and the vocabulary."""
+    res = invoke("prepare", words, "--out", tmp_path / "prep", "--tokenizer", "bpe", "--vocab-size", "300")
+    assert res.exit_code == 0, res.output
+    vocab = json.loads((tmp_path / "prep" / "tokens.json").read_text())["vocab_size"]
+    val = np.memmap(tmp_path / "prep" / "val.bin", dtype=np.uint16, mode="r+")
+    val[7] = 4000  # a file written by hand, or by another prepare, under this tokens.json
+    val.flush()
+    res = _smoke(tmp_path / "r", "--set", f"data.path={tmp_path / 'prep'}")
+    last = res.output.strip().splitlines()[-1]  # after a note that the C kernels are built, in this cache
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert last.startswith(
+        f"error: {tmp_path / 'prep' / 'val.bin'}: holds token id 4,000, past the vocabulary of {vocab:,}"
+    )
+    assert not (tmp_path / "r").exists()
