@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 
 from posbench.errors import PosbenchError
-from posbench.files import cache_dir
+from posbench.files import cache_dir, room_in
 
 CHUNK = 1 << 20  # the bytes read and encoded at once, at most: a chunk ends at its last line end
 PIECE = 1 << 14  # the bytes of one text a tokenizer encodes, at most, cut likewise
@@ -542,7 +542,8 @@ def _prepare(data, out: Path, progress, advance) -> dict:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:  # a source refused half-way, a full disk or Ctrl-C leaves nothing behind
-        meta = _write_tokens(data, tok, train, val, tmp, stream, sources)
+        with room_in(out):
+            meta = _write_tokens(data, tok, train, val, tmp, stream, sources)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -39,7 +39,7 @@ from posbench.experiment.records import (
     record_read,
     run_name,
 )
-from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
+from posbench.files import TMP_PREFIX, exclusive, lock_holder, room_in, write_atomic
 from posbench.measures import Measure, Scorer, ScoringRun
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
@@ -230,7 +230,8 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
             init, batches, probe = fine_tuning(job, data, partial)
         else:
             init, batches, probe = None, job.task.batches(rc, data), None
-        model = train_model(rc, batches, reporter, partial, init, probe)
+        with room_in(partial):  # its log and checkpoints
+            model = train_model(rc, batches, reporter, partial, init, probe)
     except Diverged as e:
         write_atomic(partial / DIVERGED, json.dumps({"status": "diverged", "step": e.step, "loss": str(e.loss)}) + "\n")
         reporter.note(f"{rdir.name}: {e}; recorded in {rdir / DIVERGED}, the other runs go on")
