@@ -21,7 +21,7 @@ from posbench.config import ExperimentConfig, check_device, check_trainable, dum
 from posbench.device import pick_device
 from posbench.errors import PosbenchError, first_line
 from posbench.experiment.checkpoint import load_run, save_checkpoint
-from posbench.experiment.plan import Job, plan_runs, plan_sweep, run_identity
+from posbench.experiment.plan import Job, plan_runs, plan_sweep, run_identity, sweep_size
 from posbench.experiment.records import (
     CHECKPOINT,
     CONFIG,
@@ -63,6 +63,9 @@ def sweep_jobs(grid: list[tuple[dict, Experiment]], source: str, reporter: Repor
     """A sweep's experiment folder, made, with `source` (the config file's text) kept there as
     sweep.yaml, its jobs and the data they read, each grid point checked before any runs."""
     folder, jobs = plan_sweep(grid)
+    size = sweep_size(grid, jobs)
+    if size is not None:  # thousands of runs: said before the first one starts
+        reporter.note(size)
     sources = {}
     for _, exp in grid:
         mine = [job for job in jobs if job.point is exp.cfg]
