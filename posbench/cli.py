@@ -27,13 +27,14 @@ app = typer.Typer(
     rich_markup_mode="markdown",  # a docstring's paragraph reflows to the terminal's width
     help="Which positional encoding lets a transformer LM work beyond its training length?",
 )
-# a user's module that only a run folder's records name is said before it is imported
-registry.notice = lambda line: err.print(f"note: {line}", highlight=False, markup=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
 def user_errors(on_interrupt: str = "finished runs and checkpoints are kept; rerun the same command to resume"):
-    """A domain error becomes one line and a non-zero exit, never a traceback."""
+    """A domain error becomes one line and a non-zero exit, never a traceback. The command's
+    process (not its workers) says before it imports a user's module that only a run folder's
+    records name (registry.py)."""
+    registry.notice = lambda line: err.print(f"note: {line}", highlight=False, markup=False, soft_wrap=True)
     try:
         yield
     except typer.Exit:
