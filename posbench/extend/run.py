@@ -25,7 +25,7 @@ from posbench.extend.methods import (
     child_label,
     read_curve,
 )
-from posbench.files import write_atomic
+from posbench.files import room_in, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -383,11 +383,16 @@ def copy_parent(job) -> None:
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    shutil.copy2(job.parent / WEIGHTS, partial / WEIGHTS)
-    if (job.parent / "train_log.jsonl").is_file():
-        shutil.copy2(job.parent / "train_log.jsonl", partial / "train_log.jsonl")
-    write_atomic(partial / CONFIG, dump_yaml(job.cfg))
-    write_atomic(partial / PARENT, parent_path(job) + "\n")
+    try:  # a full disk leaves no half copy behind
+        with room_in(job.folder.parent):
+            shutil.copy2(job.parent / WEIGHTS, partial / WEIGHTS)
+            if (job.parent / "train_log.jsonl").is_file():
+                shutil.copy2(job.parent / "train_log.jsonl", partial / "train_log.jsonl")
+            write_atomic(partial / CONFIG, dump_yaml(job.cfg))
+            write_atomic(partial / PARENT, parent_path(job) + "\n")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if job.folder.exists():
         shutil.rmtree(job.folder)
     partial.rename(job.folder)
