@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -12,9 +13,11 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from posbench import registry
 from posbench.config import EvalConfig, ModelConfig, length_grid, load_config
 from posbench.console import BarReporter, err, out
 from posbench.errors import PosbenchError, first_line
+from posbench.files import disk_full
 from posbench.tasks import TASKS
 
 app = typer.Typer(
@@ -28,7 +31,10 @@ app = typer.Typer(
 
 @contextlib.contextmanager
 def user_errors(on_interrupt: str = "finished runs and checkpoints are kept; rerun the same command to resume"):
-    """A domain error becomes one line and a non-zero exit, never a traceback."""
+    """A domain error becomes one line and a non-zero exit, never a traceback. The command's
+    process (not its workers) says before it imports a user's module that only a run folder's
+    records name (registry.py)."""
+    registry.notice = lambda line: err.print(f"note: {line}", highlight=False, markup=False, soft_wrap=True)
     try:
         yield
     except typer.Exit:
@@ -40,7 +46,7 @@ def user_errors(on_interrupt: str = "finished runs and checkpoints are kept; rer
         raise typer.Exit(code=130) from None
     except OSError as e:  # a full disk, an unwritable out_dir, an unreadable file
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        _error(f"{where}{e.strerror or e}")
+        _error(f"{where}{e.strerror or e}{_FREE if disk_full(e) else ''}")
     except (torch_oom(), MemoryError) as e:
         _out_of_memory(e)
     except Exception as e:  # a bug here or in a user's plugin: still one line, unless debugging
@@ -48,8 +54,13 @@ def user_errors(on_interrupt: str = "finished runs and checkpoints are kept; rer
             raise
         if "can't allocate memory" in str(e):  # torch's CPU allocator raises a RuntimeError
             _out_of_memory(e)
+        if disk_full(e):  # torch.save's own RuntimeError, where no writer named its folder
+            _error(f"the disk is full ({os.strerror(errno.ENOSPC)}){_FREE}")
         # exit 1, not 2: scripts can tell a bug (here or in a plugin) from a bad input
         _error(f"unexpected {type(e).__name__}: {first_line(e, 300)} (POSBENCH_DEBUG=1 shows the traceback)", code=1)
+
+
+_FREE = "; free some space, then rerun the same command"
 
 
 def _error(message: str, code: int = 2):

@@ -154,7 +154,8 @@ def load_corpus(cfg: DataConfig, fetching=None) -> Corpus:
     )
     if cfg.tokenizer != "bytes" or cfg.val_path or not plain:
         if cfg.path:
-            stream, name = (lambda: text.pieces(cfg.path, cfg.text_field)), cfg.path
+            read_text = cfg.tokenizer != "bytes"  # a text tokenizer: plain files must be UTF-8
+            stream, name = (lambda: text.pieces(cfg.path, cfg.text_field, text=read_text)), cfg.path
         else:
             whole = shakespeare(fetching)
             stream, name = (lambda: iter([whole])), SHAKESPEARE_NAME.removesuffix(", bytes")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import fcntl
 import math
 import os
 from pathlib import Path
 from typing import Optional
+
+from posbench.errors import PosbenchError
 
 TMP_PREFIX = "tmp-"  # atomic()'s temporary files; a killed writer can leave one behind
 
@@ -28,10 +31,37 @@ def atomic(path: Path):
     names this process, so two processes writing one file never share a temporary one."""
     tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
     try:
-        yield tmp
-        tmp.replace(path)
+        with room_in(path.parent):
+            yield tmp
+            tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def disk_full(e: Optional[BaseException]) -> bool:
+    """Whether `e`, or an error it wraps, is a full disk (or a spent quota). torch.save raises a
+    RuntimeError of its own ("enforce fail at inline_container.cc") whose context holds the
+    OSError, where it writes to a Python file object; to a path it keeps no errno."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@contextlib.contextmanager
+def room_in(folder: Path):
+    """A full disk while the block writes into `folder` is one line naming it."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        if not disk_full(e):
+            raise
+        raise PosbenchError(
+            f"{folder}: the disk is full ({os.strerror(errno.ENOSPC)}); free some space, then rerun the same command"
+        ) from None
 
 
 def write_atomic(path: Path, text: str) -> None:

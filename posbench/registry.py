@@ -2,14 +2,22 @@
 
 A registry maps names to "module:Class" paths and imports a class on first use, so listing or
 ordering the names (as a report does) imports neither torch nor the classes.
+
+Importing a user's module runs its code. A module:Class the user gives (a flag, a config file)
+is theirs to run; one that only a run folder's records name (its config.yaml or model.pt, perhaps
+from someone else) is said in one line before it is imported (`named_by`, `notice`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 
 from posbench.errors import PosbenchError, did_you_mean, first_line
 
@@ -90,6 +98,42 @@ class Registry(Mapping):
             ) from None
 
 
+# where the names being looked up come from, when that is a run folder rather than the user
+_named_by: ContextVar[str | None] = ContextVar("named_by", default=None)
+# how to say a line (the CLI sets it; a library caller imports without a word)
+notice: Callable[[str], None] | None = None
+
+
+@contextlib.contextmanager
+def named_by(record: str | os.PathLike):
+    """Within the block, the names looked up are read from `record` (a run folder), not given by
+    the user: a module:Class whose module is not yet imported is said through `notice` first."""
+    token = _named_by.set(str(record))
+    try:
+        yield
+    finally:
+        _named_by.reset(token)
+
+
+def _say_import(spec: str, kind: str, module_name: str) -> None:
+    """One line before a run folder's records make posbench import a user's module. Nothing is
+    said for a module already imported (its code has run) or one that cannot be found (its
+    import fails in one line of its own)."""
+    record = _named_by.get()
+    if record is None or notice is None or module_name in sys.modules:
+        return
+    try:  # a top-level module is found without running it; its file is what would run
+        found = importlib.util.find_spec(module_name.partition(".")[0])
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        return
+    folders = list(found.submodule_search_locations or []) if "." in module_name else []  # a package's
+    path = folders[0] if folders else found.origin if found.has_location else None
+    where = f" ({path})" if path else ""
+    notice(f"{record} names {kind} '{spec}', not one of posbench's: importing module '{module_name}'{where}")
+
+
 def _import(path: str) -> type:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -101,6 +145,7 @@ def load_plugin(spec: str, kind: str, base: type, public: str, example: str) -> 
     module_name, _, class_name = spec.partition(":")
     if not module_name or not class_name:
         raise PosbenchError(f"{kind} '{spec}': expected module:Class, e.g. {example}")
+    _say_import(spec, kind, module_name)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

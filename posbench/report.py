@@ -19,6 +19,7 @@ from posbench.experiment.records import CONFIG, EVAL, SWEEP_RECORD, diverged_ste
 from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import atomic, write_atomic
 from posbench.measures import Measure, plugin
+from posbench.registry import named_by
 from posbench.tables import point_labels
 from posbench.tasks import task_for
 
@@ -77,7 +78,8 @@ def collect(exp_dir: Path) -> Collected:
                 f"{rdir}: a run folder without {lacks}; finish it with {finish}, or move it out of {exp_dir}"
             )
         cfg = read_config(rdir)
-        task = task_for(cfg)
+        with named_by(rdir):  # a task of the user's is imported to learn its lengths: said first
+            task = task_for(cfg)
         measure = task.measure()
         kinds.setdefault(type(measure), rdir)
         if len(kinds) > 1:  # perplexity and exact match share no table

@@ -25,8 +25,10 @@ The formats' libraries (tokenizers, sentencepiece, datasets, pyarrow) come with 
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -37,7 +39,7 @@ from typing import Optional
 import numpy as np
 
 from posbench.errors import PosbenchError
-from posbench.files import cache_dir
+from posbench.files import cache_dir, room_in
 
 CHUNK = 1 << 20  # the bytes read and encoded at once, at most: a chunk ends at its last line end
 PIECE = 1 << 14  # the bytes of one text a tokenizer encodes, at most, cut likewise
@@ -83,9 +85,12 @@ def source_files(pattern: str, what: str = "data.path") -> list[Path]:
     return files
 
 
-def pieces(pattern: str, field: str, what: str = "data.path", field_key: str = "data.text_field") -> Iterator[bytes]:
+def pieces(
+    pattern: str, field: str, what: str = "data.path", field_key: str = "data.text_field", text: bool = False
+) -> Iterator[bytes]:
     """The corpus's byte stream in pieces, read one file (or batch of rows) at a time; `what`
-    and `field_key` are how an error names the path and the field (a config key, or a flag)."""
+    and `field_key` are how an error names the path and the field (a config key, or a flag).
+    With `text` (a text tokenizer reads it) a plain file must be UTF-8 (`utf8`)."""
     for f in source_files(pattern, what):
         if f.is_dir():
             yield from _dataset_rows(f, field, field_key)
@@ -95,19 +100,46 @@ def pieces(pattern: str, field: str, what: str = "data.path", field_key: str = "
             yield from _parquet_rows(f, field, field_key)
         else:
             with f.open("rb") as fh:
-                while block := fh.read(CHUNK):
-                    yield block
+                blocks = iter(lambda: fh.read(CHUNK), b"")
+                yield from utf8(blocks, f) if text else blocks
+
+
+def utf8(blocks: Iterator[bytes], path: Path) -> Iterator[bytes]:
+    """A file's blocks as they are, checked to be UTF-8 on the way. A text tokenizer would read
+    a byte that is not as U+FFFD, three bytes that bits per byte would count for one: refused,
+    naming the first such byte."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    at = 0  # the file's bytes before this block
+    for block in itertools.chain(blocks, [b""]):
+        held = len(decoder.getstate()[0])  # a character's first bytes, carried over from the last block
+        try:
+            decoder.decode(block, final=not block)
+        except UnicodeDecodeError as e:
+            raise PosbenchError(
+                f"{path}: not UTF-8 at byte {at - held + e.start:,} (0x{e.object[e.start]:02x}); a text tokenizer "
+                f"reads UTF-8: convert the file (e.g. iconv -f latin1 -t utf-8), or use the bytes tokenizer"
+            ) from None
+        at += len(block)
+        if block:
+            yield block
 
 
 def _document(text, where: str, field: str, key: str) -> bytes:
     if not isinstance(text, str):
         raise PosbenchError(f"{where}: field '{field}' ({key}) holds {type(text).__name__}, not text")
-    return text.encode("utf-8") + b"\n\n"
+    try:
+        return text.encode("utf-8") + b"\n\n"
+    except UnicodeEncodeError as e:  # a lone surrogate, as JSON's "\ud800" gives
+        raise PosbenchError(f"{where}: field '{field}' holds {text[e.start]!r}, which UTF-8 cannot encode") from None
 
 
 def _jsonl_rows(path: Path, field: str, key: str) -> Iterator[bytes]:
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for n, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PosbenchError(f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x}); JSON is UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -160,17 +192,35 @@ def split_point(total: int, val_fraction: float) -> int:
 
 
 def chunks(stream: Iterator[bytes], size: int = CHUNK) -> Iterator[bytes]:
-    """The stream cut into chunks of at most `size` bytes, each ending at its last line end (or
-    at `size`, for a line longer than that): a function of the bytes alone, however they arrive."""
+    """The stream cut into chunks of at most `size` bytes, each ending at its last line end (or,
+    for a line longer than that, before the UTF-8 character at `size`): a function of the bytes
+    alone, however they arrive."""
     buf = b""
     for piece in stream:
         buf += piece
         while len(buf) >= size:
-            cut = buf.rfind(b"\n", 0, size) + 1 or size
+            cut = buf.rfind(b"\n", 0, size) + 1 or char_start(buf, size) or size
             yield buf[:cut]
             buf = buf[cut:]
     if buf:
         yield buf
+
+
+def char_start(data: bytes, at: int) -> int:
+    """`at`, moved back to the first byte of the UTF-8 character it falls inside (by at most 3
+    bytes, the continuation bytes of one character): a text tokenizer given half a character
+    reads U+FFFD, whose three bytes bits per byte would count."""
+    back = 0
+    while back < 3 and 0 < at - back < len(data) and data[at - back] & 0xC0 == 0x80:
+        back += 1
+    return at - back
+
+
+def text_split(stream, at: int) -> int:
+    """Where a text tokenizer's validation split starts: `at`, or the start of the character
+    it falls inside, read from the few bytes before it (`stream()` gives the corpus afresh)."""
+    start = max(at - 3, 0)
+    return start + char_start(b"".join(split_stream(stream(), start, at + 1)), at - start)
 
 
 def split_stream(stream: Iterator[bytes], start: int, stop: Optional[int]) -> Iterator[bytes]:
@@ -353,7 +403,8 @@ def tokenize(data, stream, progress=None, report=None, names=KEYS) -> tuple[Toke
     if data.val_path:
 
         def val_of():
-            return pieces(data.val_path, data.text_field, names["val_path"], names["text_field"])
+            text = tokenizer_kind(data.tokenizer) != "bytes"
+            return pieces(data.val_path, data.text_field, names["val_path"], names["text_field"], text)
 
         train_of = stream
         split = None
@@ -362,6 +413,8 @@ def tokenize(data, stream, progress=None, report=None, names=KEYS) -> tuple[Toke
         if total == 0:
             raise PosbenchError(f"the corpus '{data.path}' is empty")
         split = split_point(total, data.val_fraction)
+        if tokenizer_kind(data.tokenizer) != "bytes":  # a split that ends inside a character reads U+FFFD
+            split = text_split(stream, split)
         if split < 2 or total - split < 2:
             raise PosbenchError(f"the corpus '{data.path}' has only {total} bytes; it is too small")
 
@@ -422,17 +475,30 @@ def load_prepared(path: str) -> Tokens:
     """A prepared folder's splits, memory-mapped: windows are read from disk as they are drawn."""
     folder = Path(os.path.expanduser(path))
     meta = read_prepared_meta(path)
-    dt = np.dtype(meta["dtype"])
+    dt, vocab = np.dtype(meta["dtype"]), int(meta["vocab_size"])
     arrays = []
     for split in ("train", "val"):
         file = folder / f"{split}.bin"
         want = int(meta[f"{split}_tokens"])
         if not file.is_file() or file.stat().st_size != want * dt.itemsize:
             raise PosbenchError(f"{file}: missing or not the {want:,} tokens tokens.json says; prepare it again")
-        arrays.append(np.memmap(file, dtype=dt, mode="r", shape=(want,)))
+        tokens = np.memmap(file, dtype=dt, mode="r", shape=(want,))
+        top = largest(tokens)
+        if top >= vocab:  # the model's embedding has `vocab` rows: such an id would fail deep in a forward pass
+            raise PosbenchError(
+                f"{file}: holds token id {top:,}, past the vocabulary of {vocab:,} that tokens.json gives; "
+                f"prepare it again"
+            )
+        arrays.append(tokens)
     lengths_file = folder / "byte_lengths.npy"
     lengths = np.load(lengths_file) if lengths_file.is_file() else np.ones(int(meta["vocab_size"]), np.int64)
     return Tokens(meta.get("name", str(folder)), arrays[0], arrays[1], meta["tokenizer"], lengths)
+
+
+def largest(tokens: np.ndarray, step: int = 1 << 24) -> int:
+    """The largest id in a memory-mapped token file, read a slice at a time (never whole in
+    memory), as fast as the disk reads it, once per process that loads it."""
+    return max((int(tokens[i : i + step].max()) for i in range(0, len(tokens), step)), default=-1)
 
 
 def prepare(data, out: Path, progress=None, advance=None) -> dict:
@@ -466,15 +532,32 @@ def _prepare(data, out: Path, progress, advance) -> dict:
         raise PosbenchError(f"{out}: exists and is not empty; choose another --out or delete it")
 
     def stream():
-        return pieces(data.path, data.text_field, FLAGS["path"], FLAGS["text_field"])
+        text = tokenizer_kind(data.tokenizer) != "bytes"
+        return pieces(data.path, data.text_field, FLAGS["path"], FLAGS["text_field"], text)
 
     sources = [str(f) for f in source_files(data.path, FLAGS["path"])]
     tok, train, val = tokenize(data, stream, progress, advance, FLAGS)
-    dt = dtype_for(tok.vocab_size)
     tmp = out.with_name("." + out.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    try:  # a source refused half-way, a full disk or Ctrl-C leaves nothing behind
+        with room_in(out):
+            meta = _write_tokens(data, tok, train, val, tmp, stream, sources)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return meta
+
+
+def _write_tokens(data, tok: Tokenizer, train: Iterator, val: Iterator, tmp: Path, stream, sources) -> dict:
+    """The prepared folder's files, into `tmp`; returns what tokens.json says."""
+    import shutil
+
+    dt = dtype_for(tok.vocab_size)
     counts = {}
     lengths = tok.byte_lengths()
     for split, arrays in (("train", train), ("val", val)):
@@ -486,7 +569,6 @@ def _prepare(data, out: Path, progress, advance) -> dict:
                 nbytes += int(lengths[a].sum()) if len(a) else 0
         counts[split] = (n, nbytes)
     if counts["train"][0] < 2 or counts["val"][0] < 2:
-        shutil.rmtree(tmp)
         raise PosbenchError(
             f"the corpus '{data.path}' makes {counts['train'][0]} training and {counts['val'][0]} "
             f"validation tokens; too few"
@@ -513,7 +595,4 @@ def _prepare(data, out: Path, progress, advance) -> dict:
         "val_path": data.val_path,
     }
     (tmp / PREPARED).write_text(json.dumps(meta, indent=1) + "\n")
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
     return meta

@@ -1,8 +1,12 @@
 """Damaged records and checkpoints: each is named in one line, and what is on disk stays as it
 was."""
 
+import contextlib
+import errno
+import os
 import shutil
 
+import pytest
 import torch
 import yaml
 from conftest import SMOKE, invoke
@@ -206,3 +210,83 @@ def test_a_run_is_scored_and_fine_tuned_only_on_the_data_it_read(tmp_path):
         assert res.exit_code == 2 and f"read {text} (bytes) with sha256 {pinned['sha256'][:12]}" in said, res.output
         assert "its scores would not compare" in said and (run / "eval.csv").read_bytes() == before
     assert not (tmp_path / "ext").exists()
+
+
+# --- a full disk: one line naming the folder, nothing half-written, nothing on disk lost ---------
+
+
+def _no_space(*args):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _disk_full():
+    """OSError ENOSPC as torch.save wraps it in a RuntimeError of its own when it writes to a file
+    object ('[enforce fail at inline_container.cc]')."""
+    try:
+        _no_space()
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+
+
+def _full_save(obj, f, *args, **kwargs):
+    """torch.save on a full disk, after half a file."""
+    with open(f, "wb") if isinstance(f, (str, os.PathLike)) else contextlib.nullcontext(f) as fh:
+        fh.write(b"half a file")
+        _disk_full()
+
+
+def _temporaries(folder):
+    return [p for p in folder.rglob("*") if p.name.startswith("tmp-")]
+
+
+def test_a_full_disk_while_saving_weights_is_one_line_naming_the_folder(tmp_path, monkeypatch):
+    """#41: it read as `[enforce fail at inline_container.cc]`."""
+    text = tmp_path / "tiny.txt"
+    text.write_text("to be or not to be that is the question\n" * 400)
+    monkeypatch.setattr(torch, "save", _full_save)
+    out = tmp_path / "r"
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}",
+                 "--set", f"data.path={text}")  # fmt: skip
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    partial = out / "smoke" / ".alibi-seed0.partial"
+    assert res.output.strip().splitlines()[-1] == (
+        f"error: {partial}: the disk is full (No space left on device); free some space, then rerun the same command"
+    )
+    assert not _temporaries(out) and not (partial / "model.pt").exists()
+    assert not (out / "smoke" / "alibi-seed0").exists()  # no run passes for a finished one
+
+
+def test_a_full_disk_while_writing_records_keeps_the_records_on_disk(smoke, tmp_path, monkeypatch):
+    import csv
+
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    before = (run / "eval.csv").read_text()
+    monkeypatch.setattr(csv.DictWriter, "writeheader", _no_space)
+    res = invoke("evaluate", run, "--lengths", "40")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"{run}: the disk is full" in " ".join(res.output.split())
+    assert (run / "eval.csv").read_text() == before and not _temporaries(run)
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_checkpoint_before(tmp_path, monkeypatch):
+    from posbench.errors import PosbenchError
+    from posbench.experiment.checkpoint import save_progress
+
+    (tmp_path / "checkpoint.pt").write_bytes(b"the checkpoint before")
+    monkeypatch.setattr(torch, "save", _full_save)
+    with pytest.raises(PosbenchError, match=f"^{tmp_path}: the disk is full"):
+        save_progress(tmp_path, {"model": {}})
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"the checkpoint before" and not _temporaries(tmp_path)
+
+
+def test_a_full_disk_while_preparing_leaves_no_folder(tmp_path, monkeypatch):
+    import numpy as np
+
+    (tmp_path / "a.txt").write_text("to be or not to be that is the question\n" * 200)
+    monkeypatch.setattr(np, "save", _no_space)  # byte_lengths.npy, after train.bin and val.bin
+    res = invoke("prepare", tmp_path / "a.txt", "--out", tmp_path / "prepared")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"{tmp_path / 'prepared'}: the disk is full" in " ".join(res.output.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]  # no partial folder, no lock

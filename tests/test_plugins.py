@@ -373,3 +373,37 @@ def test_a_file_named_like_a_library_where_the_user_stands_never_runs(tmp_path):
     res = subprocess.run([sys.executable, "-P", "-c", code, *args], cwd=tmp_path, capture_output=True, text=True)
     assert res.returncode == 0 and "local tokenizers.py ran" not in res.stderr, res.stderr
     assert (tmp_path / "prepared" / "tokens.json").is_file()
+
+
+# --- a run folder's records name a user's module: report imports nothing, the rest say so -----
+
+PLAIN = "from posbench.schemes import PositionalScheme\n\n\nclass Mine(PositionalScheme):\n    pass\n"
+
+
+def test_a_module_that_only_a_run_folder_names_is_said_before_it_is_imported(on_path, tmp_path, corpus_file):
+    """#41: a results folder can name any module:Class. Named on the command line, it imports
+    without a word; named only by a run's records, one line names the module and its file
+    before it runs; report and status import none of it."""
+    module = on_path("plug_recorded", PLAIN)
+    out = tmp_path / "r"
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--schemes", f"{module}:Mine",
+        "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}", "--set", "train.steps=2",
+    )  # fmt: skip
+    assert res.exit_code == 0 and "importing module" not in res.output, res.output
+    run = out / "smoke" / f"{module}_Mine-seed0"
+    del sys.modules[module]
+    (tmp_path / f"{module}.py").write_text("raise SystemExit('plug_recorded ran')\n")  # would end the command
+    for command in ("report", "status"):
+        res = invoke(command, out / "smoke")
+        assert res.exit_code == 0 and "importing module" not in res.output, res.output
+    sys.modules.pop(module, None)
+    (tmp_path / f"{module}.py").write_text(PLAIN + "\nprint('plug_recorded ran')\n")
+    res = invoke("inspect", run, "--out", tmp_path / "drawn")
+    assert res.exit_code == 0, res.output
+    said = res.output.splitlines()
+    assert said[0] == (
+        f"note: {run} names scheme '{module}:Mine', not one of posbench's: importing module '{module}' "
+        f"({tmp_path / module}.py)"
+    ), res.output
+    assert said[1] == "plug_recorded ran"  # after the line, not before

@@ -601,3 +601,25 @@ def test_a_grid_point_over_tasks_is_named_by_what_was_chosen_not_what_each_task_
     labels = point_labels({"a": run("copy"), "b": run("sort"), "c": run("copy", train_max=10)})
     assert labels["c"] == "task=copy, task_options.train_max=10"  # test_max follows it: 2 train_max
     assert labels["b"] == "task=sort, task_options.train_max=20"
+
+
+def test_a_sweep_of_thousands_of_runs_says_so_before_the_first_starts(tmp_path, monkeypatch):
+    """#41: a sweep of 10,000 runs started without a word. Past LARGE_SWEEP (1,000) runs to
+    train, one line says how many, the work in all, and how to stop and resume; not below."""
+    from posbench.experiment import execute
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C before the first run trains
+
+    monkeypatch.setattr(execute, "run_jobs", stopped)
+    said = {}
+    for points in (250, 251):  # 1 scheme x 4 seeds x points: 1,000 and 1,004 runs
+        lrs = [round(0.001 + i * 1e-5, 5) for i in range(points)]
+        res = invoke("sweep", _sweep(tmp_path, seeds="[0, 1, 2, 3]", key="train.lr", values=str(lrs)))
+        assert res.exit_code == 130 and "Traceback" not in res.output, res.output
+        said[points] = " ".join(res.output.split())
+    assert "this sweep trains" not in said[250], said[250]
+    assert said[251].startswith(
+        "this sweep trains 1,004 runs (1 scheme x 4 seeds x 251 train.lr), 2,570,240 tokens in all; Ctrl-C stops "
+        "it, keeping finished runs and checkpoints, and the same command resumes it "
+    ), said[251]

@@ -7,6 +7,7 @@ import json
 import random
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -597,7 +598,17 @@ def test_a_user_s_task_loads_as_module_colon_class(tmp_path, monkeypatch):
         "extrapolate", "--task", "my_tasks:Increment", "--schemes", "nope", "--set", f"out_dir={tmp_path / 'r'}", *TINY
     )
     assert res.exit_code == 0, res.output
-    assert "inc:" in (tmp_path / "r" / "my_tasks_Increment" / "nope-seed0" / "samples.txt").read_text()
+    run = tmp_path / "r" / "my_tasks_Increment" / "nope-seed0"
+    assert "inc:" in (run / "samples.txt").read_text()
+    # #41: a report learns a task's lengths from its class: a module that only the records name
+    # (a later process, or a results folder from someone else) is said before it is imported
+    monkeypatch.delitem(sys.modules, "my_tasks")
+    res = invoke("report", run.parent)
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith(
+        f"note: {run} names task 'my_tasks:Increment', not one of posbench's: importing module 'my_tasks' "
+        f"({tmp_path / 'my_tasks.py'})\n"
+    ), res.output
 
 
 def test_a_task_plugin_that_fails_to_build_is_one_line(tmp_path, monkeypatch):

@@ -299,3 +299,75 @@ def test_a_second_prepare_into_one_folder_is_refused_naming_the_first(tmp_path):
     res = invoke("prepare", tmp_path / "a.txt", "--out", out)  # once it is done, the folder is free
     assert res.exit_code == 0, res.output
     assert (out / "tokens.json").is_file() and not (tmp_path / ".prepared.lock").exists()
+
+
+# --- text that is not UTF-8, and characters cut in two -------------------------------------------
+
+
+def test_text_that_is_not_utf8_is_refused_under_a_text_tokenizer_and_read_as_bytes(tmp_path, words):
+    """#41: a text tokenizer read a Latin-1 byte as U+FFFD, three bytes that bits per byte counted
+    for one (a 95,000-byte file counted as 135,000). It is one line naming the file and the first
+    such byte, and nothing is written; the bytes tokenizer reads it, counting each byte once."""
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(words.read_bytes()[:5000] + "café\n".encode("latin-1") + words.read_bytes()[5000:])
+    said = f"{latin}: not UTF-8 at byte 5,003 (0xe9); a text tokenizer reads UTF-8"
+    for res in (
+        invoke("prepare", latin, "--out", tmp_path / "prep", "--tokenizer", "bpe", "--vocab-size", "300"),
+        invoke("prepare", words, "--out", tmp_path / "prep", "--tokenizer", "bpe", "--vocab-size", "300",
+               "--val-path", latin),  # refused while its tokens are written: the folder goes
+        _smoke(tmp_path / "r", "--set", f"data.path={latin}", "--set", "data.tokenizer=bpe",
+               "--set", "data.vocab_size=300"),
+    ):  # fmt: skip
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert said in " ".join(res.output.split()), res.output
+        assert not (tmp_path / "prep").exists() and not (tmp_path / ".prep.partial").exists()
+        assert not (tmp_path / "r").exists()
+    res = invoke("prepare", latin, "--out", tmp_path / "prep")
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "prep" / "tokens.json").read_text())
+    assert meta["train_bytes"] + meta["val_bytes"] == latin.stat().st_size
+
+
+def test_the_first_byte_that_is_not_utf8_is_found_across_blocks(tmp_path):
+    from posbench.errors import PosbenchError
+    from posbench.text import utf8
+
+    two = "é".encode()  # a character of two bytes, cut between two blocks
+    assert b"".join(utf8(iter([b"ab" + two[:1], two[1:] + b"cd"]), tmp_path)) == b"ab" + two + b"cd"
+    for blocks, at in (
+        ([b"ab" + two[:1], two[1:] + b"c\xff"], 5),
+        ([b"ab" + two[:1], b"cd"], 2),
+        ([b"abc" + two[:1]], 3),  # the file ends inside a character
+    ):
+        with pytest.raises(PosbenchError, match=f"not UTF-8 at byte {at} "):
+            list(utf8(iter(blocks), tmp_path))
+
+
+def test_no_character_is_cut_in_two_so_bits_per_byte_counts_the_file(tmp_path):
+    """A line longer than a piece (16 KiB) is cut inside it, and the validation split starts at
+    a byte offset: each at the start of a character, or a text tokenizer reads U+FFFD there."""
+    text = tmp_path / "long.txt"
+    text.write_text(("x" + "é" * 9000 + "\n") * 6, encoding="utf-8")  # 18,002 bytes a line, é at odd offsets
+    assert all(c.decode() for c in chunks(iter([text.read_bytes()]), 2**14))
+    res = invoke("prepare", text, "--out", tmp_path / "prep", "--tokenizer", "bpe", "--vocab-size", "300")
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "prep" / "tokens.json").read_text())
+    assert meta["train_bytes"] + meta["val_bytes"] == text.stat().st_size
+
+
+def test_a_token_id_past_the_vocabulary_in_a_prepared_file_is_one_line(tmp_path, words):
+    """#41: it was an IndexError naming no file, after training; it is refused before anything
+    is trained or written, naming the file, the id and the vocabulary."""
+    res = invoke("prepare", words, "--out", tmp_path / "prep", "--tokenizer", "bpe", "--vocab-size", "300")
+    assert res.exit_code == 0, res.output
+    vocab = json.loads((tmp_path / "prep" / "tokens.json").read_text())["vocab_size"]
+    val = np.memmap(tmp_path / "prep" / "val.bin", dtype=np.uint16, mode="r+")
+    val[7] = 4000  # a file written by hand, or by another prepare, under this tokens.json
+    val.flush()
+    res = _smoke(tmp_path / "r", "--set", f"data.path={tmp_path / 'prep'}")
+    last = res.output.strip().splitlines()[-1]  # after a note that the C kernels are built, in this cache
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert last.startswith(
+        f"error: {tmp_path / 'prep' / 'val.bin'}: holds token id 4,000, past the vocabulary of {vocab:,}"
+    )
+    assert not (tmp_path / "r").exists()

@@ -19,9 +19,10 @@ import torch
 from posbench.config import ExperimentConfig, config_from_dict, differences, identity, read_record
 from posbench.errors import PosbenchError, first_line
 from posbench.experiment.records import CHECKPOINT, CONFIG, DIVERGED, PREVIOUS, WEIGHTS
-from posbench.files import TMP_PREFIX, atomic
+from posbench.files import TMP_PREFIX, atomic, room_in
 from posbench.model import TransformerLM
 from posbench.progress import Reporter
+from posbench.registry import named_by
 
 
 def weights_identity(cfg: ExperimentConfig) -> dict:
@@ -48,8 +49,8 @@ def _damaged(ckpt: dict, key: str) -> bool:
 
 def save_checkpoint(path: Path, model: TransformerLM, cfg: ExperimentConfig) -> None:
     state = model.state_dict()
-    with atomic(path) as tmp:
-        torch.save({"config": cfg.to_dict(), "model": state, "sha256": weights_digest(state)}, tmp)
+    with atomic(path) as tmp, open(tmp, "wb") as f:  # a file object: a full disk keeps its errno
+        torch.save({"config": cfg.to_dict(), "model": state, "sha256": weights_digest(state)}, f)
 
 
 def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
@@ -72,7 +73,8 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
                 f"restore the file or delete the run to retrain it"
             )
         cfg = config_from_dict(ckpt["config"], source=str(ckpt_path))
-        model = TransformerLM(cfg.model)
+        with named_by(run_dir):  # a scheme of the user's, named by the run's record: said before it runs
+            model = TransformerLM(cfg.model)
     except PosbenchError:
         raise
     except Exception as e:  # torch raises many kinds for a truncated or foreign file
@@ -141,10 +143,14 @@ def save_progress(folder: Path, state: dict) -> None:
     """folder/checkpoint.pt, written whole: a temporary file, fsync, then a rename. The one it
     replaces becomes checkpoint.prev.pt, so a checkpoint damaged on disk has a fallback."""
     path, tmp = folder / CHECKPOINT, folder / (TMP_PREFIX + CHECKPOINT)
-    with open(tmp, "wb") as f:
-        torch.save({**state, "sha256": weights_digest(state["model"])}, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with room_in(folder), open(tmp, "wb") as f:
+            torch.save({**state, "sha256": weights_digest(state["model"])}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk, or a signal: the checkpoints before it stand
+        tmp.unlink(missing_ok=True)
+        raise
     if path.exists():
         os.replace(path, folder / PREVIOUS)
     os.replace(tmp, path)

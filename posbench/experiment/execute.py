@@ -21,7 +21,7 @@ from posbench.config import ExperimentConfig, check_device, check_trainable, dum
 from posbench.device import pick_device
 from posbench.errors import PosbenchError, first_line
 from posbench.experiment.checkpoint import load_run, save_checkpoint
-from posbench.experiment.plan import Job, plan_runs, plan_sweep, run_identity
+from posbench.experiment.plan import Job, plan_runs, plan_sweep, run_identity, sweep_size
 from posbench.experiment.records import (
     CHECKPOINT,
     CONFIG,
@@ -39,10 +39,11 @@ from posbench.experiment.records import (
     record_read,
     run_name,
 )
-from posbench.files import TMP_PREFIX, exclusive, lock_holder, write_atomic
+from posbench.files import TMP_PREFIX, exclusive, lock_holder, room_in, write_atomic
 from posbench.measures import Measure, Scorer, ScoringRun
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
+from posbench.registry import named_by
 from posbench.resolve import Experiment, resolve_scoring
 from posbench.tasks import task_for
 from posbench.trackers import check_tracker, send_run, usable
@@ -62,6 +63,9 @@ def sweep_jobs(grid: list[tuple[dict, Experiment]], source: str, reporter: Repor
     """A sweep's experiment folder, made, with `source` (the config file's text) kept there as
     sweep.yaml, its jobs and the data they read, each grid point checked before any runs."""
     folder, jobs = plan_sweep(grid)
+    size = sweep_size(grid, jobs)
+    if size is not None:  # thousands of runs: said before the first one starts
+        reporter.note(size)
     sources = {}
     for _, exp in grid:
         mine = [job for job in jobs if job.point is exp.cfg]
@@ -229,7 +233,8 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
             init, batches, probe = fine_tuning(job, data, partial)
         else:
             init, batches, probe = None, job.task.batches(rc, data), None
-        model = train_model(rc, batches, reporter, partial, init, probe)
+        with room_in(partial):  # its log and checkpoints
+            model = train_model(rc, batches, reporter, partial, init, probe)
     except Diverged as e:
         write_atomic(partial / DIVERGED, json.dumps({"status": "diverged", "step": e.step, "loss": str(e.loss)}) + "\n")
         reporter.note(f"{rdir.name}: {e}; recorded in {rdir / DIVERGED}, the other runs go on")
@@ -296,7 +301,8 @@ def evaluate_run(
         write_atomic(Path(run_dir) / CONFIG, dump_yaml(trained))
     if attention is not None:  # how it is scored, not what it learned: the weights are the same
         model.cfg = dataclasses.replace(model.cfg, attention=attention)  # checked as it runs
-    exp = resolve_scoring(rc, asked)
+    with named_by(run_dir):  # its task, if a user's module:Class, is said before it is imported
+        exp = resolve_scoring(rc, asked)
     dev = pick_device(rc.train.device)
     check_tracker(tracker, "--tracker")
     tracker = tracker or usable(rc.train.tracker)  # the run's own, where its library is installed here
@@ -322,7 +328,8 @@ def measure_run(
     measure = load_measure(spec)
     _, rc, model = _to_score(run_dir, device)
     dev = pick_device(rc.train.device)
-    task = task_for(rc)
+    with named_by(run_dir):
+        task = task_for(rc)
     run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))
     check_read(run_dir, task.fingerprint(run.source))
     rows = score_into(measure, spec, run, Path(run_dir))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -157,6 +158,38 @@ def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
                     seen[digest] = where, rdir
                     jobs.append(Job(rc, exp.task, exp.measure, rdir, plan_state(rc, exp.task, rdir), point=cfg))
     return folder, jobs
+
+
+# runs to train past which a sweep says, before it starts, what it will train: a run at the
+# defaults takes minutes on a CPU (the README's 4 min of CPU time), so a thousand take days. A
+# smaller sweep's progress ("3 of 8") says enough; a grid holds at most MAX_SWEEP_POINTS points
+LARGE_SWEEP = 1000
+
+
+def sweep_size(grid: list[tuple[dict, Experiment]], jobs: list[Job]) -> Optional[str]:
+    """One line on a sweep of more than LARGE_SWEEP runs to train: how many (the grid's shape),
+    what they train in all, and how to stop and resume it; None for a smaller one."""
+    todo = [job for job in jobs if job.state == "todo"]
+    if len(todo) <= LARGE_SWEEP:
+        return None
+    settings = grid[0][0]
+    shape = {key: len({repr(point[key]) for point, _ in grid}) for key in settings}
+    first = grid[0][1].cfg
+    shape |= {key: len(getattr(first, key)) for key in ("schemes", "seeds") if key not in shape}
+    sizes = " x ".join(f"{n:,} {key.removesuffix('s') if n == 1 and key in ('schemes', 'seeds') else key}"
+                       for key, n in shape.items())  # fmt: skip
+    if math.prod(shape.values()) != len(jobs):  # points that share a run
+        sizes = f"{len(grid):,} grid points"
+    done = f"; {len(jobs) - len(todo):,} of its {len(jobs):,} are done" if len(todo) < len(jobs) else ""
+    work: dict[str, int] = {}
+    for job in todo:
+        per_step, unit = job.task.throughput(job.cfg)
+        work[unit.removesuffix("_per_s")] = work.get(unit.removesuffix("_per_s"), 0) + per_step * job.cfg.train.steps
+    total = " and ".join(f"{n:,} {unit}" for unit, n in work.items())
+    return (
+        f"this sweep trains {len(todo):,} runs ({sizes}{done}), {total} in all; Ctrl-C stops it, keeping "
+        f"finished runs and checkpoints, and the same command resumes it"
+    )
 
 
 def plan_note(job: Job) -> str:

@@ -25,7 +25,7 @@ from posbench.extend.methods import (
     child_label,
     read_curve,
 )
-from posbench.files import write_atomic
+from posbench.files import room_in, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -102,6 +102,8 @@ def plan_extension(
     from posbench.experiment.checkpoint import load_run
     from posbench.experiment.plan import Job, plan_state
     from posbench.experiment.records import read_config, run_name
+    from posbench.registry import named_by
+    from posbench.schemes import SCHEMES
     from posbench.tasks import task_for
 
     if steps <= 0:
@@ -121,7 +123,9 @@ def plan_extension(
     jobs, notes, skipped = [], [], {}
     for pdir in parents:
         prc = read_config(pdir) if (pdir / "config.yaml").is_file() else load_run(pdir)[0]
-        task = task_for(prc)
+        with named_by(pdir):  # its scheme and task, if a user's module:Class, are said before they run
+            SCHEMES.lookup(prc.model.scheme)
+            task = task_for(prc)
         measure = task.measure()
         why_not = task.not_extendable(prc)
         if why_not is not None:
@@ -389,11 +393,16 @@ def copy_parent(job) -> None:
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    shutil.copy2(job.parent / WEIGHTS, partial / WEIGHTS)
-    if (job.parent / "train_log.jsonl").is_file():
-        shutil.copy2(job.parent / "train_log.jsonl", partial / "train_log.jsonl")
-    write_atomic(partial / CONFIG, dump_yaml(job.cfg))
-    write_atomic(partial / PARENT, parent_path(job) + "\n")
+    try:  # a full disk leaves no half copy behind
+        with room_in(job.folder.parent):
+            shutil.copy2(job.parent / WEIGHTS, partial / WEIGHTS)
+            if (job.parent / "train_log.jsonl").is_file():
+                shutil.copy2(job.parent / "train_log.jsonl", partial / "train_log.jsonl")
+            write_atomic(partial / CONFIG, dump_yaml(job.cfg))
+            write_atomic(partial / PARENT, parent_path(job) + "\n")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if job.folder.exists():
         shutil.rmtree(job.folder)
     partial.rename(job.folder)
