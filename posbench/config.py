@@ -357,10 +357,14 @@ def identity(cfg) -> dict:
 
 
 def shared_identity(part: dict) -> dict:
-    """What every run of one experiment shares: a run's identity without its scheme and seed."""
+    """What every run of one experiment shares: a run's identity without its scheme and seed (a
+    pretrained model's: without the model)."""
     part = {k: v for k, v in part.items() if k not in ("schemes", "seeds", "scheme_options")}
     if isinstance(part.get("model"), dict):
-        part["model"] = {k: v for k, v in part["model"].items() if k not in ("scheme", "options")}
+        model = part["model"]
+        # a pretrained model is what its row compares, as a scheme is: its shape is its own
+        mine = ("scheme", "options", "n_layer", "n_head", "d_model", "vocab_size", "pretrained")
+        part["model"] = {k: v for k, v in model.items() if k not in (mine if model.get("pretrained") else mine[:2])}
     return part
 
 

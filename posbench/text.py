@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,7 +257,8 @@ class Tokenizer:
         # the library can): a function of the chunk alone, as the chunks are of the stream
         texts = [p.decode("utf-8", errors="replace") for p in chunks(iter([chunk]), PIECE)]
         if self.kind == "hf":
-            ids = [e.ids for e in self.impl.encode_batch(texts)]
+            # no special tokens: a BOS a template adds to every piece would be scored as text
+            ids = [e.ids for e in self.impl.encode_batch(texts, add_special_tokens=False)]
         else:
             ids = self.impl.encode(texts)
         return np.fromiter((i for row in ids for i in row), dtype=np.int64)
@@ -276,14 +278,25 @@ class Tokenizer:
                 out[i] = 1 if self.impl.is_byte(i) else len(piece.replace("\u2581", " ").encode())
             return out
         decoder = _byte_decoder()
+        special = {t.content for t in self.impl.get_added_tokens_decoder().values() if t.special}
+        fallback = '"byte_fallback":true' in self.impl.to_str().replace(" ", "")
         for token, i in self.impl.get_vocab().items():
             if i >= self.vocab_size:
                 continue
-            if all(c in decoder for c in token):  # byte-level: each character stands for one byte
+            if fallback and _BYTE_PIECE.fullmatch(token):  # sentencepiece's byte fallback: <0x0A> is one byte
+                out[i] = 1
+            elif token in special:
+                continue  # a control token spells no text
+            elif "\u2581" in token or fallback:  # a sentencepiece-style piece: ▁ stands for a space
+                out[i] = len(token.replace("\u2581", " ").encode())
+            elif all(c in decoder for c in token):  # byte-level: each character stands for one byte
                 out[i] = len(token)
             else:
                 out[i] = len(self.impl.decode([i]).encode())
         return out
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _byte_decoder() -> dict:

@@ -180,3 +180,128 @@ def test_what_is_not_a_model_is_one_line(models, tmp_path):
         (broken / f.name).write_bytes(f.read_bytes()[:100] if f.suffix == ".safetensors" else f.read_bytes())
     with pytest.raises(PosbenchError, match="transformers cannot load it as a causal LM"):
         load_pretrained(broken)
+
+
+# --- posbench pretrained: records like any run ---------------------------------------------------
+
+
+def _corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT * 3)
+    return path
+
+
+def test_pretrained_writes_a_run_folder_resumes_and_joins_another_in_one_report(models, tmp_path):
+    import csv
+
+    from conftest import invoke
+
+    from posbench.config import read_record
+
+    out, corpus = tmp_path / "r", _corpus(tmp_path)
+    args = ["--data", str(corpus), "--set", f"out_dir={out}", "--set", "eval.tokens=1024"]
+    res = invoke(
+        "pretrained", str(models / "llama"), "--lengths", f"{CONTEXT},{2 * CONTEXT}", "--rope-scaling", "yarn", *args
+    )
+    assert res.exit_code == 0, res.output
+    run = out / "pretrained" / "llama"
+    rec = read_record(run / "config.yaml")
+    pre = rec["model"]["pretrained"]
+    assert pre["name"] == "llama" and pre["architecture"] == "llama" and pre["context"] == CONTEXT
+    assert set(pre["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert rec["data"]["tokenizer"] == str(models / "llama" / "tokenizer.json")
+    rows = list(csv.DictReader((run / "eval.csv").open()))
+    assert {(r["scheme"], int(r["length"])) for r in rows} == {
+        (s, L) for s in ("llama", "llama+yarn") for L in (CONTEXT, 2 * CONTEXT)
+    }
+    assert all(float(r["bpb"]) > 0 for r in rows) and (run / "data.json").is_file()
+    summary = (out / "pretrained" / "summary.md").read_text()
+    assert "context 32" in summary and "llama: pretrained, not trained here" in summary
+
+    # a rerun scores nothing again; a new length is scored alone
+    before = (run / "eval.csv").read_text()
+    assert (
+        invoke(
+            "pretrained",
+            str(models / "llama"),
+            "--lengths",
+            f"{CONTEXT},{2 * CONTEXT}",
+            "--rope-scaling",
+            "yarn",
+            *args,
+        ).exit_code
+        == 0
+    )
+    assert (run / "eval.csv").read_text() == before
+
+    # the other model, another experiment: one report of both
+    res = invoke("pretrained", str(models / "gpt2"), "--name", "other", "--lengths", str(CONTEXT), *args)
+    assert res.exit_code == 0, res.output
+    # their tokenizers differ (here, by path): they compare in bits per byte
+    res = invoke("report", str(out / "pretrained"), str(out / "other"), "--out", str(tmp_path / "joined"))
+    assert res.exit_code == 2 and "in bpb they compare: --metric bpb" in res.output, res.output
+    res = invoke(
+        "report", str(out / "pretrained"), str(out / "other"), "--out", str(tmp_path / "joined"), "--metric", "bpb"
+    )
+    assert res.exit_code == 0, res.output
+    table = (tmp_path / "joined" / "summary.md").read_text()
+    assert "| llama |" in table and "| gpt2 |" in table and "| llama+yarn |" in table
+
+
+def test_other_model_files_under_the_same_name_are_refused_and_nothing_is_touched(models, tmp_path):
+    from conftest import invoke
+
+    out, corpus = tmp_path / "r", _corpus(tmp_path)
+    args = ["--data", str(corpus), "--set", f"out_dir={out}", "--set", "eval.tokens=512", "--lengths", str(CONTEXT)]
+    copy = tmp_path / "llama"
+    copy.mkdir()
+    for f in (models / "llama").iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    assert invoke("pretrained", str(copy), *args).exit_code == 0
+    before = (out / "pretrained" / "llama" / "eval.csv").read_text()
+    torch.manual_seed(1)
+    config = transformers.AutoConfig.from_pretrained(copy)
+    transformers.LlamaForCausalLM(config).save_pretrained(copy)  # other weights, the same name
+    res = invoke("pretrained", str(copy), *args)
+    assert res.exit_code == 2 and "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+    assert "holds the scores of other model files under the name llama" in res.output and "--name NEW" in res.output
+    assert (out / "pretrained" / "llama" / "eval.csv").read_text() == before
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--rope-scaling", "ntk"],
+            "not a RoPE type transformers has; valid: linear, dynamic, yarn, llama3, longrope; "
+            "transformers' NTK-aware scaling is dynamic",
+        ),
+        (["--lengths", "0"], "eval.lengths: 0 is not a positive length"),
+        (
+            ["--set", "eval.tokens=20", "--lengths", str(CONTEXT)],
+            "eval.tokens=20 is fewer than the longest eval length",
+        ),
+        (
+            ["--protocol", "sliding", "--stride", str(CONTEXT + 1), "--lengths", str(CONTEXT)],
+            f"eval.perplexity.stride={CONTEXT + 1} is longer than the shortest window, eval.lengths {CONTEXT}",
+        ),
+    ],
+)
+def test_bad_input_to_pretrained_is_one_line_and_writes_nothing(models, tmp_path, args, message):
+    from conftest import invoke
+
+    out = tmp_path / "r"
+    res = invoke(
+        "pretrained", str(models / "llama"), "--data", str(_corpus(tmp_path)), "--set", f"out_dir={out}", *args
+    )
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) == 1, res.output
+    assert not out.exists()
+
+
+def test_a_rope_variant_asked_of_a_model_without_rope_is_one_line(models, tmp_path):
+    from conftest import invoke
+
+    res = invoke("pretrained", str(models / "gpt2"), "--rope-scaling", "yarn", "--set", f"out_dir={tmp_path / 'r'}")
+    assert res.exit_code == 2 and "gpt2 (gpt2) has no rotary embedding" in res.output
+    assert not (tmp_path / "r").exists()

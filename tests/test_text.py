@@ -371,3 +371,36 @@ def test_a_token_id_past_the_vocabulary_in_a_prepared_file_is_one_line(tmp_path,
         f"error: {tmp_path / 'prep' / 'val.bin'}: holds token id 4,000, past the vocabulary of {vocab:,}"
     )
     assert not (tmp_path / "r").exists()
+
+
+def test_a_sentencepiece_style_tokenizer_json_counts_the_bytes_its_tokens_spell_and_scores_no_bos(tmp_path):
+    """A tokenizer.json in Llama 2's style: pieces with ▁ for a space, byte fallback (<0x0A> is
+    one byte, not six) and a template that adds a BOS, which is never inserted into the text.
+    Its tokens spell the text's bytes plus the one ▁ it prepends to a piece."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    from posbench.text import load_tokenizer_file
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    text = "the cat sat on the mat, the dog ate the hat. " * 40  # no line end: it falls back to a byte
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=330, special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+
+    t = load_tokenizer_file(str(path))
+    sample = "the cat\nate the hat é\n"  # é is not in the vocabulary: two fallback bytes
+    ids = t.encode(sample.encode())
+    assert 1 not in ids.tolist()  # no BOS
+    pieces = [tok.id_to_token(i) for i in ids]
+    assert "<0x0A>" in pieces and "<0xC3>" in pieces and "<0xA9>" in pieces
+    lengths = t.byte_lengths()
+    assert lengths[tok.token_to_id("<0x0A>")] == 1 and lengths[1] == 0
+    assert int(lengths[ids].sum()) == len(sample.encode()) + 1  # the ▁ prepended to the piece

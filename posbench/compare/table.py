@@ -109,12 +109,13 @@ def seeds_said(rows: pd.DataFrame) -> str:
     return f"seeds {'; '.join(said)}"
 
 
-def spread_note(seeds: int, tests: set[str], at: str = "length") -> str:
+def spread_note(seeds: int, tests: set[str], at: str = "length", more: str = "use --seeds 0,1,2") -> str:
     """What a cell's ± and its bold mean (the best at each `at`: length, step), or why there is no
-    interval; and, where a column had every scheme tied (ALL_TIED in `tests`), that it has no bold."""
+    interval (and `more`, how to have one); and, where a column had every scheme tied (ALL_TIED
+    in `tests`), that it has no bold."""
     none = f"; none at a {at} where every scheme ties" if ALL_TIED in tests else ""
     if seeds < 2:
-        return f"1 seed: no interval; use --seeds 0,1,2. Bold: the best scheme at each {at}{none}"
+        return f"1 seed: no interval; {more}. Bold: the best scheme at each {at}{none}"
     how = {
         "paired": "a paired t-test over seeds (the same seeds: the same init and data order)",
         "welch": "Welch's t-test where the seed sets differ",

@@ -34,8 +34,11 @@ class Perplexity(Measure):
         if test_len is not None:  # the grid runs from the training length, however it is given
             cfg.eval.lengths = length_grid(L, test_len)
         only_own_section(cfg, self.name)
-        # the training length, the base of every ratio, is always scored; columns read in order
-        cfg.eval.lengths = sorted({L, *cfg.eval.lengths})
+        # the training length, the base of every ratio, is always scored (a pretrained model's
+        # context where a length reaches past it); columns read in order
+        if not cfg.model.pretrained or max(cfg.eval.lengths) > L:
+            cfg.eval.lengths = sorted({L, *cfg.eval.lengths})
+        cfg.eval.lengths = sorted(cfg.eval.lengths)
         if cfg.eval.tokens < max(cfg.eval.lengths):
             raise PosbenchError(
                 f"eval.tokens={cfg.eval.tokens} is fewer than the longest eval length {max(cfg.eval.lengths)}",

@@ -106,10 +106,12 @@ def _ratios(df: pd.DataFrame, base: int, longest: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["scheme", "seed", "column", "value", "status"])
 
 
-def spread_note(tables: dict[str, pd.DataFrame]) -> str:
-    """What a cell's ± and its bold mean, over every table of a report."""
+def spread_note(tables: dict[str, pd.DataFrame], pretrained: bool = False) -> str:
+    """What a cell's ± and its bold mean, over every table of a report (`pretrained`: of
+    pretrained models alone, which have no seeds to train)."""
     seeds = max(int(t["seeds"].max()) for t in tables.values())
-    return compare_spread(seeds, set().union(*(t.attrs.get("tests", set()) for t in tables.values())))
+    tests = set().union(*(t.attrs.get("tests", set()) for t in tables.values()))
+    return compare_spread(seeds, tests, more="one pretrained model each" if pretrained else "use --seeds 0,1,2")
 
 
 def lengths_of(table: pd.DataFrame) -> list[int]:
@@ -262,7 +264,9 @@ def report(collected, metric: str, transpose: bool) -> dict:
             part = rows[(rows["protocol"] == protocol) & (rows["stride"].fillna("").astype(str) == stride)]
             label = protocol_label(protocol, stride)
             tables[label if point is None else f"{point}; {label}"] = comparison(part)
-    note = spread_note(tables)
+    pretrained = all(c.model.pretrained for c in configs)  # no training to speak of, a context instead
+    trained = "context" if pretrained else "trained at"
+    note = spread_note(tables, pretrained)
     tokenized = bool(set(df["tokenizer"].dropna()) - {"bytes", ""})
     sections = []
     for label, table in tables.items():
@@ -279,12 +283,12 @@ def report(collected, metric: str, transpose: bool) -> dict:
         sections.append(
             Section(
                 heading=label,
-                caption=f"{tex(what)}, trained at {train_len}; {tex(label)}. {tex(note)}.",
+                caption=f"{tex(what)}, {trained} {train_len}; {tex(label)}. {tex(note)}.",
                 rows=rows,
                 best=best,
                 terminal=shown,
                 terminal_best=shown_best,
-                title=f"{what}, trained at {train_len} ({label}; attention: {backends_note(df, short=True)})",
+                title=f"{what}, {trained} {train_len} ({label}; attention: {backends_note(df, short=True)})",
             )
         )
     curve = extend.curve_table(df.attrs["runs"].values())
@@ -306,14 +310,17 @@ def report(collected, metric: str, transpose: bool) -> dict:
             df.groupby("point")["train_len"].first().to_dict() if "point" in df else {"": int(df["train_len"].iloc[0])}
         )
         plot_positions(position_losses(df), train_lens, folder / "positions.png", unit)
-        plot_training(df.attrs["runs"], folder / "training.png", unit)
+        drawn = ["summary.png", "positions.png"]
+        if not pretrained:
+            plot_training(df.attrs["runs"], folder / "training.png", unit)
+            drawn.append("training.png")
         if curve is not None:
             extend.plot_curve(curve[2], curve[1], folder / "steps.png")
-            return ["summary.png", "positions.png", "training.png", "steps.png"]
-        return ["summary.png", "positions.png", "training.png"]
+            drawn.append("steps.png")
+        return drawn
 
     return {
-        "title": f"Length extrapolation: trained at {trained_at(df)}, evaluated up to {longest}",
+        "title": f"Length extrapolation: {trained} {trained_at(df)}, evaluated up to {longest}",
         "describe": describe(configs, df) + extend.describe(configs) + [f"- cells: {what}, {note}"],
         "sections": sections,
         "legend": legend,
@@ -338,7 +345,9 @@ def frame(collected) -> tuple[pd.DataFrame, list]:
     df = df.sort_values([c for c in ("experiment", "point", "scheme", "seed", "length") if c in df])
     df = df.drop(columns="experiment").reset_index(drop=True)
     df["scheme"] = df["scheme"].astype(str)
-    df.attrs["trained_with"] = {run.folder.name: run.trained_with for run in collected.runs}
+    df.attrs["trained_with"] = {
+        run.folder.name: run.trained_with for run in collected.runs if not run.cfg.model.pretrained
+    }
     df.attrs["runs"] = {run.folder: run for run in collected.runs}
     df.attrs["diverged"] = collected.diverged
     df.attrs["points"] = points if "point" in df else {}
