@@ -1,6 +1,6 @@
 """A task run scored, the torch side: greedy decoding, exact match and per-token accuracy, batched by length.
 
-posbench/measures/exact_match.py calls these and writes the records.
+posbench/measures/exact_match/score.py calls these and writes the records.
 """
 
 from __future__ import annotations

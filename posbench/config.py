@@ -202,9 +202,9 @@ class PerplexityConfig:
 
 @dataclass
 class ExactMatchConfig:
-    """How exact match (posbench/measures/exact_match.py) tables a synthetic task's runs."""
+    """How exact match (posbench/measures/exact_match/) tables a synthetic task's runs."""
 
-    # length buckets, by their last length; empty: each length to 40, else ten (exact_match.buckets)
+    # length buckets, by their last length; empty: each length to 40, else ten (exact_match.records.buckets)
     buckets: list[int] = field(default_factory=list)
 
     def __post_init__(self):

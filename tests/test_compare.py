@@ -62,8 +62,8 @@ def test_best_follows_the_metrics_direction_and_ties_what_a_test_cannot_tell_apa
 def test_a_task_table_says_how_many_seeds_a_cell_stands_on():
     """The drift fix of the engine: a task table cell over fewer seeds than its row's says so
     ("n of m seeds"), as perplexity's always did; where no seed was scored it shows —."""
-    from posbench.measures.exact_match import comparison
-    from posbench.measures.exact_match import grid as task_grid
+    from posbench.measures.exact_match.views import comparison
+    from posbench.measures.exact_match.views import grid as task_grid
 
     rows = []
     for seed, (inside, outside, st) in enumerate([(1.0, 0.2, "ok"), (0.9, math.nan, "beyond-max-len")]):
@@ -186,8 +186,8 @@ def test_a_metric_names_its_column_direction_and_aggregation_once():
     """Every metric of the two measures reads a column its records hold, or is derived (each
     run's ratio); a pooled metric names the two counts it pools; one that mixes them up is refused."""
     from posbench.measures.base import Metric
-    from posbench.measures.exact_match import EVAL_COLUMNS as TASK_COLUMNS
     from posbench.measures.exact_match import ExactMatch
+    from posbench.measures.exact_match.records import EVAL_COLUMNS as TASK_COLUMNS
     from posbench.measures.perplexity import Perplexity
     from posbench.measures.perplexity.records import EVAL_COLUMNS
 

@@ -12,7 +12,8 @@ from conftest import invoke, task_experiment
 
 from posbench.accuracy import decode, score
 from posbench.errors import PosbenchError
-from posbench.measures.exact_match import ExactMatch, read_task_eval
+from posbench.measures.exact_match import ExactMatch
+from posbench.measures.exact_match.records import read_task_eval
 from posbench.tasks import END, build_task
 
 SMALL = {"train_max": 4, "test_max": 7, "test_count": 6}
@@ -193,7 +194,7 @@ def test_mean_reciprocal_rank_ranks_each_point_and_seed_and_shares_ties():
     """Two tasks x two seeds, as the NoPE study ranks them: per (task, seed), 1 / rank past N."""
     import pandas as pd
 
-    from posbench.measures.exact_match import ranks_section, reciprocal_ranks
+    from posbench.measures.exact_match.views import ranks_section, reciprocal_ranks
 
     long = pd.concat(
         [

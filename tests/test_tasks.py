@@ -17,7 +17,7 @@ from conftest import invoke
 from posbench.accuracy import decode, exact, score
 from posbench.config import ModelConfig, TrainConfig, load_config, load_sweep
 from posbench.errors import PosbenchError
-from posbench.measures.exact_match import buckets
+from posbench.measures.exact_match.records import buckets
 from posbench.model import TransformerLM
 from posbench.resolve import resolve
 from posbench.tasks import END, FILLER, IGNORE, PAD, TASKS, Task, build_task, pack

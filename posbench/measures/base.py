@@ -57,7 +57,7 @@ class Section:
 
 
 class Measure:
-    """The interface; posbench/measures/perplexity/ and exact_match.py implement it. A measure
+    """The interface; posbench/measures/perplexity/ and exact_match/ implement it. A measure
     judges a trained model: what a run learned from is its task's (posbench/tasks/)."""
 
     name: str = ""

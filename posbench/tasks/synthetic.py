@@ -3,7 +3,7 @@
 The task's generator (posbench/tasks/generators.py) decides the training length (its longest
 training instance), its recipe (steps, batch size, depth, schedule) where the config leaves it
 out, and its fixed test set, which its runs read and training never draws from. Its runs are
-scored by exact match (posbench/measures/exact_match.py), written in bytes.
+scored by exact match (posbench/measures/exact_match/), written in bytes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Exact match and per-token accuracy on a synthetic task: a run's records (eval.csv, samples.txt)
-and its tables by length bucket.
-
-A run of a task trains on instances of lengths 1..train_max, the loss on the answer bytes
-alone, and is scored on a fixed test set of every length 1..test_max (posbench/accuracy.py
-holds the torch side) by two metrics: exact match of the whole answer under greedy decoding
-(the NoPE study's), and the answer bytes right, each predicted given the true bytes before it
-(Ruoss et al.'s per-token accuracy). Its eval.csv holds a row per test length with both
-(correct, instances, accuracy; tokens_correct, tokens, token_accuracy); samples.txt a few test
-instances of each length bucket with the model's answers. Tables show one metric (--metric),
-lengths grouped into buckets, each in or out of distribution, plus the in- and
-out-of-distribution totals.
-"""
+"""Exact match's tables and plots: lengths grouped into buckets, each in or out of distribution,
+plus the in- and out-of-distribution totals, schemes x buckets of one metric per grid point
+through the comparison engine, the mean reciprocal rank past N over grid points and seeds, the
+description, and the plot of the metric by length."""
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
@@ -25,205 +15,9 @@ from posbench.compare.plot import BAND_SEEDS, Panel, band_plot, lines, plot_trai
 from posbench.compare.render import tex, transposed
 from posbench.compare.table import OK, cell, seeds_said, spread_note, summarize
 from posbench.compare.table import grid as compare_grid
-from posbench.errors import PosbenchError
-from posbench.files import write_atomic, write_rows
-from posbench.measures.base import Measure, Metric, Section, only_own_section
+from posbench.measures.base import Section
+from posbench.measures.exact_match.records import EVAL_COLUMNS, METRICS, bucket_name, buckets
 from posbench.tasks.generators import Task, build_task
-
-
-class ExactMatch(Measure):
-    name = "exact_match"
-    records = ("eval.csv", "samples.txt")
-    metrics = {
-        "exact_match": Metric(
-            "exact_match", "% exact match", True, 1, column="accuracy", aggregate="pooled",
-            pooled=("correct", "instances"), scale=100, title="exact-match accuracy",
-            how="greedy decoding, exact match of the whole answer",
-        ),
-        "token_accuracy": Metric(
-            "token_accuracy", "% answer bytes right", True, 1, column="token_accuracy", aggregate="pooled",
-            pooled=("tokens_correct", "tokens"), scale=100, title="per-token accuracy",
-            how="per-token accuracy: the answer bytes (END included) right over all of them, each predicted given "
-            "the true bytes before it (teacher-forced), summed over a bucket's lengths",
-        ),
-    }  # fmt: skip
-
-    def __init__(self, task: Task):
-        self.task = task
-
-    def decide(self, cfg, test_len) -> None:
-        if test_len is not None:
-            raise PosbenchError(
-                "--test-len sets perplexity lengths; a task's are task_options.train_max and test_max, "
-                "e.g. --set task_options.test_max=60"
-            )
-        own = [self.task.train_len]
-        # a task run's own record holds the lengths it derived: those are no choice of the user's
-        if "eval.lengths" in cfg.origins and cfg.eval.lengths != own:
-            raise PosbenchError(
-                f"eval.lengths={cfg.eval.lengths}: a task derives it (task {cfg.task}: train_len "
-                f"{self.task.train_len}, its longest training instance); lengths are perplexity's, a task's are "
-                f"task_options.train_max and test_max",
-                "eval.lengths",
-            )
-        cfg.eval.lengths = own  # perplexity lengths: a task is scored at its own lengths
-        only_own_section(cfg, self.name)
-
-    def score(self, rc, rdir: Path, model, test, device, backend: str) -> None:
-        try:
-            scored = {r["attention"] for r in read_task_eval(rdir)} == {backend}
-        except PosbenchError:
-            scored = False
-        if not scored:
-            evaluate_task_into(rc, rdir, model.to(device), self.task, test, device, backend)
-
-    def rescore(self, cfg, rdir: Path, model, test, device) -> list[dict]:
-        return evaluate_task_into(cfg, rdir, model, self.task, test, device, model.backend(device))
-
-    def evaluation(self, rc, rows: list[dict]) -> tuple[str, list[list[str]]]:
-        table = [["length", "exact", "per-token", "instances", "answer bytes", "status"]]
-        for r in rows:
-            ok = r["status"] == "ok"
-            table.append(
-                [
-                    str(r["length"]),
-                    f"{100 * r['accuracy']:.1f}%" if ok else "—",
-                    f"{100 * r['token_accuracy']:.1f}%" if ok else "—",
-                    str(r["instances"]),
-                    str(r["tokens"]),
-                    r["status"],
-                ]
-            )
-        return f"{rc.task}: {rc.model.scheme} seed {rc.seeds[0]}; attention {rows[0]['attention']}", table
-
-    def read(self, rdir: Path) -> list[dict]:
-        return read_task_eval(rdir)
-
-    def report(self, collected, metric, transpose: bool, buckets) -> dict:
-        if metric not in (None, *self.metrics):
-            raise PosbenchError(f"--metric {metric}: a task's runs report {' or '.join(self.metrics)}")
-        return report(collected, metric or "exact_match", transpose, buckets)
-
-    def join_checks(self, rows: list[dict]) -> list[tuple[str, set]]:
-        return [("tasks", {r["task"] for r in rows}), ("training lengths", {int(r["train_max"]) for r in rows})]
-
-
-METRIC = "exact_match"  # eval.csv's `metric`: the measure that scored the row (each row holds both metrics)
-
-EVAL_COLUMNS = [
-    "task",
-    "metric",
-    "scheme",
-    "seed",
-    "train_max",
-    "length",
-    "correct",
-    "instances",
-    "accuracy",
-    "tokens_correct",
-    "tokens",
-    "token_accuracy",
-    "status",
-    "attention",
-]
-
-
-SAMPLES_PER_BUCKET = 3
-
-
-def evaluate_task_into(rc, rdir: Path, model, task: Task, test: list, device, backend: str) -> list[dict]:
-    """Score a run on its task's test set; write eval.csv and samples.txt. Returns the rows."""
-    from posbench.accuracy import score
-
-    rows = score(model, test, device)
-    ident = {
-        "task": rc.task,
-        "metric": METRIC,
-        "scheme": rc.model.scheme,
-        "seed": rc.seeds[0],
-        "train_max": task.train_max,
-        "attention": backend,
-    }
-    rows = [{**ident, **r} for r in rows]
-    write_rows(rdir / "eval.csv", rows, EVAL_COLUMNS)
-    write_atomic(rdir / "samples.txt", samples(rc, task, test, model, device, rows))
-    return rows
-
-
-def samples(rc, task: Task, test: list, model, device, rows: list[dict]) -> str:
-    """samples.txt: for each length bucket, its first few test instances (the same ones in
-    every run, so two schemes' files compare line by line) and the model's greedy answers."""
-    acc = {r["length"]: r for r in rows}
-    spans = buckets(task.train_max, task.test_max, rc.eval.exact_match.buckets)
-    shown = [[(p, a) for n, p, a in test if lo <= n <= hi][:SAMPLES_PER_BUCKET] for lo, hi in spans]
-    flat = [inst for group in shown for inst in group]
-    from posbench.accuracy import decode, show
-
-    answers = iter(decode(model, flat, device))
-    out = [
-        f"# {rc.task}, {rc.model.scheme} seed {rc.seeds[0]}: the first {SAMPLES_PER_BUCKET} test instances "
-        f"of each length bucket; trained on lengths 1..{task.train_max}",
-        "",
-    ]
-    for (lo, hi), group in zip(spans, shown):
-        scored = [acc[n] for n in range(lo, hi + 1) if n in acc and acc[n]["status"] == "ok"]
-        right = sum(r["correct"] for r in scored)
-        total = sum(r["instances"] for r in scored)
-        right_bytes = sum(r["tokens_correct"] for r in scored)
-        total_bytes = sum(r["tokens"] for r in scored)
-        split = "in distribution" if hi <= task.train_max else "out of distribution"
-        out.append(
-            f"## lengths {bucket_name(lo, hi)} ({split}): {right} of {total} exact, "
-            f"{right_bytes} of {total_bytes} answer bytes right"
-        )
-        for (p, a), ans in zip(group, answers):
-            mark = "ok" if ans == a else "WRONG"
-            out += [f"prompt  {show(p)}", f"target  {show(a)}", f"answer  {show(ans)}  {mark}", ""]
-    return "\n".join(out).rstrip() + "\n"
-
-
-def read_task_eval(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "eval.csv"
-    bad = PosbenchError(
-        f"{path}: malformed task evaluation rows, or not all the columns a task run records "
-        f"({', '.join(EVAL_COLUMNS)}); score the run again with posbench evaluate {run_dir}"
-    )
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-        if reader.fieldnames != EVAL_COLUMNS or not rows:
-            raise ValueError
-        for r in rows:
-            int(r["length"]), int(r["instances"]), int(r["seed"]), int(r["tokens"])
-            if r["status"] == "ok":
-                int(r["correct"]), int(r["tokens_correct"]), float(r["token_accuracy"])
-    except (OSError, UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
-        raise bad from None
-    return rows
-
-
-def buckets(train_max: int, test_max: int, edges: list[int] = ()) -> list[tuple[int, int]]:
-    """(lo, hi) length buckets covering 1..test_max, or ending at the given `edges`. By default:
-    one per length up to 12; else the training lengths in two halves, each of N+1..N+5 alone
-    (where extrapolation shows or fails first), and the rest in three of equal width: ten
-    columns. train_max always ends a bucket, so none straddles in and out of distribution."""
-    if edges:
-        ends = {e for e in edges if e < test_max}
-    elif test_max <= 12:
-        ends = set(range(1, test_max + 1))
-    else:
-        N = train_max
-        near = set(range(N + 1, min(N + 5, test_max) + 1))
-        rest = test_max - max(near, default=N)
-        ends = {math.ceil(N / 2), *near, *(test_max - rest + math.ceil(rest * k / 3) for k in range(1, 4) if rest)}
-    ends = sorted(ends | {train_max, test_max})
-    return [(lo, hi) for lo, hi in zip([1] + [e + 1 for e in ends[:-1]], ends)]
-
-
-def bucket_name(lo: int, hi: int) -> str:
-    return str(hi) if lo == hi else f"{lo}-{hi}"
-
 
 SUMMARY_COLUMNS = [
     "task",
@@ -250,7 +44,7 @@ def by_bucket(df: pd.DataFrame, spans: list[tuple[int, int]], train_max: int) ->
     or of its answer bytes right, summed over its lengths (so a long length weighs its bytes);
     no value where some length of it could not be scored. Every row carries both counts."""
     out = []
-    for metric, (right, of) in ((m.name, m.pooled) for m in ExactMatch.metrics.values()):
+    for metric, (right, of) in ((m.name, m.pooled) for m in METRICS.values()):
         for (scheme, seed), g in df.groupby(["scheme", "seed"], sort=False):
             totals = [(1, train_max, "in"), (train_max + 1, 10**9, "out")]
             for lo, hi, name in [(lo, hi, bucket_name(lo, hi)) for lo, hi in spans] + totals:
@@ -289,15 +83,13 @@ def comparison(long: pd.DataFrame, metric: str) -> pd.DataFrame:
     cols = list(dict.fromkeys(long["bucket"]))
     cols = [b for b in ("in", "out") if b in cols] + [b for b in cols if b not in ("in", "out")]
     order = scheme_order(set(long["scheme"]))
-    return summarize(
-        long.rename(columns={"bucket": "column"}), cols, order, ExactMatch.metrics[metric].higher_is_better
-    )
+    return summarize(long.rename(columns={"bucket": "column"}), cols, order, METRICS[metric].higher_is_better)
 
 
 def grid(table: pd.DataFrame, metric: str) -> tuple[list[list[str]], set]:
     """The table as rows of strings (a header first), percent, and the (row, column) cells that are best."""
     heads = [{"in": "in-dist", "out": "out-of-dist"}.get(b, b) for b in table.attrs["columns"]]
-    m = ExactMatch.metrics[metric]
+    m = METRICS[metric]
     return compare_grid(table, heads, m.digits, m.scale, missing="—", seeds=True)
 
 
@@ -324,7 +116,7 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
             rows, best = transposed(rows, best)
         where = f" ({point})" if point else ""
         trained = f"trained on 1..{task.train_max}" + (f"; {point}" if point else "")
-        label = ExactMatch.metrics[metric].label
+        label = METRICS[metric].label
         name = f"{configs[0].task}: {label} by length ({trained})"
         sections.append(
             Section(
@@ -350,7 +142,7 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
         return ["summary.png", "training.png"]
 
     return {
-        "title": f"{names}: {ExactMatch.metrics[metric].title} by length"
+        "title": f"{names}: {METRICS[metric].title} by length"
         + (f", trained on 1..{task.train_max}, tested to {task.test_max}" if len(parts) == 1 else ""),
         "describe": describe(parts[0][1], task, long, metric, spread(*(table for *_, table in parts)))
         + (
@@ -397,7 +189,7 @@ def ranks_section(long: pd.DataFrame, metric: str) -> Section:
         rows.append([s, cell(everywhere, s, "all", 2), *(cell(at_points, s, p, 2) for p in points)])
         best |= {(i, 1)} if everywhere.loc[s, "best all"] else set()
         best |= {(i, j) for j, p in enumerate(points, start=2) if at_points.loc[s, f"best {p}"]}
-    label = ExactMatch.metrics[metric].label
+    label = METRICS[metric].label
     name = f"mean reciprocal rank past N over {queries} (grid point, seed) pairs"
     seeds = int(at_points["seeds"].max()) if len(order) else 0
     note = spread_note(seeds, everywhere.attrs["tests"] | at_points.attrs["tests"], at="column")
@@ -438,8 +230,8 @@ def describe(configs: list, task: Task, long: pd.DataFrame, metric: str, note: s
         f"- training: {t.steps} steps x {t.batch_size} instances, lengths uniform in 1..{task.train_max}, "
         f"loss on the answer bytes only, AdamW lr {t.lr:g}, {seeds_said(long)}",
         f"- evaluation: up to {task.opt['test_count']} fixed test instances per length 1..{task.test_max}, "
-        f"never trained on; {ExactMatch.metrics[metric].how}",
-        f"- cells: {ExactMatch.metrics[metric].label}, {note}; — : the scheme cannot encode those lengths",
+        f"never trained on; {METRICS[metric].how}",
+        f"- cells: {METRICS[metric].label}, {note}; — : the scheme cannot encode those lengths",
     ]
 
 
@@ -456,7 +248,7 @@ def plot(sections: list, path: Path, metric: str) -> bool:
     for point, configs, task, long, table in sections:
         at = dict(zip(long["bucket"], long["hi"]))  # a bucket's longest length: its x
         xs = {c: at[c] for c in table.attrs["columns"] if c not in ("in", "out")}
-        title = f"{configs[0].task}: {ExactMatch.metrics[metric].title} by length" + (f"\n{point}" if point else "")
+        title = f"{configs[0].task}: {METRICS[metric].title} by length" + (f"\n{point}" if point else "")
         panels.append(Panel(title, lines(table, 100, xs), mark=task.train_max))
     xlabel = f"instance length; dashed: the longest trained; band: 95% ({BAND_SEEDS}+ seeds)"
-    return band_plot(panels, path, ExactMatch.metrics[metric].label, xlabel, log=False, ylim=(-2, 102), share_y=False)
+    return band_plot(panels, path, METRICS[metric].label, xlabel, log=False, ylim=(-2, 102), share_y=False)
