@@ -450,7 +450,7 @@ def pretrained(
     (transformers' own code), on posbench's corpus cut by the model's tokenizer; nothing is
     fetched from a hub. Rows go to results/NAME/MODEL/, a report of which joins any other."""
     from posbench.experiment.pretrained import model_config, run_pretrained, tokenizer_of
-    from posbench.pretrained import load_pretrained
+    from posbench.pretrained import approx_params, fitting_batch, load_pretrained, memory_of, read_model_config
     from posbench.resolve import Experiment
     from posbench.tasks import task_for
 
@@ -469,6 +469,10 @@ def pretrained(
             "train.device": (f"--device {device}", device),
         }
         cfg = load_config(config, set_ or [], values)
+        shape = read_model_config(model_path)  # before the weights: a length that cannot fit is refused first
+        context = int(getattr(shape, "max_position_embeddings", 0) or getattr(shape, "n_positions", 0))
+        longest = test_len or (max(cfg.eval.lengths) if "eval.lengths" in cfg.origins else 2 * context)
+        batch = fitting_batch(shape, approx_params(shape), [longest], cfg.eval.batch_size, memory_of(cfg.train.device))
         model = load_pretrained(model_path)
         kinds = cfg.eval.perplexity.rope_scaling
         if kinds and not model.eval_variants:
@@ -488,6 +492,7 @@ def pretrained(
         cfg.origins = origins
         if lengths is None and test_len is None and "eval.lengths" not in cfg.origins:
             cfg.eval.lengths = [model.context, 2 * model.context]
+        cfg.eval.batch_size = batch
         task = task_for(cfg)
         measure = task.measure()
         try:

@@ -39,16 +39,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> Pre
     """The model and tokenizer at `path`: a transformers folder or a .gguf file; one line if it
     is neither, if transformers cannot read it, or if it has no tokenizer."""
     path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        folder, gguf = path.parent, path.name
-    elif path.is_dir() and (path / "config.json").is_file():
-        folder, gguf = path, None
-    elif path.exists():
-        raise PosbenchError(
-            f"{path}: not a model: expected a transformers folder (config.json, weights) or a .gguf file"
-        )
-    else:
-        raise PosbenchError(f"{path}: no such model folder or file")
+    folder, gguf = model_files(path)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -69,6 +60,77 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> Pre
     except Exception as e:  # transformers, safetensors and gguf raise their own kinds
         raise PosbenchError(f"{path}: transformers cannot load it as a causal LM ({_first_line(e)})") from None
     return PretrainedLM(model, tokenizer, path)
+
+
+def model_files(path: str | Path) -> tuple[Path, Optional[str]]:
+    """The folder a model is read from and its .gguf file's name (None: a transformers folder)."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, None
+    if path.exists():
+        raise PosbenchError(
+            f"{path}: not a model: expected a transformers folder (config.json, weights) or a .gguf file"
+        )
+    raise PosbenchError(f"{path}: no such model folder or file")
+
+
+def read_model_config(path: str | Path):
+    """The model's transformers config, read without its weights."""
+    folder, gguf = model_files(path)
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise PosbenchError("scoring a pretrained model needs transformers: pip install -e '.[pretrained]'") from None
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True, **({"gguf_file": gguf} if gguf else {}))
+    except Exception as e:  # transformers and gguf raise their own kinds
+        raise PosbenchError(f"{path}: transformers cannot read its config ({_first_line(e)})") from None
+
+
+def window_bytes(config, length: int) -> int:
+    """About the memory one window of `length` tokens takes in fp32 beyond the weights: a
+    layer's activations held at once (its input and output, q, k, v, attention's output and
+    the MLP's two intermediates; causal SDPA holds no length x length scores) and the logits
+    of one chunk with their softmax."""
+    d = int(config.hidden_size)
+    inner = int(getattr(config, "intermediate_size", None) or 4 * d)
+    return 4 * (length * (6 * d + 2 * inner) + 2 * min(length, LOGIT_CHUNK) * int(config.vocab_size))
+
+
+def approx_params(config) -> int:
+    """The parameters a config describes, about: embeddings (twice, untied), attention and MLP."""
+    d, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    inner = int(getattr(config, "intermediate_size", None) or 4 * d)
+    embeddings = int(config.vocab_size) * d * (1 if getattr(config, "tie_word_embeddings", True) else 2)
+    return embeddings + layers * (4 * d * d + 3 * d * inner)
+
+
+def fitting_batch(config, params: int, lengths: list[int], batch: int, have: Optional[int]) -> int:
+    """The windows scored at once: at most `batch`, as many of the longest length as fit in
+    `have` bytes beside the weights (None: unknown, `batch`); a length whose one window does
+    not fit is one line with the estimate."""
+    if have is None:
+        return batch
+    room = have - 4 * params
+    longest = max(lengths)
+    need = window_bytes(config, longest)
+    if need > room:
+        raise PosbenchError(
+            f"eval.lengths {longest}: one window needs about {need / 2**30:.1f} GiB beside the weights' "
+            f"{4 * params / 2**30:.1f} GiB, more than the {have / 2**30:.0f} GiB here; score shorter lengths"
+        )
+    return max(1, min(batch, int(room // (2 * need))))  # half the room: what the library holds besides
+
+
+def memory_of(device: str) -> Optional[int]:
+    """The bytes a model can take on `device` (train.device): the GPU's, or the machine's RAM."""
+    from posbench.config import _physical_memory
+    from posbench.device import pick_device
+
+    dev = pick_device(device)
+    return torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _physical_memory()
 
 
 class PretrainedLM(nn.Module):

@@ -324,3 +324,38 @@ def test_smollm2_from_its_wheel_scores_sanely_on_the_corpus_and_linear_at_1_is_n
     (linear,), _ = evaluate_model(model, tokens, [256], 4, torch.device("cpu"), "linear", 1.0)
     assert 5 < plain["ppl"] < 80, plain  # a 135M model on Shakespeare, per token of a 49k vocabulary
     assert linear["loss"] == plain["loss"]
+
+
+def test_a_length_whose_window_cannot_fit_is_refused_before_the_weights_are_read(models, tmp_path, monkeypatch):
+    from conftest import invoke
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr("posbench.pretrained.load_pretrained", never)
+    out = tmp_path / "r"
+    res = invoke(
+        "pretrained",
+        str(models / "llama"),
+        "--lengths",
+        str(10**9),
+        "--set",
+        f"eval.tokens={10**9}",
+        "--set",
+        f"out_dir={out}",
+    )
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    said = " ".join(res.output.split())
+    assert f"eval.lengths {10**9}: one window needs about" in said and "score shorter lengths" in said
+    assert not out.exists()
+
+
+def test_the_windows_scored_at_once_are_as_many_as_fit_beside_the_weights(models):
+    from posbench.pretrained import fitting_batch, read_model_config, window_bytes
+
+    config = read_model_config(models / "llama")
+    one = window_bytes(config, 1000)
+    assert one == 4 * (1000 * (6 * 64 + 2 * 128) + 2 * 1000 * 320)  # the tiny Llama's width, MLP and vocabulary
+    assert fitting_batch(config, 10, [1000], 16, 4 * 10 + 2 * 3 * one) == 3  # half the room, in whole windows
+    assert fitting_batch(config, 10, [1000], 2, 4 * 10 + 2 * 3 * one) == 2  # never more than asked
+    assert fitting_batch(config, 10, [1000], 16, None) == 16  # memory unknown: as asked
