@@ -459,7 +459,7 @@ def pretrained(
         if test_len is not None and lengths is not None:
             raise PosbenchError("--test-len and --lengths both set the evaluation lengths; give one")
         values = {
-            "name": (f"--name {name}", name or "pretrained"),
+            "name": (f"--name {name}", name),
             "eval.lengths": (f"--lengths {lengths}", _csv_ints(lengths, "--lengths")),
             "eval.perplexity.rope_scaling": (f"--rope-scaling {rope_scaling}", _csv_names(rope_scaling) or None),
             "eval.perplexity.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
@@ -469,6 +469,8 @@ def pretrained(
             "train.device": (f"--device {device}", device),
         }
         cfg = load_config(config, set_ or [], values)
+        if "name" not in cfg.origins:
+            cfg.name = "pretrained"
         shape = read_model_config(model_path)  # before the weights: a length that cannot fit is refused first
         context = int(getattr(shape, "max_position_embeddings", 0) or getattr(shape, "n_positions", 0))
         longest = test_len or (max(cfg.eval.lengths) if "eval.lengths" in cfg.origins else 2 * context)

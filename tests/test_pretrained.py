@@ -359,3 +359,16 @@ def test_the_windows_scored_at_once_are_as_many_as_fit_beside_the_weights(models
     assert fitting_batch(config, 10, [1000], 16, 4 * 10 + 2 * 3 * one) == 3  # half the room, in whole windows
     assert fitting_batch(config, 10, [1000], 2, 4 * 10 + 2 * 3 * one) == 2  # never more than asked
     assert fitting_batch(config, 10, [1000], 16, None) == 16  # memory unknown: as asked
+
+
+def test_a_config_file_names_the_experiment_and_the_default_name_is_pretrained(models, tmp_path):
+    from conftest import invoke
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"name: mine\nout_dir: {tmp_path / 'r'}\neval:\n  tokens: 512\n  lengths: [{CONTEXT}]\n")
+    corpus = _corpus(tmp_path)
+    assert invoke("pretrained", str(models / "gpt2"), "--config", str(config), "--data", str(corpus)).exit_code == 0
+    assert (tmp_path / "r" / "mine" / "gpt2" / "eval.csv").is_file()
+    config.write_text(f"out_dir: {tmp_path / 'r'}\neval:\n  tokens: 512\n  lengths: [{CONTEXT}]\n")
+    assert invoke("pretrained", str(models / "gpt2"), "--config", str(config), "--data", str(corpus)).exit_code == 0
+    assert (tmp_path / "r" / "pretrained" / "gpt2" / "eval.csv").is_file()
