@@ -449,7 +449,7 @@ def pretrained(
     Perplexity and bits per byte at each length, under each protocol and RoPE variant
     (transformers' own code), on posbench's corpus cut by the model's tokenizer; nothing is
     fetched from a hub. Rows go to results/NAME/MODEL/, a report of which joins any other."""
-    from posbench.experiment.pretrained import model_config, run_pretrained, tokenizer_of
+    from posbench.experiment.pretrained import check_prepared, model_config, run_pretrained, tokenizer_of
     from posbench.pretrained import approx_params, fitting_batch, load_pretrained, memory_of, read_model_config
     from posbench.resolve import Experiment
     from posbench.tasks import task_for
@@ -490,7 +490,9 @@ def pretrained(
             )
         folder = Path(cfg.out_dir) / cfg.name
         origins = cfg.origins
-        cfg = model_config(cfg, model, tokenizer_of(model, folder))
+        tokenizer = tokenizer_of(model, folder)
+        check_prepared(cfg.data.path, tokenizer, model)
+        cfg = model_config(cfg, model, tokenizer)
         cfg.origins = origins
         if lengths is None and test_len is None and "eval.lengths" not in cfg.origins:
             cfg.eval.lengths = [model.context, 2 * model.context]

@@ -372,3 +372,26 @@ def test_a_config_file_names_the_experiment_and_the_default_name_is_pretrained(m
     config.write_text(f"out_dir: {tmp_path / 'r'}\neval:\n  tokens: 512\n  lengths: [{CONTEXT}]\n")
     assert invoke("pretrained", str(models / "gpt2"), "--config", str(config), "--data", str(corpus)).exit_code == 0
     assert (tmp_path / "r" / "pretrained" / "gpt2" / "eval.csv").is_file()
+
+
+def test_a_prepared_folder_is_scored_only_if_cut_with_the_models_tokenizer(models, tmp_path):
+    import csv
+
+    from conftest import invoke
+
+    corpus, out = _corpus(tmp_path), tmp_path / "r"
+    args = ["--set", f"out_dir={out}", "--set", "eval.tokens=512", "--lengths", str(CONTEXT)]
+    bytes_ = tmp_path / "bytes"
+    assert invoke("prepare", str(corpus), "--out", str(bytes_)).exit_code == 0
+    res = invoke("pretrained", str(models / "llama"), "--data", str(bytes_), *args)
+    assert res.exit_code == 2 and "prepared with another tokenizer than llama's" in " ".join(res.output.split())
+    assert not out.exists()
+    mine = tmp_path / "mine"
+    tokenizer = models / "llama" / "tokenizer.json"
+    assert invoke("prepare", str(corpus), "--out", str(mine), "--tokenizer", str(tokenizer)).exit_code == 0
+    res = invoke("pretrained", str(models / "llama"), "--data", str(mine), *args)
+    assert res.exit_code == 0, res.output
+    from_text = invoke("pretrained", str(models / "llama"), "--data", str(corpus), "--name", "text", *args)
+    assert from_text.exit_code == 0
+    rows = [list(csv.DictReader((out / n / "llama" / "eval.csv").open()))[0] for n in ("pretrained", "text")]
+    assert rows[0]["loss"] == rows[1]["loss"] and rows[0]["bpb"] == rows[1]["bpb"]  # the same tokens either way

@@ -40,6 +40,22 @@ def tokenizer_of(model, folder: Path) -> str:
     return str(folder / TOKENIZER)
 
 
+def check_prepared(data_path, tokenizer: str, model) -> None:
+    """A folder `posbench prepare` wrote is read only if it was cut with the model's tokenizer
+    (the copy it keeps has the same sha256)."""
+    from posbench.pretrained import _sha256
+    from posbench.text import is_prepared, read_prepared_meta
+
+    if not is_prepared(data_path):
+        return
+    kept = read_prepared_meta(data_path).get("tokenizer_file")
+    if not kept or _sha256(Path(data_path) / kept) != _sha256(Path(tokenizer)):
+        raise PosbenchError(
+            f"--data {data_path}: prepared with another tokenizer than {model.name}'s; prepare it with "
+            f"--tokenizer {tokenizer}"
+        )
+
+
 def model_config(cfg: ExperimentConfig, model, tokenizer: str) -> ExperimentConfig:
     """`cfg` with what the model decides: its shape and context (model.train_len), its scheme's
     family (rope, or learned positions), its tokenizer (data.tokenizer) and model.pretrained."""
