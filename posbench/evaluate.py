@@ -63,7 +63,8 @@ def evaluate_model(
     `windows` for how each protocol cuts them), so lengths compare directly. With `variant`,
     the scheme's evaluation-time variant of that name is applied per length. Returns the rows,
     each naming the attention backend that computed it, and per scored length the loss summed
-    at each window position and the number of tokens scored there, (L,) each."""
+    at each window position and the number of tokens scored there, (L,) each, and each window's
+    summed loss and scored tokens, (windows, 2)."""
     model = model.to(device).eval()
     backend = model.backend(device)
     n = len(tokens) - 1
@@ -82,21 +83,23 @@ def evaluate_model(
             rows.append({**row, "status": "beyond-max-len"})
             continue
         with model.eval_variant(variant, L, factor):
-            sums, counts = _nll_by_position(model, tokens, L, batch_size, device, protocol, stride)
+            sums, counts, per_window = _nll_by_position(model, tokens, L, batch_size, device, protocol, stride)
         loss = sums.sum().item() / n
         if not math.isfinite(loss):  # a blow-up at some length is a result, not a lost row
             rows.append({**row, "status": "non-finite"})
             continue
-        by_position[L] = (sums, counts)
+        by_position[L] = (sums, counts, per_window)
         rows.append({**row, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "status": "ok"})
     model.train()
     return rows, by_position
 
 
 def _nll_by_position(model, tokens, L: int, batch_size: int, device, protocol, stride):
-    """The loss summed at each window position 0..L-1, and the tokens scored there, (L,) each."""
+    """The loss summed at each window position 0..L-1 and the tokens scored there, (L,) each;
+    each window's summed loss and scored tokens, (windows, 2)."""
     n = len(tokens) - 1
     sums, counts = torch.zeros(L, dtype=torch.float64), torch.zeros(L, dtype=torch.long)
+    per_window = []
     wins = windows(n, L, protocol, stride)
     full = [w for w in wins if w[0] + L <= n]
     for i in range(0, len(full), batch_size):
@@ -106,11 +109,13 @@ def _nll_by_position(model, tokens, L: int, batch_size: int, device, protocol, s
         keep = torch.arange(L)[None, :] >= torch.tensor([f for _, f in group])[:, None]  # (b, L)
         sums += (nll * keep).sum(0)
         counts += keep.sum(0)
+        per_window.append(torch.stack([(nll * keep).sum(1), keep.sum(1).double()], 1))
     for s, first in wins[len(full) :]:  # the remainder: shorter, one at a time
         nll = _nll(model, tokens[s:].long()[None].to(device), device)[0]  # (n - s,)
         sums[first : len(nll)] += nll[first:]
         counts[first : len(nll)] += 1
-    return sums, counts
+        per_window.append(torch.tensor([[nll[first:].sum().item(), float(len(nll) - first)]], dtype=torch.float64))
+    return sums, counts, torch.cat(per_window)
 
 
 def _nll(model, win, device) -> torch.Tensor:

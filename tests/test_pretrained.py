@@ -215,6 +215,12 @@ def test_pretrained_writes_a_run_folder_resumes_and_joins_another_in_one_report(
         (s, L) for s in ("llama", "llama+yarn") for L in (CONTEXT, 2 * CONTEXT)
     }
     assert all(float(r["bpb"]) > 0 for r in rows) and (run / "data.json").is_file()
+    windows = list(csv.DictReader((run / "windows.csv").open()))
+    for r in rows:  # each row's windows add up to its loss over its tokens
+        mine = [w for w in windows if (w["scheme"], w["length"]) == (r["scheme"], r["length"])]
+        assert len(mine) == -(-int(r["tokens"]) // int(r["length"]))
+        assert sum(int(w["tokens"]) for w in mine) == int(r["tokens"])
+        assert sum(float(w["loss"]) for w in mine) / int(r["tokens"]) == pytest.approx(float(r["loss"]), rel=1e-12)
     summary = (out / "pretrained" / "summary.md").read_text()
     assert "context 32" in summary and "llama: pretrained, not trained here" in summary
 

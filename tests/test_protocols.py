@@ -57,7 +57,7 @@ def test_stride_one_scores_each_token_on_the_window_before_it():
             start = max(0, t - L + 1)
             logits = model(tokens[None, start : t + 1].long())
             want.append(F.cross_entropy(logits[0, -1:], tokens[t + 1 : t + 2].long()).item())
-    sums, counts = by_pos[L]
+    sums, counts, _ = by_pos[L]
     # positions 0..L-2 come from the first window only; position L-1 sums every later one
     assert counts.tolist() == [1] * (L - 1) + [n - L + 1]
     assert torch.allclose(sums[: L - 1], torch.tensor(want[: L - 1], dtype=torch.float64), atol=1e-5)
@@ -70,7 +70,7 @@ def test_the_loss_per_position_averages_token_weighted_to_the_reported_loss(prot
     model, tokens = _model_and_tokens()
     rows, by_pos = evaluate_model(model, tokens, [16, 20, 28], 4, CPU, protocol=protocol, stride=stride)
     for row in rows:
-        sums, counts = by_pos[row["length"]]
+        sums, counts, _ = by_pos[row["length"]]
         assert counts.sum().item() == len(tokens) - 1
         means = sums / counts.clamp(min=1)
         assert (means * counts).sum().item() / counts.sum().item() == pytest.approx(row["loss"], abs=1e-9)

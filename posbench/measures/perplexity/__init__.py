@@ -23,7 +23,7 @@ from posbench.measures.perplexity.views import join_checks, report
 class Perplexity(Measure):
     name = "perplexity"
     metrics = METRICS
-    records = ("eval.csv", "positions.csv")
+    records = ("eval.csv", "positions.csv", "windows.csv")
 
     def decide(self, cfg, test_len: Optional[int]) -> None:
         L = cfg.model.train_len

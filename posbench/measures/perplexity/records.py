@@ -1,5 +1,6 @@
-"""Perplexity's records: eval.csv (a row per scheme label, length, protocol and stride) and
-positions.csv (the mean loss at each window position), their columns and readers; no torch."""
+"""Perplexity's records: eval.csv (a row per scheme label, length, protocol and stride),
+positions.csv (the mean loss at each window position) and windows.csv (each window's summed
+loss and scored tokens: a pretrained model's intervals), their columns and readers; no torch."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ BYTES_COLUMNS = [c for c in EVAL_COLUMNS if c not in ("bpb", "tokenizer")]  # ev
 
 
 POSITION_COLUMNS = ["scheme", "length", "protocol", "stride", "position", "loss", "tokens"]
+WINDOW_COLUMNS = ["scheme", "length", "protocol", "stride", "window", "loss", "tokens"]  # loss: summed, in nats
 
 
 STATUSES = ("ok", "beyond-max-len", "non-finite")  # scored; cannot encode the length; blew up
@@ -103,6 +105,24 @@ def read_positions(run_dir: Path) -> list[dict]:
             int(r["length"]), int(r["position"]), int(r["tokens"]), float(r["loss"])
     except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
         raise PosbenchError(f"{path}: malformed loss-per-position rows; delete it and run evaluate again") from None
+    return rows
+
+
+def read_windows(run_dir: Path) -> list[dict]:
+    """windows.csv's rows: each window's summed loss and its scored tokens (empty if none)."""
+    path = Path(run_dir) / "windows.csv"
+    if not path.is_file():
+        return []
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+        if reader.fieldnames != WINDOW_COLUMNS:
+            raise ValueError
+        for r in rows:
+            int(r["length"]), int(r["window"]), int(r["tokens"]), float(r["loss"])
+    except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
+        raise PosbenchError(f"{path}: malformed loss-per-window rows; delete it and run evaluate again") from None
     return rows
 
 

@@ -13,9 +13,11 @@ from posbench.files import write_rows
 from posbench.measures.perplexity.records import (
     EVAL_COLUMNS,
     POSITION_COLUMNS,
+    WINDOW_COLUMNS,
     eval_rows,
     read_eval,
     read_positions,
+    read_windows,
     row_key,
 )
 
@@ -63,7 +65,7 @@ def evaluate_into(
     if stale - set(lengths):  # rows scored on other tokens do not compare with these: redo them
         lengths = sorted(set(lengths) | stale)
         tokens = eval_tokens(corpus, rc, lengths)
-    rows, positions = [], []
+    rows, positions, per_window = [], [], []
     n_bytes = corpus.bytes_of(tokens[1:])  # the targets: every protocol scores each once
     for protocol in protocols or rc.eval.perplexity.protocol:
         stride = rc.eval.perplexity.stride if protocol == "sliding" else None
@@ -76,12 +78,16 @@ def evaluate_into(
                 r["bpb"] = r["loss"] / math.log(2) * (n / n_bytes) if r["status"] == "ok" else float("nan")
                 r["tokenizer"] = corpus.tokenizer
             rows += eval_rows(rc, scored, label)
-            for L, (sums, counts) in by_position.items():
+            for L, (sums, counts, wins) in by_position.items():
                 ident = {"scheme": label, "length": L, "protocol": protocol, "stride": stride}
                 positions += [
                     {**ident, "position": p, "loss": sums[p].item() / c.item(), "tokens": c.item()}
                     for p, c in enumerate(counts)
                     if c > 0
+                ]
+                per_window += [
+                    {**ident, "window": w, "loss": loss, "tokens": int(count)}
+                    for w, (loss, count) in enumerate(wins.tolist())
                 ]
     new = {row_key(r) for r in rows}
     keep = [r for r in read_eval(rdir) if row_key(r) not in new]
@@ -96,6 +102,10 @@ def evaluate_into(
         rdir / "positions.csv",
         sorted(kept + positions, key=lambda r: (*order(r), int(r["position"]))),
         POSITION_COLUMNS,
+    )
+    kept = [r for r in read_windows(rdir) if row_key(r) not in new]
+    write_rows(
+        rdir / "windows.csv", sorted(kept + per_window, key=lambda r: (*order(r), int(r["window"]))), WINDOW_COLUMNS
     )
     return rows
 
