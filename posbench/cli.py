@@ -356,7 +356,7 @@ def evaluate(
     lengths: Annotated[Optional[str], typer.Option(help="e.g. 100,200,400")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     rope_scaling: Annotated[
-        Optional[str], typer.Option(help="also score RoPE scaled at evaluation: linear,ntk,dynamic,yarn")
+        Optional[str], typer.Option(help="also score RoPE scaled at evaluation: linear,ntk,dynamic,yarn,llama3")
     ] = None,
     rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L per length)")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (default: the run's)")] = None,

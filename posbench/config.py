@@ -175,7 +175,7 @@ class PerplexityConfig:
     protocol: list[str] = field(default_factory=lambda: ["nonoverlapping"])
     stride: Optional[int] = None  # the sliding windows' stride; null = a quarter of train_len
     # evaluation-time variants scored as extra rows "<scheme>+<kind>" for every run whose
-    # scheme declares them (rope: linear, ntk, dynamic, yarn); the checkpoints are not retrained
+    # scheme declares them (rope: linear, ntk, dynamic, yarn, llama3, longrope); the checkpoints are not retrained
     rope_scaling: list[str] = field(default_factory=list)
     rope_factor: Optional[float] = None  # a fixed scale s for those rows; None = L'/L per length
 

@@ -122,7 +122,7 @@ class TransformerLM(nn.Module):
 
     @property
     def eval_variants(self) -> tuple[str, ...]:
-        """The evaluation-time variants its scheme declares (rope: linear, ntk, dynamic, yarn)."""
+        """The evaluation-time variants its scheme declares (rope: linear, ntk, dynamic, yarn, llama3, longrope)."""
         return tuple(self.scheme.eval_variants)
 
     def eval_variant(self, name: Optional[str], length: int, factor: Optional[float] = None):

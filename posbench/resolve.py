@@ -76,7 +76,7 @@ def resolve_scoring(rc: ExperimentConfig, asked: dict[str, tuple[str, Any]]) -> 
 
 def _resolve_schemes(cfg: ExperimentConfig) -> None:
     """Every scheme builds with its options (bad options fail before anything trains), and
-    every eval.perplexity.rope_scaling kind belongs to some scheme."""
+    every eval.perplexity.rope_scaling kind belongs to some scheme and is refused by none run here."""
     for s in cfg.schemes:
         build_scheme(cfg.model_for(s))
         cfg.scheme_options[s] = {**SCHEMES.lookup(s).options, **cfg.scheme_options.get(s, {})}
@@ -91,3 +91,6 @@ def _resolve_schemes(cfg: ExperimentConfig) -> None:
                 f"valid: {', '.join(sorted(known))}",
                 "eval.perplexity.rope_scaling",
             )
+        for c in map(SCHEMES.lookup, cfg.schemes):
+            if kind in c.eval_variants and c.refuses(kind):
+                raise PosbenchError(f"eval.perplexity.rope_scaling: {c.refuses(kind)}", "eval.perplexity.rope_scaling")

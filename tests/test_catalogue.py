@@ -148,9 +148,88 @@ def test_rope_frequencies_agree_with_transformers(kind, d, base, L):
             assert att == pytest.approx(want_att, abs=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["linear", "ntk", "dynamic", "yarn"])
+# llama3, d=32, L=100, s=4: dimension k makes r_k = L theta_k / (2 pi) = 15.9155 * 10^(-k/4)
+# turns in L: k=0..2 make 15.9, 8.95, 5.03 (> 4: kept), k=3, 4 make 2.830, 1.592 (between 1 and
+# 4: g = (r - 1)/3 = 0.6100, 0.1972), k >= 5 make 0.895 and fewer (< 1: theta_k / 4).
+# k=3: 10^-0.75 * (0.3899 / 4 + 0.6101) = 0.1258230; k=4: 0.1 * (0.8028 / 4 + 0.1972) = 0.0397887
+def llama3_by_hand(d, base, s, L):
+    """transformers' _compute_llama3_parameters restated with Python floats (factors 1 and 4)."""
+    out = []
+    for k in range(d // 2):
+        theta = 1.0 / base ** (2 * k / d)
+        r = L * theta / (2 * math.pi)
+        g = (r - 1) / (4 - 1)
+        out.append(theta if r > 4 else theta / s if r < 1 else (1 - g) * theta / s + g * theta)
+    return out
+
+
+def test_llama3_keeps_fast_dims_divides_slow_ones_and_blends_between():
+    inv, att = rope_frequencies(32, 10000.0, "llama3", 4.0, 100)
+    close(inv.tolist(), llama3_by_hand(32, 10000.0, 4.0, 100))
+    assert inv[3].item() == pytest.approx(0.1258230, rel=1e-6)
+    assert inv[4].item() == pytest.approx(0.0397887, rel=1e-5)
+    close(inv[:3].tolist(), rope_frequencies(32)[0][:3].tolist())  # the fast dims as trained
+    close(inv[5:].tolist(), [10 ** (-k / 4) / 4 for k in range(5, 16)])
+    assert att == 1.0
+
+
+def hf_frequencies(kind, d, base, L, seq=None, **params):
+    """transformers' own ROPE_INIT_FUNCTIONS[kind] for a Llama-shaped config with head dim d."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": kind, "rope_theta": base, "original_max_position_embeddings": L, **params}
+    cfg = LlamaConfig(
+        hidden_size=4 * d, num_attention_heads=4, head_dim=d, max_position_embeddings=L, rope_parameters=params
+    )
+    return ROPE_INIT_FUNCTIONS[kind](cfg, None, seq)
+
+
+# posbench's model has d_head 32 at L 100 (and 64 in the tests' tiny runs); Llama's 64 and 128
+LLAMA_LIKE = [(32, 10000.0, 100), (32, 10000.0, 64), (64, 10000.0, 4096), (128, 500000.0, 8192), (128, 10000.0, 256)]
+FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0, 400 / 100, 96 / 64)
+
+
+@pytest.mark.parametrize("d,base,L", LLAMA_LIKE)
+def test_llama3_equals_transformers_to_the_last_bit(d, base, L):
+    pytest.importorskip("transformers")
+    for s in FACTORS:
+        want, want_att = hf_frequencies("llama3", d, base, L, factor=s, low_freq_factor=1.0, high_freq_factor=4.0)
+        inv, att = rope_frequencies(d, base, "llama3", s, L)
+        assert torch.equal(inv, want), (s, (inv - want).abs().max())
+        assert att == want_att
+        close(inv.tolist(), llama3_by_hand(d, base, s, L), tol=1e-6)  # and the formula, to float32's precision
+
+
+def searched(d, seed):
+    """Factors shaped like a LongRoPE search's: short ones near 1, long ones growing to the slow dims."""
+    g = torch.Generator().manual_seed(seed)
+    short = (1 + 0.1 * torch.rand(d // 2, generator=g, dtype=torch.float64)).tolist()
+    long = (1 + torch.linspace(0, 30, d // 2, dtype=torch.float64) * torch.rand(d // 2, generator=g)).tolist()
+    return short, long
+
+
+@pytest.mark.parametrize("d,base,L", LLAMA_LIKE)
+def test_longrope_equals_transformers_to_the_last_bit(d, base, L):
+    """Short factors up to the training length, long ones past it; attention sqrt(1 + ln s / ln L)."""
+    pytest.importorskip("transformers")
+    for i, s in enumerate(FACTORS):
+        short, long = searched(d, i)
+        for seq in (None, L // 2, L, L + 1, 4 * L):
+            want, want_att = hf_frequencies("longrope", d, base, L, seq, factor=s, short_factor=short, long_factor=long)
+            inv, att = rope_frequencies(d, base, "longrope", s, L, seq_len=seq, longrope=(short, long))
+            assert torch.equal(inv, want), (s, seq, (inv - want).abs().max())
+            assert att == want_att
+        plain = rope_frequencies(d, base)[0].double()
+        f = long if seq > L else short
+        close(inv.tolist(), (plain / torch.tensor(f, dtype=torch.float64)).tolist(), tol=1e-6)
+        assert att == pytest.approx(math.sqrt(1 + math.log(s) / math.log(L)) if s > 1 else 1.0, rel=1e-15)
+
+
+@pytest.mark.parametrize("kind", ["linear", "ntk", "dynamic", "yarn", "llama3", "longrope"])
 def test_every_scaling_is_the_identity_at_s_1(kind):
-    inv, att = rope_frequencies(32, 10000.0, kind, 1.0, 100, seq_len=100)
+    ones = ([1.0] * 16, [1.0] * 16)  # longrope's factors at 1 too
+    inv, att = rope_frequencies(32, 10000.0, kind, 1.0, 100, seq_len=100, longrope=ones)
     close(inv.tolist(), rope_frequencies(32)[0].tolist())
     assert att == 1.0
 
@@ -160,6 +239,12 @@ def test_rope_frequencies_errors():
         rope_frequencies(8, scaling="yarm")
     with pytest.raises(PosbenchError, match="needs the training length"):
         rope_frequencies(8, scaling="yarn", factor=2.0)
+    with pytest.raises(PosbenchError, match="llama3 RoPE scaling needs the training length"):
+        rope_frequencies(8, scaling="llama3", factor=2.0)
+    with pytest.raises(PosbenchError, match="longrope needs short_factor and long_factor, d_head/2 factors each"):
+        rope_frequencies(8, 10000.0, "longrope", 2.0, 16)
+    with pytest.raises(PosbenchError, match="longrope's factors: 3 given, one per rotated pair is 4"):
+        rope_frequencies(8, 10000.0, "longrope", 2.0, 16, seq_len=32, longrope=([1.0] * 4, [1.0] * 3))
 
 
 # --- RoPE under an evaluation-time variant ---------------------------------------------------
@@ -234,16 +319,73 @@ def test_variants_are_declared_by_the_scheme():
     with pytest.raises(PosbenchError, match="scheme 'alibi' has no evaluation-time variant 'yarn'"):
         with SCHEMES["alibi"](tiny("alibi")).eval_variant("yarn", 16, 32):
             pass
-    assert set(SCHEMES["rope"].eval_variants) == {"linear", "ntk", "dynamic", "yarn"}
+    assert set(SCHEMES["rope"].eval_variants) == {"linear", "ntk", "dynamic", "yarn", "llama3", "longrope"}
     with pytest.raises(PosbenchError, match="evaluation-time variant of rope, not a scheme to train"):
         resolve_scheme("rope+yarn")
+
+
+def test_rope_variants_take_transformers_names_but_ntk():
+    """One vocabulary with `posbench pretrained`: every rope variant but static ntk is a
+    transformers RoPE type, and posbench/pretrained.py offers each of those."""
+    pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from posbench.pretrained import VARIANTS
+
+    own = set(SCHEMES["rope"].eval_variants)
+    assert own - set(ROPE_INIT_FUNCTIONS) == {"ntk"} and own - {"ntk"} == set(VARIANTS)
+
+
+def test_llama3_variant_is_transformers_at_s_length_over_train_len():
+    """Scored at 48 after training at 16: transformers' llama3 at factor 3, original context 16
+    (to the last bit), or at the fixed factor."""
+    pytest.importorskip("transformers")
+    scheme = rope_scheme()
+    for factor, s in ((None, 3.0), (2.0, 2.0)):
+        with scheme.eval_variant("llama3", 16, 48, factor=factor):
+            inv, att = scheme.frequencies(8, 48)
+        want, want_att = hf_frequencies("llama3", 8, 10000.0, 16, factor=s, low_freq_factor=1.0, high_freq_factor=4.0)
+        assert torch.equal(inv, want) and att == want_att
+
+
+class SearchedRoPE(SCHEMES["rope"]):
+    """rope with LongRoPE factors, as a subclass given a model's searched ones would hold them."""
+
+    longrope = ([1.0, 1.02, 1.1, 1.3], [1.0, 1.5, 3.0, 6.5])
+
+
+def test_longrope_is_refused_in_one_line_without_searched_factors():
+    assert SCHEMES["rope"].refuses("longrope").startswith("longrope needs short_factor and long_factor")
+    assert SCHEMES["rope"].refuses("yarn") is None and SearchedRoPE.refuses("longrope") is None
+    with pytest.raises(PosbenchError, match="searched for each model"):
+        with rope_scheme().eval_variant("longrope", 16, 48):
+            pass
+    with pytest.raises(PosbenchError, match="eval.perplexity.rope_scaling: longrope needs short_factor"):
+        resolve(load_config(None, ["eval.perplexity.rope_scaling=[longrope]", "schemes=[rope,alibi]"]))
+
+
+def test_longrope_with_searched_factors_is_transformers_short_to_l_and_long_past_it():
+    pytest.importorskip("transformers")
+    scheme = SearchedRoPE(tiny("rope"))  # head_dim 8, train_len 16
+    short, long = SearchedRoPE.longrope
+    params = {"factor": 3.0, "short_factor": short, "long_factor": long}
+    q = torch.randn(1, 2, 48, 8)
+    with scheme.eval_variant("longrope", 16, 48):  # s = 3
+        for T in (16, 48):
+            inv, att = scheme.frequencies(8, T)
+            want, want_att = hf_frequencies("longrope", 8, 10000.0, 16, T, **params)
+            assert torch.equal(inv, want) and att == want_att == math.sqrt(1 + math.log(3) / math.log(16))
+        qr, _ = scheme.rotate(q, q, torch.arange(48), 0)
+    assert torch.allclose(qr.norm(dim=-1), q.norm(dim=-1) * math.sqrt(1 + math.log(3) / math.log(16)), atol=1e-5)
 
 
 def test_catalogue_lists_at_least_16_entries_with_rope_variants_marked():
     rows = dict(catalogue())
     assert len(rows) >= 16 and set(HAND_WORKED) <= set(rows)
-    for kind in ("linear", "ntk", "dynamic", "yarn"):
+    for kind in ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope"):
         assert rows[f"rope+{kind}"].startswith("evaluation-time variant of rope")
+        assert "\n" not in rows[f"rope+{kind}"]
+    assert "transformers has no static type" in rows["rope+ntk"] and "transformers' dynamic" in rows["rope+dynamic"]
     for name, cls in SCHEMES.items():
         assert cls.description and cls.description != SCHEMES["nope"].description or name == "nope"
 
@@ -671,14 +813,14 @@ def test_evaluate_rope_scaling_adds_rows_and_report_rebuilds_them(tiny_runs, tmp
     exp = tmp_path / "smoke"
     shutil.copytree(exp0, exp)
     run = exp / "rope-seed0"
-    res = invoke("evaluate", run, "--rope-scaling", "yarn,linear", "--lengths", "32,64")
+    res = invoke("evaluate", run, "--rope-scaling", "yarn,linear,llama3", "--lengths", "32,64")
     assert res.exit_code == 0, res.output
-    assert "rope+yarn" in res.output
+    assert "rope+yarn" in res.output and "rope+llama3" in res.output
     rows = {(r["scheme"], int(r["length"])): r for r in read_rows(run / "eval.csv")}
-    assert {("rope+yarn", 32), ("rope+yarn", 64), ("rope+linear", 32), ("rope+linear", 64)} <= set(rows)
+    assert {(f"rope+{kind}", L) for kind in ("yarn", "linear", "llama3") for L in (32, 64)} <= set(rows)
     assert {L for s, L in rows if s == "rope"} == {32, 48, 64}  # the plain rows are kept
     # at the training length s = 1, and every scaling is the identity: the same loss as rope
-    for kind in ("yarn", "linear"):
+    for kind in ("yarn", "linear", "llama3"):
         assert float(rows[f"rope+{kind}", 32]["loss"]) == pytest.approx(float(rows["rope", 32]["loss"]), rel=1e-6)
         assert float(rows[f"rope+{kind}", 64]["loss"]) != pytest.approx(float(rows["rope", 64]["loss"]), rel=1e-6)
     # report rebuilds the rows from the run folders' eval.csv alone
@@ -701,7 +843,7 @@ def test_evaluate_rope_scaling_adds_rows_and_report_rebuilds_them(tiny_runs, tmp
         "tokenizer",
     ]
     schemes = list(dict.fromkeys(r["scheme"] for r in summary))
-    assert schemes == ["rope", "rope+linear", "rope+yarn", "alibi"]  # variants follow their scheme
+    assert schemes == ["rope", "rope+linear", "rope+llama3", "rope+yarn", "alibi"]  # variants follow their scheme
     md = (exp / "summary.md").read_text()
     assert "| rope+yarn |" in md and "evaluation-time variant" in md
     copy = tmp_path / "copy"
@@ -711,16 +853,17 @@ def test_evaluate_rope_scaling_adds_rows_and_report_rebuilds_them(tiny_runs, tmp
     assert (copy / "summary.csv").read_text() == (exp / "summary.csv").read_text()
 
 
-def test_evaluate_with_a_fixed_factor_labels_it(tiny_runs, tmp_path):
+@pytest.mark.parametrize("kind", ["ntk", "llama3"])
+def test_evaluate_with_a_fixed_factor_labels_it(tiny_runs, tmp_path, kind):
     exp0, _ = tiny_runs
     run = tmp_path / "rope-seed0"
     shutil.copytree(exp0 / "rope-seed0", run)
-    res = invoke("evaluate", run, "--rope-scaling", "ntk", "--rope-factor", "2", "--lengths", "32")
+    res = invoke("evaluate", run, "--rope-scaling", kind, "--rope-factor", "2", "--lengths", "32")
     assert res.exit_code == 0, res.output
     rows = {(r["scheme"], int(r["length"])): r for r in read_rows(run / "eval.csv")}
-    assert ("rope+ntk@2", 32) in rows and ("rope+ntk", 32) not in rows
+    assert (f"rope+{kind}@2", 32) in rows and (f"rope+{kind}", 32) not in rows
     # s = 2 even at the training length, so it is no longer the identity there
-    assert float(rows["rope+ntk@2", 32]["loss"]) != pytest.approx(float(rows["rope", 32]["loss"]), rel=1e-6)
+    assert float(rows[f"rope+{kind}@2", 32]["loss"]) != pytest.approx(float(rows["rope", 32]["loss"]), rel=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -730,6 +873,7 @@ def test_evaluate_with_a_fixed_factor_labels_it(tiny_runs, tmp_path):
         (["rope-seed0", "--rope-scaling", "yarm"], "has no evaluation-time variant 'yarm'"),
         (["rope-seed0", "--rope-factor", "2"], "--rope-factor needs --rope-scaling"),
         (["rope-seed0", "--rope-scaling", "yarn", "--rope-factor", "0.5"], "must be >= 1"),
+        (["rope-seed0", "--rope-scaling", "yarn,longrope"], "longrope needs short_factor and long_factor"),
     ],
 )
 def test_evaluate_rope_scaling_errors_are_one_line(tiny_runs, args, message):
@@ -767,6 +911,18 @@ def test_extrapolate_rope_scaling_adds_rows_without_retraining(tiny_runs, tmp_pa
     assert {int(r["length"]) for r in summary if r["scheme"] == "rope+dynamic"} == {32, 48, 64}
     assert not any(r["scheme"].startswith("alibi+") for r in summary)
     assert "alibi+" not in (out / "smoke" / "alibi-seed0" / "eval.csv").read_text()
+
+
+def test_extrapolate_refuses_longrope_before_training(tiny_runs, tmp_path):
+    _, text = tiny_runs
+    out = tmp_path / "results"
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--schemes", "rope,alibi", "--set", f"out_dir={out}",
+        "--set", f"data.path={text}", "--rope-scaling", "longrope",
+    )  # fmt: skip
+    assert res.exit_code != 0 and "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+    assert "longrope needs short_factor and long_factor" in " ".join(res.output.split()), res.output
+    assert not (out / "smoke" / "rope-seed0").exists()
 
 
 def test_evaluate_with_a_variant_scores_plain_rope_and_the_training_length_too(tiny_runs, tmp_path):

@@ -211,10 +211,11 @@ def test_the_report_puts_parents_variants_and_children_side_by_side(extended):
     out, _ = extended
     table = (out / "summary.md").read_text()
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| rope")]
-    assert rows[:10] == [
+    assert rows[:11] == [
         "rope",
         "rope+dynamic",
         "rope+linear",
+        "rope+llama3",
         "rope+ntk",
         "rope+yarn",
         "rope:pi",

@@ -446,8 +446,10 @@ def test_adding_rope_yarn_recolours_no_other_scheme(tmp_path, figures):
     from posbench.compare.plot import colour, style
 
     assert colour("rope+yarn") == colour("rope") and style("rope+yarn")["linestyle"] != style("rope")["linestyle"]
-    variants = [style(f"rope+{v}")["linestyle"] for v in ("linear", "ntk", "dynamic", "yarn")]
-    assert len({repr(v) for v in variants}) == 4  # each rope variant has its own dashes
+    kinds = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
+    looks = {repr((style(f"rope+{v}"), colour(f"rope+{v}"))) for v in kinds}
+    looks |= {repr((style(f"{m}rope"), colour(f"{m}rope"))) for m in ("noisy_", "offset_")}
+    assert len(looks) == 8  # each rope variant and modifier looks its own
     plugin = "examples.my_scheme:MyScheme"  # a colour from its name, the same in every process
     for seed in ("1", "2"):
         other = subprocess.run(

@@ -24,7 +24,11 @@ PALETTE = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
     "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
 )  # fmt: skip
-DASHES = ("--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)), (0, (8, 3)))  # never solid
+# never solid: a scheme's variants take dashes from the front (rope's six first), a modifier from the end
+DASHES = (
+    "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (10, 2, 2, 2)), (0, (3, 3, 1, 3, 1, 3)),
+    (0, (1, 3)), (0, (8, 3)),
+)  # fmt: skip
 MARKERS = ("s", "^", "v", "D", "P", "X", "*", "h")  # a fine-tuned child's; "o" is a trained scheme's
 SHADES = (-0.55, 0.3, -0.3, 0.5, -0.7, 0.15, -0.15, 0.6)  # toward black (<0) or white (>0)
 

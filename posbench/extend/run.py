@@ -204,9 +204,11 @@ def default_curve(steps: int) -> list[int]:
 
 
 def _variants(rc: ExperimentConfig) -> list[str]:
+    """The parent's evaluation-time variants, but those its scheme refuses (rope's longrope)."""
     from posbench.schemes import SCHEMES
 
-    return list(SCHEMES.lookup(rc.model.scheme).eval_variants)
+    cls = SCHEMES.lookup(rc.model.scheme)
+    return [v for v in cls.eval_variants if not cls.refuses(v)]
 
 
 def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None, eval=None, options=None):

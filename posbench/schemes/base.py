@@ -40,7 +40,8 @@ class PositionalScheme(nn.Module):
     A scheme may also declare evaluation-time variants (`eval_variants`): a change applied to a
     trained checkpoint while it is evaluated, with no retraining, reported as rows named
     `<scheme>+<variant>`. RoPE's are the inference-time scalings of transformers'
-    ROPE_INIT_FUNCTIONS.
+    ROPE_INIT_FUNCTIONS. `refuses` says in one line why a declared variant cannot apply (rope's
+    longrope has no searched factors), before anything is trained or scored.
     """
 
     description = "no positional information at all; the causal mask alone leaks order"
@@ -94,11 +95,18 @@ class PositionalScheme(nn.Module):
             raise PosbenchError(
                 f"scheme '{self.cfg.scheme}' has no evaluation-time variant '{name}' (its variants: {have})"
             )
+        if self.refuses(name):
+            raise PosbenchError(self.refuses(name))
         self.variant, self._memo = EvalVariant(name, train_len, length, factor), None
         try:
             yield
         finally:
             self.variant, self._memo = None, None
+
+    @classmethod
+    def refuses(cls, variant: str) -> Optional[str]:
+        """Why this scheme cannot apply its declared variant `variant`, in one line (None: it can)."""
+        return None
 
     def positions(self, T: int, device) -> torch.Tensor:
         return torch.arange(T, device=device)  # (T,)

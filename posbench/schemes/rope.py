@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -10,7 +11,13 @@ import torch
 from posbench.errors import PosbenchError
 from posbench.schemes.base import PositionalScheme, require_even
 
-ROPE_SCALINGS = (None, "linear", "ntk", "dynamic", "yarn")
+ROPE_SCALINGS = (None, "linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
+LLAMA3 = (1.0, 4.0)  # Llama 3.1's low_freq_factor and high_freq_factor: turns in L that bound its ramp
+LONGROPE_NEEDS = (
+    "longrope needs short_factor and long_factor, d_head/2 factors each, searched for each model (LongRoPE, "
+    "Ding 2024); posbench runs no such search, so its rope has none: posbench pretrained scores longrope "
+    "on a model whose config has them"
+)
 
 
 def rope_frequencies(
@@ -21,6 +28,7 @@ def rope_frequencies(
     original_max_len: Optional[int] = None,
     seq_len: Optional[int] = None,
     truncate: bool = True,
+    longrope: Optional[tuple[Sequence[float], Sequence[float]]] = None,
 ) -> tuple[torch.Tensor, float]:
     """RoPE's inverse frequencies theta_k = base^(-2k/d), k < d/2, as scaled at inference time,
     and the attention factor that multiplies cos and sin. Each kind is the default plus a small
@@ -30,22 +38,32 @@ def rope_frequencies(
       ntk      base' = base * s^(d/(d-2)) (NTK-aware; transformers has no static entry for it,
                this is x-transformers' `base_rescale_factor`)
       dynamic  base' = base * (s*n/L - (s-1))^(d/(d-2)), n = seq_len if seq_len > L else L
+               (transformers' dynamic: NTK-aware with s grown with the length)
       yarn     theta_k/s below dimension `low`, theta_k above `high`, a linear ramp between;
                low/high where the training length L turns 32 (beta_fast) and 1 (beta_slow)
                times round; attention factor 0.1*ln(s) + 1 (1 when s <= 1)
+      llama3   by the turns r_k = L theta_k / (2 pi) that dimension k makes in L: theta_k/s
+               where r_k < 1, theta_k where r_k > 4, and (1 - g) theta_k/s + g theta_k between,
+               g = (r_k - 1)/(4 - 1) (Llama 3.1's low/high_freq_factor 1 and 4)
+      longrope theta_k / f_k with f = short_factor (seq_len <= L) or long_factor (seq_len > L),
+               `longrope` = (short_factor, long_factor), d/2 factors each searched for one model
+               (Phi-3's); attention factor sqrt(1 + ln(s)/ln(L)) (1 when s <= 1)
 
     s = `factor`, L = `original_max_len` (the training length). YaRN matches
     transformers' `_compute_yarn_parameters` with its `truncate` option at its default (True:
-    floor/ceil the ramp ends); tests/test_schemes.py checks it against the installed version.
-    Computed in float64, returned as float32 (d/2,).
+    floor/ceil the ramp ends); tests/test_catalogue.py checks it against the installed version.
+    Computed in float64 and returned as float32 (d/2,), except llama3 and longrope: computed in
+    float32 in transformers' own order of operations, they equal it to the last bit.
     """
     if scaling not in ROPE_SCALINGS:
         raise PosbenchError(f"unknown RoPE scaling '{scaling}'; valid: {', '.join(str(k) for k in ROPE_SCALINGS[1:])}")
     d = head_dim
     if scaling in ("ntk", "dynamic") and d <= 2:
         raise PosbenchError(f"{scaling} RoPE scaling needs a head dimension above 2, not {d}")
-    if scaling in ("dynamic", "yarn") and not original_max_len:
+    if scaling in ("dynamic", "yarn", "llama3", "longrope") and not original_max_len:
         raise PosbenchError(f"{scaling} RoPE scaling needs the training length (original_max_len)")
+    if scaling in ("llama3", "longrope"):
+        return _float32_scaling(d, base, scaling, factor, original_max_len, seq_len, longrope)
     exponent = torch.arange(0, d, 2, dtype=torch.float64) / d  # (d/2,) = 2k/d
     attention = 1.0
     if scaling == "ntk":
@@ -62,6 +80,29 @@ def rope_frequencies(
         inv = inv / factor * ramp + inv * (1 - ramp)  # 0: keep theta_k (fast dims), 1: theta_k / s
         attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
     return inv.float(), attention
+
+
+def _float32_scaling(
+    d: int, base: float, scaling: str, factor: float, L: int, seq_len: Optional[int], longrope
+) -> tuple[torch.Tensor, float]:
+    """llama3 and longrope as transformers' `_compute_llama3_parameters` and
+    `_compute_longrope_parameters` compute them, operation for operation in float32."""
+    exponent = torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (d/2,) = 2k/d
+    if scaling == "longrope":
+        if longrope is None:
+            raise PosbenchError(LONGROPE_NEEDS)
+        f = longrope[1] if seq_len and seq_len > L else longrope[0]
+        if len(f) != d // 2:
+            raise PosbenchError(f"longrope's factors: {len(f)} given, one per rotated pair is {d // 2}")
+        inv = 1.0 / (torch.tensor(f, dtype=torch.float32) * base**exponent)  # (d/2,)
+        return inv, math.sqrt(1 + math.log(factor) / math.log(L)) if factor > 1 else 1.0
+    low, high = LLAMA3
+    inv = 1.0 / (base**exponent)  # (d/2,)
+    wavelen = 2 * math.pi / inv  # (d/2,) tokens per turn; L / wavelen = r_k, the turns in L
+    inv = torch.where(wavelen > L / low, inv / factor, inv)  # r_k < 1: theta_k / s
+    g = (L / wavelen - low) / (high - low)  # (d/2,)
+    between = (wavelen >= L / high) & (wavelen <= L / low)  # 1 <= r_k <= 4
+    return torch.where(between, (1 - g) * inv / factor + g * inv, inv), 1.0
 
 
 def _yarn_ramp_ends(d: int, base: float, L: int, truncate: bool) -> tuple[float, float]:
@@ -102,10 +143,20 @@ class RoPE(PositionalScheme):
     options = {"base": 10000.0}
     eval_variants = {
         "linear": "RoPE with positions interpolated, theta/s (Chen 2023)",
-        "ntk": "RoPE with an NTK-aware base, base*s^(d/(d-2)) (bloc97 2023)",
-        "dynamic": "RoPE with dynamic NTK, s grown with each forward's length (emozilla 2023)",
+        "ntk": "RoPE with an NTK-aware base, base*s^(d/(d-2)) (bloc97 2023); transformers has no static type for it",
+        "dynamic": "RoPE with dynamic NTK, s grown with each forward's length (emozilla 2023); transformers' dynamic",
         "yarn": "RoPE with YaRN's per-dimension ramp and attention factor (Peng 2023)",
+        "llama3": "RoPE with Llama 3.1's ramp: theta/s below 1 turn in L, theta above 4 (Meta 2024)",
+        "longrope": "RoPE rescaled by factors searched per model, Phi-3's (Ding 2024); refused: runs have none",
     }
+    # LongRoPE's (short_factor, long_factor), d_head/2 factors each, found by a search on one
+    # trained model's perplexity. posbench runs no such search, so rope has none and refuses
+    # longrope; a subclass (module:Class) given a model's searched factors sets them here.
+    longrope: Optional[tuple[Sequence[float], Sequence[float]]] = None
+
+    @classmethod
+    def refuses(cls, variant: str) -> Optional[str]:
+        return LONGROPE_NEEDS if variant == "longrope" and cls.longrope is None else None
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -131,7 +182,7 @@ class RoPE(PositionalScheme):
             return rope_frequencies(D, self.opt["base"])
         default = 1.0 if v.name == "dynamic" else v.length / v.train_len
         factor = default if v.factor is None else v.factor
-        return rope_frequencies(D, self.opt["base"], v.name, factor, v.train_len, seq_len)
+        return rope_frequencies(D, self.opt["base"], v.name, factor, v.train_len, seq_len, longrope=self.longrope)
 
     def angles(self, pos, D, dtype):
         inv, attention = self.frequencies(D, pos.numel())

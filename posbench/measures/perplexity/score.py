@@ -53,6 +53,9 @@ def evaluate_into(
         )
     if factor is not None and not factor >= 1.0:
         raise PosbenchError(f"rope factor {factor}: must be >= 1")
+    for v in variants:  # one the model declares but cannot apply (longrope without factors) refuses before any scoring
+        with model.eval_variant(v, max(lengths), factor):
+            pass
     device = pick_device(rc.train.device)
     tokens = eval_tokens(corpus, rc, lengths)
     labels = {variant_label(run_label(rc.model), v, factor) for v in variants}
