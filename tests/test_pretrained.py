@@ -223,6 +223,15 @@ def test_pretrained_writes_a_run_folder_resumes_and_joins_another_in_one_report(
         assert sum(float(w["loss"]) for w in mine) / int(r["tokens"]) == pytest.approx(float(r["loss"]), rel=1e-12)
     summary = (out / "pretrained" / "summary.md").read_text()
     assert "context 32" in summary and "llama: pretrained, not trained here" in summary
+    # one model, no seeds: its interval is over its windows, the mean loss's through exp
+    from posbench.stats import mean_ci
+
+    at = [w for w in windows if (w["scheme"], w["length"]) == ("llama", str(2 * CONTEXT))]
+    half = mean_ci([float(w["loss"]) / int(w["tokens"]) for w in at])[1]
+    ppl = next(float(r["ppl"]) for r in rows if (r["scheme"], r["length"]) == ("llama", str(2 * CONTEXT)))
+    row = next(line for line in summary.splitlines() if line.startswith("| llama |"))
+    assert f"{ppl:.2f} ± {half * ppl:.2f}" in row.split(" | ")[2], row  # the column of 2 x the context
+    assert "a pretrained model's ± is over its windows" in summary
 
     # a rerun scores nothing again; a new length is scored alone
     before = (run / "eval.csv").read_text()

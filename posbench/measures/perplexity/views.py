@@ -26,7 +26,10 @@ from posbench.measures.perplexity.records import (
     PROTOCOL_NAMES,
     protocol_label,
     read_positions,
+    read_windows,
+    row_key,
 )
+from posbench.stats import mean_ci
 
 UNRECORDED = "unrecorded"  # a run whose train_log.jsonl does not name its attention backend
 
@@ -106,12 +109,48 @@ def _ratios(df: pd.DataFrame, base: int, longest: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["scheme", "seed", "column", "value", "status"])
 
 
-def spread_note(tables: dict[str, pd.DataFrame], pretrained: bool = False) -> str:
+WINDOWS_NOTE = (
+    "a pretrained model's ± is over its windows: the 95% interval of the mean loss over the windows "
+    "scored at that length (Student's t), through exp for perplexity"
+)
+
+
+def window_means(collected) -> dict[tuple, list[float]]:
+    """Each pretrained model's mean loss per window, from its windows.csv: (scheme label,
+    length, protocol, stride) -> one value a window. A model has no seeds; its windows are the
+    samples of its text that an interval can come from."""
+    out: dict[tuple, list[float]] = {}
+    for run in collected.runs:
+        if not run.cfg.model.pretrained:
+            continue
+        for r in read_windows(run.folder):
+            out.setdefault(row_key(r), []).append(float(r["loss"]) / int(r["tokens"]))
+    return out
+
+
+def over_windows(table: pd.DataFrame, part: pd.DataFrame, windows: dict, metric: str) -> None:
+    """A pretrained model's cells take their interval from its windows (`window_means`): the
+    mean loss's, as is for loss, times each cell's value for perplexity (exp's slope), scaled
+    as the value for bits per byte. Its ratio keeps none."""
+    if not windows or metric == "ratio":
+        return
+    for r in part[part["status"] == "ok"].to_dict("records"):
+        means = windows.get(row_key(r), [])
+        if r["scheme"] not in table.index or len(means) < 2:
+            continue
+        half = mean_ci(means)[1]
+        scale = {"loss": 1.0, "ppl": r["ppl"], "bpb": r["bpb"] / r["loss"]}[metric]
+        table.loc[r["scheme"], f"ci {int(r['length'])}"] = half * scale
+
+
+def spread_note(tables: dict[str, pd.DataFrame], pretrained: bool = False, windows: bool = False) -> str:
     """What a cell's ± and its bold mean, over every table of a report (`pretrained`: of
-    pretrained models alone, which have no seeds to train)."""
+    pretrained models alone, which have no seeds; `windows`: some have intervals over windows)."""
     seeds = max(int(t["seeds"].max()) for t in tables.values())
     tests = set().union(*(t.attrs.get("tests", set()) for t in tables.values()))
-    return compare_spread(seeds, tests, more="one pretrained model each" if pretrained else "use --seeds 0,1,2")
+    if pretrained:
+        return compare_spread(seeds, tests, more=WINDOWS_NOTE if windows else "one pretrained model each")
+    return compare_spread(seeds, tests) + (f"; {WINDOWS_NOTE}" if windows else "")
 
 
 def lengths_of(table: pd.DataFrame) -> list[int]:
@@ -257,16 +296,19 @@ def report(collected, metric: str, transpose: bool) -> dict:
     df, configs = frame(collected)
     df = with_metric(df, metric)
     what = metric_label(metric, df)
+    windows = window_means(collected)
     tables = {}
     for point in point_order(df):
         rows = df if point is None else df[df["point"] == point]
         for protocol, stride in protocols(rows):
             part = rows[(rows["protocol"] == protocol) & (rows["stride"].fillna("").astype(str) == stride)]
             label = protocol_label(protocol, stride)
-            tables[label if point is None else f"{point}; {label}"] = comparison(part)
+            table = comparison(part)
+            over_windows(table, part, windows, metric)
+            tables[label if point is None else f"{point}; {label}"] = table
     pretrained = all(c.model.pretrained for c in configs)  # no training to speak of, a context instead
     trained = "context" if pretrained else "trained at"
-    note = spread_note(tables, pretrained)
+    note = spread_note(tables, pretrained, bool(windows))
     tokenized = bool(set(df["tokenizer"].dropna()) - {"bytes", ""})
     sections = []
     for label, table in tables.items():
