@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Optional
@@ -136,6 +137,7 @@ def plain_table(title: str, rows: list[list[str]], left: bool = False) -> Table:
 
 
 PLAIN_EVERY_S = 30.0  # without a terminal, a run's progress line at least this often
+QUIET_SCORING_S = 10.0  # without a terminal, scoring that ends sooner prints no progress
 
 
 def _duration(seconds: float) -> str:
@@ -182,6 +184,10 @@ class BarReporter(Reporter):
             self.lines[label] = {"name": name, "total": total, "t0": now, "said": now, "tenth": 0, "step": 0}
             self.say(f"{name}: training, {total} steps")
             return
+        self.tasks[label] = self._bars().add_task(name, total=total, loss="-")
+
+    def _bars(self) -> Progress:
+        """The live bars, started with the first."""
         if self.progress is None:
             self.progress = Progress(  # on a narrow terminal the bar narrows; the label and numbers do not
                 TextColumn("{task.description}", table_column=Column(no_wrap=True, min_width=18)),
@@ -192,7 +198,7 @@ class BarReporter(Reporter):
                 console=self.console,
             )
             self.progress.start()
-        self.tasks[label] = self.progress.add_task(name, total=total, loss="-")
+        return self.progress
 
     def step(self, label, step, loss):
         if label in self.lines:
@@ -200,7 +206,7 @@ class BarReporter(Reporter):
         else:
             self.progress.update(self.tasks[label], completed=step, loss=f"{loss:.3f}")
 
-    def _line(self, run: dict, step: int, loss: float) -> None:
+    def _line(self, run: dict, step: int, loss: float, unit: str = "step") -> None:
         """A line when the run passes a tenth of its steps or PLAIN_EVERY_S since its last line."""
         now = time.monotonic()
         if "first" not in run:  # the time left is timed from here: not the compile, not resumed steps
@@ -211,7 +217,7 @@ class BarReporter(Reporter):
             return
         run["tenth"], run["said"] = tenth, now
         t, s = run["first"]
-        said = f"{run['name']}: step {step}/{run['total']}, loss {loss:.3f}"
+        said = f"{run['name']}: {unit} {step:,}/{run['total']:,}" + (f", loss {loss:.3f}" if loss == loss else "")
         if step >= run["total"]:
             said += f", took {_duration(now - run['t0'])}"
         elif step > s:
@@ -228,6 +234,25 @@ class BarReporter(Reporter):
         if not self.tasks:  # the bars stay on screen; the next run starts a fresh set
             self.progress.stop()
             self.progress = None
+
+    def scoring(self, label, done, total):
+        """A bar per scored run (without a terminal, a line each tenth once it has taken
+        QUIET_SCORING_S), its time left timed by tokens: a longer window's tokens cost more, so
+        the estimate runs short towards the end."""
+        key = f"scoring {label}"
+        if key not in self.lines and key not in self.tasks:
+            if not self.console.is_terminal:
+                now = time.monotonic()
+                self.lines[key] = {"name": key, "total": total, "t0": now, "said": now, "tenth": 0, "step": 0}
+            else:
+                self.tasks[key] = self._bars().add_task(key, total=total, loss="-")
+        if key in self.lines:
+            if time.monotonic() - self.lines[key]["t0"] >= QUIET_SCORING_S:  # a quick scoring says nothing
+                self._line(self.lines[key], done, math.nan, "tokens")
+        else:
+            self.progress.update(self.tasks[key], completed=done)
+        if done >= total:
+            self.finish(key)
 
     def say(self, line: str) -> None:
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)

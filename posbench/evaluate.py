@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -58,13 +59,14 @@ def evaluate_model(
     factor: Optional[float] = None,
     protocol: str = "nonoverlapping",
     stride: Optional[int] = None,
-) -> tuple[list[dict], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    progress: Optional[Callable[[int], None]] = None,
+) -> tuple[list[dict], dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """Mean next-byte loss at each length over the same tokens, every token scored once (see
     `windows` for how each protocol cuts them), so lengths compare directly. With `variant`,
     the scheme's evaluation-time variant of that name is applied per length. Returns the rows,
     each naming the attention backend that computed it, and per scored length the loss summed
     at each window position and the number of tokens scored there, (L,) each, and each window's
-    summed loss and scored tokens, (windows, 2)."""
+    summed loss and scored tokens, (windows, 2). `progress` hears of each batch's input tokens."""
     model = model.to(device).eval()
     backend = model.backend(device)
     n = len(tokens) - 1
@@ -83,7 +85,9 @@ def evaluate_model(
             rows.append({**row, "status": "beyond-max-len"})
             continue
         with model.eval_variant(variant, L, factor):
-            sums, counts, per_window = _nll_by_position(model, tokens, L, batch_size, device, protocol, stride)
+            sums, counts, per_window = _nll_by_position(
+                model, tokens, L, batch_size, device, protocol, stride, progress
+            )
         loss = sums.sum().item() / n
         if not math.isfinite(loss):  # a blow-up at some length is a result, not a lost row
             rows.append({**row, "status": "non-finite"})
@@ -94,7 +98,12 @@ def evaluate_model(
     return rows, by_position
 
 
-def _nll_by_position(model, tokens, L: int, batch_size: int, device, protocol, stride):
+def window_tokens(n: int, L: int, protocol: str, stride: Optional[int]) -> int:
+    """The input tokens the windows of one length take, over n targets (what progress counts)."""
+    return sum(min(L, n - s) for s, _ in windows(n, L, protocol, stride))
+
+
+def _nll_by_position(model, tokens, L: int, batch_size: int, device, protocol, stride, progress=None):
     """The loss summed at each window position 0..L-1 and the tokens scored there, (L,) each;
     each window's summed loss and scored tokens, (windows, 2)."""
     n = len(tokens) - 1
@@ -110,11 +119,15 @@ def _nll_by_position(model, tokens, L: int, batch_size: int, device, protocol, s
         sums += (nll * keep).sum(0)
         counts += keep.sum(0)
         per_window.append(torch.stack([(nll * keep).sum(1), keep.sum(1).double()], 1))
+        if progress is not None:
+            progress(len(group) * L)
     for s, first in wins[len(full) :]:  # the remainder: shorter, one at a time
         nll = _nll(model, tokens[s:].long()[None].to(device), device)[0]  # (n - s,)
         sums[first : len(nll)] += nll[first:]
         counts[first : len(nll)] += 1
         per_window.append(torch.tensor([[nll[first:].sum().item(), float(len(nll) - first)]], dtype=torch.float64))
+        if progress is not None:
+            progress(len(nll))
     return sums, counts, torch.cat(per_window)
 
 

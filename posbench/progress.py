@@ -19,6 +19,9 @@ class Reporter:
 
     def note(self, message: str) -> None: ...
 
+    def scoring(self, label: str, done: int, total: int) -> None:
+        """`done` of `total` tokens of a run's scoring (all its lengths) are scored."""
+
 
 class Marked(Reporter):
     """Another reporter, with `mark` after each run's label: a sweep's grid point, since the
@@ -41,3 +44,6 @@ class Marked(Reporter):
 
     def note(self, message):
         self.reporter.note(message)
+
+    def scoring(self, label, done, total):
+        self.reporter.scoring(label + self.mark, done, total)

@@ -72,6 +72,9 @@ class QueueReporter(Reporter):
     def note(self, message):
         self.queue.put(("note", message))
 
+    def scoring(self, label, done, total):
+        self.queue.put(("scoring", label, done, total))
+
 
 def _worker_main(work: Callable, threads: Optional[int], jobs, events, parent: int) -> None:
     """A worker process: call work(*args, reporter) for each (index, (label, args)) until None.

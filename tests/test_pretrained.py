@@ -410,3 +410,30 @@ def test_a_prepared_folder_is_scored_only_if_cut_with_the_models_tokenizer(model
     assert from_text.exit_code == 0
     rows = [list(csv.DictReader((out / n / "llama" / "eval.csv").open()))[0] for n in ("pretrained", "text")]
     assert rows[0]["loss"] == rows[1]["loss"] and rows[0]["bpb"] == rows[1]["bpb"]  # the same tokens either way
+
+
+def test_scoring_reports_each_batch_s_tokens_and_a_line_each_tenth_without_a_terminal(models, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from posbench.console import BarReporter
+    from posbench.evaluate import window_tokens
+
+    model = load_pretrained(models / "llama")
+    tokens = _tokens(model, 5 * CONTEXT + 7)
+    heard = []
+    evaluate_model(model, tokens, [CONTEXT, 2 * CONTEXT], 2, torch.device("cpu"), progress=heard.append)
+    n = len(tokens) - 1
+    assert sum(heard) == sum(window_tokens(n, L, "nonoverlapping", None) for L in (CONTEXT, 2 * CONTEXT))
+    assert sum(heard) == 2 * n and len(heard) == 3 + 2 + 1  # batches of two windows, and each remainder
+
+    monkeypatch.setattr("posbench.console.QUIET_SCORING_S", 0.0)
+    text = io.StringIO()
+    bars = BarReporter(Console(file=text, force_terminal=False, width=200))
+    for done in range(10, 101, 10):
+        bars.scoring("llama seed 0, nonoverlapping", done, 100)
+    lines = text.getvalue().splitlines()
+    assert lines[0].startswith("scoring llama seed 0, nonoverlapping: tokens 10/100")
+    assert lines[-1].startswith("scoring llama seed 0, nonoverlapping: tokens 100/100, took")
+    assert not bars.lines  # finished: a later scoring of the same run starts afresh

@@ -204,7 +204,7 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
             if model is None:
                 return "diverged"
         device = pick_device(rc.train.device)
-        job.measure.score(rc, rdir, model, data, device, model.backend(device))
+        job.measure.score(rc, rdir, model, data, device, model.backend(device), reporter)
         write_atomic(rdir / CONFIG, dump_yaml(record))  # how it was trained, and scored now
         record_read(rdir, getattr(data, "name", rc.task), job.task.fingerprint(data))
         return "reused" if state == "done" else "trained"

@@ -126,7 +126,7 @@ def run_pretrained(exp: Experiment, model, reporter: Reporter) -> Path:
             raise PosbenchError(f"{rdir}: another posbench process{f' (pid {pid})' if pid else ''} is scoring it")
         rdir.mkdir(exist_ok=True)
         device = pick_device(rc.train.device)
-        exp.measure.score(rc, rdir, model.to(device), corpus, device, model.backend(device))
+        exp.measure.score(rc, rdir, model.to(device), corpus, device, model.backend(device), reporter)
         write_atomic(rdir / CONFIG, dump_yaml(rc))
         record_read(rdir, corpus.name, digest)
     return folder

@@ -75,8 +75,9 @@ class Measure:
         return []
 
     # --- scoring (these import torch) ----------------------------------------------------------
-    def score(self, rc, rdir: Path, model, source, device, backend: str) -> None:
-        """Score what the run's records still lack under `rc`, into them."""
+    def score(self, rc, rdir: Path, model, source, device, backend: str, reporter=None) -> None:
+        """Score what the run's records still lack under `rc`, into them; `reporter` (a
+        progress.Reporter, or None) may hear how far scoring is."""
         raise NotImplementedError
 
     def rescore(self, cfg, rdir: Path, model, source, device) -> list[dict]:

@@ -49,7 +49,7 @@ class ExactMatch(Measure):
         cfg.eval.lengths = own  # perplexity lengths: a task is scored at its own lengths
         only_own_section(cfg, self.name)
 
-    def score(self, rc, rdir: Path, model, test, device, backend: str) -> None:
+    def score(self, rc, rdir: Path, model, test, device, backend: str, reporter=None) -> None:
         try:
             scored = {r["attention"] for r in read_task_eval(rdir)} == {backend}
         except PosbenchError:

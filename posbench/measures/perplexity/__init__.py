@@ -88,12 +88,13 @@ class Perplexity(Measure):
             )
         return notes
 
-    def score(self, rc, rdir: Path, model, corpus, device, backend: str) -> None:
+    def score(self, rc, rdir: Path, model, corpus, device, backend: str, reporter=None) -> None:
         from posbench.evaluate import eval_tokens
 
         n_tokens = len(eval_tokens(corpus, rc, rc.eval.lengths)) - 1  # the same for every run
+        factor = rc.eval.perplexity.rope_factor
         for (variant, protocol), lengths in unevaluated(rc, rdir, model, n_tokens, backend).items():
-            evaluate_into(rc, rdir, model, corpus, lengths, [variant], rc.eval.perplexity.rope_factor, [protocol])
+            evaluate_into(rc, rdir, model, corpus, lengths, [variant], factor, [protocol], reporter)
 
     def rescore(self, cfg, rdir: Path, model, corpus, device) -> list[dict]:
         """Plain and each of eval.perplexity.rope_scaling's variants (a variant row reads against the plain

@@ -36,13 +36,15 @@ def evaluate_into(
     variants: list[Optional[str]] = (None,),
     factor: Optional[float] = None,
     protocols: Optional[list[str]] = None,
+    reporter=None,
 ) -> list[dict]:
     """Evaluate at `lengths` under each protocol (None: the config's), as trained (None) and as
     each named evaluation-time variant, and merge the rows into the run's eval.csv and their
     loss per position into positions.csv: a (scheme label, length, protocol, stride) row
-    replaces its old one. The plain rows come first, then each variant's."""
+    replaces its old one. The plain rows come first, then each variant's. `reporter` hears how
+    many of the input tokens are scored (Reporter.scoring)."""
     from posbench.device import pick_device
-    from posbench.evaluate import eval_tokens, evaluate_model
+    from posbench.evaluate import eval_tokens, evaluate_model, window_tokens
     from posbench.schemes import run_label, variant_label
 
     unknown = [v for v in variants if v is not None and v not in model.eval_variants]
@@ -70,12 +72,23 @@ def evaluate_into(
         tokens = eval_tokens(corpus, rc, lengths)
     rows, positions, per_window = [], [], []
     n_bytes = corpus.bytes_of(tokens[1:])  # the targets: every protocol scores each once
-    for protocol in protocols or rc.eval.perplexity.protocol:
-        stride = rc.eval.perplexity.stride if protocol == "sliding" else None
+    protocols = protocols or rc.eval.perplexity.protocol
+    stride_of = {p: rc.eval.perplexity.stride if p == "sliding" else None for p in protocols}
+    total = len(variants) * sum(window_tokens(n, L, p, stride_of[p]) for p in protocols for L in lengths)
+    done = 0
+
+    def progress(count: int) -> None:
+        nonlocal done
+        done += count
+        if reporter is not None:
+            reporter.scoring(f"{', '.join(sorted(labels))} seed {rc.seeds[0]}, {', '.join(protocols)}", done, total)
+
+    for protocol in protocols:
+        stride = stride_of[protocol]
         for v in variants:
             label = variant_label(run_label(rc.model), v, factor)
             scored, by_position = evaluate_model(
-                model, tokens, lengths, rc.eval.batch_size, device, v, factor, protocol, stride
+                model, tokens, lengths, rc.eval.batch_size, device, v, factor, protocol, stride, progress
             )
             for r in scored:  # bits per byte: the loss summed over the n scored tokens, over their bytes
                 r["bpb"] = r["loss"] / math.log(2) * (n / n_bytes) if r["status"] == "ok" else float("nan")
