@@ -437,3 +437,34 @@ def test_scoring_reports_each_batch_s_tokens_and_a_line_each_tenth_without_a_ter
     assert lines[0].startswith("scoring llama seed 0, nonoverlapping: tokens 10/100")
     assert lines[-1].startswith("scoring llama seed 0, nonoverlapping: tokens 100/100, took")
     assert not bars.lines  # finished: a later scoring of the same run starts afresh
+
+
+def test_a_scoring_stopped_between_variants_keeps_its_rows_reportable_and_the_rerun_scores_the_rest(
+    models, tmp_path, monkeypatch
+):
+    import csv
+
+    from conftest import invoke
+
+    import posbench.measures.perplexity as perplexity
+
+    out, corpus = tmp_path / "r", _corpus(tmp_path)
+    args = [str(models / "llama"), "--data", str(corpus), "--set", f"out_dir={out}", "--set", "eval.tokens=512"]
+    args += ["--lengths", str(CONTEXT), "--rope-scaling", "yarn,linear"]
+    real, asked = perplexity.evaluate_into, []
+
+    def stopped_at_linear(rc, rdir, model, corpus, lengths, variants, *rest):
+        asked.append(variants[0])
+        if variants == ["linear"] and asked.count("linear") == 1:  # Ctrl-C, the first time
+            raise KeyboardInterrupt
+        return real(rc, rdir, model, corpus, lengths, variants, *rest)
+
+    monkeypatch.setattr(perplexity, "evaluate_into", stopped_at_linear)
+    assert invoke("pretrained", *args).exit_code != 0
+    run = out / "pretrained" / "llama"
+    assert (run / "config.yaml").is_file() and (run / "data.json").is_file()
+    assert {r["scheme"] for r in csv.DictReader((run / "eval.csv").open())} == {"llama", "llama+yarn"}
+    assert invoke("report", str(out / "pretrained")).exit_code == 0
+    assert invoke("pretrained", *args).exit_code == 0
+    assert asked == [None, "yarn", "linear", "linear"]  # what was scored is kept
+    assert {r["scheme"] for r in csv.DictReader((run / "eval.csv").open())} == {"llama", "llama+yarn", "llama+linear"}

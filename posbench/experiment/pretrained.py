@@ -125,8 +125,9 @@ def run_pretrained(exp: Experiment, model, reporter: Reporter) -> Path:
             pid = lock_holder(lock_file(rdir))
             raise PosbenchError(f"{rdir}: another posbench process{f' (pid {pid})' if pid else ''} is scoring it")
         rdir.mkdir(exist_ok=True)
-        device = pick_device(rc.train.device)
-        exp.measure.score(rc, rdir, model.to(device), corpus, device, model.backend(device), reporter)
+        # the record first: a run stopped while it is scored keeps the rows it has, reportable
         write_atomic(rdir / CONFIG, dump_yaml(rc))
         record_read(rdir, corpus.name, digest)
+        device = pick_device(rc.train.device)
+        exp.measure.score(rc, rdir, model.to(device), corpus, device, model.backend(device), reporter)
     return folder
