@@ -145,6 +145,7 @@ def _records(run: Path) -> tuple[dict, dict]:
     return {r["step"]: r["loss"] for r in log}, {int(r["length"]): float(r["ppl"]) for r in rows}
 
 
+@pytest.mark.plots
 @pytest.mark.parametrize("tracker", TRACKERS)
 def test_a_tracker_holds_the_loss_and_perplexity_of_the_records(tmp_path, tracker):
     exp, res, _ = smoke_experiment(tmp_path, *SCHEMES, "--tracker", tracker)
@@ -391,6 +392,7 @@ def test_an_extended_run_sends_its_own_rows_as_its_own_series(tmp_path):
     assert not any(".rope_yarn" in tag for tag in sent if tag.startswith("eval/ppl") and tag != "eval/ppl")
 
 
+@pytest.mark.plots
 def test_an_mlflow_store_moved_with_its_folder_writes_nothing_outside_it(tmp_path):
     """MLflow keeps a run's artifact path absolute; a moved experiment must not write into the old one."""
     import shutil
