@@ -177,17 +177,16 @@ def test_a_tracker_holds_the_loss_and_perplexity_of_the_records(tmp_path, tracke
 def test_a_run_killed_and_resumed_is_one_tracker_run_and_evaluate_adds_to_it(tmp_path):
     """Nothing is sent while a run is unfinished; the resumed run is sent once, and a later
     posbench evaluate sends its new lengths to the same MLflow run."""
-    from test_sweeps import _args, _cli, _text, kill_after_two_checkpoints
+    from test_sweeps import _args, _text, kill_after_two_checkpoints
 
     text = _text(tmp_path)
     more = ("--set", "train.steps=400", "--set", "train.checkpoint_every=25", "--tracker", "mlflow")
     exp = tmp_path / "r" / "smoke"
     kill_after_two_checkpoints(_args(tmp_path / "r", text, *more), exp / ".alibi-seed0.partial")
     assert not (exp / "mlruns").exists() or "alibi-seed0" not in _mlflow(exp)
-    rerun = _cli(*_args(tmp_path / "r", text, *more))
-    out, _ = rerun.communicate(timeout=300)
-    assert rerun.returncode == 0, out
-    assert "resuming from its checkpoint" in out
+    res = invoke(*_args(tmp_path / "r", text, *more))  # the same command, in this process
+    assert res.exit_code == 0, res.output
+    assert "resuming from its checkpoint" in " ".join(res.output.split())
     loss, ppl = _records(exp / "alibi-seed0")
     sent = _mlflow(exp)["alibi-seed0"]  # one run of that name (_mlflow asserts it)
     assert sent["train/loss"] == pytest.approx(loss) and sent["eval/ppl"] == pytest.approx(ppl)
