@@ -141,6 +141,15 @@ def two_threads():
 
 
 @pytest.fixture
+def small_peak(monkeypatch):
+    """A 256 x 256 matmul for `bench`'s FLOP/s peak, where a test reads no MFU: the 2048 x 2048
+    one is most of a quick bench's time. test_bench_quick_writes_every_row times the real one."""
+    from posbench import bench
+
+    monkeypatch.setattr(bench, "peak_size", lambda device: 256)
+
+
+@pytest.fixture
 def corpus_file(tmp_path):
     """~40 kB of deterministic pseudo-English, enough for a 16-token model to learn something."""
     rng = random.Random(0)
