@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -43,6 +44,7 @@ def t_cdf(t: float, df: float) -> float:
     return 1.0 - tail if t >= 0 else tail
 
 
+@functools.cache  # a report asks for the same few (p, df) once per cell, and each is 200 bisection steps
 def t_quantile(p: float, df: float) -> float:
     """The t with P(T <= t) = p, by bisection on t_cdf."""
     lo, hi = -1e6, 1e6

@@ -115,11 +115,38 @@ def _threads():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _figures_unwritten(request, monkeypatch):
+    """Every figure is drawn, but none is laid out and written as a PNG: rendering one is most of
+    a small report's time, and most tests read its tables. A test that reads a PNG, or a figure's
+    layout as saved, is marked `@pytest.mark.plots` and gets the files."""
+    if request.node.get_closest_marker("plots"):
+        return
+    from posbench import plots
+    from posbench.compare import plot
+
+    def unwritten(plt, fig, path, dpi=100):
+        plt.close(fig)
+        return True  # as written, so every command says and lists what it would have written
+
+    monkeypatch.setattr(plot, "save", unwritten)
+    monkeypatch.setattr(plots, "save", unwritten)
+
+
 @pytest.fixture
 def two_threads():
     """Two torch threads, as on the 2-core machines the suite runs on, for a test whose code
     splits its work across threads (the C kernels' OpenMP loops): that path is the one checked."""
     torch.set_num_threads(2)
+
+
+@pytest.fixture
+def small_peak(monkeypatch):
+    """A 256 x 256 matmul for `bench`'s FLOP/s peak, where a test reads no MFU: the 2048 x 2048
+    one is most of a quick bench's time. test_bench_quick_writes_every_row times the real one."""
+    from posbench import bench
+
+    monkeypatch.setattr(bench, "peak_size", lambda device: 256)
 
 
 @pytest.fixture

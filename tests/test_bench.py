@@ -45,7 +45,7 @@ def test_bench_quick_writes_every_row(tmp_path):
 
 
 @pytest.mark.parametrize("scheme", ["learned", "randomized"])
-def test_memory_of_a_scheme_with_a_position_limit_is_measured_with_one_long_enough(tmp_path, scheme):
+def test_memory_of_a_scheme_with_a_position_limit_is_measured_with_one_long_enough(tmp_path, scheme, small_peak):
     """learned's table (1024) and randomized's draws (max_pos 1024) stop short of 3200; the
     bench measures a copy whose limit is the longest length rather than leave those cells empty."""
     out = tmp_path / "bench.csv"
@@ -73,7 +73,7 @@ def test_flops_per_token_counts_matmul_weights_and_attention():
     assert model_flops_per_token(cfg, model) == pytest.approx(want)
 
 
-def test_without_the_kernels_the_table_says_so_and_names_the_backend(tmp_path, monkeypatch):
+def test_without_the_kernels_the_table_says_so_and_names_the_backend(tmp_path, monkeypatch, small_peak):
     """auto then runs on SDPA: the rows name it, and a note under the table says why."""
     from posbench import native
 
@@ -110,7 +110,7 @@ def test_cope_eval_memory_stays_linear_through_its_kernel():
         assert calls
 
 
-def test_out_may_name_a_folder_and_a_bad_out_fails_before_any_timing(tmp_path, monkeypatch):
+def test_out_may_name_a_folder_and_a_bad_out_fails_before_any_timing(tmp_path, monkeypatch, small_peak):
     from posbench import bench
 
     res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "nope", "--out", str(tmp_path)])
@@ -127,7 +127,7 @@ def test_out_may_name_a_folder_and_a_bad_out_fails_before_any_timing(tmp_path, m
     assert blocker.read_text() == "kept"
 
 
-def test_bench_builds_each_scheme_with_the_configs_options(tmp_path, monkeypatch):
+def test_bench_builds_each_scheme_with_the_configs_options(tmp_path, monkeypatch, small_peak):
     from posbench import bench
 
     built = []
@@ -163,7 +163,7 @@ def test_a_peer_that_cannot_build_the_shape_is_one_line(tmp_path, monkeypatch):
     assert "ZeroDivisionError" in res.output and not (tmp_path / "bench.csv").exists()
 
 
-def test_out_replaces_a_symlinks_target_and_refuses_a_pipe(tmp_path):
+def test_out_replaces_a_symlinks_target_and_refuses_a_pipe(tmp_path, small_peak):
     target = tmp_path / "real.csv"
     target.write_text("old")
     link = tmp_path / "link.csv"
@@ -216,7 +216,7 @@ def test_rows_name_the_cpu_and_its_threads(tmp_path):
     assert device_name(torch.device("cpu")).endswith(f", {torch.get_num_threads()} threads")
 
 
-def test_a_longer_train_len_is_not_stopped_by_the_configs_test_lengths(tmp_path):
+def test_a_longer_train_len_is_not_stopped_by_the_configs_test_lengths(tmp_path, small_peak):
     """The bench measures at its own multiples; the default eval.lengths (100..200) are not its."""
     out = tmp_path / "bench.csv"
     res = CliRunner().invoke(
@@ -239,7 +239,7 @@ def test_a_longer_train_len_is_not_stopped_by_the_configs_test_lengths(tmp_path)
     assert lens == [300, 4800, 9600]
 
 
-def test_rounds_is_checked_and_used(tmp_path, monkeypatch):
+def test_rounds_is_checked_and_used(tmp_path, monkeypatch, small_peak):
     out = tmp_path / "bench.csv"
     res = CliRunner().invoke(app, ["bench", "--quick", "--rounds", "1", "--out", str(out)])
     assert res.exit_code != 0 and "--rounds 1: at least two rounds are needed" in res.output

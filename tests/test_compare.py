@@ -125,6 +125,7 @@ def _legend_clear_of_data(fig) -> bool:
     )  # fmt: skip
 
 
+@pytest.mark.plots
 def test_the_summary_plot_names_its_metric_and_unit_and_its_legend_covers_no_data(tmp_path, figures):
     _report(tmp_path, "reference")
     summary = figures["summary.png"]
@@ -136,6 +137,7 @@ def test_the_summary_plot_names_its_metric_and_unit_and_its_legend_covers_no_dat
         assert _legend_clear_of_data(figures[name]), name
 
 
+@pytest.mark.plots
 def test_a_task_plot_names_its_metric_and_its_legend_covers_no_data(tmp_path, figures):
     _report(tmp_path, "recipe-search/cpu-passkey")
     summary = figures["summary.png"]

@@ -79,7 +79,7 @@ def test_docs_count_the_hooks_name_the_interval_and_state_the_length_rule():
     assert "`--test-len 200` scores 100, 125, 150, 200" in text
 
 
-def test_bench_quick_says_its_timings_are_rough(tmp_path):
+def test_bench_quick_says_its_timings_are_rough(tmp_path, small_peak):
     """#30.13: one round cannot be compared; the README and the command both say so."""
     from conftest import ROOT
 

@@ -31,6 +31,7 @@ def assert_pngs(folder: Path, names: set[str], output: str):
     assert printed == {(folder / n).resolve() for n in names}, output
 
 
+@pytest.mark.plots
 @pytest.mark.parametrize(
     "name,pictures",
     [
@@ -46,6 +47,7 @@ def test_inspect_draws_what_the_hooks_do(tmp_path, name, pictures):
     assert_pngs(tmp_path / name, pictures, res.output)
 
 
+@pytest.mark.plots
 def test_inspect_defaults_to_results_inspect(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = invoke("inspect", "alibi", "--length", "20")
@@ -177,6 +179,7 @@ def trained(tmp_path, corpus_file, monkeypatch):
     return train
 
 
+@pytest.mark.plots
 def test_inspect_a_trained_t5_run_draws_its_learned_buckets(trained, tmp_path):
     from posbench.experiment.checkpoint import load_run
 
@@ -189,6 +192,7 @@ def test_inspect_a_trained_t5_run_draws_its_learned_buckets(trained, tmp_path):
     assert table.shape == (2, 32) and table.abs().sum() > 0  # initialised to 0: it learned
 
 
+@pytest.mark.plots
 def test_inspect_a_trained_learned_run_draws_the_table_similarity(trained, tmp_path):
     run = trained("learned")
     res = invoke("inspect", run, "--out", tmp_path / "learned")
@@ -196,6 +200,7 @@ def test_inspect_a_trained_learned_run_draws_the_table_similarity(trained, tmp_p
     assert_pngs(tmp_path / "learned", {"encoding.png", "similarity.png"}, res.output)
 
 
+@pytest.mark.plots
 def test_inspect_a_trained_plugin_draws_every_per_head_parameter(trained, tmp_path, monkeypatch):
     run = trained("kerple_like:LogBias")
     assert run.name == "kerple_like_LogBias-seed0"

@@ -306,6 +306,7 @@ def test_extrapolate_says_when_auto_cannot_use_the_kernels(monkeypatch, tmp_path
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "unavailable", {})
     monkeypatch.setenv("POSBENCH_NATIVE", switch)
+    torch.set_num_threads(1)  # what it says is checked, not the kernels' loops: a busy machine's hand-offs cost seconds
     exp, res, _ = smoke_experiment(tmp_path, "--schemes", "cope,alibi")
     text = " ".join(res.output.split())
     if switch == "off":  # auto takes SDPA, says why, and the records say so

@@ -76,6 +76,7 @@ def test_the_loss_per_position_averages_token_weighted_to_the_reported_loss(prot
         assert (means * counts).sum().item() / counts.sum().item() == pytest.approx(row["loss"], abs=1e-9)
 
 
+@pytest.mark.plots
 def test_both_protocols_are_rows_of_one_experiment_with_positions_on_disk(tmp_path, corpus_file):
     res = invoke(
         "extrapolate",

@@ -71,6 +71,7 @@ def test_latex_is_booktabs_with_balanced_environments_and_the_right_columns(tran
     assert "\\textbf{5.99" not in text and "\\textbf{" in text and "$\\pm$" in text
 
 
+@pytest.mark.plots
 def test_report_joins_experiments_and_refuses_ones_that_do_not_compare(tmp_path, corpus_file):
     common = ["--config", SMOKE, "--set", f"out_dir={tmp_path}", "--set", f"data.path={corpus_file}"]
     assert invoke("extrapolate", *common, "--schemes", "alibi", "--set", "name=a").exit_code == 0
@@ -534,6 +535,7 @@ def test_the_readme_task_table_is_the_committed_task_reference():
         assert ours == [f"{by_task[t][scheme][0]} / {by_task[t][scheme][1]}" for t in FIVE_TASKS] + [rank[scheme][0]]
 
 
+@pytest.mark.plots
 def test_a_report_of_another_view_is_written_beside_the_experiments_summary_never_over_it(tmp_path):
     """#47.2: report --metric bpb (or --buckets, --transpose) writes summary-bpb.* beside the
     experiment's own summary, which stays byte for byte; --out puts a view where it says."""

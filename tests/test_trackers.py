@@ -145,6 +145,7 @@ def _records(run: Path) -> tuple[dict, dict]:
     return {r["step"]: r["loss"] for r in log}, {int(r["length"]): float(r["ppl"]) for r in rows}
 
 
+@pytest.mark.plots
 @pytest.mark.parametrize("tracker", TRACKERS)
 def test_a_tracker_holds_the_loss_and_perplexity_of_the_records(tmp_path, tracker):
     exp, res, _ = smoke_experiment(tmp_path, *SCHEMES, "--tracker", tracker)
@@ -176,17 +177,16 @@ def test_a_tracker_holds_the_loss_and_perplexity_of_the_records(tmp_path, tracke
 def test_a_run_killed_and_resumed_is_one_tracker_run_and_evaluate_adds_to_it(tmp_path):
     """Nothing is sent while a run is unfinished; the resumed run is sent once, and a later
     posbench evaluate sends its new lengths to the same MLflow run."""
-    from test_sweeps import _args, _cli, _text, kill_after_two_checkpoints
+    from test_sweeps import _args, _text, kill_after_two_checkpoints
 
     text = _text(tmp_path)
     more = ("--set", "train.steps=400", "--set", "train.checkpoint_every=25", "--tracker", "mlflow")
     exp = tmp_path / "r" / "smoke"
     kill_after_two_checkpoints(_args(tmp_path / "r", text, *more), exp / ".alibi-seed0.partial")
     assert not (exp / "mlruns").exists() or "alibi-seed0" not in _mlflow(exp)
-    rerun = _cli(*_args(tmp_path / "r", text, *more))
-    out, _ = rerun.communicate(timeout=300)
-    assert rerun.returncode == 0, out
-    assert "resuming from its checkpoint" in out
+    res = invoke(*_args(tmp_path / "r", text, *more))  # the same command, in this process
+    assert res.exit_code == 0, res.output
+    assert "resuming from its checkpoint" in " ".join(res.output.split())
     loss, ppl = _records(exp / "alibi-seed0")
     sent = _mlflow(exp)["alibi-seed0"]  # one run of that name (_mlflow asserts it)
     assert sent["train/loss"] == pytest.approx(loss) and sent["eval/ppl"] == pytest.approx(ppl)
@@ -391,6 +391,7 @@ def test_an_extended_run_sends_its_own_rows_as_its_own_series(tmp_path):
     assert not any(".rope_yarn" in tag for tag in sent if tag.startswith("eval/ppl") and tag != "eval/ppl")
 
 
+@pytest.mark.plots
 def test_an_mlflow_store_moved_with_its_folder_writes_nothing_outside_it(tmp_path):
     """MLflow keeps a run's artifact path absolute; a moved experiment must not write into the old one."""
     import shutil

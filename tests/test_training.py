@@ -170,10 +170,14 @@ def test_sigterm_stops_the_workers_and_leaves_nothing_half_written(tmp_path):
         ]
         assert all((p / "checkpoint.pt").is_file() for p in exp.glob(".*.partial"))
         assert not list(exp.rglob("tmp-*"))
-        time.sleep(1)
-        now = processes()
-        running = [pid for pid in pids if pid in now and now[pid][1] != "Z"]  # a zombie is dead, unreaped
-        assert running == [], f"left running: {running}"
+        deadline = time.time() + 1
+        while True:
+            now = processes()
+            running = [pid for pid in pids if pid in now and now[pid][1] != "Z"]  # a zombie is dead, unreaped
+            if not running or time.time() > deadline:
+                break
+            time.sleep(0.05)
+        assert running == [], f"left running 1 s after the parent exited: {running}"
     finally:
         proc.kill()  # a failed check must not leave it running
 

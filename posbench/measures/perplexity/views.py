@@ -333,7 +333,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
                 title=f"{what}, {trained} {train_len} ({label}; attention: {backends_note(df, short=True)})",
             )
         )
-    curve = extend.curve_table(df.attrs["runs"].values())
+    curve = extend.curve_table(collected.runs)
     if curve is not None:
         sections.append(extend.curve_section(*curve[:2]))
     longest = max(int(L) for L in df["length"])
@@ -351,10 +351,10 @@ def report(collected, metric: str, transpose: bool) -> dict:
         train_lens = (
             df.groupby("point")["train_len"].first().to_dict() if "point" in df else {"": int(df["train_len"].iloc[0])}
         )
-        plot_positions(position_losses(df), train_lens, folder / "positions.png", unit)
+        plot_positions(position_losses(collected.runs, df.attrs["points"]), train_lens, folder / "positions.png", unit)
         drawn = ["summary.png", "positions.png"]
         if not pretrained:
-            plot_training(df.attrs["runs"], folder / "training.png", unit)
+            plot_training({run.folder: run for run in collected.runs}, folder / "training.png", unit)
             drawn.append("training.png")
         if curve is not None:
             extend.plot_curve(curve[2], curve[1], folder / "steps.png")
@@ -372,7 +372,9 @@ def report(collected, metric: str, transpose: bool) -> dict:
 
 
 def frame(collected) -> tuple[pd.DataFrame, list]:
-    """Every run's rows as one long DataFrame, typed and in table order, with its runs in attrs."""
+    """Every run's rows as one long DataFrame, typed and in table order. Its attrs hold only small
+    values (each run's backend, the diverged runs, the grid points): pandas deep-copies them on
+    every operation, and the runs with their rows would make a report of a few runs take seconds."""
     points = collected.points
     columns = EVAL_COLUMNS + (["point"] if len(set(points.values())) > 1 else [])
     df = pd.DataFrame(
@@ -390,7 +392,6 @@ def frame(collected) -> tuple[pd.DataFrame, list]:
     df.attrs["trained_with"] = {
         run.folder.name: run.trained_with for run in collected.runs if not run.cfg.model.pretrained
     }
-    df.attrs["runs"] = {run.folder: run for run in collected.runs}
     df.attrs["diverged"] = collected.diverged
     df.attrs["points"] = points if "point" in df else {}
     return df, [run.cfg for run in collected.runs]
@@ -404,16 +405,15 @@ def join_checks(rows: list[dict]) -> list[tuple[str, set]]:
     ]
 
 
-def position_losses(df: pd.DataFrame) -> pd.DataFrame:
-    """Every run's loss per window position (its positions.csv), with its seed and grid point,
-    in long format."""
+def position_losses(runs: list, points: dict) -> pd.DataFrame:
+    """Every run's loss per window position (its positions.csv), with its seed and grid point
+    (`points`: a run folder's, where there are several), in long format."""
     frames = []
-    points = df.attrs.get("points", {})
-    for rdir, run in df.attrs.get("runs", {}).items():
-        rows = read_positions(rdir)
+    for run in runs:
+        rows = read_positions(run.folder)
         if rows:
             frame = pd.DataFrame(rows, columns=POSITION_COLUMNS)
-            frames.append(frame.assign(seed=run.cfg.seeds[0], point=points.get(rdir, "")))
+            frames.append(frame.assign(seed=run.cfg.seeds[0], point=points.get(run.folder, "")))
     if not frames:
         return pd.DataFrame(columns=[*POSITION_COLUMNS, "seed", "point"])
     out = pd.concat(frames, ignore_index=True)
