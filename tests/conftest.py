@@ -107,6 +107,16 @@ def task_smoke(tmp_path_factory) -> Path:
     return task_experiment(tmp_path_factory.mktemp("task"), "nope,alibi")
 
 
+@pytest.fixture(scope="session")
+def worker_smoke(tmp_path_factory):
+    """nope, t5 and alibi of configs/smoke.yaml trained by two worker processes of one thread
+    each, every finished run sent to TensorBoard by this, the driving process; trained once for
+    the suite, since each worker starts by importing torch: (experiment folder, result, text
+    file). Tests only read it."""
+    more = ("--schemes", "nope,t5,alibi", "--threads", "1", "--set", "train.workers=2", "--tracker", "tensorboard")
+    return smoke_experiment(tmp_path_factory.mktemp("workers"), *more)
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     """One torch thread for every test (a command's --threads may have changed it): the suite's

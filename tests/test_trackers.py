@@ -211,8 +211,8 @@ def test_a_rerun_and_a_second_report_send_nothing_twice(tmp_path):
     _wandb(exp)  # each name is one W&B run id
 
 
-def test_runs_trained_in_workers_are_sent_by_the_driver(tmp_path):
-    exp, _, _ = smoke_experiment(tmp_path, *SCHEMES, "--tracker", "tensorboard", "--set", "train.workers=2")
+def test_runs_trained_in_workers_are_sent_by_the_driver(worker_smoke):
+    exp, _, _ = worker_smoke  # trained by two workers with --tracker tensorboard
     sent = _tensorboard(exp)
     for name in ("nope-seed0", "alibi-seed0"):
         loss, _ = _records(exp / name)

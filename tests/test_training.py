@@ -8,13 +8,11 @@ import yaml
 from conftest import SMOKE, invoke, processes, smoke_experiment
 
 
-def test_runs_in_worker_processes_equal_runs_in_this_process(tmp_path):
+def test_runs_in_worker_processes_equal_runs_in_this_process(tmp_path, worker_smoke):
     """Two workers with one thread each give the table one process with one thread gives:
     a run's numbers depend on its thread count, never on which process trained it."""
-    schemes = ("--schemes", "nope,t5,alibi", "--threads", "1")
-    (tmp_path / "par").mkdir(), (tmp_path / "one").mkdir()
-    par, res, _ = smoke_experiment(tmp_path / "par", *schemes, "--set", "train.workers=2")
-    one, _, _ = smoke_experiment(tmp_path / "one", *schemes, "--set", "train.workers=1")
+    par, res, _ = worker_smoke
+    one, _, _ = smoke_experiment(tmp_path, "--schemes", "nope,t5,alibi", "--threads", "1", "--set", "train.workers=1")
     assert (par / "summary.csv").read_text() == (one / "summary.csv").read_text()
     for s in ("nope", "t5", "alibi"):  # every bar was relayed from its worker
         assert f"{s} seed 0" in res.output
