@@ -468,3 +468,22 @@ def test_a_scoring_stopped_between_variants_keeps_its_rows_reportable_and_the_re
     assert invoke("pretrained", *args).exit_code == 0
     assert asked == [None, "yarn", "linear", "linear"]  # what was scored is kept
     assert {r["scheme"] for r in csv.DictReader((run / "eval.csv").open())} == {"llama", "llama+yarn", "llama+linear"}
+
+
+def test_evaluate_and_extend_on_a_pretrained_models_scores_say_what_to_run_instead(models, tmp_path):
+    from conftest import invoke
+
+    out = tmp_path / "r"
+    args = ["--data", str(_corpus(tmp_path)), "--set", f"out_dir={out}", "--set", "eval.tokens=512"]
+    assert invoke("pretrained", str(models / "llama"), "--lengths", str(CONTEXT), *args).exit_code == 0
+    run = out / "pretrained" / "llama"
+    before = (run / "eval.csv").read_text()
+    for command, said in (
+        (["evaluate", str(run)], f"score it again with posbench pretrained {models / 'llama'}"),
+        (["extend", str(run), "--to", "64"], "extend fine-tunes posbench's runs"),
+        (["extend", str(out / "pretrained"), "--to", "64"], "extend fine-tunes posbench's runs"),
+    ):
+        res = invoke(*command)
+        text = " ".join(res.output.split())
+        assert res.exit_code == 2 and f"{run}: the scores of the pretrained model" in text and said in text, text
+    assert (run / "eval.csv").read_text() == before and not (out / "pretrained-extend64").exists()

@@ -53,6 +53,18 @@ def save_checkpoint(path: Path, model: TransformerLM, cfg: ExperimentConfig) -> 
         torch.save({"config": cfg.to_dict(), "model": state, "sha256": weights_digest(state)}, f)
 
 
+def pretrained_refused(rdir: Path, advice: str) -> None:
+    """Refuse a pretrained model's scores (posbench pretrained's run folder: config.yaml names
+    the model, no model.pt) in one line with `advice`, where {path} is the model's path."""
+    try:
+        pretrained = read_record(rdir / CONFIG).get("model", {}).get("pretrained")
+    except PosbenchError:
+        return
+    if isinstance(pretrained, dict) and pretrained.get("path"):
+        path = pretrained["path"]
+        raise PosbenchError(f"{rdir}: the scores of the pretrained model {path}; {advice.format(path=path)}")
+
+
 def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
     """A checkpoint carries its own config: nothing else is needed to rebuild the model."""
     ckpt_path = Path(run_dir) / WEIGHTS
@@ -64,6 +76,7 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
             raise PosbenchError(f"{run_dir}: an experiment folder, not a run; give one of its runs, e.g. {runs[0]}")
         if (Path(run_dir) / DIVERGED).is_file():
             raise PosbenchError(f"{run_dir}: its training diverged, so it holds no weights; delete it to retrain")
+        pretrained_refused(Path(run_dir), "score it again with posbench pretrained {path}")
         raise PosbenchError(f"{run_dir}: holds no checkpoint (model.pt); train it first")
     try:
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)

@@ -40,6 +40,10 @@ def parents_in(folder: Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         raise PosbenchError(f"{folder}: no such run or experiment folder")
+    from posbench.experiment.checkpoint import pretrained_refused
+
+    advice = "extend fine-tunes posbench's runs; posbench pretrained {path} --rope-scaling yarn scales it"
+    pretrained_refused(folder, advice)
     run = run_state(folder)
     if run.state == "done":
         return [folder]
@@ -54,6 +58,7 @@ def parents_in(folder: Path) -> list[Path]:
             raise PosbenchError(f"{folder / name}: an unfinished run (not trained yet); finish {folder} first")
     found = []
     for p in runs:
+        pretrained_refused(p, advice)
         state = run_state(p).state
         if state == "done":
             found.append(p)
