@@ -92,37 +92,28 @@ def row_key(r: dict) -> tuple:
 
 def read_positions(run_dir: Path) -> list[dict]:
     """positions.csv's rows: the mean loss at each window position (empty if none yet)."""
-    path = Path(run_dir) / "positions.csv"
-    if not path.is_file():
-        return []
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-        if reader.fieldnames != POSITION_COLUMNS:
-            raise ValueError
-        for r in rows:
-            int(r["length"]), int(r["position"]), int(r["tokens"]), float(r["loss"])
-    except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
-        raise PosbenchError(f"{path}: malformed loss-per-position rows; delete it and run evaluate again") from None
-    return rows
+    return _read_losses(Path(run_dir) / "positions.csv", POSITION_COLUMNS, "position")
 
 
 def read_windows(run_dir: Path) -> list[dict]:
     """windows.csv's rows: each window's summed loss and its scored tokens (empty if none)."""
-    path = Path(run_dir) / "windows.csv"
+    return _read_losses(Path(run_dir) / "windows.csv", WINDOW_COLUMNS, "window")
+
+
+def _read_losses(path: Path, columns: list[str], per: str) -> list[dict]:
+    """A loss-per-`per` file's rows, checked (positions.csv, windows.csv); empty if it is absent."""
     if not path.is_file():
         return []
     try:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             rows = list(reader)
-        if reader.fieldnames != WINDOW_COLUMNS:
+        if reader.fieldnames != columns:
             raise ValueError
         for r in rows:
-            int(r["length"]), int(r["window"]), int(r["tokens"]), float(r["loss"])
+            int(r["length"]), int(r[per]), int(r["tokens"]), float(r["loss"])
     except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
-        raise PosbenchError(f"{path}: malformed loss-per-window rows; delete it and run evaluate again") from None
+        raise PosbenchError(f"{path}: malformed loss-per-{per} rows; delete it and run evaluate again") from None
     return rows
 
 
