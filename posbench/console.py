@@ -107,7 +107,8 @@ def status_table(experiment_dir: Path, rows: list[dict]) -> Table:
     """`posbench status`, a line a run in 80 columns: a run's folder name says its scheme and seed
     (and a sweep's grid point, train_len included), so beside it are only its state and detail."""
     lengths = {str(r["train_len"]) for r in rows if r["state"] != "pending"}  # a pending run's is not known
-    shared = f", train_len {lengths.pop()}" if len(lengths) == 1 else ""
+    said = "context" if rows and all(r.get("pretrained") for r in rows) else "train_len"  # a model not trained here
+    shared = f", {said} {lengths.pop()}" if len(lengths) == 1 else ""
     t = Table(title=escape(f"{experiment_dir}: {len(rows)} run(s){shared}"))
     longest = max((len(r["run"]) for r in rows), default=0)
     t.add_column("run", no_wrap=longest <= 40, overflow="fold")  # longer: it folds, the detail keeps room

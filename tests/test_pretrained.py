@@ -487,3 +487,10 @@ def test_evaluate_and_extend_on_a_pretrained_models_scores_say_what_to_run_inste
         text = " ".join(res.output.split())
         assert res.exit_code == 2 and f"{run}: the scores of the pretrained model" in text and said in text, text
     assert (run / "eval.csv").read_text() == before and not (out / "pretrained-extend64").exists()
+    res = invoke("status", str(out / "pretrained"))  # a model posbench did not train: scored, not "lacks model.pt"
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0 and f"1 run(s), context {CONTEXT}" in text and "done" in text, text
+    assert "a pretrained model, scored" in text and "model.pt" not in text, text
+    (run / "eval.csv").unlink()
+    text = " ".join(invoke("status", str(out / "pretrained")).output.split())
+    assert "partial" in text and "lacks eval.csv; rerun posbench pretrained" in text, text

@@ -60,9 +60,11 @@ def _status_of(run: RunState) -> dict:
     try:
         cfg = read_config(folder)
         ident = {"scheme": cfg.schemes[0], "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
-        steps = cfg.train.steps
+        steps, pretrained = cfg.train.steps, cfg.model.pretrained is not None
     except PosbenchError:
-        ident, steps = {"scheme": "?", "seed": "?", "train_len": "?"}, None
+        ident, steps, pretrained = {"scheme": "?", "seed": "?", "train_len": "?"}, None, False
+    if pretrained:  # a model posbench did not train: its folder holds only scores
+        return {**ident, "run": rdir.name, "pretrained": True, **_scored_status(run, rdir)}
     row = {"run": rdir.name, **ident}
     if run.state == "diverged":
         return {**row, "state": "diverged", "detail": diverged_step(rdir)}
@@ -83,6 +85,15 @@ def _status_of(run: RunState) -> dict:
     if (folder / FAILED).is_file():
         return {**row, "state": "failed", "detail": f"{(folder / FAILED).read_text(errors='replace').strip()} ({at})"}
     return {**row, "state": "partial", "detail": f"{at}; rerun to resume" if step is not None else at}
+
+
+def _scored_status(run: RunState, rdir: Path) -> dict:
+    """status's words for a pretrained model's folder (`posbench pretrained`): scored or not."""
+    if run.holder is not None:
+        return {"state": "running", "detail": f"scoring (pid {run.holder or '?'})"}
+    if not (rdir / EVAL).is_file():
+        return {"state": "partial", "detail": f"lacks {EVAL}; rerun posbench pretrained to score it"}
+    return {"state": "done", "detail": "a pretrained model, scored"}
 
 
 def checkpoint_step(folder: Path) -> Optional[int]:
