@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -501,8 +502,14 @@ def _coerce(value: Any, tp, where: str) -> Any:
     raise TypeError(f"unsupported config type {_type_name(tp)}")  # a bug in posbench, not input
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    """A config class's field types, read once: a sweep of thousands of points builds each class per point."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls, raw: dict, where: str = ""):
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     shown = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("derived")]  # posbench sets the rest
     kwargs = {}

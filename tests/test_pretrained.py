@@ -334,7 +334,7 @@ def test_smollm2_from_its_wheel_scores_sanely_on_the_corpus_and_linear_at_1_is_n
     assert (model.context, model.config.model_type, model.eval_variants[:3]) == (8192, "llama", VARIANTS[:3])
     text = shakespeare()
     val = text[int(len(text) * 0.95) :][:40_000].decode("utf-8")  # the start of the validation split
-    tokens = torch.tensor(model.tokenizer(val, add_special_tokens=False)["input_ids"][: 8 * 256 + 1])
+    tokens = torch.tensor(model.tokenizer(val, add_special_tokens=False)["input_ids"][: 4 * 256 + 1])
     (plain,), _ = evaluate_model(model, tokens, [256], 4, torch.device("cpu"))
     (linear,), _ = evaluate_model(model, tokens, [256], 4, torch.device("cpu"), "linear", 1.0)
     assert 5 < plain["ppl"] < 80, plain  # a 135M model on Shakespeare, per token of a 49k vocabulary
