@@ -385,3 +385,12 @@ def test_a_reports_header_tells_the_seeds_of_each_row(tmp_path):
         shutil.rmtree(copy / f"alibi-seed{n}")
     assert invoke("report", copy).exit_code == 0
     assert "seeds [0] (alibi); [0, 1, 2] (the other 3 rows)" in (copy / "summary.md").read_text()
+
+
+def test_latex_sets_every_special_character_literally_and_escapes_none_twice():
+    from posbench.compare.render import tex
+
+    assert tex("T_extra = 2 pi base^(d/2) ~ {50%} & #1 $x \\ ± —") == (
+        "T\\_extra = 2 pi base\\textasciicircum{}(d/2) \\textasciitilde{} \\{50\\%\\} \\& \\#1 \\$x "
+        "\\textbackslash{} $\\pm$ --"
+    )

@@ -157,6 +157,7 @@ class Panel:
     title: str
     lines: list[Line] = field(default_factory=list)
     mark: Optional[int] = None  # an x to mark with a dashed line: the training length
+    beside: Optional[Line] = None  # a series of another unit, grey on a right-hand axis of its own
 
 
 def band_plot(
@@ -189,6 +190,12 @@ def band_plot(
             finite += [m for m in line.means if m == m and not math.isinf(m)]
         if panel.mark is not None:
             ax.axvline(panel.mark, color="black", linestyle="--", linewidth=1)
+        if panel.beside is not None:
+            right = ax.twinx()
+            right.plot(panel.beside.xs, panel.beside.means, color="grey", linestyle=":", linewidth=1.5)
+            right.set_ylabel(panel.beside.name, color="grey", fontsize=8)
+            right.set_ylim(bottom=0)
+            right.tick_params(axis="y", colors="grey", labelsize=8)
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel(xlabel)
         if log or (log is None and finite and max(finite) / max(min(finite), 1e-9) > 3):

@@ -3,20 +3,29 @@ or LaTeX; the terminal draws the same rows (posbench/console.py)."""
 
 from __future__ import annotations
 
+import re
+
+
+LATEX = {
+    "\\": "\\textbackslash{}",
+    "_": "\\_",
+    "%": "\\%",
+    "&": "\\&",
+    "#": "\\#",
+    "$": "\\$",
+    "{": "\\{",
+    "}": "\\}",
+    "^": "\\textasciicircum{}",
+    "~": "\\textasciitilde{}",
+    "±": "$\\pm$",
+    "—": "--",
+}
+
 
 def tex(text: str) -> str:
-    """Text set literally in LaTeX."""
-    for a, b in (
-        ("\\", "\\textbackslash{}"),
-        ("_", "\\_"),
-        ("%", "\\%"),
-        ("&", "\\&"),
-        ("#", "\\#"),
-        ("±", "$\\pm$"),
-        ("—", "--"),
-    ):
-        text = text.replace(a, b)
-    return text
+    """Text set literally in LaTeX: each special character replaced in one pass, so that no
+    replacement is replaced again."""
+    return re.sub("|".join(map(re.escape, LATEX)), lambda m: LATEX[m.group()], text)
 
 
 def markdown_table(rows: list[list[str]], best: set) -> list[str]:

@@ -73,10 +73,23 @@ def _modified(name: str, registry):
     return modified(name, name[len(prefix) :], registry.lookup(modifier), what, registry)
 
 
+def run_label(model_cfg) -> str:
+    """The scheme column of a run's rows: rope, rope:yarn for a run that `posbench extend`
+    fine-tuned from a rope run with method yarn, or a pretrained model's name."""
+    if getattr(model_cfg, "pretrained", None):
+        return model_cfg.pretrained["name"]
+    ext = model_cfg.extend
+    return f"{model_cfg.scheme}:{ext['method']}" if ext else model_cfg.scheme
+
+
+# the schemes that rotate q and k by theta_k = base^(-2k/d), and the option holding base: the RoPE
+# scaling law (posbench/rope_law.py) predicts where their runs break, with no scheme imported
+ROTARY_BASE = {"rope": "base"}
+
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]  # the default experiment
 
 _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first use
-    "posbench.schemes.base": ["PositionalScheme", "EvalVariant", "NoPE", "variant_label", "run_label", "require_even"],
+    "posbench.schemes.base": ["PositionalScheme", "EvalVariant", "NoPE", "variant_label", "require_even"],
     "posbench.schemes.absolute": ["Sinusoidal", "Learned", "sinusoid"],
     "posbench.schemes.t5": ["T5Bias", "Hybrid", "t5_relative_bucket"],
     "posbench.schemes.xl": ["TransformerXL", "rel_shift"],

@@ -139,15 +139,6 @@ def variant_label(scheme: str, variant: Optional[str], factor: Optional[float] =
     return f"{scheme}+{variant}" + (f"@{factor:g}" if factor is not None else "")
 
 
-def run_label(model_cfg) -> str:
-    """The scheme column of a run's rows: rope, rope:yarn for a run that `posbench extend`
-    fine-tuned from a rope run with method yarn, or a pretrained model's name."""
-    if getattr(model_cfg, "pretrained", None):
-        return model_cfg.pretrained["name"]
-    ext = model_cfg.extend
-    return f"{model_cfg.scheme}:{ext['method']}" if ext else model_cfg.scheme
-
-
 class NoPE(PositionalScheme):
     pass
 

@@ -19,6 +19,7 @@ from posbench.data import SHAKESPEARE_NAME
 from posbench.errors import PosbenchError
 from posbench.extend import report as extend
 from posbench.measures.base import Section
+from posbench.measures.perplexity import breaks
 from posbench.measures.perplexity.records import (
     EVAL_COLUMNS,
     METRICS,
@@ -333,6 +334,10 @@ def report(collected, metric: str, transpose: bool) -> dict:
                 title=f"{what}, {trained} {train_len} ({label}; attention: {backends_note(df, short=True)})",
             )
         )
+    positions = position_losses(collected.runs, df.attrs["points"])
+    rope = breaks.breaks(collected.runs, positions, df.attrs["points"])
+    if not rope.empty:
+        sections.append(breaks.section(rope))
     curve = extend.curve_table(collected.runs)
     if curve is not None:
         sections.append(extend.curve_section(*curve[:2]))
@@ -351,8 +356,10 @@ def report(collected, metric: str, transpose: bool) -> dict:
         train_lens = (
             df.groupby("point")["train_len"].first().to_dict() if "point" in df else {"": int(df["train_len"].iloc[0])}
         )
-        plot_positions(position_losses(collected.runs, df.attrs["points"]), train_lens, folder / "positions.png", unit)
+        plot_positions(positions, train_lens, folder / "positions.png", unit)
         drawn = ["summary.png", "positions.png"]
+        if breaks.plot(rope, folder / "rope_law.png"):
+            drawn.append("rope_law.png")
         if not pretrained:
             plot_training({run.folder: run for run in collected.runs}, folder / "training.png", unit)
             drawn.append("training.png")
@@ -427,7 +434,8 @@ def position_losses(runs: list, points: dict) -> pd.DataFrame:
 def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = "byte") -> bool:
     """Mean loss at each position of the longest windows (compare.band_plot): a line per scheme
     with its 95% band over seeds, a panel per protocol (and grid point), a dashed line at the
-    training length (`train_lens`: grid point -> its length): where a scheme breaks."""
+    training length (`train_lens`: grid point -> its length): where a scheme breaks; beside it,
+    grey, how often training windows held the distance back to the window's start."""
     from posbench.stats import t_quantile
 
     if pos.empty:
@@ -445,7 +453,11 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = 
         # `stride` (its first window alone scores the rest, too few tokens to draw)
         part = part[part["tokens"] >= part["tokens"].max() / 2]
         where = f"{point}; " if point else ""
-        panel = Panel(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", mark=train_lens[point])
+        L = train_lens[point]
+        # STRING (An et al. 2024): a window of L trains distance d in L - d of its query-key pairs,
+        # so the far distances a position past L needs were rarely or never seen
+        trained = Line("training pairs at distance = position, per window", [0, L, int(longest) - 1], [L, 0, 0], [], 1)
+        panel = Panel(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", mark=L, beside=trained)
         for s in scheme_order(set(part["scheme"])):
             at = part[part["scheme"] == s].groupby("position")["loss"].agg(["mean", "std", "count"])
             n = int(at["count"].min())

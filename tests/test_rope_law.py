@@ -1,0 +1,64 @@
+"""Where RoPE should break (the scaling law) and where it does (the loss per position)."""
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import invoke
+
+from posbench.rope_law import MARGIN, break_position, critical_dim, extrapolation_bound
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "results" / "reference"
+
+
+def test_the_law_gives_the_papers_worked_numbers():
+    # Liu et al. 2024: LLaMA2 (d 128, base 10,000, trained at 4,096) has critical dimension 92
+    assert critical_dim(128, 10_000, 4096) == 92
+    assert extrapolation_bound(128, 10_000, 4096) == pytest.approx(2 * math.pi * 10_000 ** (92 / 128))
+    # REFERENCES.md: d_head 32, base 10,000, L = 100 gives about 112
+    assert critical_dim(32, 10_000, 100) == 10
+    assert extrapolation_bound(32, 10_000, 100) == pytest.approx(111.73, abs=0.01)
+    # the bound is the period of the first dim a window of L does not see whole: it is >= L,
+    # and the dim before it (d_extra - 2) turns whole within L
+    for d, base, L in ((32, 10_000, 100), (64, 100_000, 8192), (128, 500_000, 8192), (32, 100, 100)):
+        k = critical_dim(d, base, L)
+        assert extrapolation_bound(d, base, L) >= L > 2 * math.pi * base ** ((k - 2) / d)
+    # a base so small that every dim turns whole within L: nothing unseen, no bound
+    assert critical_dim(32, 10, 100) == 32 and extrapolation_bound(32, 10, 100) == math.inf
+
+
+def test_the_break_is_the_first_bin_past_l_above_the_level_by_the_margin():
+    L = 100
+    flat = pd.Series(2.0, index=range(400))
+    assert break_position(flat, L) is None
+    step = flat.copy()
+    step[step.index >= 230] = 2.0 * (1 + 2 * MARGIN)  # rises at 230: the bin [230, 240) is first
+    assert break_position(step, L) == 230
+    below = flat.copy()
+    below[below.index >= 150] = 2.0 * (1 + MARGIN / 2)  # under the margin: no break
+    assert break_position(below, L) is None
+    early = step.copy()
+    early[early.index < 50] = 9.0  # the first positions' loss (little context) is not the level
+    assert break_position(early, L) == 230
+
+
+def test_the_reference_report_sets_the_law_beside_each_seeds_measured_break(tmp_path):
+    res = invoke("report", str(REFERENCE), "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    md = (tmp_path / "summary.md").read_text()
+    head = "| scheme | d | base | trained at | d_extra | predicted break | measured break | seeds |"
+    assert head in md
+    row = next(line for line in md.splitlines() if line.startswith("| rope | 32 |"))
+    breaks = []
+    for seed in range(3):  # derived here from each seed's positions.csv, as the law's own words say
+        pos = pd.read_csv(REFERENCE / f"rope-seed{seed}" / "positions.csv")
+        pos = pos[(pos["protocol"] == "nonoverlapping") & (pos["length"] == pos["length"].max())]
+        breaks.append(break_position(pos.set_index("position")["loss"], 100))
+    assert None not in breaks
+    from posbench.stats import mean_ci
+
+    mean, ci = mean_ci(breaks)
+    assert row == f"| rope | 32 | 10000 | 100 | 10 | 112 | {mean:.0f} ± {ci:.0f} | 3 |", row
+    assert "| alibi |" not in md.split(head)[1]  # only rotary runs have a law
