@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 
-
 LATEX = {
     "\\": "\\textbackslash{}",
     "_": "\\_",
