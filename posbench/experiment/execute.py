@@ -316,25 +316,29 @@ def evaluate_run(
 
 
 def measure_run(
-    run_dir: Path, spec: str, device: Optional[str] = None, tracker: Optional[str] = None
-) -> tuple[ExperimentConfig, Scorer, list[dict]]:
-    """`posbench evaluate RUN --measure SPEC`: score a finished run by a user's measure on what
-    it read (measures/plugin.py), on `device` (None: the run's own), and send the rows to
+    run_dir: Path, specs: list[str], options: dict, device: Optional[str] = None, tracker: Optional[str] = None
+) -> tuple[ExperimentConfig, list[tuple[Scorer, list[dict]]]]:
+    """`posbench evaluate RUN --measure SPEC,...`: score a finished run by measures beside its own
+    (posbench's by name, or a user's module:Class; measures/plugin.py) with `options`
+    (--measure-option), on what it read, on `device` (None: the run's own), and send the rows to
     `tracker` (None: the run's train.tracker, where its library is installed here). Returns the
-    run's config, the measure and its rows."""
-    from posbench.measures.plugin import load_measure, score_into
+    run's config and each measure with its rows."""
+    from posbench.experiment.checkpoint import pretrained_refused
+    from posbench.measures.plugin import load_measures, score_into
 
     check_tracker(tracker, "--tracker")
-    measure = load_measure(spec)
+    measures = load_measures(specs, options)
+    if not (Path(run_dir) / WEIGHTS).is_file():
+        pretrained_refused(Path(run_dir), f"score it with posbench pretrained {{path}} --measure {','.join(specs)}")
     _, rc, model = _to_score(run_dir, device)
     dev = pick_device(rc.train.device)
     with named_by(run_dir):
         task = task_for(rc)
-    run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))
+    run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))  # one run: the measures share its passes
     check_read(run_dir, task.fingerprint(run.source))
-    rows = score_into(measure, spec, run, Path(run_dir))
+    scored = [(measure, score_into(measure, spec, run, Path(run_dir))) for spec, measure in measures]
     _send(tracker or usable(rc.train.tracker), run_dir)
-    return rc, measure, rows
+    return rc, scored
 
 
 def _to_score(run_dir: Path, device: Optional[str]) -> tuple[ExperimentConfig, ExperimentConfig, TransformerLM]:
