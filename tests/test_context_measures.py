@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import invoke
+from conftest import SMOKE, invoke
 
 from posbench.config import ExperimentConfig
 from posbench.data import Corpus
@@ -250,3 +250,24 @@ def test_pretrained_scores_the_measures_into_its_run_folder_and_its_report(llama
     # a pretrained run's folder is scored by measures through pretrained, not evaluate
     res = invoke("evaluate", run, "--measure", "context_gain")
     assert res.exit_code == 2 and "--measure context_gain" in " ".join(res.output.split()), res.output
+
+
+def test_a_configs_eval_measures_are_scored_after_training_and_not_again_on_a_rerun(tmp_path):
+    from conftest import smoke_experiment
+
+    more = ["--schemes", "alibi", "--set", "eval.measures=[context_gain]", "--set", "eval.measure_options.k=16"]
+    exp, _, _ = smoke_experiment(tmp_path, *more)
+    records = exp / "alibi-seed0" / "measures" / "context_gain.csv"
+    with open(records) as f:
+        assert {int(r["length"]): r["status"] for r in csv.DictReader(f)} == {32: "ok", 48: "ok", 64: "ok"}
+    assert "## context_gain: context gain, nats per token (K = 16) by length" in (exp / "summary.md").read_text()
+    before = records.stat().st_mtime_ns
+    smoke_experiment(tmp_path, *more)  # the same command: nothing lacks
+    assert records.stat().st_mtime_ns == before
+    smoke_experiment(tmp_path, *more[:-1], "eval.measure_options.k=8")  # another K: scored anew
+    with open(records) as f:
+        assert "gain_k8" in next(csv.reader(f))
+    # a bad name is one line before anything trains
+    bad = ["--set", f"out_dir={tmp_path / 'x'}", "--set", "eval.measures=[gian]"]
+    res = invoke("extrapolate", "--config", SMOKE, *bad)
+    assert res.exit_code == 2 and "unknown measure 'gian'" in res.output and not (tmp_path / "x").exists(), res.output

@@ -8,6 +8,7 @@ scores it.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import shutil
@@ -205,9 +206,31 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
                 return "diverged"
         device = pick_device(rc.train.device)
         job.measure.score(rc, rdir, model, data, device, model.backend(device), reporter)
+        score_measures(rc, rdir, model, data, device)
         write_atomic(rdir / CONFIG, dump_yaml(record))  # how it was trained, and scored now
         record_read(rdir, getattr(data, "name", rc.task), job.task.fingerprint(data))
         return "reused" if state == "done" else "trained"
+
+
+def score_measures(rc: ExperimentConfig, rdir: Path, model, data, device) -> None:
+    """Score the run by the measures eval.measures names beside its own (measures/plugin.py),
+    each where its records lack the lengths asked or hold other options than eval.measure_options."""
+    if not rc.eval.measures:
+        return
+    from posbench.measures.plugin import FOLDER, load_measures, score_into
+
+    run = ScoringRun(rc, model.to(device).eval(), device, data)  # one run: the measures share its passes
+    for spec, measure in load_measures(rc.eval.measures, rc.eval.measure_options, "eval.measure_options"):
+        folder = rdir / FOLDER
+        try:
+            was = json.loads((folder / f"{measure.name}.json").read_text())["options"]
+            with open(folder / f"{measure.name}.csv", newline="") as f:
+                lengths = {int(r["length"]) for r in csv.DictReader(f)}
+        except (OSError, ValueError, KeyError, TypeError):
+            was, lengths = None, set()
+        asked = {k: v for k, v in measure.options.items() if v is not None}  # None: decided as it scores
+        if was is None or lengths != set(rc.eval.lengths) or any(was.get(k) != v for k, v in asked.items()):
+            score_into(measure, spec, run, rdir)
 
 
 def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:

@@ -49,11 +49,11 @@ def _pass(run: ScoringRun, L: int, K: int) -> torch.Tensor:
 
 
 def _ks(given) -> list[int]:
-    """The K a user names (--measure-option k=[64,128]), checked."""
+    """The K a user names (--measure-option k=64,128), checked."""
     ks = list(given or [])
     for K in ks:
         if isinstance(K, bool) or not isinstance(K, int) or K < 2:
-            raise PosbenchError(f"--measure-option k: {K!r} is not a length of at least 2 tokens")
+            raise PosbenchError(f"k: {K!r} is not a length of at least 2 tokens")
     return ks
 
 
@@ -131,7 +131,7 @@ class KeyTokens(Scorer):
         for key in ("alpha", "beta"):
             value = self.options[key]
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise PosbenchError(f"--measure-option {key}: {value!r} is not a positive number of nats")
+                raise PosbenchError(f"{key}: {value!r} is not a positive number of nats")
         self.metrics = {}
         for suffix, K in [("", None), *((f"_k{K}", K) for K in self.ks)]:
             at = "K = the training length" if K is None else f"K = {K}"

@@ -22,7 +22,7 @@ import pandas as pd
 from posbench.errors import PosbenchError, did_you_mean
 from posbench.files import write_atomic, write_rows
 from posbench.measures.base import Metric, Scorer, ScoringRun, Section
-from posbench.registry import Registry, check_options
+from posbench.registry import Registry
 
 FOLDER = "measures"  # in a run folder: <name>.csv and <name>.json per user measure
 KEYS = ["scheme", "seed", "train_len", "length", "status", "attention"]  # every row's, before its metrics
@@ -40,13 +40,22 @@ MEASURES = Registry(
 )
 
 
-def load_measure(spec: str, options: Optional[dict] = None) -> Scorer:
+def load_measure(spec: str, options: Optional[dict] = None, where: str = "--measure-option") -> Scorer:
     """The measure `spec` names (one of MEASURES, or a user's module:Class), checked, built
-    with `options` (key -> value) over its defaults."""
+    with `options` (key -> value) over its defaults; an error names `where` they came from."""
     cls = MEASURES.lookup(spec)
     options = options or {}
-    check_options(cls.options, options, f"--measure-option {spec}")
-    measure = cls(**options) if options else cls()
+    for key, value in options.items():
+        default = cls.options.get(key, ...)
+        if default is ...:
+            raise PosbenchError(f"{_at(where, key)}: not an option of measure {spec}; valid: {', '.join(cls.options)}")
+        want = float if isinstance(default, float) else type(default)
+        if default is not None and not isinstance(value, (int, float) if want is float else want):
+            raise PosbenchError(f"{_at(where, key)}: expected {want.__name__}, got {value!r}")
+    try:
+        measure = cls(**options) if options else cls()
+    except PosbenchError as e:  # an option the class refuses: "k: 1 is not a length ..."
+        raise PosbenchError(_at(where, str(e))) from None
     if not measure.name or not measure.name.replace("_", "").isalnum():
         raise PosbenchError(f"measure '{spec}': its name {measure.name!r} must be a word (letters, digits, _)")
     if not measure.metrics or not all(isinstance(m, Metric) for m in measure.metrics.values()):
@@ -54,16 +63,21 @@ def load_measure(spec: str, options: Optional[dict] = None) -> Scorer:
     return measure
 
 
-def load_measures(specs: list[str], options: dict) -> list[tuple[str, Scorer]]:
-    """Each measure of `specs` with the `options` it has (--measure-option key=value goes to every
-    measure named that has the key); a key that none has is one line naming theirs."""
+def _at(where: str, key: str) -> str:
+    """'--measure-option k' where a flag gave it, 'eval.measure_options.k' where a config did."""
+    return f"{where} {key}" if where.startswith("--") else f"{where}.{key}"
+
+
+def load_measures(specs: list[str], options: dict, where: str = "--measure-option") -> list[tuple[str, Scorer]]:
+    """Each measure of `specs` with the `options` it has (key=value goes to every measure named
+    that has the key); a key that none has is one line naming theirs. `where`: what gave them."""
     classes = {spec: MEASURES.lookup(spec) for spec in specs}
     known = {key for cls in classes.values() for key in cls.options}
     unknown = [key for key in options if key not in known]
     if unknown:
         valid = ", ".join(sorted(known)) or "none"
         raise PosbenchError(
-            f"--measure-option {unknown[0]}: no option of {', '.join(specs)}{did_you_mean(unknown[0], known)}; "
+            f"{_at(where, unknown[0])}: no option of {', '.join(specs)}{did_you_mean(unknown[0], known)}; "
             f"valid: {valid}"
         )
     out = []
@@ -71,7 +85,7 @@ def load_measures(specs: list[str], options: dict) -> list[tuple[str, Scorer]]:
         mine = {k: v for k, v in options.items() if k in cls.options}
         # a list option given one value (k=64) is a list of one
         mine = {k: [v] if isinstance(cls.options[k], list) and not isinstance(v, list) else v for k, v in mine.items()}
-        out.append((spec, load_measure(spec, mine)))
+        out.append((spec, load_measure(spec, mine, where)))
     return out
 
 
