@@ -271,3 +271,13 @@ def test_a_configs_eval_measures_are_scored_after_training_and_not_again_on_a_re
     bad = ["--set", f"out_dir={tmp_path / 'x'}", "--set", "eval.measures=[gian]"]
     res = invoke("extrapolate", "--config", SMOKE, *bad)
     assert res.exit_code == 2 and "unknown measure 'gian'" in res.output and not (tmp_path / "x").exists(), res.output
+
+
+def test_the_help_of_evaluate_and_pretrained_names_every_measure_posbench_has():
+    from conftest import folded
+
+    from posbench.measures.plugin import MEASURES
+
+    for command in ("evaluate", "pretrained"):
+        text = folded(invoke(command, "--help").output)
+        assert all(name in text for name in MEASURES), (command, list(MEASURES))
