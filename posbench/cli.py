@@ -142,11 +142,11 @@ def _print_measures(who: str, scored: list, rdir: Path) -> None:
     """Each measure's new rows as a table, its options as scored, and where they were written."""
     from posbench.console import plain_table
 
-    for scorer, rows in scored:
-        table = [["length", *(m.label for m in scorer.metrics.values()), "status"]]
-        for r in rows:
-            cells = [f"{m.scale * r[n]:.{m.digits}f}" if r[n] == r[n] else "—" for n, m in scorer.metrics.items()]
-            table.append([str(r["length"]), *cells, r["status"]])
+    for scorer, rows in scored:  # a row per metric, a column per length: labels are long, lengths few
+        table = [["length", *(str(r["length"]) for r in rows)]]
+        for n, m in scorer.metrics.items():
+            table.append([m.label, *(f"{m.scale * r[n]:.{m.digits}f}" if r[n] == r[n] else "—" for r in rows)])
+        table.append(["status", *(r["status"] for r in rows)])
         out.print(plain_table(f"{scorer.name}: {who}", table))
         if scorer.options:
             said = ", ".join(f"{k}={v}" for k, v in scorer.options.items())

@@ -178,7 +178,7 @@ def test_evaluate_scores_both_measures_into_the_run_and_the_report_shows_them(sm
     res = invoke("report", copy)
     assert res.exit_code == 0, res.output
     md = (copy / "summary.md").read_text()
-    assert "## context_gain: context gain, nats per token (K = the training length) by length" in md
+    assert "## context_gain: context gain in nats (K = train_len) by length" in md
     assert "## key_tokens: % key tokens (K = 24) by length" in md
 
 
@@ -245,7 +245,7 @@ def test_pretrained_scores_the_measures_into_its_run_folder_and_its_report(llama
     assert meta["options"]["bytes_per_token"] > 1  # a BPE: thresholds above a byte's 0.5 nats
     assert meta["options"]["alpha"] == pytest.approx(2.0 * meta["options"]["bytes_per_token"] / 4, abs=1e-3)
     md = (out / "pretrained" / "summary.md").read_text()
-    assert "## context_gain: context gain, nats per token (K = the training length) by length" in md
+    assert "## context_gain: context gain in nats (K = train_len) by length" in md
 
     # a pretrained run's folder is scored by measures through pretrained, not evaluate
     res = invoke("evaluate", run, "--measure", "context_gain")
@@ -260,7 +260,7 @@ def test_a_configs_eval_measures_are_scored_after_training_and_not_again_on_a_re
     records = exp / "alibi-seed0" / "measures" / "context_gain.csv"
     with open(records) as f:
         assert {int(r["length"]): r["status"] for r in csv.DictReader(f)} == {32: "ok", 48: "ok", 64: "ok"}
-    assert "## context_gain: context gain, nats per token (K = 16) by length" in (exp / "summary.md").read_text()
+    assert "## context_gain: context gain in nats (K = 16) by length" in (exp / "summary.md").read_text()
     before = records.stat().st_mtime_ns
     smoke_experiment(tmp_path, *more)  # the same command: nothing lacks
     assert records.stat().st_mtime_ns == before

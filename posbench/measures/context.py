@@ -96,10 +96,10 @@ class ContextGain(Scorer):
 
     @staticmethod
     def _metric(suffix: str, K) -> Metric:
-        at = "K = the training length" if K is None else f"K = {K}"
+        at = "K = train_len" if K is None else f"K = {K}"
         return Metric(
             f"gain{suffix}",
-            f"context gain, nats per token ({at})",
+            f"context gain in nats ({at})",
             higher_is_better=True,
             digits=3,
             title=f"Context gain ({at})",
@@ -134,7 +134,7 @@ class KeyTokens(Scorer):
                 raise PosbenchError(f"{key}: {value!r} is not a positive number of nats")
         self.metrics = {}
         for suffix, K in [("", None), *((f"_k{K}", K) for K in self.ks)]:
-            at = "K = the training length" if K is None else f"K = {K}"
+            at = "K = train_len" if K is None else f"K = {K}"
             self.metrics[f"key_fraction{suffix}"] = Metric(
                 f"key_fraction{suffix}",
                 f"% key tokens ({at})",
@@ -146,7 +146,7 @@ class KeyTokens(Scorer):
             )
             self.metrics[f"key_ppl{suffix}"] = Metric(
                 f"key_ppl{suffix}",
-                f"perplexity on key tokens ({at})",
+                f"ppl on key tokens ({at})",
                 higher_is_better=False,
                 digits=3,
                 title=f"Perplexity on key tokens ({at})",
