@@ -121,6 +121,13 @@ def test_positions_past_the_training_length_that_break_make_the_gain_negative():
     assert rows == {32: pytest.approx(-1.0), 48: pytest.approx(-1.0)}
 
 
+def test_a_length_the_model_cannot_encode_is_a_status_as_for_perplexity():
+    model = Unigram()
+    model.max_len = 32  # learned positions end there
+    rows = {r["length"]: r for r in ContextGain().score(_run(model, _text(), lengths=(32, 48)))}
+    assert rows[48] == {"length": 48, "status": "beyond-max-len"} and "status" not in rows[32]
+
+
 def test_the_two_measures_share_their_passes_on_one_run():
     calls = []
     model = Unigram()
