@@ -114,6 +114,46 @@ def _csv_names(text: Optional[str]) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
+def _measure_names(text: str) -> list[str]:
+    names = _csv_names(text)
+    if not names:
+        raise PosbenchError(f"--measure {text!r}: name a measure, e.g. context_gain")
+    return names
+
+
+def _measure_options(assignments: Optional[list[str]]) -> dict:
+    """--measure-option key=value, each value read as YAML (k=64,128 is a list)."""
+    import yaml
+
+    options = {}
+    for a in assignments or []:
+        key, eq, text = a.partition("=")
+        if not eq or not key.strip():
+            raise PosbenchError(f"--measure-option {a!r}: expected key=value, e.g. k=64,128")
+        text = f"[{text}]" if "," in text and not text.strip().startswith("[") else text
+        try:
+            options[key.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise PosbenchError(f"--measure-option {a!r}: {text!r} is not a value") from None
+    return options
+
+
+def _print_measures(who: str, scored: list, rdir: Path) -> None:
+    """Each measure's new rows as a table, its options as scored, and where they were written."""
+    from posbench.console import plain_table
+
+    for scorer, rows in scored:  # a row per metric, a column per length: labels are long, lengths few
+        table = [["length", *(str(r["length"]) for r in rows)]]
+        for n, m in scorer.metrics.items():
+            table.append([m.label, *(f"{m.scale * r[n]:.{m.digits}f}" if r[n] == r[n] else "—" for r in rows)])
+        table.append(["status", *(r["status"] for r in rows)])
+        out.print(plain_table(f"{scorer.name}: {who}", table))
+        if scorer.options:
+            said = ", ".join(f"{k}={v}" for k, v in scorer.options.items())
+            out.print(f"{scorer.name} options: {said}", highlight=False, soft_wrap=True)
+        out.print(f"wrote {rdir / 'measures' / (scorer.name + '.csv')}", highlight=False, soft_wrap=True)
+
+
 def _print_summary(
     exps, metric=None, transpose: bool = False, out_dir=None, buckets=None, asked=None, tracker=None
 ) -> None:
@@ -128,6 +168,14 @@ def _print_summary(
 
 
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: key=value")]
+MeasureOpt = Annotated[
+    Optional[str],
+    typer.Option(help="score by other measures: context_gain, key_tokens or module:Class, comma-separated"),
+]
+MeasureOptions = Annotated[
+    Optional[list[str]],
+    typer.Option("--measure-option", help="an option of a measure named: key=value, e.g. k=64,128 or alpha=0.5"),
+]
 TrackerOpt = Annotated[
     Optional[str], typer.Option(help="also send each run to tensorboard, wandb, mlflow or trackio (train.tracker)")
 ]
@@ -364,22 +412,24 @@ def evaluate(
     protocol: Protocol = None,
     stride: Stride = None,
     tracker: TrackerOpt = None,
-    measure: Annotated[
-        Optional[str], typer.Option(help="instead: score it by a user's measure, module:Class (docs/architecture.md)")
-    ] = None,
+    measure: MeasureOpt = None,
+    measure_option: MeasureOptions = None,
 ):
     """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
 
     --rope-scaling yarn also scores the rope checkpoint rescaled at evaluation time (rows
     rope+yarn), beside plain rope, at these lengths and the training length. --protocol
     sliding (with --stride) scores it under sliding windows, as extrapolate does. --measure
-    examples.my_measure:NextByteAccuracy scores it by a measure of your own instead, at its
-    config's lengths, into RUN/measures/; every report of its experiment then shows it."""
+    context_gain,key_tokens scores it by posbench's other measures instead (docs/measures.md), and
+    --measure examples.my_measure:NextByteAccuracy by one of your own, at its config's lengths,
+    into RUN/measures/; every report of its experiment then shows them."""
     from posbench.console import plain_table
     from posbench.experiment.execute import evaluate_run
 
     with user_errors():
         _set_threads(threads)
+        if measure is None and measure_option:
+            raise PosbenchError("--measure-option sets an option of a measure named by --measure")
         if measure is not None:
             given = [f for f, v in (("--lengths", lengths), ("--rope-scaling", rope_scaling), ("--protocol", protocol),
                                     ("--stride", stride), ("--attention", attention)) if v is not None]  # fmt: skip
@@ -387,13 +437,9 @@ def evaluate(
                 raise PosbenchError(f"{given[0]} applies to the run's own measure, not to --measure {measure}")
             from posbench.experiment.execute import measure_run
 
-            rc, scorer, rows = measure_run(run_dir, measure, device, tracker)
-            table = [["length", *(m.label for m in scorer.metrics.values()), "status"]]
-            for r in rows:
-                cells = [f"{m.scale * r[n]:.{m.digits}f}" if r[n] == r[n] else "—" for n, m in scorer.metrics.items()]
-                table.append([str(r["length"]), *cells, r["status"]])
-            out.print(plain_table(f"{scorer.name}: {rc.model.scheme} seed {rc.seeds[0]}", table))
-            out.print(f"wrote {Path(run_dir) / 'measures' / (scorer.name + '.csv')}", highlight=False, soft_wrap=True)
+            names, options = _measure_names(measure), _measure_options(measure_option)
+            rc, scored = measure_run(run_dir, names, options, device, tracker)
+            _print_measures(f"{rc.model.scheme} seed {rc.seeds[0]}", scored, Path(run_dir))
             return
         kinds = _csv_names(rope_scaling)
         if rope_factor is not None and not kinds:
@@ -443,13 +489,18 @@ def pretrained(
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     config: ConfigOpt = None,
     set_: Sets = None,
+    measure: MeasureOpt = None,
+    measure_option: MeasureOptions = None,
 ):
     """Score a pretrained causal LM from disk, past its context, as posbench scores its own runs.
 
     Perplexity and bits per byte at each length, under each protocol and RoPE variant
     (transformers' own code), on posbench's corpus cut by the model's tokenizer; nothing is
-    fetched from a hub. Rows go to results/NAME/MODEL/, a report of which joins any other."""
+    fetched from a hub. Rows go to results/NAME/MODEL/, a report of which joins any other.
+    --measure context_gain,key_tokens also scores it by those measures (docs/measures.md), at
+    the same lengths, into results/NAME/MODEL/measures/."""
     from posbench.experiment.pretrained import check_prepared, model_config, run_pretrained, tokenizer_of
+    from posbench.measures.plugin import load_measures
     from posbench.pretrained import approx_params, fitting_batch, load_pretrained, memory_of, read_model_config
     from posbench.resolve import Experiment
     from posbench.tasks import task_for
@@ -468,6 +519,9 @@ def pretrained(
             "data.path": (f"--data {data}", data),
             "train.device": (f"--device {device}", device),
         }
+        if measure is None and measure_option:
+            raise PosbenchError("--measure-option sets an option of a measure named by --measure")
+        measures = load_measures(_measure_names(measure), _measure_options(measure_option)) if measure else []
         cfg = load_config(config, set_ or [], values)
         if "name" not in cfg.origins:
             cfg.name = "pretrained"
@@ -498,14 +552,15 @@ def pretrained(
             cfg.eval.lengths = [model.context, 2 * model.context]
         cfg.eval.batch_size = batch
         task = task_for(cfg)
-        measure = task.measure()
+        own = task.measure()
         try:
-            measure.decide(cfg, test_len)
+            own.decide(cfg, test_len)
         except PosbenchError as e:
             from posbench.config import blame
 
             raise blame(cfg, e) from None
-        folder = run_pretrained(Experiment(cfg, task, measure), model, BarReporter(err))
+        folder, rdir, scored = run_pretrained(Experiment(cfg, task, own), model, BarReporter(err), measures)
+        _print_measures(model.name, scored, rdir)
         _print_summary(folder, asked=cfg)
 
 

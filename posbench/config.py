@@ -226,9 +226,14 @@ class EvalConfig:
     batch_size: int = 16
     perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
     exact_match: ExactMatchConfig = field(default_factory=ExactMatchConfig)
+    # measures scored after the run's own, into RUN/measures/: posbench's by name (context_gain,
+    # key_tokens) or module:Class (docs/measures.md); their options as --measure-option gives them
+    measures: list[str] = field(default_factory=list)
+    measure_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
         _positive(self, "eval", ["tokens", "batch_size"])
+        _unique(self.measures, "eval.measures")
         if not self.lengths:
             raise PosbenchError("eval.lengths is empty")
         for n in self.lengths:

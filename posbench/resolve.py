@@ -48,6 +48,10 @@ def _resolved(cfg: ExperimentConfig, test_len: Optional[int], scored: bool) -> E
         measure = task.measure()
         if scored:
             measure.decide(cfg, test_len)
+            if cfg.eval.measures:  # a bad name or option fails before anything trains
+                from posbench.measures.plugin import load_measures
+
+                load_measures(cfg.eval.measures, cfg.eval.measure_options, "eval.measure_options")
         _resolve_schemes(cfg)
     except PosbenchError as e:
         raise blame(cfg, e, cfg.source) from None

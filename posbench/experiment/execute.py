@@ -8,6 +8,7 @@ scores it.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import shutil
@@ -205,9 +206,31 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
                 return "diverged"
         device = pick_device(rc.train.device)
         job.measure.score(rc, rdir, model, data, device, model.backend(device), reporter)
+        score_measures(rc, rdir, model, data, device)
         write_atomic(rdir / CONFIG, dump_yaml(record))  # how it was trained, and scored now
         record_read(rdir, getattr(data, "name", rc.task), job.task.fingerprint(data))
         return "reused" if state == "done" else "trained"
+
+
+def score_measures(rc: ExperimentConfig, rdir: Path, model, data, device) -> None:
+    """Score the run by the measures eval.measures names beside its own (measures/plugin.py),
+    each where its records lack the lengths asked or hold other options than eval.measure_options."""
+    if not rc.eval.measures:
+        return
+    from posbench.measures.plugin import FOLDER, load_measures, score_into
+
+    run = ScoringRun(rc, model.to(device).eval(), device, data)  # one run: the measures share its passes
+    for spec, measure in load_measures(rc.eval.measures, rc.eval.measure_options, "eval.measure_options"):
+        folder = rdir / FOLDER
+        try:
+            was = json.loads((folder / f"{measure.name}.json").read_text())["options"]
+            with open(folder / f"{measure.name}.csv", newline="") as f:
+                lengths = {int(r["length"]) for r in csv.DictReader(f)}
+        except (OSError, ValueError, KeyError, TypeError):
+            was, lengths = None, set()
+        asked = {k: v for k, v in measure.options.items() if v is not None}  # None: decided as it scores
+        if was is None or lengths != set(rc.eval.lengths) or any(was.get(k) != v for k, v in asked.items()):
+            score_into(measure, spec, run, rdir)
 
 
 def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
@@ -316,25 +339,29 @@ def evaluate_run(
 
 
 def measure_run(
-    run_dir: Path, spec: str, device: Optional[str] = None, tracker: Optional[str] = None
-) -> tuple[ExperimentConfig, Scorer, list[dict]]:
-    """`posbench evaluate RUN --measure SPEC`: score a finished run by a user's measure on what
-    it read (measures/plugin.py), on `device` (None: the run's own), and send the rows to
+    run_dir: Path, specs: list[str], options: dict, device: Optional[str] = None, tracker: Optional[str] = None
+) -> tuple[ExperimentConfig, list[tuple[Scorer, list[dict]]]]:
+    """`posbench evaluate RUN --measure SPEC,...`: score a finished run by measures beside its own
+    (posbench's by name, or a user's module:Class; measures/plugin.py) with `options`
+    (--measure-option), on what it read, on `device` (None: the run's own), and send the rows to
     `tracker` (None: the run's train.tracker, where its library is installed here). Returns the
-    run's config, the measure and its rows."""
-    from posbench.measures.plugin import load_measure, score_into
+    run's config and each measure with its rows."""
+    from posbench.experiment.checkpoint import pretrained_refused
+    from posbench.measures.plugin import load_measures, score_into
 
     check_tracker(tracker, "--tracker")
-    measure = load_measure(spec)
+    measures = load_measures(specs, options)
+    if not (Path(run_dir) / WEIGHTS).is_file():
+        pretrained_refused(Path(run_dir), f"score it with posbench pretrained {{path}} --measure {','.join(specs)}")
     _, rc, model = _to_score(run_dir, device)
     dev = pick_device(rc.train.device)
     with named_by(run_dir):
         task = task_for(rc)
-    run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))
+    run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))  # one run: the measures share its passes
     check_read(run_dir, task.fingerprint(run.source))
-    rows = score_into(measure, spec, run, Path(run_dir))
+    scored = [(measure, score_into(measure, spec, run, Path(run_dir))) for spec, measure in measures]
     _send(tracker or usable(rc.train.tracker), run_dir)
-    return rc, measure, rows
+    return rc, scored
 
 
 def _to_score(run_dir: Path, device: Optional[str]) -> tuple[ExperimentConfig, ExperimentConfig, TransformerLM]:

@@ -3,10 +3,11 @@
 Its experiment folder holds one run folder per model, named as the model, with config.yaml
 (model.pretrained: the model's name, path, architecture, context and the sha256 of each file it
 was read from; the shape is the model's own), eval.csv and positions.csv, a row per length,
-protocol and RoPE variant (`<model>+yarn@2`), and data.json (the corpus, by sha256). The
-tokenizer the corpus is cut with is the model's: its tokenizer.json, or for a .gguf file the one
-transformers builds from it, kept as tokenizer.json in the experiment folder. A rerun scores what
-the records lack and refuses other model files or data under the same name.
+protocol and RoPE variant (`<model>+yarn@2`), measures/<name>.csv for each --measure, and
+data.json (the corpus, by sha256). The tokenizer the corpus is cut with is the model's: its
+tokenizer.json, or for a .gguf file the one transformers builds from it, kept as tokenizer.json
+in the experiment folder. A rerun scores what the records lack (a --measure, anew) and refuses
+other model files or data under the same name.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from posbench.device import pick_device
 from posbench.errors import PosbenchError
 from posbench.experiment.records import CONFIG, check_read, lock_file, record_read
 from posbench.files import exclusive, lock_holder, safe_name, write_atomic
+from posbench.measures.base import ScoringRun
+from posbench.measures.plugin import score_into
 from posbench.progress import Reporter
 from posbench.resolve import Experiment
 
@@ -101,9 +104,10 @@ def check_same_model(rdir: Path, rc: ExperimentConfig) -> None:
         )
 
 
-def run_pretrained(exp: Experiment, model, reporter: Reporter) -> Path:
-    """Score the model as `exp` asks into its run folder (what the records lack), then write
-    its record; returns the experiment folder."""
+def run_pretrained(exp: Experiment, model, reporter: Reporter, measures: list = ()) -> tuple[Path, Path, list]:
+    """Score the model as `exp` asks into its run folder (what the records lack), then by each
+    of `measures` ((spec, Scorer): posbench pretrained --measure) into RUN/measures/, anew;
+    returns the experiment folder, the run folder and each measure with its rows."""
     rc = exp.cfg
     folder = Path(rc.out_dir) / rc.name
     rdir = folder / safe_name(model.name)
@@ -130,4 +134,6 @@ def run_pretrained(exp: Experiment, model, reporter: Reporter) -> Path:
         record_read(rdir, corpus.name, digest)
         device = pick_device(rc.train.device)
         exp.measure.score(rc, rdir, model.to(device), corpus, device, model.backend(device), reporter)
-    return folder
+        run = ScoringRun(rc, model.eval(), device, corpus)  # one run: the measures share its passes
+        scored = [(measure, score_into(measure, spec, run, rdir)) for spec, measure in measures]
+    return folder, rdir, scored

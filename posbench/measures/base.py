@@ -126,12 +126,19 @@ def only_own_section(cfg, own: str) -> None:
 
 
 class Scorer:
-    """A measure a user adds: `name` (its records' file name), `metrics` (what each row holds,
-    by name) and `score`, which returns a row per length: {"length": L, <metric>: value, ...},
-    with "status" where a length could not be scored ("beyond-max-len")."""
+    """A measure scored beside a run's own, posbench's (measures/plugin.py names them) or a
+    user's: `name` (its records' file name), `metrics` (what each row holds, by name) and
+    `score`, which returns a row per length: {"length": L, <metric>: value, ...}, with "status"
+    where a length could not be scored ("beyond-max-len"). `options` are its options and their
+    defaults (None: decided from the run); `--measure-option key=value` sets them, and its
+    records keep them as scored."""
 
     name: str = ""
     metrics: dict[str, Metric] = {}
+    options: dict[str, Any] = {}
+
+    def __init__(self, **options):
+        self.options = {**type(self).options, **options}
 
     def score(self, run: ScoringRun) -> list[dict]:
         raise NotImplementedError
@@ -143,9 +150,12 @@ class ScoringRun:
     what it read (the corpus of a language model, the test set of a task)."""
 
     cfg: Any  # the run's ExperimentConfig
-    model: Any  # its TransformerLM: forward(tokens (B, T)) -> logits (B, T, V)
+    # its TransformerLM (forward(tokens (B, T)) -> logits (B, T, V)) or a PretrainedLM; both give
+    # token_losses(win (B, T + 1)) -> (B, T), each target's loss in nats
+    model: Any
     device: Any
     source: Any
+    memo: dict = field(default_factory=dict, repr=False)  # passes that measures scored on it share
 
     @property
     def lengths(self) -> list[int]:

@@ -1,5 +1,6 @@
-"""A user's measure (module:Class): a trained run judged by another number, its records beside
-the run's own, tabled, plotted and sent to trackers by the comparison engine.
+"""Measures beside a run's own, posbench's by name (MEASURES: context_gain, key_tokens) or a
+user's (module:Class): a model judged by another number, its records beside the run's own,
+tabled, plotted and sent to trackers by the comparison engine.
 
 `posbench evaluate RUN --measure examples.my_measure:NextByteAccuracy` imports the class, hands
 it the run's model and data (a `ScoringRun`) and writes what it returns, a row per length, into
@@ -14,30 +15,78 @@ import csv
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
-from posbench.errors import PosbenchError
+from posbench.errors import PosbenchError, did_you_mean
 from posbench.files import write_atomic, write_rows
 from posbench.measures.base import Metric, Scorer, ScoringRun, Section
+from posbench.registry import Registry
 
 FOLDER = "measures"  # in a run folder: <name>.csv and <name>.json per user measure
 KEYS = ["scheme", "seed", "train_len", "length", "status", "attention"]  # every row's, before its metrics
 
 
-def load_measure(spec: str) -> Scorer:
-    """The user's measure `spec` names (module:Class), checked."""
-    from posbench.registry import load_plugin
+# posbench's own measures, by name; a user's is named as module:Class
+MEASURES = Registry(
+    "measure",
+    {
+        "context_gain": "posbench.measures.context:ContextGain",
+        "key_tokens": "posbench.measures.context:KeyTokens",
+    },
+    "posbench.measures.base:Scorer",
+    "examples.my_measure:NextByteAccuracy",
+)
 
-    cls = load_plugin(
-        spec, "measure", Scorer, "posbench.measures.plugin.Scorer", "examples.my_measure:NextByteAccuracy"
-    )
-    measure = cls()
+
+def load_measure(spec: str, options: Optional[dict] = None, where: str = "--measure-option") -> Scorer:
+    """The measure `spec` names (one of MEASURES, or a user's module:Class), checked, built
+    with `options` (key -> value) over its defaults; an error names `where` they came from."""
+    cls = MEASURES.lookup(spec)
+    options = options or {}
+    for key, value in options.items():
+        default = cls.options.get(key, ...)
+        if default is ...:
+            raise PosbenchError(f"{_at(where, key)}: not an option of measure {spec}; valid: {', '.join(cls.options)}")
+        want = float if isinstance(default, float) else type(default)
+        if default is not None and not isinstance(value, (int, float) if want is float else want):
+            raise PosbenchError(f"{_at(where, key)}: expected {want.__name__}, got {value!r}")
+    try:
+        measure = cls(**options) if options else cls()
+    except PosbenchError as e:  # an option the class refuses: "k: 1 is not a length ..."
+        raise PosbenchError(_at(where, str(e))) from None
     if not measure.name or not measure.name.replace("_", "").isalnum():
         raise PosbenchError(f"measure '{spec}': its name {measure.name!r} must be a word (letters, digits, _)")
     if not measure.metrics or not all(isinstance(m, Metric) for m in measure.metrics.values()):
         raise PosbenchError(f"measure '{spec}': metrics must name at least one Metric")
     return measure
+
+
+def _at(where: str, key: str) -> str:
+    """'--measure-option k' where a flag gave it, 'eval.measure_options.k' where a config did."""
+    return f"{where} {key}" if where.startswith("--") else f"{where}.{key}"
+
+
+def load_measures(specs: list[str], options: dict, where: str = "--measure-option") -> list[tuple[str, Scorer]]:
+    """Each measure of `specs` with the `options` it has (key=value goes to every measure named
+    that has the key); a key that none has is one line naming theirs. `where`: what gave them."""
+    classes = {spec: MEASURES.lookup(spec) for spec in specs}
+    known = {key for cls in classes.values() for key in cls.options}
+    unknown = [key for key in options if key not in known]
+    if unknown:
+        valid = ", ".join(sorted(known)) or "none"
+        raise PosbenchError(
+            f"{_at(where, unknown[0])}: no option of {', '.join(specs)}{did_you_mean(unknown[0], known)}; "
+            f"valid: {valid}"
+        )
+    out = []
+    for spec, cls in classes.items():
+        mine = {k: v for k, v in options.items() if k in cls.options}
+        # a list option given one value (k=64) is a list of one
+        mine = {k: [v] if isinstance(cls.options[k], list) and not isinstance(v, list) else v for k, v in mine.items()}
+        out.append((spec, load_measure(spec, mine, where)))
+    return out
 
 
 def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[dict]:
@@ -69,7 +118,11 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
     folder = Path(rdir) / FOLDER
     folder.mkdir(exist_ok=True)
     write_rows(folder / f"{measure.name}.csv", rows, KEYS + list(measure.metrics))
-    meta = {"measure": spec, "metrics": {n: dataclasses.asdict(m) for n, m in measure.metrics.items()}}
+    meta = {
+        "measure": spec,
+        "options": getattr(measure, "options", {}),
+        "metrics": {n: dataclasses.asdict(m) for n, m in measure.metrics.items()},
+    }
     write_atomic(folder / f"{measure.name}.json", json.dumps(meta, indent=1) + "\n")
     return rows
 
@@ -93,7 +146,8 @@ def read_measures(rdir: Path) -> dict[str, tuple[str, dict[str, Metric], list[di
             if reader.fieldnames != KEYS + list(metrics) or not rows:
                 raise ValueError
             for r in rows:
-                int(r["length"]), int(r["seed"]), int(r["train_len"]), *(float(r[m]) for m in metrics)
+                # an empty metric: not scored at that length (its status says why)
+                int(r["length"]), int(r["seed"]), int(r["train_len"]), *(float(r[m] or "nan") for m in metrics)
         except (OSError, UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
             raise bad from None
         out[name] = (meta["measure"], metrics, rows)

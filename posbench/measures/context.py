@@ -1,0 +1,182 @@
+"""Does a model use its far context? Context gain and key tokens (LongPPL), from two passes over
+the same windows: each window of L tokens whole, and its last K tokens alone.
+
+Each window's last K // 2 targets are scored twice: with the whole window visible (a context of
+L - K/2 to L tokens) and with only the window's last K tokens visible (K/2 to K tokens). The
+short pass scores all K of its targets and keeps the last half, so no target is compared at a
+context shorter than K/2: what "any context helps" is worth is in both losses, and short - full
+is what the tokens lying K/2 to L back add. Where they hurt (positions past what the model
+learned, as RoPE's past its training length) it is negative. K is the run's training length (a
+pretrained model's context), where the short pass is in distribution, and any other K asked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from posbench.errors import PosbenchError
+from posbench.measures.base import Metric, Scorer, ScoringRun
+
+# LongPPL's key token: its loss drops by more than 2 nats with the long context, and is under
+# 2 nats with it; set for BPE tokens of 7B models, about 4 bytes of English text each
+LONGPPL_NATS = 2.0
+LONGPPL_BYTES = 4.0
+NOT_PAST_K = "not-past-k"  # a length no longer than every K: nothing lies beyond what the short pass sees
+
+
+def context_losses(run: ScoringRun, L: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(short, full): the losses in nats of each window's last K // 2 targets, (n, K // 2) each,
+    with only the window's last K tokens visible and with all L. The passes are kept in
+    `run.memo`, so measures scored on one run share them and the pass at L is made once for all K."""
+    if ("full", L) not in run.memo:
+        run.memo["full", L] = _pass(run, L, L)  # (n, L)
+    if ("short", L, K) not in run.memo:
+        run.memo["short", L, K] = _pass(run, L, K)  # (n, K)
+    m = K // 2
+    return run.memo["short", L, K][:, -m:], run.memo["full", L][:, -m:]
+
+
+@torch.no_grad()
+def _pass(run: ScoringRun, L: int, K: int) -> torch.Tensor:
+    """Each target's loss with the last K tokens of each window of L visible, (n, K)."""
+    out = []
+    for x, y in run.windows(L):  # (b, L) each
+        win = torch.cat([x, y[:, -1:]], dim=1)[:, -(K + 1) :]  # (b, K + 1): the last K inputs and their targets
+        out.append(run.model.token_losses(win).float().cpu())  # (b, K)
+    return torch.cat(out)
+
+
+def _ks(given) -> list[int]:
+    """The K a user names (--measure-option k=64,128), checked."""
+    ks = list(given or [])
+    for K in ks:
+        if isinstance(K, bool) or not isinstance(K, int) or K < 2:
+            raise PosbenchError(f"k: {K!r} is not a length of at least 2 tokens")
+    return ks
+
+
+def _by_k(run: ScoringRun, ks: list[int]) -> dict[str, int]:
+    """Metric suffix -> K: "" for the run's training length, "_k64" for each K named."""
+    return {"": int(run.cfg.model.train_len), **{f"_k{K}": K for K in ks}}
+
+
+def _rows(run: ScoringRun, ks: list[int], metrics, cells) -> list[dict]:
+    """A row per length: `cells(L, K, suffix)` (its metrics at K) for every K below L, NaN for
+    the others; a status where the model cannot encode L or no K is below it."""
+    rows = []
+    for L in run.lengths:
+        if run.model.max_len is not None and L > run.model.max_len:
+            rows.append({"length": L, "status": "beyond-max-len"})
+            continue
+        by_k = _by_k(run, ks)
+        if all(K >= L for K in by_k.values()):
+            rows.append({"length": L, "status": NOT_PAST_K})
+            continue
+        row = {"length": L, **dict.fromkeys(metrics, math.nan)}
+        for suffix, K in by_k.items():
+            if K < L:
+                row |= cells(L, K, suffix)
+        rows.append(row)
+    return rows
+
+
+class ContextGain(Scorer):
+    """Loss with only the last K tokens visible minus loss with the whole window, nats per
+    token, on the same targets (the module docstring): positive where the far context helps."""
+
+    name = "context_gain"
+    options = {"k": []}  # more K than the training length (a pretrained model's context)
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.ks = _ks(self.options["k"])
+        self.metrics = {f"gain{s}": self._metric(s, K) for s, K in [("", None), *((f"_k{K}", K) for K in self.ks)]}
+
+    @staticmethod
+    def _metric(suffix: str, K) -> Metric:
+        at = "K = train_len" if K is None else f"K = {K}"
+        return Metric(
+            f"gain{suffix}",
+            f"context gain in nats ({at})",
+            higher_is_better=True,
+            digits=3,
+            title=f"Context gain ({at})",
+            how="loss of each window's last K/2 targets with only its last K tokens visible, minus with all of it",
+        )
+
+    def score(self, run: ScoringRun) -> list[dict]:
+        def gain(L, K, suffix):
+            short, full = context_losses(run, L, K)
+            return {f"gain{suffix}": (short - full).mean().item()}
+
+        return _rows(run, self.ks, self.metrics, gain)
+
+
+class KeyTokens(Scorer):
+    """LongPPL's key tokens, the model its own evaluator: of the targets context gain scores,
+    those whose short - full loss exceeds alpha and whose full loss is under beta (nats); their
+    share, and the perplexity on them alone."""
+
+    name = "key_tokens"
+    # alpha, beta None: LongPPL's 2 nats scaled by the corpus's bytes per token over 4 (its BPE
+    # tokens'), 0.5 nats for a byte
+    options = {"k": [], "alpha": None, "beta": None}
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.ks = _ks(self.options["k"])
+        self.asked = (self.options["alpha"], self.options["beta"])  # None: scaled to the run's tokens
+        for key in ("alpha", "beta"):
+            value = self.options[key]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise PosbenchError(f"{key}: {value!r} is not a positive number of nats")
+        self.metrics = {}
+        for suffix, K in [("", None), *((f"_k{K}", K) for K in self.ks)]:
+            at = "K = train_len" if K is None else f"K = {K}"
+            self.metrics[f"key_fraction{suffix}"] = Metric(
+                f"key_fraction{suffix}",
+                f"% key tokens ({at})",
+                higher_is_better=True,
+                digits=2,
+                scale=100,
+                title=f"Key tokens ({at})",
+                how="share of the scored targets whose loss drops by more than alpha with the far context, under beta",
+            )
+            self.metrics[f"key_ppl{suffix}"] = Metric(
+                f"key_ppl{suffix}",
+                f"ppl on key tokens ({at})",
+                higher_is_better=False,
+                digits=3,
+                title=f"Perplexity on key tokens ({at})",
+                how="exp of the mean full-context loss of the key tokens",
+            )
+
+    def thresholds(self, run: ScoringRun) -> dict:
+        """alpha and beta in nats, as given or scaled from LongPPL's by the bytes per token of the
+        run's evaluation tokens; recorded with the bytes per token in the measure's options."""
+        from posbench.evaluate import eval_tokens
+
+        tokens = eval_tokens(run.source, run.cfg, run.lengths)
+        per_token = run.source.bytes_of(tokens) / len(tokens)
+        scaled = LONGPPL_NATS * per_token / LONGPPL_BYTES
+        alpha, beta = self.asked
+        return {
+            "alpha": float(scaled if alpha is None else alpha),
+            "beta": float(scaled if beta is None else beta),
+            "bytes_per_token": round(per_token, 4),
+        }
+
+    def score(self, run: ScoringRun) -> list[dict]:
+        self.options = {**self.options, **self.thresholds(run)}
+        alpha, beta = self.options["alpha"], self.options["beta"]
+
+        def key(L, K, suffix):
+            short, full = context_losses(run, L, K)
+            is_key = ((short - full) > alpha) & (full < beta)  # (n, K // 2)
+            n = int(is_key.sum())
+            ppl = math.exp(full[is_key].mean().item()) if n else math.nan
+            return {f"key_fraction{suffix}": n / is_key.numel(), f"key_ppl{suffix}": ppl}
+
+        return _rows(run, self.ks, self.metrics, key)

@@ -1,0 +1,290 @@
+"""Does a model use its far context (posbench/measures/context.py)? Context gain and key tokens on
+models whose answer is known: one that ignores its context gains nothing and has no key tokens,
+one that copies from far back gains exactly what copying saves, one whose positions break past
+its training length loses; then both measures through `evaluate` and `pretrained`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import SMOKE, invoke
+
+from posbench.config import ExperimentConfig
+from posbench.data import Corpus
+from posbench.measures.base import ScoringRun
+from posbench.measures.context import ContextGain, KeyTokens, context_losses
+
+K = 16  # the stubs' training length
+HIGH, LOW = 3.0, 0.25  # a stub's loss without and with what it needs
+
+
+def _run(model, text: bytes, lengths=(16, 32, 48), tokens: int = 480) -> ScoringRun:
+    cfg = ExperimentConfig()
+    cfg.model.train_len, cfg.eval.lengths, cfg.eval.tokens, cfg.eval.batch_size = K, list(lengths), tokens, 4
+    val = torch.tensor(list(text), dtype=torch.uint8)
+    return ScoringRun(cfg, model, torch.device("cpu"), Corpus("stub", val, val))
+
+
+def _text(n: int = 600, seed: int = 0) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return bytes(torch.randint(97, 123, (n,), generator=g).tolist())
+
+
+class Unigram(nn.Module):
+    """Logits from the current token alone: its context is worth nothing, near or far."""
+
+    max_len = None
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(256, 256)
+
+    def token_losses(self, win):
+        logits = self.emb(win[:, :-1])  # (b, T, V)
+        return F.cross_entropy(logits.flatten(0, 1), win[:, 1:].flatten(), reduction="none").view(win.size(0), -1)
+
+
+class Stub:
+    """token_losses from a rule on each target: `loss(win, i)` for target i (its context: win[:, : i + 1])."""
+
+    max_len = None
+
+    def __init__(self, loss):
+        self.loss = loss
+
+    def token_losses(self, win):
+        T = win.size(1) - 1
+        return torch.stack([self.loss(win, i) for i in range(T)], dim=1)  # (b, T)
+
+
+def _copier(distance: int) -> Stub:
+    """Sure of a target that is the token `distance` back, where that token is visible."""
+
+    def loss(win, i):
+        seen = i + 1 - distance  # the index of the input `distance` before the target, if any
+        hit = win[:, i + 1] == win[:, seen] if seen >= 0 else torch.zeros(win.size(0), dtype=torch.bool)
+        return torch.where(hit, LOW, HIGH)
+
+    return Stub(loss)
+
+
+def test_a_model_that_ignores_its_context_gains_nothing_and_has_no_key_tokens():
+    run = _run(Unigram(), _text())
+    gains = {r["length"]: r for r in ContextGain().score(run)}
+    keys = {r["length"]: r for r in KeyTokens(alpha=1e-3, beta=100.0).score(run)}
+    assert gains[16]["status"] == "not-past-k" and keys[16]["status"] == "not-past-k"  # K >= L: nothing lies beyond
+    for L in (32, 48):
+        assert gains[L]["gain"] == pytest.approx(0.0, abs=1e-5)
+        assert keys[L]["key_fraction"] == 0.0 and math.isnan(keys[L]["key_ppl"])
+
+
+def test_a_model_that_copies_from_beyond_k_gains_what_copying_saves():
+    """Text repeating every 24 tokens: the copier is sure of each token whose copy 24 back is
+    visible. The last K/2 targets of a window of 64 see it; with only the last 16 tokens visible
+    they do not. With K = 48 they see it either way (their context is 24 to 48): no gain, since
+    what they need lies within K."""
+    period = 24
+    run = _run(_copier(period), _text(period) * 25, lengths=(64,))
+    (row,) = ContextGain(k=[48]).score(run)
+    assert row["gain"] == pytest.approx(HIGH - LOW) and row["gain_k48"] == pytest.approx(0.0)
+    (keys,) = KeyTokens(k=[48], alpha=1.0, beta=1.0).score(run)
+    assert keys["key_fraction"] == 1.0 and keys["key_ppl"] == pytest.approx(math.exp(LOW))
+    assert keys["key_fraction_k48"] == 0.0 and math.isnan(keys["key_ppl_k48"])
+
+
+def test_any_context_helping_is_not_counted_as_far_context():
+    """A model that needs only the last 3 tokens: every scored target sees them in the short
+    pass too (its context is K/2 to K), so the gain is 0, where comparing all K targets, the first
+    with a context of one token, would not be."""
+    run = _run(Stub(lambda win, i: torch.full((win.size(0),), LOW if i >= 2 else HIGH)), _text(), lengths=(48,))
+    (row,) = ContextGain().score(run)
+    assert row["gain"] == 0.0
+    short, full = context_losses(run, 48, K)
+    assert short.shape == full.shape and full.shape[1] == K // 2
+    all_k = run.memo["short", 48, K].mean() - run.memo["full", 48][:, -K:].mean()  # every one of the K targets
+    assert all_k > 0
+
+
+def test_positions_past_the_training_length_that_break_make_the_gain_negative():
+    """A model whose loss doubles at every position past K, whatever it sees: the full pass scores
+    the last targets there, the short pass within K."""
+    run = _run(Stub(lambda win, i: torch.full((win.size(0),), 1.0 if i < K else 2.0)), _text(), lengths=(32, 48))
+    rows = {r["length"]: r["gain"] for r in ContextGain().score(run)}
+    assert rows == {32: pytest.approx(-1.0), 48: pytest.approx(-1.0)}
+
+
+def test_a_length_the_model_cannot_encode_is_a_status_as_for_perplexity():
+    model = Unigram()
+    model.max_len = 32  # learned positions end there
+    rows = {r["length"]: r for r in ContextGain().score(_run(model, _text(), lengths=(32, 48)))}
+    assert rows[48] == {"length": 48, "status": "beyond-max-len"} and "status" not in rows[32]
+
+
+def test_the_two_measures_share_their_passes_on_one_run():
+    calls = []
+    model = Unigram()
+    losses = model.token_losses
+    model.token_losses = lambda win: calls.append(win.size(1) - 1) or losses(win)
+    run = _run(model, _text(), lengths=(48,))
+    ContextGain().score(run)
+    n = len(calls)
+    KeyTokens().score(run)
+    assert len(calls) == n and sorted(set(calls)) == [K, 48]  # one pass at L and one at K, once
+
+
+def test_byte_thresholds_scale_longppls_by_bytes_per_token_and_are_recorded():
+    run = _run(Unigram(), _text(), lengths=(32,))
+    m = KeyTokens()
+    m.score(run)
+    assert m.options == {"k": [], "alpha": 0.5, "beta": 0.5, "bytes_per_token": 1.0}  # 2 nats over 4 bytes
+    m = KeyTokens(alpha=1.5)
+    m.score(run)
+    assert (m.options["alpha"], m.options["beta"]) == (1.5, 0.5)
+
+
+# --- through the command line ------------------------------------------------------------------
+
+
+def test_evaluate_scores_both_measures_into_the_run_and_the_report_shows_them(smoke, tmp_path):
+    exp, _, _ = smoke
+    copy = tmp_path / "smoke"
+    copy.mkdir()
+    for name in ("rope-seed0", "alibi-seed0", "learned-seed0"):
+        shutil.copytree(exp / name, copy / name)
+    for name in ("rope-seed0", "alibi-seed0", "learned-seed0"):
+        res = invoke("evaluate", copy / name, "--measure", "context_gain,key_tokens", "--measure-option", "k=24")
+        assert res.exit_code == 0, res.output
+        text = " ".join(res.output.split())
+        assert "key_tokens options: k=[24], alpha=0.5, beta=0.5, bytes_per_token=1.0" in text, text
+    with open(copy / "rope-seed0" / "measures" / "context_gain.csv") as f:
+        rows = {int(r["length"]): r for r in csv.DictReader(f)}
+    assert rows[32]["status"] == "ok" and rows[32]["gain"] == ""  # the training length: K = L, no gain to take
+    assert all(math.isfinite(float(rows[L]["gain_k24"])) for L in (32, 48, 64))
+    with open(copy / "learned-seed0" / "measures" / "context_gain.csv") as f:
+        assert {int(r["length"]): r["status"] for r in csv.DictReader(f)}[64] == "beyond-max-len"
+    meta = json.loads((copy / "rope-seed0" / "measures" / "key_tokens.json").read_text())
+    assert meta["measure"] == "key_tokens" and meta["options"]["alpha"] == 0.5
+
+    # the records hold what the measure computes on the run's model
+    from posbench.data import load_corpus
+    from posbench.experiment.checkpoint import load_run
+
+    rc, model = load_run(copy / "rope-seed0")
+    run = ScoringRun(rc, model.eval(), torch.device("cpu"), load_corpus(rc.data))
+    (again,) = [r for r in ContextGain().score(run) if r["length"] == 64]
+    assert float(rows[64]["gain"]) == pytest.approx(again["gain"], abs=1e-6)
+
+    res = invoke("report", copy)
+    assert res.exit_code == 0, res.output
+    md = (copy / "summary.md").read_text()
+    assert "## context_gain: context gain in nats (K = train_len) by length" in md
+    assert "## key_tokens: % key tokens (K = 24) by length" in md
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--measure", "context_gian"], "unknown measure 'context_gian' (did you mean 'context_gain'?)"),
+        (["--measure", "nope"], "valid measures: context_gain, key_tokens, or module:Class"),
+        (
+            ["--measure", "context_gain", "--measure-option", "alpha=1"],
+            "--measure-option alpha: no option of context_gain",
+        ),
+        (
+            ["--measure", "key_tokens", "--measure-option", "beta=-1"],
+            "--measure-option beta: -1 is not a positive number of nats",
+        ),
+        (["--measure", "context_gain", "--measure-option", "k=1"], "--measure-option k: 1 is not a length"),
+        (["--measure-option", "k=8"], "--measure-option sets an option of a measure named by --measure"),
+    ],
+)
+def test_a_bad_measure_name_or_option_is_one_line_and_writes_nothing(smoke, tmp_path, args, says):
+    exp, _, _ = smoke
+    run = tmp_path / "nope-seed0"
+    shutil.copytree(exp / "nope-seed0", run)
+    shutil.rmtree(run / "measures", ignore_errors=True)
+    res = invoke("evaluate", run, *args)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert says in " ".join(res.output.split()), res.output
+    assert not (run / "measures").exists()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama (RoPE, context 32) saved as a transformers folder with its tokenizer, and a corpus."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from test_pretrained import CONTEXT, TEXT, _tokenizer
+
+    root = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=CONTEXT, rope_theta=100.0, initializer_range=0.2,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama")
+    _tokenizer(320).save_pretrained(root / "llama")
+    (root / "corpus.txt").write_text(TEXT * 3)
+    return root, CONTEXT
+
+
+def test_pretrained_scores_the_measures_into_its_run_folder_and_its_report(llama, tmp_path):
+    root, context = llama
+    out = tmp_path / "r"
+    lengths = f"{context},{2 * context}"
+    args = ["--data", root / "corpus.txt", "--set", f"out_dir={out}", "--set", "eval.tokens=512", "--lengths", lengths]
+    res = invoke("pretrained", root / "llama", *args, "--measure", "context_gain,key_tokens", "--measure-option", "k=8")
+    assert res.exit_code == 0, res.output
+    run = out / "pretrained" / "llama"
+    with open(run / "measures" / "context_gain.csv") as f:
+        rows = {int(r["length"]): r for r in csv.DictReader(f)}
+    assert rows[context]["status"] == "ok" and rows[context]["gain"] == "" and rows[context]["gain_k8"] != ""
+    assert rows[2 * context]["scheme"] == "llama" and math.isfinite(float(rows[2 * context]["gain"]))
+    meta = json.loads((run / "measures" / "key_tokens.json").read_text())
+    assert meta["options"]["bytes_per_token"] > 1  # a BPE: thresholds above a byte's 0.5 nats
+    assert meta["options"]["alpha"] == pytest.approx(2.0 * meta["options"]["bytes_per_token"] / 4, abs=1e-3)
+    md = (out / "pretrained" / "summary.md").read_text()
+    assert "## context_gain: context gain in nats (K = train_len) by length" in md
+
+    # a pretrained run's folder is scored by measures through pretrained, not evaluate
+    res = invoke("evaluate", run, "--measure", "context_gain")
+    assert res.exit_code == 2 and "--measure context_gain" in " ".join(res.output.split()), res.output
+
+
+def test_a_configs_eval_measures_are_scored_after_training_and_not_again_on_a_rerun(tmp_path):
+    from conftest import smoke_experiment
+
+    more = ["--schemes", "alibi", "--set", "eval.measures=[context_gain]", "--set", "eval.measure_options.k=16"]
+    exp, _, _ = smoke_experiment(tmp_path, *more)
+    records = exp / "alibi-seed0" / "measures" / "context_gain.csv"
+    with open(records) as f:
+        assert {int(r["length"]): r["status"] for r in csv.DictReader(f)} == {32: "ok", 48: "ok", 64: "ok"}
+    assert "## context_gain: context gain in nats (K = 16) by length" in (exp / "summary.md").read_text()
+    before = records.stat().st_mtime_ns
+    smoke_experiment(tmp_path, *more)  # the same command: nothing lacks
+    assert records.stat().st_mtime_ns == before
+    smoke_experiment(tmp_path, *more[:-1], "eval.measure_options.k=8")  # another K: scored anew
+    with open(records) as f:
+        assert "gain_k8" in next(csv.reader(f))
+    # a bad name is one line before anything trains
+    bad = ["--set", f"out_dir={tmp_path / 'x'}", "--set", "eval.measures=[gian]"]
+    res = invoke("extrapolate", "--config", SMOKE, *bad)
+    assert res.exit_code == 2 and "unknown measure 'gian'" in res.output and not (tmp_path / "x").exists(), res.output
+
+
+def test_the_help_of_evaluate_and_pretrained_names_every_measure_posbench_has():
+    from conftest import folded
+
+    from posbench.measures.plugin import MEASURES
+
+    for command in ("evaluate", "pretrained"):
+        text = folded(invoke(command, "--help").output)
+        assert all(name in text for name in MEASURES), (command, list(MEASURES))
