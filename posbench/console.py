@@ -248,6 +248,7 @@ class BarReporter(Reporter):
             else:
                 self.tasks[key] = self._bars().add_task(key, total=total, loss="-")
         if key in self.lines:
+            self.lines[key]["step"] = done  # said or not: a scoring that reached its total did not stop short
             if time.monotonic() - self.lines[key]["t0"] >= QUIET_SCORING_S:  # a quick scoring says nothing
                 self._line(self.lines[key], done, math.nan, "tokens")
         else:

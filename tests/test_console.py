@@ -215,3 +215,22 @@ def test_a_path_is_printed_unbroken_in_80_columns(tmp_path):
     res = invoke("report", deep)
     assert res.exit_code == 0, res.output
     assert f"wrote {deep / 'summary.md'}\n" in res.output, res.output
+
+
+def test_a_quick_scoring_without_a_terminal_says_nothing_and_never_that_it_stopped():
+    """A sweep's log said 'scoring rope seed 2 ...: stopped at step 0/98304' of each run scored
+    in under QUIET_SCORING_S: the line's count was kept only when a line was said."""
+    import io
+
+    from rich.console import Console
+
+    from posbench.console import BarReporter
+
+    buf = io.StringIO()
+    reporter = BarReporter(Console(file=buf, force_terminal=False, width=200))
+    for done in (4096, 8192, 12288):
+        reporter.scoring("rope seed 2, nonoverlapping", done, 12288)
+    assert buf.getvalue() == "", buf.getvalue()
+    reporter.scoring("rope seed 3, nonoverlapping", 4096, 12288)  # one stopped short is still said
+    reporter.finish("scoring rope seed 3, nonoverlapping")
+    assert "stopped at step 4096/12288" in buf.getvalue(), buf.getvalue()
