@@ -20,7 +20,7 @@ from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import atomic, write_atomic
 from posbench.measures import Measure, plugin
 from posbench.registry import named_by
-from posbench.tables import point_labels
+from posbench.tables import options_apart, point_labels
 from posbench.tasks import task_for
 
 
@@ -109,7 +109,7 @@ def collect(exp_dir: Path) -> Collected:
         if diverged:
             raise PosbenchError(f"{exp_dir}: every run diverged ({', '.join(diverged.values())}); lower train.lr")
         raise PosbenchError(f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)")
-    out.points = dict.fromkeys(out.parts, "") if extension else point_labels(out.parts)
+    out.points = dict.fromkeys(out.parts, "") if extension else options_apart(point_labels(out.parts), out.runs)
     out.diverged, out.running = diverged, running
     return out
 
@@ -167,7 +167,7 @@ def join(collected: list[Collected], dirs: list[Path], metric: Optional[str] = N
         joined.points.update(c.points)
         joined.parts.update(c.parts)
     if any(_settings(c) != _settings(first) for c in collected[1:]):  # a table per tokenizer, say
-        joined.points = point_labels(joined.parts)
+        joined.points = options_apart(point_labels(joined.parts), joined.runs)
     return joined
 
 

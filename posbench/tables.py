@@ -19,6 +19,26 @@ def point_labels(parts: dict) -> dict:
     return {rdir: ", ".join(f"{k}={f[k] if k in f else _default(k)}" for k in varying) for rdir, f in flats.items()}
 
 
+def options_apart(points: dict, runs: list) -> dict:
+    """`points` (run folder -> its grid point), where runs of one scheme and seed that share a
+    point differ in their scheme's options (a sweep of scheme_options.rope.base): those options
+    join the point's label, as a swept setting that every scheme shares does. The runs' identity
+    leaves scheme options out, as each scheme has its own."""
+    from posbench.schemes import run_label
+
+    groups: dict = {}
+    for run in runs:
+        groups.setdefault((run_label(run.cfg.model), run.cfg.seeds[0], points[run.folder]), []).append(run)
+    out = dict(points)
+    for (_, _, point), same in groups.items():
+        options = [run.cfg.model.options for run in same]
+        varying = sorted(k for k in set().union(*options) if len({repr(o.get(k)) for o in options}) > 1)
+        for run in same if varying else ():
+            said = [f"scheme_options.{run.cfg.model.scheme}.{k}={run.cfg.model.options.get(k)}" for k in varying]
+            out[run.folder] = ", ".join([point, *said] if point else said)
+    return out
+
+
 def _default(key: str):
     """A setting a run's identity leaves out, at the default it was left out at (a field added
     later: data.tokenizer bytes)."""

@@ -62,3 +62,36 @@ def test_the_reference_report_sets_the_law_beside_each_seeds_measured_break(tmp_
     mean, ci = mean_ci(breaks)
     assert row == f"| rope | 32 | 10000 | 100 | 10 | 112 | {mean:.0f} ± {ci:.0f} | 3 |", row
     assert "| alibi |" not in md.split(head)[1]  # only rotary runs have a law
+
+
+def test_the_committed_base_sweep_rebuilds_a_point_per_base_and_sets_each_law_beside_its_breaks(tmp_path):
+    """results/rope-base (configs/rope-base.yaml): runs of one scheme and seed that differ only in
+    scheme_options.rope.base are a grid point each, where the report failed on them; each base's
+    row holds the law's numbers and its seeds' breaks, derived here from the records."""
+    from conftest import report_rebuilt
+
+    from posbench.stats import mean_ci
+
+    committed = ROOT / "results" / "rope-base"
+    res = report_rebuilt(committed, tmp_path / "rope-base", ("summary.csv", "summary.md", "summary.tex"))
+    assert res.exit_code == 0, res.output
+    for name in ("summary.csv", "summary.md", "summary.tex"):
+        assert (tmp_path / "rope-base" / name).read_text() == (committed / name).read_text(), name
+    md = (committed / "summary.md").read_text()
+    for base in (10.0, 100.0, 10000.0, 1000000.0):
+        assert f"## scheme_options.rope.base={base}; nonoverlapping" in md
+        broke = []
+        for run in sorted(committed.glob(f"rope-seed*-base{base}-*")):
+            pos = pd.read_csv(run / "positions.csv")
+            pos = pos[pos["length"] == pos["length"].max()]
+            broke.append(break_position(pos.set_index("position")["loss"], 100))
+        assert len(broke) == 3 and None not in broke
+        mean, ci = mean_ci(broke)
+        bound = extrapolation_bound(32, base, 100)
+        predicted = "none" if math.isinf(bound) else f"{bound:.0f}"
+        row = (
+            f"| rope (scheme_options.rope.base={base}) | 32 | {base:g} | 100 | {critical_dim(32, base, 100)} | "
+            f"{predicted} | {mean:.0f} ± {ci:.0f} | 3 |"
+        )
+        assert row in md, (row, md)
+    assert (committed / "rope_law.png").is_file()

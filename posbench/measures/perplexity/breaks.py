@@ -10,7 +10,7 @@ from typing import Optional
 
 import pandas as pd
 
-from posbench.compare.plot import colour, pyplot, save
+from posbench.compare.plot import colour, plain_log_axis, pyplot, save
 from posbench.compare.render import tex
 from posbench.measures.base import Section
 from posbench.rope_law import MARGIN, break_position, critical_dim, extrapolation_bound, rotary
@@ -96,8 +96,9 @@ def section(found: pd.DataFrame) -> Optional[Section]:
 
 
 def plot(found: pd.DataFrame, path: Path) -> bool:
-    """rope_law.png where the runs differ in base: the law's bound and the measured break (mean
-    and 95% interval over seeds) against the base, a line per training length."""
+    """rope_law.png where the runs differ in base: the law's bound (a triangle at the top where it
+    has none) and the measured break (mean and 95% interval over seeds) against the base, a line
+    per training length."""
     plt = pyplot()
     if plt is None or found.empty or found["base"].nunique() < 2:
         return False
@@ -107,6 +108,9 @@ def plot(found: pd.DataFrame, path: Path) -> bool:
         bases = sorted(by.groups)
         law = [by.get_group(b)["predicted"].iloc[0] for b in bases]
         ax.plot(bases, law, color=colour("law"), linestyle="--", marker="x", label=f"predicted, trained at {L}")
+        unbounded = [b for b, t in zip(bases, law) if math.isinf(t)]  # every dim seen whole: no bound
+        ax.plot(unbounded, [1] * len(unbounded), color=colour("law"), linestyle="", marker="^", markersize=9,
+                transform=ax.get_xaxis_transform(), clip_on=False, label="predicted: no bound")  # fmt: skip
         xs, ys, cis = [], [], []
         for b in bases:
             broke = [v for v in by.get_group(b)["measured"] if v == v]
@@ -116,7 +120,7 @@ def plot(found: pd.DataFrame, path: Path) -> bool:
         ax.errorbar(xs, ys, yerr=cis, color=colour("rope"), marker="o", capsize=3, label=f"measured, trained at {L}")
         ax.axhline(L, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log")
-    ax.set_yscale("log")
+    plain_log_axis(ax)
     ax.set_xlabel("RoPE base")
     ax.set_ylabel("length (positions)")
     ax.set_title("where RoPE breaks: the scaling law against the loss per position", fontsize=9)

@@ -335,7 +335,8 @@ def report(collected, metric: str, transpose: bool) -> dict:
             )
         )
     positions = position_losses(collected.runs, df.attrs["points"])
-    rope = breaks.breaks(collected.runs, positions, df.attrs["points"])
+    tabled = positions[positions["length"].isin(set(df["length"]))]  # a training command's: what it asked for
+    rope = breaks.breaks(collected.runs, tabled, df.attrs["points"])
     if not rope.empty:
         sections.append(breaks.section(rope))
     curve = extend.curve_table(collected.runs)
