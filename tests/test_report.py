@@ -593,8 +593,9 @@ def test_the_readme_bytes_against_bpe_table_is_one_report_in_bits_per_byte(tmp_p
 def test_the_committed_pretrained_reference_rebuilds_and_holds_the_published_shape_where_it_does(tmp_path):
     """results/reference-smollm2 (make reproduce-smollm2): SmolLM2-135M, context 8,192, scored to
     16,384 with transformers' RoPE scalings at factor 2. Without scaling perplexity rises steeply
-    past the context; YaRN and llama3 stay flat to 2x; linear (PI without its fine-tuning) costs
-    about 3x everywhere, not a little as the issue expected from the papers."""
+    past the context; YaRN and llama3 stay flat to 2x; dynamic equals none inside the context;
+    linear (PI without its fine-tuning) costs about 3x everywhere, not a little as the issue
+    expected from the papers."""
     import csv
 
     committed = _rebuilds_byte_for_byte("reference-smollm2", tmp_path)
@@ -611,4 +612,7 @@ def test_the_committed_pretrained_reference_rebuilds_and_holds_the_published_sha
         mine = [ppl[kind, L] for L in plain]
         assert max(mine) / min(mine) < 1.25 and ppl[kind, 16384] < plain[16384] / 1.5, kind
     assert all(ppl["linear", L] > 2.5 * plain[L] for L in plain if L <= 8192)
+    # dynamic NTK scales only past the context: inside it, the same windows score the same loss
+    assert all(ppl["dynamic", L] == plain[L] for L in plain if L <= 8192)
+    assert ppl["dynamic", 16384] < plain[16384] / 1.5
     assert (run / "windows.csv").is_file() and "over its windows" in (committed / "summary.md").read_text()
