@@ -42,7 +42,18 @@ class CheckResult:
 
 
 def tiny_config(scheme: str, **kw) -> ModelConfig:
-    return ModelConfig(**{**TINY, "scheme": scheme, **kw})
+    """TINY, with `kw` on top; a pattern over layers gets a whole period of layers."""
+    return ModelConfig(**{**TINY, "scheme": scheme, "n_layer": layers_needed(scheme, kw.get("options")), **kw})
+
+
+def layers_needed(scheme: str, options: dict | None) -> int:
+    """TINY's layers, or more for a pattern (posbench/schemes/pattern.py) whose period is longer.
+    A name that does not resolve gets TINY's: building it says what is wrong."""
+    try:
+        needed = getattr(SCHEMES.lookup(scheme), "layers_needed", None)
+        return max(TINY["n_layer"], needed(options or {}) if needed else 0)
+    except PosbenchError:
+        return TINY["n_layer"]
 
 
 def tiny_model(scheme: str, seed: int = 0, **kw) -> TransformerLM:
@@ -156,6 +167,39 @@ def beyond_length(model: TransformerLM, T: int) -> str:
     return f"finite logits at length {T}"
 
 
+@torch.no_grad()
+def window_holds(model: TransformerLM, T: int) -> str:
+    """Each layer with an attention window W (a pattern's, `windows`) never reads a key W or more
+    back: changing the layer's input at the token W back leaves its output at the last query as
+    it was, and changing it at W - 1 back does not, whole and blocked. Other schemes pass."""
+    windows = getattr(model.scheme, "windows", None) or []
+    checked = [(i, W) for i, W in enumerate(windows) if W is not None and W < T]
+    if not checked:
+        return "no layer has an attention window shorter than the sequence"
+    C, backend = model.cfg.d_model, model.backend(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    pos = model.scheme.positions(T, "cpu")
+    for i, W in checked:
+        attn = model.blocks[i].attn
+        x = torch.randn(2, T, C, generator=gen)
+        for block, path in ((None, "whole"), (BLOCK, "blocked")):
+            with on_blocks(T) if block else contextlib.nullcontext():
+                y = attn(x, pos, backend, block)[:, -1]  # (B, C): the last query's output
+                for back, changes in ((W, False), (W - 1, True)):
+                    x2 = x.clone()
+                    x2[:, T - 1 - back] += torch.randn(2, C, generator=gen)
+                    gap = (attn(x2, pos, backend, block)[:, -1] - y).abs().max().item()
+                    if not changes and gap > 0:
+                        raise CheckFailed(
+                            f"layer {i}'s window is {W} keys, yet a key {back} back changed its last query's "
+                            f"output by {gap:.2g} (T={T}, {path} attention)"
+                        )
+                    if changes and gap == 0:
+                        raise CheckFailed(f"layer {i}: a key {back} back, inside its window of {W}, changed nothing")
+    where = ", ".join(f"layer {i}: {W}" for i, W in checked)
+    return f"no query reads a key past its layer's window ({where}; T={T}, whole and blocked)"
+
+
 def attend_agrees(model: TransformerLM, T: int) -> str:
     """A scheme's own `attend`, which the native backend tries first, gives the logits and
     gradients of the eager formula with its `bias`, within 1e-5 (relative to the largest, for
@@ -235,10 +279,12 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
         n = sum(p.numel() for p in model.scheme.parameters())
         c = model.cfg
         given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        per_layer = getattr(model.scheme, "period", None)  # a pattern: its layers, one label each
         return (
             f"{type(model.scheme).__name__}: {c.n_layer} layers, {c.n_head} heads, "
             f"d_model {c.d_model}, train_len {c.train_len}; {n} scheme parameters"
             + (f"; options {given}" if given else "")
+            + (f"; layers {' '.join(x.label() for x in per_layer)}" if per_layer else "")
         )
 
     def causal():
@@ -258,6 +304,9 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
     def beyond():
         return beyond_length(got["model"].eval(), 4 * L)
 
+    def window():
+        return window_holds(got["model"].eval(), L * 5 // 2 if supports(got["model"], L * 5 // 2) else L)
+
     def attend():
         return attend_agrees(got["model"].train(), L * 5 // 2 if supports(got["model"], L * 5 // 2) else L)
 
@@ -267,6 +316,7 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
         ("forward", fwd, ("build",)),
         ("backward", bwd, ("forward",)),
         ("beyond length", beyond, ("build",)),
+        ("window", window, ("build",)),
         ("attend", attend, ("build",)),
     ]
     passed: dict[str, bool] = {}
