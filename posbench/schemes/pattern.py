@@ -162,7 +162,7 @@ class Pattern(PositionalScheme):
             raise PosbenchError(f"{at}: {e}") from None
         if issubclass(cls, Pattern):
             raise PosbenchError(f"{at}: {spec.scheme} is itself a pattern; a pattern's layers are schemes")
-        for hook, what in (("embed", "adds to the token embeddings"), ("positions", "chooses its own positions")):
+        for hook, what in (("positions", "chooses its own positions"), ("embed", "adds to the token embeddings")):
             if getattr(cls, hook) is not getattr(PositionalScheme, hook):
                 raise PosbenchError(
                     f"{at}: {spec.scheme} {what}, which acts on the whole model, not on one layer; "
