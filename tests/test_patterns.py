@@ -16,7 +16,7 @@ from posbench.experiment.records import read_config
 from posbench.model import TransformerLM
 from posbench.resolve import resolve
 from posbench.schemes import PATTERNS, SCHEMES, catalogue, run_label, variant_label
-from posbench.schemes.pattern import window_mask
+from posbench.schemes.pattern import PRESETS, window_mask
 
 MINE = [{"scheme": "rope", "window": 4}, {"scheme": "rope", "options": {"base": 500.0}}, "nope"]
 
@@ -177,6 +177,7 @@ def test_presets_expand_to_their_documented_layers():
     assert period("pattern_mine", layers=MINE) == ["rope@4", "rope(base=500)", "nope"]
     scheme = model_of("irope", n_layer=6).scheme  # the period repeats, its tail cut at n_layer
     assert [x.label() for x in scheme.layers] == ["rope(base=10000)"] * 3 + ["nope"] + ["rope(base=10000)"] * 2
+    assert set(PATTERNS) == set(PRESETS)  # the registry's names, known without importing the module
     assert set(PATTERNS) <= set(dict(catalogue())) and "pattern_<label>" in dict(catalogue())
 
 
@@ -326,6 +327,8 @@ def test_a_preset_trains_and_scores_as_one_row_each(tmp_path, corpus_file):
     assert res.exit_code == 0, res.output
     rows = list(csv.DictReader((out / "smoke" / "summary.csv").open()))
     assert {r["scheme"] for r in rows} == {"irope", "irope+yarn", "pattern_mine", "pattern_mine+yarn"}
+    res = invoke("inspect", out / "smoke" / "irope-seed0", "--out", tmp_path / "drawn")
+    assert res.exit_code == 0 and "layer 3: nope, full attention" in res.output, res.output
     rc = read_config(out / "smoke" / "pattern_mine-seed0")
     assert rc.scheme_options["pattern_mine"]["layers"] == MINE
     assert TransformerLM(rc.model).scheme.describe() == [

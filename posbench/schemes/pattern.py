@@ -42,11 +42,18 @@ class Layer:
 
     scheme: str
     window: Optional[int] = None
-    options: tuple = ()  # (key, value) pairs, so a Layer is hashable and layers can share a scheme
+    options: tuple = ()  # (key, value) pairs: a Layer is frozen, and compared by them
 
     @property
     def opt(self) -> dict:
         return dict(self.options)
+
+    @property
+    def shares(self) -> tuple:
+        """What layers must agree on to share one instance of their scheme: its name, its
+        options (by repr: an option's value may be a list) and whether it attends to every key
+        (a window layer keeps its trained frequencies, so it is built without `extend`)."""
+        return self.scheme, repr(self.options), self.window is None
 
     def label(self) -> str:
         """rope, rope@32, or rope@32(base=1e+06): the scheme, its window, the options given."""
@@ -142,13 +149,13 @@ class Pattern(PositionalScheme):
             )
         self.period = period
         self.layers = [period[i % len(period)] for i in range(cfg.n_layer)]
-        built: dict = {}  # (scheme, options, full attention?) -> its instance, shared by those layers
+        built: dict = {}  # Layer.shares -> its instance, shared by those layers
         for i, spec in enumerate(period):
-            key = (spec.scheme, spec.options, spec.window is None)
-            if key not in built:
-                built[key] = self._build(spec, cfg, f"{where}.layers[{i}]" if "layers" in self.options else cfg.scheme)
+            if spec.shares not in built:
+                at = f"{where}.layers[{i}]" if "layers" in self.options else cfg.scheme
+                built[spec.shares] = self._build(spec, cfg, at)
         self.schemes = nn.ModuleList(built.values())  # registered: their parameters train and are saved
-        self.at = [built[(x.scheme, x.options, x.window is None)] for x in self.layers]  # layer -> its scheme
+        self.at = [built[x.shares] for x in self.layers]  # layer -> its scheme
         self.windows = [x.window for x in self.layers]  # layer -> its window, None for full attention
         full = [s for s, w in zip(self.at, self.windows) if w is None]
         self.eval_variants = {v: d for s in full for v, d in s.eval_variants.items()}
@@ -199,8 +206,10 @@ class Pattern(PositionalScheme):
         W = self.windows[layer]
         if W is None:
             return b  # None keeps SDPA's is_causal path, as NoPE's
-        outside = window_mask(qpos.numel(), kpos.numel(), W, q.device, q.dtype)  # (Tq, Tk)
-        outside = outside.expand(1, q.size(1), *outside.shape)  # (1, H, Tq, Tk), shared by batch and heads
+        masks = self.once_per_forward((qpos, kpos), dict)  # (W, dtype) -> its mask, for every layer of a pass
+        if (W, q.dtype) not in masks:
+            masks[(W, q.dtype)] = window_mask(qpos.numel(), kpos.numel(), W, q.device, q.dtype)  # (Tq, Tk)
+        outside = masks[(W, q.dtype)].expand(1, q.size(1), qpos.numel(), kpos.numel())  # (1, H, Tq, Tk)
         return outside if b is None else b + outside
 
     def attend(self, q, k, v, qpos, kpos, layer):
@@ -339,5 +348,5 @@ def layer_views(pattern: Pattern) -> list[LayerOf]:
     """One view for the first layer of each distinct layer of the period."""
     firsts = {}
     for i, spec in enumerate(pattern.layers):
-        firsts.setdefault(spec, i)
+        firsts.setdefault((spec.shares, spec.window), i)
     return [LayerOf(pattern, i) for i in firsts.values()]
