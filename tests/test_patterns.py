@@ -94,6 +94,14 @@ def test_a_plugin_is_a_layer_of_a_pattern():
     check.backward(model.train(), check.forward(model, 16))
 
 
+@pytest.mark.parametrize("name", [*PRESETS, "pattern_mine"])
+def test_every_check_of_check_scheme_passes_on_a_pattern(name):
+    """Causality (whole and blocked), forward, backward, past the training length, the window
+    and attend: the checks every registered scheme passes, on a whole period of layers."""
+    results = check.run_checks(name, {"layers": MINE} if name == "pattern_mine" else {})
+    assert [r.name for r in results if not r.ok] == [], results
+
+
 # --- the window --------------------------------------------------------------------------------
 
 
