@@ -365,3 +365,15 @@ def test_inspect_prints_each_layer_and_draws_each_distinct_one(tmp_path):
     assert "layer 3: nope, full attention" in res.output
     assert {p.name for p in (tmp_path / "p").iterdir()} == {"layer0"}  # the NoPE layer draws nothing
     assert {p.name for p in (tmp_path / "p" / "layer0").iterdir()} == {"rotation.png", "bias.png"}
+
+
+def test_a_patterns_lines_look_unlike_every_other_schemes():
+    """In a plot, each preset, a user's pattern and their +variant rows are lines of their own
+    (a colour from the name, rope's dashes for the variant)."""
+    from posbench.compare.plot import style
+
+    names = list(SCHEMES) + [f"rope+{v}" for v in SCHEMES["rope"].eval_variants] + list(PATTERNS)
+    names += ["irope+yarn", "gemma3+yarn", "gemma3+linear", "pattern_mine", "pattern_mine+yarn"]
+    looks = {n: (style(n)["color"], repr(style(n)["linestyle"]), style(n)["marker"]) for n in names}
+    assert len(set(looks.values())) == len(names), looks
+    assert style("irope+yarn")["linestyle"] == style("rope+yarn")["linestyle"]
