@@ -254,7 +254,7 @@ def test_too_few_layers_for_a_preset_says_what_to_change():
         TransformerLM(tiny("rnope_swa", n_layer=2))
     assert str(e.value) == (
         "rnope_swa repeats a period of 4 layers (rope@4(base=10000), rope@4(base=10000), rope@4(base=10000), "
-        "nope); model.n_layer=2 does not hold one: raise model.n_layer to 4 or lower its every option"
+        "nope); model.n_layer=2 does not hold one: raise model.n_layer to 4 or lower scheme_options.rnope_swa.every"
     )
     with pytest.raises(PosbenchError, match="every=1: a period needs at least 2 layers"):
         TransformerLM(tiny("irope", options={"every": 1}))
@@ -377,3 +377,17 @@ def test_a_patterns_lines_look_unlike_every_other_schemes():
     looks = {n: (style(n)["color"], repr(style(n)["linestyle"]), style(n)["marker"]) for n in names}
     assert len(set(looks.values())) == len(names), looks
     assert style("irope+yarn")["linestyle"] == style("rope+yarn")["linestyle"]
+
+
+def test_extend_scores_a_parent_with_the_variants_its_own_layers_take():
+    """posbench extend scores the parent with its evaluation-time variants: a pattern's as built
+    (none where every RoPE layer has a window), not every variant a pattern may take."""
+    from posbench.config import ExperimentConfig
+    from posbench.extend.run import _variants
+
+    def parent(layers):
+        model = tiny("pattern_p", options={"layers": layers})
+        return ExperimentConfig(schemes=["pattern_p"], scheme_options={"pattern_p": model.options}, model=model)
+
+    assert _variants(parent([{"scheme": "rope", "window": 4}, "nope"])) == []
+    assert _variants(parent(["rope", "nope"])) == ["linear", "ntk", "dynamic", "yarn", "llama3"]

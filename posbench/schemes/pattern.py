@@ -142,7 +142,7 @@ class Pattern(PositionalScheme):
         where = f"scheme_options.{cfg.scheme}"
         period = self.layers_of(self.opt, cfg.train_len, where)
         if cfg.n_layer < len(period):
-            knob = " or lower its every option" if "every" in self.options else ""
+            knob = f" or lower scheme_options.{cfg.scheme}.every" if "every" in self.options else ""
             raise PosbenchError(
                 f"{cfg.scheme} repeats a period of {len(period)} layers ({', '.join(x.label() for x in period)}); "
                 f"model.n_layer={cfg.n_layer} does not hold one: raise model.n_layer to {len(period)}{knob}"
