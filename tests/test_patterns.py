@@ -85,6 +85,28 @@ def test_layers_naming_one_scheme_share_one_instance_and_its_parameters():
     )
 
 
+@pytest.mark.parametrize("name", ["rope", "alibi", "t5", "xl", "fire", "cope", "kerple_log", "xpos"])
+def test_a_pattern_of_one_scheme_is_that_scheme(name):
+    """A period of one layer is the scheme itself: the same parameters (per-layer ones too, one
+    per layer) and, with the same weights, the same logits."""
+    plain = model_of(name, n_layer=3)
+    mine = TransformerLM(tiny("pattern_one", n_layer=3, options={"layers": [name]})).eval()
+    state = {k.replace("scheme.", "scheme.schemes.0.", 1): v for k, v in plain.state_dict().items()}
+    mine.load_state_dict(state)
+    x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(mine(x), plain(x))
+
+
+def test_a_scheme_shared_by_some_layers_has_parameters_for_those_only():
+    """FIRE's MLP per layer: in [fire, nope] over 4 layers there are two, one for each FIRE
+    layer, and every one gets a gradient."""
+    model = model_of("pattern_fn", n_layer=4, options={"layers": ["fire", "nope"]})
+    fire = model.scheme.at[0]
+    assert model.scheme.at[2] is fire and len(fire.mlp) == 2 and model.scheme.rank == [0, 0, 1, 1]
+    check.backward(model.train(), check.forward(model, 16))
+
+
 def test_a_plugin_is_a_layer_of_a_pattern():
     """A user's module:Class works inside a pattern, with its own options, and passes the checks."""
     layers = [{"scheme": "examples.my_scheme:MyScheme", "options": {"window": 6}}, "rope"]

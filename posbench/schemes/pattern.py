@@ -149,13 +149,20 @@ class Pattern(PositionalScheme):
             )
         self.period = period
         self.layers = [period[i % len(period)] for i in range(cfg.n_layer)]
-        built: dict = {}  # Layer.shares -> its instance, shared by those layers
+        # layers that share a scheme are its model: it is built for as many layers as they are, and
+        # a hook is asked for a layer by its rank among them (FIRE's MLP, CoPE's table, XL's W_r
+        # per layer are then one for each layer that uses it, none unused)
+        ranks: dict = {}  # Layer.shares -> the model's layers that share its instance
+        for i, x in enumerate(self.layers):
+            ranks.setdefault(x.shares, []).append(i)
+        built: dict = {}  # Layer.shares -> its instance
         for i, spec in enumerate(period):
             if spec.shares not in built:
                 at = f"{where}.layers[{i}]" if "layers" in self.options else cfg.scheme
-                built[spec.shares] = self._build(spec, cfg, at)
+                built[spec.shares] = self._build(spec, dataclasses.replace(cfg, n_layer=len(ranks[spec.shares])), at)
         self.schemes = nn.ModuleList(built.values())  # registered: their parameters train and are saved
         self.at = [built[x.shares] for x in self.layers]  # layer -> its scheme
+        self.rank = [ranks[x.shares].index(i) for i, x in enumerate(self.layers)]  # layer -> the layer its scheme sees
         self.windows = [x.window for x in self.layers]  # layer -> its window, None for full attention
         full = [s for s, w in zip(self.at, self.windows) if w is None]
         self.eval_variants = {v: d for s in full for v, d in s.eval_variants.items()}
@@ -199,10 +206,10 @@ class Pattern(PositionalScheme):
         return min(limits) if limits else None
 
     def rotate(self, q, k, pos, layer):
-        return self.at[layer].rotate(q, k, pos, layer)
+        return self.at[layer].rotate(q, k, pos, self.rank[layer])
 
     def bias(self, q, k, qpos, kpos, layer):
-        b = self.at[layer].bias(q, k, qpos, kpos, layer)  # None or (B or 1, H, Tq, Tk)
+        b = self.at[layer].bias(q, k, qpos, kpos, self.rank[layer])  # None or (B or 1, H, Tq, Tk)
         W = self.windows[layer]
         if W is None:
             return b  # None keeps SDPA's is_causal path, as NoPE's
@@ -215,7 +222,7 @@ class Pattern(PositionalScheme):
     def attend(self, q, k, v, qpos, kpos, layer):
         if self.windows[layer] is not None:
             return None  # a scheme's own kernel knows no window: the backend adds it with the bias
-        return self.at[layer].attend(q, k, v, qpos, kpos, layer)
+        return self.at[layer].attend(q, k, v, qpos, kpos, self.rank[layer])
 
     @contextlib.contextmanager
     def eval_variant(self, name: Optional[str], train_len: int, length: int, factor=None):
