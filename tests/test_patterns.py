@@ -139,14 +139,18 @@ def test_window_mask_counts_keys_back_from_each_query():
 BACKENDS = ["eager", "sdpa", "native"]
 
 
+LEARNED = [{"scheme": "t5", "window": 4}, {"scheme": "kerple_log", "window": 6}, "alibi"]  # biases with gradients
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["rnope_swa", "gemma3", "pattern_mine"])
+@pytest.mark.parametrize("name", ["rnope_swa", "gemma3", "pattern_mine", "pattern_learned"])
 def test_a_window_layer_never_reads_past_its_window(name, backend):
     """Change a layer's input W or more keys back: its output at the query stays exactly as it
     was; change it W - 1 back: it moves. Whole and blocked, on every backend."""
     if backend == "native" and native.why_not(8, torch.device("cpu")):
         pytest.skip(native.why_not(8, torch.device("cpu")))
-    model = model_of(name, options={"layers": MINE} if name == "pattern_mine" else {})
+    layers = {"pattern_mine": MINE, "pattern_learned": LEARNED}
+    model = model_of(name, options={"layers": layers[name]} if name in layers else {})
     model.cfg = dataclasses.replace(model.cfg, attention=backend)
     assert "no query reads a key past" in check.window_holds(model, 40)
 
@@ -163,17 +167,25 @@ def test_the_attention_weights_past_the_window_are_zero():
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "native"])
-def test_backends_equal_eager_on_a_pattern(backend):
+@pytest.mark.parametrize("layers", [MINE, LEARNED])
+def test_backends_equal_eager_on_a_pattern(backend, layers):
+    """Logits and gradients, windows and learned biases among the layers, whole and blocked."""
     if backend == "native" and native.why_not(8, torch.device("cpu")):
         pytest.skip("the C kernels do not build here")
-    model = model_of("pattern_mine", options={"layers": MINE})
+    model = model_of("pattern_b", options={"layers": layers}).train()
     x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
-    outs = []
-    for b in ("eager", backend):
-        model.cfg = dataclasses.replace(model.cfg, attention=b)
-        with torch.no_grad():
-            outs.append(model(x))
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    for block in (256, 8):  # one block of queries, and five
+        model.attn_block = block
+        outs = []
+        for b in ("eager", backend):
+            model.cfg = dataclasses.replace(model.cfg, attention=b)
+            model.zero_grad(set_to_none=True)
+            y = model(x)
+            y.square().mean().backward()
+            outs.append((y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
+        for n, g in outs[0][1].items():
+            torch.testing.assert_close(outs[1][1][n], g, atol=1e-5 * (1 + g.abs().max().item()), rtol=1e-4)
 
 
 def test_full_attention_nope_layers_keep_sdpas_causal_path(monkeypatch):
