@@ -171,33 +171,39 @@ def beyond_length(model: TransformerLM, T: int) -> str:
 def window_holds(model: TransformerLM, T: int) -> str:
     """Each layer with an attention window W (a pattern's, `windows`) never reads a key W or more
     back: changing the layer's input at the token W back leaves its output at the last query as
-    it was, and changing it at W - 1 back does not, whole and blocked. Other schemes pass."""
+    it was, and changing it W - 1 back does not. A chunk layer (`chunks`) likewise never reads
+    the key just before the last query's chunk, and does read its chunk's first. Whole and
+    blocked; other schemes pass."""
+    q = T - 1  # the last query
     windows = getattr(model.scheme, "windows", None) or []
-    checked = [(i, W) for i, W in enumerate(windows) if W is not None and W < T]
+    chunks = getattr(model.scheme, "chunks", None) or []
+    # (layer, its reach in words, a key past it, the farthest key within it)
+    checked = [(i, f"window of {W} keys", q - W, q - W + 1) for i, W in enumerate(windows) if W and W < T]
+    checked += [(i, f"chunk of {C} keys", q // C * C - 1, q // C * C) for i, C in enumerate(chunks) if C and C <= q]
     if not checked:
-        return "no layer has an attention window shorter than the sequence"
+        return "no layer has an attention window or chunk shorter than the sequence"
     C, backend = model.cfg.d_model, model.backend(torch.device("cpu"))
     gen = torch.Generator().manual_seed(3)
     pos = model.scheme.positions(T, "cpu")
-    for i, W in checked:
+    for i, reach, unseen, seen in sorted(checked):
         attn = model.blocks[i].attn
         x = torch.randn(2, T, C, generator=gen)
         for block, path in ((None, "whole"), (BLOCK, "blocked")):
             with on_blocks(T) if block else contextlib.nullcontext():
                 y = attn(x, pos, backend, block)[:, -1]  # (B, C): the last query's output
-                for back, changes in ((W, False), (W - 1, True)):
+                for key, changes in ((unseen, False), (seen, True)):
                     x2 = x.clone()
-                    x2[:, T - 1 - back] += torch.randn(2, C, generator=gen)
+                    x2[:, key] += torch.randn(2, C, generator=gen)
                     gap = (attn(x2, pos, backend, block)[:, -1] - y).abs().max().item()
                     if not changes and gap > 0:
                         raise CheckFailed(
-                            f"layer {i}'s window is {W} keys, yet a key {back} back changed its last query's "
-                            f"output by {gap:.2g} (T={T}, {path} attention)"
+                            f"layer {i} has a {reach}, yet key {key} changed query {q}'s output by {gap:.2g} "
+                            f"(T={T}, {path} attention)"
                         )
                     if changes and gap == 0:
-                        raise CheckFailed(f"layer {i}: a key {back} back, inside its window of {W}, changed nothing")
-    where = ", ".join(f"layer {i}: {W}" for i, W in checked)
-    return f"no query reads a key past its layer's window ({where}; T={T}, whole and blocked)"
+                        raise CheckFailed(f"layer {i}: key {key}, within its {reach} of query {q}, changed nothing")
+    where = ", ".join(f"layer {i}: {reach}" for i, reach, _, _ in sorted(checked))
+    return f"no query reads a key past its layer's window or chunk ({where}; T={T}, whole and blocked)"
 
 
 def attend_agrees(model: TransformerLM, T: int) -> str:

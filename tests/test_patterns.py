@@ -16,7 +16,7 @@ from posbench.experiment.records import read_config
 from posbench.model import TransformerLM
 from posbench.resolve import resolve
 from posbench.schemes import PATTERNS, SCHEMES, catalogue, run_label, variant_label
-from posbench.schemes.pattern import PRESETS, window_mask
+from posbench.schemes.pattern import PRESETS, chunk_mask, window_mask
 
 MINE = [{"scheme": "rope", "window": 4}, {"scheme": "rope", "options": {"base": 500.0}}, "nope"]
 
@@ -136,21 +136,32 @@ def test_window_mask_counts_keys_back_from_each_query():
     ]
 
 
+def test_chunk_mask_keeps_each_query_in_its_own_chunk():
+    m = chunk_mask(4, 6, 3, "cpu", torch.float32)  # queries 2..5 of keys 0..5, chunks {0,1,2} {3,4,5}
+    assert (m == 0).tolist() == [
+        [True, True, True, False, False, False],
+        [False, False, False, True, True, True],  # query 3 starts a chunk: it sees itself alone
+        [False, False, False, True, True, True],
+        [False, False, False, True, True, True],
+    ]
+
+
 BACKENDS = ["eager", "sdpa", "native"]
 
 
-LEARNED = [{"scheme": "t5", "window": 4}, {"scheme": "kerple_log", "window": 6}, "alibi"]  # biases with gradients
+LEARNED = [{"scheme": "t5", "window": 4}, {"scheme": "kerple_log", "chunk": 6}, "alibi"]  # biases with gradients
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["rnope_swa", "gemma3", "pattern_mine", "pattern_learned"])
+@pytest.mark.parametrize("name", ["rnope_swa", "gemma3", "irope_chunked", "pattern_mine", "pattern_learned"])
 def test_a_window_layer_never_reads_past_its_window(name, backend):
     """Change a layer's input W or more keys back: its output at the query stays exactly as it
-    was; change it W - 1 back: it moves. Whole and blocked, on every backend."""
+    was; change it W - 1 back: it moves (a chunk layer: the key before the query's chunk, and
+    the chunk's first). Whole and blocked, on every backend."""
     if backend == "native" and native.why_not(8, torch.device("cpu")):
         pytest.skip(native.why_not(8, torch.device("cpu")))
-    layers = {"pattern_mine": MINE, "pattern_learned": LEARNED}
-    model = model_of(name, options={"layers": layers[name]} if name in layers else {})
+    options = {"pattern_mine": {"layers": MINE}, "pattern_learned": {"layers": LEARNED}, "irope_chunked": {"chunk": 7}}
+    model = model_of(name.removesuffix("_chunked"), options=options.get(name, {}))
     model.cfg = dataclasses.replace(model.cfg, attention=backend)
     assert "no query reads a key past" in check.window_holds(model, 40)
 
@@ -215,6 +226,7 @@ def test_presets_expand_to_their_documented_layers():
     assert period("rnope_swa") == ["rope@4(base=10000)"] * 3 + ["nope"]  # window: train_len 16 / 4
     assert period("rnope_swa", window=8, every=2, base=500.0) == ["rope@8(base=500)", "nope"]
     assert period("irope") == ["rope(base=10000)"] * 3 + ["nope"]
+    assert period("irope", chunk=8) == ["rope@c8(base=10000)"] * 3 + ["nope"]  # Llama 4's chunked RoPE layers
     assert period("gemma3") == ["rope@4(base=10000)"] * 5 + ["rope(base=1e+06)"]
     assert period("pattern_mine", layers=MINE) == ["rope@4", "rope(base=500)", "nope"]
     scheme = model_of("irope", n_layer=6).scheme  # the period repeats, its tail cut at n_layer
@@ -245,6 +257,8 @@ def test_rope_variants_scale_the_full_attention_rope_layers_only():
         after = [logits(ir, layer, T) for layer in (0, 3)]
     assert not torch.allclose(after[0], before[0])
     torch.testing.assert_close(after[1], before[1])
+    chunked = model_of("irope", options={"chunk": 8}).scheme
+    assert chunked.eval_variants == {}  # its RoPE layers never meet a distance of 8
     swa = model_of("rnope_swa").scheme
     assert swa.eval_variants == {}
     with pytest.raises(PosbenchError, match="attend within a window and keep their trained frequencies") as e:
@@ -265,6 +279,11 @@ BAD = {
     "key": ({"layers": [{"scheme": "rope", "windw": 4}]}, "layers[0].windw: unknown key; a layer takes scheme"),
     "window 0": ({"layers": ["nope", {"scheme": "rope", "window": 0}]}, "layers[1].window=0: expected a positive"),
     "window text": ({"layers": [{"scheme": "rope", "window": "far"}]}, "layers[0].window='far'"),
+    "chunk 0": ({"layers": [{"scheme": "rope", "chunk": 0}]}, "layers[0].chunk=0: expected a positive"),
+    "both": (
+        {"layers": [{"scheme": "rope", "window": 4, "chunk": 8}]},
+        "layers[0]: a layer attends within a window or",
+    ),
     "no scheme": ({"layers": [{"window": 4}]}, "layers[0]: needs scheme"),
     "unknown": ({"layers": ["ropee"]}, "layers[0]: unknown scheme 'ropee' (did you mean 'rope'?)"),
     "nested": ({"layers": ["irope"]}, "layers[0]: irope is itself a pattern"),
@@ -294,6 +313,8 @@ def test_too_few_layers_for_a_preset_says_what_to_change():
         TransformerLM(tiny("irope", options={"every": 1}))
     with pytest.raises(PosbenchError, match=r"scheme_options.gemma3.window=-3: expected a positive"):
         TransformerLM(tiny("gemma3", options={"window": -3}))
+    with pytest.raises(PosbenchError, match=r"scheme_options.irope.chunk=0: expected a positive"):
+        TransformerLM(tiny("irope", options={"chunk": 0}))
 
 
 def test_a_pattern_round_trips_through_yaml(tmp_path):

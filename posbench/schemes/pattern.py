@@ -1,7 +1,8 @@
 """Per-layer patterns: a scheme made of schemes, one per layer, each with an optional attention window.
 
 A pattern lists a period of layers, each a scheme (with its own options) and an optional
-window W: a window layer's query attends only to the last W keys, itself included. The period
+window W: a window layer's query attends only to the last W keys, itself included (or a chunk C:
+only to the keys of its own block of C, as Llama 4's chunked attention). The period
 repeats over model.n_layer (layer i is the period's i mod its length). The presets name the
 stacks of recent models; `pattern_<label>` is the user's own, its period given as
 scheme_options.pattern_<label>.layers:
@@ -12,7 +13,7 @@ scheme_options.pattern_<label>.layers:
         layers: [{scheme: rope, window: 32}, {scheme: rope, window: 32}, {scheme: rope, window: 32}, nope]
 
 A pattern is one scheme to the model: the model hands every hook its layer index, and the pattern
-answers with that layer's scheme; the window is an additive -inf bias on that layer's logits. Layers
+answers with that layer's scheme; a window (or chunk) is an additive -inf bias on that layer's logits. Layers
 that name the same scheme with the same options share one instance, as the layers of a plain run
 share its scheme (one T5 table, RoPE's angles computed once a forward pass).
 """
@@ -31,18 +32,24 @@ from posbench.registry import check_options
 from posbench.schemes.base import PositionalScheme
 from posbench.schemes.rope import RoPE
 
-LAYER_KEYS = ("scheme", "window", "options")
+LAYER_KEYS = ("scheme", "window", "chunk", "options")
 EXAMPLE = "[{scheme: rope, window: 32}, {scheme: rope, window: 32}, {scheme: rope, window: 32}, nope]"
 
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-    """One layer of a pattern: its scheme (a name or module:Class), its attention window (None:
-    every earlier key) and that scheme's options."""
+    """One layer of a pattern: its scheme (a name or module:Class), its attention window or
+    chunk (None: every earlier key) and that scheme's options."""
 
     scheme: str
-    window: Optional[int] = None
+    window: Optional[int] = None  # a query sees its last `window` keys, itself included
     options: tuple = ()  # (key, value) pairs: a Layer is frozen, and compared by them
+    chunk: Optional[int] = None  # a query sees the keys of its own block of `chunk` (keys 0..C-1, C..2C-1, ...)
+
+    @property
+    def local(self) -> bool:
+        """Whether a query sees fewer than all earlier keys (a window or a chunk)."""
+        return self.window is not None or self.chunk is not None
 
     @property
     def opt(self) -> dict:
@@ -52,22 +59,24 @@ class Layer:
     def shares(self) -> tuple:
         """What layers must agree on to share one instance of their scheme: its name, its
         options (by repr: an option's value may be a list) and whether it attends to every key
-        (a window layer keeps its trained frequencies, so it is built without `extend`)."""
-        return self.scheme, repr(self.options), self.window is None
+        (a window or chunk layer keeps its trained frequencies, so it is built without `extend`)."""
+        return self.scheme, repr(self.options), not self.local
 
     def label(self) -> str:
-        """rope, rope@32, or rope@32(base=1e+06): the scheme, its window, the options given."""
+        """rope, rope@32 (a window), rope@c32 (a chunk), or rope@32(base=1e+06): the scheme, its
+        window or chunk, the options given."""
         given = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.options)
-        return self.scheme + (f"@{self.window}" if self.window else "") + (f"({given})" if given else "")
+        reach = f"@{self.window}" if self.window else f"@c{self.chunk}" if self.chunk else ""
+        return self.scheme + reach + (f"({given})" if given else "")
 
 
-def layer(scheme: str, window: Optional[int] = None, **options) -> Layer:
-    return Layer(scheme, window, tuple(options.items()))
+def layer(scheme: str, window: Optional[int] = None, chunk: Optional[int] = None, **options) -> Layer:
+    return Layer(scheme, window, tuple(options.items()), chunk)
 
 
 def parse_layers(value, where: str) -> list[Layer]:
     """A period as written in a config: a non-empty list whose entries are a scheme's name or
-    a mapping {scheme, window, options}; each mistake is one line naming the entry."""
+    a mapping {scheme, window or chunk, options}; each mistake is one line naming the entry."""
     if not isinstance(value, list) or not value:
         raise PosbenchError(f"{where}: expected a non-empty list of layers, e.g. {EXAMPLE}; got {value!r}")
     layers = []
@@ -82,14 +91,18 @@ def parse_layers(value, where: str) -> list[Layer]:
         unknown = [k for k in entry if k not in LAYER_KEYS]
         if unknown:
             raise PosbenchError(f"{at}.{unknown[0]}: unknown key; a layer takes {', '.join(LAYER_KEYS)}")
-        scheme, window, options = entry.get("scheme"), entry.get("window"), entry.get("options") or {}
+        scheme, options = entry.get("scheme"), entry.get("options") or {}
         if not isinstance(scheme, str) or not scheme:
             raise PosbenchError(f"{at}: needs scheme: a scheme's name or module:Class, e.g. rope; got {scheme!r}")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-            raise PosbenchError(f"{at}.window={window!r}: expected a positive number of keys, or null (all of them)")
+        for key in ("window", "chunk"):
+            n = entry.get(key)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+                raise PosbenchError(f"{at}.{key}={n!r}: expected a positive number of keys, or null (all of them)")
+        if entry.get("window") is not None and entry.get("chunk") is not None:
+            raise PosbenchError(f"{at}: a layer attends within a window or within chunks, not both")
         if not isinstance(options, dict):
             raise PosbenchError(f"{at}.options: expected a mapping of {scheme}'s options, got {options!r}")
-        layers.append(Layer(scheme, window, tuple(options.items())))
+        layers.append(Layer(scheme, entry.get("window"), tuple(options.items()), entry.get("chunk")))
     return layers
 
 
@@ -105,15 +118,16 @@ def preset_window(opt: dict, train_len: int, where: str) -> int:
 
 class Pattern(PositionalScheme):
     """A scheme per layer. `layers_of` gives the period; every hook answers with the scheme of
-    the layer it is called for, and a window layer's bias also masks every key W or more back.
+    the layer it is called for, and a window layer's bias also masks every key W or more back (a
+    chunk layer's, every key outside the query's own chunk).
 
     A layer's scheme acts in attention only (rotate, bias, attend): a scheme that adds to the
     token embeddings (sinusoidal, learned, hybrid) or chooses its own positions (noisy_,
     offset_, randomized) acts on the whole model, not on one layer, and is refused.
 
     Evaluation-time variants (RoPE's scalings) apply to the layers with full attention whose
-    scheme declares them. A window layer never meets a distance of W or more, so, as Gemma 3
-    scales only its global layers, it keeps its trained frequencies.
+    scheme declares them. A window layer never meets a distance of W or more (a chunk layer, of
+    C or more), so, as Gemma 3 scales only its global layers, it keeps its trained frequencies.
     """
 
     description = "your own pattern of schemes over layers, windows optional: scheme_options.pattern_<label>.layers"
@@ -163,8 +177,9 @@ class Pattern(PositionalScheme):
         self.schemes = nn.ModuleList(built.values())  # registered: their parameters train and are saved
         self.at = [built[x.shares] for x in self.layers]  # layer -> its scheme
         self.rank = [ranks[x.shares].index(i) for i, x in enumerate(self.layers)]  # layer -> the layer its scheme sees
-        self.windows = [x.window for x in self.layers]  # layer -> its window, None for full attention
-        full = [s for s, w in zip(self.at, self.windows) if w is None]
+        self.windows = [x.window for x in self.layers]  # layer -> its window, None for none
+        self.chunks = [x.chunk for x in self.layers]  # layer -> its chunk, None for none
+        full = [s for s, x in zip(self.at, self.layers) if not x.local]
         self.eval_variants = {v: d for s in full for v, d in s.eval_variants.items()}
 
     def _build(self, spec: Layer, cfg, at: str) -> PositionalScheme:
@@ -183,8 +198,8 @@ class Pattern(PositionalScheme):
                     f"a pattern's layers act in attention (rotate, bias)"
                 )
         check_options(cls.options, spec.opt, f"{at}.options" if "layers" in self.options else at)
-        # a window layer keeps its trained frequencies, even in a run `posbench extend` fine-tuned
-        extend = cfg.extend if spec.window is None else None
+        # a window or chunk layer keeps its trained frequencies, even in a run `posbench extend` fine-tuned
+        extend = None if spec.local else cfg.extend
         sub = dataclasses.replace(cfg, scheme=spec.scheme, options=spec.opt, extend=extend)
         try:
             return type(self).registry.build(spec.scheme, sub)
@@ -196,7 +211,13 @@ class Pattern(PositionalScheme):
         lines = []
         for i, (spec, s) in enumerate(zip(self.layers, self.at)):
             given = ", ".join(f"{k}={v!r}" for k, v in s.opt.items())
-            reach = f"a window of {spec.window} keys" if spec.window else "full attention"
+            reach = (
+                f"a window of {spec.window} keys"
+                if spec.window
+                else f"chunks of {spec.chunk} keys"
+                if spec.chunk
+                else "full attention"
+            )
             lines.append(f"layer {i}: {spec.scheme}" + (f" ({given})" if given else "") + f", {reach}")
         return lines
 
@@ -210,17 +231,19 @@ class Pattern(PositionalScheme):
 
     def bias(self, q, k, qpos, kpos, layer):
         b = self.at[layer].bias(q, k, qpos, kpos, self.rank[layer])  # None or (B or 1, H, Tq, Tk)
-        W = self.windows[layer]
-        if W is None:
+        W, C = self.windows[layer], self.chunks[layer]
+        if W is None and C is None:
             return b  # None keeps SDPA's is_causal path, as NoPE's
-        masks = self.once_per_forward((qpos, kpos), dict)  # (W, dtype) -> its mask, for every layer of a pass
-        if (W, q.dtype) not in masks:
-            masks[(W, q.dtype)] = window_mask(qpos.numel(), kpos.numel(), W, q.device, q.dtype)  # (Tq, Tk)
-        outside = masks[(W, q.dtype)].expand(1, q.size(1), qpos.numel(), kpos.numel())  # (1, H, Tq, Tk)
+        masks = self.once_per_forward((qpos, kpos), dict)  # (W, C, dtype) -> its mask, for every layer of a pass
+        if (W, C, q.dtype) not in masks:
+            Tq, Tk = qpos.numel(), kpos.numel()
+            made = window_mask(Tq, Tk, W, q.device, q.dtype) if W else chunk_mask(Tq, Tk, C, q.device, q.dtype)
+            masks[(W, C, q.dtype)] = made  # (Tq, Tk)
+        outside = masks[(W, C, q.dtype)].expand(1, q.size(1), qpos.numel(), kpos.numel())  # (1, H, Tq, Tk)
         return outside if b is None else b + outside
 
     def attend(self, q, k, v, qpos, kpos, layer):
-        if self.windows[layer] is not None:
+        if self.layers[layer].local:
             return None  # a scheme's own kernel knows no window: the backend adds it with the bias
         return self.at[layer].attend(q, k, v, qpos, kpos, self.rank[layer])
 
@@ -233,18 +256,22 @@ class Pattern(PositionalScheme):
             )
         with contextlib.ExitStack() as stack:
             if name is not None:
-                for s in dict.fromkeys(s for s, w in zip(self.at, self.windows) if w is None):
+                for s in dict.fromkeys(s for s, x in zip(self.at, self.layers) if not x.local):
                     if name in s.eval_variants:
                         stack.enter_context(s.eval_variant(name, train_len, length, factor))
             yield
 
     def lacks(self, name: str) -> str:
         """Why no layer takes variant `name`, in words."""
-        windowed = sorted({x.scheme for x, s in zip(self.layers, self.at) if x.window and name in s.eval_variants})
+        local = [x for x, s in zip(self.layers, self.at) if x.local and name in s.eval_variants]
         none = sorted({x.scheme for x, s in zip(self.layers, self.at) if name not in s.eval_variants})
         parts = []
-        if windowed:
-            parts.append(f"its {', '.join(windowed)} layers attend within a window and keep their trained frequencies")
+        if local:
+            reach = " or ".join(
+                w for w, has in (("a window", "window"), ("chunks", "chunk")) if any(getattr(x, has) for x in local)
+            )
+            schemes = ", ".join(sorted({x.scheme for x in local}))
+            parts.append(f"its {schemes} layers attend within {reach} and keep their trained frequencies")
         if none:
             parts.append(f"its {', '.join(none)} layers have no such variant")
         return "; ".join(parts)
@@ -257,6 +284,14 @@ def window_mask(Tq: int, Tk: int, W: int, device, dtype) -> torch.Tensor:
     qi = torch.arange(Tk - Tq, Tk, device=device)  # (Tq,) each query's index
     far = qi[:, None] - torch.arange(Tk, device=device)[None, :] >= W  # (Tq, Tk)
     return torch.zeros(Tq, Tk, device=device, dtype=dtype).masked_fill_(far, float("-inf"))
+
+
+def chunk_mask(Tq: int, Tk: int, C: int, device, dtype) -> torch.Tensor:
+    """(Tq, Tk): -inf where key j lies in another chunk of C keys than query i (chunks 0..C-1,
+    C..2C-1, ... by index), else 0; the queries are the last Tq of the Tk keys."""
+    qi = torch.arange(Tk - Tq, Tk, device=device)  # (Tq,) each query's index
+    other = (qi[:, None] // C) != (torch.arange(Tk, device=device)[None, :] // C)  # (Tq, Tk)
+    return torch.zeros(Tq, Tk, device=device, dtype=dtype).masked_fill_(other, float("-inf"))
 
 
 class RNoPESWA(Pattern):
@@ -278,16 +313,20 @@ class RNoPESWA(Pattern):
 
 
 class IRoPE(Pattern):
-    """iRoPE as SmolLM3 has it (and Llama 4's layer pattern): NoPE in every `every`-th layer,
-    RoPE elsewhere, every layer with full attention. Llama 4 also confines its RoPE layers to
-    chunks of 8,192 tokens and scales the NoPE layers' logits with the length; neither is here."""
+    """iRoPE: NoPE in every `every`-th layer, RoPE elsewhere. By default every layer attends to
+    every earlier key, as SmolLM3's; `chunk` confines the RoPE layers to chunks of that many
+    keys, as Llama 4 does (8,192 there). Llama 4's scaling of the NoPE layers' logits with the
+    length (attn_temperature_tuning) is not here."""
 
-    description = "NoPE in every 4th layer, RoPE with full attention elsewhere (SmolLM3; Llama 4's iRoPE layers)"
-    options = {"every": 4, "base": 10000.0}
+    description = "NoPE in every 4th layer, RoPE elsewhere (SmolLM3; with chunk, Llama 4's iRoPE)"
+    options = {"every": 4, "base": 10000.0, "chunk": None}  # chunk null: full attention, as SmolLM3
 
     @classmethod
     def layers_of(cls, opt, train_len, where):
-        return [layer("rope", base=opt["base"])] * (_every(opt, where) - 1) + [layer("nope")]
+        C = opt["chunk"]
+        if C is not None and (isinstance(C, bool) or not isinstance(C, int) or C <= 0):
+            raise PosbenchError(f"{where}.chunk={C!r}: expected a positive number of keys, or null (full attention)")
+        return [layer("rope", chunk=C, base=opt["base"])] * (_every(opt, where) - 1) + [layer("nope")]
 
 
 class Gemma3(Pattern):
@@ -355,5 +394,5 @@ def layer_views(pattern: Pattern) -> list[LayerOf]:
     """One view for the first layer of each distinct layer of the period."""
     firsts = {}
     for i, spec in enumerate(pattern.layers):
-        firsts.setdefault((spec.shares, spec.window), i)
+        firsts.setdefault((spec.shares, spec.window, spec.chunk), i)
     return [LayerOf(pattern, i) for i in firsts.values()]
