@@ -42,7 +42,18 @@ class CheckResult:
 
 
 def tiny_config(scheme: str, **kw) -> ModelConfig:
-    return ModelConfig(**{**TINY, "scheme": scheme, **kw})
+    """TINY, with `kw` on top; a pattern over layers gets a whole period of layers."""
+    return ModelConfig(**{**TINY, "scheme": scheme, "n_layer": layers_needed(scheme, kw.get("options")), **kw})
+
+
+def layers_needed(scheme: str, options: dict | None) -> int:
+    """TINY's layers, or more for a pattern (posbench/schemes/pattern.py) whose period is longer.
+    A name that does not resolve gets TINY's: building it says what is wrong."""
+    try:
+        needed = getattr(SCHEMES.lookup(scheme), "layers_needed", None)
+        return max(TINY["n_layer"], needed(options or {}) if needed else 0)
+    except PosbenchError:
+        return TINY["n_layer"]
 
 
 def tiny_model(scheme: str, seed: int = 0, **kw) -> TransformerLM:
@@ -156,6 +167,45 @@ def beyond_length(model: TransformerLM, T: int) -> str:
     return f"finite logits at length {T}"
 
 
+@torch.no_grad()
+def window_holds(model: TransformerLM, T: int) -> str:
+    """Each layer with an attention window W (a pattern's, `windows`) never reads a key W or more
+    back: changing the layer's input at the token W back leaves its output at the last query as
+    it was, and changing it W - 1 back does not. A chunk layer (`chunks`) likewise never reads
+    the key just before the last query's chunk, and does read its chunk's first. Whole and
+    blocked; other schemes pass."""
+    q = T - 1  # the last query
+    windows = getattr(model.scheme, "windows", None) or []
+    chunks = getattr(model.scheme, "chunks", None) or []
+    # (layer, its reach in words, a key past it, the farthest key within it)
+    checked = [(i, f"window of {W} keys", q - W, q - W + 1) for i, W in enumerate(windows) if W and W < T]
+    checked += [(i, f"chunk of {C} keys", q // C * C - 1, q // C * C) for i, C in enumerate(chunks) if C and C <= q]
+    if not checked:
+        return "no layer has an attention window or chunk shorter than the sequence"
+    C, backend = model.cfg.d_model, model.backend(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    pos = model.scheme.positions(T, "cpu")
+    for i, reach, unseen, seen in sorted(checked):
+        attn = model.blocks[i].attn
+        x = torch.randn(2, T, C, generator=gen)
+        for block, path in ((None, "whole"), (BLOCK, "blocked")):
+            with on_blocks(T) if block else contextlib.nullcontext():
+                y = attn(x, pos, backend, block)[:, -1]  # (B, C): the last query's output
+                for key, changes in ((unseen, False), (seen, True)):
+                    x2 = x.clone()
+                    x2[:, key] += torch.randn(2, C, generator=gen)
+                    gap = (attn(x2, pos, backend, block)[:, -1] - y).abs().max().item()
+                    if not changes and gap > 0:
+                        raise CheckFailed(
+                            f"layer {i} has a {reach}, yet key {key} changed query {q}'s output by {gap:.2g} "
+                            f"(T={T}, {path} attention)"
+                        )
+                    if changes and gap == 0:
+                        raise CheckFailed(f"layer {i}: key {key}, within its {reach} of query {q}, changed nothing")
+    where = ", ".join(f"layer {i}: {reach}" for i, reach, _, _ in sorted(checked))
+    return f"no query reads a key past its layer's window or chunk ({where}; T={T}, whole and blocked)"
+
+
 def attend_agrees(model: TransformerLM, T: int) -> str:
     """A scheme's own `attend`, which the native backend tries first, gives the logits and
     gradients of the eager formula with its `bias`, within 1e-5 (relative to the largest, for
@@ -235,10 +285,12 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
         n = sum(p.numel() for p in model.scheme.parameters())
         c = model.cfg
         given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        per_layer = getattr(model.scheme, "period", None)  # a pattern: its layers, one label each
         return (
             f"{type(model.scheme).__name__}: {c.n_layer} layers, {c.n_head} heads, "
             f"d_model {c.d_model}, train_len {c.train_len}; {n} scheme parameters"
             + (f"; options {given}" if given else "")
+            + (f"; layers {' '.join(x.label() for x in per_layer)}" if per_layer else "")
         )
 
     def causal():
@@ -258,6 +310,9 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
     def beyond():
         return beyond_length(got["model"].eval(), 4 * L)
 
+    def window():
+        return window_holds(got["model"].eval(), L * 5 // 2 if supports(got["model"], L * 5 // 2) else L)
+
     def attend():
         return attend_agrees(got["model"].train(), L * 5 // 2 if supports(got["model"], L * 5 // 2) else L)
 
@@ -267,6 +322,7 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
         ("forward", fwd, ("build",)),
         ("backward", bwd, ("forward",)),
         ("beyond length", beyond, ("build",)),
+        ("window", window, ("build",)),
         ("attend", attend, ("build",)),
     ]
     passed: dict[str, bool] = {}

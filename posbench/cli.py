@@ -878,7 +878,9 @@ def inspect(
     from posbench.plots import inspect_target
 
     with user_errors():
-        paths = inspect_target(target, out_dir, length)
+        paths, layers = inspect_target(target, out_dir, length)
+    for line in layers:  # a pattern over layers: what each layer is
+        out.print(line, highlight=False)
     if not paths:
         out.print(f"{target}: its hooks change nothing (NoPE), so there is nothing to draw")
     for p in paths:

@@ -51,12 +51,12 @@ def by_distance(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def model_qk(model) -> tuple[torch.Tensor, torch.Tensor]:
-    """A trained model's own q and k: layer 0's projections of every token of the vocabulary,
+def model_qk(model, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trained model's own q and k: a layer's projections of every token of the vocabulary,
     averaged, (H, D) each. q.k is linear in each, so a score drawn with them is the score
     averaged over every (query token, key token) pair."""
-    attn, C = model.blocks[0].attn, model.cfg.d_model
-    q, k, _ = attn.qkv(model.blocks[0].ln1(model.tok.weight)).split(C, dim=-1)  # (V, C) each
+    attn, C = model.blocks[layer].attn, model.cfg.d_model
+    q, k, _ = attn.qkv(model.blocks[layer].ln1(model.tok.weight)).split(C, dim=-1)  # (V, C) each
     H = model.cfg.n_head
     return q.mean(0).view(H, C // H).float(), k.mean(0).view(H, C // H).float()  # (H, D) each
 
@@ -214,7 +214,7 @@ def plot_similarity(sim: torch.Tensor, path: Path, title: str, train_len=None) -
     return _save(fig, path)
 
 
-def plot_bias(maps: torch.Tensor, path: Path, title: str, train_len=None, notes=()) -> Path:
+def plot_bias(maps: torch.Tensor, path: Path, title: str, train_len=None, notes=(), layer=0) -> Path:
     """A map per head; `notes`: lines under the title that say how to read it."""
     import numpy as np
 
@@ -235,7 +235,9 @@ def plot_bias(maps: torch.Tensor, path: Path, title: str, train_len=None, notes=
         if constant:
             ax.text(0.3, 0.15, f"{drawn[0].item():g} everywhere", transform=ax.transAxes, ha="center", color="white")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    lines = [f"{title}: bias added to the logits, layer 0 (blank: future or -inf)", *notes] + ([note] if note else [])
+    lines = [f"{title}: bias added to the logits, layer {layer} (blank: future or -inf)", *notes] + (
+        [note] if note else []
+    )
     fig.suptitle("\n".join(textwrap.fill(line, int(13 * 3.2 * cols)) for line in lines), fontsize=10)
     return _save(fig, path)
 
@@ -282,10 +284,11 @@ def plot_per_head(name: str, values: torch.Tensor, path: Path, title: str, index
 
 
 def inspect_scheme(
-    scheme: PositionalScheme, out_dir: Path, T: int, title: str, train_len=None, learned=False, qk=None
+    scheme: PositionalScheme, out_dir: Path, T: int, title: str, train_len=None, learned=False, qk=None, layer=0
 ) -> list[Path]:
     """Every picture the scheme's hooks call for, written into out_dir; the paths written.
-    `qk`: a trained model's q and k (`model_qk`), drawn instead of random ones."""
+    `qk`: a trained model's q and k (`model_qk`), drawn instead of random ones; `layer`: the
+    layer they are drawn for (a pattern's view answers for its own layer whatever it is asked)."""
     scheme = scheme.eval()
     out_dir = Path(out_dir)
     drawings = []  # (file name, draw(path)); computed first, so a scheme with none writes nothing
@@ -293,7 +296,7 @@ def inspect_scheme(
     if pe is not None:
         drawings.append(("encoding.png", lambda p: plot_encoding(pe, p, title, train_len)))
         drawings.append(("similarity.png", lambda p: plot_similarity(similarity(pe), p, title, train_len)))
-    what = "random q and k" if qk is None else "layer 0's q and k, averaged over the vocabulary"
+    what = "random q and k" if qk is None else f"layer {layer}'s q and k, averaged over the vocabulary"
     rot = rotation_scores(scheme, T, qk=qk)
     if rot is not None:
         drawings.append(("rotation.png", lambda p: plot_rotation(*rot, p, title, what=what)))
@@ -309,7 +312,7 @@ def inspect_scheme(
             zero = bool(params) and all(bool((p == 0).all()) for p in params)
             why = "; its parameters are all 0, as initialised: inspect a trained run" if zero else ""
             notes.append(f"it is {drawn[0].item():g} at every (i, j), so it changes no attention weight{why}")
-        drawings.append(("bias.png", lambda p: plot_bias(maps, p, title, train_len, notes)))
+        drawings.append(("bias.png", lambda p: plot_bias(maps, p, title, train_len, notes, layer)))
     if learned:
         for name, values in per_head_parameters(scheme).items():
             index = distance_index(scheme, name, T) if values.dim() == 2 else None
@@ -320,25 +323,40 @@ def inspect_scheme(
     return [draw(out_dir / fname) for fname, draw in drawings]
 
 
-def inspect_target(target: str, out_dir: Optional[Path] = None, length: Optional[int] = None) -> list[Path]:
+def inspect_target(
+    target: str, out_dir: Optional[Path] = None, length: Optional[int] = None
+) -> tuple[list[Path], list[str]]:
     """`posbench inspect TARGET`: a scheme (name or module:Class) at its defaults, or a trained
-    run folder, whose scheme is drawn with its learned parameters and its model's own q and k."""
+    run folder, whose scheme is drawn with its learned parameters and its model's own q and k.
+    A pattern over layers is drawn a layer at a time, each distinct layer in a folder layer<i>.
+    Returns the paths written and, for a pattern, a line per layer."""
+    from posbench.check import layers_needed
     from posbench.experiment.checkpoint import load_run
     from posbench.files import safe_name
+    from posbench.schemes.pattern import Pattern, layer_views
 
     if length is not None and length < 2:
         raise PosbenchError(f"--length {length}: draw at least 2 positions")
     as_path = Path(target)
+    model = None
     if target not in SCHEMES and (as_path.is_dir() or ("/" in target or target.startswith("."))):
         _, model = load_run(as_path)  # says what is wrong with a folder that is not a run
         scheme, name, learned = model.scheme, as_path.resolve().name, True
-        qk = model_qk(model)  # what q.k is made of is learned too, even for a scheme without parameters
     else:
-        scheme, name, learned = build_scheme(ModelConfig(scheme=target)), safe_name(target), False
-        qk = None
+        cfg = ModelConfig(scheme=target, n_layer=layers_needed(target, {}))  # a pattern: one whole period
+        scheme, name, learned = build_scheme(cfg), safe_name(target), False
     train_len = scheme.cfg.train_len
     T = length or 2 * train_len
     if scheme.max_len is not None:
         T = min(T, scheme.max_len)
     title = f"{name} (trained)" if learned else name
-    return inspect_scheme(scheme, out_dir or Path("results") / "inspect" / name, T, title, train_len, learned, qk)
+    out = out_dir or Path("results") / "inspect" / name
+    if not isinstance(scheme, Pattern):
+        qk = model_qk(model) if model is not None else None  # q.k's parts are learned too
+        return inspect_scheme(scheme, out, T, title, train_len, learned, qk), []
+    paths = []
+    for view in layer_views(scheme):
+        qk = model_qk(model, view.i) if model is not None else None
+        where, label = out / f"layer{view.i}", f"{title}, layer {view.i}: {view.spec.label()}"
+        paths += inspect_scheme(view, where, T, label, train_len, learned, qk, layer=view.i)
+    return paths, scheme.describe()

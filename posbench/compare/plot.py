@@ -67,7 +67,7 @@ def _index(name: str, known: list[str], size: int) -> int:
 def style(name: str) -> dict:
     """matplotlib line keywords for scheme `name`: colour, line style and marker."""
     from posbench.extend.methods import METHODS
-    from posbench.schemes import MODIFIERS, SCHEMES
+    from posbench.schemes import MODIFIERS, PATTERNS, SCHEMES
 
     base = base_of(name)
     trained, _, method = name.partition(":")
@@ -77,6 +77,8 @@ def style(name: str) -> dict:
     plain, _, variant = trained.partition("+")
     modifier = next((m for m in MODIFIERS if plain.startswith(m) and plain != base), None)
     if variant:  # the same checkpoints, evaluated another way: dashes per variant of its scheme
+        if base in PATTERNS or base.startswith("pattern_"):
+            base = "rope"  # a pattern's variants are its RoPE layers': dashed as rope's
         own = list(SCHEMES[base].eval_variants) if base in SCHEMES else []
         dashes = DASHES[_index(variant.partition("@")[0], own, len(DASHES) - len(MODIFIERS))]
     elif modifier:  # a modified scheme: dashes from the end, one per modifier

@@ -209,11 +209,12 @@ def default_curve(steps: int) -> list[int]:
 
 
 def _variants(rc: ExperimentConfig) -> list[str]:
-    """The parent's evaluation-time variants, but those its scheme refuses (rope's longrope)."""
-    from posbench.schemes import SCHEMES
+    """The parent's evaluation-time variants, but those its scheme refuses (rope's longrope). A
+    pattern over layers has its layers' own, so they are asked of the scheme as built."""
+    from posbench.schemes import build_scheme
 
-    cls = SCHEMES.lookup(rc.model.scheme)
-    return [v for v in cls.eval_variants if not cls.refuses(v)]
+    scheme = build_scheme(rc.model)
+    return [v for v in scheme.eval_variants if not scheme.refuses(v)]
 
 
 def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None, eval=None, options=None):

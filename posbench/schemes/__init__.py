@@ -43,7 +43,7 @@ SCHEMES = Registry(
     base="posbench.schemes:PositionalScheme",
     example="examples.my_scheme:MyScheme",
     explain=_explain,
-    derive=lambda name, registry: _modified(name, registry),
+    derive=lambda name, registry: _pattern(name, registry) or _modified(name, registry),
     # what papers and other libraries call them, suggested for an unknown name
     aliases={
         "rotary": "rope",
@@ -60,6 +60,18 @@ SCHEMES = Registry(
 # prefix -> the modifier it applies to the scheme named after it, and how that scheme trains:
 # noisy_rope is rope on sorted random positions (randomized with base rope)
 MODIFIERS = {"noisy_": ("randomized", "on sorted random positions"), "offset_": ("offset", "from a random start")}
+
+
+PATTERNS = ("rnope_swa", "irope", "gemma3")  # presets of posbench/schemes/pattern.py, with pattern_<label>
+
+
+def _pattern(name: str, registry):
+    """A preset pattern over layers (rnope_swa, irope, gemma3) or the user's own, pattern_<label>."""
+    if name not in PATTERNS and not name.startswith("pattern_"):
+        return None  # no scheme module is imported for any other name
+    from posbench.schemes.pattern import pattern
+
+    return pattern(name, registry)
 
 
 def _modified(name: str, registry):
@@ -99,9 +111,10 @@ _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first u
     "posbench.schemes.fire": ["FIRE"],
     "posbench.schemes.randomized": ["Randomized", "Offset"],
     "posbench.schemes.cope": ["CoPE", "cope_bias"],
+    "posbench.schemes.pattern": ["Pattern", "Layer", "window_mask"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = ["SCHEMES", "SEED_SCHEMES", "catalogue", "resolve_scheme", "build_scheme", *_WHERE]
+__all__ = ["SCHEMES", "SEED_SCHEMES", "PATTERNS", "catalogue", "resolve_scheme", "build_scheme", *_WHERE]
 
 
 def __getattr__(name: str):
@@ -121,7 +134,11 @@ def catalogue() -> list[tuple[str, str]]:
         rows.append((name, cls.description))
         for variant, what in cls.eval_variants.items():
             rows.append((f"{name}+{variant}", f"evaluation-time variant of {name}: {what}"))
+    from posbench.schemes.pattern import Pattern
+
+    rows += [(name, SCHEMES.lookup(name).description) for name in PATTERNS]
     rows += [
+        ("pattern_<label>", Pattern.description),
         ("noisy_<scheme>", "any scheme trained and evaluated on sorted random positions (randomized with that base)"),
         ("offset_<scheme>", "any scheme trained on positions from a random start (offset with that base)"),
     ]

@@ -78,6 +78,15 @@ class Perplexity(Measure):
                 f"eval.perplexity.rope_scaling {own.rope_scaling}: no scheme run here has these "
                 f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
             )
+        for s in cfg.schemes if kinds else []:  # a pattern over layers whose own layers take none of them
+            lacks = getattr(SCHEMES.lookup(s), "lacks", None)
+            if lacks is not None:
+                from posbench.schemes import build_scheme
+
+                scheme = build_scheme(cfg.model_for(s))
+                for kind in own.rope_scaling:
+                    if kind not in scheme.eval_variants:
+                        notes.append(f"eval.perplexity.rope_scaling {kind}: no {s}+{kind} rows, {scheme.lacks(kind)}")
         if "sliding" in own.protocol:  # stride 1 is exact and slow: say how slow first
             n = len(eval_tokens(corpus, cfg, cfg.eval.lengths)) - 1
             count = sum(len(windows(n, L, "sliding", own.stride)) for L in cfg.eval.lengths)

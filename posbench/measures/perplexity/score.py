@@ -50,8 +50,10 @@ def evaluate_into(
     unknown = [v for v in variants if v is not None and v not in model.eval_variants]
     if unknown:
         have = ", ".join(model.eval_variants) or "none"
+        lacks = getattr(getattr(model, "scheme", None), "lacks", None)  # a pattern says which layers lack it
+        why = f": {lacks(unknown[0])}" if lacks else ""
         raise PosbenchError(
-            f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have})"
+            f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have}){why}"
         )
     if factor is not None and not factor >= 1.0:
         raise PosbenchError(f"rope factor {factor}: must be >= 1")
