@@ -19,7 +19,9 @@ from posbench.data import SHAKESPEARE_NAME
 from posbench.errors import PosbenchError
 from posbench.extend import report as extend
 from posbench.measures.base import Section
-from posbench.measures.perplexity import breaks
+from posbench.measures.perplexity.breaks import breaks as rope_breaks
+from posbench.measures.perplexity.breaks import plot as plot_rope_law
+from posbench.measures.perplexity.breaks import section as rope_section
 from posbench.measures.perplexity.records import (
     EVAL_COLUMNS,
     METRICS,
@@ -336,9 +338,9 @@ def report(collected, metric: str, transpose: bool) -> dict:
         )
     positions = position_losses(collected.runs, df.attrs["points"])
     tabled = positions[positions["length"].isin(set(df["length"]))]  # a training command's: what it asked for
-    rope = breaks.breaks(collected.runs, tabled, df.attrs["points"])
+    rope = rope_breaks(collected.runs, tabled, df.attrs["points"])
     if not rope.empty:
-        sections.append(breaks.section(rope))
+        sections.append(rope_section(rope))
     curve = extend.curve_table(collected.runs)
     if curve is not None:
         sections.append(extend.curve_section(*curve[:2]))
@@ -359,7 +361,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
         )
         plot_positions(positions, train_lens, folder / "positions.png", unit)
         drawn = ["summary.png", "positions.png"]
-        if breaks.plot(rope, folder / "rope_law.png"):
+        if plot_rope_law(rope, folder / "rope_law.png"):
             drawn.append("rope_law.png")
         if not pretrained:
             plot_training({run.folder: run for run in collected.runs}, folder / "training.png", unit)
