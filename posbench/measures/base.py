@@ -128,10 +128,18 @@ def only_own_section(cfg, own: str) -> None:
 class Scorer:
     """A measure a user adds: `name` (its records' file name), `metrics` (what each row holds,
     by name) and `score`, which returns a row per length: {"length": L, <metric>: value, ...},
-    with "status" where a length could not be scored ("beyond-max-len")."""
+    with "status" where a length could not be scored ("beyond-max-len"). A measure with a
+    second axis names it (`axis = "depth"`) and returns a row per length and value of it
+    ({"length": L, "depth": 25, ...}); its records keep the column and its reports give a
+    table per value and a heatmap of axis x length per scheme. `options()`: the settings it
+    scored with, written into its records."""
 
     name: str = ""
     metrics: dict[str, Metric] = {}
+    axis: Optional[str] = None  # a column each row holds beside its length (a number), or none
+
+    def options(self) -> dict:
+        return {}
 
     def score(self, run: ScoringRun) -> list[dict]:
         raise NotImplementedError
