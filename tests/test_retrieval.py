@@ -15,6 +15,7 @@ import textwrap
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import invoke
@@ -170,6 +171,33 @@ def test_a_pretrained_model_reading_the_prompt_once_scores_the_candidates_as_who
         once = candidate_losses(model, "cpu", [(prompt, cands)], 16)[0]
         whole = candidate_losses(types.SimpleNamespace(token_losses=model.token_losses), "cpu", [(prompt, cands)], 2)[0]
     assert torch.allclose(once, whole, atol=1e-4), (once, whole)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_the_prompt_is_encoded_as_the_runs_corpus_was_cut(tmp_path, monkeypatch, tokenizer):
+    """data.tokenizer_of finds the run's tokenizer (a BPE: the one cached when the corpus was
+    cut, never trained again): the validation text it encodes is the corpus's validation split."""
+    pytest.importorskip("tokenizers")
+    from posbench.config import DataConfig
+    from posbench.data import load_corpus, tokenizer_of
+    from posbench.text import split_point
+
+    monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "words.txt"
+    path.write_bytes(bytes(filler(6000)) + b"\n")
+    size = 300 if tokenizer == "bpe" else None
+    cfg = DataConfig(path=str(path), tokenizer=tokenizer, vocab_size=size, val_fraction=0.1)
+    corpus = load_corpus(cfg)
+
+    def cached() -> dict:
+        return {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("*.json")}
+
+    trained = cached()
+    tok = tokenizer_of(cfg)
+    assert cached() == trained
+    text = path.read_bytes()  # ASCII: the split falls where the last 10% of its bytes begin
+    assert tok.name == corpus.tokenizer
+    assert np.array_equal(tok.encode(text[split_point(len(text), 0.1) :]), np.asarray(corpus.val))
 
 
 SHORT = """
