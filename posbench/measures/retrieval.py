@@ -123,7 +123,7 @@ class Retrieval(Scorer):
 
     def trial(self, encode, val, L: int, depth: float, t: int) -> Optional[tuple[torch.Tensor, list[torch.Tensor]]]:
         """Trial `t` at length L and depth: the prompt (P,) and the candidates' tokens (the true
-        key's first), or None where the needle and question leave no room (or the corpus too little)."""
+        key's first), or None where the needle and question leave no room."""
         rng = random.Random(f"{self.seed}:{L}:{depth}:{t}")  # a string seed: the same in every process
         true = self.key(rng)
         answer = encode(self.answer.format(key=true))
@@ -140,8 +140,12 @@ class Retrieval(Scorer):
             cands.append(a)
         needle, question = encode(self.needle.format(key=true)), encode(self.question)
         n = L + 1 - len(needle) - len(question) - len(answer)  # filler tokens: the model reads L in all
-        if n < 0 or n > len(val):
+        if n < 0:
             return None
+        if n > len(val):
+            raise PosbenchError(
+                f"length {L}: the validation split's {len(val):,} tokens are fewer than its {n:,} of filler"
+            )
         start = rng.randrange(len(val) - n + 1)
         filler = torch.as_tensor(np.asarray(val[start : start + n]).astype(np.int64))  # (n,)
         cut = round(depth / 100 * n)
