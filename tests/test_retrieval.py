@@ -127,6 +127,18 @@ def test_a_model_that_ignores_its_context_is_at_chance_on_average_whatever_it_pr
     assert abs(rank - (N + 2) / 2) < 4 * sd / math.sqrt(n)
 
 
+def test_the_short_texts_leave_a_byte_run_at_its_training_length_most_of_its_window():
+    """ShortRetrieval's needle, question and answer take 36 bytes: at posbench's default
+    training length (100 bytes) the copier still retrieves every key, where Retrieval's take 104."""
+    from posbench.measures.retrieval import ShortRetrieval
+
+    rows = ShortRetrieval(trials=2).score(scoring_run(Copier(), lengths=(100,)))
+    assert [r["retrieval_accuracy"] for r in rows] == [1.0] * 5
+    assert [r.get("status") for r in Retrieval(trials=1).score(scoring_run(Copier(), lengths=(100,)))] == [
+        "too-short"
+    ] * 5
+
+
 def test_the_same_run_gives_the_same_table_and_another_seed_another_draw():
     table = torch.rand(V, generator=torch.Generator().manual_seed(1))
     run = scoring_run(Unigram(table), lengths=(200,))

@@ -195,3 +195,11 @@ def summary(nats: list[torch.Tensor]) -> dict:
         margin += float(-diff.max())
     T = len(nats)
     return {"retrieval_accuracy": acc / T, "retrieval_rank": rank / T, "retrieval_margin": margin / T}
+
+
+class ShortRetrieval(Retrieval):
+    """Retrieval with texts of 36 bytes in all (the default's take 104), for byte runs whose
+    windows are short: posbench's default runs are trained at 100 bytes and scored to 200."""
+
+    needle = "\nThe key is {key}.\n"
+    question = "\nThe key is"
