@@ -164,6 +164,10 @@ def test_the_records_keep_the_depth_column_and_the_options(tmp_path):
     assert meta["options"]["depths"] == [0, 100] and meta["options"]["trials"] == 2
     assert meta["options"]["distractors"] == 9 and meta["options"]["key_digits"] == 5
     assert len(rows) == 2
+    from posbench.trackers import _measure_points
+
+    sent = _measure_points(tmp_path)  # a tracker's series per depth, the length as its step
+    assert set(sent) == {f"eval/{m}.depth{d}@200" for m in Retrieval.metrics for d in (0, 100)}
 
 
 def test_a_pretrained_model_reading_the_prompt_once_scores_the_candidates_as_whole_windows_do():
