@@ -5,6 +5,7 @@ tables per depth and its heatmap (posbench/measures/plugin.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -137,6 +138,24 @@ def test_the_short_texts_leave_a_byte_run_at_its_training_length_most_of_its_win
     assert [r.get("status") for r in Retrieval(trials=1).score(scoring_run(Copier(), lengths=(100,)))] == [
         "too-short"
     ] * 5
+
+
+def test_a_variant_scores_within_the_models_variant_at_each_length_into_records_of_its_own():
+    class Scaled(Copier):
+        def __init__(self):
+            super().__init__()
+            self.asked = []
+
+        @contextlib.contextmanager
+        def eval_variant(self, name, length, factor=None):
+            self.asked.append((name, length, factor))
+            yield
+
+    model = Scaled()
+    measure = Retrieval(trials=1, depths=(50,), variant="yarn")
+    measure.score(scoring_run(model))
+    assert model.asked == [("yarn", 200, None), ("yarn", 400, None)] and measure.name == "retrieval_yarn"
+    assert measure.options()["variant"] == "yarn" and Retrieval().name == "retrieval"
 
 
 def test_the_same_run_gives_the_same_table_and_another_seed_another_draw():

@@ -27,6 +27,7 @@ or pass them to the constructor from Python. They are written into the records.
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from typing import Optional
 
 import numpy as np
@@ -66,11 +67,18 @@ class Retrieval(Scorer):
     key_digits: int = 5
     seed: int = 0
     lengths: Optional[tuple] = None  # None: the run's eval.lengths
+    # scored as an evaluation-time variant (rope's yarn, a pretrained model's linear) at each
+    # length's factor, or this fixed one; its records are retrieval_<variant>, a table of their own
+    variant: Optional[str] = None
+    factor: Optional[float] = None
     needle: str = NEEDLE
     question: str = QUESTION
     answer: str = ANSWER
 
-    OPTIONS = ("depths", "trials", "distractors", "key_digits", "seed", "lengths", "needle", "question", "answer")
+    OPTIONS = (
+        "depths", "trials", "distractors", "key_digits", "seed", "lengths", "variant", "factor", "needle", "question",
+        "answer",
+    )  # fmt: skip
 
     def __init__(self, **options):
         unknown = sorted(set(options) - set(self.OPTIONS))
@@ -86,6 +94,8 @@ class Retrieval(Scorer):
             raise PosbenchError(f"Retrieval: {self.key_digits}-digit keys have too few values for {self.distractors}")
         if "{key}" not in self.needle or "{key}" not in self.answer:
             raise PosbenchError("Retrieval: needle and answer must hold {key}")
+        if self.variant is not None and self.name == Retrieval.name:  # a subclass's own name stays
+            self.name = f"{self.name}_{self.variant}"
 
     def options(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k in self.OPTIONS if (v := getattr(self, k)) is not None}
@@ -114,7 +124,11 @@ class Retrieval(Scorer):
                 if any(t is None for t in trials):
                     rows.append({**at, "status": "too-short"})  # the needle and question alone fill L
                     continue
-                nats = candidate_losses(run.model, run.device, trials, batch)
+                as_scored = (
+                    nullcontext() if self.variant is None else run.model.eval_variant(self.variant, L, self.factor)
+                )
+                with as_scored:
+                    nats = candidate_losses(run.model, run.device, trials, batch)
                 rows.append({**at, **summary(nats)})
         return rows
 
