@@ -276,3 +276,12 @@ def test_evaluate_scores_smoke_runs_and_the_report_tables_each_depth_and_draws_a
         long = list(csv.DictReader(f))
     assert {r["depth"] for r in long} == {"0", "50", "100"} and {r["scheme"] for r in long} == {"nope", "learned"}
     assert (exp / "retrieval.png").stat().st_size > 0
+
+
+def test_a_task_run_has_no_corpus_to_draw_filler_from_and_says_so_in_one_line(task_smoke, tmp_path):
+    run = tmp_path / "nope-seed0"
+    shutil.copytree(task_smoke / "nope-seed0", run)
+    res = invoke("evaluate", run, "--measure", SPEC)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "a run of task copy has no corpus to draw filler from" in " ".join(res.output.split())
+    assert not (run / "measures").exists()

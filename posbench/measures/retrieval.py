@@ -105,13 +105,13 @@ class Retrieval(Scorer):
     def score(self, run: ScoringRun) -> list[dict]:
         from posbench.data import tokenizer_of
 
+        if not hasattr(run.source, "val"):
+            raise PosbenchError(f"a run of task {run.cfg.task} has no corpus to draw filler from")
         tok = tokenizer_of(run.cfg.data)
 
         def encode(text: str) -> torch.Tensor:
             return torch.as_tensor(tok.encode(text.encode()).astype(np.int64))
 
-        if not hasattr(run.source, "val"):
-            raise PosbenchError(f"a run of task {run.cfg.task} has no corpus to draw filler from")
         val, batch = run.source.val, run.cfg.eval.batch_size
         rows = []
         for L in self.lengths or run.lengths:
