@@ -170,7 +170,10 @@ def _print_summary(
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: key=value")]
 MeasureOpt = Annotated[
     Optional[str],
-    typer.Option(help="score by other measures: context_gain, key_tokens or module:Class, comma-separated"),
+    typer.Option(
+        help="score by other measures: context_gain, key_tokens, retrieval, retrieval_short or module:Class, "
+        "comma-separated"
+    ),
 ]
 MeasureOptions = Annotated[
     Optional[list[str]],

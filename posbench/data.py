@@ -153,12 +153,7 @@ def load_corpus(cfg: DataConfig, fetching=None) -> Corpus:
         f.is_file() and f.suffix not in (".jsonl", ".parquet") for f in text.source_files(cfg.path)
     )
     if cfg.tokenizer != "bytes" or cfg.val_path or not plain:
-        if cfg.path:
-            read_text = cfg.tokenizer != "bytes"  # a text tokenizer: plain files must be UTF-8
-            stream, name = (lambda: text.pieces(cfg.path, cfg.text_field, text=read_text)), cfg.path
-        else:
-            whole = shakespeare(fetching)
-            stream, name = (lambda: iter([whole])), SHAKESPEARE_NAME.removesuffix(", bytes")
+        stream, name = _text_stream(cfg, fetching)
         t = text.in_memory(cfg, stream, fetching)
         if len(t.train) < 2 or len(t.val) < 2:
             raise PosbenchError(
@@ -168,6 +163,39 @@ def load_corpus(cfg: DataConfig, fetching=None) -> Corpus:
             f"{name}, {t.tokenizer}", t.train, t.val, t.tokenizer, None if cfg.tokenizer == "bytes" else t.byte_lengths
         )
     return _bytes_corpus(cfg, fetching)
+
+
+def _text_stream(cfg: DataConfig, fetching=None):
+    """`stream()`, the corpus's pieces afresh each call, as posbench/text.py reads them, and its name."""
+    from posbench import text
+
+    if cfg.path:
+        read_text = cfg.tokenizer != "bytes"  # a text tokenizer: plain files must be UTF-8
+        return (lambda: text.pieces(cfg.path, cfg.text_field, text=read_text)), cfg.path
+    whole = shakespeare(fetching)
+    return (lambda: iter([whole])), SHAKESPEARE_NAME.removesuffix(", bytes")
+
+
+def tokenizer_of(cfg: DataConfig, fetching=None):
+    """The tokenizer a run's corpus was cut with (a text.Tokenizer), to write new text as its
+    tokens: bytes, the tokenizer file data.tokenizer names, a prepared folder's own copy, or the
+    cached BPE (found by the corpus's digest, which reads the corpus once; never trained here
+    unless its cache was deleted)."""
+    from posbench import text
+
+    if text.is_prepared(cfg.path):
+        kept = text.read_prepared_meta(cfg.path).get("tokenizer_file")
+        if kept is None:
+            return text.Tokenizer("bytes", text.BYTE_ALPHABET, "bytes")
+        return text.load_tokenizer_file(str(Path(os.path.expanduser(cfg.path)) / kept))
+    kind = text.tokenizer_kind(cfg.tokenizer)
+    if kind == "bytes":
+        return text.Tokenizer("bytes", text.BYTE_ALPHABET, "bytes")
+    if kind != "bpe":
+        return text.load_tokenizer_file(cfg.tokenizer)
+    stream, _ = _text_stream(cfg, fetching)
+    tok, _, _ = text.tokenize(cfg, stream, fetching)  # the splits' tokens are generators, never read
+    return tok
 
 
 def _bytes_corpus(cfg: DataConfig, fetching=None) -> Corpus:

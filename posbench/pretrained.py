@@ -167,12 +167,39 @@ class PretrainedLM(nn.Module):
         hidden = self.backbone(input_ids=win[:, :-1]).last_hidden_state  # (b, T, d)
         out = []
         for i in range(0, hidden.size(1), LOGIT_CHUNK):
-            logits = self.head(hidden[:, i : i + LOGIT_CHUNK]).float()  # (b, chunk, V)
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits = self._logits(hidden[:, i : i + LOGIT_CHUNK])  # (b, chunk, V)
             targets = win[:, 1 + i : 1 + i + LOGIT_CHUNK]
             out.append(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape))
         return torch.cat(out, dim=1)
+
+    def continuation_losses(self, prompt: torch.Tensor, conts: torch.Tensor) -> torch.Tensor:
+        """Each continuation's token losses in nats, (C, k), after one prompt (P,) for candidate
+        continuations (C, k): the prompt is run once and its keys and values kept (transformers'
+        cache), then each continuation reads them and the cache is cut back to the prompt, so C
+        continuations cost one forward pass of P tokens and C of k - 1, not C of P + k - 1."""
+        import inspect
+
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)  # filled in place by each forward pass
+        takes = inspect.signature(self.backbone.forward).parameters
+        named = {"cache" if "cache" in takes else "past_key_values": cache}  # as newer and older transformers name it
+        last = self.backbone(input_ids=prompt[None], use_cache=True, **named).last_hidden_state[:, -1]  # (1, d)
+        C, k = conts.shape
+        losses = torch.empty(C, k)
+        first = self._logits(last).expand(C, -1)  # (C, V): the prompt's last position predicts each first token
+        losses[:, 0] = F.cross_entropy(first, conts[:, 0], reduction="none").cpu()
+        for i in range(C if k > 1 else 0):
+            hidden = self.backbone(input_ids=conts[i : i + 1, :-1], use_cache=True, **named).last_hidden_state
+            logits = self._logits(hidden[0])  # (k - 1, V)
+            losses[i, 1:] = F.cross_entropy(logits, conts[i, 1:], reduction="none").cpu()
+            cache.crop(-(k - 1))  # back to the prompt's keys and values, for the next one
+        return losses
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer's logits in fp32, soft-capped where the config says."""
+        logits = self.head(hidden).float()
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
     @contextlib.contextmanager
     def eval_variant(self, name: Optional[str], length: int, factor: Optional[float] = None):

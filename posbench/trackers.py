@@ -428,16 +428,18 @@ def _eval_points(evals: str, label: str, columns: dict[str, str]) -> dict[str, f
 
 def _measure_points(rdir: Path) -> dict[str, float]:
     """{"eval/next_byte_accuracy@48": value, ...}: what users' measures scored (RUN/measures/),
-    each metric by its name."""
+    each metric by its name, and by the value of a measure's second axis where it has one
+    ("eval/retrieval_accuracy.depth25@48")."""
     from posbench.measures.plugin import read_measures
 
     points = {}
-    for _, metrics, rows in read_measures(rdir).values():
-        for r in rows:
-            for name in metrics:
+    for rec in read_measures(rdir).values():
+        for r in rec.rows:
+            at = f".{rec.axis}{float(r[rec.axis]):g}" if rec.axis else ""
+            for name in rec.metrics:
                 value = float(r[name]) if r["status"] == "ok" and r[name] != "" else math.nan
                 if math.isfinite(value):
-                    points[f"eval/{name}@{r['length']}"] = value
+                    points[f"eval/{name}{at}@{r['length']}"] = value
     return points
 
 

@@ -193,7 +193,7 @@ def test_evaluate_scores_both_measures_into_the_run_and_the_report_shows_them(sm
     "args,says",
     [
         (["--measure", "context_gian"], "unknown measure 'context_gian' (did you mean 'context_gain'?)"),
-        (["--measure", "nope"], "valid measures: context_gain, key_tokens, or module:Class"),
+        (["--measure", "nope"], "valid measures: context_gain, key_tokens, retrieval, retrieval_short, or module"),
         (
             ["--measure", "context_gain", "--measure-option", "alpha=1"],
             "--measure-option alpha: no option of context_gain",

@@ -212,6 +212,65 @@ def band_plot(
     return save(plt, fig, path)
 
 
+@dataclass
+class Heat:
+    """One heatmap panel: a scheme's means over seeds at each value of an axis (rows, `ys`) and
+    length (columns, `xs`), times the metric's scale; nan where it was not scored."""
+
+    title: str  # the scheme
+    xs: list
+    ys: list
+    values: list  # (len(ys), len(xs)) rows of means
+    label: str  # the metric (and grid point): a row of panels shares it and its colour scale
+    ylabel: str  # the axis
+    higher_is_better: bool = True  # the colour scale runs so that better is always the same end
+    digits: int = 2
+    mark: Optional[int] = None  # the training length: a dashed line after the last column within it
+
+
+def heatmap(rows: list[list[Heat]], path: Path) -> bool:
+    """A row of panels per metric, a panel per scheme, each cell's mean written in it; one colour
+    scale per row, better toward yellow whatever the metric's direction; a dashed line between
+    the lengths within the training length and those past it."""
+    import numpy as np
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    width = max(len(r) for r in rows)
+    cells = max(len(h.xs) for r in rows for h in r)
+    fig, axes = plt.subplots(
+        len(rows), width, figsize=(1.0 + (1.2 + 0.6 * cells) * width, 0.6 + 2.8 * len(rows)), squeeze=False
+    )
+    for row, heats in zip(axes, rows):
+        finite = [v for h in heats for line in h.values for v in line if v == v and not math.isinf(v)]
+        lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+        lo, hi = (lo - 1, hi + 1) if lo == hi else (lo, hi)
+        for ax in row[len(heats) :]:
+            ax.axis("off")
+        for ax, h in zip(row, heats):
+            grid = np.array(h.values, dtype=float)  # (ys, xs)
+            cmap = "viridis" if h.higher_is_better else "viridis_r"
+            image = ax.imshow(grid, cmap=cmap, vmin=lo, vmax=hi, aspect="auto", origin="upper")
+            for i in range(grid.shape[0]):
+                for j in range(grid.shape[1]):
+                    if grid[i, j] == grid[i, j]:
+                        shade = (grid[i, j] - lo) / (hi - lo)  # 0: the colour scale's dark end
+                        dark = shade < 0.5 if h.higher_is_better else shade > 0.5
+                        ax.text(j, i, f"{grid[i, j]:.{h.digits}f}", ha="center", va="center", fontsize=7,
+                                color="white" if dark else "black")  # fmt: skip
+            ax.set_xticks(range(len(h.xs)), [str(x) for x in h.xs], fontsize=7, rotation=45)
+            ax.set_yticks(range(len(h.ys)), [f"{y:g}" for y in h.ys], fontsize=7)
+            within = sum(1 for x in h.xs if h.mark is not None and x <= h.mark)
+            if 0 < within < len(h.xs):
+                ax.axvline(within - 0.5, color="white", linestyle="--", linewidth=1.5)
+            ax.set_title(h.title, fontsize=10)
+            ax.set_xlabel("evaluation length")
+            ax.set_ylabel(h.ylabel)
+            fig.colorbar(image, ax=ax, label=h.label if ax is row[len(heats) - 1] else None, fraction=0.08)
+    return save(plt, fig, path)
+
+
 def plot_training(runs, path: Path, unit: str = "byte") -> bool:
     """Every run's training loss against its step, from train_log.jsonl, one colour per scheme."""
     from posbench.experiment.records import read_train_log

@@ -131,13 +131,19 @@ class Scorer:
     `score`, which returns a row per length: {"length": L, <metric>: value, ...}, with "status"
     where a length could not be scored ("beyond-max-len"). `options` are its options and their
     defaults (None: decided from the run); `--measure-option key=value` sets them, and its
-    records keep them as scored."""
+    records keep them as scored. A measure with a second axis names it (`axis = "depth"`) and
+    returns a row per length and value of it ({"length": L, "depth": 25, ...}); its records keep
+    the column and its reports give a table per value and a heatmap of axis x length per scheme."""
 
     name: str = ""
     metrics: dict[str, Metric] = {}
     options: dict[str, Any] = {}
+    axis: Optional[str] = None  # a column each row holds beside its length (a number), or none
 
     def __init__(self, **options):
+        unknown, valid = sorted(set(options) - set(type(self).options)), ", ".join(type(self).options)
+        if unknown:
+            raise PosbenchError(f"{type(self).__name__}: no option {unknown[0]}; valid: {valid}")
         self.options = {**type(self).options, **options}
 
     def score(self, run: ScoringRun) -> list[dict]:

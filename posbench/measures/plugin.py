@@ -15,7 +15,7 @@ import csv
 import json
 import math
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import pandas as pd
 
@@ -34,10 +34,27 @@ MEASURES = Registry(
     {
         "context_gain": "posbench.measures.context:ContextGain",
         "key_tokens": "posbench.measures.context:KeyTokens",
+        "retrieval": "posbench.measures.retrieval:Retrieval",
+        "retrieval_short": "posbench.measures.retrieval:ShortRetrieval",
     },
     "posbench.measures.base:Scorer",
     "examples.my_measure:NextByteAccuracy",
 )
+
+
+class Records(NamedTuple):
+    """A run's records of one user measure, as read back."""
+
+    spec: str  # its module:Class
+    metrics: dict[str, Metric]
+    rows: list[dict]
+    axis: Optional[str] = None  # its second axis, a column beside length, or none
+    options: Optional[dict] = None  # what it scored with, its `options`
+
+
+def keys(axis: Optional[str]) -> list[str]:
+    """A row's columns before its metrics: KEYS, with a measure's second axis after the length."""
+    return KEYS if axis is None else KEYS[:4] + [axis] + KEYS[4:]
 
 
 def load_measure(spec: str, options: Optional[dict] = None, where: str = "--measure-option") -> Scorer:
@@ -98,6 +115,9 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
 
     from posbench.schemes import run_label
 
+    axis = measure.axis
+    if axis is not None and (not axis.replace("_", "").isalnum() or axis in KEYS or axis in measure.metrics):
+        raise PosbenchError(f"measure '{spec}': its axis {axis!r} must be a word other than {', '.join(KEYS)}")
     with torch.no_grad():
         scored = measure.score(run)
     rc = run.cfg
@@ -106,6 +126,8 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
     for r in scored:
         if not isinstance(r, dict) or not isinstance(r.get("length"), int):
             raise PosbenchError(f"measure '{spec}': score must return dicts with an int 'length', got {r!r}")
+        if axis is not None and (isinstance(r.get(axis), bool) or not isinstance(r.get(axis), (int, float))):
+            raise PosbenchError(f"measure '{spec}': a row at length {r['length']} lacks a number '{axis}'")
         missing = [m for m in measure.metrics if m not in r and r.get("status", "ok") == "ok"]
         if missing:
             raise PosbenchError(f"measure '{spec}': a row at length {r['length']} lacks {', '.join(missing)}")
@@ -117,12 +139,13 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
         raise PosbenchError(f"measure '{spec}': score returned no rows")
     folder = Path(rdir) / FOLDER
     folder.mkdir(exist_ok=True)
-    write_rows(folder / f"{measure.name}.csv", rows, KEYS + list(measure.metrics))
+    write_rows(folder / f"{measure.name}.csv", rows, keys(axis) + list(measure.metrics))
     meta = {
         "measure": spec,
         "options": getattr(measure, "options", {}),
         "metrics": {n: dataclasses.asdict(m) for n, m in measure.metrics.items()},
     }
+    meta |= {"axis": axis} if axis is not None else {}
     write_atomic(folder / f"{measure.name}.json", json.dumps(meta, indent=1) + "\n")
     return rows
 
@@ -130,9 +153,9 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
 # --- records and reports (no torch) ---------------------------------------------------------------
 
 
-def read_measures(rdir: Path) -> dict[str, tuple[str, dict[str, Metric], list[dict]]]:
-    """The run's user measures: name -> (its module:Class, its metrics, its rows); a malformed
-    record is one line."""
+def read_measures(rdir: Path) -> dict[str, Records]:
+    """The run's user measures: name -> its Records (module:Class, metrics, rows, its second
+    axis and options); a malformed record is one line."""
     out = {}
     for meta_path in sorted((Path(rdir) / FOLDER).glob("*.json")):
         name, path = meta_path.stem, meta_path.with_suffix(".csv")
@@ -143,69 +166,127 @@ def read_measures(rdir: Path) -> dict[str, tuple[str, dict[str, Metric], list[di
             with path.open(newline="", encoding="utf-8") as f:
                 reader = csv.DictReader(f)
                 rows = list(reader)
-            if reader.fieldnames != KEYS + list(metrics) or not rows:
+            axis = meta.get("axis")
+            if reader.fieldnames != keys(axis) + list(metrics) or not rows:
                 raise ValueError
             for r in rows:
                 # an empty metric: not scored at that length (its status says why)
                 int(r["length"]), int(r["seed"]), int(r["train_len"]), *(float(r[m] or "nan") for m in metrics)
+                if axis is not None:
+                    float(r[axis])
         except (OSError, UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
             raise bad from None
-        out[name] = (meta["measure"], metrics, rows)
+        out[name] = Records(meta["measure"], metrics, rows, axis, meta.get("options"))
     return out
 
 
 def report(collected) -> tuple[list[Section], dict[str, pd.DataFrame], dict[str, list], list[str]]:
     """The user measures' part of a report: for each measure and metric a table of schemes x
-    lengths (compare.summarize), their long rows by measure (written as <name>.csv beside
-    summary.csv), the panels of a plot per measure (<name>.png) and a line each for summary.md."""
+    lengths (compare.summarize), one per value of a measure's second axis; their long rows by
+    measure (written as <name>.csv beside summary.csv); the panels of a plot per measure
+    (<name>.png: each metric against length, or with an axis a heatmap of axis x length per
+    scheme); and a line each for summary.md."""
     from posbench.compare.order import scheme_order
-    from posbench.compare.plot import Panel, lines
+    from posbench.compare.plot import Heat, Panel, lines
     from posbench.compare.render import tex
     from posbench.compare.table import grid, spread_note, summarize
 
     found: dict[str, tuple[dict, list]] = {}
     specs: dict[str, set] = {}
+    axes: dict[str, Optional[str]] = {}
+    options: dict[str, list] = {}
     for run in collected.runs:
-        for name, (spec, metrics, rows) in read_measures(run.folder).items():
+        for name, rec in read_measures(run.folder).items():
             point = collected.points.get(run.folder, "")
-            found.setdefault(name, (metrics, []))[1].extend({**r, "point": point} for r in rows)
-            specs.setdefault(name, set()).add(spec)
+            found.setdefault(name, (rec.metrics, []))[1].extend({**r, "point": point} for r in rec.rows)
+            specs.setdefault(name, set()).add(rec.spec)
+            if axes.setdefault(name, rec.axis) != rec.axis:
+                raise PosbenchError(
+                    f"{run.folder / FOLDER / name}.csv: measure {name} by {rec.axis or 'length'} here, by "
+                    f"{axes[name] or 'length'} in another run; score every run with the same measure"
+                )
+            if rec.options and rec.options not in options.setdefault(name, []):
+                options[name].append(rec.options)
     sections, frames, panels, describe = [], {}, {}, []
     for name, (metrics, rows) in sorted(found.items()):
         labels, runs = ", ".join(m.label for m in metrics.values()), len({(r["scheme"], r["seed"]) for r in rows})
+        axis = axes[name]
+        said = "; ".join(", ".join(f"{k} {_said(v)}" for k, v in o.items()) for o in options.get(name, []))
         describe.append(
             f"- {name}: {labels}, a user's measure ({', '.join(sorted(specs[name]))}) scored by posbench "
             f"evaluate --measure on {runs} runs"
+            + (f", by {axis} and length" if axis else "")
+            + (f"; scored with {said}" if said else "")
         )
         df = pd.DataFrame(rows)
         for c in ("seed", "train_len", "length"):
             df[c] = df[c].astype(int)
+        if axis is not None:
+            df[axis] = pd.to_numeric(df[axis])
         frames[name] = df
         for metric in metrics.values():
             for point in sorted(set(df["point"])):
                 part = df[df["point"] == point]
-                long = part.assign(column=part["length"], value=pd.to_numeric(part[metric.name], errors="coerce"))
-                lengths = sorted(set(long["length"]))
-                table = summarize(long, lengths, scheme_order(set(long["scheme"])), metric.higher_is_better)
-                heads = [str(L) for L in lengths]
-                rows_, best = grid(table, heads, metric.digits, metric.scale, missing="—", seeds=True)
-                note = spread_note(int(table["seeds"].max()), table.attrs["tests"])
                 where = f" ({point})" if point else ""
-                heading = f"{name}: {metric.label} by length{where}"
-                sections.append(
-                    Section(heading, f"{tex(heading)}; {tex(note)}.", rows_, best, title=heading, legend=note)
-                )
                 mark = int(part["train_len"].iloc[0])
-                panels.setdefault(name, []).append((metric.label, Panel(heading, lines(table, metric.scale), mark)))
+                values = [None] if axis is None else sorted(set(part[axis]))
+                tables = {}
+                for v in values:
+                    cut = part if v is None else part[part[axis] == v]
+                    at = "" if v is None else f" at {axis} {v:g}"
+                    long = cut.assign(column=cut["length"], value=pd.to_numeric(cut[metric.name], errors="coerce"))
+                    lengths = sorted(set(long["length"]))
+                    table = summarize(long, lengths, scheme_order(set(long["scheme"])), metric.higher_is_better)
+                    heads = [str(L) for L in lengths]
+                    rows_, best = grid(table, heads, metric.digits, metric.scale, missing="—", seeds=True)
+                    note = spread_note(int(table["seeds"].max()), table.attrs["tests"])
+                    heading = f"{name}: {metric.label} by length{at}{where}"
+                    sections.append(
+                        Section(heading, f"{tex(heading)}; {tex(note)}.", rows_, best, title=heading, legend=note)
+                    )
+                    tables[v] = table
+                    if axis is None:
+                        panel = Panel(heading, lines(table, metric.scale), mark)
+                        panels.setdefault(name, []).append((metric.label, panel))
+                if axis is not None:
+                    lengths = sorted(set(part["length"]))
+                    for s in scheme_order(set(part["scheme"])):
+                        grid_ = [[_mean(tables[v], s, L) * metric.scale for L in lengths] for v in values]
+                        label = f"{metric.label}{where}"  # a row of panels and its colour bar
+                        look = {"higher_is_better": metric.higher_is_better, "digits": metric.digits, "mark": mark}
+                        heat = Heat(s, lengths, values, grid_, label, axis, **look)
+                        panels.setdefault(name, []).append((metric.label, heat))
     return sections, frames, panels, describe
 
 
+def _mean(table: pd.DataFrame, scheme: str, column) -> float:
+    """A summarize table's mean over seeds at `column` for `scheme`; nan where none was scored."""
+    if scheme not in table.index or column not in table.attrs["columns"]:
+        return math.nan
+    return float(table.loc[scheme, column])
+
+
+def _said(value) -> str:
+    """An option's value as a description says it: a list as 0,25,50, text quoted on one line."""
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else repr(value)
+
+
 def write_plots(frames: dict, panels: dict, folder: Path) -> list[str]:
-    """<name>.png per user measure: each metric against length, a panel per metric (and grid point)."""
-    from posbench.compare.plot import BAND_SEEDS, band_plot
+    """<name>.png per user measure: each metric against length, a panel per metric (and grid
+    point); for a measure with a second axis, its heatmaps: a row per metric (and grid point), a
+    panel per scheme."""
+    from posbench.compare.plot import BAND_SEEDS, Heat, band_plot, heatmap
 
     written = []
     for name, drawn in panels.items():
+        heats = [p for _, p in drawn if isinstance(p, Heat)]
+        if heats:
+            rows: dict[str, list] = {}
+            for h in heats:
+                rows.setdefault(h.label, []).append(h)
+            if heatmap(list(rows.values()), folder / f"{name}.png"):
+                written.append(f"{name}.png")
+            continue
         labels = sorted({label for label, _ in drawn})
         xlabel = f"evaluation length; dashed: the training length; band: 95% ({BAND_SEEDS}+ seeds)"
         ylabel = labels[0] if len(labels) == 1 else "see each panel's title"
