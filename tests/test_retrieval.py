@@ -261,6 +261,10 @@ def test_evaluate_scores_smoke_runs_and_the_report_tables_each_depth_and_draws_a
     for run in ("nope-seed0", "learned-seed0"):
         res = invoke("evaluate", exp / run, "--measure", "short_retrieval:Short")
         assert res.exit_code == 0, res.output
+        # a table per metric, a row per depth: 15 columns of one row would not fit a terminal
+        heads = [line for line in res.output.splitlines() if line.startswith("┃ depth \\ length")]
+        assert len(heads) == 3 and all(h.split("┃")[2].strip() == "32" for h in heads), res.output
+        assert "needle='\\nkey {key}.\\n'" in res.output  # a text option as Python writes it
     with open(exp / "learned-seed0" / "measures" / "retrieval.csv") as f:
         status = {(r["length"], r["depth"]): r["status"] for r in csv.DictReader(f)}
     assert status[("64", "50")] == "beyond-max-len" and status[("32", "50")] == "ok"  # learned's table ends at 48
