@@ -5,6 +5,7 @@ its training length loses; then both measures through `evaluate` and `pretrained
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -18,6 +19,7 @@ from conftest import SMOKE, invoke
 
 from posbench.config import ExperimentConfig
 from posbench.data import Corpus
+from posbench.errors import PosbenchError
 from posbench.measures.base import ScoringRun
 from posbench.measures.context import ContextGain, KeyTokens, context_losses
 
@@ -109,7 +111,8 @@ def test_any_context_helping_is_not_counted_as_far_context():
     assert row["gain"] == 0.0
     short, full = context_losses(run, 48, K)
     assert short.shape == full.shape and full.shape[1] == K // 2
-    all_k = run.memo["short", 48, K].mean() - run.memo["full", 48][:, -K:].mean()  # every one of the K targets
+    plain = (None, None)  # as trained: no variant
+    all_k = run.memo["short", 48, K, plain].mean() - run.memo["full", 48, plain][:, -K:].mean()  # all K targets
     assert all_k > 0
 
 
@@ -144,7 +147,9 @@ def test_byte_thresholds_scale_longppls_by_bytes_per_token_and_are_recorded():
     run = _run(Unigram(), _text(), lengths=(32,))
     m = KeyTokens()
     m.score(run)
-    assert m.options == {"k": [], "alpha": 0.5, "beta": 0.5, "bytes_per_token": 1.0}  # 2 nats over 4 bytes
+    assert m.options == {  # 2 nats over 4 bytes
+        "k": [], "alpha": 0.5, "beta": 0.5, "variant": None, "factor": None, "bytes_per_token": 1.0
+    }  # fmt: skip
     m = KeyTokens(alpha=1.5)
     m.score(run)
     assert (m.options["alpha"], m.options["beta"]) == (1.5, 0.5)
@@ -163,7 +168,8 @@ def test_evaluate_scores_both_measures_into_the_run_and_the_report_shows_them(sm
         res = invoke("evaluate", copy / name, "--measure", "context_gain,key_tokens", "--measure-option", "k=24")
         assert res.exit_code == 0, res.output
         text = " ".join(res.output.split())
-        assert "key_tokens options: k=[24], alpha=0.5, beta=0.5, bytes_per_token=1.0" in text, text
+        said = "key_tokens options: k=[24], alpha=0.5, beta=0.5, variant=None, factor=None, bytes_per_token=1.0"
+        assert said in text, text
     with open(copy / "rope-seed0" / "measures" / "context_gain.csv") as f:
         rows = {int(r["length"]): r for r in csv.DictReader(f)}
     assert rows[32]["status"] == "ok" and rows[32]["gain"] == ""  # the training length: K = L, no gain to take
@@ -288,3 +294,32 @@ def test_the_help_of_evaluate_and_pretrained_names_every_measure_posbench_has():
     for command in ("evaluate", "pretrained"):
         text = folded(invoke(command, "--help").output)
         assert all(name in text for name in MEASURES), (command, list(MEASURES))
+
+
+def test_a_variant_scores_both_passes_as_the_model_at_that_length_into_records_of_its_own():
+    """variant=yarn: each length's two passes run inside the model's eval_variant(yarn, L), the
+    short one too (the model as deployed at L, shown less), into context_gain_yarn."""
+
+    class Scaled(Stub):
+        def __init__(self):
+            super().__init__(lambda win, i: torch.full((win.size(0),), HIGH if self.now else LOW))
+            self.now, self.asked = None, []
+
+        @contextlib.contextmanager
+        def eval_variant(self, name, length, factor=None):
+            self.asked.append((name, length, factor))
+            self.now = name
+            yield
+            self.now = None
+
+    model = Scaled()
+    gain = ContextGain(variant="yarn")
+    rows = gain.score(_run(model, _text(), lengths=(16, 32)))
+    assert gain.name == "context_gain_yarn" and ContextGain().name == "context_gain"
+    assert model.asked == [("yarn", 32, None), ("yarn", 32, None)]  # the full pass and the short, at L
+    assert rows[1]["gain"] == 0.0  # both passes scaled alike: HIGH - HIGH
+    keys = KeyTokens(variant="linear", factor=2.0)
+    keys.score(_run(model, _text(), lengths=(32,)))
+    assert keys.name == "key_tokens_linear" and model.asked[-1] == ("linear", 32, 2.0)
+    with pytest.raises(PosbenchError, match="not a variant's name"):
+        ContextGain(variant="yarn@2")

@@ -13,6 +13,8 @@ pretrained model's context), where the short pass is in distribution, and any ot
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
+from typing import Optional
 
 import torch
 
@@ -26,26 +28,40 @@ LONGPPL_BYTES = 4.0
 NOT_PAST_K = "not-past-k"  # a length no longer than every K: nothing lies beyond what the short pass sees
 
 
-def context_losses(run: ScoringRun, L: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+def context_losses(
+    run: ScoringRun, L: int, K: int, variant: Optional[str] = None, factor: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(short, full): the losses in nats of each window's last K // 2 targets, (n, K // 2) each,
-    with only the window's last K tokens visible and with all L. The passes are kept in
-    `run.memo`, so measures scored on one run share them and the pass at L is made once for all K."""
-    if ("full", L) not in run.memo:
-        run.memo["full", L] = _pass(run, L, L)  # (n, L)
-    if ("short", L, K) not in run.memo:
-        run.memo["short", L, K] = _pass(run, L, K)  # (n, K)
+    with only the window's last K tokens visible and with all L; both passes as the model's
+    evaluation-time `variant` (None: as trained) at length L's factor, or `factor`: the model
+    as it would be deployed at L, shown less. The passes are kept in `run.memo`, so measures
+    scored on one run share them and the pass at L is made once for all K."""
+    at = (variant, factor)
+    if ("full", L, at) not in run.memo:
+        run.memo["full", L, at] = _pass(run, L, L, variant, factor)  # (n, L)
+    if ("short", L, K, at) not in run.memo:
+        run.memo["short", L, K, at] = _pass(run, L, K, variant, factor)  # (n, K)
     m = K // 2
-    return run.memo["short", L, K][:, -m:], run.memo["full", L][:, -m:]
+    return run.memo["short", L, K, at][:, -m:], run.memo["full", L, at][:, -m:]
 
 
 @torch.no_grad()
-def _pass(run: ScoringRun, L: int, K: int) -> torch.Tensor:
+def _pass(run: ScoringRun, L: int, K: int, variant: Optional[str], factor: Optional[float]) -> torch.Tensor:
     """Each target's loss with the last K tokens of each window of L visible, (n, K)."""
     out = []
-    for x, y in run.windows(L):  # (b, L) each
-        win = torch.cat([x, y[:, -1:]], dim=1)[:, -(K + 1) :]  # (b, K + 1): the last K inputs and their targets
-        out.append(run.model.token_losses(win).float().cpu())  # (b, K)
+    scaled = nullcontext() if variant is None else run.model.eval_variant(variant, L, factor)
+    with scaled:
+        for x, y in run.windows(L):  # (b, L) each
+            win = torch.cat([x, y[:, -1:]], dim=1)[:, -(K + 1) :]  # (b, K + 1): the last K inputs and their targets
+            out.append(run.model.token_losses(win).float().cpu())  # (b, K)
     return torch.cat(out)
+
+
+def _named(name: str, variant: Optional[str]) -> str:
+    """A measure's records' name: context_gain, or context_gain_yarn scored as variant yarn."""
+    if variant is not None and (not isinstance(variant, str) or not variant.replace("_", "").isalnum()):
+        raise PosbenchError(f"variant: {variant!r} is not a variant's name (yarn, linear, ...)")
+    return name if variant is None else f"{name}_{variant}"
 
 
 def _ks(given) -> list[int]:
@@ -87,11 +103,15 @@ class ContextGain(Scorer):
     token, on the same targets (the module docstring): positive where the far context helps."""
 
     name = "context_gain"
-    options = {"k": []}  # more K than the training length (a pretrained model's context)
+    # more K than the training length (a pretrained model's context); an evaluation-time variant
+    # (rope's yarn, a pretrained model's linear) at each length's factor or `factor`, whose
+    # records are context_gain_<variant>, a table of their own
+    options = {"k": [], "variant": None, "factor": None}
 
     def __init__(self, **options):
         super().__init__(**options)
         self.ks = _ks(self.options["k"])
+        self.name = _named(self.name, self.options["variant"])
         self.metrics = {f"gain{s}": self._metric(s, K) for s, K in [("", None), *((f"_k{K}", K) for K in self.ks)]}
 
     @staticmethod
@@ -108,7 +128,7 @@ class ContextGain(Scorer):
 
     def score(self, run: ScoringRun) -> list[dict]:
         def gain(L, K, suffix):
-            short, full = context_losses(run, L, K)
+            short, full = context_losses(run, L, K, self.options["variant"], self.options["factor"])
             return {f"gain{suffix}": (short - full).mean().item()}
 
         return _rows(run, self.ks, self.metrics, gain)
@@ -122,11 +142,12 @@ class KeyTokens(Scorer):
     name = "key_tokens"
     # alpha, beta None: LongPPL's 2 nats scaled by the corpus's bytes per token over 4 (its BPE
     # tokens'), 0.5 nats for a byte
-    options = {"k": [], "alpha": None, "beta": None}
+    options = {"k": [], "alpha": None, "beta": None, "variant": None, "factor": None}  # variant: as context_gain's
 
     def __init__(self, **options):
         super().__init__(**options)
         self.ks = _ks(self.options["k"])
+        self.name = _named(self.name, self.options["variant"])
         self.asked = (self.options["alpha"], self.options["beta"])  # None: scaled to the run's tokens
         for key in ("alpha", "beta"):
             value = self.options[key]
@@ -173,7 +194,7 @@ class KeyTokens(Scorer):
         alpha, beta = self.options["alpha"], self.options["beta"]
 
         def key(L, K, suffix):
-            short, full = context_losses(run, L, K)
+            short, full = context_losses(run, L, K, self.options["variant"], self.options["factor"])
             is_key = ((short - full) > alpha) & (full < beta)  # (n, K // 2)
             n = int(is_key.sum())
             ppl = math.exp(full[is_key].mean().item()) if n else math.nan
