@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2
+.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2 reproduce-context reproduce-rope-base
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -59,3 +59,22 @@ smollm2: install
 reproduce-smollm2: smollm2
 	posbench pretrained "$$($(PYTHON) -c 'from posbench.pretrained import smollm2; print(smollm2())')" \
 		--config configs/reproduce-smollm2.yaml
+
+# the committed study of whether far context is used, in results/reference-context/: the seed
+# schemes and two 1:1 layer patterns at the defaults, 3 seeds, to 8x, under perplexity, context
+# gain, key tokens and retrieval (about 30 minutes on 2 cores); then SmolLM2-135M at 1k to 4k,
+# plain, linear and yarn at factor 2, in results/reference-context-smollm2/ (about an hour)
+SMOLLM2 = "$$($(PYTHON) -c 'from posbench.pretrained import smollm2; print(smollm2())')"
+CONTEXT_SMOLLM2 = --name reference-context-smollm2 --lengths 1024,2048,4096 --rope-scaling linear,yarn \
+	--rope-factor 2 --set eval.tokens=8192
+reproduce-context: smollm2
+	posbench extrapolate --config configs/reference-context.yaml
+	posbench pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2) --measure context_gain,key_tokens,retrieval \
+		--measure-option k=256 --measure-option trials=4
+	for v in linear yarn; do posbench pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2) \
+		--measure context_gain,key_tokens,retrieval --measure-option k=256 --measure-option trials=4 \
+		--measure-option variant=$$v --measure-option factor=2.0 || exit 1; done
+
+# where RoPE breaks against its base, in results/rope-base/ (12 runs)
+reproduce-rope-base: install
+	posbench sweep configs/rope-base.yaml
