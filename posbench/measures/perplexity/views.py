@@ -19,6 +19,7 @@ from posbench.data import SHAKESPEARE_NAME
 from posbench.errors import PosbenchError
 from posbench.extend import report as extend
 from posbench.measures.base import Section
+from posbench.measures.effective import cells as effective_cells
 from posbench.measures.perplexity.breaks import breaks as rope_breaks
 from posbench.measures.perplexity.breaks import plot as plot_rope_law
 from posbench.measures.perplexity.breaks import section as rope_section
@@ -300,7 +301,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
     df = with_metric(df, metric)
     what = metric_label(metric, df)
     windows = window_means(collected)
-    tables = {}
+    tables, effective = {}, {}
     for point in point_order(df):
         rows = df if point is None else df[df["point"] == point]
         for protocol, stride in protocols(rows):
@@ -308,12 +309,16 @@ def report(collected, metric: str, transpose: bool) -> dict:
             label = protocol_label(protocol, stride)
             table = comparison(part)
             over_windows(table, part, windows, metric)
-            tables[label if point is None else f"{point}; {label}"] = table
+            key = label if point is None else f"{point}; {label}"
+            tables[key] = table
+            if protocol == "nonoverlapping":  # runs scored by context_gain: their effective length
+                here = [r for r in collected.runs if collected.points.get(r.folder, "") == (point or "")]
+                effective[key] = effective_cells(here)
     pretrained = all(c.model.pretrained for c in configs)  # no training to speak of, a context instead
     trained = "context" if pretrained else "trained at"
     note = spread_note(tables, pretrained, bool(windows))
     tokenized = bool(set(df["tokenizer"].dropna()) - {"bytes", ""})
-    sections = []
+    sections, notes = [], []
     for label, table in tables.items():
         train_len = table.attrs["train_len"]
         rows, best = grid(table, train_len, metric)
@@ -322,6 +327,13 @@ def report(collected, metric: str, transpose: bool) -> dict:
         shown[0][shown[0].index(f"ppl({table.attrs['longest']})/ppl({train_len})")] = (
             f"ppl({table.attrs['longest']})/ppl(train)"
         )
+        eff, criteria = effective.get(label, ({}, []))
+        if eff:  # one column beside the ratio: flat is not the same as using the context
+            for table_rows in (rows, shown):
+                table_rows[0].append("eff. length")
+                for row in table_rows[1:]:
+                    row.append(eff.get(row[0], ""))
+            notes.append(f"eff. length: the longest length up to which {', '.join(criteria)} (docs/measures.md)")
         if transpose:
             rows, best = transposed(rows, best)
             shown, shown_best = transposed(shown, shown_best)
@@ -373,7 +385,10 @@ def report(collected, metric: str, transpose: bool) -> dict:
 
     return {
         "title": f"Length extrapolation: {trained} {trained_at(df)}, evaluated up to {longest}",
-        "describe": describe(configs, df) + extend.describe(configs) + [f"- cells: {what}, {note}"],
+        "describe": describe(configs, df)
+        + extend.describe(configs)
+        + [f"- cells: {what}, {note}"]
+        + [f"- {n}" for n in dict.fromkeys(notes)],
         "sections": sections,
         "legend": legend,
         "csv": (df, EVAL_COLUMNS + (["point"] if "point" in df else [])),

@@ -1,0 +1,100 @@
+"""Effective length: the longest length up to which a run stays as good as at its training
+length by every measure it was scored by, so that "flat" and "uses its context" are one column.
+
+A run's effective length is the longest L, walking up from its training length through the
+lengths it was scored at, at which all of these hold at L and at every length before it:
+
+- perplexity within (1 + EPS) of its perplexity at the training length (non-overlapping);
+- context gain (K = the training length) not negative, where the run was scored by context_gain;
+- retrieval accuracy (mean over depths) at least FRACTION of its accuracy at the training
+  length, where the run was scored by retrieval (or retrieval_short).
+
+A criterion whose measure was not scored is left out (and said). No torch: read from records.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from posbench.measures.plugin import read_measures
+from posbench.schemes import run_label
+from posbench.stats import mean_ci
+
+EPS = 0.10  # perplexity may rise this fraction above its value at the training length
+FRACTION = 0.5  # retrieval accuracy may fall to this fraction of its in-distribution value
+GAIN = "context_gain"
+RETRIEVAL = ("retrieval", "retrieval_short")
+
+
+def effective_length(
+    ppl: dict[int, float],
+    train_len: int,
+    gain: Optional[dict[int, float]] = None,
+    retrieval: Optional[dict[int, float]] = None,
+    eps: float = EPS,
+    fraction: float = FRACTION,
+) -> Optional[int]:
+    """The longest length of `ppl` (length -> perplexity) from `train_len` up at which every
+    criterion holds there and before; None where the training length itself was not scored.
+    `gain` (length -> context gain) has no value at lengths up to K: nothing to hold there."""
+    if train_len not in ppl or not ppl[train_len] == ppl[train_len]:
+        return None
+    base_acc = None if retrieval is None else retrieval.get(train_len)
+    longest = train_len
+    for L in sorted(x for x in ppl if x > train_len):
+        ok = ppl[L] == ppl[L] and ppl[L] <= (1 + eps) * ppl[train_len]
+        if gain is not None and gain.get(L) == gain.get(L) and gain.get(L) is not None:
+            ok = ok and gain[L] >= 0
+        if base_acc is not None and retrieval.get(L) is not None:
+            ok = ok and retrieval[L] >= fraction * base_acc
+        if not ok:
+            break
+        longest = L
+    return longest
+
+
+def by_run(run) -> tuple[Optional[int], list[str]]:
+    """A run's effective length from its records (its own rows: non-overlapping, no variant)
+    and the criteria that decided it."""
+    label, L = run_label(run.cfg.model), run.cfg.model.train_len
+    ppl = {
+        int(r["length"]): float(r["ppl"]) if r["status"] == "ok" else math.nan
+        for r in run.rows
+        if r["scheme"] == label and r["protocol"] == "nonoverlapping"
+    }
+    measures = read_measures(run.folder)
+    said = [f"ppl within {EPS:.0%} of ppl({L})"]
+    gain = None
+    if GAIN in measures:
+        gain = {int(r["length"]): float(r["gain"] or "nan") for r in measures[GAIN].rows}
+        said.append("context gain >= 0")
+    retrieval = None
+    found = next((name for name in RETRIEVAL if name in measures), None)
+    if found is not None:
+        acc: dict[int, list] = {}
+        for r in measures[found].rows:
+            if r["status"] == "ok":
+                acc.setdefault(int(r["length"]), []).append(float(r["retrieval_accuracy"]))
+        retrieval = {length: sum(v) / len(v) for length, v in acc.items()}
+        said.append(f"{found} accuracy >= {FRACTION:.0%} of its accuracy at {L}")
+    return effective_length(ppl, L, gain, retrieval), said
+
+
+def cells(runs) -> tuple[dict[str, str], list[str]]:
+    """Scheme label -> its effective length's cell (the mean and 95% interval over seeds) and
+    the criteria, for the runs scored by context_gain; empty where none was."""
+    found: dict[str, list] = {}
+    said: list[str] = []
+    for run in runs:
+        if GAIN not in read_measures(run.folder):
+            continue
+        eff, criteria = by_run(run)
+        if eff is not None:
+            found.setdefault(run_label(run.cfg.model), []).append(eff)
+            said = max(said, criteria, key=len)
+    out = {}
+    for label, values in found.items():
+        mean, ci = mean_ci(values)
+        out[label] = f"{mean:.0f} ± {ci:.0f}" if ci == ci else f"{mean:.0f}"
+    return out, said
