@@ -226,17 +226,13 @@ def test_a_bad_measure_name_or_option_is_one_line_and_writes_nothing(smoke, tmp_
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """A tiny Llama (RoPE, context 32) saved as a transformers folder with its tokenizer, and a corpus."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from test_pretrained import CONTEXT, TEXT, _tokenizer
+    from test_pretrained import CONTEXT, TEXT, _tokenizer, tiny_llama
 
     root = tmp_path_factory.mktemp("llama")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=CONTEXT, rope_theta=100.0, initializer_range=0.2,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama")
+    tiny_llama(root / "llama")
     _tokenizer(320).save_pretrained(root / "llama")
     (root / "corpus.txt").write_text(TEXT * 3)
     return root, CONTEXT

@@ -1,6 +1,8 @@
 """Pretrained models from disk, scored by posbench's protocols: the same losses as transformers
 computes itself, for every RoPE variant, past the model's context."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,16 @@ def _tokenizer(vocab: int):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
+def tiny_llama(folder: Path) -> None:
+    """A tiny Llama (RoPE base 100, grouped-query attention, context CONTEXT) saved into `folder`,
+    its weights large enough that positions matter; seeded by the caller."""
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=CONTEXT, rope_theta=100.0, initializer_range=0.2,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny Llama (RoPE, grouped-query attention) and a tiny GPT-2 (learned positions), each
@@ -34,11 +46,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained")
     tok = _tokenizer(320)
     torch.manual_seed(0)
-    llama = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=CONTEXT, rope_theta=100.0, initializer_range=0.2,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(llama).save_pretrained(root / "llama")
+    tiny_llama(root / "llama")
     gpt2 = transformers.GPT2Config(vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=CONTEXT)
     transformers.GPT2LMHeadModel(gpt2).save_pretrained(root / "gpt2")
     for name in ("llama", "gpt2"):
