@@ -54,16 +54,15 @@ def effective_length(
     return longest
 
 
-def by_run(run) -> tuple[Optional[int], list[str]]:
-    """A run's effective length from its records (its own rows: non-overlapping, no variant)
-    and the criteria that decided it."""
+def by_run(run, measures: dict) -> tuple[Optional[int], list[str]]:
+    """A run's effective length from its records (its own rows: non-overlapping, no variant;
+    `measures`: its plugin.read_measures) and the criteria that decided it."""
     label, L = run_label(run.cfg.model), run.cfg.model.train_len
     ppl = {
         int(r["length"]): float(r["ppl"]) if r["status"] == "ok" else math.nan
         for r in run.rows
         if r["scheme"] == label and r["protocol"] == "nonoverlapping"
     }
-    measures = read_measures(run.folder)
     said = [f"ppl within {EPS:.0%} of ppl({L})"]
     gain = None
     if GAIN in measures:
@@ -87,9 +86,10 @@ def cells(runs) -> tuple[dict[str, str], list[str]]:
     found: dict[str, list] = {}
     said: list[str] = []
     for run in runs:
-        if GAIN not in read_measures(run.folder):
+        measures = read_measures(run.folder)
+        if GAIN not in measures:
             continue
-        eff, criteria = by_run(run)
+        eff, criteria = by_run(run, measures)
         if eff is not None:
             found.setdefault(run_label(run.cfg.model), []).append(eff)
             said = max(said, criteria, key=len)
