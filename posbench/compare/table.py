@@ -76,6 +76,13 @@ def cell(table: pd.DataFrame, scheme: str, c, digits: int, scale: float = 1.0, m
     return text if n == of else f"{text} ({n:.0f} of {of} seeds)"
 
 
+def mean_cell(values: list[float], digits: int = 0) -> str:
+    """'123 ± 14': the mean of one value per seed and its 95% interval (Student's t); the mean
+    alone where there is one value. For a column a measure derives itself, beside summarize's."""
+    mean, ci = mean_ci(values)
+    return f"{mean:.{digits}f} ± {ci:.{digits}f}" if ci == ci else f"{mean:.{digits}f}"
+
+
 def grid(
     table: pd.DataFrame, heads: list[str], digits: int, scale: float = 1.0, missing: str = "", seeds: bool = False
 ) -> tuple[list[list[str]], set]:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from posbench.compare.table import mean_cell
 from posbench.measures.plugin import read_measures
 from posbench.schemes import run_label
-from posbench.stats import mean_ci
 
 EPS = 0.10  # perplexity may rise this fraction above its value at the training length
 FRACTION = 0.5  # retrieval accuracy may fall to this fraction of its in-distribution value
@@ -95,6 +95,5 @@ def cells(runs) -> tuple[dict[str, str], list[str]]:
             said = max(said, criteria, key=len)
     out = {}
     for label, values in found.items():
-        mean, ci = mean_ci(values)
-        out[label] = f"{mean:.0f} ± {ci:.0f}" if ci == ci else f"{mean:.0f}"
+        out[label] = mean_cell(values)
     return out, said

@@ -12,6 +12,7 @@ import pandas as pd
 
 from posbench.compare.plot import colour, plain_log_axis, pyplot, save
 from posbench.compare.render import tex
+from posbench.compare.table import mean_cell
 from posbench.measures.base import Section
 from posbench.rope_law import MARGIN, break_position, critical_dim, extrapolation_bound, rotary
 from posbench.schemes import run_label
@@ -72,8 +73,7 @@ def section(found: pd.DataFrame) -> Optional[Section]:
         first = part.iloc[0]
         broke = [v for v in part["measured"] if v == v]
         if broke:
-            mean, ci = mean_ci(broke)
-            measured = f"{mean:.0f} ± {ci:.0f}" if ci == ci else f"{mean:.0f}"
+            measured = mean_cell(broke)
             if len(broke) < len(part):
                 measured += f" ({len(broke)} of {len(part)} seeds)"
         else:
