@@ -50,36 +50,39 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> Pre
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     where = {"gguf_file": gguf} if gguf else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **where)
-    except Exception as e:  # as for the model below
-        raise PosbenchError(f"{path}: its tokenizer cannot be read ({_first_line(e)})") from None
-    try:
-        with _gguf_name_map_once():
+    with _gguf_parsed_once():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **where)
+        except Exception as e:  # as for the model below
+            raise PosbenchError(f"{path}: its tokenizer cannot be read ({_first_line(e)})") from None
+        try:
             model = AutoModelForCausalLM.from_pretrained(
                 folder, local_files_only=True, dtype=dtype, attn_implementation="sdpa", **where
             )
-    except Exception as e:  # transformers, safetensors and gguf raise their own kinds
-        raise PosbenchError(f"{path}: transformers cannot load it as a causal LM ({_first_line(e)})") from None
+        except Exception as e:  # transformers, safetensors and gguf raise their own kinds
+            raise PosbenchError(f"{path}: transformers cannot load it as a causal LM ({_first_line(e)})") from None
     return PretrainedLM(model, tokenizer, path)
 
 
 @contextlib.contextmanager
-def _gguf_name_map_once():
-    """transformers' GGUF loader asks gguf for its tensor-name map once per module of the model
-    and gguf builds it anew each time: 397 builds, 6 s of an 18 s load of SmolLM2-135M. The map
-    depends only on its arguments (architecture, layers), so within one load each is built once."""
+def _gguf_parsed_once():
+    """Within one load, a .gguf file is parsed once and each tensor-name map built once.
+    transformers' GGUF loader parses the file anew for the tokenizer, the config and the weights
+    (its 49k-token vocabulary made SmolLM2-135M's parse most of its load), and asks gguf for its
+    tensor-name map once per module of the model (397 builds). The parse depends only on the
+    file and the map only on its arguments (architecture, layers)."""
     try:
         import gguf
     except ImportError:
         yield
         return
-    own = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(own)
+    own_map, own_reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(own_map)
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(own_reader)  # transformers imports it per call
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = own
+        gguf.get_tensor_name_map, gguf.GGUFReader = own_map, own_reader
 
 
 def model_files(path: str | Path) -> tuple[Path, Optional[str]]:

@@ -340,8 +340,19 @@ def test_smollm2_from_its_wheel_scores_sanely_on_the_corpus_and_linear_at_1_is_n
     from posbench.data import shakespeare
     from posbench.pretrained import smollm2
 
-    own = gguf.get_tensor_name_map
-    model = load_pretrained(smollm2())
+    own, reader, parsed = gguf.get_tensor_name_map, gguf.GGUFReader, []
+
+    def counted(*args, **kwargs):
+        parsed.append(args)
+        return reader(*args, **kwargs)
+
+    gguf.GGUFReader = counted
+    try:
+        model = load_pretrained(smollm2())
+        assert gguf.GGUFReader is counted  # left as it was
+    finally:
+        gguf.GGUFReader = reader
+    assert len(parsed) == 1  # the tokenizer, the config and the weights read one parse
     assert gguf.get_tensor_name_map is own  # built once per load, and gguf left as it was
     assert (model.context, model.config.model_type, model.eval_variants[:3]) == (8192, "llama", VARIANTS[:3])
     text = shakespeare()
