@@ -217,6 +217,23 @@ class ExactMatchConfig:
 
 
 @dataclass
+class EffectiveConfig:
+    """Effective length's thresholds (posbench/measures/effective.py), read from each run's
+    records when a report is built: the longest length at which perplexity stays within
+    (1 + eps) of the training length's, context gain is not negative, and retrieval accuracy
+    stays at or above `fraction` of its accuracy at the training length."""
+
+    eps: float = 0.10
+    fraction: float = 0.5
+
+    def __post_init__(self):
+        if not self.eps >= 0:
+            raise PosbenchError(f"eval.effective.eps={self.eps} must be >= 0")
+        if not 0 <= self.fraction <= 1:
+            raise PosbenchError(f"eval.effective.fraction={self.fraction} must be between 0 and 1")
+
+
+@dataclass
 class EvalConfig:
     """How models are scored: what every measure shares (the lengths, the validation tokens of
     a corpus, the batch), then a section of each measure's own options, named as the measure."""
@@ -226,6 +243,7 @@ class EvalConfig:
     batch_size: int = 16
     perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
     exact_match: ExactMatchConfig = field(default_factory=ExactMatchConfig)
+    effective: EffectiveConfig = field(default_factory=EffectiveConfig)  # effective length's thresholds
     # measures scored after the run's own, into RUN/measures/: posbench's by name (context_gain,
     # key_tokens) or module:Class (docs/measures.md); their options as --measure-option gives them
     measures: list[str] = field(default_factory=list)

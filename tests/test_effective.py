@@ -3,22 +3,29 @@
 import pytest
 from conftest import invoke
 
-from posbench.measures.effective import EPS, FRACTION, effective_length
+from posbench.config import EffectiveConfig
+from posbench.measures.effective import effective_length
+
+EPS, FRACTION = EffectiveConfig().eps, EffectiveConfig().fraction
 
 
 def test_the_walk_stops_at_the_first_length_any_criterion_fails():
     ppl = {100: 6.0, 200: 6.0 * (1 + EPS), 400: 6.0 * (1 + 2 * EPS), 800: 6.0}
-    assert effective_length(ppl, 100) == 200  # 400 is past the margin; 800 after it does not count
+    assert (
+        effective_length(ppl, 100, eps=EPS, fraction=FRACTION) == 200
+    )  # 400 is past the margin; 800 after it does not count
+    assert effective_length(ppl, 100, eps=2 * EPS, fraction=FRACTION) == 800  # a wider margin holds them all
     flat = {100: 6.0, 200: 6.1, 400: 6.2, 800: 6.3}
-    assert effective_length(flat, 100) == 800
+    assert effective_length(flat, 100, eps=EPS, fraction=FRACTION) == 800
     # flat perplexity, but the far context hurts from 400: "flat" is not "uses its context"
-    assert effective_length(flat, 100, gain={200: 0.01, 400: -0.02, 800: 0.3}) == 200
-    assert effective_length(flat, 100, gain={200: 0.0, 400: 0.0, 800: 0.0}) == 800  # not negative holds
-    # retrieval may fall to FRACTION of its in-distribution accuracy, no further
+    assert effective_length(flat, 100, {200: 0.01, 400: -0.02, 800: 0.3}, eps=EPS, fraction=FRACTION) == 200
+    assert effective_length(flat, 100, {200: 0.0, 400: 0.0, 800: 0.0}, eps=EPS, fraction=FRACTION) == 800
+    # retrieval may fall to `fraction` of its in-distribution accuracy, no further
     acc = {100: 0.8, 200: 0.8 * FRACTION, 400: 0.8 * FRACTION - 0.01, 800: 0.8}
-    assert effective_length(flat, 100, retrieval=acc) == 200
-    assert effective_length({200: 6.0}, 100) is None  # the training length was not scored
-    assert effective_length({100: 6.0, 200: float("nan")}, 100) == 100  # the loss blew up at 200
+    assert effective_length(flat, 100, retrieval=acc, eps=EPS, fraction=FRACTION) == 200
+    assert effective_length(flat, 100, retrieval=acc, eps=EPS, fraction=FRACTION - 0.02) == 800
+    assert effective_length({200: 6.0}, 100, eps=EPS, fraction=FRACTION) is None  # the training length was not scored
+    assert effective_length({100: 6.0, 200: float("nan")}, 100, eps=EPS, fraction=FRACTION) == 100  # blew up at 200
 
 
 @pytest.mark.parametrize("scored", [False, True])
@@ -51,6 +58,25 @@ def test_the_main_table_has_the_column_only_where_context_gain_was_scored(smoke,
                 ppl = {int(r["length"]): float(r["ppl"]) for r in rows if r["scheme"] == scheme}
                 gain = {int(r["length"]): float(r["gain"] or "nan") for r in csv.DictReader(
                     (run / "measures" / "context_gain.csv").open())}  # fmt: skip
-                found.append(effective_length(ppl, int(rows[0]["train_len"]), gain))
+                found.append(effective_length(ppl, int(rows[0]["train_len"]), gain, eps=EPS, fraction=FRACTION))
             mean, ci = mean_ci(found)
             assert cells[scheme] == (f"{mean:.0f} ± {ci:.0f}" if ci == ci else f"{mean:.0f}"), (scheme, cells)
+
+
+def test_the_thresholds_are_each_runs_config_and_the_report_states_them(smoke, tmp_path):
+    """eval.effective.eps given to a run's scoring is recorded in its config.yaml and judges it:
+    at eps = 1000 every scored length is within it, so only context gain can stop the walk."""
+    import shutil
+
+    import yaml
+
+    exp = tmp_path / "smoke"
+    shutil.copytree(smoke[0], exp)
+    for run in sorted(p for p in exp.iterdir() if p.is_dir()):
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        cfg["eval"]["effective"] = {"eps": 1000.0, "fraction": 0.5}
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        assert invoke("evaluate", run, "--measure", "context_gain").exit_code == 0
+    assert invoke("report", exp).exit_code == 0
+    md = (exp / "summary.md").read_text()
+    assert "ppl within 100000% of ppl(" in md and "ppl within 10% of" not in md

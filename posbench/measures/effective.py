@@ -4,12 +4,14 @@ length by every measure it was scored by, so that "flat" and "uses its context" 
 A run's effective length is the longest L, walking up from its training length through the
 lengths it was scored at, at which all of these hold at L and at every length before it:
 
-- perplexity within (1 + EPS) of its perplexity at the training length (non-overlapping);
+- perplexity within (1 + eps) of its perplexity at the training length (non-overlapping);
 - context gain (K = the training length) not negative, where the run was scored by context_gain;
-- retrieval accuracy (mean over depths) at least FRACTION of its accuracy at the training
+- retrieval accuracy (mean over depths) at least `fraction` of its accuracy at the training
   length, where the run was scored by retrieval (or retrieval_short).
 
-A criterion whose measure was not scored is left out (and said). No torch: read from records.
+eps and fraction are the run's `eval.effective` (0.10 and 0.5 unless its config says otherwise),
+read from its config.yaml, so a report states the thresholds each run was judged by. A criterion
+whose measure was not scored is left out (and said). No torch: read from records.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from posbench.compare.table import mean_cell
 from posbench.measures.plugin import read_measures
 from posbench.schemes import run_label
 
-EPS = 0.10  # perplexity may rise this fraction above its value at the training length
-FRACTION = 0.5  # retrieval accuracy may fall to this fraction of its in-distribution value
 GAIN = "context_gain"
 RETRIEVAL = ("retrieval", "retrieval_short")
 
@@ -32,8 +32,9 @@ def effective_length(
     train_len: int,
     gain: Optional[dict[int, float]] = None,
     retrieval: Optional[dict[int, float]] = None,
-    eps: float = EPS,
-    fraction: float = FRACTION,
+    *,
+    eps: float,
+    fraction: float,
 ) -> Optional[int]:
     """The longest length of `ppl` (length -> perplexity) from `train_len` up at which every
     criterion holds there and before; None where the training length itself was not scored.
@@ -58,12 +59,13 @@ def by_run(run, measures: dict) -> tuple[Optional[int], list[str]]:
     """A run's effective length from its records (its own rows: non-overlapping, no variant;
     `measures`: its plugin.read_measures) and the criteria that decided it."""
     label, L = run_label(run.cfg.model), run.cfg.model.train_len
+    eps, fraction = run.cfg.eval.effective.eps, run.cfg.eval.effective.fraction
     ppl = {
         int(r["length"]): float(r["ppl"]) if r["status"] == "ok" else math.nan
         for r in run.rows
         if r["scheme"] == label and r["protocol"] == "nonoverlapping"
     }
-    said = [f"ppl within {EPS:.0%} of ppl({L})"]
+    said = [f"ppl within {eps:.0%} of ppl({L})"]
     gain = None
     if GAIN in measures:
         gain = {int(r["length"]): float(r["gain"] or "nan") for r in measures[GAIN].rows}
@@ -76,8 +78,8 @@ def by_run(run, measures: dict) -> tuple[Optional[int], list[str]]:
             if r["status"] == "ok":
                 acc.setdefault(int(r["length"]), []).append(float(r["retrieval_accuracy"]))
         retrieval = {length: sum(v) / len(v) for length, v in acc.items()}
-        said.append(f"{found} accuracy >= {FRACTION:.0%} of its accuracy at {L}")
-    return effective_length(ppl, L, gain, retrieval), said
+        said.append(f"{found} accuracy >= {fraction:.0%} of its accuracy at {L}")
+    return effective_length(ppl, L, gain, retrieval, eps=eps, fraction=fraction), said
 
 
 def cells(runs) -> tuple[dict[str, str], list[str]]:
