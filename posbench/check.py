@@ -25,7 +25,7 @@ TINY = dict(n_layer=2, n_head=4, d_model=32, train_len=16)
 BLOCK = 8  # the query block of the blocked attention path: smaller than every checked length
 BLOCKS_RULE = (
     "bias is called on blocks of queries: build the (Tq, Tk) bias from the positions given, never "
-    "from a cached (T, T) table (README, Write your own scheme; PositionalScheme in posbench/schemes/base.py)"
+    "from a cached (T, T) table (docs/extending.md; PositionalScheme in posbench/schemes/base.py)"
 )
 
 

@@ -16,7 +16,7 @@ from posbench.registry import check_options
 
 class PositionalScheme(nn.Module):
     """Base of every scheme. Subclass it, override any of the three hooks, and register a name
-    or load it as module:Class (README, "Write your own scheme").
+    or load it as module:Class (docs/extending.md, "Write your own scheme").
 
     A scheme touches the model in exactly three places (the x-transformers taxonomy):
       embed(x, pos)                 add an absolute signal to the token embeddings
