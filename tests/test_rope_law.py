@@ -17,7 +17,8 @@ def test_the_law_gives_the_papers_worked_numbers():
     # Liu et al. 2024: LLaMA2 (d 128, base 10,000, trained at 4,096) has critical dimension 92
     assert critical_dim(128, 10_000, 4096) == 92
     assert extrapolation_bound(128, 10_000, 4096) == pytest.approx(2 * math.pi * 10_000 ** (92 / 128))
-    # REFERENCES.md: d_head 32, base 10,000, L = 100 gives about 112
+    # d_head 32, base 10,000, L = 100 (the defaults): d_extra = 2 ceil(16 log_1e4(100 / 2 pi)) = 10,
+    # T_extra = 2 pi 1e4^(10/32) = 111.7
     assert critical_dim(32, 10_000, 100) == 10
     assert extrapolation_bound(32, 10_000, 100) == pytest.approx(111.73, abs=0.01)
     # the bound is the period of the first dim a window of L does not see whole: it is >= L,

@@ -30,7 +30,7 @@ CPU_PARTS = 3  # a training batch on the CPU, cut into parts by length (docs/per
 def symbols(syntax: bytes) -> str:
     """Printable ASCII but space (unreadable in samples.txt) and a task's delimiters: 91 symbols for
     copy. With a-z, 22% of length-20 strings repeat a bigram, so a small model cannot copy by content
-    and falls back to copying by position; with 91, 2% do (REFERENCES.md, "Synthetic tasks")."""
+    and falls back to copying by position; with 91, 2% do (docs/tasks.md)."""
     return "".join(chr(c) for c in range(33, 127) if c not in syntax)
 
 
@@ -50,7 +50,7 @@ class Task:
     # schemes set up as the NoPE study's model (HF T5) sets up T5's bias, where the config leaves
     # the option out: its table starts near zero, N(0, d_model^-0.5), and is added to the logits
     # as is; started at zero and added as is here. Perplexity keeps x-transformers' N(0, 1) x
-    # sqrt(d_head) (REFERENCES.md). docs/tasks.md, "The recipe", has the runs
+    # sqrt(d_head) (lucidrains/x-transformers `RelativePositionBias`). docs/tasks.md, "The recipe", has the runs
     scheme_setup: dict = {s: {"init": "zeros", "scale": "none"} for s in ("t5", "hybrid")}
 
     def __init__(self, options: Optional[dict] = None, where: str = "task_options"):
