@@ -240,3 +240,12 @@ def test_ssmax_starts_as_rope_at_the_training_length_and_drops_yarn():
     assert "yarn" not in SCHEMES["ssmax"].eval_variants and "llama3" in SCHEMES["ssmax"].eval_variants
     with pytest.raises(PosbenchError, match="s=-1"):
         scheme_with("ssmax", s=-1)
+
+
+def test_fraction_and_keep_differ_as_docs_schemes_md_works_them_at_d_32():
+    """fraction 0.25: 8 dims, theta = 10000^(-k/4); keep 0.25: 4 of 16 pairs, theta = 10000^(-k/16)."""
+    fraction, _ = scheme_with(fraction=0.25).theta(10)
+    keep, _ = scheme_with(keep=0.25).theta(10)
+    assert fraction.tolist() == pytest.approx([1.0, 0.1, 0.01, 0.001], rel=1e-6)
+    assert keep.tolist() == pytest.approx([10 ** (-k / 4) for k in range(4)] + [0.0] * 12, rel=1e-6)
+    assert 2 * math.pi / keep[3].item() == pytest.approx(35.3, abs=0.05)
