@@ -249,3 +249,20 @@ def test_fraction_and_keep_differ_as_docs_schemes_md_works_them_at_d_32():
     assert fraction.tolist() == pytest.approx([1.0, 0.1, 0.01, 0.001], rel=1e-6)
     assert keep.tolist() == pytest.approx([10 ** (-k / 4) for k in range(4)] + [0.0] * 12, rel=1e-6)
     assert 2 * math.pi / keep[3].item() == pytest.approx(35.3, abs=0.05)
+
+
+@pytest.mark.plots
+def test_inspect_draws_rope_with_its_options_and_ssmax(tmp_path):
+    """inspect --set draws the scheme with those options, in a folder of its own; the
+    rotation's score curve differs from full RoPE's; a bad option is one line."""
+    from posbench import plots
+
+    full = plots.rotation_scores(scheme_with(), 64)[1]
+    partial = plots.rotation_scores(scheme_with(fraction=0.25), 64)[1]
+    assert not torch.allclose(full, partial)
+    res = invoke("inspect", "rope", "--set", "fraction=0.25", "--length", "24", "--out", tmp_path / "r")
+    assert res.exit_code == 0 and (tmp_path / "r" / "rotation.png").exists(), res.output
+    res = invoke("inspect", "ssmax", "--set", "bias=true", "--length", "24", "--out", tmp_path / "s")
+    assert res.exit_code == 0 and (tmp_path / "s" / "rotation.png").exists(), res.output
+    res = invoke("inspect", "rope", "--set", "keep=2.0", "--out", tmp_path / "bad")
+    assert res.exit_code != 0 and "keep=2.0 must be in (0, 1]" in folded(res.output) and "Traceback" not in res.output
