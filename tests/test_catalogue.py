@@ -689,7 +689,7 @@ def test_a_scheme_and_its_noisy_self_are_two_rows_of_one_experiment(tmp_path):
     md = (exp / "summary.md").read_text()
     assert "| rope |" in md and "| noisy_rope |" in md
     cfg = yaml.safe_load((exp / "noisy_rope-seed0" / "config.yaml").read_text())
-    assert cfg["model"]["options"] == {"max_pos": 128, "eval_positions": "fresh", **SCHEMES["rope"].options}
+    assert cfg["model"]["options"] == {"max_pos": 128, "eval_positions": "fresh", "base": 10000.0}
 
 
 # --- CoPE --------------------------------------------------------------------------------------

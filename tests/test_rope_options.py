@@ -266,3 +266,23 @@ def test_inspect_draws_rope_with_its_options_and_ssmax(tmp_path):
     assert res.exit_code == 0 and (tmp_path / "s" / "rotation.png").exists(), res.output
     res = invoke("inspect", "rope", "--set", "keep=2.0", "--out", tmp_path / "bad")
     assert res.exit_code != 0 and "keep=2.0 must be in (0, 1]" in folded(res.output) and "Traceback" not in res.output
+
+
+def test_runs_recorded_before_the_options_keep_their_identity():
+    """rope's fraction, keep and hope are left out of a run's record at their defaults, so a
+    rope run recorded before them (results/reference) is the same run today; set, they are in it."""
+    from conftest import ROOT
+
+    from posbench.config import load_config
+    from posbench.experiment.records import read_config
+    from posbench.resolve import resolve
+
+    old = read_config(ROOT / "results" / "reference" / "rope-seed0")
+    today = resolve(load_config(None, ["schemes=[rope,ssmax,noisy_rope]"])).cfg
+    assert today.for_run("rope", 0).model.options == old.model.options == {"base": 10000.0}
+    assert (
+        today.scheme_options["noisy_rope"]["base"] == 10000.0 and "fraction" not in today.scheme_options["noisy_rope"]
+    )
+    assert set(today.scheme_options["ssmax"]) == set(SCHEMES["ssmax"].options)  # a new scheme records all
+    partial = resolve(load_config(None, ["schemes=[rope]", "scheme_options.rope.fraction=0.25"])).cfg
+    assert partial.for_run("rope", 0).model.options == {"base": 10000.0, "fraction": 0.25}

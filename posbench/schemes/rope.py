@@ -175,6 +175,7 @@ class RoPE(PositionalScheme):
 
     description = "rotates q and k by position-proportional angles; q.k depends on i-j (Su 2021)"
     options = {"base": 10000.0, "fraction": 1.0, "keep": 1.0, "hope": False}
+    added_later = ("fraction", "keep", "hope")
     eval_variants = {
         "linear": "RoPE with positions interpolated, theta/s (Chen 2023)",
         "ntk": "RoPE with an NTK-aware base, base*s^(d/(d-2)) (bloc97 2023); transformers has no static type for it",
@@ -296,6 +297,7 @@ class SSMax(RoPE):
 
     description = "RoPE with Scalable-Softmax: logits times s_h log n, n = keys the query sees (Nakanishi 2025)"
     options = {**RoPE.options, "s": None, "bias": False}  # s null: 1 / ln(model.train_len)
+    added_later = ()  # every option is in every ssmax run's record
     eval_variants = {k: v for k, v in RoPE.eval_variants.items() if k != "yarn"}
 
     def __init__(self, cfg):
