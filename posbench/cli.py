@@ -888,12 +888,25 @@ def inspect(
     target: Annotated[str, typer.Argument(help="a scheme (name or module:Class) or a run folder")],
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="default: results/inspect/NAME")] = None,
     length: Annotated[Optional[int], typer.Option(help="positions to draw; default 2x train_len")] = None,
+    set_: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--set", help="one of the scheme's options: key=value, e.g. fraction=0.25 (scheme_options.SCHEME)"
+        ),
+    ] = None,
 ):
     """Plot what a scheme does to attention (and, for a trained run, what it learned)."""
+    from posbench.config import apply_override, blame
     from posbench.plots import inspect_target
 
     with user_errors():
-        paths, layers = inspect_target(target, out_dir, length)
+        raw, origins = {}, {}  # a bad option is blamed on its --set, as in check-scheme
+        for o in set_ or []:
+            apply_override(raw, o, origins, under=f"scheme_options.{target}")
+        try:
+            paths, layers = inspect_target(target, out_dir, length, raw.get("scheme_options", {}).get(target))
+        except PosbenchError as e:
+            raise blame(origins, e) from None
     for line in layers:  # a pattern over layers: what each layer is
         out.print(line, highlight=False)
     if not paths:

@@ -324,10 +324,11 @@ def inspect_scheme(
 
 
 def inspect_target(
-    target: str, out_dir: Optional[Path] = None, length: Optional[int] = None
+    target: str, out_dir: Optional[Path] = None, length: Optional[int] = None, options: Optional[dict] = None
 ) -> tuple[list[Path], list[str]]:
-    """`posbench inspect TARGET`: a scheme (name or module:Class) at its defaults, or a trained
-    run folder, whose scheme is drawn with its learned parameters and its model's own q and k.
+    """`posbench inspect TARGET`: a scheme (name or module:Class) at its defaults or with
+    `options`, or a trained run folder, whose scheme is drawn with its learned parameters and
+    its model's own q and k.
     A pattern over layers is drawn a layer at a time, each distinct layer in a folder layer<i>.
     Returns the paths written and, for a pattern, a line per layer."""
     from posbench.check import layers_needed
@@ -340,11 +341,15 @@ def inspect_target(
     as_path = Path(target)
     model = None
     if target not in SCHEMES and (as_path.is_dir() or ("/" in target or target.startswith("."))):
+        if options:
+            raise PosbenchError(f"--set: {target} is a run folder, whose scheme keeps the options it trained with")
         _, model = load_run(as_path)  # says what is wrong with a folder that is not a run
         scheme, name, learned = model.scheme, as_path.resolve().name, True
     else:
-        cfg = ModelConfig(scheme=target, n_layer=layers_needed(target, {}))  # a pattern: one whole period
-        scheme, name, learned = build_scheme(cfg), safe_name(target), False
+        options = options or {}
+        cfg = ModelConfig(scheme=target, options=options, n_layer=layers_needed(target, options))  # a pattern: a period
+        given = "".join(f"_{k}-{v}" for k, v in options.items())  # rope_fraction-0.25 beside plain rope
+        scheme, name, learned = build_scheme(cfg), safe_name(target + given), False
     train_len = scheme.cfg.train_len
     T = length or 2 * train_len
     if scheme.max_len is not None:

@@ -3,7 +3,9 @@
 A config as loaded holds what the user gave; `resolve` decides everything else, once: the
 task (train_len, the training budget, the vocabulary), the measure (the evaluation lengths),
 and every scheme's options filled with its defaults, so that a run's record names every
-choice its weights were made under. An error names the file or flag its value came from.
+choice its weights were made under (an option a scheme added later is named once it is off its
+default, so the runs recorded before it keep their identity: `PositionalScheme.added_later`).
+An error names the file or flag its value came from.
 """
 
 from __future__ import annotations
@@ -83,7 +85,10 @@ def _resolve_schemes(cfg: ExperimentConfig) -> None:
     every eval.perplexity.rope_scaling kind belongs to some scheme and is refused by none run here."""
     for s in cfg.schemes:
         build_scheme(cfg.model_for(s))
-        cfg.scheme_options[s] = {**SCHEMES.lookup(s).options, **cfg.scheme_options.get(s, {})}
+        cls = SCHEMES.lookup(s)
+        filled = {**cls.options, **cfg.scheme_options.get(s, {})}
+        # all of them, so that a run's record names every option, but those added later at their default
+        cfg.scheme_options[s] = {k: v for k, v in filled.items() if k not in cls.added_later or v != cls.options[k]}
     for s, opts in cfg.scheme_options.items():  # options of unselected schemes are kept, checked
         if s not in cfg.schemes:
             SCHEMES.lookup(s).validate_options(opts, where=f"scheme_options.{s}")

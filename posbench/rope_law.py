@@ -56,7 +56,9 @@ def rotary(cfg) -> Optional[tuple[int, float]]:
     """(d, base) of a run whose positions are RoPE's unscaled rotation, else None: a posbench
     run of a rotary scheme (schemes.ROTARY_BASE) not fine-tuned with a scaling, or a pretrained
     model whose rope_type is transformers' default; d is the rotated dims of a head (all of them
-    but where a pretrained model's partial_rotary_factor says fewer)."""
+    but where a pretrained model's partial_rotary_factor, or a run's option fraction, says fewer:
+    int(fraction * d), over which theta_k = base^(-2k/d) spans the whole spectrum). None too for
+    a run with keep < 1 or hope: its slow pairs never turn, so no dim breaks where the law says."""
     from posbench.schemes import ROTARY_BASE
 
     model = cfg.model
@@ -68,4 +70,7 @@ def rotary(cfg) -> Optional[tuple[int, float]]:
     option = ROTARY_BASE.get(model.scheme)
     if option is None or (model.extend or {}).get("scaling"):
         return None
-    return d_head, float(model.options[option])
+    opt = model.options
+    if opt.get("keep", 1.0) < 1 or opt.get("hope", False):
+        return None
+    return int(d_head * opt.get("fraction", 1.0)), float(opt[option])

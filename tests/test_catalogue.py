@@ -656,7 +656,7 @@ def test_a_modifier_takes_its_base_s_options_and_randomized_takes_any_base():
     """noisy_rope's options are the modifier's and rope's (its own `base`, the RoPE base, stays
     rope's); randomized with base alibi is noisy_alibi; a modifier of a modifier is refused."""
     scheme = TransformerLM(tiny("noisy_rope", options={"max_pos": 200, "base": 500.0})).scheme
-    assert scheme.inner.opt == {"base": 500.0} and scheme.opt["max_pos"] == 200
+    assert scheme.inner.opt == {**SCHEMES["rope"].options, "base": 500.0} and scheme.opt["max_pos"] == 200
     torch.manual_seed(1)
     via_option = TransformerLM(tiny("randomized", options={"base": "alibi", "max_pos": 200}))
     torch.manual_seed(1)

@@ -184,5 +184,7 @@ def test_schemes_all_runs_every_registered_scheme_with_rope_rows(tmp_path, corpu
     )
     assert res.exit_code == 0, res.output
     rows = list(csv.DictReader((out / "smoke" / "summary.csv").open()))
-    assert {r["scheme"] for r in rows} == set(SCHEMES) | {"rope+yarn", "rope+linear"}
+    variants = {f"{s}+{v}" for s, cls in SCHEMES.items() for v in ("yarn", "linear") if v in cls.eval_variants}
+    assert {"rope+yarn", "rope+linear", "ssmax+linear"} <= variants and "ssmax+yarn" not in variants
+    assert {r["scheme"] for r in rows} == set(SCHEMES) | variants
     assert len(SCHEMES) >= 14

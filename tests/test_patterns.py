@@ -395,10 +395,10 @@ def test_a_preset_trains_and_scores_as_one_row_each(tmp_path, corpus_file):
     rc = read_config(out / "smoke" / "pattern_mine-seed0")
     assert rc.scheme_options["pattern_mine"]["layers"] == MINE
     assert TransformerLM(rc.model).scheme.describe() == [
-        "layer 0: rope (base=10000.0), a window of 4 keys",
+        "layer 0: rope, a window of 4 keys",
         "layer 1: rope (base=500.0), full attention",
         "layer 2: nope, full attention",
-        "layer 3: rope (base=10000.0), a window of 4 keys",
+        "layer 3: rope, a window of 4 keys",
     ]
 
 

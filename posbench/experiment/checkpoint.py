@@ -92,7 +92,8 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
         raise
     except Exception as e:  # torch raises many kinds for a truncated or foreign file
         raise PosbenchError(f"{ckpt_path}: corrupt or not a posbench checkpoint ({first_line(e, 120)})") from None
-    unrecorded = sorted(set(type(model.scheme).options) - set(cfg.model.options))
+    cls = type(model.scheme)  # an option added later is left out of a record at its default
+    unrecorded = sorted(set(cls.options) - set(cfg.model.options) - set(cls.added_later))
     if unrecorded:  # its weights were made under defaults that this posbench may not share
         raise PosbenchError(
             f"{ckpt_path}: does not record scheme '{cfg.model.scheme}''s option(s) {', '.join(unrecorded)}, "

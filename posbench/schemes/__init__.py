@@ -39,6 +39,7 @@ SCHEMES = Registry(
         "randomized": "posbench.schemes.randomized:Randomized",
         "offset": "posbench.schemes.randomized:Offset",
         "cope": "posbench.schemes.cope:CoPE",
+        "ssmax": "posbench.schemes.rope:SSMax",
     },
     base="posbench.schemes:PositionalScheme",
     example="examples.my_scheme:MyScheme",
@@ -96,7 +97,7 @@ def run_label(model_cfg) -> str:
 
 # the schemes that rotate q and k by theta_k = base^(-2k/d), and the option holding base: the RoPE
 # scaling law (posbench/rope_law.py) predicts where their runs break, with no scheme imported
-ROTARY_BASE = {"rope": "base"}
+ROTARY_BASE = {"rope": "base", "ssmax": "base"}
 
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]  # the default experiment
 
@@ -105,7 +106,7 @@ _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first u
     "posbench.schemes.absolute": ["Sinusoidal", "Learned", "sinusoid"],
     "posbench.schemes.t5": ["T5Bias", "Hybrid", "t5_relative_bucket"],
     "posbench.schemes.xl": ["TransformerXL", "rel_shift"],
-    "posbench.schemes.rope": ["RoPE", "XPos", "rope_frequencies", "ROPE_SCALINGS"],
+    "posbench.schemes.rope": ["RoPE", "XPos", "SSMax", "rope_frequencies", "ROPE_SCALINGS"],
     "posbench.schemes.alibi": ["ALiBi", "alibi_slopes"],
     "posbench.schemes.kerple": ["KerpleLog", "KerplePower"],
     "posbench.schemes.fire": ["FIRE"],

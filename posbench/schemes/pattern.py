@@ -207,10 +207,11 @@ class Pattern(PositionalScheme):
             raise PosbenchError(f"{at}: {e}") from None
 
     def describe(self) -> list[str]:
-        """One line a layer: its index, its scheme and options, its attention."""
+        """One line a layer: its index, its scheme and the options given or off their defaults, its attention."""
         lines = []
         for i, (spec, s) in enumerate(zip(self.layers, self.at)):
-            given = ", ".join(f"{k}={v!r}" for k, v in s.opt.items())
+            shown = {k: v for k, v in s.opt.items() if k in spec.opt or v != s.options.get(k)}
+            given = ", ".join(f"{k}={v!r}" for k, v in shown.items())
             reach = (
                 f"a window of {spec.window} keys"
                 if spec.window

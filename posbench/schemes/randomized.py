@@ -184,6 +184,7 @@ def modified(name: str, base: str, modifier: type, what: str, registry) -> Optio
         "fixed_base": base,
         "own": mine,
         "options": {**own, **base_cls.options},
+        "added_later": (*modifier.added_later, *base_cls.added_later),
         "description": f"{base}, trained {what}",
     }
     return _MODIFIED.setdefault(name, type(f"{modifier.__name__}_{base}", (modifier,), attrs))

@@ -1,4 +1,4 @@
-"""Rotary schemes: RoPE with its inference-time scalings, and xPos."""
+"""Rotary schemes: RoPE with its options and inference-time scalings, xPos, and SSMax on RoPE."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
 from posbench.errors import PosbenchError
 from posbench.schemes.base import PositionalScheme, require_even
@@ -126,21 +127,55 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates each pair (x_k, x_{k+d/2}) of (B, H, T, D) x by the angle whose cos and sin are
-    (T, D) tables holding each angle twice, once per half."""
+    """Rotates each pair (x_k, x_{k+R/2}) of the first R dims of (B, H, T, D) x by the angle
+    whose cos and sin are (T, R) tables holding each angle twice, once per half; dims R..D-1
+    pass unchanged (transformers' partial rotary, `apply_rotary_pos_emb`)."""
+    R = cos.size(-1)
+    if R < x.size(-1):
+        return torch.cat([apply_rotary(x[..., :R], cos, sin), x[..., R:]], dim=-1)  # (B, H, T, D)
     return x * cos + rotate_half(x) * sin  # (B, H, T, D)
 
 
+def rotated_dims(head_dim: int, fraction: float) -> int:
+    """R, the dims of a head that rotate: int(fraction * d), truncated as transformers'
+    `partial_rotary_factor` and GPT-NeoX's `rotary_pct` (0.25 of 32 is 8, of 36 is 9, refused)."""
+    return int(head_dim * fraction)
+
+
+def kept_pairs(R: int, base: float, keep: float = 1.0, hope_len: Optional[int] = None) -> torch.Tensor:
+    """(R/2,) bool, True for the pairs that rotate; the others get theta_k = 0 and pass unrotated.
+    keep (p-RoPE, Barbero 2025): the first int(keep * R // 2) pairs, the fastest, as transformers'
+    `proportional` rope type (Gemma's p-RoPE); HoPE (Chen 2025): the pairs whose wavelength
+    2 pi / theta_k is at most the training length `hope_len`, theta_k = base^(-2k/R) unscaled."""
+    kept = torch.arange(R // 2) < int(keep * R // 2)  # (R/2,)
+    if hope_len is not None:
+        wavelength = 2 * math.pi * base ** (torch.arange(0, R, 2, dtype=torch.float64) / R)  # (R/2,)
+        kept &= wavelength <= hope_len
+    return kept
+
+
 class RoPE(PositionalScheme):
-    """Rotates dims (k, k + d/2) of q and k by angle p * theta_k, theta_k = base^(-2k/d). This
+    """Rotates dims (k, k + R/2) of q and k by angle p * theta_k, theta_k = base^(-2k/R). This
     pairs the halves (like transformers and x-transformers) instead of neighbours (2k, 2k+1);
     the two are the same rotation up to a fixed permutation of dims, which the q/k projections
     absorb. At evaluation, its variants rescale theta_k (see `rope_frequencies`) with
     s = L'/L (evaluation length over training length) unless a factor is fixed; `dynamic`
-    uses transformers' factor (default 1) and grows s with each forward's own length."""
+    uses transformers' factor (default 1) and grows s with each forward's own length.
+
+    Options (docs/schemes.md, "RoPE options"):
+      base      theta_k = base^(-2k/R)
+      fraction  R = int(fraction * d) dims rotate, the first R of each head, with the whole
+                spectrum squeezed into them; the other d - R pass unchanged (transformers'
+                partial_rotary_factor, GPT-NeoX's rotary_pct)
+      keep      p-RoPE: the spectrum over R stays, the slowest pairs past the first
+                int(keep * R // 2) get theta_k = 0 (unrotated)
+      hope      HoPE: theta_k = 0 for every pair whose wavelength 2 pi / theta_k exceeds the
+                training length L (it never turns once within a training window)
+    A variant scales the rotating pairs only: a zero theta_k stays zero."""
 
     description = "rotates q and k by position-proportional angles; q.k depends on i-j (Su 2021)"
-    options = {"base": 10000.0}
+    options = {"base": 10000.0, "fraction": 1.0, "keep": 1.0, "hope": False}
+    added_later = ("fraction", "keep", "hope")
     eval_variants = {
         "linear": "RoPE with positions interpolated, theta/s (Chen 2023)",
         "ntk": "RoPE with an NTK-aware base, base*s^(d/(d-2)) (bloc97 2023); transformers has no static type for it",
@@ -160,9 +195,30 @@ class RoPE(PositionalScheme):
 
     def __init__(self, cfg):
         super().__init__(cfg)
+        where = f"scheme_options.{cfg.scheme}"
         if self.opt["base"] <= 1:  # theta_k = base^(-2k/d) must fall with k; YaRN divides by log(base)
-            raise PosbenchError(f"scheme_options.{cfg.scheme}.base={self.opt['base']} must be > 1")
+            raise PosbenchError(f"{where}.base={self.opt['base']} must be > 1")
         require_even(cfg, "the head size model.d_model / model.n_head", cfg.head_dim)
+        # a subclass that declares none of fraction, keep, hope (xPos) rotates every pair
+        fraction, keep = self.opt.get("fraction", 1.0), self.opt.get("keep", 1.0)
+        for key, value in (("fraction", fraction), ("keep", keep)):
+            if not 0 < value <= 1:
+                raise PosbenchError(f"{where}.{key}={value} must be in (0, 1]")
+        self.rotary_dim = R = rotated_dims(cfg.head_dim, fraction)
+        if R == 0 or R % 2:
+            raise PosbenchError(
+                f"{where}.fraction={fraction} rotates int({fraction} * {cfg.head_dim}) = {R} dims of each head; "
+                f"rotations take dims two at a time, so that must be even and at least 2"
+            )
+        hope_len = cfg.train_len if self.opt.get("hope", False) else None
+        self.kept = kept_pairs(R, self.opt["base"], keep, hope_len)  # (R/2,) bool
+        if not self.kept.any():
+            why = (
+                f"keep={keep} keeps int({keep} * {R} // 2) = 0 pairs"
+                if keep < 1
+                else (f"hope: no pair's wavelength 2 pi base^(2k/{R}) fits in model.train_len={cfg.train_len}")
+            )
+            raise PosbenchError(f"{where}: {why}, so nothing rotates; that is scheme nope")
         # a run fine-tuned by `posbench extend` with a scaling keeps it for good: the same
         # rope_frequencies at s = L2/L as the evaluation-time variant, and no variant on top
         self.fixed = (cfg.extend or {}).get("scaling")
@@ -170,10 +226,17 @@ class RoPE(PositionalScheme):
             self.eval_variants = {}
 
     def rotate(self, q, k, pos, layer):
-        cos, sin = self.once_per_forward((pos,), lambda: self.angles(pos, q.size(-1), q.dtype))
+        cos, sin = self.once_per_forward((pos,), lambda: self.angles(pos, q.dtype))
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (B, H, T, D) each
 
+    def theta(self, seq_len: int) -> tuple[torch.Tensor, float]:
+        """theta (R/2,) as trained or as the variant scales it, zero where a pair does not
+        rotate, and the attention factor on cos and sin."""
+        inv, attention = self.frequencies(self.rotary_dim, seq_len)
+        return torch.where(self.kept, inv, 0.0), attention
+
     def frequencies(self, D: int, seq_len: int) -> tuple[torch.Tensor, float]:
+        """theta_k = base^(-2k/D) for D rotating dims, scaled as trained or as the variant says."""
         v = self.variant
         if v is None and self.fixed:
             ext = self.cfg.extend
@@ -184,11 +247,11 @@ class RoPE(PositionalScheme):
         factor = default if v.factor is None else v.factor
         return rope_frequencies(D, self.opt["base"], v.name, factor, v.train_len, seq_len, longrope=self.longrope)
 
-    def angles(self, pos, D, dtype):
-        inv, attention = self.frequencies(D, pos.numel())
-        ang = pos.float()[:, None] * inv.to(pos.device)[None, :]  # (T, D/2)
+    def angles(self, pos, dtype):
+        inv, attention = self.theta(pos.numel())
+        ang = pos.float()[:, None] * inv.to(pos.device)[None, :]  # (T, R/2)
         cos, sin = ang.cos() * attention, ang.sin() * attention  # transformers scales both
-        return cos.repeat(1, 2).to(dtype), sin.repeat(1, 2).to(dtype)  # (T, D) each
+        return cos.repeat(1, 2).to(dtype), sin.repeat(1, 2).to(dtype)  # (T, R) each
 
 
 class XPos(RoPE):
@@ -209,8 +272,52 @@ class XPos(RoPE):
         return q, k
 
     def xpos(self, pos, D, dtype):
-        cos, sin = self.angles(pos, D, dtype)  # (T, D) each
+        cos, sin = self.angles(pos, dtype)  # (T, D) each
         zeta = (torch.arange(0, D, 2, device=pos.device).float() + 0.4 * D) / (1.4 * D)  # (D/2,)
         power = (pos - pos.max() // 2).float() / self.opt["scale_base"]  # (T,)
         up = zeta[None, :] ** power[:, None]  # (T, D/2)
         return cos, sin, up.repeat(1, 2).to(dtype)
+
+
+class SSMax(RoPE):
+    """Scalable-Softmax (Nakanishi 2025, arXiv 2501.19399) on RoPE: the query at index i, which
+    sees n = i + 1 keys under the causal mask, has its logits multiplied by s_h log n, s_h
+    learned per layer and head:
+
+        softmax_j( (s_h log n) * q_i.k_j / sqrt(d) )  =  softmax_j( n^(s_h q_i.k_j / sqrt(d)) )
+
+    so the largest weight no longer fades as n grows. As the paper writes it, the factor is
+    applied to q (it is one per query row), here after RoPE's rotation; with `bias`, the factor
+    is s_h log n + b_h (the paper's variant with a bias, b_h learned, starting at 0). s starts
+    at `s`, or at 1 / ln(L) (L = model.train_len) when null, so that at the training length the
+    factor starts at 1 and the model starts as plain RoPE. n counts keys by index, as the mask
+    does, never by position value. RoPE's scalings apply to the rotation; YaRN's is left out,
+    as its attention factor 0.1 ln(L'/L) + 1 is a second length-dependent temperature on top of
+    SSMax's own."""
+
+    description = "RoPE with Scalable-Softmax: logits times s_h log n, n = keys the query sees (Nakanishi 2025)"
+    options = {**RoPE.options, "s": None, "bias": False}  # s null: 1 / ln(model.train_len)
+    added_later = ()  # every option is in every ssmax run's record
+    eval_variants = {k: v for k, v in RoPE.eval_variants.items() if k != "yarn"}
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        s0 = self.opt["s"]
+        if s0 is None:
+            s0 = 1 / math.log(max(cfg.train_len, 2))
+        elif isinstance(s0, bool) or not isinstance(s0, (int, float)) or not s0 > 0:
+            raise PosbenchError(f"scheme_options.{cfg.scheme}.s={s0!r}: expected a positive number, or null")
+        H = cfg.n_head
+        # one (H,) vector per layer: a 1-d parameter, which AdamW does not decay towards 0
+        self.s = nn.ParameterList(nn.Parameter(torch.full((H,), float(s0))) for _ in range(cfg.n_layer))
+        self.b = (
+            nn.ParameterList(nn.Parameter(torch.zeros(H)) for _ in range(cfg.n_layer)) if self.opt["bias"] else None
+        )
+
+    def rotate(self, q, k, pos, layer):
+        q, k = super().rotate(q, k, pos, layer)  # (B, H, T, D) each
+        log_n = torch.arange(1, q.size(2) + 1, device=q.device, dtype=q.dtype).log()  # (T,): n = i + 1
+        scale = self.s[layer][:, None] * log_n[None, :]  # (H, T)
+        if self.b is not None:
+            scale = scale + self.b[layer][:, None]
+        return q * scale[:, :, None].to(q.dtype), k  # (B, H, T, D) each
