@@ -148,6 +148,7 @@ class RoPE(PositionalScheme):
         "yarn": "RoPE with YaRN's per-dimension ramp and attention factor (Peng 2023)",
         "llama3": "RoPE with Llama 3.1's ramp: theta/s below 1 turn in L, theta above 4 (Meta 2024)",
         "longrope": "RoPE rescaled by factors searched per model, Phi-3's (Ding 2024); refused: runs have none",
+        **PositionalScheme.eval_variants,  # the training-free ones every scheme takes
     }
     # LongRoPE's (short_factor, long_factor), d_head/2 factors each, found by a search on one
     # trained model's perplexity. posbench runs no such search, so rope has none and refuses
@@ -156,7 +157,7 @@ class RoPE(PositionalScheme):
 
     @classmethod
     def refuses(cls, variant: str) -> Optional[str]:
-        return LONGROPE_NEEDS if variant == "longrope" and cls.longrope is None else None
+        return LONGROPE_NEEDS if variant == "longrope" and cls.longrope is None else super().refuses(variant)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -200,7 +201,8 @@ class XPos(RoPE):
 
     description = "RoPE times a per-dimension decay zeta_k^((i-j)/gamma) (Sun 2023, xPos)"
     options = {"base": 10000.0, "scale_base": 512.0}
-    eval_variants = {}  # RoPE's scalings were not defined for xPos's decay
+    eval_variants = PositionalScheme.eval_variants  # RoPE's scalings were not defined for xPos's decay
+    fixed_distances = "its decay is centred on each call's positions, so q and k rotated apart do not meet at i-j"
 
     def rotate(self, q, k, pos, layer):
         cos, sin, up = self.once_per_forward((pos,), lambda: self.xpos(pos, q.size(-1), q.dtype))
