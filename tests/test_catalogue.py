@@ -887,6 +887,39 @@ def test_evaluate_rope_scaling_errors_are_one_line(tiny_runs, args, message):
     assert (exp / "rope-seed0" / "eval.csv").read_text() == before
 
 
+def test_evaluate_adds_training_free_rows_for_rope_and_alibi(tiny_runs, tmp_path):
+    """--rope-scaling takes the training-free variants (docs/schemes.md) for any relative scheme:
+    rows rope+self_extend, rope+logn, alibi+rerope. logn is 1 up to the training length, so it
+    scores rope there exactly; rerope clips distances past L/4, so it changes rope at 64."""
+    exp0, _ = tiny_runs
+    for run, kinds in (("rope-seed0", "self_extend,rerope,logn"), ("alibi-seed0", "rerope")):
+        shutil.copytree(exp0 / run, tmp_path / run)
+        res = invoke("evaluate", tmp_path / run, "--rope-scaling", kinds, "--lengths", "32,64")
+        assert res.exit_code == 0, res.output
+    rows = {(r["scheme"], int(r["length"])): r for r in read_rows(tmp_path / "rope-seed0" / "eval.csv")}
+    assert {(f"rope+{kind}", L) for kind in ("self_extend", "rerope", "logn") for L in (32, 64)} <= set(rows)
+    assert float(rows["rope+logn", 32]["loss"]) == pytest.approx(float(rows["rope", 32]["loss"]), rel=1e-5)
+    assert float(rows["rope+rerope", 64]["loss"]) != pytest.approx(float(rows["rope", 64]["loss"]), rel=1e-5)
+    alibi = {(r["scheme"], int(r["length"])) for r in read_rows(tmp_path / "alibi-seed0" / "eval.csv")}
+    assert {("alibi+rerope", 32), ("alibi+rerope", 64)} <= alibi
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--rope-scaling", "rerope", "--rope-factor", "2.5"], "rerope's factor is the window w, a whole number"),
+        (["--rope-scaling", "self_extnd"], "has no evaluation-time variant 'self_extnd'"),
+    ],
+)
+def test_evaluate_training_free_errors_are_one_line(tiny_runs, args, message):
+    exp, _ = tiny_runs
+    before = (exp / "rope-seed0" / "eval.csv").read_text()
+    res = invoke("evaluate", exp / "rope-seed0", *args)
+    assert res.exit_code != 0 and "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+    assert message in " ".join(res.output.split()), res.output
+    assert (exp / "rope-seed0" / "eval.csv").read_text() == before
+
+
 def test_extrapolate_rope_scaling_adds_rows_without_retraining(tiny_runs, tmp_path):
     _, text = tiny_runs
     out = tmp_path / "results"
