@@ -130,6 +130,25 @@ def test_a_model_scores_in_blocks_of_queries_as_in_one():
     torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_no_bias_or_logit_beyond_one_block_of_queries_is_built(name, monkeypatch):
+    """At 600 tokens the model attends in blocks of 256 queries: every bias the variant asks of the
+    scheme, the plain one and the remapped one, is (Tq <= 256, Tk), never (600, 600)."""
+    model = tiny_model("alibi", train_len=L)
+    shapes = []
+    bias = type(model.scheme).bias
+
+    def recorded(self, q, k, qpos, kpos, layer):
+        shapes.append((qpos.numel(), kpos.numel()))
+        return bias(self, q, k, qpos, kpos, layer)
+
+    monkeypatch.setattr(type(model.scheme), "bias", recorded)
+    with torch.no_grad(), model.eval_variant(name, 600):
+        model(torch.randint(0, 32, (1, 600)))
+    assert shapes and max(tq for tq, _ in shapes) <= model.attn_block
+    assert {tk for _, tk in shapes} == {256, 512, 600}
+
+
 @pytest.mark.parametrize(
     "scheme,name,why",
     [
