@@ -213,3 +213,17 @@ def test_the_catalogue_lists_each_variant_once_with_the_schemes_that_take_it():
     takers = rows["<scheme>+rerope"]
     assert "rope, alibi" in takers and "sinusoidal" not in takers and "xpos" not in takers
     assert "rope+rerope" not in rows  # a scheme's own rows are its own variants
+
+
+def test_an_experiment_skips_the_schemes_a_variant_refuses_and_says_so():
+    """eval.perplexity.rope_scaling [rerope] with rope and sinusoidal resolves (rope gets rows), and
+    the notes say in one line why sinusoidal gets none; a bad factor is refused before training."""
+    from posbench.config import load_config
+    from posbench.resolve import resolve
+
+    exp = resolve(load_config(None, ["eval.perplexity.rope_scaling=[rerope]", "schemes=[rope,sinusoidal]"]))
+    notes = exp.measure.notes(exp.cfg, None)
+    said = "eval.perplexity.rope_scaling rerope: no sinusoidal+rerope rows, rerope remaps distances"
+    assert any(n.startswith(said) for n in notes) and not any("no rope+rerope" in n for n in notes)
+    with pytest.raises(PosbenchError, match="eval.perplexity.rope_factor: string's factor is the shift S"):
+        resolve(load_config(None, ["eval.perplexity.rope_scaling=[string]", "eval.perplexity.rope_factor=1.5"]))
