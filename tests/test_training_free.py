@@ -227,3 +227,11 @@ def test_an_experiment_skips_the_schemes_a_variant_refuses_and_says_so():
     assert any(n.startswith(said) for n in notes) and not any("no rope+rerope" in n for n in notes)
     with pytest.raises(PosbenchError, match="eval.perplexity.rope_factor: string's factor is the shift S"):
         resolve(load_config(None, ["eval.perplexity.rope_scaling=[string]", "eval.perplexity.rope_factor=1.5"]))
+
+
+def test_check_scheme_runs_causality_under_every_variant_a_scheme_takes():
+    from posbench import check
+
+    said = check.variants_hold(tiny_model("alibi", train_len=L), 40)
+    assert said.startswith("causal, with finite logits, under self_extend, rerope, string, lm_infinite, logn")
+    assert "under logn (T=40" in check.variants_hold(tiny_model("sinusoidal", train_len=L), 40)
