@@ -44,7 +44,6 @@ VARIANTS = {  # name -> description; evaluated as rows "<scheme>+<name>"
     "lm_infinite": "LM-Infinite: a Lambda mask (first 10 keys and the last L) and distances capped at L (Han 2024)",
     "logn": "log-n attention temperature: logits times max(1, log n / log L), n keys seen (Qwen; Chiang 2022)",
 }
-REMAPS = ("self_extend", "rerope", "string", "lm_infinite")  # those that hand the hooks other positions
 SINKS = 10  # LM-Infinite's n_global, the first keys every query keeps (its README: 10 to 100 alike)
 
 
