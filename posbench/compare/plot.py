@@ -68,7 +68,6 @@ def style(name: str) -> dict:
     """matplotlib line keywords for scheme `name`: colour, line style and marker."""
     from posbench.extend.methods import METHODS
     from posbench.schemes import MODIFIERS, PATTERNS, SCHEMES
-    from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
 
     base = base_of(name)
     trained, _, method = name.partition(":")
@@ -77,9 +76,12 @@ def style(name: str) -> dict:
         return {"color": _shade(colour(base), SHADES[i % len(SHADES)]), "linestyle": "-", "marker": MARKERS[i]}
     plain, _, variant = trained.partition("+")
     modifier = next((m for m in MODIFIERS if plain.startswith(m) and plain != base), None)
-    kind = variant.partition("@")[0]
-    free = kind in TRAINING_FREE  # a training-free variant: dashes of its own among them, marked x
+    free = False  # a training-free variant: dashes of its own among them, marked x
     if variant:  # the same checkpoints, evaluated another way: dashes per variant of its scheme
+        from posbench.schemes.training_free import VARIANTS as TRAINING_FREE  # as SCHEMES[base], it imports torch
+
+        kind = variant.partition("@")[0]
+        free = kind in TRAINING_FREE
         if base in PATTERNS or base.startswith("pattern_"):
             base = "rope"  # a pattern's variants are its RoPE layers': dashed as rope's
         own = list(SCHEMES[base].eval_variants) if base in SCHEMES else []
