@@ -271,6 +271,23 @@ def attend_agrees(model: TransformerLM, T: int) -> str:
     return f"attend agrees with the eager formula and the bias within 1e-5 (T={T}, whole and blocked)"
 
 
+@torch.no_grad()
+def variants_hold(model: TransformerLM, T: int) -> str:
+    """Under each evaluation-time variant the model takes (its scheme's own and the training-free
+    ones of posbench/schemes/training_free.py), earlier logits stay unchanged when a later token
+    changes and every logit is finite, whole and blocked."""
+    took = [v for v in model.eval_variants if not model.scheme.refuses(v)]
+    if not took:
+        return "no evaluation-time variant applies"
+    for name in took:
+        try:
+            with model.eval_variant(name, T):
+                causality(model, T)
+        except CheckFailed as e:
+            raise CheckFailed(f"{name}: {e}") from None
+    return f"causal, with finite logits, under {', '.join(took)} (T={T}, whole and blocked)"
+
+
 def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
     """Every check on `spec` (a registered name or module:Class) at a tiny size, built with
     `options` (its scheme_options). A scheme that cannot be loaded, or options it does not
@@ -316,6 +333,9 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
     def attend():
         return attend_agrees(got["model"].train(), L * 5 // 2 if supports(got["model"], L * 5 // 2) else L)
 
+    def variants():
+        return variants_hold(got["model"].eval(), L * 5 // 2 if supports(got["model"], L * 5 // 2) else L)
+
     steps = [  # (name, check, the checks it needs)
         ("build", build, ()),
         ("causality", causal, ("build",)),
@@ -324,6 +344,7 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
         ("beyond length", beyond, ("build",)),
         ("window", window, ("build",)),
         ("attend", attend, ("build",)),
+        ("variants", variants, ("build",)),
     ]
     passed: dict[str, bool] = {}
     results = []

@@ -236,9 +236,12 @@ def extrapolate(
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda")] = None,
     attention: AttentionOpt = None,
     rope_scaling: Annotated[
-        Optional[str], typer.Option(help="also score rope runs scaled at evaluation, e.g. yarn,ntk")
+        Optional[str],
+        typer.Option(help="also score evaluation-time variants: rope's yarn,ntk,...; any scheme's rerope,logn,..."),
     ] = None,
-    rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L)")] = None,
+    rope_factor: Annotated[
+        Optional[float], typer.Option(help="fixed scale s (default L'/L), or a training-free variant's G, w, S, ...")
+    ] = None,
     protocol: Protocol = None,
     stride: Stride = None,
     compile_: Compile = False,
@@ -419,9 +422,14 @@ def evaluate(
     lengths: Annotated[Optional[str], typer.Option(help="e.g. 100,200,400")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     rope_scaling: Annotated[
-        Optional[str], typer.Option(help="also score RoPE scaled at evaluation: linear,ntk,dynamic,yarn,llama3")
+        Optional[str],
+        typer.Option(
+            help="also score variants: rope's linear,ntk,dynamic,yarn,llama3; any's self_extend,rerope,string,..."
+        ),
     ] = None,
-    rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/L per length)")] = None,
+    rope_factor: Annotated[
+        Optional[float], typer.Option(help="fixed scale s (default L'/L per length), or a training-free variant's G, w")
+    ] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (default: the run's)")] = None,
     attention: AttentionOpt = None,
     protocol: Protocol = None,
@@ -433,7 +441,9 @@ def evaluate(
     """Evaluate an existing checkpoint; its rows are merged into the run's eval.csv.
 
     --rope-scaling yarn also scores the rope checkpoint rescaled at evaluation time (rows
-    rope+yarn), beside plain rope, at these lengths and the training length. --protocol
+    rope+yarn), beside plain rope, at these lengths and the training length; --rope-scaling
+    rerope scores a rope, alibi, t5, ... checkpoint with ReRoPE's clipped distances (rows
+    alibi+rerope), as the other training-free variants do theirs (docs/schemes.md). --protocol
     sliding (with --stride) scores it under sliding windows, as extrapolate does. --measure
     context_gain,key_tokens scores it by posbench's other measures instead (docs/measures.md), and
     --measure examples.my_measure:NextByteAccuracy by one of your own, at its config's lengths,

@@ -176,9 +176,10 @@ class PerplexityConfig:
     protocol: list[str] = field(default_factory=lambda: ["nonoverlapping"])
     stride: Optional[int] = None  # the sliding windows' stride; null = a quarter of train_len
     # evaluation-time variants scored as extra rows "<scheme>+<kind>" for every run whose
-    # scheme declares them (rope: linear, ntk, dynamic, yarn, llama3, longrope); the checkpoints are not retrained
+    # scheme declares them (rope: linear, ntk, dynamic, yarn, llama3, longrope) or takes them (the
+    # training-free self_extend, rerope, string, lm_infinite, logn: docs/schemes.md); no retraining
     rope_scaling: list[str] = field(default_factory=list)
-    rope_factor: Optional[float] = None  # a fixed scale s for those rows; None = L'/L per length
+    rope_factor: Optional[float] = None  # a fixed scale s (None = L'/L per length), or a training-free one's G, w, S
 
     def __post_init__(self):
         if self.rope_factor is not None and not self.rope_factor >= 1.0:

@@ -18,6 +18,7 @@ from posbench.attention import backend_for, causal_attention
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.schemes import PositionalScheme, build_scheme
+from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
 
 Norm = nn.LayerNorm  # every block's two norms and the final one; nn.RMSNorm works as well
 
@@ -37,8 +38,11 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         scheme = self.scheme[0]
-        q, k = scheme.rotate(q, k, pos, self.layer)
-        y = causal_attention(q, k, v, pos, scheme, self.layer, backend, block)  # (B, nh, T, hs)
+        if scheme.remap is not None:  # a training-free variant at evaluation: its own eager attention
+            y = scheme.remap.attention(q, k, v, pos, scheme, self.layer, block)  # (B, nh, T, hs)
+        else:
+            q, k = scheme.rotate(q, k, pos, self.layer)
+            y = causal_attention(q, k, v, pos, scheme, self.layer, backend, block)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side again
         return self.proj(y)
 
@@ -122,8 +126,9 @@ class TransformerLM(nn.Module):
 
     @property
     def eval_variants(self) -> tuple[str, ...]:
-        """The evaluation-time variants its scheme declares (rope: linear, ntk, dynamic, yarn, llama3, longrope)."""
-        return tuple(self.scheme.eval_variants)
+        """The evaluation-time variants its scheme declares (rope: linear, ntk, dynamic, yarn, llama3,
+        longrope) and the training-free ones it takes (posbench/schemes/training_free.py)."""
+        return tuple(v for v in self.scheme.eval_variants if v not in TRAINING_FREE or not self.scheme.refuses(v))
 
     def eval_variant(self, name: Optional[str], length: int, factor: Optional[float] = None):
         """A context in which the model scores as variant `name` at `length` (None: as trained)."""

@@ -82,7 +82,11 @@ def resolve_scoring(rc: ExperimentConfig, asked: dict[str, tuple[str, Any]]) -> 
 
 def _resolve_schemes(cfg: ExperimentConfig) -> None:
     """Every scheme builds with its options (bad options fail before anything trains), and
-    every eval.perplexity.rope_scaling kind belongs to some scheme and is refused by none run here."""
+    every eval.perplexity.rope_scaling kind belongs to some scheme and is refused by none run here
+    (a training-free one, which every scheme declares, adds no rows for a scheme that refuses it)."""
+    from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
+    from posbench.schemes.training_free import remap
+
     for s in cfg.schemes:
         build_scheme(cfg.model_for(s))
         cls = SCHEMES.lookup(s)
@@ -100,6 +104,11 @@ def _resolve_schemes(cfg: ExperimentConfig) -> None:
                 f"valid: {', '.join(sorted(known))}",
                 "eval.perplexity.rope_scaling",
             )
-        for c in map(SCHEMES.lookup, cfg.schemes):
-            if kind in c.eval_variants and c.refuses(kind):
+        if kind in TRAINING_FREE and cfg.eval.perplexity.rope_factor is not None:  # before anything trains
+            try:
+                remap(kind, cfg.model.train_len, cfg.model.train_len, cfg.eval.perplexity.rope_factor)
+            except PosbenchError as e:
+                raise PosbenchError(f"eval.perplexity.rope_factor: {e}", "eval.perplexity.rope_factor") from None
+        for c in map(SCHEMES.lookup, cfg.schemes):  # a training-free variant skips the schemes it cannot apply to
+            if kind in c.eval_variants and c.refuses(kind) and kind not in TRAINING_FREE:
                 raise PosbenchError(f"eval.perplexity.rope_scaling: {c.refuses(kind)}", "eval.perplexity.rope_scaling")

@@ -20,6 +20,7 @@ from posbench.evaluate import evaluate_model
 from posbench.model import TransformerLM
 from posbench.resolve import resolve
 from posbench.schemes import SCHEMES, catalogue, resolve_scheme, rope_frequencies
+from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
 
 # the schemes whose formulas this file works by hand, each in a section of its own below
 HAND_WORKED = ["xpos", "kerple_log", "kerple_power", "fire", "randomized", "cope"]
@@ -319,7 +320,8 @@ def test_variants_are_declared_by_the_scheme():
     with pytest.raises(PosbenchError, match="scheme 'alibi' has no evaluation-time variant 'yarn'"):
         with SCHEMES["alibi"](tiny("alibi")).eval_variant("yarn", 16, 32):
             pass
-    assert set(SCHEMES["rope"].eval_variants) == {"linear", "ntk", "dynamic", "yarn", "llama3", "longrope"}
+    own = {"linear", "ntk", "dynamic", "yarn", "llama3", "longrope"}
+    assert set(SCHEMES["rope"].eval_variants) == own | set(TRAINING_FREE)
     with pytest.raises(PosbenchError, match="evaluation-time variant of rope, not a scheme to train"):
         resolve_scheme("rope+yarn")
 
@@ -332,7 +334,7 @@ def test_rope_variants_take_transformers_names_but_ntk():
 
     from posbench.pretrained import VARIANTS
 
-    own = set(SCHEMES["rope"].eval_variants)
+    own = set(SCHEMES["rope"].eval_variants) - set(TRAINING_FREE)
     assert own - set(ROPE_INIT_FUNCTIONS) == {"ntk"} and own - {"ntk"} == set(VARIANTS)
 
 
@@ -881,6 +883,39 @@ def test_evaluate_rope_scaling_errors_are_one_line(tiny_runs, args, message):
     before = (exp / "rope-seed0" / "eval.csv").read_text()
     res = invoke("evaluate", exp / args[0], *args[1:])
     assert res.exit_code != 0 and "Traceback" not in res.output
+    assert message in " ".join(res.output.split()), res.output
+    assert (exp / "rope-seed0" / "eval.csv").read_text() == before
+
+
+def test_evaluate_adds_training_free_rows_for_rope_and_alibi(tiny_runs, tmp_path):
+    """--rope-scaling takes the training-free variants (docs/schemes.md) for any relative scheme:
+    rows rope+self_extend, rope+logn, alibi+rerope. logn is 1 up to the training length, so it
+    scores rope there exactly; rerope clips distances past L/4, so it changes rope at 64."""
+    exp0, _ = tiny_runs
+    for run, kinds in (("rope-seed0", "self_extend,rerope,logn"), ("alibi-seed0", "rerope")):
+        shutil.copytree(exp0 / run, tmp_path / run)
+        res = invoke("evaluate", tmp_path / run, "--rope-scaling", kinds, "--lengths", "32,64")
+        assert res.exit_code == 0, res.output
+    rows = {(r["scheme"], int(r["length"])): r for r in read_rows(tmp_path / "rope-seed0" / "eval.csv")}
+    assert {(f"rope+{kind}", L) for kind in ("self_extend", "rerope", "logn") for L in (32, 64)} <= set(rows)
+    assert float(rows["rope+logn", 32]["loss"]) == pytest.approx(float(rows["rope", 32]["loss"]), rel=1e-5)
+    assert float(rows["rope+rerope", 64]["loss"]) != pytest.approx(float(rows["rope", 64]["loss"]), rel=1e-5)
+    alibi = {(r["scheme"], int(r["length"])) for r in read_rows(tmp_path / "alibi-seed0" / "eval.csv")}
+    assert {("alibi+rerope", 32), ("alibi+rerope", 64)} <= alibi
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--rope-scaling", "rerope", "--rope-factor", "2.5"], "rerope's factor is the window w, a whole number"),
+        (["--rope-scaling", "self_extnd"], "has no evaluation-time variant 'self_extnd'"),
+    ],
+)
+def test_evaluate_training_free_errors_are_one_line(tiny_runs, args, message):
+    exp, _ = tiny_runs
+    before = (exp / "rope-seed0" / "eval.csv").read_text()
+    res = invoke("evaluate", exp / "rope-seed0", *args)
+    assert res.exit_code != 0 and "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
     assert message in " ".join(res.output.split()), res.output
     assert (exp / "rope-seed0" / "eval.csv").read_text() == before
 

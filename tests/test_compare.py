@@ -179,6 +179,7 @@ def test_lines_that_can_share_a_plot_never_look_alike():
     from posbench.schemes import MODIFIERS, SCHEMES
 
     names = list(SCHEMES) + [f"rope+{v}" for v in SCHEMES["rope"].eval_variants] + ["rope+yarn@4"]
+    names += ["rope+rerope@4", "alibi+rerope", "noisy_rope+logn"]
     names += [f"{m}rope" for m in MODIFIERS] + [f"rope:{m}" for m in METHODS]
     looks = {n: (style(n)["color"], repr(style(n)["linestyle"]), style(n)["marker"]) for n in names}
     assert len(set(looks.values())) == len(names), looks

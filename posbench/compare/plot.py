@@ -76,16 +76,24 @@ def style(name: str) -> dict:
         return {"color": _shade(colour(base), SHADES[i % len(SHADES)]), "linestyle": "-", "marker": MARKERS[i]}
     plain, _, variant = trained.partition("+")
     modifier = next((m for m in MODIFIERS if plain.startswith(m) and plain != base), None)
+    free = False  # a training-free variant: dashes of its own among them, marked x
     if variant:  # the same checkpoints, evaluated another way: dashes per variant of its scheme
+        from posbench.schemes.training_free import VARIANTS as TRAINING_FREE  # as SCHEMES[base], it imports torch
+
+        kind = variant.partition("@")[0]
+        free = kind in TRAINING_FREE
         if base in PATTERNS or base.startswith("pattern_"):
             base = "rope"  # a pattern's variants are its RoPE layers': dashed as rope's
         own = list(SCHEMES[base].eval_variants) if base in SCHEMES else []
-        dashes = DASHES[_index(variant.partition("@")[0], own, len(DASHES) - len(MODIFIERS))]
+        own = list(TRAINING_FREE) if free else [v for v in own if v not in TRAINING_FREE]
+        dashes = DASHES[_index(kind, own, len(DASHES) - len(MODIFIERS))]
     elif modifier:  # a modified scheme: dashes from the end, one per modifier
         dashes = DASHES[-1 - list(MODIFIERS).index(modifier)]
     else:
         dashes = "-"
     marker = "s" if modifier and variant else "d" if "@" in variant else "o"  # rope+yarn@4 beside rope+yarn
+    if free:
+        marker = "P" if modifier else "+" if "@" in variant else "x"
     return {"color": colour(name), "linestyle": dashes, "marker": marker}
 
 

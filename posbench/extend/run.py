@@ -209,12 +209,13 @@ def default_curve(steps: int) -> list[int]:
 
 
 def _variants(rc: ExperimentConfig) -> list[str]:
-    """The parent's evaluation-time variants, but those its scheme refuses (rope's longrope). A
+    """The parent's own evaluation-time variants, but those its scheme refuses (rope's longrope). A
     pattern over layers has its layers' own, so they are asked of the scheme as built."""
     from posbench.schemes import build_scheme
+    from posbench.schemes.training_free import VARIANTS as TRAINING_FREE  # every scheme's, not the parent's own
 
     scheme = build_scheme(rc.model)
-    return [v for v in scheme.eval_variants if not scheme.refuses(v)]
+    return [v for v in scheme.eval_variants if v not in TRAINING_FREE and not scheme.refuses(v)]
 
 
 def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None, eval=None, options=None):

@@ -128,13 +128,21 @@ def __getattr__(name: str):
 
 
 def catalogue() -> list[tuple[str, str]]:
-    """(name, description) of every registered scheme, each followed by its evaluation-time
-    variants, which are rows of a report rather than schemes that can be trained."""
+    """(name, description) of every registered scheme, each followed by its own evaluation-time
+    variants, which are rows of a report rather than schemes that can be trained; then the
+    training-free variants, each with the schemes that take it."""
+    from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
+
     rows = []
     for name, cls in SCHEMES.items():
         rows.append((name, cls.description))
         for variant, what in cls.eval_variants.items():
-            rows.append((f"{name}+{variant}", f"evaluation-time variant of {name}: {what}"))
+            if variant not in TRAINING_FREE:
+                rows.append((f"{name}+{variant}", f"evaluation-time variant of {name}: {what}"))
+    for variant, what in TRAINING_FREE.items():
+        takers = [n for n, c in SCHEMES.items() if variant in c.eval_variants and not c.refuses(variant)]
+        takers = "every scheme" if len(takers) == len(SCHEMES) else ", ".join(takers) + " and patterns"
+        rows.append((f"<scheme>+{variant}", f"training-free variant of {takers}: {what}"))
     from posbench.schemes.pattern import Pattern
 
     rows += [(name, SCHEMES.lookup(name).description) for name in PATTERNS]

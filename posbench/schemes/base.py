@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+import posbench.schemes.training_free as training_free
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.registry import check_options
@@ -40,7 +41,12 @@ class PositionalScheme(nn.Module):
     A scheme may also declare evaluation-time variants (`eval_variants`): a change applied to a
     trained checkpoint while it is evaluated, with no retraining, reported as rows named
     `<scheme>+<variant>`. RoPE's are the inference-time scalings of transformers'
-    ROPE_INIT_FUNCTIONS. `refuses` says in one line why a declared variant cannot apply (rope's
+    ROPE_INIT_FUNCTIONS. Every scheme also takes the training-free variants of
+    posbench/schemes/training_free.py (self_extend, rerope, string, lm_infinite, logn), which
+    hand its `rotate` and `bias` other positions, unless it refuses them: one that adds to the
+    embeddings or chooses its own positions, one with no position hook (nope: only lm_infinite's
+    mask and logn), or one that says why its hooks cannot take other positions
+    (`fixed_distances`). `refuses` says in one line why a declared variant cannot apply (rope's
     longrope has no searched factors), before anything is trained or scored.
     """
 
@@ -49,8 +55,10 @@ class PositionalScheme(nn.Module):
     # options added after runs were recorded: a run's config leaves one out while it is at its
     # default, so the runs recorded before it keep their identity (and resume, and are found done)
     added_later: tuple = ()
-    eval_variants: dict = {}  # variant name -> description; evaluated as rows "<scheme>+<name>"
+    eval_variants: dict = dict(training_free.VARIANTS)  # name -> description; rows "<scheme>+<name>"
     variant: Optional[EvalVariant] = None  # the variant being evaluated, set by eval_variant()
+    remap: Optional[training_free.Remap] = None  # the training-free variant being evaluated, set by eval_variant()
+    fixed_distances: Optional[str] = None  # why its hooks cannot be handed other positions (None: they can)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -98,17 +106,33 @@ class PositionalScheme(nn.Module):
             raise PosbenchError(
                 f"scheme '{self.cfg.scheme}' has no evaluation-time variant '{name}' (its variants: {have})"
             )
-        if self.refuses(name):
-            raise PosbenchError(self.refuses(name))
-        self.variant, self._memo = EvalVariant(name, train_len, length, factor), None
+        why = self.refuses(name)
+        if why:
+            raise PosbenchError(f"{self.cfg.scheme}+{name}: {why}" if name in training_free.VARIANTS else why)
+        if name in training_free.VARIANTS:  # the model attends through the remap (model.Attention)
+            self.remap = training_free.remap(name, train_len, length, factor)
+        else:
+            self.variant = EvalVariant(name, train_len, length, factor)
+        self._memo = None
         try:
             yield
         finally:
-            self.variant, self._memo = None, None
+            self.variant, self.remap, self._memo = None, None, None
 
     @classmethod
     def refuses(cls, variant: str) -> Optional[str]:
         """Why this scheme cannot apply its declared variant `variant`, in one line (None: it can)."""
+        if variant not in training_free.VARIANTS or variant == "logn":  # a temperature suits any logits
+            return None
+        what = cls.__name__
+        if cls.positions is not PositionalScheme.positions:
+            return f"{variant} remaps the distances of positions 0..T-1, and {what} chooses its own positions"
+        if cls.embed is not PositionalScheme.embed:
+            return f"{variant} remaps distances in attention, and {what} adds absolute positions to the embeddings"
+        if cls.fixed_distances:
+            return f"{variant} hands the hooks other positions, and {what} cannot take them: {cls.fixed_distances}"
+        if variant != "lm_infinite" and cls.rotate is PositionalScheme.rotate and cls.bias is PositionalScheme.bias:
+            return f"{variant} remaps distances, and {what} has none in attention (lm_infinite's mask and logn apply)"
         return None
 
     def positions(self, T: int, device) -> torch.Tensor:

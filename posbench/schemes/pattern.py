@@ -31,6 +31,7 @@ from posbench.errors import PosbenchError
 from posbench.registry import check_options
 from posbench.schemes.base import PositionalScheme
 from posbench.schemes.rope import RoPE
+from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
 
 LAYER_KEYS = ("scheme", "window", "chunk", "options")
 EXAMPLE = "[{scheme: rope, window: 32}, {scheme: rope, window: 32}, {scheme: rope, window: 32}, nope]"
@@ -128,6 +129,9 @@ class Pattern(PositionalScheme):
     Evaluation-time variants (RoPE's scalings) apply to the layers with full attention whose
     scheme declares them. A window layer never meets a distance of W or more (a chunk layer, of
     C or more), so, as Gemma 3 scales only its global layers, it keeps its trained frequencies.
+    The training-free variants (posbench/schemes/training_free.py) remap every layer's attention,
+    a window's or chunk's hidden keys staying hidden, unless a layer's scheme cannot take other
+    positions (`fixed_distances`).
     """
 
     description = "your own pattern of schemes over layers, windows optional: scheme_options.pattern_<label>.layers"
@@ -180,7 +184,8 @@ class Pattern(PositionalScheme):
         self.windows = [x.window for x in self.layers]  # layer -> its window, None for none
         self.chunks = [x.chunk for x in self.layers]  # layer -> its chunk, None for none
         full = [s for s, x in zip(self.at, self.layers) if not x.local]
-        self.eval_variants = {v: d for s in full for v, d in s.eval_variants.items()}
+        self.eval_variants = {v: d for s in full for v, d in s.eval_variants.items() if v not in TRAINING_FREE}
+        self.eval_variants.update({v: d for v, d in TRAINING_FREE.items() if not self.fixed(v)})
 
     def _build(self, spec: Layer, cfg, at: str) -> PositionalScheme:
         if type(self).registry is None:
@@ -205,6 +210,13 @@ class Pattern(PositionalScheme):
             return type(self).registry.build(spec.scheme, sub)
         except PosbenchError as e:
             raise PosbenchError(f"{at}: {e}") from None
+
+    def fixed(self, variant: str) -> list[str]:
+        """The layers' schemes that cannot take training-free variant `variant` (a scheme without
+        a position hook, nope, is left as it is)."""
+        base = PositionalScheme
+        hooked = [s for s in self.schemes if type(s).rotate is not base.rotate or type(s).bias is not base.bias]
+        return [s.cfg.scheme for s in hooked if type(s).refuses(variant)]
 
     def describe(self) -> list[str]:
         """One line a layer: its index, its scheme and the options given or off their defaults, its attention."""
@@ -255,6 +267,10 @@ class Pattern(PositionalScheme):
             raise PosbenchError(
                 f"scheme '{self.cfg.scheme}' has no evaluation-time variant '{name}': {self.lacks(name)}"
             )
+        if name in TRAINING_FREE:  # the whole pattern attends through the remap, every layer's hooks in it
+            with PositionalScheme.eval_variant(self, name, train_len, length, factor):
+                yield
+            return
         with contextlib.ExitStack() as stack:
             if name is not None:
                 for s in dict.fromkeys(s for s, x in zip(self.at, self.layers) if not x.local):
@@ -264,6 +280,8 @@ class Pattern(PositionalScheme):
 
     def lacks(self, name: str) -> str:
         """Why no layer takes variant `name`, in words."""
+        if name in TRAINING_FREE:
+            return f"its {', '.join(self.fixed(name))} layers cannot take other positions"
         local = [x for x, s in zip(self.layers, self.at) if x.local and name in s.eval_variants]
         none = sorted({x.scheme for x, s in zip(self.layers, self.at) if name not in s.eval_variants})
         parts = []

@@ -183,6 +183,7 @@ class RoPE(PositionalScheme):
         "yarn": "RoPE with YaRN's per-dimension ramp and attention factor (Peng 2023)",
         "llama3": "RoPE with Llama 3.1's ramp: theta/s below 1 turn in L, theta above 4 (Meta 2024)",
         "longrope": "RoPE rescaled by factors searched per model, Phi-3's (Ding 2024); refused: runs have none",
+        **PositionalScheme.eval_variants,  # the training-free ones every scheme takes
     }
     # LongRoPE's (short_factor, long_factor), d_head/2 factors each, found by a search on one
     # trained model's perplexity. posbench runs no such search, so rope has none and refuses
@@ -191,7 +192,7 @@ class RoPE(PositionalScheme):
 
     @classmethod
     def refuses(cls, variant: str) -> Optional[str]:
-        return LONGROPE_NEEDS if variant == "longrope" and cls.longrope is None else None
+        return LONGROPE_NEEDS if variant == "longrope" and cls.longrope is None else super().refuses(variant)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -263,7 +264,8 @@ class XPos(RoPE):
 
     description = "RoPE times a per-dimension decay zeta_k^((i-j)/gamma) (Sun 2023, xPos)"
     options = {"base": 10000.0, "scale_base": 512.0}
-    eval_variants = {}  # RoPE's scalings were not defined for xPos's decay
+    eval_variants = PositionalScheme.eval_variants  # RoPE's scalings were not defined for xPos's decay
+    fixed_distances = "its decay is centred on each call's positions, so q and k rotated apart do not meet at i-j"
 
     def rotate(self, q, k, pos, layer):
         cos, sin, up = self.once_per_forward((pos,), lambda: self.xpos(pos, q.size(-1), q.dtype))
@@ -291,14 +293,14 @@ class SSMax(RoPE):
     is s_h log n + b_h (the paper's variant with a bias, b_h learned, starting at 0). s starts
     at `s`, or at 1 / ln(L) (L = model.train_len) when null, so that at the training length the
     factor starts at 1 and the model starts as plain RoPE. n counts keys by index, as the mask
-    does, never by position value. RoPE's scalings apply to the rotation; YaRN's is left out,
-    as its attention factor 0.1 ln(L'/L) + 1 is a second length-dependent temperature on top of
-    SSMax's own."""
+    does, never by position value. RoPE's scalings and the training-free remaps apply to the
+    rotation; YaRN and logn are left out, as YaRN's attention factor 0.1 ln(L'/L) + 1 and logn's
+    log n / log L are a second length-dependent temperature on top of SSMax's own."""
 
     description = "RoPE with Scalable-Softmax: logits times s_h log n, n = keys the query sees (Nakanishi 2025)"
     options = {**RoPE.options, "s": None, "bias": False}  # s null: 1 / ln(model.train_len)
     added_later = ()  # every option is in every ssmax run's record
-    eval_variants = {k: v for k, v in RoPE.eval_variants.items() if k != "yarn"}
+    eval_variants = {k: v for k, v in RoPE.eval_variants.items() if k not in ("yarn", "logn")}
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -41,7 +41,7 @@ def t5_relative_bucket(
         ).long()
     )
     large = large.clamp(max=num_buckets - 1)
-    return buckets + torch.where(is_small, n, large)
+    return buckets + torch.where(is_small, n.long(), large)  # a fractional distance: its whole part's bucket
 
 
 class T5Bias(PositionalScheme):

@@ -28,6 +28,7 @@ class TransformerXL(PositionalScheme):
 
     description = "content-dependent relative attention with sinusoidal distances (Dai 2019)"
     options = {"uv_init": "normal"}
+    fixed_distances = "its position term is built for positions 0..T-1 (rel_shift), not from the positions handed to it"
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -78,6 +78,13 @@ class Perplexity(Measure):
                 f"eval.perplexity.rope_scaling {own.rope_scaling}: no scheme run here has these "
                 f"evaluation-time variants ({', '.join(owners)} would), so they add no rows"
             )
+        from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
+
+        for kind in [k for k in own.rope_scaling if k in TRAINING_FREE]:  # every scheme declares these
+            for s in cfg.schemes:
+                why = SCHEMES.lookup(s).refuses(kind)
+                if why:
+                    notes.append(f"eval.perplexity.rope_scaling {kind}: no {s}+{kind} rows, {why}")
         for s in cfg.schemes if kinds else []:  # a pattern over layers whose own layers take none of them
             lacks = getattr(SCHEMES.lookup(s), "lacks", None)
             if lacks is not None:

@@ -48,6 +48,11 @@ def evaluate_into(
     from posbench.schemes import run_label, variant_label
 
     unknown = [v for v in variants if v is not None and v not in model.eval_variants]
+    scheme = getattr(model, "scheme", None)
+    for v in unknown:  # a training-free variant the scheme refuses says why, in its own words
+        if scheme is not None and v in scheme.eval_variants:
+            with scheme.eval_variant(v, rc.model.train_len, max(lengths), factor):
+                pass
     if unknown:
         have = ", ".join(model.eval_variants) or "none"
         lacks = getattr(getattr(model, "scheme", None), "lacks", None)  # a pattern says which layers lack it
