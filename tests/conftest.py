@@ -37,7 +37,10 @@ def report_rebuilt(exp: Path, copy: Path, removed: tuple):
 
 
 def smoke_experiment(tmp: Path, *args):
-    """configs/smoke.yaml on a tiny repeated text in tmp: (experiment folder, result, text file)."""
+    """configs/smoke.yaml on a tiny repeated text in tmp: (experiment folder, result, text file).
+    On one torch thread, as every test runs (`_threads`): a session fixture is set up before the
+    test's own fixtures, and a run on two threads sums in another order (the last digits differ)."""
+    torch.set_num_threads(1)
     text = tmp / "tiny.txt"
     text.write_text("to be or not to be that is the question\n" * 400)
     out = tmp / "results"
