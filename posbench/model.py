@@ -37,6 +37,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         scheme = self.scheme[0]
+        scheme.observe(x, pos, self.layer)
         q, k = scheme.rotate(q, k, pos, self.layer)
         y = causal_attention(q, k, v, pos, scheme, self.layer, backend, block)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side again

@@ -66,13 +66,15 @@ def bias_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0, q
     """What `bias` adds to the logits of layer `layer`, per head, (H, T, T), NaN where j > i
     (the future is masked); None if the scheme has no bias. q and k go through `rotate`
     first, as in the model, for schemes whose bias reads them: random with a fixed seed, or
-    `qk`, (H, D) each (a trained model's, `model_qk`), the same at every position."""
+    `qk`, (H, D) each (a trained model's, `model_qk`), the same at every position. A scheme
+    that reads the layer's input (`observe`, FoX) sees a random one, fixed by the seed."""
     H, D = scheme.cfg.n_head, scheme.cfg.head_dim
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
     if qk is not None:
         q, k = (t[None, :, None, :].expand(1, H, T, D) for t in qk)  # (1, H, T, D) each
     pos = scheme.positions(T, "cpu")  # (T,)
+    scheme.observe(torch.randn(1, T, scheme.cfg.d_model, generator=g), pos, layer)  # a random input, for FoX's gates
     q, k = scheme.rotate(q, k, pos, layer)
     b = scheme.bias(q, k, pos, pos, layer)  # None or (1, H, T, T)
     if b is None:

@@ -39,6 +39,7 @@ SCHEMES = Registry(
         "randomized": "posbench.schemes.randomized:Randomized",
         "offset": "posbench.schemes.randomized:Offset",
         "cope": "posbench.schemes.cope:CoPE",
+        "fox": "posbench.schemes.fox:FoX",
     },
     base="posbench.schemes:PositionalScheme",
     example="examples.my_scheme:MyScheme",
@@ -111,6 +112,7 @@ _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first u
     "posbench.schemes.fire": ["FIRE"],
     "posbench.schemes.randomized": ["Randomized", "Offset"],
     "posbench.schemes.cope": ["CoPE", "cope_bias"],
+    "posbench.schemes.fox": ["FoX"],
     "posbench.schemes.pattern": ["Pattern", "Layer", "window_mask"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -24,6 +24,11 @@ class PositionalScheme(nn.Module):
       bias(q, k, qpos, kpos, layer) an additive bias on the attention logits, after the 1/sqrt(d)
                                     scaling of q.k (ALiBi, T5); it may look at q (Transformer-XL)
                                     and at k (contextual schemes)
+    A scheme whose bias reads the tokens themselves has one more hook:
+      observe(x, pos, layer)        the layer's attention input x (B, T, C), from which q, k and v
+                                    are made; the model calls it once per layer and forward,
+                                    before rotate, so the scheme keeps what that layer's `bias`
+                                    reads (FoX's forget gates). A no-op by default.
     A fourth hook is optional and only for speed:
       attend(q, k, v, qpos, kpos, layer)  the scheme's own fast kernel for the whole causal
                                           attention, softmax(q.k / sqrt(d) + bias, future masked) v.
@@ -113,6 +118,9 @@ class PositionalScheme(nn.Module):
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return x  # (B, T, C)
+
+    def observe(self, x: torch.Tensor, pos: torch.Tensor, layer: int) -> None:
+        return None  # x: (B, T, C), the layer's attention input
 
     def rotate(self, q, k, pos, layer: int):
         return q, k  # (B, H, T, D) each

@@ -226,6 +226,9 @@ class Pattern(PositionalScheme):
         limits = [s.max_len for s in self.schemes if s.max_len is not None]
         return min(limits) if limits else None
 
+    def observe(self, x, pos, layer):
+        self.at[layer].observe(x, pos, self.rank[layer])
+
     def rotate(self, q, k, pos, layer):
         return self.at[layer].rotate(q, k, pos, self.rank[layer])
 
@@ -382,6 +385,9 @@ class LayerOf(PositionalScheme):
     @property
     def max_len(self):
         return self.inner.max_len
+
+    def observe(self, x, pos, layer):
+        self.whole[0].observe(x, pos, self.i)
 
     def rotate(self, q, k, pos, layer):
         return self.whole[0].rotate(q, k, pos, self.i)

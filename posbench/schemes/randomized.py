@@ -39,6 +39,9 @@ class Modifier(PositionalScheme):
     def embed(self, x, pos):
         return self.inner.embed(x, pos)
 
+    def observe(self, x, pos, layer):
+        self.inner.observe(x, pos, layer)
+
     def rotate(self, q, k, pos, layer):
         return self.inner.rotate(q, k, pos, layer)
 
