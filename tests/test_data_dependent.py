@@ -75,3 +75,86 @@ def test_fox_bias_without_its_input_is_one_clear_error():
     q = torch.zeros(1, 4, 5, 8)
     with pytest.raises(PosbenchError, match="observe\\(x, pos, layer\\) must see that input first"):
         scheme.bias(q, q, torch.arange(5), torch.arange(5), 0)
+
+
+def stick_breaking_reference(attn, x, own=True):
+    """Tan et al. 2025, eq. 3: for j < i, A_ij = beta_ij prod_{j<l<i} (1 - beta_il), beta_ij =
+    sigmoid(q_i.k_j / sqrt(d)); o_i = sum_{j<i} A_ij v_j, plus (1 - sum_j A_ij) v_i as the
+    authors' model adds it (`o + rem[..., None] * v`); a loop per query and key."""
+    B, T, C = x.shape
+    q, k, v = project(attn, x)
+    H, D = q.size(1), q.size(3)
+    out = torch.zeros(B, H, T, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for i in range(T):
+                beta = [torch.sigmoid(q[b, h, i] @ k[b, h, j] / math.sqrt(D)).item() for j in range(i)]
+                taken = 0.0
+                for j in range(i):
+                    a = beta[j] * math.prod(1 - beta[t] for t in range(j + 1, i))
+                    out[b, h, i] += a * v[b, h, j].double()
+                    taken += a
+                if own:
+                    out[b, h, i] += (1 - taken) * v[b, h, i].double()
+    return attn.proj(out.float().transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["flex"])
+@pytest.mark.parametrize("block", [None, 8])
+@pytest.mark.parametrize("remainder", ["own", "drop"])
+@torch.no_grad()
+def test_stick_breaking_attention_is_the_papers_formula(backend, block, remainder):
+    """Every backend computes the scheme's own formula, past the training length and in blocks."""
+    model = tiny_model("stickbreaking", options={"remainder": remainder})
+    T = 24
+    # q.k of order 1, so the sticks are neither all taken by the nearest key nor all left over
+    x = 3 * torch.randn(2, T, model.cfg.d_model, generator=torch.Generator().manual_seed(0))
+    attn = model.blocks[0].attn
+    got = attn(x, torch.arange(T), backend, block)
+    want = stick_breaking_reference(attn, x, own=remainder == "own")
+    assert (got - want).abs().max().item() < 1e-5, (backend, block)
+
+
+def test_stick_breaking_is_stable_where_the_logits_are_large():
+    """In log space no share underflows to NaN: logits of +-60 leave finite outputs and gradients,
+    and a key with beta = 1 takes the whole stick from every key behind it."""
+    q = torch.zeros(1, 1, 4, 2)
+    q[..., 0] = 60.0 * 2**0.5
+    k = torch.tensor([[[[1.0, 0], [1, 0], [-1, 0], [0, 0]]]], requires_grad=True)  # z = 60, 60, -60, 0
+    v = torch.eye(4)[None, None, :, :2].clone().requires_grad_()  # (1, 1, 4, 2)
+    from posbench.schemes.stickbreaking import stick_breaking
+
+    out = stick_breaking(q, k, torch.eye(4)[None, None], own=False)  # (1, 1, 4, 4): row i is A_i.
+    assert torch.allclose(out[0, 0, 2], torch.tensor([0.0, 1, 0, 0]), atol=1e-6)  # key 1 took it all
+    assert torch.allclose(out[0, 0, 3, 2], torch.sigmoid(torch.tensor(-60.0)), rtol=1e-4)
+    stick_breaking(q, k, v, own=True).sum().backward()
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+
+
+def test_stick_breaking_refuses_what_would_ignore_it():
+    """A pattern's layers share softmax, and a modifier's positions mean nothing to it: both say so."""
+    from posbench.check import tiny_config
+    from posbench.model import TransformerLM
+
+    with pytest.raises(PosbenchError, match="stickbreaking replaces softmax with attention of its own"):
+        TransformerLM(tiny_config("pattern_sb", options={"layers": ["stickbreaking", "rope"]}))
+    with pytest.raises(PosbenchError, match="the modifier's positions would change nothing"):
+        TransformerLM(tiny_config("noisy_stickbreaking"))
+    with pytest.raises(PosbenchError, match="remainder='keep': expected one of own, drop"):
+        TransformerLM(tiny_config("stickbreaking", options={"remainder": "keep"}))
+
+
+def test_inspect_draws_stick_breakings_weights_and_no_bias():
+    """`posbench inspect` draws the weights that attend applies, since there is no bias to draw."""
+    from posbench.check import tiny_config
+    from posbench.plots import attention_maps, bias_maps
+    from posbench.schemes.stickbreaking import StickBreaking, stick_breaking
+
+    scheme = StickBreaking(tiny_config("stickbreaking"))
+    maps = attention_maps(scheme, 12, seed=3)  # (H, 12, 12)
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 4, 12, 8, generator=g), torch.randn(1, 4, 12, 8, generator=g)
+    v = torch.randn(1, 4, 12, 8)
+    assert torch.allclose(maps.nan_to_num() @ v[0], stick_breaking(q, k, v, own=True)[0], atol=1e-6)
+    assert maps.isnan().sum() == 4 * 12 * 11 / 2 and torch.allclose(maps.nansum(-1), torch.ones(4, 12))
+    assert bias_maps(scheme, 12) is None and attention_maps(tiny_model("nope").scheme, 12) is None

@@ -38,6 +38,9 @@ class PositionalScheme(nn.Module):
                                           `bias` only. None, the default, declines, and the backend
                                           then uses `bias`. `posbench check-scheme` verifies attend
                                           against bias.
+    A scheme that is no bias on softmax but a formula of its own (stick-breaking) sets the class
+    attribute `replaces_softmax`: every backend then calls its `attend`, which must answer, and
+    never `bias`.
     The base class's hooks are no-ops, which is exactly NoPE. The model calls every hook every
     time and never asks which scheme it holds. `bias` is called on blocks of queries, so it must
     build its (Tq, Tk) bias from the positions it is given, never from a cached (T, T) table.
@@ -53,6 +56,7 @@ class PositionalScheme(nn.Module):
     options: dict = {}  # option name -> default value; YAML `scheme_options.<name>` overrides
     eval_variants: dict = {}  # variant name -> description; evaluated as rows "<scheme>+<name>"
     variant: Optional[EvalVariant] = None  # the variant being evaluated, set by eval_variant()
+    replaces_softmax: bool = False  # True: `attend` is the attention under every backend
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

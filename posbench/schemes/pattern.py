@@ -191,6 +191,11 @@ class Pattern(PositionalScheme):
             raise PosbenchError(f"{at}: {e}") from None
         if issubclass(cls, Pattern):
             raise PosbenchError(f"{at}: {spec.scheme} is itself a pattern; a pattern's layers are schemes")
+        if cls.replaces_softmax:
+            raise PosbenchError(
+                f"{at}: {spec.scheme} replaces softmax with attention of its own, which a pattern's "
+                f"layers cannot: they share the backend's softmax"
+            )
         for hook, what in (("positions", "chooses its own positions"), ("embed", "adds to the token embeddings")):
             if getattr(cls, hook) is not getattr(PositionalScheme, hook):
                 raise PosbenchError(

@@ -157,6 +157,11 @@ def build_base(modifier, cfg):
         raise PosbenchError(f"{where}: {e}") from None
     if issubclass(cls, Modifier):
         raise PosbenchError(f"{where}: a modifier's base is a scheme, not another modifier")
+    if cls.replaces_softmax:
+        raise PosbenchError(
+            f"{where}: {base} replaces softmax with attention of its own and reads no positions, "
+            f"so the modifier's positions would change nothing"
+        )
     options = {k: v for k, v in modifier.opt.items() if k not in modifier.own}
     inner = cls(dataclasses.replace(cfg, options=options))  # its errors name the scheme asked for
     if inner.max_len is not None and inner.max_len < modifier.opt["max_pos"]:

@@ -1,0 +1,59 @@
+"""Stick-breaking attention: each query breaks off a share of what is left for each key, nearest first, no softmax."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from posbench.schemes.base import PositionalScheme
+
+
+def stick_breaking(q, k, v, own: bool) -> torch.Tensor:
+    """(B, H, Tq, D): stick-breaking attention of queries q (B, H, Tq, D), the last Tq of the Tk
+    keys k and values v (B, H, Tk, D). Query i attends to keys j < i only:
+        beta_ij = sigmoid(q_i.k_j / sqrt(d))
+        A_ij = beta_ij * prod_{j<l<i} (1 - beta_il)
+        o_i = sum_{j<i} A_ij v_j  (+ (1 - sum_{j<i} A_ij) v_i if `own`)
+    in log space, log A_ij = log sigmoid(z_ij) + sum_{j<l<i} log sigmoid(-z_il), in fp32. Each
+    query's row stands alone, so blocks of queries give the rows of the whole."""
+    Tq, Tk = q.size(2), k.size(2)
+    z = torch.matmul(q, k.transpose(-1, -2)).float() * q.size(-1) ** -0.5  # (B, H, Tq, Tk)
+    qi = torch.arange(Tk - Tq, Tk, device=q.device)  # (Tq,) each query's index among the keys
+    earlier = torch.arange(Tk, device=q.device)[None, :] < qi[:, None]  # (Tq, Tk): j < i
+    log_left = F.logsigmoid(-z).masked_fill(~earlier, 0.0)  # (B, H, Tq, Tk): log(1 - beta_ij), j < i
+    # sum_{l=j+1..i-1} log(1 - beta_il): the reverse cumulative sum along keys, from key j + 1
+    rev = log_left.flip(-1).cumsum(-1).flip(-1)  # (B, H, Tq, Tk): sum over l >= j
+    after = F.pad(rev[..., 1:], (0, 1))  # (B, H, Tq, Tk): sum over l > j
+    att = (F.logsigmoid(z) + after).exp().masked_fill(~earlier, 0.0)  # (B, H, Tq, Tk): A_ij
+    out = torch.matmul(att.to(v.dtype), v)  # (B, H, Tq, D)
+    if own:
+        left = 1 - att.sum(-1, keepdim=True)  # (B, H, Tq, 1): the stick no key took
+        out = out + left.to(v.dtype) * v[:, :, Tk - Tq :]
+    return out.to(v.dtype)
+
+
+class StickBreaking(PositionalScheme):
+    """Stick-breaking attention (Tan et al. 2025, "Scaling Stick-Breaking Attention: An Efficient
+    Implementation and In-depth Study"): softmax is replaced by a stick broken from the nearest
+    key back, so nearer keys come first and no position signal is needed (`stick_breaking`).
+
+    As the authors' reference (shawntan/stickbreaking-attention `sb_ref.py` and the model's use
+    of `sb_attn`, `attend_current=False`, and `o + rem[..., None] * v`): the diagonal j = i is
+    not a key, the logits are scaled by 1/sqrt(d) with no bias, and what is left of the stick,
+    1 - sum_j A_ij, weighs the query's own value. Options:
+      remainder  "own" (default): add (1 - sum_j A_ij) v_i, as the authors' model;
+                 "drop": leave it out, as fla's layer (`fla/layers/stickbreaking_attn.py`)
+
+    This is no bias on softmax's logits, so the scheme sets `replaces_softmax`: every
+    attention backend calls `attend`, the formula in plain torch, and no other."""
+
+    description = "softmax replaced by sigmoid(q.k) shares broken off a stick, nearest key first (Tan 2025)"
+    options = {"remainder": "own"}
+    replaces_softmax = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.own = self.choice("remainder", ("own", "drop")) == "own"
+
+    def attend(self, q, k, v, qpos, kpos, layer):
+        return stick_breaking(q, k, v, self.own)  # (B, H, Tq, D)
