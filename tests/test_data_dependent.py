@@ -23,7 +23,7 @@ def project(attn, x):
 
 
 def fox_reference(attn, gate, x):
-    """Lin et al. 2025, eq. 6 and 7: o_i = sum_{j<=i} exp(q_i.k_j/sqrt(d) + D_ij) v_j / sum_j exp(...),
+    """Lin et al. 2025: o_i = sum_{j<=i} exp(q_i.k_j/sqrt(d) + D_ij) v_j / sum_j exp(...),
     D_ij = sum_{l=j+1..i} log f_l, f_l = sigmoid(w_h . x_l + b_h); a loop per query and key."""
     B, T, C = x.shape
     q, k, v = project(attn, x)
@@ -78,7 +78,7 @@ def test_fox_bias_without_its_input_is_one_clear_error():
 
 
 def stick_breaking_reference(attn, x, own=True):
-    """Tan et al. 2025, eq. 3: for j < i, A_ij = beta_ij prod_{j<l<i} (1 - beta_il), beta_ij =
+    """Tan et al. 2025: for j < i, A_ij = beta_ij prod_{j<l<i} (1 - beta_il), beta_ij =
     sigmoid(q_i.k_j / sqrt(d)); o_i = sum_{j<i} A_ij v_j, plus (1 - sum_j A_ij) v_i as the
     authors' model adds it (`o + rem[..., None] * v`); a loop per query and key."""
     B, T, C = x.shape
@@ -158,3 +158,21 @@ def test_inspect_draws_stick_breakings_weights_and_no_bias():
     assert torch.allclose(maps.nan_to_num() @ v[0], stick_breaking(q, k, v, own=True)[0], atol=1e-6)
     assert maps.isnan().sum() == 4 * 12 * 11 / 2 and torch.allclose(maps.nansum(-1), torch.ones(4, 12))
     assert bias_maps(scheme, 12) is None and attention_maps(tiny_model("nope").scheme, 12) is None
+
+
+@pytest.mark.parametrize("own", [True, False])
+@pytest.mark.parametrize("Tq,Tk", [(24, 24), (8, 24), (1, 5)])
+def test_stick_breakings_hand_backward_equals_autograd_of_the_plain_formula(own, Tq, Tk):
+    """attend's StickBreakingAttention against `stick_breaking` left to autograd: the same
+    outputs and gradients, for whole sequences and for the last block of queries."""
+    from posbench.schemes.stickbreaking import StickBreakingAttention, stick_breaking
+
+    g = torch.Generator().manual_seed(Tq + Tk)
+    q = (3 * torch.randn(2, 3, Tq, 8, generator=g)).requires_grad_()
+    k, v = (torch.randn(2, 3, Tk, 8, generator=g).requires_grad_() for _ in range(2))
+    d_out = torch.randn(2, 3, Tq, 8, generator=g)
+    want = stick_breaking(q, k, v, own)
+    got = StickBreakingAttention.apply(q, k, v, own)
+    assert (got - want).abs().max().item() < 1e-5
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), d_out), torch.autograd.grad(want, (q, k, v), d_out)):
+        assert (a - b).abs().max().item() < 1e-5 * (1 + b.abs().max().item())

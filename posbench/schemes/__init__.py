@@ -118,7 +118,7 @@ _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first u
     "posbench.schemes.randomized": ["Randomized", "Offset"],
     "posbench.schemes.cope": ["CoPE", "cope_bias"],
     "posbench.schemes.fox": ["FoX"],
-    "posbench.schemes.stickbreaking": ["StickBreaking", "stick_breaking"],
+    "posbench.schemes.stickbreaking": ["StickBreaking", "StickBreakingAttention", "stick_breaking"],
     "posbench.schemes.pattern": ["Pattern", "Layer", "window_mask"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
