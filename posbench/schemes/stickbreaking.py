@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from posbench.attention import TINY_PROB
 from posbench.schemes.base import PositionalScheme
 
 
@@ -76,15 +77,19 @@ class StickBreakingAttention(torch.autograd.Function):
         z = torch.matmul(q * scale, kr.transpose(-1, -2)).float()  # (B, H, Tq, Tk)
         qi = torch.arange(Tk - Tq, Tk, device=q.device)  # (Tq,)
         later = torch.arange(Tk - 1, -1, -1, device=q.device)[None, :] >= qi[:, None]  # (Tq, Tk): j >= i
-        log_left = F.softplus(z).neg_().masked_fill_(later, 0.0)  # (B, H, Tq, Tk): log(1 - beta_ij)
-        att = log_left.cumsum_(-1).add_(z).exp_().masked_fill_(later, 0.0)  # (B, H, Tq, Tk): A_ij
+        z.masked_fill_(later, float("-inf"))  # beta = 0 and log(1 - beta) = 0 there: masked throughout
+        taken = F.softplus(z).cumsum_(-1)  # (B, H, Tq, Tk): -sum_{j<=l<i} log(1 - beta_il)
+        att = torch.sub(z, taken, out=taken).exp_()  # (B, H, Tq, Tk): A_ij
+        # shares far back are subnormal, and every product with a subnormal float is ~100x slower
+        # on x86: below TINY_PROB they change no fp32 sum that matters, so they become exact zeros
+        F.threshold(att, TINY_PROB, 0.0, inplace=True)
         out = torch.matmul(att.to(v.dtype), vr)  # (B, H, Tq, D)
         left = None
         if own:
             left = 1 - att.sum(-1, keepdim=True)  # (B, H, Tq, 1)
             out = out + left.to(v.dtype) * v[:, :, Tk - Tq :]
         ctx.save_for_backward(q, kr, vr, z, att, left)
-        ctx.later, ctx.own = later, own
+        ctx.own = own
         return out.to(v.dtype)
 
     @staticmethod
@@ -99,8 +104,9 @@ class StickBreakingAttention(torch.autograd.Function):
             d_att.sub_((d_out * vr[:, :, :Tq].flip(2).float()).sum(-1, keepdim=True))
         g = d_att.mul_(att)  # (B, H, Tq, Tk): dL/dlog A, 0 where j >= i
         # the sum over keys l <= j is, keys reversed, the sum over r' >= r: the total less the cumsum before r
-        before = g.cumsum(-1).sub_(g).neg_().add_(g.sum(-1, keepdim=True))  # (B, H, Tq, Tk)
-        d_z = g.addcmul_(torch.sigmoid(z).masked_fill_(ctx.later, 0.0), before, value=-1.0)
+        cum = g.cumsum(-1)
+        before = torch.sub(g.sum(-1, keepdim=True), cum, out=cum).add_(g)  # (B, H, Tq, Tk)
+        d_z = g.addcmul_(torch.sigmoid(z), before, value=-1.0)  # sigmoid(-inf) = 0 masks the future
         d_q = torch.matmul(d_z, kr.float()).mul_(scale)  # (B, H, Tq, D)
         d_k = torch.matmul(d_z.transpose(-1, -2), q.float()).mul_(scale).flip(2)  # (B, H, Tk, D)
         d_v = d_vr.flip(2)
