@@ -176,3 +176,33 @@ def test_stick_breakings_hand_backward_equals_autograd_of_the_plain_formula(own,
     assert (got - want).abs().max().item() < 1e-5
     for a, b in zip(torch.autograd.grad(got, (q, k, v), d_out), torch.autograd.grad(want, (q, k, v), d_out)):
         assert (a - b).abs().max().item() < 1e-5 * (1 + b.abs().max().item())
+
+
+def test_a_pattern_passes_each_fox_layer_its_own_input():
+    """In a pattern, a FoX layer's gates read that layer's input (observe is passed on by layer),
+    with a window on top; every check-scheme check passes."""
+    from posbench.check import run_checks
+
+    layers = ["fox", {"scheme": "fox", "window": 4}, "rope"]
+    results = run_checks("pattern_fox2_rope", {"layers": layers})
+    assert all(r.ok for r in results), [(r.name, r.reason) for r in results if not r.ok]
+    model = tiny_model("pattern_fox2_rope", options={"layers": layers})
+    fox = model.scheme.at[0]
+    assert model.scheme.at[1] is not fox and len(fox.gates) == 1  # the windowed layer has its own instance
+    x = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        model(x)
+    h = model.blocks[0].ln1(model.tok(x))  # layer 0's input
+    want = torch.nn.functional.logsigmoid(fox.gates[0](h)).cumsum(1).transpose(1, 2)
+    assert torch.allclose(fox.decay[0].float(), want, atol=1e-5)
+
+
+def test_fox_decay_bias_backward_is_its_derivative():
+    """DecayBias's hand backward, by finite differences, for a whole sequence and a block."""
+    from posbench.schemes.fox import DecayBias
+
+    c = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
+    for Tq in (7, 3):
+        assert torch.autograd.gradcheck(DecayBias.apply, (c, Tq, torch.float64))
+        got = DecayBias.apply(c, Tq, torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, (c[:, :, 7 - Tq :, None] - c[:, :, None, :]).float())

@@ -20,8 +20,10 @@ class FoX(PositionalScheme):
     No other position signal. As the reference (zhixuan-lin/forgetting-transformer
     `ForgettingAttentionLayer.fgate_proj`, fla `ForgettingAttention.f_proj`): one
     Linear(d_model, n_head) with a bias per layer, its weight N(0, 0.02) and its bias 0 (the
-    model's init), so every gate starts near 1/2; log f is taken in fp32 and summed with cumsum
-    (fla `fla/ops/forgetting_attn/naive.py`).
+    model's init), so every gate starts near 1/2; log f is summed with cumsum (fla
+    `fla/ops/forgetting_attn/naive.py`, in fp32 there). Here c is kept in fp64 (`DecayBias`):
+    c falls about linearly with t, and in fp32 c_i - c_j would lose ~1e-4 at a few thousand
+    tokens and keep a trace of the gates before j, which a window (a pattern's) must not read.
 
     The gates come from x, which `observe` sees; `bias` reads the same layer's c by index, the
     queries being the last Tq of the Tk keys (the model's blocks of queries), so it holds at any
@@ -38,7 +40,7 @@ class FoX(PositionalScheme):
         self.decay: dict[int, torch.Tensor] = {}  # layer -> c of the current forward, (B, H, T)
 
     def observe(self, x, pos, layer):
-        log_f = F.logsigmoid(self.gates[layer](x).float())  # (B, T, H)
+        log_f = F.logsigmoid(self.gates[layer](x).double())  # (B, T, H)
         self.decay[layer] = log_f.cumsum(1).transpose(1, 2)  # (B, H, T): c_t
 
     def bias(self, q, k, qpos, kpos, layer):
@@ -50,6 +52,25 @@ class FoX(PositionalScheme):
                 f"scheme '{self.cfg.scheme}': its bias reads forget gates from the layer's input, "
                 f"so observe(x, pos, layer) must see that input first (the model's attention does)"
             )
-        ci = c[:, :, Tk - Tq : Tk, None]  # (B, H, Tq, 1): query i is key Tk - Tq + i
-        cj = c[:, :, None, :Tk]  # (B, H, 1, Tk)
-        return (ci - cj).to(q.dtype)  # (B, H, Tq, Tk); the future's positive values are masked
+        return DecayBias.apply(c[:, :, :Tk], Tq, q.dtype)  # (B, H, Tq, Tk)
+
+
+class DecayBias(torch.autograd.Function):
+    """c_i - c_j, (B, H, Tq, Tk), for the last Tq of the Tk tokens of c (B, H, Tk), computed from
+    fp64 c and written straight in `dtype`, so no (Tq, Tk) map is ever made in fp64. The future's
+    values (j > i, positive) are masked by attention."""
+
+    @staticmethod
+    def forward(ctx, c, Tq: int, dtype):
+        B, H, Tk = c.shape
+        out = torch.empty(B, H, Tq, Tk, dtype=dtype, device=c.device)
+        torch.sub(c[:, :, Tk - Tq :, None], c[:, :, None, :], out=out)  # query i is key Tk - Tq + i
+        ctx.Tq = Tq
+        return out
+
+    @staticmethod
+    def backward(ctx, d_bias):
+        Tq, Tk = ctx.Tq, d_bias.size(-1)
+        d_c = -d_bias.sum(2, dtype=torch.float64)  # (B, H, Tk): c_j enters row i as -c_j
+        d_c[:, :, Tk - Tq :] += d_bias.sum(3, dtype=torch.float64)  # c_i enters as +c_i
+        return d_c, None, None
