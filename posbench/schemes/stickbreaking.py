@@ -65,28 +65,30 @@ class StickBreakingAttention(torch.autograd.Function):
     """`stick_breaking` with its backward by hand, for speed: the same numbers, fewer (Tq, Tk)
     tensors made and kept. The keys are taken nearest first (reversed), so the sum over the keys
     between j and i is one forward cumsum, and log A_ij = z_ij + sum_{j<=l<i} log(1 - beta_il),
-    since log sigmoid(z) = z + log sigmoid(-z). Backward, with g = dL/dlog A = dA * A:
+    since log sigmoid(z) = z + log sigmoid(-z); the stick left, 1 - sum_j A_ij, is the product
+    prod_{l<i} (1 - beta_il), the cumsum's last column. Backward, with g = dL/dlog A = dA * A:
         dz_ij = g_ij - sigmoid(z_ij) * sum_{l<=j} g_il       (l over keys in their own order)
     since log(1 - beta_ij) is a term of log A_il for every key l < j, and of the diagonal's."""
 
     @staticmethod
     def forward(ctx, q, k, v, own: bool):
-        Tq, Tk = q.size(2), k.size(2)
-        scale = q.size(-1) ** -0.5
+        B, H, Tq, D = q.shape
+        Tk = k.size(2)
         kr, vr = k.flip(2), v.flip(2)  # (B, H, Tk, D): key r is key Tk - 1 - r
-        z = torch.matmul(q * scale, kr.transpose(-1, -2)).float()  # (B, H, Tq, Tk)
         qi = torch.arange(Tk - Tq, Tk, device=q.device)  # (Tq,)
         later = torch.arange(Tk - 1, -1, -1, device=q.device)[None, :] >= qi[:, None]  # (Tq, Tk): j >= i
-        z.masked_fill_(later, float("-inf"))  # beta = 0 and log(1 - beta) = 0 there: masked throughout
+        # -inf for j >= i, added by the matmul: beta = 0 and log(1 - beta) = 0 there, masked throughout
+        mask = torch.zeros(Tq, Tk, dtype=q.dtype, device=q.device).masked_fill_(later, float("-inf"))
+        z = torch.baddbmm(mask, (q * D**-0.5).reshape(B * H, Tq, D), kr.reshape(B * H, Tk, D).transpose(1, 2))
+        z = z.view(B, H, Tq, Tk).float()  # (B, H, Tq, Tk)
         taken = F.softplus(z).cumsum_(-1)  # (B, H, Tq, Tk): -sum_{j<=l<i} log(1 - beta_il)
+        left = taken[..., -1:].neg().exp_() if own else None  # (B, H, Tq, 1): prod_{l<i} (1 - beta_il)
         att = torch.sub(z, taken, out=taken).exp_()  # (B, H, Tq, Tk): A_ij
         # shares far back are subnormal, and every product with a subnormal float is ~100x slower
         # on x86: below TINY_PROB they change no fp32 sum that matters, so they become exact zeros
         F.threshold(att, TINY_PROB, 0.0, inplace=True)
         out = torch.matmul(att.to(v.dtype), vr)  # (B, H, Tq, D)
-        left = None
-        if own:
-            left = 1 - att.sum(-1, keepdim=True)  # (B, H, Tq, 1)
+        if own:  # what the keys left of the stick, 1 - sum_j A_ij, weighs the query's own value
             out = out + left.to(v.dtype) * v[:, :, Tk - Tq :]
         ctx.save_for_backward(q, kr, vr, z, att, left)
         ctx.own = own
@@ -103,9 +105,7 @@ class StickBreakingAttention(torch.autograd.Function):
         if ctx.own:  # left = 1 - sum_j A_ij weighs v_i
             d_att.sub_((d_out * vr[:, :, :Tq].flip(2).float()).sum(-1, keepdim=True))
         g = d_att.mul_(att)  # (B, H, Tq, Tk): dL/dlog A, 0 where j >= i
-        # the sum over keys l <= j is, keys reversed, the sum over r' >= r: the total less the cumsum before r
-        cum = g.cumsum(-1)
-        before = torch.sub(g.sum(-1, keepdim=True), cum, out=cum).add_(g)  # (B, H, Tq, Tk)
+        before = g.flip(-1).cumsum_(-1).flip(-1)  # (B, H, Tq, Tk): sum over keys l <= j
         d_z = g.addcmul_(torch.sigmoid(z), before, value=-1.0)  # sigmoid(-inf) = 0 masks the future
         d_q = torch.matmul(d_z, kr.float()).mul_(scale)  # (B, H, Tq, D)
         d_k = torch.matmul(d_z.transpose(-1, -2), q.float()).mul_(scale).flip(2)  # (B, H, Tk, D)
