@@ -1,9 +1,11 @@
 """Causal attention behind one switch, `model.attention`: eager, sdpa, native, flex, or auto.
 
 Every backend computes softmax(q.k / sqrt(d) + bias, future masked) v, where the bias comes
-from the scheme's `bias` hook. `eager` writes that formula out and is the reference; the others
-are tested equal to it. Queries are processed in blocks once T is long, so no (T, T) tensor per
-head is ever built and memory grows linearly with the length.
+from the scheme's `bias` hook; a scheme that replaces softmax (`replaces_softmax`,
+stick-breaking) computes its own attention in its `attend` hook, under every backend. `eager`
+writes that formula out and is the reference; the others are tested equal to it. Queries are
+processed in blocks once T is long, so no (T, T) tensor per head is ever built and memory grows
+linearly with the length.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def causal_attention(q, k, v, pos, scheme, layer: int, backend: str, block: Opti
 
 def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> torch.Tensor:
     """Queries q0..q0+Tq-1 attend to keys 0..Tk-1 (q0 + Tq = Tk)."""
-    if backend == "native":  # a scheme's own kernel first; None declines
+    if backend == "native" or scheme.replaces_softmax:  # a scheme's own kernel first; None declines
         out = scheme.attend(q, k, v, qpos, kpos, layer)
+        if out is None and scheme.replaces_softmax:
+            raise PosbenchError(f"scheme '{scheme.cfg.scheme}' replaces softmax, yet its attend returned None")
         if out is not None:
             want = (*q.shape[:3], v.size(-1))  # (B, H, Tq, D)
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:

@@ -213,6 +213,8 @@ def attend_agrees(model: TransformerLM, T: int) -> str:
     scheme = model.scheme
     if type(scheme).attend is PositionalScheme.attend:
         return "no attend hook: every backend uses its bias"
+    if scheme.replaces_softmax:
+        return "attend replaces softmax under every backend: there is no bias to check it against"
     why_not = native.why_not(model.cfg.head_dim, torch.device("cpu"))
     if why_not:
         return f"attend is tried by the native backend only, which cannot run here ({why_not})"

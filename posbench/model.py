@@ -38,6 +38,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         scheme = self.scheme[0]
+        scheme.observe(x, pos, self.layer)  # what a data-dependent scheme reads from the input (FoX's gates)
         if scheme.remap is not None:  # a training-free variant at evaluation: its own eager attention
             y = scheme.remap.attention(q, k, v, pos, scheme, self.layer, block)  # (B, nh, T, hs)
         else:

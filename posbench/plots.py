@@ -66,13 +66,15 @@ def bias_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0, q
     """What `bias` adds to the logits of layer `layer`, per head, (H, T, T), NaN where j > i
     (the future is masked); None if the scheme has no bias. q and k go through `rotate`
     first, as in the model, for schemes whose bias reads them: random with a fixed seed, or
-    `qk`, (H, D) each (a trained model's, `model_qk`), the same at every position."""
+    `qk`, (H, D) each (a trained model's, `model_qk`), the same at every position. A scheme
+    that reads the layer's input (`observe`, FoX) sees a random one, fixed by the seed."""
     H, D = scheme.cfg.n_head, scheme.cfg.head_dim
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
     if qk is not None:
         q, k = (t[None, :, None, :].expand(1, H, T, D) for t in qk)  # (1, H, T, D) each
     pos = scheme.positions(T, "cpu")  # (T,)
+    scheme.observe(torch.randn(1, T, scheme.cfg.d_model, generator=g), pos, layer)  # a random input, for FoX's gates
     q, k = scheme.rotate(q, k, pos, layer)
     b = scheme.bias(q, k, pos, pos, layer)  # None or (1, H, T, T)
     if b is None:
@@ -80,6 +82,25 @@ def bias_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0, q
     b = b[0].float().expand(H, T, T).clone()  # (H, T, T)
     future = torch.ones(T, T, dtype=torch.bool).triu(1)
     return b.masked_fill(future, float("nan"))
+
+
+@torch.no_grad()
+def attention_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0, qk=None) -> Optional[torch.Tensor]:
+    """For a scheme that replaces softmax (`replaces_softmax`, stick-breaking): the weight each
+    query gives each key, per head, (H, T, T), NaN where j > i; None for any other. `attend`
+    with the identity for values returns exactly those weights; q and k as in `bias_maps`."""
+    if not scheme.replaces_softmax:
+        return None
+    H, D = scheme.cfg.n_head, scheme.cfg.head_dim
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
+    if qk is not None:
+        q, k = (t[None, :, None, :].expand(1, H, T, D) for t in qk)  # (1, H, T, D) each
+    pos = scheme.positions(T, "cpu")  # (T,)
+    scheme.observe(torch.randn(1, T, scheme.cfg.d_model, generator=g), pos, layer)
+    q, k = scheme.rotate(q, k, pos, layer)
+    w = scheme.attend(q, k, torch.eye(T).expand(1, H, T, T), pos, pos, layer)[0].float()  # (H, T, T)
+    return w.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("nan"))
 
 
 @torch.no_grad()
@@ -214,8 +235,10 @@ def plot_similarity(sim: torch.Tensor, path: Path, title: str, train_len=None) -
     return _save(fig, path)
 
 
-def plot_bias(maps: torch.Tensor, path: Path, title: str, train_len=None, notes=(), layer=0) -> Path:
-    """A map per head; `notes`: lines under the title that say how to read it."""
+def plot_bias(
+    maps: torch.Tensor, path: Path, title: str, train_len=None, notes=(), layer=0, what="bias added to the logits"
+) -> Path:
+    """A map per head; `notes`: lines under the title that say how to read it; `what`: what the maps are."""
     import numpy as np
 
     H = maps.size(0)
@@ -235,9 +258,7 @@ def plot_bias(maps: torch.Tensor, path: Path, title: str, train_len=None, notes=
         if constant:
             ax.text(0.3, 0.15, f"{drawn[0].item():g} everywhere", transform=ax.transAxes, ha="center", color="white")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    lines = [f"{title}: bias added to the logits, layer {layer} (blank: future or -inf)", *notes] + (
-        [note] if note else []
-    )
+    lines = [f"{title}: {what}, layer {layer} (blank: future or -inf)", *notes] + ([note] if note else [])
     fig.suptitle("\n".join(textwrap.fill(line, int(13 * 3.2 * cols)) for line in lines), fontsize=10)
     return _save(fig, path)
 
@@ -313,6 +334,11 @@ def inspect_scheme(
             why = "; its parameters are all 0, as initialised: inspect a trained run" if zero else ""
             notes.append(f"it is {drawn[0].item():g} at every (i, j), so it changes no attention weight{why}")
         drawings.append(("bias.png", lambda p: plot_bias(maps, p, title, train_len, notes, layer)))
+    weights = attention_maps(scheme, T, qk=qk)
+    if weights is not None:
+        notes = [f"its own formula in place of softmax, drawn for {what}"]
+        what_maps = "attention weights"
+        drawings.append(("attention.png", lambda p: plot_bias(weights, p, title, train_len, notes, layer, what_maps)))
     if learned:
         for name, values in per_head_parameters(scheme).items():
             index = distance_index(scheme, name, T) if values.dim() == 2 else None

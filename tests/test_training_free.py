@@ -236,3 +236,22 @@ def test_check_scheme_runs_causality_under_every_variant_a_scheme_takes():
     said = check.variants_hold(tiny_model("alibi", train_len=L), 40)
     assert said.startswith("causal, with finite logits, under self_extend, rerope, string, lm_infinite, logn")
     assert "under logn (T=40" in check.variants_hold(tiny_model("sinusoidal", train_len=L), 40)
+
+
+def test_the_data_dependent_schemes_refuse_what_they_cannot_take_in_one_line():
+    """Stick-breaking has no softmax for a variant to change; FoX's decay is summed by index, so a
+    remap's other positions would leave it as it is and only logn's temperature applies."""
+    stick, fox = tiny_model("stickbreaking", train_len=L), tiny_model("fox", train_len=L)
+    for name in VARIANTS:
+        with pytest.raises(PosbenchError, match=f"stickbreaking\\+{name}: .* has no softmax"):
+            with stick.eval_variant(name, T):
+                pass
+    for name in set(VARIANTS) - {"logn"}:
+        with pytest.raises(PosbenchError, match=f"fox\\+{name}: .* by index, not by position"):
+            with fox.eval_variant(name, T):
+                pass
+    tokens = torch.randint(0, 32, (1, T))
+    with torch.no_grad():
+        plain = fox(tokens)
+        with fox.eval_variant("logn", T):
+            assert not torch.allclose(fox(tokens), plain)  # past L the far queries are sharpened

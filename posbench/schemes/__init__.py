@@ -40,6 +40,8 @@ SCHEMES = Registry(
         "offset": "posbench.schemes.randomized:Offset",
         "cope": "posbench.schemes.cope:CoPE",
         "ssmax": "posbench.schemes.rope:SSMax",
+        "fox": "posbench.schemes.fox:FoX",
+        "stickbreaking": "posbench.schemes.stickbreaking:StickBreaking",
     },
     base="posbench.schemes:PositionalScheme",
     example="examples.my_scheme:MyScheme",
@@ -54,6 +56,10 @@ SCHEMES = Registry(
         "transformer_xl": "xl",
         "gpt2": "learned",
         "gpt-2": "learned",
+        "forgetting": "fox",
+        "forgetting_transformer": "fox",
+        "stick_breaking": "stickbreaking",
+        "stick-breaking": "stickbreaking",
     },
 )
 
@@ -112,6 +118,8 @@ _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first u
     "posbench.schemes.fire": ["FIRE"],
     "posbench.schemes.randomized": ["Randomized", "Offset"],
     "posbench.schemes.cope": ["CoPE", "cope_bias"],
+    "posbench.schemes.fox": ["FoX"],
+    "posbench.schemes.stickbreaking": ["StickBreaking", "StickBreakingAttention", "stick_breaking"],
     "posbench.schemes.pattern": ["Pattern", "Layer", "window_mask"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -25,6 +25,11 @@ class PositionalScheme(nn.Module):
       bias(q, k, qpos, kpos, layer) an additive bias on the attention logits, after the 1/sqrt(d)
                                     scaling of q.k (ALiBi, T5); it may look at q (Transformer-XL)
                                     and at k (contextual schemes)
+    A scheme whose bias reads the tokens themselves has one more hook:
+      observe(x, pos, layer)        the layer's attention input x (B, T, C), from which q, k and v
+                                    are made; the model calls it once per layer and forward,
+                                    before rotate, so the scheme keeps what that layer's `bias`
+                                    reads (FoX's forget gates). A no-op by default.
     A fourth hook is optional and only for speed:
       attend(q, k, v, qpos, kpos, layer)  the scheme's own fast kernel for the whole causal
                                           attention, softmax(q.k / sqrt(d) + bias, future masked) v.
@@ -34,6 +39,9 @@ class PositionalScheme(nn.Module):
                                           `bias` only. None, the default, declines, and the backend
                                           then uses `bias`. `posbench check-scheme` verifies attend
                                           against bias.
+    A scheme that is no bias on softmax but a formula of its own (stick-breaking) sets the class
+    attribute `replaces_softmax`: every backend then calls its `attend`, which must answer, and
+    never `bias`.
     The base class's hooks are no-ops, which is exactly NoPE. The model calls every hook every
     time and never asks which scheme it holds. `bias` is called on blocks of queries, so it must
     build its (Tq, Tk) bias from the positions it is given, never from a cached (T, T) table.
@@ -59,6 +67,7 @@ class PositionalScheme(nn.Module):
     variant: Optional[EvalVariant] = None  # the variant being evaluated, set by eval_variant()
     remap: Optional[training_free.Remap] = None  # the training-free variant being evaluated, set by eval_variant()
     fixed_distances: Optional[str] = None  # why its hooks cannot be handed other positions (None: they can)
+    replaces_softmax: bool = False  # True: `attend` is the attention under every backend
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -122,9 +131,13 @@ class PositionalScheme(nn.Module):
     @classmethod
     def refuses(cls, variant: str) -> Optional[str]:
         """Why this scheme cannot apply its declared variant `variant`, in one line (None: it can)."""
-        if variant not in training_free.VARIANTS or variant == "logn":  # a temperature suits any logits
+        if variant not in training_free.VARIANTS:
             return None
         what = cls.__name__
+        if cls.replaces_softmax:
+            return f"{variant} changes softmax attention's logits, and {what} has no softmax (its own attend)"
+        if variant == "logn":  # a temperature suits any logits
+            return None
         if cls.positions is not PositionalScheme.positions:
             return f"{variant} remaps the distances of positions 0..T-1, and {what} chooses its own positions"
         if cls.embed is not PositionalScheme.embed:
@@ -140,6 +153,9 @@ class PositionalScheme(nn.Module):
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return x  # (B, T, C)
+
+    def observe(self, x: torch.Tensor, pos: torch.Tensor, layer: int) -> None:
+        return None  # x: (B, T, C), the layer's attention input
 
     def rotate(self, q, k, pos, layer: int):
         return q, k  # (B, H, T, D) each

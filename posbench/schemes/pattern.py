@@ -196,6 +196,11 @@ class Pattern(PositionalScheme):
             raise PosbenchError(f"{at}: {e}") from None
         if issubclass(cls, Pattern):
             raise PosbenchError(f"{at}: {spec.scheme} is itself a pattern; a pattern's layers are schemes")
+        if cls.replaces_softmax:
+            raise PosbenchError(
+                f"{at}: {spec.scheme} replaces softmax with attention of its own, which a pattern's "
+                f"layers cannot: they share the backend's softmax"
+            )
         for hook, what in (("positions", "chooses its own positions"), ("embed", "adds to the token embeddings")):
             if getattr(cls, hook) is not getattr(PositionalScheme, hook):
                 raise PosbenchError(
@@ -238,6 +243,9 @@ class Pattern(PositionalScheme):
     def max_len(self) -> Optional[int]:
         limits = [s.max_len for s in self.schemes if s.max_len is not None]
         return min(limits) if limits else None
+
+    def observe(self, x, pos, layer):
+        self.at[layer].observe(x, pos, self.rank[layer])
 
     def rotate(self, q, k, pos, layer):
         return self.at[layer].rotate(q, k, pos, self.rank[layer])
@@ -401,6 +409,9 @@ class LayerOf(PositionalScheme):
     @property
     def max_len(self):
         return self.inner.max_len
+
+    def observe(self, x, pos, layer):
+        self.whole[0].observe(x, pos, self.i)
 
     def rotate(self, q, k, pos, layer):
         return self.whole[0].rotate(q, k, pos, self.i)

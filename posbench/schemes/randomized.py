@@ -39,6 +39,9 @@ class Modifier(PositionalScheme):
     def embed(self, x, pos):
         return self.inner.embed(x, pos)
 
+    def observe(self, x, pos, layer):
+        self.inner.observe(x, pos, layer)
+
     def rotate(self, q, k, pos, layer):
         return self.inner.rotate(q, k, pos, layer)
 
@@ -154,6 +157,11 @@ def build_base(modifier, cfg):
         raise PosbenchError(f"{where}: {e}") from None
     if issubclass(cls, Modifier):
         raise PosbenchError(f"{where}: a modifier's base is a scheme, not another modifier")
+    if cls.replaces_softmax:
+        raise PosbenchError(
+            f"{where}: {base} replaces softmax with attention of its own and reads no positions, "
+            f"so the modifier's positions would change nothing"
+        )
     options = {k: v for k, v in modifier.opt.items() if k not in modifier.own}
     inner = cls(dataclasses.replace(cfg, options=options))  # its errors name the scheme asked for
     if inner.max_len is not None and inner.max_len < modifier.opt["max_pos"]:
