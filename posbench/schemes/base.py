@@ -48,6 +48,7 @@ class PositionalScheme(nn.Module):
     options: dict = {}  # option name -> default value; YAML `scheme_options.<name>` overrides
     eval_variants: dict = {}  # variant name -> description; evaluated as rows "<scheme>+<name>"
     variant: Optional[EvalVariant] = None  # the variant being evaluated, set by eval_variant()
+    per_row_positions = False  # its hooks take (B, T) positions, each row its own (PoSE), not only (T,)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
