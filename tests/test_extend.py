@@ -570,3 +570,29 @@ def test_spelled_methods_reach_the_childs_config(parents, tmp_path):
     assert (by["yarn-fast8"].model.extend["beta_fast"], "beta_slow" in by["yarn-fast8"].model.extend) == (8.0, False)
     assert by["abf-base20000"].model.options["base"] == 20000.0 and by["abf"].model.options["base"] == 500000.0
     assert by["pose@2"].model.extend["factor"] == 2.0 and by["pose@2"].train.batch_size == 16
+
+
+def test_the_committed_reference_is_in_the_papers_regime():
+    """results/reference-extend (make reproduce-extend): each parent's training loss falls by
+    under 3% over its last 20% of steps (docs/extend.md, "The parents' criterion"); every child
+    trains on the same tokens, at most 1% of its parent's; the continue control is a row."""
+    from statistics import mean
+
+    from conftest import ROOT
+
+    from posbench.experiment.records import read_config
+
+    committed = ROOT / "results" / "reference-extend"
+    runs = sorted(p for p in committed.iterdir() if p.is_dir())
+    parents = [p for p in runs if p.name.count("-") == 1]
+    children = [p for p in runs if p.name.count("-") > 1]
+    assert parents and children
+    for p in parents:
+        n = read_config(p).train.steps
+        log = [yaml.safe_load(line) for line in (p / "train_log.jsonl").read_text().splitlines()]
+        before = mean(r["loss"] for r in log if 0.6 * n <= r["step"] < 0.8 * n)
+        last = mean(r["loss"] for r in log if r["step"] >= 0.8 * n)
+        assert (before - last) / before < 0.03, (p.name, before, last)
+    spent = {trained_tokens(read_config(p)) for p in children}
+    assert len(spent) == 1 and spent.pop() <= 0.01 * trained_tokens(read_config(parents[0]))
+    assert "| rope:continue |" in (committed / "summary.md").read_text()
