@@ -28,16 +28,17 @@ A method takes parameters after its name, so variants sit side by side in one ex
   pi@2        a fixed factor s = 2 instead of L2/L (pi, pose)
   pi-keep2    the 2 fastest RoPE frequencies (k = 0, 1) left unscaled (pi, pose)
   yarn-fast8  YaRN's beta_fast, -slow2 its beta_slow: the turns in L that bound its ramp
-  abf-base65000  ABF's base, in place of --abf-base
+  abf-base20000  ABF's base, in place of --abf-base
 
 pi, ntk, yarn and pose scale with the same `rope_frequencies` as the evaluation-time variants,
-at the fixed s = L2/L. The experiment folder of an extension holds, per parent, a copy of the
+at the fixed s = L2/L (or the method's @s). The experiment folder of an extension holds, per parent, a copy of the
 parent scored as it is and with each of its evaluation-time variants, and every child.
 """
 
 from __future__ import annotations
 
 import csv
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,7 +61,7 @@ class Method:
     schemes: Optional[tuple] = None  # the schemes it applies to; None: every scheme
     scaling: Optional[str] = None  # the RoPE scaling it fixes (a `rope_frequencies` kind)
     at_parent_len: bool = False  # it fine-tunes at L, not L2 (PoSE), on a batch s times as large
-    takes: tuple = ()  # the parameters it takes (PARAMETERS), and "@" a fixed factor
+    takes: tuple = ()  # what may follow its name: "@" a fixed factor, "keep", "fast", "slow", "base"
     given: tuple = ()  # (parameter, value) pairs, as written after its name
     factor: Optional[float] = None  # a fixed s (pi@2); None: L2 / L
 
@@ -111,13 +112,7 @@ METHODS = {
         Method("continue", "the parent trained further at L, nothing changed: the control", None, at_parent_len=True),
     )
 }
-PARAMETERS = {  # a method's parameters, written after its name: pi-keep2, yarn-fast8-slow1
-    "keep": "the k fastest RoPE frequencies left unscaled",
-    "fast": "YaRN's beta_fast: the turns in L above which a frequency is kept",
-    "slow": "YaRN's beta_slow: the turns in L below which a frequency is divided by s",
-    "base": "ABF's RoPE base",
-}
-SPELLING = re.compile(r"([a-z_]+)(@[^-]*)?((?:-[a-z]+[^-]*)*)")
+SPELLING = re.compile(r"([a-z_]+)(@[^-]*)?((?:-[a-z]+[^-]*)*)")  # pi@2-keep2: name, @factor, -parameters
 
 
 def base_method(name: str) -> str:
@@ -167,16 +162,19 @@ def parse_method(text: str) -> Method:
         if key in ("fast", "slow") and not number > 0 or key == "base" and not number > 1:
             raise PosbenchError(f"--methods {text}: {key} must be {'> 1' if key == 'base' else 'positive'}")
         given.append((key, int(number) if key == "keep" else number))
-    if dict(given).get("fast", 32.0) <= dict(given).get("slow", 1.0):
+    if dict(given).get("fast", 32.0) <= dict(given).get("slow", 1.0):  # YaRN's own (rope.YARN_BETAS) by default
         raise PosbenchError(f"--methods {text}: YaRN's fast turns must exceed its slow ones")
     return replace(method, name=text, given=tuple(given), factor=factor)
 
 
 def _number(text: str, value: str, what: str) -> float:
     try:
-        return float(value)
+        number = float(value)
     except ValueError:
-        raise PosbenchError(f"--methods {text}: {what} '{value}' is not a number") from None
+        number = math.nan
+    if not math.isfinite(number):
+        raise PosbenchError(f"--methods {text}: {what} '{value}' is not a number")
+    return number
 
 
 def method_of(name: str) -> Optional[Method]:
