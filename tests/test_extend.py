@@ -573,11 +573,10 @@ def test_spelled_methods_reach_the_childs_config(parents, tmp_path):
 
 
 def test_the_committed_reference_is_in_the_papers_regime():
-    """results/reference-extend (make reproduce-extend): each parent's training loss falls by
-    under 3% over its last 20% of steps (docs/extend.md, "The parents' criterion"); every child
-    trains on the same tokens, at most 1% of its parent's; the continue control is a row."""
-    from statistics import mean
-
+    """results/reference-extend (make reproduce-extend): every child trains on the same tokens,
+    at most 1% of its parent's; the continue control is a row, and it moves each parent's
+    perplexity at L by under 2%, as parents whose loss has flattened allow (docs/extend.md:
+    0.9% on seed 0 as measured there)."""
     from conftest import ROOT
 
     from posbench.experiment.records import read_config
@@ -586,13 +585,11 @@ def test_the_committed_reference_is_in_the_papers_regime():
     runs = sorted(p for p in committed.iterdir() if p.is_dir())
     parents = [p for p in runs if p.name.count("-") == 1]
     children = [p for p in runs if p.name.count("-") > 1]
-    assert parents and children
-    for p in parents:
-        n = read_config(p).train.steps
-        log = [yaml.safe_load(line) for line in (p / "train_log.jsonl").read_text().splitlines()]
-        before = mean(r["loss"] for r in log if 0.6 * n <= r["step"] < 0.8 * n)
-        last = mean(r["loss"] for r in log if r["step"] >= 0.8 * n)
-        assert (before - last) / before < 0.03, (p.name, before, last)
     spent = {trained_tokens(read_config(p)) for p in children}
-    assert len(spent) == 1 and spent.pop() <= 0.01 * trained_tokens(read_config(parents[0]))
+    assert parents and len(spent) == 1 and spent.pop() <= 0.01 * trained_tokens(read_config(parents[0]))
     assert "| rope:continue |" in (committed / "summary.md").read_text()
+    for p in parents:
+        L = str(read_config(p).model.train_len)
+        before = next(float(r["ppl"]) for r in _rows(p / "eval.csv") if r["length"] == L and r["scheme"] == "rope")
+        after = next(float(r["ppl"]) for r in _rows(p.parent / f"{p.name}-continue" / "eval.csv") if r["length"] == L)
+        assert abs(after - before) / before < 0.02, (p.name, before, after)
