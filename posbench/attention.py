@@ -53,14 +53,17 @@ def backend_for(
 
 
 def causal_attention(q, k, v, pos, scheme, layer: int, backend: str, block: Optional[int] = None):
-    """Attention over (B, H, T, D) tensors with `scheme`'s bias, `block` queries at a time."""
+    """Attention over (B, H, T, D) tensors with `scheme`'s bias, `block` queries at a time;
+    `pos` is (T,), or (B, T) for a scheme whose hooks take each row's own positions."""
     T = q.size(2)
     if block is None or T <= block:
         return _attend(q, k, v, pos, pos, 0, scheme, layer, backend)
     out = []
     for s in range(0, T, block):
         e = min(s + block, T)
-        out.append(_attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], pos[s:e], pos[:e], s, scheme, layer, backend))
+        out.append(
+            _attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], pos[..., s:e], pos[..., :e], s, scheme, layer, backend)
+        )
     return torch.cat(out, dim=2)  # (B, H, T, D)
 
 

@@ -594,9 +594,15 @@ def extend(
     source: Annotated[Path, typer.Argument(help="a finished run, or an experiment folder: each of its runs")],
     to: Annotated[int, typer.Option("--to", help="the new length L2 to fine-tune at (longer than the trained one)")],
     methods: Annotated[
-        str, typer.Option(help="a comma list of pi, ntk, yarn, abf, pose (rope), interpolate (learned), plain (any)")
+        str,
+        typer.Option(
+            help="a comma list of pi, ntk, yarn, abf, pose (rope), interpolate (learned), plain, continue (any); "
+            "with parameters: pi@2, pi-keep2, yarn-fast8-slow1, abf-base20000 (docs/extend.md)"
+        ),
     ] = "plain",
-    steps: Annotated[int, typer.Option(help="fine-tuning steps K")] = 100,
+    steps: Annotated[
+        int, typer.Option(help="fine-tuning steps K at L2 (methods at L: K steps on s times the batch)")
+    ] = 100,
     lengths: Annotated[
         Optional[str], typer.Option(help="scored lengths (default: the parent's, L2, 2 L2, 4 L2)")
     ] = None,

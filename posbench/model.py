@@ -108,15 +108,20 @@ class TransformerLM(nn.Module):
         return backend_for(self.cfg.attention, device, self.cfg.head_dim, compiled, self.tok.weight.dtype)
 
     def forward(self, tokens: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`pos`: the (T,) position ids to use instead of the scheme's own (PoSE's skipped ones)."""
+        """`pos`: the position ids to use instead of the scheme's own (PoSE's skipped ones), (T,)
+        for every row, or (B, T), each row its own, for a scheme whose hooks take them (RoPE)."""
         B, T = tokens.size()
+        if pos is not None and pos.dim() == 2 and not self.scheme.per_row_positions:
+            raise PosbenchError(
+                f"scheme '{self.cfg.scheme}' takes one row of positions for the whole batch, not one per row (B, T)"
+            )
         if self.max_len is not None and T > self.max_len:
             raise PosbenchError(
                 f"scheme '{self.cfg.scheme}' cannot represent position {T - 1}: "
                 f"it encodes at most {self.max_len} positions"
             )
         backend = self.backend(tokens.device)
-        pos = self.scheme.positions(T, tokens.device) if pos is None else pos  # (T,)
+        pos = self.scheme.positions(T, tokens.device) if pos is None else pos  # (T,) or (B, T)
         x = self.drop(self.scheme.embed(self.tok(tokens), pos))  # (B, T, C)
         block = self.attn_block if T > self.attn_block else None
         for blk in self.blocks:

@@ -19,11 +19,11 @@ def scheme_order(names: set) -> list[str]:
     (noisy_rope, offset_rope); then the fine-tuned children (rope:pi), by parent in that order
     and by method, so that extend's table keeps every parent together (alibi and hybrid above
     rope's children, not below them); plugins after."""
-    from posbench.extend.methods import METHODS
+    from posbench.extend.methods import METHODS, base_method
     from posbench.schemes import SCHEMES
 
-    def method(n):  # a fine-tuned run's rows (rope:yarn) in the order of the methods
-        m = n.partition(":")[2]
+    def method(n):  # a fine-tuned run's rows (rope:yarn, rope:yarn-fast8) in the order of the methods
+        m = base_method(n.partition(":")[2])
         return list(METHODS).index(m) if m in METHODS else len(METHODS), n
 
     order = []

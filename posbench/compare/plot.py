@@ -66,14 +66,16 @@ def _index(name: str, known: list[str], size: int) -> int:
 
 def style(name: str) -> dict:
     """matplotlib line keywords for scheme `name`: colour, line style and marker."""
-    from posbench.extend.methods import METHODS
+    from posbench.extend.methods import METHODS, base_method
     from posbench.schemes import MODIFIERS, PATTERNS, SCHEMES
 
     base = base_of(name)
     trained, _, method = name.partition(":")
-    if method:  # a fine-tuned run (rope:yarn): solid, a shade of its base's colour and a marker per method
-        i = _index(method, list(METHODS), len(MARKERS))
-        return {"color": _shade(colour(base), SHADES[i % len(SHADES)]), "linestyle": "-", "marker": MARKERS[i]}
+    if method:  # a fine-tuned run (rope:yarn): a shade of its base's colour and a marker per method,
+        # solid, or dashed for a spelled variant of it (rope:pi@2 beside rope:pi)
+        i = _index(base_method(method), list(METHODS), len(MARKERS))
+        dashes = "-" if method == base_method(method) else DASHES[_stable_hash(method) % len(DASHES)]
+        return {"color": _shade(colour(base), SHADES[i % len(SHADES)]), "linestyle": dashes, "marker": MARKERS[i]}
     plain, _, variant = trained.partition("+")
     modifier = next((m for m in MODIFIERS if plain.startswith(m) and plain != base), None)
     free = False  # a training-free variant: dashes of its own among them, marked x

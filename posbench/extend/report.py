@@ -6,24 +6,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from posbench.extend.methods import METHODS, child_label, read_curve
+from posbench.extend.methods import child_label, method_of, read_curve, trained_tokens
 
 
 def describe(configs: list) -> list[str]:
-    """A line per method fine-tuned: how many steps at which length, from which lr."""
+    """A line per method fine-tuned: its settings, how many steps at which length (and so how
+    many trained tokens), from which lr."""
     lines, seen = [], set()
     for c in configs:
         ext = c.model.extend
-        if not ext or ext["method"] in seen or ext["method"] not in METHODS:
+        method = method_of(ext["method"]) if ext else None
+        if method is None or ext["method"] in seen:
             continue
         seen.add(ext["method"])
         t, m = c.train, c.model
         s = ext["to_len"] / ext["from_len"]
-        base = f", base {m.options['base']:g}" if ext["method"] == "abf" else ""
+        settings = [f"base {m.options['base']:g}"] if method.base == "abf" else []
+        settings += [f"scaled at s = {ext['factor']:g}"] if ext.get("factor", s) != s else []
+        settings += [f"the {ext['keep_fast']} fastest frequencies unscaled"] if ext.get("keep_fast") else []
+        settings += [f"{k} {ext[k]:g}" for k in ("beta_fast", "beta_slow") if k in ext]
         lines.append(
-            f"- {child_label(m.scheme, ext['method'])}: {METHODS[ext['method']].description}{base}; "
+            f"- {child_label(m.scheme, ext['method'])}: {method.description}{''.join(', ' + x for x in settings)}; "
             f"s = {ext['to_len']}/{ext['from_len']} = {s:g}; {t.steps} steps x {t.batch_size} x {m.train_len} "
-            f"from each seed's parent, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine to {t.min_lr:g})"
+            f"= {trained_tokens(c):,} tokens from each seed's parent, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, "
+            f"cosine to {t.min_lr:g})"
         )
     return lines
 

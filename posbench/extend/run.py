@@ -18,12 +18,13 @@ from posbench.extend.methods import (
     CURVE,
     CURVE_COLUMNS,
     EXTEND_RECORD,
-    METHODS,
     PARENT,
     Method,
     applies,
+    base_method,
     child_label,
     read_curve,
+    trained_tokens,
 )
 from posbench.files import room_in, write_atomic
 
@@ -125,7 +126,7 @@ def plan_extension(
     folder = Path(out) if out is not None else source.parent / f"{source.name}-extend{to}"
     if folder.resolve() == source.resolve() or source.resolve() in folder.resolve().parents:
         raise PosbenchError(f"--out {folder}: inside the parent's folder {source}, which extend never writes to")
-    jobs, notes, skipped = [], [], {}
+    jobs, notes, skipped, tokens = [], [], {}, {}
     for pdir in parents:
         prc = read_config(pdir) if (pdir / "config.yaml").is_file() else load_run(pdir)[0]
         with named_by(pdir):  # its scheme and task, if a user's module:Class, are said before they run
@@ -156,15 +157,16 @@ def plan_extension(
         jobs.append(Job(copy_rc, task, measure, copy_dir, "copy" if state == "todo" else state, parent=pdir))
         for m in methods:
             if not applies(m, scheme):
-                skipped.setdefault(m.name, []).append(scheme)
+                skipped.setdefault(m, []).append(scheme)
                 continue
             rc = child_config(prc, m, to, steps, lr, want, ident, abf_base, folder, overrides)
             rdir = folder / f"{run_name(scheme, seed)}-{m.name}"
             points = sorted(set(curve or default_curve(steps)))
             jobs.append(Job(rc, task, measure, rdir, plan_state(rc, task, rdir, "--out"), parent=pdir, curve=points))
-    for name, schemes in skipped.items():
-        only = ", ".join(METHODS[name].schemes)
-        notes.append(f"{name} applies to {only} only: not to {', '.join(sorted(set(schemes)))}")
+            tokens.setdefault(m.name, trained_tokens(rc))
+    for m, schemes in skipped.items():
+        only = ", ".join(m.schemes)
+        notes.append(f"{m.name} applies to {only} only: not to {', '.join(sorted(set(schemes)))}")
     if not any(job.cfg.model.extend for job in jobs):
         raise PosbenchError(
             f"no method given applies to the runs in {source} ({'; '.join(notes)}); plain applies to every scheme"
@@ -174,6 +176,7 @@ def plan_extension(
         "to": to,
         "steps": steps,
         "methods": [m.name for m in methods],
+        "tokens": tokens,  # each method's fine-tuning, in trained tokens (equal: docs/extend.md)
         "lengths": sorted({L for job in jobs for L in job.cfg.eval.lengths}),
     }
     return Plan(folder, jobs, notes, record)
@@ -218,8 +221,9 @@ def _variants(rc: ExperimentConfig) -> list[str]:
     return [v for v in scheme.eval_variants if v not in TRAINING_FREE and not scheme.refuses(v)]
 
 
-def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None, eval=None, options=None):
-    """rc with sections changed, in a new experiment folder, with the user's --set overrides;
+def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None, eval=None, options=None, last=None):
+    """rc with sections changed, in a new experiment folder, with the user's --set overrides,
+    then the keys of `last` (what a method derives from the overridden values);
     its measure decides how it is scored, as for any config (posbench/resolve.py), and an error
     names the --set it came from. What it trains is the parent's, resolved when it was trained."""
     from posbench.config import blame
@@ -236,6 +240,8 @@ def _with(rc: ExperimentConfig, overrides, folder: Path, model=None, train=None,
     origins: dict = {}
     for o in overrides:
         apply_override(raw, o, origins)
+    for key, value in (last or {}).items():
+        assign(raw, key, value)
     cfg = config_from_dict(raw, source="extend")
     cfg.origins = origins
     try:
@@ -257,21 +263,33 @@ def child_config(
     folder: Path,
     overrides=(),
 ) -> ExperimentConfig:
-    """The parent's config as the child trains it: at L2 (PoSE: at L), K steps from lr (default:
-    the parent's final lr, min_lr) with a warmup of K/20 and a cosine decay to lr/10, scored at
+    """The parent's config as the child trains it: at L2 (PoSE, continue: at L, on a batch s
+    times the parent's, so that it trains on the same tokens), K steps from lr (default: the
+    parent's final lr, min_lr) with a warmup of K/20 and a cosine decay to lr/10, scored at
     `lengths` as it is (no evaluation-time variant on top of its own scaling)."""
     L = prc.model.train_len
     ext = {"method": method.name, "parent": parent, "from_len": L, "to_len": to}
     if method.scaling:
-        ext.update(scaling=method.scaling, factor=to / L)
+        ext.update(scaling=method.scaling, factor=method.factor or to / L)
+    if method.value("keep"):
+        ext["keep_fast"] = method.value("keep")
+    for key in ("fast", "slow"):
+        if method.value(key) is not None:
+            ext[f"beta_{key}"] = method.value(key)
     options = dict(prc.model.options)
-    if method.name == "abf":
-        options["base"] = abf_base
+    if method.base == "abf":
+        options["base"] = method.value("base", abf_base)
     if "max_len" in options and prc.model.scheme == "learned" and options["max_len"] < to:
         options["max_len"] = to  # the table grows to L2: its new rows are initialised as GPT-2's
     lr = prc.train.min_lr if lr is None else lr
     train = {"steps": steps, "lr": lr, "min_lr": float(f"{lr / 10:.6g}"), "warmup_steps": max(1, round(steps / 20))}
     model = {"train_len": L if method.at_parent_len else to, "extend": ext}
+    last = {}
+    if method.at_parent_len:  # the batch as overridden, s times: K x batch x L2 tokens, as at L2
+        raw = prc.to_dict()
+        for o in overrides:
+            apply_override(raw, o, {})
+        last["train.batch_size"] = max(1, round(raw["train"]["batch_size"] * to / L))
     return _with(
         prc,
         overrides,
@@ -280,6 +298,7 @@ def child_config(
         train,
         {"lengths": lengths, "perplexity.rope_scaling": [], "perplexity.rope_factor": None},
         options,
+        last,
     )
 
 
@@ -311,25 +330,30 @@ def start_weights(rc: ExperimentConfig, parent: Path) -> dict:
 
 
 def interpolate_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
-    """(L, C) -> (n, C): row j is rows at x = j (L-1)/(n-1), linearly between its two neighbours,
-    so the first and last rows stay where they were."""
+    """(L, C) -> (n, C): row j is rows at x = j / s, s = n / L, PI's map of position j, linearly
+    between its two neighbours; past the last trained row (x > L - 1) it is that row."""
     import torch
 
-    return torch.nn.functional.interpolate(rows.T[None], size=n, mode="linear", align_corners=True)[0].T
+    L = rows.size(0)
+    x = torch.arange(n, dtype=torch.float64) * L / n  # (n,) = j / s
+    lo = x.floor().long().clamp(max=L - 1)  # (n,)
+    hi = (lo + 1).clamp(max=L - 1)
+    w = (x - lo).clamp(max=1).to(rows.dtype)[:, None]  # (n, 1); 0 past the last row, where lo = hi
+    return rows[lo] * (1 - w) + rows[hi] * w  # (n, C)
 
 
-def pose_positions(T: int, to_len: int, gen: torch.Generator) -> torch.Tensor:
-    """PoSE's position ids for a window of T tokens (dwzhu-pku/PoSE, train_pose.py,
-    `train_preprocess_function_pose`): a first chunk 0..r1-1, r1 drawn from 1..(T+1)//2, then
-    the rest shifted by a skip u drawn from 0..to_len-T, so the last id is at most to_len-1.
-    Drawn from the data generator, so a resumed run draws the same ones; one draw per batch."""
+def pose_positions(B: int, T: int, to_len: int, gen: torch.Generator) -> torch.Tensor:
+    """PoSE's position ids for B windows of T tokens, each row drawn on its own as the reference
+    draws each sample (dwzhu-pku/PoSE, train_pose.py, `train_preprocess_function_pose`): a first
+    chunk 0..r1-1, r1 drawn from 1..(T+1)//2, then the rest shifted by a skip u drawn from
+    0..to_len-T, so the last id is at most to_len-1. Drawn from the data generator, so a resumed
+    run draws the same ones."""
     import torch
 
-    r1 = int(torch.randint(1, (T + 1) // 2 + 1, (1,), generator=gen))
-    u = int(torch.randint(0, to_len - T + 1, (1,), generator=gen))
-    pos = torch.arange(T)
-    pos[r1:] += u
-    return pos  # (T,)
+    r1 = torch.randint(1, (T + 1) // 2 + 1, (B, 1), generator=gen)  # (B, 1)
+    u = torch.randint(0, to_len - T + 1, (B, 1), generator=gen)  # (B, 1)
+    j = torch.arange(T)[None, :]  # (1, T)
+    return j + u * (j >= r1)  # (B, T)
 
 
 class PoSEBatches:
@@ -341,7 +365,7 @@ class PoSEBatches:
 
     def __call__(self, gen):
         x, y = self.inner(gen)
-        return x, y, pose_positions(x.size(1), self.to_len, gen)
+        return x, y, pose_positions(x.size(0), x.size(1), self.to_len, gen)
 
     def get_state(self):
         return self.inner.get_state()
@@ -386,7 +410,7 @@ def fine_tuning(job, data, folder: Path):
     """What train_model needs beyond a fresh run's for a child: (init, batches, probe)."""
     rc = job.cfg
     batches = job.task.batches(rc, data)
-    if rc.model.extend["method"] == "pose":
+    if base_method(rc.model.extend["method"]) == "pose":
         batches = PoSEBatches(batches, rc.model.extend["to_len"])
     write_atomic(folder / PARENT, parent_path(job) + "\n")
     init = start_weights(rc, job.parent)

@@ -68,6 +68,7 @@ class PositionalScheme(nn.Module):
     remap: Optional[training_free.Remap] = None  # the training-free variant being evaluated, set by eval_variant()
     fixed_distances: Optional[str] = None  # why its hooks cannot be handed other positions (None: they can)
     replaces_softmax: bool = False  # True: `attend` is the attention under every backend
+    per_row_positions = False  # its hooks take (B, T) positions, each row its own (PoSE), not only (T,)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

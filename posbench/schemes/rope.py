@@ -13,6 +13,7 @@ from posbench.errors import PosbenchError
 from posbench.schemes.base import PositionalScheme, require_even
 
 ROPE_SCALINGS = (None, "linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
+YARN_BETAS = (32.0, 1.0)  # YaRN's beta_fast and beta_slow, set for Llama: turns in L that bound its ramp
 LLAMA3 = (1.0, 4.0)  # Llama 3.1's low_freq_factor and high_freq_factor: turns in L that bound its ramp
 LONGROPE_NEEDS = (
     "longrope needs short_factor and long_factor, d_head/2 factors each, searched for each model (LongRoPE, "
@@ -30,6 +31,7 @@ def rope_frequencies(
     seq_len: Optional[int] = None,
     truncate: bool = True,
     longrope: Optional[tuple[Sequence[float], Sequence[float]]] = None,
+    betas: tuple[float, float] = YARN_BETAS,
 ) -> tuple[torch.Tensor, float]:
     """RoPE's inverse frequencies theta_k = base^(-2k/d), k < d/2, as scaled at inference time,
     and the attention factor that multiplies cos and sin. Each kind is the default plus a small
@@ -41,8 +43,8 @@ def rope_frequencies(
       dynamic  base' = base * (s*n/L - (s-1))^(d/(d-2)), n = seq_len if seq_len > L else L
                (transformers' dynamic: NTK-aware with s grown with the length)
       yarn     theta_k/s below dimension `low`, theta_k above `high`, a linear ramp between;
-               low/high where the training length L turns 32 (beta_fast) and 1 (beta_slow)
-               times round; attention factor 0.1*ln(s) + 1 (1 when s <= 1)
+               low/high where the training length L turns beta_fast and beta_slow times
+               round (`betas`, by default YaRN's 32 and 1); attention factor 0.1*ln(s) + 1 (1 when s <= 1)
       llama3   by the turns r_k = L theta_k / (2 pi) that dimension k makes in L: theta_k/s
                where r_k < 1, theta_k where r_k > 4, and (1 - g) theta_k/s + g theta_k between,
                g = (r_k - 1)/(4 - 1) (Llama 3.1's low/high_freq_factor 1 and 4)
@@ -76,7 +78,7 @@ def rope_frequencies(
     if scaling == "linear":
         inv = inv / factor
     elif scaling == "yarn":
-        low, high = _yarn_ramp_ends(d, base, original_max_len, truncate)
+        low, high = _yarn_ramp_ends(d, base, original_max_len, truncate, betas)
         ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # (d/2,)
         inv = inv / factor * ramp + inv * (1 - ramp)  # 0: keep theta_k (fast dims), 1: theta_k / s
         attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
@@ -106,14 +108,14 @@ def _float32_scaling(
     return torch.where(between, (1 - g) * inv / factor + g * inv, inv), 1.0
 
 
-def _yarn_ramp_ends(d: int, base: float, L: int, truncate: bool) -> tuple[float, float]:
-    """The dimensions where a length-L window holds 32 (beta_fast) and 1 (beta_slow) turns:
+def _yarn_ramp_ends(d: int, base: float, L: int, truncate: bool, betas=YARN_BETAS) -> tuple[float, float]:
+    """The dimensions where a length-L window holds beta_fast (32) and beta_slow (1) turns:
     dim(r) = d * ln(L / (2 pi r)) / (2 ln base), floored/ceiled, clipped to [0, d-1]."""
 
     def dim(turns):
         return d * math.log(L / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = dim(32), dim(1)
+    low, high = dim(betas[0]), dim(betas[1])
     if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, d - 1)
@@ -221,10 +223,13 @@ class RoPE(PositionalScheme):
             )
             raise PosbenchError(f"{where}: {why}, so nothing rotates; that is scheme nope")
         # a run fine-tuned by `posbench extend` with a scaling keeps it for good: the same
-        # rope_frequencies at s = L2/L as the evaluation-time variant, and no variant on top
+        # rope_frequencies at s = L2/L (or the method's fixed s) as the evaluation-time
+        # variant, and no variant on top
         self.fixed = (cfg.extend or {}).get("scaling")
         if self.fixed:
             self.eval_variants = {}
+
+    per_row_positions = True  # rotate takes (B, T) positions too: each row of a batch its own (PoSE)
 
     def rotate(self, q, k, pos, layer):
         cos, sin = self.once_per_forward((pos,), lambda: self.angles(pos, q.dtype))
@@ -240,19 +245,33 @@ class RoPE(PositionalScheme):
         """theta_k = base^(-2k/D) for D rotating dims, scaled as trained or as the variant says."""
         v = self.variant
         if v is None and self.fixed:
-            ext = self.cfg.extend
-            return rope_frequencies(D, self.opt["base"], self.fixed, ext["factor"], ext["from_len"], seq_len)
+            return self.fine_tuned_frequencies(D, seq_len)
         if v is None:
             return rope_frequencies(D, self.opt["base"])
         default = 1.0 if v.name == "dynamic" else v.length / v.train_len
         factor = default if v.factor is None else v.factor
         return rope_frequencies(D, self.opt["base"], v.name, factor, v.train_len, seq_len, longrope=self.longrope)
 
+    def fine_tuned_frequencies(self, D: int, seq_len: int) -> tuple[torch.Tensor, float]:
+        """The scaling `posbench extend` fixed (model.extend): its kind at its factor, YaRN's
+        ramp at its betas, and the `keep_fast` fastest frequencies (k = 0, 1, ...) unscaled."""
+        ext = self.cfg.extend
+        betas = (ext.get("beta_fast", YARN_BETAS[0]), ext.get("beta_slow", YARN_BETAS[1]))
+        inv, attention = rope_frequencies(
+            D, self.opt["base"], self.fixed, ext["factor"], ext["from_len"], seq_len, betas=betas
+        )  # (D/2,)
+        keep = ext.get("keep_fast", 0)
+        if keep:
+            inv = torch.cat([rope_frequencies(D, self.opt["base"])[0][:keep], inv[keep:]])  # (D/2,)
+        return inv, attention
+
     def angles(self, pos, dtype):
-        inv, attention = self.theta(pos.numel())
-        ang = pos.float()[:, None] * inv.to(pos.device)[None, :]  # (T, R/2)
+        """cos and sin, (T, R) each for (T,) positions, (B, 1, T, R) for a row's own (B, T)."""
+        inv, attention = self.theta(pos.size(-1))
+        ang = pos.float()[..., None] * inv.to(pos.device)  # (T, R/2) or (B, T, R/2)
         cos, sin = ang.cos() * attention, ang.sin() * attention  # transformers scales both
-        return cos.repeat(1, 2).to(dtype), sin.repeat(1, 2).to(dtype)  # (T, R) each
+        cos, sin = torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)  # (..., T, R)
+        return (cos, sin) if pos.dim() == 1 else (cos[:, None], sin[:, None])
 
 
 class XPos(RoPE):
@@ -263,6 +282,7 @@ class XPos(RoPE):
     from the middle of the sequence (which cancels in i-j and keeps the powers small)."""
 
     description = "RoPE times a per-dimension decay zeta_k^((i-j)/gamma) (Sun 2023, xPos)"
+    per_row_positions = False
     options = {"base": 10000.0, "scale_base": 512.0}
     eval_variants = PositionalScheme.eval_variants  # RoPE's scalings were not defined for xPos's decay
     fixed_distances = "its decay is centred on each call's positions, so q and k rotated apart do not meet at i-j"
