@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2 reproduce-context reproduce-rope-base
+.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2 reproduce-context reproduce-rope-base reproduce-catalogue
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -82,6 +82,10 @@ reproduce-context: smollm2
 	posbench pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2) --measure context_gain,key_tokens --measure-option k=256
 	posbench pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2) --measure retrieval --measure-option trials=2 \
 		--measure-option lengths=1024,2048
+
+# the 2025 catalogue beside its parts, in results/reference-catalogue/ (21 runs, 3 seeds)
+reproduce-catalogue: install
+	posbench extrapolate --config configs/reference-catalogue.yaml
 
 # where RoPE breaks against its base, in results/rope-base/ (12 runs)
 reproduce-rope-base: install
