@@ -80,3 +80,31 @@ def test_the_thresholds_are_each_runs_config_and_the_report_states_them(smoke, t
     assert invoke("report", exp).exit_code == 0
     md = (exp / "summary.md").read_text()
     assert "ppl within 100000% of ppl(" in md and "ppl within 10% of" not in md
+
+
+def test_retrieval_judges_only_a_run_that_retrieves_above_chance_at_its_training_length():
+    """At chance (1 in 10 with 9 distractors) retrieval says nothing of the far context: its noise
+    would decide the length, so the criterion is left out and not said; at twice chance it holds."""
+    from types import SimpleNamespace
+
+    from posbench.config import ExperimentConfig
+    from posbench.measures.effective import by_run
+    from posbench.measures.plugin import Records
+
+    cfg = ExperimentConfig()
+    cfg.model.scheme, cfg.model.train_len = "rope", 100
+    rows = [
+        {"scheme": "rope", "protocol": "nonoverlapping", "length": str(n), "ppl": "6.0", "status": "ok"}
+        for n in (100, 200, 400)
+    ]
+    run = SimpleNamespace(cfg=cfg, rows=rows)
+
+    def scored(acc):  # length -> accuracy
+        rows = [{"length": str(n), "status": "ok", "retrieval_accuracy": str(a)} for n, a in acc.items()]
+        return {"retrieval": Records("posbench.measures.retrieval:Retrieval", {}, rows, "depth", {"distractors": 9})}
+
+    at_chance = scored({100: 0.12, 200: 0.05, 400: 0.11})
+    assert by_run(run, at_chance) == (400, ["ppl within 10% of ppl(100)"])
+    above = scored({100: 0.6, 200: 0.2, 400: 0.5})  # 0.2 < half of 0.6 at 200
+    eff, said = by_run(run, above)
+    assert eff == 100 and said[-1] == "retrieval accuracy >= 50% of its accuracy at 100"

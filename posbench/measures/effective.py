@@ -7,7 +7,9 @@ lengths it was scored at, at which all of these hold at L and at every length be
 - perplexity within (1 + eps) of its perplexity at the training length (non-overlapping);
 - context gain (K = the training length) not negative, where the run was scored by context_gain;
 - retrieval accuracy (mean over depths) at least `fraction` of its accuracy at the training
-  length, where the run was scored by retrieval (or retrieval_short).
+  length, where the run was scored by retrieval (or retrieval_short) and retrieves at the
+  training length at least twice as often as chance (1 in distractors + 1): at chance the
+  measure says nothing of the far context, and its noise would decide the length.
 
 eps and fraction are the run's `eval.effective` (0.10 and 0.5 unless its config says otherwise),
 read from its config.yaml, so a report states the thresholds each run was judged by. A criterion
@@ -78,7 +80,11 @@ def by_run(run, measures: dict) -> tuple[Optional[int], list[str]]:
             if r["status"] == "ok":
                 acc.setdefault(int(r["length"]), []).append(float(r["retrieval_accuracy"]))
         retrieval = {length: sum(v) / len(v) for length, v in acc.items()}
-        said.append(f"{found} accuracy >= {fraction:.0%} of its accuracy at {L}")
+        chance = 1 / (1 + int((measures[found].options or {}).get("distractors", 9)))
+        if retrieval.get(L, 0.0) >= 2 * chance:
+            said.append(f"{found} accuracy >= {fraction:.0%} of its accuracy at {L}")
+        else:
+            retrieval = None
     return effective_length(ppl, L, gain, retrieval, eps=eps, fraction=fraction), said
 
 
