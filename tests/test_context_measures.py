@@ -365,3 +365,46 @@ def test_the_committed_smollm2_context_study_rebuilds_and_shows_a_model_that_use
     assert len(gains) == 3 and all(g > 0.1 for g in gains), gains
     acc = [float(r["retrieval_accuracy"]) for r in csv.DictReader((run / "measures" / "retrieval.csv").open())]
     assert len(acc) == 10 and all(a == 1.0 for a in acc), acc
+
+
+def test_the_committed_catalogue_rebuilds_and_holds_what_the_readme_says(tmp_path):
+    """results/reference-catalogue (make reproduce-catalogue): it rebuilds byte for byte, every cell
+    of the README's table is the summary's, the RoPE-window/NoPE pattern beats both its parts at 800
+    by more than their intervals, the full-attention pattern does not beat RoPE, FoX's context
+    gain is exactly zero, and no scheme retrieves a key above twice chance."""
+    from conftest import ROOT, report_rebuilt
+
+    committed = ROOT / "results" / "reference-catalogue"
+    res = report_rebuilt(committed, tmp_path / "c", ("summary.csv", "summary.md", "summary.tex"))
+    assert res.exit_code == 0, res.output
+    for name in ("summary.csv", "summary.md", "summary.tex"):
+        assert (tmp_path / "c" / name).read_text() == (committed / name).read_text(), name
+    md = (committed / "summary.md").read_text()
+    main = {line.split("|")[1].strip(): [c.strip().strip("*") for c in line.split("|")[2:-1]]
+            for line in md.split("## nonoverlapping")[1].split("\n\n")[1].splitlines()[2:]}  # fmt: skip
+    gain = {line.split("|")[1].strip(): line.split("|")[5].strip().strip("*")
+            for line in md.split("## context_gain")[1].split("\n\n")[1].splitlines()[2:]}  # fmt: skip
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| scheme | ppl(100) | ppl(800) | context gain at 800") :].split("\n\n")[0]
+    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
+    assert len(rows) == 7
+    for scheme, ppl100, ppl800, g, eff in ([c.strip() for c in r] for r in rows):
+        scheme = scheme.split(" ")[0]
+        assert (ppl100, ppl800, eff) == (main[scheme][0], main[scheme][3], main[scheme][-1]), scheme
+        assert g == gain[scheme], scheme
+
+    def mean_ci(cell):
+        mean, ci = cell.split(" ± ")
+        return float(mean), float(ci)
+
+    (swa, swa_ci), (rope, rope_ci), (nope, nope_ci) = (mean_ci(main[s][3]) for s in ("rnope_swa", "rope", "nope"))
+    assert swa + swa_ci < rope - rope_ci and swa + swa_ci < nope - nope_ci
+    assert mean_ci(main["irope"][3])[0] >= rope - rope_ci
+    gains = [float(r["gain"]) for run in committed.glob("fox-seed*") for r in csv.DictReader(
+        (run / "measures" / "context_gain.csv").open()) if r["gain"]]  # fmt: skip
+    assert len(gains) == 9 and set(gains) == {0.0}  # 200, 400 and 800 (100 is K: no gain there)
+    for run in committed.glob("*-seed*"):
+        acc = [
+            float(r["retrieval_accuracy"]) for r in csv.DictReader((run / "measures" / "retrieval_short.csv").open())
+        ]
+        assert len(acc) == 20 and sum(acc) / len(acc) < 0.2, run.name
