@@ -80,8 +80,10 @@ CONTEXT_SMOLLM2 = --name reference-context-smollm2 --lengths 1024,2048,4096 --ro
 reproduce-context: smollm2
 	posbench extrapolate --config configs/reference-context.yaml
 	posbench pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2) --measure context_gain,key_tokens --measure-option k=256
+	for v in linear yarn; do posbench pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2) --measure context_gain,key_tokens \
+		--measure-option k=256 --measure-option variant=$$v --measure-option factor=2; done
 	posbench pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2) --measure retrieval --measure-option trials=2 \
-		--measure-option lengths=1024,2048
+		--measure-option lengths=1024,2048,4096,8192
 
 # the 2025 catalogue beside its parts, in results/reference-catalogue/ (21 runs, 3 seeds)
 reproduce-catalogue: install

@@ -352,7 +352,9 @@ def test_the_committed_context_study_rebuilds_and_says_what_the_readme_says(tmp_
 
 def test_the_committed_smollm2_context_study_rebuilds_and_shows_a_model_that_uses_its_context(tmp_path):
     """results/reference-context-smollm2: a real model gives the measures their clear signal, a
-    positive gain at K = 256 and every planted key ranked first at 1k and 2k."""
+    positive gain at K = 256, and every planted key ranked first from 1k to 8k but the one at the
+    very start of an 8k window, its context's edge; linear at factor 2 (within its context) uses
+    less of it at every length, yarn at least as much."""
     from conftest import ROOT, report_rebuilt
 
     committed = ROOT / "results" / "reference-context-smollm2"
@@ -361,10 +363,18 @@ def test_the_committed_smollm2_context_study_rebuilds_and_shows_a_model_that_use
     for name in ("summary.csv", "summary.md", "summary.tex"):
         assert (tmp_path / "c" / name).read_text() == (committed / name).read_text(), name
     (run,) = [p for p in committed.iterdir() if p.is_dir()]
-    gains = [float(r["gain_k256"]) for r in csv.DictReader((run / "measures" / "context_gain.csv").open())]
-    assert len(gains) == 3 and all(g > 0.1 for g in gains), gains
-    acc = [float(r["retrieval_accuracy"]) for r in csv.DictReader((run / "measures" / "retrieval.csv").open())]
-    assert len(acc) == 10 and all(a == 1.0 for a in acc), acc
+    def gains(name):
+        return [float(r["gain_k256"]) for r in csv.DictReader((run / "measures" / f"{name}.csv").open())]
+
+    plain, linear, yarn = gains("context_gain"), gains("context_gain_linear"), gains("context_gain_yarn")
+    assert len(plain) == 3 and all(g > 0.1 for g in plain), plain
+    assert all(lin < g - 0.1 for lin, g in zip(linear, plain)), (linear, plain)
+    assert all(y >= g for y, g in zip(yarn, plain)), (yarn, plain)
+    acc = {
+        (r["length"], r["depth"]): float(r["retrieval_accuracy"])
+        for r in csv.DictReader((run / "measures" / "retrieval.csv").open())
+    }
+    assert len(acc) == 20 and acc.pop(("8192", "0")) == 0.0 and set(acc.values()) == {1.0}, acc
 
 
 def test_the_committed_catalogue_rebuilds_and_holds_what_the_readme_says(tmp_path):
