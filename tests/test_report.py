@@ -297,8 +297,9 @@ def test_the_committed_tokenizer_references_rebuild_to_their_committed_summary(t
 
 def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp_path):
     """results/reference-extend holds the records of `make reproduce-extend` (no weights): rope
-    trained at 100, 3 seeds, each copied and fine-tuned at 400 with six methods; a fresh report
-    gives the committed tables, the curve against fine-tuning steps included."""
+    trained at 100, 3 seeds, each copied and fine-tuned at 400 with twelve methods (the spelled
+    sweeps and the continue control among them); a fresh report gives the committed tables, the
+    curve against fine-tuning steps included."""
     import yaml
 
     committed = _rebuilds_byte_for_byte("reference-extend", tmp_path)
@@ -308,8 +309,9 @@ def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp
         (c["model"]["scheme"], (c["model"]["extend"] or {}).get("method"), c["seeds"][0])
         for c in (yaml.safe_load((p / "config.yaml").read_text()) for p in runs)
     }
-    methods = (None, "pi", "ntk", "yarn", "abf", "pose", "plain")
-    assert len(runs) == 21 and made == {("rope", m, n) for m in methods for n in (0, 1, 2)}
+    methods = (None, "pi", "pi@2", "pi-keep2", "ntk", "yarn", "yarn-fast8", "abf", "abf-base100000")
+    methods += ("abf-base20000", "pose", "plain", "continue")
+    assert len(runs) == 39 and made == {("rope", m, n) for m in methods for n in (0, 1, 2)}
     for run in runs:
         assert {"config.yaml", "eval.csv", "parent.txt", "train_log.jsonl"} <= {p.name for p in run.iterdir()}
         child = not run.name.endswith(("seed0", "seed1", "seed2"))  # rope-seed0-yarn, not rope-seed0
