@@ -910,6 +910,9 @@ def inspect(
             "--set", help="one of the scheme's options: key=value, e.g. fraction=0.25 (scheme_options.SCHEME)"
         ),
     ] = None,
+    variant: Annotated[
+        Optional[str], typer.Option(help="draw it under an evaluation-time variant: yarn, rerope, lm_infinite, ...")
+    ] = None,
 ):
     """Plot what a scheme does to attention (and, for a trained run, what it learned)."""
     from posbench.config import apply_override, blame
@@ -920,7 +923,7 @@ def inspect(
         for o in set_ or []:
             apply_override(raw, o, origins, under=f"scheme_options.{target}")
         try:
-            paths, layers = inspect_target(target, out_dir, length, raw.get("scheme_options", {}).get(target))
+            paths, layers = inspect_target(target, out_dir, length, raw.get("scheme_options", {}).get(target), variant)
         except PosbenchError as e:
             raise blame(origins, e) from None
     for line in layers:  # a pattern over layers: what each layer is

@@ -86,10 +86,11 @@ def bias_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0, q
 
 @torch.no_grad()
 def attention_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0, qk=None) -> Optional[torch.Tensor]:
-    """For a scheme that replaces softmax (`replaces_softmax`, stick-breaking): the weight each
-    query gives each key, per head, (H, T, T), NaN where j > i; None for any other. `attend`
-    with the identity for values returns exactly those weights; q and k as in `bias_maps`."""
-    if not scheme.replaces_softmax:
+    """For a scheme that replaces softmax (`replaces_softmax`, stick-breaking), or one scored under
+    a training-free variant (its `remap`): the weight each query gives each key, per head,
+    (H, T, T), NaN where j > i; None for any other. Attention with the identity for values
+    returns exactly those weights; q and k as in `bias_maps`."""
+    if not scheme.replaces_softmax and scheme.remap is None:
         return None
     H, D = scheme.cfg.n_head, scheme.cfg.head_dim
     g = torch.Generator().manual_seed(seed)
@@ -98,8 +99,12 @@ def attention_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int =
         q, k = (t[None, :, None, :].expand(1, H, T, D) for t in qk)  # (1, H, T, D) each
     pos = scheme.positions(T, "cpu")  # (T,)
     scheme.observe(torch.randn(1, T, scheme.cfg.d_model, generator=g), pos, layer)
-    q, k = scheme.rotate(q, k, pos, layer)
-    w = scheme.attend(q, k, torch.eye(T).expand(1, H, T, T), pos, pos, layer)[0].float()  # (H, T, T)
+    v = torch.eye(T).expand(1, H, T, T)  # (1, H, T, T): the values are the keys' indices
+    if scheme.remap is not None:  # softmax over the logits as the variant remaps them (it rotates q and k)
+        w = scheme.remap.attention(q, k, v, pos, scheme, layer, None)[0].float()  # (H, T, T)
+    else:
+        q, k = scheme.rotate(q, k, pos, layer)
+        w = scheme.attend(q, k, v, pos, pos, layer)[0].float()  # (H, T, T)
     return w.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("nan"))
 
 
@@ -336,7 +341,12 @@ def inspect_scheme(
         drawings.append(("bias.png", lambda p: plot_bias(maps, p, title, train_len, notes, layer)))
     weights = attention_maps(scheme, T, qk=qk)
     if weights is not None:
-        notes = [f"its own formula in place of softmax, drawn for {what}"]
+        how = (
+            f"softmax of the logits as {scheme.remap.name} remaps them"
+            if scheme.remap
+            else "its own formula in place of softmax"
+        )
+        notes = [f"{how}, drawn for {what}"]
         what_maps = "attention weights"
         drawings.append(("attention.png", lambda p: plot_bias(weights, p, title, train_len, notes, layer, what_maps)))
     if learned:
@@ -350,11 +360,17 @@ def inspect_scheme(
 
 
 def inspect_target(
-    target: str, out_dir: Optional[Path] = None, length: Optional[int] = None, options: Optional[dict] = None
+    target: str,
+    out_dir: Optional[Path] = None,
+    length: Optional[int] = None,
+    options: Optional[dict] = None,
+    variant: Optional[str] = None,
 ) -> tuple[list[Path], list[str]]:
     """`posbench inspect TARGET`: a scheme (name or module:Class) at its defaults or with
     `options`, or a trained run folder, whose scheme is drawn with its learned parameters and
-    its model's own q and k.
+    its model's own q and k; under an evaluation-time `variant` (rope's yarn, a training-free
+    remap such as rerope) at the drawn length, its rotation, bias and attention weights are the
+    variant's.
     A pattern over layers is drawn a layer at a time, each distinct layer in a folder layer<i>.
     Returns the paths written and, for a pattern, a line per layer."""
     from posbench.check import layers_needed
@@ -380,14 +396,16 @@ def inspect_target(
     T = length or 2 * train_len
     if scheme.max_len is not None:
         T = min(T, scheme.max_len)
+    name = name if variant is None else f"{name}+{variant}"
     title = f"{name} (trained)" if learned else name
     out = out_dir or Path("results") / "inspect" / name
-    if not isinstance(scheme, Pattern):
-        qk = model_qk(model) if model is not None else None  # q.k's parts are learned too
-        return inspect_scheme(scheme, out, T, title, train_len, learned, qk), []
-    paths = []
-    for view in layer_views(scheme):
-        qk = model_qk(model, view.i) if model is not None else None
-        where, label = out / f"layer{view.i}", f"{title}, layer {view.i}: {view.spec.label()}"
-        paths += inspect_scheme(view, where, T, label, train_len, learned, qk, layer=view.i)
-    return paths, scheme.describe()
+    with scheme.eval_variant(variant, train_len, T):
+        if not isinstance(scheme, Pattern):
+            qk = model_qk(model) if model is not None else None  # q.k's parts are learned too
+            return inspect_scheme(scheme, out, T, title, train_len, learned, qk), []
+        paths = []
+        for view in layer_views(scheme):
+            qk = model_qk(model, view.i) if model is not None else None
+            where, label = out / f"layer{view.i}", f"{title}, layer {view.i}: {view.spec.label()}"
+            paths += inspect_scheme(view, where, T, label, train_len, learned, qk, layer=view.i)
+        return paths, scheme.describe()

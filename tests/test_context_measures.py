@@ -363,6 +363,7 @@ def test_the_committed_smollm2_context_study_rebuilds_and_shows_a_model_that_use
     for name in ("summary.csv", "summary.md", "summary.tex"):
         assert (tmp_path / "c" / name).read_text() == (committed / name).read_text(), name
     (run,) = [p for p in committed.iterdir() if p.is_dir()]
+
     def gains(name):
         return [float(r["gain_k256"]) for r in csv.DictReader((run / "measures" / f"{name}.csv").open())]
 

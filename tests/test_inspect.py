@@ -323,3 +323,32 @@ def test_every_dashed_line_inspect_draws_is_explained(tmp_path, drawn, name):
             for line in ax.get_lines():
                 if line.get_linestyle() == "--" and line.get_label() not in legend:
                     assert "training length" in texts(fig), (fname, texts(fig))
+
+
+def test_inspect_draws_a_scheme_under_an_evaluation_time_variant(tmp_path):
+    """--variant: yarn's rotation is yarn's, not rope's; a training-free variant's attention
+    weights are a softmax over what it remaps, LM-Infinite's hidden keys weighted exactly 0;
+    a variant the scheme refuses is one line and nothing is drawn."""
+    from posbench.schemes import build_scheme
+    from posbench.schemes.training_free import SINKS
+
+    cfg = tiny_config("rope")
+    rope, T = build_scheme(cfg), 4 * cfg.train_len
+    plain = plots.rotation_scores(rope, T)[1]
+    with rope.eval_variant("yarn", cfg.train_len, T):
+        assert not torch.allclose(plots.rotation_scores(rope, T)[1], plain)
+    assert plots.attention_maps(rope, T) is None  # plain softmax: nothing of its own to draw
+    alibi = build_scheme(tiny_config("alibi"))
+    with alibi.eval_variant("lm_infinite", cfg.train_len, T):
+        w = plots.attention_maps(alibi, T)  # (H, T, T)
+    seen = w.nan_to_num()
+    assert torch.allclose(seen.sum(-1), torch.ones(w.shape[:2]), atol=1e-5)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    hidden = (i - j >= cfg.train_len) & (j >= SINKS)  # (T, T): past the local window, not a sink
+    assert hidden.any() and bool((seen[:, hidden] == 0).all()) and bool((seen[:, ~hidden & (j <= i)] > 0).all())
+    res = invoke("inspect", "rope", "--variant", "rerope", "--out", tmp_path / "r")
+    said = [line.rsplit("/", 1)[-1] for line in res.output.splitlines() if line.startswith("wrote ")]
+    assert res.exit_code == 0 and said == ["rotation.png", "attention.png"], res.output
+    res = invoke("inspect", "sinusoidal", "--variant", "rerope", "--out", tmp_path / "s")
+    assert res.exit_code == 2 and "sinusoidal+rerope: rerope remaps distances" in res.output
+    assert not (tmp_path / "s").exists()

@@ -60,8 +60,10 @@ def _shade(hex_colour: str, f: float) -> str:
 
 
 def _index(name: str, known: list[str], size: int) -> int:
-    """Its place among the names known for its kind, else one from a hash of it."""
-    return known.index(name) if name in known else len(known) + _stable_hash(name) % max(1, size - len(known))
+    """Its place among the names known for its kind, else one from a hash of it; below `size`."""
+    if name in known:
+        return known.index(name) % size
+    return (len(known) + _stable_hash(name) % max(1, size - len(known))) % size
 
 
 def style(name: str) -> dict:
@@ -71,7 +73,8 @@ def style(name: str) -> dict:
 
     base = base_of(name)
     trained, _, method = name.partition(":")
-    if method:  # a fine-tuned run (rope:yarn): a shade of its base's colour and a marker per method,
+    if method and base_method(method) in METHODS:  # a fine-tuned run (rope:yarn), not a module:Class:
+        # a shade of its base's colour and a marker per method,
         # solid, or dashed for a spelled variant of it (rope:pi@2 beside rope:pi)
         i = _index(base_method(method), list(METHODS), len(MARKERS))
         dashes = "-" if method == base_method(method) else DASHES[_stable_hash(method) % len(DASHES)]
