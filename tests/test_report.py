@@ -318,6 +318,24 @@ def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp
         assert (run / "curve.csv").is_file() == child
 
 
+def test_the_committed_long_extension_rebuilds_and_pi_flattens_inside_it(tmp_path):
+    """results/reference-extend-long: pi, pi-keep2 and continue for 400 steps on the same parents.
+    PI's curve at 400 has flattened by its end (its last 100 steps gain under 5%), it stays
+    behind pi-keep2 at every step, and continuing at 100 leaves 400 where the parent was."""
+    committed = _rebuilds_byte_for_byte("reference-extend-long", tmp_path)
+    md = (committed / "summary.md").read_text()
+    curve = {
+        line.split("|")[1].strip(): [float(c.strip().strip("*").split(" ± ")[0]) for c in line.split("|")[2:-1]]
+        for line in md.split("## perplexity at 400 after k fine-tuning steps")[1].split("\n\n")[1].splitlines()[2:]
+    }
+    assert set(curve) == {"rope:pi", "rope:pi-keep2", "rope:continue"} and len(curve["rope:pi"]) == 10
+    pi, keep, cont = curve["rope:pi"], curve["rope:pi-keep2"], curve["rope:continue"]
+    assert pi[-1] < pi[-2] < 1.05 * pi[-1] and all(k < p for k, p in zip(keep, pi))
+    assert abs(cont[-1] - cont[0]) < 0.05 * cont[0]
+    runs = [p for p in committed.iterdir() if p.is_dir()]
+    assert len(runs) == 12 and all((p / "eval.csv").is_file() for p in runs)
+
+
 @pytest.mark.parametrize("args", [["--seeds", ""], ["--seeds", ","], ["--set", "seeds=[]"]])
 def test_an_empty_seed_list_is_one_line_and_writes_nothing(tmp_path, args):
     res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={tmp_path / 'r'}", *args)
