@@ -61,13 +61,11 @@ def model_qk(model, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return q.mean(0).view(H, C // H).float(), k.mean(0).view(H, C // H).float()  # (H, D) each
 
 
-@torch.no_grad()
-def bias_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0, qk=None) -> Optional[torch.Tensor]:
-    """What `bias` adds to the logits of layer `layer`, per head, (H, T, T), NaN where j > i
-    (the future is masked); None if the scheme has no bias. q and k go through `rotate`
-    first, as in the model, for schemes whose bias reads them: random with a fixed seed, or
-    `qk`, (H, D) each (a trained model's, `model_qk`), the same at every position. A scheme
-    that reads the layer's input (`observe`, FoX) sees a random one, fixed by the seed."""
+def _probe(scheme: PositionalScheme, T: int, layer: int, seed: int, qk=None):
+    """Unrotated q and k, (1, H, T, D) each, and the scheme's positions (T,) for drawing layer
+    `layer`: random with a fixed seed, or `qk`, (H, D) each (a trained model's, `model_qk`), the
+    same at every position. A scheme that reads the layer's input (`observe`, FoX) has seen a
+    random one, fixed by the seed."""
     H, D = scheme.cfg.n_head, scheme.cfg.head_dim
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
@@ -75,6 +73,18 @@ def bias_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0, q
         q, k = (t[None, :, None, :].expand(1, H, T, D) for t in qk)  # (1, H, T, D) each
     pos = scheme.positions(T, "cpu")  # (T,)
     scheme.observe(torch.randn(1, T, scheme.cfg.d_model, generator=g), pos, layer)  # a random input, for FoX's gates
+    return q, k, pos
+
+
+@torch.no_grad()
+def bias_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int = 0, qk=None) -> Optional[torch.Tensor]:
+    """What `bias` adds to the logits of layer `layer`, per head, (H, T, T), NaN where j > i
+    (the future is masked); None if the scheme has no bias. q and k go through `rotate`
+    first, as in the model, for schemes whose bias reads them: random with a fixed seed, or
+    `qk`, (H, D) each (a trained model's, `model_qk`), the same at every position. A scheme
+    that reads the layer's input (`observe`, FoX) sees a random one, fixed by the seed."""
+    H = scheme.cfg.n_head
+    q, k, pos = _probe(scheme, T, layer, seed, qk)
     q, k = scheme.rotate(q, k, pos, layer)
     b = scheme.bias(q, k, pos, pos, layer)  # None or (1, H, T, T)
     if b is None:
@@ -92,13 +102,8 @@ def attention_maps(scheme: PositionalScheme, T: int, layer: int = 0, seed: int =
     returns exactly those weights; q and k as in `bias_maps`."""
     if not scheme.replaces_softmax and scheme.remap is None:
         return None
-    H, D = scheme.cfg.n_head, scheme.cfg.head_dim
-    g = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
-    if qk is not None:
-        q, k = (t[None, :, None, :].expand(1, H, T, D) for t in qk)  # (1, H, T, D) each
-    pos = scheme.positions(T, "cpu")  # (T,)
-    scheme.observe(torch.randn(1, T, scheme.cfg.d_model, generator=g), pos, layer)
+    H = scheme.cfg.n_head
+    q, k, pos = _probe(scheme, T, layer, seed, qk)
     v = torch.eye(T).expand(1, H, T, T)  # (1, H, T, T): the values are the keys' indices
     if scheme.remap is not None:  # softmax over the logits as the variant remaps them (it rotates q and k)
         w = scheme.remap.attention(q, k, v, pos, scheme, layer, None)[0].float()  # (H, T, T)
