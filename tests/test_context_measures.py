@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import SMOKE, invoke
+from conftest import SMOKE, folded, invoke
 
 from posbench.config import ExperimentConfig
 from posbench.data import Corpus
 from posbench.errors import PosbenchError
-from posbench.measures.base import ScoringRun
+from posbench.measures.base import ScoringRun, ratio_over_samples
 from posbench.measures.context import ContextGain, KeyTokens, context_losses
+from posbench.stats import mean_ci
 
 K = 16  # the stubs' training length
 HIGH, LOW = 3.0, 0.25  # a stub's loss without and with what it needs
@@ -122,6 +123,49 @@ def test_positions_past_the_training_length_that_break_make_the_gain_negative():
     run = _run(Stub(lambda win, i: torch.full((win.size(0),), 1.0 if i < K else 2.0)), _text(), lengths=(32, 48))
     rows = {r["length"]: r["gain"] for r in ContextGain().score(run)}
     assert rows == {32: pytest.approx(-1.0), 48: pytest.approx(-1.0)}
+
+
+def test_each_row_carries_its_interval_over_the_windows():
+    """A model has no seeds; its windows are its samples. Equal windows: no spread, an interval
+    of 0. Windows that differ: the interval of their means, a window's gain each (every window
+    scores K/2 targets), and for the perplexity on key tokens the ratio estimator's over the
+    windows' key-token losses, through exp's slope."""
+    same = _run(Stub(lambda win, i: torch.full((win.size(0),), 1.0 if i < K else 2.0)), _text(), lengths=(48,))
+    (row,) = ContextGain().score(same)
+    assert row["gain"] == pytest.approx(-1.0) and row["ci"] == {"gain": 0.0}
+
+    def copier(win, i):  # sure of a target whose copy lies 24 back, the surer the smaller its byte
+        hit = win[:, i + 1] == win[:, i - 23] if i >= 23 else torch.zeros(win.size(0), dtype=torch.bool)
+        return torch.where(hit, 0.1 * (win[:, i + 1] % 3 + 1), HIGH)
+
+    run = _run(Stub(copier), _text(24) * 10 + _text(260, seed=1), lengths=(48,))  # periodic, then not
+    (row,) = ContextGain().score(run)
+    short, full = context_losses(run, 48, K)
+    per_window = (short - full).mean(1)  # (n,)
+    assert len(per_window) == 10 and per_window.min() < per_window.max()
+    assert (row["gain"], row["ci"]["gain"]) == pytest.approx(mean_ci(per_window.tolist()))
+    assert row["ci"]["gain"] > 0
+
+    (keys,) = KeyTokens(alpha=1.0, beta=1.0).score(run)
+    is_key = ((short - full) > 1.0) & (full < 1.0)
+    n = is_key.sum(1).double()
+    loss = (full * is_key).sum(1).double()
+    R = float(loss.sum() / n.sum())
+    assert keys["key_ppl"] == pytest.approx(math.exp(R))
+    half = mean_ci((loss - R * n).tolist())[1] / float(n.mean())
+    assert keys["ci"]["key_ppl"] == pytest.approx(math.exp(R) * half) and half > 0
+    share = mean_ci(is_key.double().mean(1).tolist())
+    assert (keys["key_fraction"], keys["ci"]["key_fraction"]) == pytest.approx(share)
+
+
+def test_the_ratio_estimators_interval_is_the_plain_one_when_every_sample_counts_alike():
+    """sums 2, 4, 9 over counts 1, 2, 3: the ratio 15/6 = 2.5; residuals -0.5, -1, 1.5 (sd
+    sqrt(1.75)), t(0.975, 2) = 4.3027: a half-width of 4.3027 sqrt(1.75) / sqrt(3) / 2."""
+    ratio, half = ratio_over_samples([2, 4, 9], [1, 2, 3])
+    assert ratio == 2.5 and half == pytest.approx(4.302653 * math.sqrt(1.75) / math.sqrt(3) / 2, rel=1e-6)
+    sums = [3.0, 5.0, 4.0, 9.0]
+    assert ratio_over_samples(sums, [4] * 4) == pytest.approx(mean_ci([v / 4 for v in sums]))
+    assert all(math.isnan(v) for v in ratio_over_samples([0.0, 0.0], [0, 0]))  # no sample counts a token
 
 
 def test_a_length_the_model_cannot_encode_is_a_status_as_for_perplexity():
@@ -255,6 +299,13 @@ def test_pretrained_scores_the_measures_into_its_run_folder_and_its_report(llama
     assert meta["options"]["alpha"] == pytest.approx(2.0 * meta["options"]["bytes_per_token"] / 4, abs=1e-3)
     md = (out / "pretrained" / "summary.md").read_text()
     assert "## context_gain: context gain in nats (K = train_len) by length" in md
+    # no seeds: each cell's interval is over the model's windows, from its records
+    assert json.loads((run / "measures" / "context_gain.json").read_text())["samples"] == "windows"
+    gain, ci = float(rows[2 * context]["gain_k8"]), float(rows[2 * context]["ci_gain_k8"])
+    assert ci > 0 and rows[context]["ci_gain"] == ""  # not scored there: no interval either
+    table = md.split("## context_gain: context gain in nats (K = 8) by length")[1].split("##")[0]
+    assert f"{gain:.3f} ± {ci:.3f}" in table
+    assert "a pretrained model's ± is over its windows" in folded(md)
 
     # a pretrained run's folder is scored by measures through pretrained, not evaluate
     res = invoke("evaluate", run, "--measure", "context_gain")

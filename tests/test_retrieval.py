@@ -24,7 +24,7 @@ from conftest import invoke
 from posbench.config import ExperimentConfig
 from posbench.measures.base import ScoringRun
 from posbench.measures.plugin import KEYS, score_into
-from posbench.measures.retrieval import Retrieval, candidate_losses
+from posbench.measures.retrieval import Retrieval, candidate_losses, summary
 
 V = 256  # bytes
 SPEC = "posbench.measures.retrieval:Retrieval"
@@ -99,6 +99,20 @@ def test_a_model_that_copies_retrieves_the_key_at_every_depth_and_length():
     for r in rows:
         assert r["retrieval_accuracy"] == 1.0 and r["retrieval_rank"] == 1.0, r
         assert r["retrieval_margin"] >= floor - 1e-9, r
+
+
+def test_each_cell_carries_its_interval_over_the_trials():
+    """Two trials, the true key first in one and last of three in the other: accuracy 1 and 0,
+    mean 0.5, sd sqrt(1/2); with t(0.975, 1) = 12.706 the half-width is 12.706 / 2. Ranks 1 and 3,
+    twice that; margins 1 and -2 (the best distractor 2 nats above), 3/2 of it."""
+    got = summary([torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, 2.0, 1.0])])
+    assert got["retrieval_accuracy"] == 0.5 and got["retrieval_rank"] == 2.0 and got["retrieval_margin"] == -0.5
+    t = 12.706205
+    assert got["ci"] == pytest.approx(
+        {"retrieval_accuracy": t / 2, "retrieval_rank": t, "retrieval_margin": 1.5 * t}, rel=1e-6
+    )
+    (one,) = Retrieval(trials=1, depths=[50], lengths=[200]).score(scoring_run(Copier()))
+    assert all(math.isnan(v) for v in one["ci"].values())  # one trial: no interval
 
 
 def test_a_model_that_ignores_its_context_is_exactly_at_chance_when_every_key_is_as_likely():
@@ -176,10 +190,13 @@ def test_the_records_keep_the_depth_column_and_the_options(tmp_path):
     with open(tmp_path / "measures" / "retrieval.csv") as f:
         reader = csv.DictReader(f)
         got = list(reader)
-    assert reader.fieldnames == KEYS[:4] + ["depth"] + KEYS[4:] + list(Retrieval.metrics)
+    cis = [f"ci_{m}" for m in Retrieval.metrics]  # each metric's interval over the trials
+    assert reader.fieldnames == KEYS[:4] + ["depth"] + KEYS[4:] + list(Retrieval.metrics) + cis
     assert [(r["length"], r["depth"], r["status"]) for r in got] == [("200", "0", "ok"), ("200", "100", "ok")]
+    # the copier ranks the true key first in every trial: no spread in either
+    assert all(float(r["ci_retrieval_accuracy"]) == float(r["ci_retrieval_rank"]) == 0.0 for r in got)
     meta = json.loads((tmp_path / "measures" / "retrieval.json").read_text())
-    assert meta["measure"] == SPEC and meta["axis"] == "depth"
+    assert meta["measure"] == SPEC and meta["axis"] == "depth" and meta["samples"] == "trials"
     assert meta["options"]["depths"] == [0, 100] and meta["options"]["trials"] == 2
     assert meta["options"]["distractors"] == 9 and meta["options"]["key_digits"] == 5
     assert len(rows) == 2

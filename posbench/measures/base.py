@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -133,12 +134,16 @@ class Scorer:
     defaults (None: decided from the run); `--measure-option key=value` sets them, and its
     records keep them as scored. A measure with a second axis names it (`axis = "depth"`) and
     returns a row per length and value of it ({"length": L, "depth": 25, ...}); its records keep
-    the column and its reports give a table per value and a heatmap of axis x length per scheme."""
+    the column and its reports give a table per value and a heatmap of axis x length per scheme.
+    A row may also carry "ci": {metric: half-width}, the 95% interval of a value over the run's
+    own `samples` (its windows, its trials: `over_samples`); a report shows it where a model has
+    no seeds to give one (a pretrained model)."""
 
     name: str = ""
     metrics: dict[str, Metric] = {}
     options: dict[str, Any] = {}
     axis: Optional[str] = None  # a column each row holds beside its length (a number), or none
+    samples: str = "windows"  # what a row's "ci" is over, as a report says it
 
     def __init__(self, **options):
         unknown, valid = sorted(set(options) - set(type(self).options)), ", ".join(type(self).options)
@@ -148,6 +153,28 @@ class Scorer:
 
     def score(self, run: ScoringRun) -> list[dict]:
         raise NotImplementedError
+
+
+def over_samples(values) -> tuple[float, float]:
+    """The mean of one value per sample (a window, a trial) and the half-width of its 95%
+    interval (Student's t; nan with one sample): a Scorer's value and its "ci"."""
+    from posbench.stats import mean_ci
+
+    return mean_ci([float(v) for v in values])
+
+
+def ratio_over_samples(sums, counts) -> tuple[float, float]:
+    """sum(sums) / sum(counts) (a mean over tokens that the samples hold unequal numbers of) and
+    the half-width of its 95% interval over the samples: the ratio estimator's, mean_ci of each
+    sample's sum - ratio x count over the mean count. nan where no sample counts anything."""
+    from posbench.stats import mean_ci
+
+    sums, counts = [float(v) for v in sums], [float(c) for c in counts]
+    total = sum(counts)
+    if not total:
+        return math.nan, math.nan
+    ratio = sum(sums) / total
+    return ratio, mean_ci([s - ratio * c for s, c in zip(sums, counts)])[1] / (total / len(counts))
 
 
 @dataclass

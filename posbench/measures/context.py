@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from posbench.errors import PosbenchError
-from posbench.measures.base import Metric, Scorer, ScoringRun
+from posbench.measures.base import Metric, Scorer, ScoringRun, over_samples, ratio_over_samples
 
 # LongPPL's key token: its loss drops by more than 2 nats with the long context, and is under
 # 2 nats with it; set for BPE tokens of 7B models, about 4 bytes of English text each
@@ -79,8 +79,9 @@ def _by_k(run: ScoringRun, ks: list[int]) -> dict[str, int]:
 
 
 def _rows(run: ScoringRun, ks: list[int], metrics, cells) -> list[dict]:
-    """A row per length: `cells(L, K, suffix)` (its metrics at K) for every K below L, NaN for
-    the others; a status where the model cannot encode L or no K is below it."""
+    """A row per length: `cells(L, K, suffix)` (its metrics at K, and their "ci" over the
+    windows) for every K below L, NaN for the others; a status where the model cannot encode L
+    or no K is below it."""
     rows = []
     for L in run.lengths:
         if run.model.max_len is not None and L > run.model.max_len:
@@ -90,11 +91,13 @@ def _rows(run: ScoringRun, ks: list[int], metrics, cells) -> list[dict]:
         if all(K >= L for K in by_k.values()):
             rows.append({"length": L, "status": NOT_PAST_K})
             continue
-        row = {"length": L, **dict.fromkeys(metrics, math.nan)}
+        row, ci = {"length": L, **dict.fromkeys(metrics, math.nan)}, {}
         for suffix, K in by_k.items():
             if K < L:
-                row |= cells(L, K, suffix)
-        rows.append(row)
+                got = cells(L, K, suffix)
+                ci |= got.pop("ci")
+                row |= got
+        rows.append(row | {"ci": ci})
     return rows
 
 
@@ -129,7 +132,8 @@ class ContextGain(Scorer):
     def score(self, run: ScoringRun) -> list[dict]:
         def gain(L, K, suffix):
             short, full = context_losses(run, L, K, self.options["variant"], self.options["factor"])
-            return {f"gain{suffix}": (short - full).mean().item()}
+            value, half = over_samples((short - full).mean(1).tolist())  # a window's gain each: equal targets
+            return {f"gain{suffix}": value, "ci": {f"gain{suffix}": half}}
 
         return _rows(run, self.ks, self.metrics, gain)
 
@@ -196,8 +200,14 @@ class KeyTokens(Scorer):
         def key(L, K, suffix):
             short, full = context_losses(run, L, K, self.options["variant"], self.options["factor"])
             is_key = ((short - full) > alpha) & (full < beta)  # (n, K // 2)
-            n = int(is_key.sum())
-            ppl = math.exp(full[is_key].mean().item()) if n else math.nan
-            return {f"key_fraction{suffix}": n / is_key.numel(), f"key_ppl{suffix}": ppl}
+            share, share_ci = over_samples(is_key.double().mean(1).tolist())  # equal targets a window
+            # the mean loss over every key token, windows holding unequal numbers of them
+            loss, loss_ci = ratio_over_samples((full * is_key).sum(1).tolist(), is_key.sum(1).tolist())
+            ppl = math.exp(loss) if loss == loss else math.nan
+            return {
+                f"key_fraction{suffix}": share,
+                f"key_ppl{suffix}": ppl,
+                "ci": {f"key_fraction{suffix}": share_ci, f"key_ppl{suffix}": ppl * loss_ci},  # exp's slope
+            }
 
         return _rows(run, self.ks, self.metrics, key)

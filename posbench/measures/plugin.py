@@ -26,6 +26,8 @@ from posbench.registry import Registry
 
 FOLDER = "measures"  # in a run folder: <name>.csv and <name>.json per user measure
 KEYS = ["scheme", "seed", "train_len", "length", "status", "attention"]  # every row's, before its metrics
+CI = "ci_"  # a metric's interval over a run's own samples, in the column ci_<metric>
+OWN = "own_ci"  # a report's mark on the rows of a pretrained model whose records hold ci_<metric>
 
 
 # posbench's own measures, by name; a user's is named as module:Class
@@ -50,11 +52,18 @@ class Records(NamedTuple):
     rows: list[dict]
     axis: Optional[str] = None  # its second axis, a column beside length, or none
     options: Optional[dict] = None  # what it scored with, its `options`
+    samples: Optional[str] = None  # what its ci_<metric> columns are over (windows), where it has them
 
 
 def keys(axis: Optional[str]) -> list[str]:
     """A row's columns before its metrics: KEYS, with a measure's second axis after the length."""
     return KEYS if axis is None else KEYS[:4] + [axis] + KEYS[4:]
+
+
+def columns(axis: Optional[str], metrics, cis: list[str]) -> list[str]:
+    """A measure's records' columns: keys, its metrics, then ci_<metric> for each metric that has
+    an interval over the run's own samples, in the metrics' order."""
+    return keys(axis) + list(metrics) + cis
 
 
 def load_measure(spec: str, options: Optional[dict] = None, where: str = "--measure-option") -> Scorer:
@@ -122,10 +131,15 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
         scored = measure.score(run)
     rc = run.cfg
     ident = {"scheme": run_label(rc.model), "seed": rc.seeds[0], "train_len": rc.model.train_len}
-    rows = []
+    rows, with_ci = [], set()
     for r in scored:
         if not isinstance(r, dict) or not isinstance(r.get("length"), int):
             raise PosbenchError(f"measure '{spec}': score must return dicts with an int 'length', got {r!r}")
+        r = dict(r)
+        ci = r.pop("ci", None) or {}
+        if not isinstance(ci, dict) or set(ci) - set(measure.metrics):
+            raise PosbenchError(f"measure '{spec}': a row's ci must map some of its metrics to numbers, got {ci!r}")
+        with_ci |= set(ci)
         if axis is not None and (isinstance(r.get(axis), bool) or not isinstance(r.get(axis), (int, float))):
             raise PosbenchError(f"measure '{spec}': a row at length {r['length']} lacks a number '{axis}'")
         missing = [m for m in measure.metrics if m not in r and r.get("status", "ok") == "ok"]
@@ -134,18 +148,21 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
         rows.append(
             {**ident, "status": "ok", "attention": run.model.backend(run.device), **r}
             | {m: float(r.get(m, math.nan)) for m in measure.metrics}
+            | {f"{CI}{m}": float(v) for m, v in ci.items()}
         )
     if not rows:
         raise PosbenchError(f"measure '{spec}': score returned no rows")
     folder = Path(rdir) / FOLDER
     folder.mkdir(exist_ok=True)
-    write_rows(folder / f"{measure.name}.csv", rows, keys(axis) + list(measure.metrics))
+    cis = [f"{CI}{m}" for m in measure.metrics if m in with_ci]
+    write_rows(folder / f"{measure.name}.csv", rows, columns(axis, measure.metrics, cis))  # no ci: blank
     meta = {
         "measure": spec,
         "options": getattr(measure, "options", {}),
         "metrics": {n: dataclasses.asdict(m) for n, m in measure.metrics.items()},
     }
     meta |= {"axis": axis} if axis is not None else {}
+    meta |= {"samples": measure.samples} if cis else {}
     write_atomic(folder / f"{measure.name}.json", json.dumps(meta, indent=1) + "\n")
     return rows
 
@@ -166,17 +183,18 @@ def read_measures(rdir: Path) -> dict[str, Records]:
             with path.open(newline="", encoding="utf-8") as f:
                 reader = csv.DictReader(f)
                 rows = list(reader)
-            axis = meta.get("axis")
-            if reader.fieldnames != keys(axis) + list(metrics) or not rows:
+            axis, samples = meta.get("axis"), meta.get("samples")
+            cis = [f"{CI}{m}" for m in metrics if f"{CI}{m}" in (reader.fieldnames or [])]
+            if reader.fieldnames != columns(axis, metrics, cis) or not rows or bool(cis) != bool(samples):
                 raise ValueError
             for r in rows:
                 # an empty metric: not scored at that length (its status says why)
-                int(r["length"]), int(r["seed"]), int(r["train_len"]), *(float(r[m] or "nan") for m in metrics)
+                int(r["length"]), int(r["seed"]), int(r["train_len"]), *(float(r[m] or "nan") for m in [*metrics, *cis])
                 if axis is not None:
                     float(r[axis])
         except (OSError, UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
             raise bad from None
-        out[name] = Records(meta["measure"], metrics, rows, axis, meta.get("options"))
+        out[name] = Records(meta["measure"], metrics, rows, axis, meta.get("options"), samples)
     return out
 
 
@@ -189,16 +207,20 @@ def report(collected) -> tuple[list[Section], dict[str, pd.DataFrame], dict[str,
     from posbench.compare.order import scheme_order
     from posbench.compare.plot import Heat, Panel, lines
     from posbench.compare.render import tex
-    from posbench.compare.table import grid, spread_note, summarize
+    from posbench.compare.table import grid, summarize
 
     found: dict[str, tuple[dict, list]] = {}
     specs: dict[str, set] = {}
     axes: dict[str, Optional[str]] = {}
     options: dict[str, list] = {}
+    samples: dict[str, str] = {}  # a measure's samples, where a pretrained model's cells take their ci from them
     for run in collected.runs:
         for name, rec in read_measures(run.folder).items():
             point = collected.points.get(run.folder, "")
-            found.setdefault(name, (rec.metrics, []))[1].extend({**r, "point": point} for r in rec.rows)
+            own = bool(run.cfg.model.pretrained and rec.samples)  # a model with no seeds: its ci is its samples'
+            found.setdefault(name, (rec.metrics, []))[1].extend({**r, "point": point, OWN: own} for r in rec.rows)
+            if own:
+                samples[name] = rec.samples
             specs.setdefault(name, set()).add(rec.spec)
             if axes.setdefault(name, rec.axis) != rec.axis:
                 raise PosbenchError(
@@ -223,7 +245,7 @@ def report(collected) -> tuple[list[Section], dict[str, pd.DataFrame], dict[str,
             df[c] = df[c].astype(int)
         if axis is not None:
             df[axis] = pd.to_numeric(df[axis])
-        frames[name] = df
+        frames[name] = df.drop(columns=[OWN])
         for metric in metrics.values():
             for point in sorted(set(df["point"])):
                 part = df[df["point"] == point]
@@ -237,9 +259,10 @@ def report(collected) -> tuple[list[Section], dict[str, pd.DataFrame], dict[str,
                     long = cut.assign(column=cut["length"], value=pd.to_numeric(cut[metric.name], errors="coerce"))
                     lengths = sorted(set(long["length"]))
                     table = summarize(long, lengths, scheme_order(set(long["scheme"])), metric.higher_is_better)
+                    own = _over_samples(table, long, metric.name)
                     heads = [str(L) for L in lengths]
                     rows_, best = grid(table, heads, metric.digits, metric.scale, missing="—", seeds=True)
-                    note = spread_note(int(table["seeds"].max()), table.attrs["tests"])
+                    note = _note(table, own, samples.get(name, ""))
                     heading = f"{name}: {metric.label} by length{at}{where}"
                     sections.append(
                         Section(heading, f"{tex(heading)}; {tex(note)}.", rows_, best, title=heading, legend=note)
@@ -257,6 +280,38 @@ def report(collected) -> tuple[list[Section], dict[str, pd.DataFrame], dict[str,
                         heat = Heat(s, lengths, values, grid_, label, axis, **look)
                         panels.setdefault(name, []).append((metric.label, heat))
     return sections, frames, panels, describe
+
+
+def _over_samples(table: pd.DataFrame, long: pd.DataFrame, metric: str) -> set[str]:
+    """A pretrained model's cells take their interval from its own samples (its records'
+    ci_<metric>: over windows, over trials), having no seeds to take one from; the schemes so
+    set. Any other keeps summarize's interval over seeds."""
+    own = set()
+    ci = f"{CI}{metric}"
+    if ci not in long:
+        return own
+    for r in long[long[OWN] & (long["status"] == "ok")].to_dict("records"):
+        half = pd.to_numeric(r[ci], errors="coerce")
+        if r["scheme"] in table.index and half == half:
+            table.loc[r["scheme"], f"ci {r['length']}"] = float(half)
+            own.add(r["scheme"])
+    return own
+
+
+def _note(table: pd.DataFrame, own: set[str], samples: str) -> str:
+    """spread_note, and what a pretrained model's ± is over where its cells have one."""
+    from posbench.compare.table import spread_note
+
+    seeds = int(table["seeds"].max())
+    if not own:
+        return spread_note(seeds, table.attrs["tests"])
+    said = (
+        f"a pretrained model's ± is over its {samples}: the 95% interval of the mean over the {samples} "
+        f"scored there (Student's t)"
+    )
+    if own == set(table.index):
+        return spread_note(seeds, table.attrs["tests"], more=said)
+    return f"{spread_note(seeds, table.attrs['tests'])}; {said}"
 
 
 def _mean(table: pd.DataFrame, scheme: str, column) -> float:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from posbench.errors import PosbenchError
-from posbench.measures.base import Metric, Scorer, ScoringRun
+from posbench.measures.base import Metric, Scorer, ScoringRun, over_samples
 
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
@@ -45,6 +45,7 @@ RETRIES = 100  # draws per distractor for one of the true key's token count, bef
 
 class Retrieval(Scorer):
     name = "retrieval"  # RUN/measures/retrieval.csv and .json
+    samples = "trials"
     axis = "depth"  # where the needle sits, as a percent of the filler: 0 at the start, 100 last
     metrics = {
         "retrieval_accuracy": Metric(
@@ -190,17 +191,18 @@ def candidate_losses(model, device, trials: list, batch: int) -> list[torch.Tens
 
 def summary(nats: list[torch.Tensor]) -> dict:
     """A cell's metrics from each trial's candidates' losses (the true key's first): the mean
-    over trials of first-place (split among ties), rank and margin."""
-    acc = rank = margin = 0.0
+    over trials of first-place (split among ties), rank and margin, and each one's "ci" over
+    the trials."""
+    per: dict[str, list[float]] = {"retrieval_accuracy": [], "retrieval_rank": [], "retrieval_margin": []}
     for n in nats:
         ll = -n  # (C,) log-likelihoods
         diff = ll[1:] - ll[0]  # (N,) each distractor over the true key
         better, ties = int((diff > TIE).sum()), int((diff.abs() <= TIE).sum())
-        acc += (better == 0) / (1 + ties)
-        rank += 1 + better + ties / 2
-        margin += float(-diff.max())
-    T = len(nats)
-    return {"retrieval_accuracy": acc / T, "retrieval_rank": rank / T, "retrieval_margin": margin / T}
+        per["retrieval_accuracy"].append((better == 0) / (1 + ties))
+        per["retrieval_rank"].append(1 + better + ties / 2)
+        per["retrieval_margin"].append(float(-diff.max()))
+    stats = {m: over_samples(v) for m, v in per.items()}
+    return {m: value for m, (value, _) in stats.items()} | {"ci": {m: half for m, (_, half) in stats.items()}}
 
 
 class ShortRetrieval(Retrieval):
