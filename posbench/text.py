@@ -40,7 +40,7 @@ from typing import Optional
 import numpy as np
 
 from posbench.errors import PosbenchError
-from posbench.files import cache_dir, room_in
+from posbench.files import atomic, cache_dir, room_in
 
 CHUNK = 1 << 20  # the bytes read and encoded at once, at most: a chunk ends at its last line end
 PIECE = 1 << 14  # the bytes of one text a tokenizer encodes, at most, cut likewise
@@ -380,9 +380,8 @@ def bpe(train: Iterator[bytes], vocab_size: int, key: str, progress=None) -> Tok
         )
         tok.train_from_iterator((c.decode("utf-8", errors="replace") for c in train), trainer)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tok.save(str(tmp))
-        tmp.replace(path)  # a half-written tokenizer never passes for a cached one
+        with atomic(path) as tmp:  # a half-written tokenizer never passes for a cached one
+            tok.save(str(tmp))
     tok = tokenizers.Tokenizer.from_file(str(path))
     return Tokenizer(f"bpe-{vocab_size}", tok.get_vocab_size(), "hf", tok, path)
 
