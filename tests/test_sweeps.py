@@ -102,8 +102,13 @@ def test_kill_9_then_rerun_resumes_to_the_weights_of_an_unbroken_run(tmp_path):
 
 
 def _interrupt_at(monkeypatch, at: int) -> None:
-    """Ctrl-C as the progress bar passes step `at`, as a user at the keyboard would."""
+    """Ctrl-C as the progress bar passes step `at`, as a user at the keyboard would. A shell
+    starts its background jobs with Ctrl-C ignored (`make test &`), where it would never arrive:
+    the keyboard's default is set back first."""
     from posbench.cli import BarReporter
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     step = BarReporter.step
 
