@@ -166,6 +166,8 @@ def test_the_ratio_estimators_interval_is_the_plain_one_when_every_sample_counts
     sums = [3.0, 5.0, 4.0, 9.0]
     assert ratio_over_samples(sums, [4] * 4) == pytest.approx(mean_ci([v / 4 for v in sums]))
     assert all(math.isnan(v) for v in ratio_over_samples([0.0, 0.0], [0, 0]))  # no sample counts a token
+    ratio, half = ratio_over_samples([3.0, 0.0, 0.0], [2, 0, 0])  # one sample holds them all: no spread to see
+    assert ratio == 1.5 and math.isnan(half)
 
 
 def test_a_length_the_model_cannot_encode_is_a_status_as_for_perplexity():

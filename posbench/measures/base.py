@@ -166,7 +166,8 @@ def over_samples(values) -> tuple[float, float]:
 def ratio_over_samples(sums, counts) -> tuple[float, float]:
     """sum(sums) / sum(counts) (a mean over tokens that the samples hold unequal numbers of) and
     the half-width of its 95% interval over the samples: the ratio estimator's, mean_ci of each
-    sample's sum - ratio x count over the mean count. nan where no sample counts anything."""
+    sample's sum - ratio x count over the mean count. nan where no sample counts anything, and
+    an interval of nan where fewer than two do: from one, the spread is unknown, not 0."""
     from posbench.stats import mean_ci
 
     sums, counts = [float(v) for v in sums], [float(c) for c in counts]
@@ -174,6 +175,8 @@ def ratio_over_samples(sums, counts) -> tuple[float, float]:
     if not total:
         return math.nan, math.nan
     ratio = sum(sums) / total
+    if sum(c > 0 for c in counts) < 2:
+        return ratio, math.nan
     return ratio, mean_ci([s - ratio * c for s, c in zip(sums, counts)])[1] / (total / len(counts))
 
 
