@@ -108,3 +108,63 @@ def test_retrieval_judges_only_a_run_that_retrieves_above_chance_at_its_training
     above = scored({100: 0.6, 200: 0.2, 400: 0.5})  # 0.2 < half of 0.6 at 200
     eff, said = by_run(run, above)
     assert eff == 100 and said[-1] == "retrieval accuracy >= 50% of its accuracy at 100"
+
+
+def test_a_variant_scored_by_the_measures_has_an_effective_length_of_its_own():
+    """A run scored as yarn at factor 2 (its rope+yarn@2 rows, context_gain_yarn): the plain run
+    breaks at 400 (perplexity, then a negative gain), the variant holds to 800; each is judged by
+    its own rows and records, and each is a row of the column."""
+    from types import SimpleNamespace
+
+    from posbench.config import ExperimentConfig
+    from posbench.measures.effective import by_run
+    from posbench.measures.plugin import Records
+
+    cfg = ExperimentConfig()
+    cfg.model.scheme, cfg.model.train_len = "rope", 100
+    ppl = {"rope": [6.0, 6.2, 9.0, 20.0], "rope+yarn@2": [6.1, 6.1, 6.2, 6.3]}
+    rows = [
+        {"scheme": s, "protocol": "nonoverlapping", "length": str(n), "ppl": str(p), "status": "ok"}
+        for s, values in ppl.items()
+        for n, p in zip((100, 200, 400, 800), values)
+    ]
+    run = SimpleNamespace(cfg=cfg, rows=rows)
+
+    def gains(values, **options):
+        rows = [{"length": str(n), "gain": str(g)} for n, g in zip((100, 200, 400, 800), values)]
+        return Records("posbench.measures.context:ContextGain", {}, rows, None, {"variant": None, **options})
+
+    measures = {
+        "context_gain": gains(["", 0.01, -0.5, -1.0]),
+        "context_gain_yarn": gains(["", 0.02, 0.03, 0.0], variant="yarn", factor=2.0),
+    }
+    assert by_run(run, measures) == (200, ["ppl within 10% of ppl(100)", "context gain >= 0"])
+    assert by_run(run, measures, "yarn") == (800, ["ppl within 10% of ppl(100)", "context gain >= 0"])
+    measures["context_gain_yarn"] = gains(["", 0.02, -0.01, 0.0], variant="yarn", factor=2.0)
+    assert by_run(run, measures, "yarn")[0] == 200  # its own gain, not the plain run's, stops it
+
+
+def test_the_column_has_a_row_for_each_variant_a_run_was_scored_as(smoke, tmp_path):
+    """evaluate --rope-scaling yarn adds rope+yarn rows; context_gain with variant=yarn scores
+    them: the main table's rope+yarn row gets its own effective length, as its records give it."""
+    import shutil
+
+    from posbench.measures.effective import cells
+    from posbench.report import collect
+
+    exp = tmp_path / "smoke"
+    shutil.copytree(smoke[0], exp)
+    for run in sorted(exp.glob("*-seed*")):
+        assert invoke("evaluate", run, "--measure", "context_gain").exit_code == 0
+    for run in sorted(exp.glob("rope-seed*")):
+        assert invoke("evaluate", run, "--rope-scaling", "yarn").exit_code == 0
+        res = invoke("evaluate", run, "--measure", "context_gain", "--measure-option", "variant=yarn")
+        assert res.exit_code == 0, res.output
+    assert invoke("report", exp).exit_code == 0
+    md = (exp / "summary.md").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| scheme | "))
+    table = md.split(head)[1].split("\n\n")[0].splitlines()[2:]
+    shown = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in table}
+    found, _ = cells(collect(exp).runs)
+    assert "rope+yarn" in found and shown["rope+yarn"] == found["rope+yarn"] != ""
+    assert shown["rope"] == found["rope"]

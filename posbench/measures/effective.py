@@ -11,6 +11,10 @@ lengths it was scored at, at which all of these hold at L and at every length be
   training length at least twice as often as chance (1 in distractors + 1): at chance the
   measure says nothing of the far context, and its noise would decide the length.
 
+A run scored as an evaluation-time variant too (context_gain_yarn, by `--measure-option
+variant=yarn`) has an effective length as that variant: its rope+yarn perplexity rows (at the
+factor the measure was scored at), its context_gain_yarn and retrieval_yarn records.
+
 eps and fraction are the run's `eval.effective` (0.10 and 0.5 unless its config says otherwise),
 read from its config.yaml, so a report states the thresholds each run was judged by. A criterion
 whose measure was not scored is left out (and said). No torch: read from records.
@@ -23,7 +27,7 @@ from typing import Optional
 
 from posbench.compare.table import mean_cell
 from posbench.measures.plugin import read_measures
-from posbench.schemes import run_label
+from posbench.schemes import run_label, variant_label
 
 GAIN = "context_gain"
 RETRIEVAL = ("retrieval", "retrieval_short")
@@ -57,10 +61,14 @@ def effective_length(
     return longest
 
 
-def by_run(run, measures: dict) -> tuple[Optional[int], list[str]]:
-    """A run's effective length from its records (its own rows: non-overlapping, no variant;
-    `measures`: its plugin.read_measures) and the criteria that decided it."""
-    label, L = run_label(run.cfg.model), run.cfg.model.train_len
+def by_run(run, measures: dict, variant: Optional[str] = None) -> tuple[Optional[int], list[str]]:
+    """A run's effective length from its records (its rows, non-overlapping; `measures`: its
+    plugin.read_measures) and the criteria that decided it: as trained, or as its evaluation-time
+    `variant` (its perplexity rows of that variant, at the factor its context_gain_<variant> was
+    scored at, and its measures' records of that variant)."""
+    own = "" if variant is None else f"_{variant}"
+    factor = None if variant is None else (measures[GAIN + own].options or {}).get("factor")
+    label, L = variant_label(run_label(run.cfg.model), variant, factor), run.cfg.model.train_len
     eps, fraction = run.cfg.eval.effective.eps, run.cfg.eval.effective.fraction
     ppl = {
         int(r["length"]): float(r["ppl"]) if r["status"] == "ok" else math.nan
@@ -69,11 +77,11 @@ def by_run(run, measures: dict) -> tuple[Optional[int], list[str]]:
     }
     said = [f"ppl within {eps:.0%} of ppl({L})"]
     gain = None
-    if GAIN in measures:
-        gain = {int(r["length"]): float(r["gain"] or "nan") for r in measures[GAIN].rows}
+    if GAIN + own in measures:
+        gain = {int(r["length"]): float(r["gain"] or "nan") for r in measures[GAIN + own].rows}
         said.append("context gain >= 0")
     retrieval = None
-    found = next((name for name in RETRIEVAL if name in measures), None)
+    found = next((name + own for name in RETRIEVAL if name + own in measures), None)
     if found is not None:
         acc: dict[int, list] = {}
         for r in measures[found].rows:
@@ -82,25 +90,29 @@ def by_run(run, measures: dict) -> tuple[Optional[int], list[str]]:
         retrieval = {length: sum(v) / len(v) for length, v in acc.items()}
         chance = 1 / (1 + int((measures[found].options or {}).get("distractors", 9)))
         if retrieval.get(L, 0.0) >= 2 * chance:
-            said.append(f"{found} accuracy >= {fraction:.0%} of its accuracy at {L}")
+            said.append(f"{found.removesuffix(own)} accuracy >= {fraction:.0%} of its accuracy at {L}")
         else:
             retrieval = None
     return effective_length(ppl, L, gain, retrieval, eps=eps, fraction=fraction), said
 
 
 def cells(runs) -> tuple[dict[str, str], list[str]]:
-    """Scheme label -> its effective length's cell (the mean and 95% interval over seeds) and
-    the criteria, for the runs scored by context_gain; empty where none was."""
+    """Row label -> its effective length's cell (the mean and 95% interval over seeds) and the
+    criteria, for the runs scored by context_gain, as trained and as each evaluation-time
+    variant it was scored as (context_gain_yarn: the rope+yarn row); empty where none was."""
     found: dict[str, list] = {}
     said: list[str] = []
     for run in runs:
         measures = read_measures(run.folder)
-        if GAIN not in measures:
-            continue
-        eff, criteria = by_run(run, measures)
-        if eff is not None:
-            found.setdefault(run_label(run.cfg.model), []).append(eff)
-            said = max(said, criteria, key=len)
+        for name, rec in measures.items():
+            if name != GAIN and not (name.startswith(GAIN + "_") and (rec.options or {}).get("variant")):
+                continue
+            variant = None if name == GAIN else rec.options["variant"]
+            eff, criteria = by_run(run, measures, variant)
+            if eff is not None:
+                label = variant_label(run_label(run.cfg.model), variant, (rec.options or {}).get("factor"))
+                found.setdefault(label, []).append(eff)
+                said = max(said, criteria, key=len)
     out = {}
     for label, values in found.items():
         out[label] = mean_cell(values)

@@ -7,6 +7,7 @@ The registry and this package import no scheme module until a scheme is used, so
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 from posbench.errors import PosbenchError
 from posbench.registry import Registry
@@ -101,6 +102,13 @@ def run_label(model_cfg) -> str:
     return f"{model_cfg.scheme}:{ext['method']}" if ext else model_cfg.scheme
 
 
+def variant_label(scheme: str, variant: Optional[str], factor: Optional[float] = None) -> str:
+    """The scheme column of a row: `rope`, `rope+yarn`, or `rope+yarn@4` for a fixed factor 4."""
+    if variant is None:
+        return scheme
+    return f"{scheme}+{variant}" + (f"@{factor:g}" if factor is not None else "")
+
+
 # the schemes that rotate q and k by theta_k = base^(-2k/d), and the option holding base: the RoPE
 # scaling law (posbench/rope_law.py) predicts where their runs break, with no scheme imported
 ROTARY_BASE = {"rope": "base", "ssmax": "base"}
@@ -108,7 +116,7 @@ ROTARY_BASE = {"rope": "base", "ssmax": "base"}
 SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "hybrid"]  # the default experiment
 
 _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first use
-    "posbench.schemes.base": ["PositionalScheme", "EvalVariant", "NoPE", "variant_label", "require_even"],
+    "posbench.schemes.base": ["PositionalScheme", "EvalVariant", "NoPE", "require_even"],
     "posbench.schemes.absolute": ["Sinusoidal", "Learned", "sinusoid"],
     "posbench.schemes.t5": ["T5Bias", "Hybrid", "t5_relative_bucket"],
     "posbench.schemes.xl": ["TransformerXL", "rel_shift"],

@@ -176,13 +176,6 @@ class EvalVariant:
     factor: Optional[float] = None  # a fixed scale; None = derived from L' / L
 
 
-def variant_label(scheme: str, variant: Optional[str], factor: Optional[float] = None) -> str:
-    """The scheme column of a row: `rope`, `rope+yarn`, or `rope+yarn@4` for a fixed factor 4."""
-    if variant is None:
-        return scheme
-    return f"{scheme}+{variant}" + (f"@{factor:g}" if factor is not None else "")
-
-
 class NoPE(PositionalScheme):
     pass
 
