@@ -268,18 +268,24 @@ def grid(
     table: pd.DataFrame, train_len: int, metric: str, missing: str = "", bpb: bool = True
 ) -> tuple[list[list[str]], set]:
     """The table as rows of strings (a header first): schemes x lengths, the seed count and
-    ppl(longest)/ppl(train), and the (row, column) cells that are best."""
+    ppl(longest)/ppl(train), and the (row, column) cells that are best. Where nothing was scored
+    past the training length (a pretrained model within its context) there is no ratio, and
+    bits per byte once, at the one of the two lengths that was scored."""
     lengths = lengths_of(table)
     heads = [str(L) for L in lengths]
+    longest = table.attrs["longest"]
     rows, best = compare_grid(table, heads, METRICS[metric].digits, missing=missing, seeds=True)
-    rows[0] += [f"ppl({table.attrs['longest']})/ppl({train_len})"]
-    with_bpb = bpb and metric != "bpb" and table[["bpb train", "bpb longest"]].notna().any().any()
-    rows[0] += [f"bpb({train_len})", f"bpb({table.attrs['longest']})"] if with_bpb else []
-    best |= {(i, len(lengths) + 2) for i, s in enumerate(table.index, start=1) if table.loc[s, "best ratio"]}
+    past = longest > train_len
+    rows[0] += [f"ppl({longest})/ppl({train_len})"] if past else []
+    bpbs = {"bpb train": train_len, "bpb longest": longest} if past else {}
+    bpbs = bpbs or ({"bpb train": train_len} if longest == train_len else {"bpb longest": longest})
+    with_bpb = bpb and metric != "bpb" and table[list(bpbs)].notna().any().any()
+    rows[0] += [f"bpb({L})" for L in bpbs.values()] if with_bpb else []
+    best |= {(i, len(lengths) + 2) for i, s in enumerate(table.index, start=1) if past and table.loc[s, "best ratio"]}
     for s, row in zip(table.index, rows[1:]):
-        row += [ratio_cell(table, s)]
+        row += [ratio_cell(table, s)] if past else []
         if with_bpb:
-            row += [_bpb_cell(table.loc[s, k]) for k in ("bpb train", "bpb longest")]
+            row += [_bpb_cell(table.loc[s, k]) for k in bpbs]
     return rows, best
 
 
@@ -324,9 +330,9 @@ def report(collected, metric: str, transpose: bool) -> dict:
         rows, best = grid(table, train_len, metric)
         # the files hold bpb; the terminal too where a tokenizer makes it differ from loss / ln 2
         shown, shown_best = grid(table, train_len, metric, missing="—", bpb=tokenized)
-        shown[0][shown[0].index(f"ppl({table.attrs['longest']})/ppl({train_len})")] = (
-            f"ppl({table.attrs['longest']})/ppl(train)"
-        )
+        ratio = f"ppl({table.attrs['longest']})/ppl({train_len})"
+        if ratio in shown[0]:
+            shown[0][shown[0].index(ratio)] = f"ppl({table.attrs['longest']})/ppl(train)"
         eff, criteria = effective.get(label, ({}, []))
         if eff:  # one column beside the ratio: flat is not the same as using the context
             for table_rows in (rows, shown):
