@@ -239,6 +239,7 @@ def report(collected) -> tuple[list[Section], dict[str, pd.DataFrame], dict[str,
             f"evaluate --measure on {runs} runs"
             + (f", by {axis} and length" if axis else "")
             + (f"; scored with {said}" if said else "")
+            + (f"; a pretrained model's ± is over its {samples[name]}" if name in samples else "")
         )
         df = pd.DataFrame(rows)
         for c in ("seed", "train_len", "length"):
