@@ -36,6 +36,18 @@ def report_rebuilt(exp: Path, copy: Path, removed: tuple):
     return invoke("report", copy)
 
 
+def rebuilds_byte_for_byte(name: str, tmp_path: Path) -> Path:
+    """results/<name> reported afresh from a copy of its records gives its committed
+    summary.csv, .md and .tex; returns the committed folder."""
+    committed = ROOT / "results" / name
+    copy = tmp_path / name
+    res = report_rebuilt(committed, copy, ("summary.csv", "summary.md", "summary.tex"))
+    assert res.exit_code == 0, res.output
+    for summary in ("summary.csv", "summary.md", "summary.tex"):
+        assert (copy / summary).read_text() == (committed / summary).read_text(), summary
+    return committed
+
+
 def smoke_experiment(tmp: Path, *args):
     """configs/smoke.yaml on a tiny repeated text in tmp: (experiment folder, result, text file).
     On one torch thread, as every test runs (`_threads`): a session fixture is set up before the

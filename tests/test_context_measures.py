@@ -379,13 +379,9 @@ def test_the_committed_context_study_rebuilds_and_says_what_the_readme_says(tmp_
     every measure. It rebuilds byte for byte; no scheme gains from the tokens beyond the last 100
     (the flat ones by a hair below zero, RoPE by more than a nat); retrieval of a 5-digit key
     among 10 stays near chance (10%) at every length, the training length's included."""
-    from conftest import ROOT, report_rebuilt
+    from conftest import rebuilds_byte_for_byte
 
-    committed = ROOT / "results" / "reference-context"
-    res = report_rebuilt(committed, tmp_path / "c", ("summary.csv", "summary.md", "summary.tex"))
-    assert res.exit_code == 0, res.output
-    for name in ("summary.csv", "summary.md", "summary.tex"):
-        assert (tmp_path / "c" / name).read_text() == (committed / name).read_text(), name
+    committed = rebuilds_byte_for_byte("reference-context", tmp_path)
     gain, acc = {}, {}
     for run in sorted(p for p in committed.iterdir() if p.is_dir()):
         scheme = run.name.rsplit("-seed", 1)[0]
@@ -409,13 +405,9 @@ def test_the_committed_smollm2_context_study_rebuilds_and_shows_a_model_that_use
     but the one at the very start of an 8k window, its context's edge; scaled by 2 within its
     context, linear makes the far context hurt and yarn uses it as the plain model does and
     finds that key too. One model, no seeds: each cell's interval is over its windows (trials)."""
-    from conftest import ROOT, report_rebuilt
+    from conftest import rebuilds_byte_for_byte
 
-    committed = ROOT / "results" / "reference-context-smollm2"
-    res = report_rebuilt(committed, tmp_path / "c", ("summary.csv", "summary.md", "summary.tex"))
-    assert res.exit_code == 0, res.output
-    for name in ("summary.csv", "summary.md", "summary.tex"):
-        assert (tmp_path / "c" / name).read_text() == (committed / name).read_text(), name
+    committed = rebuilds_byte_for_byte("reference-context-smollm2", tmp_path)
     (run,) = [p for p in committed.iterdir() if p.is_dir()]
 
     def read(name):
@@ -452,13 +444,9 @@ def test_the_committed_catalogue_rebuilds_and_holds_what_the_readme_says(tmp_pat
     of the README's table is the summary's, the RoPE-window/NoPE pattern beats both its parts at 800
     by more than their intervals, the full-attention pattern does not beat RoPE, FoX's context
     gain is exactly zero, and no scheme retrieves a key above twice chance."""
-    from conftest import ROOT, report_rebuilt
+    from conftest import ROOT, rebuilds_byte_for_byte
 
-    committed = ROOT / "results" / "reference-catalogue"
-    res = report_rebuilt(committed, tmp_path / "c", ("summary.csv", "summary.md", "summary.tex"))
-    assert res.exit_code == 0, res.output
-    for name in ("summary.csv", "summary.md", "summary.tex"):
-        assert (tmp_path / "c" / name).read_text() == (committed / name).read_text(), name
+    committed = rebuilds_byte_for_byte("reference-catalogue", tmp_path)
     md = (committed / "summary.md").read_text()
     main = {line.split("|")[1].strip(): [c.strip().strip("*") for c in line.split("|")[2:-1]]
             for line in md.split("## nonoverlapping")[1].split("\n\n")[1].splitlines()[2:]}  # fmt: skip

@@ -8,7 +8,7 @@ import shutil
 import pandas as pd
 import pytest
 import yaml
-from conftest import ROOT, SMOKE, invoke
+from conftest import ROOT, SMOKE, invoke, rebuilds_byte_for_byte
 
 from posbench.compare.render import latex_table, transposed
 from posbench.measures.perplexity.views import comparison, grid, with_metric
@@ -130,25 +130,11 @@ def test_one_seed_says_there_is_no_interval(tmp_path, corpus_file):
     assert "1 seed: no interval; use --seeds 0,1,2" in (tmp_path / "smoke" / "summary.md").read_text()
 
 
-def _rebuilds_byte_for_byte(name: str, tmp_path):
-    """results/<name> reported afresh from a copy of its records gives its committed
-    summary.csv, .md and .tex; returns the committed folder."""
-    from conftest import ROOT, report_rebuilt
-
-    committed = ROOT / "results" / name
-    copy = tmp_path / name
-    res = report_rebuilt(committed, copy, ("summary.csv", "summary.md", "summary.tex"))
-    assert res.exit_code == 0, res.output
-    for summary in ("summary.csv", "summary.md", "summary.tex"):
-        assert (copy / summary).read_text() == (committed / summary).read_text(), summary
-    return committed
-
-
 def test_the_committed_reference_rebuilds_to_its_committed_summary(tmp_path):
     """results/reference holds the records of configs/reproduce-alibi.yaml (no weights): a fresh
     report of them gives the committed tables, digit for digit."""
 
-    committed = _rebuilds_byte_for_byte("reference", tmp_path)
+    committed = rebuilds_byte_for_byte("reference", tmp_path)
     runs = sorted(p.name for p in committed.iterdir() if p.is_dir())
     assert runs == [f"{s}-seed{n}" for s in ("alibi", "rope", "sinusoidal", "t5") for n in (0, 1, 2)]
     for run in runs:
@@ -173,7 +159,7 @@ def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path
 
     from posbench.tasks import TASKS
 
-    committed = _rebuilds_byte_for_byte("reference-tasks", tmp_path)
+    committed = rebuilds_byte_for_byte("reference-tasks", tmp_path)
     assert "## mean reciprocal rank past N over 15 (grid point, seed) pairs" in (committed / "summary.md").read_text()
     runs = [p for p in committed.iterdir() if p.is_dir()]
     configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in runs]
@@ -245,7 +231,7 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
     reference's T5 runs at the language model's T5 setup (gpu-t5-xtransformers). Their tables
     rebuild from the records, and each record was trained at the recipe its entry names."""
     entry = RECIPES["tasks"][name]
-    committed = _rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
+    committed = rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
     configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in committed.iterdir() if p.is_dir()]
     made, seeds = entry["made"], entry["seeds"]
     assert {(c["task"], c["model"]["scheme"], c["seeds"][0]) for c in configs} == {
@@ -272,7 +258,7 @@ def test_the_committed_flat_start_language_models_rebuild_and_record_their_start
     scale its entry in recipes.yaml names, and trained as the reference it names did, but for the
     scheme's options."""
     entry = RECIPES["language_models"][name]
-    committed = _rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
+    committed = rebuilds_byte_for_byte(f"recipe-search/{name}", tmp_path)
     for run in (p for p in committed.iterdir() if p.is_dir()):
         c = yaml.safe_load((run / "config.yaml").read_text())
         ref = yaml.safe_load((ROOT / "results" / entry["reference"] / run.name / "config.yaml").read_text())
@@ -289,7 +275,7 @@ def test_the_committed_tokenizer_references_rebuild_to_their_committed_summary(t
     and on a BPE of 2048 tokens, eight schemes, seed 0; their tables rebuild from the records."""
     import csv
 
-    committed = _rebuilds_byte_for_byte(name, tmp_path)
+    committed = rebuilds_byte_for_byte(name, tmp_path)
     with (committed / "summary.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))
     assert {r["tokenizer"] for r in rows} == {tokenizer} and len({r["scheme"] for r in rows}) == 8
@@ -302,7 +288,7 @@ def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp
     curve against fine-tuning steps included."""
     import yaml
 
-    committed = _rebuilds_byte_for_byte("reference-extend", tmp_path)
+    committed = rebuilds_byte_for_byte("reference-extend", tmp_path)
     assert "## perplexity at 400 after k fine-tuning steps" in (committed / "summary.md").read_text()
     runs = [p for p in committed.iterdir() if p.is_dir()]
     made = {
@@ -322,7 +308,7 @@ def test_the_committed_long_extension_rebuilds_and_pi_flattens_inside_it(tmp_pat
     """results/reference-extend-long: pi, pi-keep2 and continue for 400 steps on the same parents.
     PI's curve at 400 has flattened by its end (its last 100 steps gain under 5%), it stays
     behind pi-keep2 at every step, and continuing at 100 leaves 400 where the parent was."""
-    committed = _rebuilds_byte_for_byte("reference-extend-long", tmp_path)
+    committed = rebuilds_byte_for_byte("reference-extend-long", tmp_path)
     md = (committed / "summary.md").read_text()
     curve = {
         line.split("|")[1].strip(): [float(c.strip().strip("*").split(" ± ")[0]) for c in line.split("|")[2:-1]]
@@ -618,7 +604,7 @@ def test_the_committed_pretrained_reference_rebuilds_and_holds_the_published_sha
     expected from the papers."""
     import csv
 
-    committed = _rebuilds_byte_for_byte("reference-smollm2", tmp_path)
+    committed = rebuilds_byte_for_byte("reference-smollm2", tmp_path)
     (run,) = [p for p in committed.iterdir() if p.is_dir()]
     with (run / "eval.csv").open(newline="") as f:
         ppl = {

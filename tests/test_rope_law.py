@@ -69,15 +69,11 @@ def test_the_committed_base_sweep_rebuilds_a_point_per_base_and_sets_each_law_be
     """results/rope-base (configs/rope-base.yaml): runs of one scheme and seed that differ only in
     scheme_options.rope.base are a grid point each, where the report failed on them; each base's
     row holds the law's numbers and its seeds' breaks, derived here from the records."""
-    from conftest import report_rebuilt
+    from conftest import rebuilds_byte_for_byte
 
     from posbench.stats import mean_ci
 
-    committed = ROOT / "results" / "rope-base"
-    res = report_rebuilt(committed, tmp_path / "rope-base", ("summary.csv", "summary.md", "summary.tex"))
-    assert res.exit_code == 0, res.output
-    for name in ("summary.csv", "summary.md", "summary.tex"):
-        assert (tmp_path / "rope-base" / name).read_text() == (committed / name).read_text(), name
+    committed = rebuilds_byte_for_byte("rope-base", tmp_path)
     md = (committed / "summary.md").read_text()
     for base in (10.0, 100.0, 10000.0, 1000000.0):
         assert f"## scheme_options.rope.base={base}; nonoverlapping" in md
