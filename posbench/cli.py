@@ -101,6 +101,11 @@ def _csv_ints(text: Optional[str], what: str) -> Optional[list[int]]:
         raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200") from None
 
 
+def _whole(x: Optional[float]) -> Optional[float]:
+    """A number typer read as a float, as an int where it is whole: --stride 256 is 256 tokens."""
+    return int(x) if x is not None and x == int(x) else x
+
+
 def _set_threads(threads: Optional[int]) -> None:
     import torch
 
@@ -206,7 +211,10 @@ Protocol = Annotated[
     typer.Option(help="nonoverlapping (the default) or sliding; a comma list scores each: nonoverlapping,sliding"),
 ]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="a YAML config (or give it as the argument)")]
-Stride = Annotated[Optional[int], typer.Option(help="sliding windows' stride (default: train_len / 4)")]
+Stride = Annotated[
+    Optional[float],
+    typer.Option(help="sliding windows' stride: tokens, or below 1 a fraction of each length (default: train_len / 4)"),
+]
 # extrapolate's help names the defaults its lengths come from, read from the config's own
 _TRAIN_LEN, _LENGTHS = ModelConfig().train_len, ",".join(map(str, EvalConfig().lengths))
 _GRID = f"--test-len {2 * _TRAIN_LEN} from {_TRAIN_LEN}: {','.join(map(str, length_grid(_TRAIN_LEN, 2 * _TRAIN_LEN)))}"
@@ -255,6 +263,7 @@ def extrapolate(
     from posbench.experiment.execute import run_experiment
     from posbench.resolve import resolve
 
+    stride = _whole(stride)
     with user_errors():
         if test_len is not None and lengths is not None:
             raise PosbenchError("--test-len and --lengths both set the evaluation lengths; give one")
@@ -451,6 +460,7 @@ def evaluate(
     from posbench.console import plain_table
     from posbench.experiment.execute import evaluate_run
 
+    stride = _whole(stride)
     with user_errors():
         _set_threads(threads)
         if measure is None and measure_option:
@@ -530,6 +540,7 @@ def pretrained(
     from posbench.resolve import Experiment
     from posbench.tasks import task_for
 
+    stride = _whole(stride)
     with user_errors():
         _set_threads(threads)
         if test_len is not None and lengths is not None:

@@ -174,7 +174,9 @@ class PerplexityConfig:
     # length advancing by `stride`, each scoring its last `stride` tokens (the first, all of
     # its tokens). Both may be listed: each gives its own rows
     protocol: list[str] = field(default_factory=lambda: ["nonoverlapping"])
-    stride: Optional[int] = None  # the sliding windows' stride; null = a quarter of train_len
+    # the sliding windows' stride: tokens, or below 1 a fraction of each length (0.5: half of
+    # every window, at every length); null = a quarter of train_len
+    stride: Optional[float] = None
     # evaluation-time variants scored as extra rows "<scheme>+<kind>" for every run whose
     # scheme declares them (rope: linear, ntk, dynamic, yarn, llama3, longrope) or takes them (the
     # training-free self_extend, rerope, string, lm_infinite, logn: docs/schemes.md); no retraining
@@ -198,8 +200,14 @@ class PerplexityConfig:
                     f"valid: {', '.join(PROTOCOLS)}"
                 )
         _unique(self.protocol, "eval.perplexity.protocol")
-        if self.stride is not None and self.stride <= 0:
-            raise PosbenchError(f"eval.perplexity.stride={self.stride} must be positive")
+        if self.stride is not None:
+            if self.stride <= 0 or (self.stride >= 1 and self.stride != int(self.stride)):
+                raise PosbenchError(
+                    f"eval.perplexity.stride={self.stride:g} must be a whole number of tokens or a "
+                    "fraction of each length between 0 and 1"
+                )
+            if self.stride >= 1:
+                self.stride = int(self.stride)  # tokens: 256, as records and tables name it
 
 
 @dataclass

@@ -15,20 +15,26 @@ from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 
 
-def windows(n: int, L: int, protocol: str, stride: Optional[int]) -> list[tuple[int, int]]:
+def stride_tokens(stride: float, L: int) -> int:
+    """Sliding windows' advance at length L: `stride` tokens, or a fraction (< 1) of L."""
+    return int(stride) if stride >= 1 else max(1, round(L * stride))
+
+
+def windows(n: int, L: int, protocol: str, stride: Optional[float]) -> list[tuple[int, int]]:
     """(start, first scored) per window of the n targets: window inputs are tokens[start : start
     + L] (shorter at the end), and it scores its positions from `first scored` on. Every target
     is scored exactly once.
     nonoverlapping: chunks of L, each scored whole (the last one shorter).
-    sliding: windows of L ending stride further each time; the first scores all of its L
-    targets, every later one only its last `stride`, so each scored target sees at least L -
-    stride earlier tokens (the last window scores what is left)."""
+    sliding: windows of L ending stride further each time (stride tokens, or that fraction of
+    L); the first scores all of its L targets, every later one only its last stride, so each
+    scored target sees at least L - stride earlier tokens (the last window scores what is left)."""
     if protocol == "nonoverlapping":
         return [(s, 0) for s in range(0, n, L)]
+    step = stride_tokens(stride, L)
     out = [(0, 0)]
     end = min(L, n)
     while end < n:
-        new_end = min(end + stride, n)
+        new_end = min(end + step, n)
         start = max(0, new_end - L)
         out.append((start, end - start))
         end = new_end
@@ -98,7 +104,7 @@ def evaluate_model(
     return rows, by_position
 
 
-def window_tokens(n: int, L: int, protocol: str, stride: Optional[int]) -> int:
+def window_tokens(n: int, L: int, protocol: str, stride: Optional[float]) -> int:
     """The input tokens the windows of one length take, over n targets (what progress counts)."""
     return sum(min(L, n - s) for s, _ in windows(n, L, protocol, stride))
 

@@ -57,7 +57,7 @@ class Perplexity(Measure):
             shortest = cfg.eval.lengths[0] if cfg.model.pretrained else floor
             if own.stride is None:
                 own.stride = default_stride(min(L, shortest) if cfg.model.pretrained else L)
-            if own.stride > shortest:
+            if own.stride >= 1 and own.stride > shortest:  # a fraction fits every length
                 where = f"eval.lengths {shortest}" if cfg.model.pretrained else f"model.train_len={floor}"
                 raise PosbenchError(
                     f"eval.perplexity.stride={own.stride} is longer than the shortest window, "

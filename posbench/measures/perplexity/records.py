@@ -19,8 +19,11 @@ PROTOCOL_NAMES = {
 
 
 def protocol_label(protocol: str, stride) -> str:
-    """How a table names a protocol: `nonoverlapping`, or `sliding, stride 25`."""
-    return protocol if protocol == "nonoverlapping" else f"{protocol}, stride {stride}"
+    """How a table names a protocol: `nonoverlapping`, `sliding, stride 25`, or for a stride
+    that is a fraction of each window, `sliding, stride 0.5 x length`."""
+    if protocol == "nonoverlapping":
+        return protocol
+    return f"{protocol}, stride {stride}" + (" x length" if float(stride) < 1 else "")
 
 
 EVAL_COLUMNS = [
