@@ -9,13 +9,15 @@ import torch.nn.functional as F
 from conftest import SMOKE, invoke
 
 from posbench.check import tiny_model
-from posbench.evaluate import evaluate_model, windows
+from posbench.evaluate import evaluate_model, stride_tokens, windows
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("protocol,stride", [("nonoverlapping", None), ("sliding", 1), ("sliding", 3), ("sliding", 7)])
-@pytest.mark.parametrize("n,L", [(40, 8), (43, 8), (8, 8), (9, 8)])
+@pytest.mark.parametrize(
+    "protocol,stride", [("nonoverlapping", None), ("sliding", 1), ("sliding", 3), ("sliding", 7), ("sliding", 0.5)]
+)
+@pytest.mark.parametrize("n,L", [(40, 8), (43, 8), (8, 8), (9, 8), (43, 6)])
 def test_windows_score_every_target_once_with_the_context_the_protocol_promises(protocol, stride, n, L):
     seen = []
     for start, first in windows(n, L, protocol, stride):
@@ -25,8 +27,20 @@ def test_windows_score_every_target_once_with_the_context_the_protocol_promises(
             seen.append(t)
             context = t - start  # tokens before target t inside its window
             if protocol == "sliding" and t >= L:
-                assert context >= L - stride
+                assert context >= L - stride_tokens(stride, L)
     assert seen == list(range(n))
+
+
+def test_a_fractional_stride_is_that_fraction_of_each_length():
+    assert [stride_tokens(0.5, L) for L in (8, 1024, 16384)] == [4, 512, 8192]
+    assert stride_tokens(0.25, 6) == 2 and stride_tokens(0.01, 8) == 1 and stride_tokens(3, 100) == 3
+    model, tokens = _model_and_tokens()
+    half, _ = evaluate_model(model, tokens, [16, 32], 3, CPU, protocol="sliding", stride=0.5)
+    for row in half:  # each length's row is the token stride of half of it, to the last bit
+        (tokens_stride,), _ = evaluate_model(
+            model, tokens, [row["length"]], 3, CPU, protocol="sliding", stride=row["length"] // 2
+        )
+        assert row["loss"] == tokens_stride["loss"] and row["stride"] == 0.5
 
 
 def _model_and_tokens():
@@ -158,11 +172,30 @@ def test_evaluate_adds_sliding_rows_beside_the_non_overlapping_ones(tmp_path, co
     assert after == before | {(length, "sliding", "8") for length in lengths}
 
 
+def test_a_stride_below_one_slides_every_length_by_its_fraction_and_is_named_so(tmp_path, corpus_file):
+    """--stride 0.5 is half of each length, where a stride of tokens longer than the shortest
+    window is refused; a whole stride typed as 16.0 is the 16 tokens it names."""
+    common = ["--schemes", "alibi", "--set", "train.steps=2", "--set", f"data.path={corpus_file}"]
+    common += ["--set", f"out_dir={tmp_path}", "--protocol", "sliding"]
+    res = invoke("extrapolate", "--config", SMOKE, "--stride", "0.5", *common)
+    assert res.exit_code == 0, res.output
+    exp = tmp_path / "smoke"
+    rows = list(csv.DictReader((exp / "alibi-seed0" / "eval.csv").open()))
+    assert {(r["protocol"], r["stride"]) for r in rows} == {("sliding", "0.5")} and len(rows) > 1
+    assert "## sliding, stride 0.5 x length" in (exp / "summary.md").read_text()
+    assert (exp / "alibi-seed0" / "config.yaml").read_text().count("stride: 0.5") == 1
+    res = invoke("evaluate", exp / "alibi-seed0", "--protocol", "sliding", "--stride", "16.0")
+    assert res.exit_code == 0, res.output
+    strides = {r["stride"] for r in csv.DictReader((exp / "alibi-seed0" / "eval.csv").open())}
+    assert strides == {"0.5", "16"}
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
         (["--protocol", "slidng"], "eval.perplexity.protocol: unknown protocol 'slidng' (did you mean 'sliding'?)"),
-        (["--protocol", "sliding", "--stride", "0"], "eval.perplexity.stride=0 must be positive"),
+        (["--protocol", "sliding", "--stride", "0"], "eval.perplexity.stride=0 must be a whole number of tokens"),
+        (["--protocol", "sliding", "--stride", "2.5"], "eval.perplexity.stride=2.5 must be a whole number of tokens"),
         (["--protocol", "sliding", "--stride", "33"], "eval.perplexity.stride=33 is longer than the shortest window"),
         (["--set", "eval.perplexity.protocol=[]"], "eval.perplexity.protocol is empty"),
     ],
