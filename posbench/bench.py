@@ -7,6 +7,8 @@ matmul measured in the same run. Schemes, peers and the matmul are timed in inte
 load hits all of them alike; the order is shuffled each round, so no model always follows the matmul.
 A time stands only where a second round confirms it: on a busy machine a step with all cores'
 threads waits at every op for the one that was descheduled, and a round can run 30x slow.
+Each model's first step is timed alone before the rounds and shown apart from them: it is where
+kernels compile (flex's on a GPU, the C kernels on a CPU) and AdamW allocates its state, once.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ BENCH_COLUMNS = [
     "peer_ratio",
     "eval_len",
     "peak_mem_mb",
+    "first_call_s",
     "device",
     "attention",
 ]
@@ -54,7 +57,7 @@ class BenchSettings:
     steps: int = 4  # timed steps per round
     # many short rounds: a burst of load spoils a few, the minimum skips them
     rounds: int = 30
-    warmup: int = 3  # the first step of each model allocates AdamW's state and is several times slower
+    warmup: int = 3  # untimed steps after the first (timed apart by time_first_calls), before the rounds
     multiples: tuple = EVAL_MULTIPLES
 
     @classmethod
@@ -116,6 +119,21 @@ def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], No
         opt.step()
 
     return step
+
+
+def time_first_calls(steps: dict[str, Callable[[], None]], sync: Callable[[], None]) -> dict[str, float]:
+    """Seconds of each function's first call, alone, before any warm-up or round. It is paid
+    once, so it is kept out of the steady state: AdamW allocates its state there, a GPU compiles
+    flex's kernels (in this order: a later model may reuse what an earlier one compiled), and a
+    CPU builds posbench's C kernels if none is cached yet."""
+    first = {}
+    for name, fn in steps.items():
+        sync()  # the clock starts when nothing else is queued
+        t = time.perf_counter()
+        fn()
+        sync()
+        first[name] = time.perf_counter() - t
+    return first
 
 
 def time_interleaved(
@@ -273,8 +291,10 @@ def run_bench(
             other = _peer_step(s, mc, settings.batch_size, device)
             if other is not None:
                 steps[f"peer:{s}"] = other
-    progress(f"timing training steps: {len(steps) - 1} models and the matmul peak x {settings.rounds} rounds")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    progress(f"timing each model's first training step: {', '.join(schemes)}")
+    first = time_first_calls({s: steps[s] for s in schemes}, sync)  # a peer's first ran in _peer_step
+    progress(f"timing training steps: {len(steps) - 1} models and the matmul peak x {settings.rounds} rounds")
     sec = {name: confirmed(rounds) for name, rounds in time_interleaved(steps, settings, sync).items()}
     peak = 2 * n**3 / sec["matmul peak"] if sec["matmul peak"] else None
     tokens = settings.batch_size * T
@@ -291,6 +311,7 @@ def run_bench(
                 "mfu": tps * model_flops_per_token(models[s].cfg, models[s]) / peak if tps and peak else None,
                 "peer_tokens_per_s": peer_tps,
                 "peer_ratio": tps / peer_tps if tps and peer_tps else None,
+                "first_call_s": first[s],
                 "device": device_name(device),
                 "attention": models[s].backend(device),
             }
@@ -308,16 +329,21 @@ def run_bench(
         for m in settings.multiples:
             L = m * T
             progress(f"evaluation memory: {s} at {L}")
-            if model.max_len is not None and L > model.max_len:
-                mb = None
-            else:
+            mb = seconds = None
+            if model.max_len is None or L <= model.max_len:
+                t = time.perf_counter()
                 mb = eval_peak_memory_mb(model, L)
+                # the first forward at this length, where a GPU compiles flex for it; a CPU's runs
+                # under the profiler that reads its memory, whose start-up and bookkeeping would be
+                # most of that time (its first start took 1 s, the forward 2 ms, at T = 100)
+                seconds = time.perf_counter() - t if device.type == "cuda" else None
             rows.append(
                 {
                     "scheme": s,
                     "measurement": "eval",
                     "eval_len": L,
                     "peak_mem_mb": mb,
+                    "first_call_s": seconds,
                     "device": device_name(device),
                     "attention": model.backend(device),
                 }

@@ -295,7 +295,8 @@ def _backends(rows) -> str:
 
 def bench_table(rows, peak, mc, device, peer, rounds: int) -> Group:
     """`posbench bench`: the setting, then training speed and eval memory at each length, two
-    tables so that each fits 80 columns with the peer's columns and four lengths; below them,
+    tables so that each fits 80 columns with the peer's columns and four lengths (on a GPU a
+    third: each length's first forward, which compiles); below them, what the first step is, and
     what a — in the speed table means, where no two of the `rounds` rounds confirmed a time."""
     from posbench.bench import AGREE
 
@@ -311,15 +312,30 @@ def bench_table(rows, peak, mc, device, peer, rounds: int) -> Group:
     def f(v, fmt):
         return "—" if v is None else format(v, fmt)
 
-    speed = [["scheme", "tokens/s", "x NoPE", "MFU", *(["peer tok/s", "x peer"] if peer else [])]]
+    speed = [["scheme", "tokens/s", "x NoPE", "MFU", *(["peer tok/s", "x peer"] if peer else []), "first step s"]]
     for r in train:
         small = (r["mfu"] or 1) < 0.1  # a GPU's can be tiny
         mfu = f(r["mfu"], ".2%" if small and r["mfu"] < 0.01 else ".1%" if small else ".0%")
         speed.append([r["scheme"], f(r["tokens_per_s"], ".0f"), f(r["ratio_vs_nope"], ".2f"), mfu])
         if peer:
             speed[-1] += [f(r["peer_tokens_per_s"], ".0f"), f(r["peer_ratio"], ".2f")]
+        speed[-1].append(_seconds(r["first_call_s"]))
     memory = [["scheme", *map(str, lengths)]]
     memory += [[r["scheme"], *(f(mem.get((r["scheme"], L)), ".1f") for L in lengths)] for r in train]
+    first = {(r["scheme"], r["eval_len"]): r["first_call_s"] for r in rows if r["measurement"] == "eval"}
+    timed = any(v is not None for v in first.values())  # on a GPU only: see run_bench
+    forward = [["scheme", *map(str, lengths)]]
+    forward += [[r["scheme"], *(_seconds(first.get((r["scheme"], L))) for L in lengths)] for r in train]
+    compiled = (
+        "compiling kernels where the backend does (flex: a later scheme may reuse what an earlier one compiled)"
+        if device.type == "cuda"
+        else "building posbench's C kernels where none is cached yet (seconds, once: they stay on disk); "
+        "otherwise it is warm-up only"
+    )
+    first_step = (
+        f"first step s: each model's first training step, timed alone before the rounds (tokens/s is from the "
+        f"steps after it). It pays once for AdamW allocating its state and for {compiled}."
+    )
     title = (
         f"posbench bench: {mc.n_layer} layers, d_model {mc.d_model}, {mc.n_head} heads, "
         f"T={mc.train_len}; {where}; attention {_backends(rows)}; {peak_text}" + (f"; peer: {peer}" if peer else "")
@@ -335,8 +351,15 @@ def bench_table(rows, peak, mc, device, peer, rounds: int) -> Group:
         Text(title),
         plain_table("training speed", speed),
         plain_table("peak eval memory (MB), batch 1", memory),
+        *([plain_table("first forward (s), batch 1, compilation included", forward)] if timed else []),
+        Text(first_step),
         *([Text(why)] if unconfirmed else []),
     )
+
+
+def _seconds(value) -> str:
+    """A first call's seconds: to the millisecond below 10 s, to the tenth above (compiling)."""
+    return "—" if value is None else f"{value:.3f}" if value < 10 else f"{value:.1f}"
 
 
 def _number(value, unit: float, name: str) -> str:

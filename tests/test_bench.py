@@ -1,10 +1,13 @@
 """The benchmark's quick mode, once: every scheme gets a throughput row and memory rows."""
 
 import csv
+import io
 import os
+import time
 
 import pytest
 import torch
+from rich.console import Console
 from typer.testing import CliRunner
 
 from posbench.bench import BENCH_COLUMNS, model_flops_per_token
@@ -35,6 +38,12 @@ def test_bench_quick_writes_every_row(tmp_path):
         if r["ratio_vs_nope"]:
             assert f"{s} {float(r['tokens_per_s']):,.0f} tokens/s ({float(r['ratio_vs_nope']):.2f}x NoPE)" in line, s
     assert train["nope"]["ratio_vs_nope"] in ("", "1.0")
+    assert "first step s" in res.output and all(float(r["first_call_s"]) >= 0 for r in train.values())
+    first_forward = {r["first_call_s"] for r in rows if r["measurement"] == "eval"}
+    if torch.cuda.is_available():  # auto picked the GPU: each length's one forward, compiling
+        assert all(float(v) >= 0 for v in first_forward)
+    else:  # a CPU's runs under the profiler, whose time it would mostly be: left blank
+        assert first_forward == {""}
     for s in SEED_SCHEMES:
         mem = {
             int(r["eval_len"]): float(r["peak_mem_mb"]) for r in rows if r["measurement"] == "eval" and r["scheme"] == s
@@ -338,3 +347,95 @@ def test_bench_shows_no_rate_its_rounds_did_not_confirm(tmp_path, monkeypatch):
     text = " ".join(res.output.split())
     assert "rope unconfirmed" in text and "fp32 matmul peak —" in text
     assert f"no two of the {quick.rounds} rounds came within {AGREE - 1:.0%} of each other for rope, the matmul" in text
+
+
+# --- a first call's time apart from the steady state (#46) -----------------------------------
+
+
+FIRST_S = 0.05  # the fake first step's sleep: a lower bound, never a speed to assert
+
+
+def test_the_first_step_is_timed_alone_before_the_rounds_and_its_seconds_are_written(tmp_path, monkeypatch, small_peak):
+    """A fake step sleeps on its first call only (as compiling, or AdamW allocating its state, takes
+    time once): each model's first_call_s is at least that sleep, the rounds start after exactly
+    one call, and the CSV and the table carry the same number."""
+    import time
+
+    import posbench.bench as bench
+    from posbench.console import _seconds
+
+    calls = {}
+
+    def fake_step_fn(model, batch_size, T):
+        name = model.cfg.scheme
+        calls[name] = 0
+
+        def step():
+            calls[name] += 1
+            if calls[name] == 1:
+                time.sleep(FIRST_S)
+
+        return step
+
+    before_rounds = []
+    real = bench.time_interleaved
+    monkeypatch.setattr(bench, "_train_step_fn", fake_step_fn)
+    monkeypatch.setattr(
+        bench, "time_interleaved", lambda steps, s, *a: before_rounds.append(dict(calls)) or real(steps, s, *a)
+    )
+    out = tmp_path / "bench.csv"
+    res = CliRunner().invoke(
+        app, ["bench", "--quick", "--schemes", "rope", "--set", "model.n_layer=1", "--out", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    assert before_rounds == [{"nope": 1, "rope": 1}]  # the first call, and only it, before the rounds
+    quick = bench.BenchSettings.quick()
+    assert calls == {s: 1 + quick.warmup + quick.rounds * quick.steps for s in ("nope", "rope")}
+    train = {r["scheme"]: r for r in csv.DictReader(out.open()) if r["measurement"] == "train"}
+    for s, r in train.items():
+        seconds = float(r["first_call_s"])
+        assert seconds >= FIRST_S, (s, seconds)
+        line = next(line for line in res.output.splitlines() if line.startswith(f"│ {s} "))
+        assert line.rstrip(" │").endswith(_seconds(seconds)), line
+
+
+def test_a_first_call_is_timed_to_the_end_of_its_queued_work():
+    """On a GPU a step returns before its kernels run; the clock stops at `sync`, as in the
+    rounds. A fake device queues the work a call asks for and does it when synced."""
+    from posbench.bench import time_first_calls
+
+    queued = []
+
+    def sync():
+        while queued:
+            time.sleep(queued.pop())
+
+    first = time_first_calls({"nope": lambda: queued.append(FIRST_S)}, sync)
+    assert first["nope"] >= FIRST_S and not queued
+
+
+def test_the_table_says_what_a_first_call_pays_for_on_each_device():
+    """A CPU's first step is warm-up (or a C kernel's first build); a GPU's compiles, and its
+    first forward at each length, which compiles flex for that length, gets a table of its own."""
+    from posbench.console import bench_table
+
+    def rows(eval_s):
+        where = {"device": "somewhere", "attention": "flex"}
+        speed = {"tokens_per_s": 9e4, "ratio_vs_nope": 1.0, "mfu": 0.07, "peer_tokens_per_s": None, "peer_ratio": None}
+        train = {"scheme": "nope", "measurement": "train", "first_call_s": 41.27, **speed, **where}
+        evals = [
+            {"scheme": "nope", "measurement": "eval", "eval_len": L, "peak_mem_mb": 1.0, "first_call_s": s, **where}
+            for L, s in ((1024, eval_s), (4096, eval_s and 2 * eval_s))
+        ]
+        return [train, *evals]
+
+    def shown(device, eval_s):
+        console = Console(file=io.StringIO(), width=120)
+        console.print(bench_table(rows(eval_s), 1e12, ModelConfig(), torch.device(device), None, rounds=3))
+        return " ".join(console.file.getvalue().split())
+
+    gpu = shown("cuda", 12.345)
+    assert "41.3" in gpu and "first step s" in gpu and "compiling kernels where the backend does" in gpu
+    assert "first forward (s), batch 1, compilation included" in gpu and "12.3" in gpu and "24.7" in gpu
+    cpu = shown("cpu", None)
+    assert "otherwise it is warm-up only" in cpu and "first forward" not in cpu

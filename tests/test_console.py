@@ -42,24 +42,32 @@ def test_the_report_in_80_columns_cuts_no_number_and_no_header(tmp_path):
 
 
 def test_bench_tables_in_80_columns_tell_100_from_1600(tmp_path):
-    """#30.3: with the peer's columns, eval memory at 100 and 1600 is headed by its length in
-    full, never "mem@1…" twice, and every number is there in full."""
+    """#30.3: with the peer's columns and the first step's, eval memory at 100 and 1600 is headed
+    by its length in full, never "mem@1…" twice, and every number is there in full."""
     from posbench.config import ModelConfig
     from posbench.console import bench_table
 
     rows, where = [], {"device": "cpu (AMD EPYC 7B13, 2 threads)", "attention": "native"}
     for i, s in enumerate(("nope", "sinusoidal", "learned", "alibi")):
-        speed = {"tokens_per_s": 61234.4 - 997 * i, "ratio_vs_nope": 1 - 0.03 * i, "mfu": 0.0734}
+        speed = {
+            "tokens_per_s": 61234.4 - 997 * i,
+            "ratio_vs_nope": 1 - 0.03 * i,
+            "mfu": 0.0734,
+            "first_call_s": 0.0412,
+        }
         peer = {"peer_tokens_per_s": 50876.0 + i, "peer_ratio": 1.21 + 0.01 * i}
         rows.append({"scheme": s, "measurement": "train", **speed, **peer, **where})
         for L, mb in ((100, 3.1 + i), (1600, 655.4 + i)):
             mb = None if s == "learned" and L > 100 else mb  # beyond its table
-            rows.append({"scheme": s, "measurement": "eval", "eval_len": L, "peak_mem_mb": mb, **where})
+            rows.append(
+                {"scheme": s, "measurement": "eval", "eval_len": L, "peak_mem_mb": mb, "first_call_s": None, **where}
+            )
     text = _rendered(bench_table(rows, 1.2e11, ModelConfig(), torch.device("cpu"), "x-transformers", rounds=30))
     assert "…" not in text, text
     head = next(line for line in text.splitlines() if "scheme" in line and "100" in line)
     assert _whole("100", head) and _whole("1600", head), text
     formats = {"tokens_per_s": ".0f", "ratio_vs_nope": ".2f", "peer_tokens_per_s": ".0f", "peer_ratio": ".2f"}
+    formats |= {"first_call_s": ".3f"}  # the first step's seconds
     for r in rows:
         for key, fmt in {**formats, "peak_mem_mb": ".1f"}.items():
             if r.get(key) is not None:
