@@ -5,7 +5,8 @@ from the scheme's `bias` hook; a scheme that replaces softmax (`replaces_softmax
 stick-breaking) computes its own attention in its `attend` hook, under every backend. `eager`
 writes that formula out and is the reference; the others are tested equal to it. Queries are
 processed in blocks once T is long, so no (T, T) tensor per head is ever built and memory grows
-linearly with the length.
+linearly with the length; on a GPU the fused kernels take them whole where no dense bias is held
+(`whole_window`). A bias of distance alone reaches flex as a table over distances, never dense.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from posbench import native
 from posbench.config import ATTENTION_BACKENDS as BACKENDS
 from posbench.errors import PosbenchError
+from posbench.schemes.base import PositionalScheme
 
 FLEX_CUDA_MIN_HEAD_DIM = 16  # below it torch's inductor refuses to lower the kernel ("NYI: ... at least 16")
 TINY_PROB = 1e-20  # BiasedAttention's probabilities below this are zeroed (subnormals are slow)
@@ -56,7 +58,7 @@ def causal_attention(q, k, v, pos, scheme, layer: int, backend: str, block: Opti
     """Attention over (B, H, T, D) tensors with `scheme`'s bias, `block` queries at a time;
     `pos` is (T,), or (B, T) for a scheme whose hooks take each row's own positions."""
     T = q.size(2)
-    if block is None or T <= block:
+    if block is None or T <= block or whole_window(q, pos, scheme, backend):
         return _attend(q, k, v, pos, pos, 0, scheme, layer, backend)
     out = []
     for s in range(0, T, block):
@@ -65,6 +67,18 @@ def causal_attention(q, k, v, pos, scheme, layer: int, backend: str, block: Opti
             _attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], pos[..., s:e], pos[..., :e], s, scheme, layer, backend)
         )
     return torch.cat(out, dim=2)  # (B, H, T, D)
+
+
+def whole_window(q, pos, scheme, backend: str) -> bool:
+    """On a GPU the fused kernels hold no (Tq, Tk) tensor where there is no dense bias: SDPA's
+    flash kernel for a scheme without a bias, FlexAttention's also for a table over distances.
+    They take all queries at once, where blocks would cost launches (and flex a compiled kernel
+    per block's shape). Elsewhere the blocks keep memory linear (on a CPU flex is unfused)."""
+    if not q.is_cuda or backend not in ("sdpa", "flex") or scheme.replaces_softmax:
+        return False
+    if type(scheme).bias is PositionalScheme.bias:
+        return True
+    return backend == "flex" and hasattr(scheme, "distance_table") and pos.dim() == 1 and not pos.is_floating_point()
 
 
 def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> torch.Tensor:
@@ -79,6 +93,11 @@ def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> t
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise PosbenchError(f"the scheme's attend returned {got}, expected None or shape {want}")
             return out
+    if backend == "flex" and qpos.dim() == 1:  # a bias of distance alone: flex reads its table
+        table = getattr(scheme, "distance_table", None)
+        table = table(qpos, kpos, layer, q.dtype) if table is not None else None
+        if table is not None:
+            return flex(q, k, v, None, q0, table)
     bias = scheme.bias(q, k, qpos, kpos, layer)  # None or (B or 1, H, Tq, Tk)
     return ATTENTION[backend](q, k, v, bias, q0)
 
@@ -132,30 +151,45 @@ def native_attention(q, k, v, bias, q0: int) -> torch.Tensor:
     return out
 
 
-def flex(q, k, v, bias, q0: int) -> torch.Tensor:
-    """torch's FlexAttention, the bias read by a score_mod and the causal mask as a block mask.
-    Compiled on a GPU; on a CPU torch runs its unfused reference forward, which suits checking,
-    not speed, and has no backward."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+def flex(q, k, v, bias, q0: int, table=None) -> torch.Tensor:
+    """torch's FlexAttention, the causal mask as a block mask (built once per shape) and the bias
+    read by a score_mod: a distance table's value at qpos[i] - kpos[j] (posbench/schemes/
+    distance.py), so no (Tq, Tk) bias exists, else the dense bias's element. Compiled on a GPU;
+    on a CPU torch runs its unfused reference forward, which suits checking, not speed, and has
+    no backward."""
     if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
         raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)
-    Tq, Tk = q.size(2), k.size(2)
-
-    def causal(b, h, i, j):
-        return i + q0 >= j
-
     score_mod = None
-    if bias is not None:
+    if table is not None:
+        values, qpos, kpos = table.values, table.qpos - table.lo, table.kpos  # column = qpos[i] - kpos[j]
+
+        def score_mod(score, b, h, i, j):
+            return score + values[h, qpos[i] - kpos[j]]
+
+    elif bias is not None:
         batched = bias.size(0) > 1
 
         def score_mod(score, b, h, i, j):
             return score + bias[b if batched else 0, h, i, j]
 
-    mask = create_block_mask(causal, None, None, Tq, Tk, device=q.device)
+    mask = _causal_block_mask(q.size(2), k.size(2), q0, q.device)
     with warnings.catch_warnings():  # uncompiled on a CPU, by choice
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return _flex_fn(q.device.type)(q, k, v, score_mod=score_mod, block_mask=mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_block_mask(Tq: int, Tk: int, q0: int, device: torch.device):
+    """Queries q0..q0+Tq-1 see keys up to their own index: FlexAttention's block mask, made once
+    per (Tq, Tk, q0, device) (a training run meets one shape; evaluation, one per length and block)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = torch.tensor(q0, device=device)  # a tensor, not a constant the compiled kernel is specialised on
+
+    def causal(b, h, i, j):
+        return i + offset >= j
+
+    return create_block_mask(causal, None, None, Tq, Tk, device=device)
 
 
 @functools.cache

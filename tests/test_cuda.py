@@ -80,7 +80,7 @@ def test_a_learned_bias_per_row_takes_sdpa_and_its_gradient_matches_the_math_pat
         assert torch.allclose(a, b, atol=5e-5), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("scheme", ["nope", "alibi", "t5", "kerple_log", "fire"])
+@pytest.mark.parametrize("scheme", ["nope", "rope", "alibi", "t5", "hybrid", "kerple_log", "kerple_power", "fire"])
 def test_cuda_flex_equals_eager_in_outputs_and_gradients(scheme):
     model = check.tiny_model(scheme, train_len=40, d_model=64).cuda().train()  # head_dim 16, flex's least on CUDA
     x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0)).cuda()
@@ -91,3 +91,23 @@ def test_cuda_flex_equals_eager_in_outputs_and_gradients(scheme):
     (y0, g0), (y1, g1) = results
     assert torch.allclose(y1, y0, atol=2e-5), (y1 - y0).abs().max()
     assert torch.allclose(g1, g0, atol=2e-5), (g1 - g0).abs().max()
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5", "kerple_log", "kerple_power"])
+def test_cuda_flex_trains_a_distance_bias_from_its_table_whole_and_compiled_once(scheme, monkeypatch):
+    """A bias of distance alone trains through flex's score_mod reading its table: no dense
+    (Tq, Tk) bias, all queries in one call past the query block, and after the first step no
+    recompilation (the table and the mask's offset are tensors, not constants)."""
+    model = check.tiny_model(scheme, train_len=64, d_model=64).cuda().train()  # head_dim 16
+    model.cfg = dataclasses.replace(model.cfg, attention="flex")
+    model.attn_block = 16  # 64 queries would be 4 blocks on any other backend
+    monkeypatch.setattr(type(model.scheme), "bias", lambda *a: pytest.fail("flex built the dense bias"))
+    calls = []
+    real = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda *a: calls.append(a[0].size(2)) or real(*a))
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    _outputs_and_grads(model, x, 16)
+    assert set(calls) == {64}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            _outputs_and_grads(model, x, 16)

@@ -117,6 +117,7 @@ SEED_SCHEMES = ["nope", "sinusoidal", "learned", "t5", "xl", "rope", "alibi", "h
 
 _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first use
     "posbench.schemes.base": ["PositionalScheme", "EvalVariant", "NoPE", "require_even"],
+    "posbench.schemes.distance": ["DistanceBias", "DistanceTable"],
     "posbench.schemes.absolute": ["Sinusoidal", "Learned", "sinusoid"],
     "posbench.schemes.t5": ["T5Bias", "Hybrid", "t5_relative_bucket"],
     "posbench.schemes.xl": ["TransformerXL", "rel_shift"],

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from posbench.schemes.base import PositionalScheme
+from posbench.schemes.distance import DistanceBias
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -19,16 +19,12 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     return torch.tensor(base + extra[: n_heads - c])
 
 
-class ALiBi(PositionalScheme):
+class ALiBi(DistanceBias):
     description = "a fixed linear penalty -m_h*(i-j) on the logits, one slope per head (Press 2022)"
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.register_buffer("slopes", alibi_slopes(cfg.n_head), persistent=False)  # (H,)
 
-    def bias(self, q, k, qpos, kpos, layer):
-        return self.once_per_forward((qpos, kpos), lambda: self.linear_bias(qpos, kpos, q.dtype))
-
-    def linear_bias(self, qpos, kpos, dtype):
-        dist = (qpos[:, None] - kpos[None, :]).to(dtype)  # (Tq, Tk)
-        return (-self.slopes.to(dtype)[:, None, None] * dist).unsqueeze(0)  # (1, H, Tq, Tk)
+    def distance_bias(self, d, layer):
+        return -self.slopes[:, None] * d  # (H, n)

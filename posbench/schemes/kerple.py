@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from posbench.schemes.base import PositionalScheme
+from posbench.schemes.distance import DistanceBias
 
 
-class KerpleLog(PositionalScheme):
+class KerpleLog(DistanceBias):
     """KERPLE, logarithmic kernel (Chi et al. 2022): bias -r1_h * log(1 + r2_h * |i-j|), with
     r1, r2 > 0 learned per head.
 
@@ -30,25 +30,19 @@ class KerpleLog(PositionalScheme):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        shape = (cfg.n_layer, cfg.n_head) if self.opt["per_layer"] else (cfg.n_head,)
+        self.per_layer = self.opt["per_layer"]
+        shape = (cfg.n_layer, cfg.n_head) if self.per_layer else (cfg.n_head,)
         self.r1 = nn.Parameter(torch.rand(shape) * self.r1_init)  # (H,) or (n_layer, H)
         self.r2 = nn.Parameter(torch.rand(shape) * self.r2_init)  # (H,) or (n_layer, H)
 
-    def bias(self, q, k, qpos, kpos, layer):
-        if self.opt["per_layer"]:
-            return self.kernel_bias(self.r1[layer], self.r2[layer], qpos, kpos, q.dtype)
-        key = (qpos, kpos)  # one pair for all layers, so one bias, made once per forward
-        return self.once_per_forward(key, lambda: self.kernel_bias(self.r1, self.r2, qpos, kpos, q.dtype))
-
-    def kernel_bias(self, r1, r2, qpos, kpos, dtype):
-        """The bias of the (H,) pair r1, r2, views of the stored parameters."""
+    def distance_bias(self, d, layer):
+        r1, r2 = (self.r1[layer], self.r2[layer]) if self.per_layer else (self.r1, self.r2)  # (H,) views
         if self.training:  # `.data`: autograd's saved copies from earlier blocks stay valid
             r1.data.clamp_(min=self.eps)
             r2.data.clamp_(min=self.eps, max=self.r2_max)
-        r1 = r1.clamp(min=self.eps)[:, None, None]  # (H, 1, 1)
-        r2 = r2.clamp(min=self.eps, max=self.r2_max)[:, None, None]
-        dist = (qpos[:, None] - kpos[None, :]).clamp(min=0).float()  # (Tq, Tk); future is masked
-        return self.kernel(r1, r2, dist).unsqueeze(0).to(dtype)  # (1, H, Tq, Tk)
+        r1 = r1.clamp(min=self.eps)[:, None]  # (H, 1)
+        r2 = r2.clamp(min=self.eps, max=self.r2_max)[:, None]
+        return self.kernel(r1, r2, d.clamp(min=0))  # (H, n); the future is masked
 
     @staticmethod
     def kernel(r1, r2, dist):

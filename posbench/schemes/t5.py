@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from posbench.errors import PosbenchError
 from posbench.schemes.absolute import Sinusoidal
-from posbench.schemes.base import PositionalScheme
+from posbench.schemes.distance import DistanceBias
 
 
 def t5_relative_bucket(
@@ -44,7 +44,7 @@ def t5_relative_bucket(
     return buckets + torch.where(is_small, n.long(), large)  # a fractional distance: its whole part's bucket
 
 
-class T5Bias(PositionalScheme):
+class T5Bias(DistanceBias):
     """T5's relative bias (Raffel et al. 2020): a learned scalar per head for each of
     num_buckets log-spaced distance buckets, one table shared by all layers, added to the
     logits after their 1/sqrt(d_head) scaling.
@@ -80,20 +80,13 @@ class T5Bias(PositionalScheme):
         table = torch.randn(nb, cfg.n_head) if normal else torch.zeros(nb, cfg.n_head)  # (NB, H)
         self.table = nn.Parameter(table)  # shared by all layers, as in T5
 
-    def bias(self, q, k, qpos, kpos, layer):
-        return self.once_per_forward((qpos, kpos), lambda: self.bucket_bias(qpos, kpos, q.dtype))
-
-    def bucket_bias(self, qpos, kpos, dtype):
-        rel = kpos[None, :] - qpos[:, None]  # (Tq, Tk)
-        b = t5_relative_bucket(rel, False, self.opt["num_buckets"], self.opt["max_distance"])
-        # index_select, not table[b]: the same values, and its backward (an index_add) is far
-        # faster than advanced indexing's (an accumulating index_put)
-        table = self.table * self.scale  # (NB, H); x-transformers scales after the lookup: the same products
-        bias = table.index_select(0, b.flatten()).view(*b.shape, -1)  # (Tq, Tk, H)
-        return bias.permute(2, 0, 1).unsqueeze(0).to(dtype)  # (1, H, Tq, Tk)
+    def distance_bias(self, d, layer):
+        b = t5_relative_bucket(-d, False, self.opt["num_buckets"], self.opt["max_distance"])  # (n,) of key - query
+        # x-transformers scales after the lookup: the same products
+        return (self.table * self.scale).index_select(0, b).t()  # (H, n)
 
 
-class Hybrid(PositionalScheme):
+class Hybrid(DistanceBias):
     """Sinusoidal embeddings added to the tokens, and T5Bias, with its options and setup, on
     the logits of every layer."""
 
@@ -108,5 +101,5 @@ class Hybrid(PositionalScheme):
     def embed(self, x, pos):
         return self.absolute.embed(x, pos)
 
-    def bias(self, q, k, qpos, kpos, layer):
-        return self.relative.bias(q, k, qpos, kpos, layer)
+    def distance_bias(self, d, layer):
+        return self.relative.distance_bias(d, layer)

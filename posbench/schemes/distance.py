@@ -1,0 +1,65 @@
+"""A bias that is a function of head and distance alone, b_h(i - j), read as a table over distances.
+
+ALiBi, T5's buckets and KERPLE's kernels write their function of distance once
+(`distance_bias`), and every backend reads it as a per-head table over the distances a block of
+queries meets: FlexAttention indexes the table inside its score_mod, so no (Tq, Tk) bias is
+ever built; eager, sdpa and native expand it to (1, H, Tq, Tk), once per forward pass for a
+table all layers share. A learned function's gradient reaches its parameters through the table.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from posbench.schemes.base import PositionalScheme
+
+
+class DistanceTable:
+    """values[h, c] is head h's bias at distance lo + c; qpos (Tq,) and kpos (Tk,) are the
+    positions it is read at, distance qpos[i] - kpos[j] (a future key's too: masked later)."""
+
+    def __init__(self, values: torch.Tensor, lo: int, qpos: torch.Tensor, kpos: torch.Tensor):
+        self.values, self.lo, self.qpos, self.kpos = values, lo, qpos, kpos  # values: (H, n)
+        self._dense: Optional[torch.Tensor] = None
+
+    def dense(self) -> torch.Tensor:
+        """(1, H, Tq, Tk), made once. index_select along the distances, not values[:, idx]: the
+        same values, and its backward (an index_add) measured 2-6x faster than advanced indexing's
+        (an accumulating index_put) or a gather of the transposed table, on a CPU."""
+        if self._dense is None:
+            idx = self.qpos[:, None] - self.kpos[None, :] - self.lo  # (Tq, Tk) columns of values
+            self._dense = self.values.index_select(1, idx.flatten()).view(-1, *idx.shape).unsqueeze(0)
+        return self._dense
+
+
+class DistanceBias(PositionalScheme):
+    """Base of a scheme whose bias is b_h(qpos - kpos): it defines `distance_bias(d, layer)`,
+    the bias at a vector of distances, (n,) -> (H, n), and gets `bias` and `distance_table` from it.
+    `per_layer`: the function differs by layer (made in each layer), else one per forward pass."""
+
+    per_layer = False
+
+    def distance_bias(self, d: torch.Tensor, layer: int) -> torch.Tensor:
+        raise NotImplementedError  # (H, n): the bias at each distance d (fp32; negative ones are masked)
+
+    def bias(self, q, k, qpos, kpos, layer):
+        table = self.distance_table(qpos, kpos, layer, q.dtype)
+        if table is not None:
+            return table.dense()
+        d = (qpos[:, None] - kpos[None, :]).float()  # (Tq, Tk): a remap's fractional positions, each pair's own
+        return self.distance_bias(d.flatten(), layer).view(-1, *d.shape).unsqueeze(0).to(q.dtype)
+
+    def distance_table(self, qpos, kpos, layer: int, dtype) -> Optional[DistanceTable]:
+        """The table of whole-number positions' distances (None for fractional ones)."""
+        if qpos.is_floating_point() or kpos.is_floating_point():
+            return None
+
+        def make():
+            # every distance a (query, key) pair of them has, read in one transfer from a GPU
+            lo, hi = torch.stack([qpos.min() - kpos.max(), qpos.max() - kpos.min()]).tolist()
+            d = torch.arange(lo, hi + 1, device=qpos.device, dtype=torch.float32)  # (n,)
+            return DistanceTable(self.distance_bias(d, layer).to(dtype), lo, qpos, kpos)
+
+        return make() if self.per_layer else self.once_per_forward((qpos, kpos), make)
