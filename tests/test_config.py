@@ -287,3 +287,16 @@ def test_gpu_study_resolves_to_the_budget_its_docs_state():
     assert "posbench extrapolate --config configs/gpu-study.yaml" in section
     make = (ROOT / "Makefile").read_text().split("\nreproduce-gpu:")[1]
     assert "posbench extrapolate --config configs/gpu-study.yaml" in make.split("\n\n")[0]
+
+
+def test_the_gpu_study_on_a_machine_without_a_gpu_is_one_line_and_trains_nothing(tmp_path):
+    """The preset asks for cuda: where there is none it stops before the corpus is read or a
+    folder is made, in one line naming the setting."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the preset would train GPT-2-small")
+    res = invoke("extrapolate", "--config", ROOT / "configs" / "gpu-study.yaml", "--set", f"out_dir={tmp_path}")
+    assert res.exit_code != 0
+    assert res.output.strip().count("\n") == 0 and "train.device=cuda: no CUDA device is available" in res.output
+    assert not any(tmp_path.iterdir())
