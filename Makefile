@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2 reproduce-context reproduce-rope-base reproduce-catalogue
+.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2 reproduce-context reproduce-rope-base reproduce-catalogue reproduce-gpu
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -93,3 +93,10 @@ reproduce-catalogue: install
 # where RoPE breaks against its base, in results/rope-base/ (12 runs)
 reproduce-rope-base: install
 	posbench sweep configs/rope-base.yaml
+
+# the GPU study in results/reference-gpu/: nope, rope, alibi, t5 and fire at GPT-2-small's shape,
+# 3 seeds, scored to 8x, on one CUDA GPU in about 10 minutes (docs/performance.md); the text extra
+# brings the tokenizers library that trains its BPE
+reproduce-gpu: install
+	$(PIP) install -q -e '.[text]'
+	posbench extrapolate --config configs/gpu-study.yaml

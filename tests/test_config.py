@@ -264,3 +264,39 @@ def test_a_measure_s_options_are_its_own_section_and_eval_s_own_spelling_still_r
         PosbenchError, match="eval.perplexity.protocl: unknown key .*did you mean 'eval.perplexity.protocol'"
     ):
         load_config(bad)
+
+
+def test_gpu_study_resolves_to_the_budget_its_docs_state():
+    """configs/gpu-study.yaml, resolved without training anything: GPT-2-small's shape, the five
+    schemes at 3 seeds, scored to 8x, and the tokens a run and the parameters that
+    docs/performance.md's arithmetic is made of."""
+    cfg = resolve(load_config(ROOT / "configs" / "gpu-study.yaml")).cfg
+    m, t = cfg.model, cfg.train
+    assert (m.n_layer, m.d_model, m.n_head, m.train_len) == (12, 768, 12, 1024)
+    assert (cfg.data.corpus, cfg.data.tokenizer, m.vocab_size) == ("shakespeare-kjv", "bpe", 16384)
+    assert cfg.schemes == ["nope", "rope", "alibi", "t5", "fire"] and cfg.seeds == [0, 1, 2]
+    assert cfg.eval.lengths == [m.train_len * k for k in (1, 2, 4, 8)]
+    assert cfg.eval.perplexity.protocol == ["nonoverlapping"] and cfg.eval.tokens == 16 * 8 * m.train_len
+    assert (t.device, t.compile, t.checkpoint_every) == ("cuda", False, 0)
+    tokens = t.steps * t.batch_size * m.train_len
+    section = (ROOT / "docs" / "performance.md").read_text().split("### A study at GPT-2-small's shape")[1]
+    section = section.split("\n### ")[0]
+    assert f"{t.steps} steps x {t.batch_size} x {m.train_len:,} = {tokens:,}" in section
+    assert f"{m.params / 1e6:.1f}M parameters with NoPE" in section
+    assert f"{cfg.eval.tokens:,} validation tokens" in section
+    assert "posbench extrapolate --config configs/gpu-study.yaml" in section
+    make = (ROOT / "Makefile").read_text().split("\nreproduce-gpu:")[1]
+    assert "posbench extrapolate --config configs/gpu-study.yaml" in make.split("\n\n")[0]
+
+
+def test_the_gpu_study_on_a_machine_without_a_gpu_is_one_line_and_trains_nothing(tmp_path):
+    """The preset asks for cuda: where there is none it stops before the corpus is read or a
+    folder is made, in one line naming the setting."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the preset would train GPT-2-small")
+    res = invoke("extrapolate", "--config", ROOT / "configs" / "gpu-study.yaml", "--set", f"out_dir={tmp_path}")
+    assert res.exit_code != 0
+    assert res.output.strip().count("\n") == 0 and "train.device=cuda: no CUDA device is available" in res.output
+    assert not any(tmp_path.iterdir())

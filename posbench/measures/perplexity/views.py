@@ -15,7 +15,7 @@ from posbench.compare.render import tex, transposed
 from posbench.compare.table import cell, seeds_said, summarize
 from posbench.compare.table import grid as compare_grid
 from posbench.compare.table import spread_note as compare_spread
-from posbench.data import SHAKESPEARE_NAME
+from posbench.data import corpus_name
 from posbench.errors import PosbenchError
 from posbench.extend import report as extend
 from posbench.measures.base import Section
@@ -171,7 +171,7 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
     c = configs[0]
     m, t = c.model, c.train
     params = m.params
-    corpus = SHAKESPEARE_NAME if c.data.path is None else f"{c.data.path} (bytes)"
+    corpus = corpus_name(c.data)
     tokenizers = sorted(set(df["tokenizer"])) if "tokenizer" in df else ["bytes"]
     if tokenizers != ["bytes"]:
         corpus = corpus.removesuffix(" (bytes)").removesuffix(", bytes") + f"; tokenizer: {', '.join(tokenizers)}"
