@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2 reproduce-context reproduce-rope-base reproduce-catalogue reproduce-gpu
+.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2 reproduce-context reproduce-rope-base reproduce-catalogue reproduce-gpu gpu-checks
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -100,3 +100,14 @@ reproduce-rope-base: install
 reproduce-gpu: install
 	$(PIP) install -q -e '.[text]'
 	posbench extrapolate --config configs/gpu-study.yaml
+
+# on one CUDA GPU, the checks docs/performance.md asks of it in about 8 minutes: the CUDA tests,
+# then learned biases against NoPE at GPT-2-small's shape under sdpa and under flex
+# (results/bench-gpu/sdpa.csv and flex.csv). No install: a GPU machine without network runs it
+# from the checkout with its own torch (python3 -m posbench.cli is posbench)
+GPU_SHAPE = --schemes nope,alibi,t5,kerple_log,fire --set model.n_layer=12 --set model.d_model=768 \
+	--set model.n_head=12 --set model.train_len=1024 --rounds 3
+gpu-checks:
+	PYTHONPATH=. $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_cuda.py
+	PYTHONPATH=. $(PYTHON) -m posbench.cli bench --device cuda --attention sdpa $(GPU_SHAPE) --out results/bench-gpu/sdpa.csv
+	PYTHONPATH=. $(PYTHON) -m posbench.cli bench --device cuda --attention flex $(GPU_SHAPE) --out results/bench-gpu/flex.csv
