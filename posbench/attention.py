@@ -22,6 +22,7 @@ from posbench import native
 from posbench.config import ATTENTION_BACKENDS as BACKENDS
 from posbench.errors import PosbenchError
 from posbench.schemes.base import PositionalScheme
+from posbench.schemes.distance import reads_as_table
 
 FLEX_CUDA_MIN_HEAD_DIM = 16  # below it torch's inductor refuses to lower the kernel ("NYI: ... at least 16")
 TINY_PROB = 1e-20  # BiasedAttention's probabilities below this are zeroed (subnormals are slow)
@@ -78,7 +79,7 @@ def whole_window(q, pos, scheme, backend: str) -> bool:
         return False
     if type(scheme).bias is PositionalScheme.bias:
         return True
-    return backend == "flex" and hasattr(scheme, "distance_table") and pos.dim() == 1 and not pos.is_floating_point()
+    return backend == "flex" and reads_as_table(scheme, pos)
 
 
 def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> torch.Tensor:
@@ -93,11 +94,8 @@ def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> t
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise PosbenchError(f"the scheme's attend returned {got}, expected None or shape {want}")
             return out
-    if backend == "flex" and qpos.dim() == 1:  # a bias of distance alone: flex reads its table
-        table = getattr(scheme, "distance_table", None)
-        table = table(qpos, kpos, layer, q.dtype) if table is not None else None
-        if table is not None:
-            return flex(q, k, v, None, q0, table)
+    if backend == "flex" and reads_as_table(scheme, qpos):  # a bias of distance alone: flex reads its table
+        return flex(q, k, v, None, q0, scheme.distance_table(qpos, kpos, layer, q.dtype))
     bias = scheme.bias(q, k, qpos, kpos, layer)  # None or (B or 1, H, Tq, Tk)
     return ATTENTION[backend](q, k, v, bias, q0)
 

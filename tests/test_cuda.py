@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from posbench import attention, check
 from posbench.attention import BiasedAttention
 from posbench.schemes import SCHEMES
+from posbench.schemes.distance import DistanceTable
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ALL = sorted(SCHEMES)
@@ -101,7 +102,7 @@ def test_cuda_flex_trains_a_distance_bias_from_its_table_whole_and_compiled_once
     model = check.tiny_model(scheme, train_len=64, d_model=64).cuda().train()  # head_dim 16
     model.cfg = dataclasses.replace(model.cfg, attention="flex")
     model.attn_block = 16  # 64 queries would be 4 blocks on any other backend
-    monkeypatch.setattr(type(model.scheme), "bias", lambda *a: pytest.fail("flex built the dense bias"))
+    monkeypatch.setattr(DistanceTable, "dense", lambda *a: pytest.fail("flex built the dense bias"))
     calls = []
     real = attention._attend
     monkeypatch.setattr(attention, "_attend", lambda *a: calls.append(a[0].size(2)) or real(*a))

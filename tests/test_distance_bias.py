@@ -9,8 +9,8 @@ from torch.nn.attention import flex_attention as flex_module
 
 from posbench import attention
 from posbench.check import tiny_model
-from posbench.schemes.alibi import alibi_slopes
-from posbench.schemes.distance import DistanceBias
+from posbench.schemes.alibi import ALiBi, alibi_slopes
+from posbench.schemes.distance import DistanceBias, DistanceTable
 from posbench.schemes.t5 import t5_relative_bucket
 
 CPU = torch.device("cpu")
@@ -86,13 +86,13 @@ def test_the_table_holds_each_distance_once():
 
 @pytest.mark.parametrize("name", SCHEMES)
 def test_flex_reads_the_table_in_its_score_mod_and_never_the_dense_bias(name, monkeypatch):
-    """flex equals eager, whole and in query blocks, with `bias` (the dense (Tq, Tk) form) never
-    called: FlexAttention on a CPU runs forward only."""
+    """flex equals eager, whole and in query blocks, with the dense (Tq, Tk) form of the table
+    never built: FlexAttention on a CPU runs forward only."""
     model = tiny_model(name)
     x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(x)
-        monkeypatch.setattr(type(model.scheme), "bias", lambda *a: pytest.fail("flex built the dense bias"))
+        monkeypatch.setattr(DistanceTable, "dense", lambda *a: pytest.fail("flex built the dense bias"))
         model.cfg.attention = "flex"
         for block in (40, 16):
             model.attn_block = block
@@ -136,3 +136,44 @@ def test_on_a_gpu_all_queries_go_at_once_only_where_no_dense_bias_is_held(name, 
     if flex and not sdpa:  # a table needs whole-number positions, one row for the batch
         assert not attention.whole_window(gpu, pos * 0.5, scheme, "flex")
         assert not attention.whole_window(gpu, pos.expand(2, 40), scheme, "flex")
+
+
+class WindowedALiBi(ALiBi):
+    """A user's scheme: ALiBi's `bias` overridden to hide keys 4 or more back, a bias no table over
+    distances holds."""
+
+    def bias(self, q, k, qpos, kpos, layer):
+        far = (qpos[:, None] - kpos[None, :]) >= 4  # (Tq, Tk)
+        return super().bias(q, k, qpos, kpos, layer).masked_fill(far, float("-inf"))  # (1, H, Tq, Tk)
+
+
+def test_a_subclass_that_overrides_bias_keeps_its_bias_under_flex():
+    """flex reads the table only where `bias` is the table's own; an override is read dense,
+    and on a GPU keeps its blocks of queries."""
+    model = tiny_model("alibi")
+    model.scheme = WindowedALiBi(model.cfg)
+    for blk in model.blocks:
+        blk.attn.scheme[0] = model.scheme
+    x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x)
+        model.cfg.attention = "flex"
+        for block in (40, 16):
+            model.attn_block = block
+            assert (model(x) - want).abs().max().item() <= 1e-5, block
+    assert not attention.whole_window(SimpleNamespace(is_cuda=True), torch.arange(40), model.scheme, "flex")
+
+
+@pytest.mark.parametrize("options", [{}, {"per_layer": True}])
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple_log"])
+def test_torch_compile_traces_a_distance_bias_in_one_graph(name, options):
+    """train.compile: the table's extent is read from the positions' values (`.tolist()`), which
+    would break the graph in every layer that builds one; while tracing, the per-pair formula
+    takes its place."""
+    if options and not name.startswith("kerple"):
+        pytest.skip("per_layer is KERPLE's")
+    torch._dynamo.reset()
+    model = tiny_model(name, options=options).train()
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason)[:120] for r in explained.break_reasons]

@@ -52,8 +52,10 @@ class DistanceBias(PositionalScheme):
         return self.distance_bias(d.flatten(), layer).view(-1, *d.shape).unsqueeze(0).to(q.dtype)
 
     def distance_table(self, qpos, kpos, layer: int, dtype) -> Optional[DistanceTable]:
-        """The table of whole-number positions' distances (None for fractional ones)."""
-        if qpos.is_floating_point() or kpos.is_floating_point():
+        """The table of whole-number positions' distances. None for fractional ones, and while
+        torch.compile traces (train.compile): the table's extent is read from the positions'
+        values, which would break the graph, and the per-pair formula traces whole."""
+        if qpos.is_floating_point() or kpos.is_floating_point() or torch.compiler.is_compiling():
             return None
 
         def make():
@@ -63,3 +65,12 @@ class DistanceBias(PositionalScheme):
             return DistanceTable(self.distance_bias(d, layer).to(dtype), lo, qpos, kpos)
 
         return make() if self.per_layer else self.once_per_forward((qpos, kpos), make)
+
+
+def reads_as_table(scheme: PositionalScheme, pos: torch.Tensor) -> bool:
+    """Whether `scheme`'s bias at positions `pos` is its table over distances: a DistanceBias whose
+    `bias` is the table's own (a subclass that overrides it, a window on ALiBi say, adds what no
+    table holds), at whole-number positions (T,) shared by the batch, outside torch.compile."""
+    own = isinstance(scheme, DistanceBias) and type(scheme).bias is DistanceBias.bias
+    whole = pos.dim() == 1 and not pos.is_floating_point()
+    return own and whole and not torch.compiler.is_compiling()
