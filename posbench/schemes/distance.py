@@ -17,20 +17,22 @@ from posbench.schemes.base import PositionalScheme
 
 
 class DistanceTable:
-    """values[h, c] is head h's bias at distance lo + c; qpos (Tq,) and kpos (Tk,) are the
-    positions it is read at, distance qpos[i] - kpos[j] (a future key's too: masked later)."""
+    """values[h, c] (fp32) is head h's bias at distance lo + c; qpos (Tq,) and kpos (Tk,) are the
+    positions it is read at, distance qpos[i] - kpos[j] (a future key's too: masked later);
+    dtype, the logits' (bf16 under a GPU's autocast), is what the dense form is made in."""
 
-    def __init__(self, values: torch.Tensor, lo: int, qpos: torch.Tensor, kpos: torch.Tensor):
-        self.values, self.lo, self.qpos, self.kpos = values, lo, qpos, kpos  # values: (H, n)
+    def __init__(self, values: torch.Tensor, lo: int, qpos: torch.Tensor, kpos: torch.Tensor, dtype):
+        self.values, self.lo, self.qpos, self.kpos, self.dtype = values, lo, qpos, kpos, dtype  # values: (H, n)
         self._dense: Optional[torch.Tensor] = None
 
     def dense(self) -> torch.Tensor:
         """(1, H, Tq, Tk), made once. index_select along the distances, not values[:, idx]: the
-        same values, and its backward (an index_add) measured 2-6x faster than advanced indexing's
-        (an accumulating index_put) or a gather of the transposed table, on a CPU."""
+        same values, and its backward (an index_add) is faster than advanced indexing's (an
+        accumulating index_put) or a gather of the transposed table."""
         if self._dense is None:
             idx = self.qpos[:, None] - self.kpos[None, :] - self.lo  # (Tq, Tk) columns of values
-            self._dense = self.values.index_select(1, idx.flatten()).view(-1, *idx.shape).unsqueeze(0)
+            table = self.values.to(self.dtype)  # (H, n): cast before the gather, the same values
+            self._dense = table.index_select(1, idx.flatten()).view(-1, *idx.shape).unsqueeze(0)
         return self._dense
 
 
@@ -62,7 +64,8 @@ class DistanceBias(PositionalScheme):
             # every distance a (query, key) pair of them has, read in one transfer from a GPU
             lo, hi = torch.stack([qpos.min() - kpos.max(), qpos.max() - kpos.min()]).tolist()
             d = torch.arange(lo, hi + 1, device=qpos.device, dtype=torch.float32)  # (n,)
-            return DistanceTable(self.distance_bias(d, layer).to(dtype), lo, qpos, kpos)
+            # fp32: flex reads it as is, and sums its gradient in fp32 on any torch
+            return DistanceTable(self.distance_bias(d, layer).float(), lo, qpos, kpos, dtype)
 
         return make() if self.per_layer else self.once_per_forward((qpos, kpos), make)
 
