@@ -72,13 +72,14 @@ def causal_attention(q, k, v, pos, scheme, layer: int, backend: str, block: Opti
 
 def whole_window(q, pos, scheme, backend: str) -> bool:
     """On a GPU the fused kernels hold no (Tq, Tk) tensor where there is no dense bias: SDPA's
-    flash kernel for a scheme without a bias, FlexAttention's also for a table over distances.
-    They take all queries at once, where blocks would cost launches (and flex a compiled kernel
-    per block's shape). Elsewhere the blocks keep memory linear (on a CPU flex is unfused)."""
+    flash kernel (bf16 or fp16) for a scheme without a bias, FlexAttention's also for a table
+    over distances. They take all queries at once, where blocks would cost launches (and flex a
+    compiled kernel per block's shape). Elsewhere the blocks keep memory linear (on a CPU flex is
+    unfused; SDPA in fp32 may fall back to its (Tq, Tk) math kernel)."""
     if not q.is_cuda or backend not in ("sdpa", "flex") or scheme.replaces_softmax:
         return False
     if type(scheme).bias is PositionalScheme.bias:
-        return True
+        return backend == "flex" or q.dtype in (torch.bfloat16, torch.float16)
     return backend == "flex" and reads_as_table(scheme, pos)
 
 

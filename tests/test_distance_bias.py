@@ -126,10 +126,13 @@ def test_flex_builds_its_causal_block_mask_once_per_shape(monkeypatch):
 def test_on_a_gpu_all_queries_go_at_once_only_where_no_dense_bias_is_held(name, flex, sdpa):
     """Decided from the scheme, the backend and the positions; a CPU keeps its blocks."""
     scheme = tiny_model(name).scheme
-    gpu, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    gpu, cpu = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16), SimpleNamespace(is_cuda=False)
     pos = torch.arange(40)
     assert attention.whole_window(gpu, pos, scheme, "flex") is flex
     assert attention.whole_window(gpu, pos, scheme, "sdpa") is sdpa
+    fp32 = SimpleNamespace(is_cuda=True, dtype=torch.float32)  # SDPA may fall back to its math kernel
+    assert attention.whole_window(fp32, pos, scheme, "flex") is flex
+    assert not attention.whole_window(fp32, pos, scheme, "sdpa")
     for backend in ("flex", "sdpa", "eager", "native"):
         assert not attention.whole_window(cpu, pos, scheme, backend)
     assert not attention.whole_window(gpu, pos, scheme, "eager")
@@ -161,7 +164,8 @@ def test_a_subclass_that_overrides_bias_keeps_its_bias_under_flex():
         for block in (40, 16):
             model.attn_block = block
             assert (model(x) - want).abs().max().item() <= 1e-5, block
-    assert not attention.whole_window(SimpleNamespace(is_cuda=True), torch.arange(40), model.scheme, "flex")
+    gpu = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    assert not attention.whole_window(gpu, torch.arange(40), model.scheme, "flex")
 
 
 @pytest.mark.parametrize("options", [{}, {"per_layer": True}])
