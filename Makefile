@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2 reproduce-context reproduce-rope-base reproduce-catalogue reproduce-gpu gpu-checks
+.PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2 reproduce-context reproduce-rope-base reproduce-catalogue reproduce-gpu gpu-checks gpu-cache
 
 # keep an installed torch; otherwise take exactly 2.13.0 (a CPU wheel here; an unpinned
 # torch would pull several GB of CUDA packages)
@@ -111,3 +111,10 @@ gpu-checks:
 	PYTHONPATH=. $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_cuda.py
 	PYTHONPATH=. $(PYTHON) -m posbench.cli bench --device cuda --attention sdpa $(GPU_SHAPE) --out results/bench-gpu/sdpa.csv
 	PYTHONPATH=. $(PYTHON) -m posbench.cli bench --device cuda --attention flex $(GPU_SHAPE) --out results/bench-gpu/flex.csv
+
+# the GPU study's corpus and its BPE, fetched and trained here into .gpu-cache/ (13 s), for a GPU
+# machine without network: carry .gpu-cache there and run the study from the checkout with
+# POSBENCH_CACHE=.gpu-cache PYTHONPATH=. python3 -m posbench.cli extrapolate --config configs/gpu-study.yaml
+gpu-cache:
+	POSBENCH_CACHE=.gpu-cache $(PYTHON) -c "from posbench.config import load_config; \
+	from posbench.data import load_corpus; load_corpus(load_config('configs/gpu-study.yaml', []).data)"
