@@ -66,7 +66,8 @@ smollm2: install
 	$(PYTHON) -c "from posbench.pretrained import smollm2; print(smollm2())"
 
 # the committed pretrained reference in results/reference-smollm2/: SmolLM2-135M at 1k to 16k
-# tokens (twice its context), plain and with four RoPE scalings at factor 2
+# tokens (twice its context), plain and with four RoPE scalings at factor 2, in non-overlapping
+# and sliding windows (about 40 minutes per variant on 2 CPU cores)
 reproduce-smollm2: smollm2
 	posbench pretrained "$$($(PYTHON) -c 'from posbench.pretrained import smollm2; print(smollm2())')" \
 		--config configs/reproduce-smollm2.yaml

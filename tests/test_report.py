@@ -598,27 +598,37 @@ def test_the_readme_bytes_against_bpe_table_is_one_report_in_bits_per_byte(tmp_p
 
 def test_the_committed_pretrained_reference_rebuilds_and_holds_the_published_shape_where_it_does(tmp_path):
     """results/reference-smollm2 (make reproduce-smollm2): SmolLM2-135M, context 8,192, scored to
-    16,384 with transformers' RoPE scalings at factor 2. Without scaling perplexity rises steeply
-    past the context; YaRN and llama3 stay flat to 2x; dynamic equals none inside the context;
-    linear (PI without its fine-tuning) costs about 3x everywhere, not a little as the issue
-    expected from the papers."""
+    16,384 with transformers' RoPE scalings at factor 2, non-overlapping and sliding by half of
+    each length. Under both protocols: without scaling perplexity rises steeply past the context;
+    YaRN and llama3 stay flat to 2x; dynamic equals none inside the context; linear (PI without
+    its fine-tuning) costs about 3x everywhere, not a little as the issue expected from the
+    papers. Sliding gives every token past the first window half a window of context: lower
+    perplexity inside the context, and without scaling higher at 16k, where more of the scored
+    tokens lie past it."""
     import csv
 
     committed = rebuilds_byte_for_byte("reference-smollm2", tmp_path)
     (run,) = [p for p in committed.iterdir() if p.is_dir()]
     with (run / "eval.csv").open(newline="") as f:
-        ppl = {
-            (r["scheme"].partition("+")[2].partition("@")[0], int(r["length"])): float(r["ppl"])
-            for r in csv.DictReader(f)
-        }
-    plain = {L: v for (s, L), v in ppl.items() if s == ""}
-    assert sorted(plain) == [1024, 2048, 4096, 8192, 16384]
-    assert plain[16384] > 1.5 * plain[8192] and plain[8192] < plain[1024]  # more context helps, to the context
-    for kind in ("yarn", "llama3"):
-        mine = [ppl[kind, L] for L in plain]
-        assert max(mine) / min(mine) < 1.25 and ppl[kind, 16384] < plain[16384] / 1.5, kind
-    assert all(ppl["linear", L] > 2.5 * plain[L] for L in plain if L <= 8192)
-    # dynamic NTK scales only past the context: inside it, the same windows score the same loss
-    assert all(ppl["dynamic", L] == plain[L] for L in plain if L <= 8192)
-    assert ppl["dynamic", 16384] < plain[16384] / 1.5
+        rows = list(csv.DictReader(f))
+    assert {(r["protocol"], r["stride"]) for r in rows} == {("nonoverlapping", ""), ("sliding", "0.5")}
+    ppl = {  # (protocol, variant, length); variant "" is the model as trained
+        (r["protocol"], r["scheme"].partition("+")[2].partition("@")[0], int(r["length"])): float(r["ppl"])
+        for r in rows
+    }
+    assert len(ppl) == len(rows) == 2 * 5 * 5  # protocols x (none, yarn, linear, llama3, dynamic) x lengths
+    lengths = [1024, 2048, 4096, 8192, 16384]
+    inside = lengths[:-1]  # within the context of 8,192
+    for p in ("nonoverlapping", "sliding"):
+        plain = {L: ppl[p, "", L] for L in lengths}
+        assert plain[16384] > 1.5 * plain[8192] and plain[8192] < plain[1024], p  # context helps, to the context
+        for kind in ("yarn", "llama3"):
+            mine = [ppl[p, kind, L] for L in lengths]
+            assert max(mine) / min(mine) < 1.25 and ppl[p, kind, 16384] < plain[16384] / 1.5, (p, kind)
+        assert all(ppl[p, "linear", L] > 2.5 * plain[L] for L in inside), p
+        # dynamic NTK scales only past the context: inside it, the same windows score the same loss
+        assert all(ppl[p, "dynamic", L] == plain[L] for L in inside), p
+        assert ppl[p, "dynamic", 16384] < plain[16384] / 1.5, p
+    assert all(ppl["sliding", "", L] < ppl["nonoverlapping", "", L] for L in inside)
+    assert ppl["sliding", "", 16384] > ppl["nonoverlapping", "", 16384]
     assert (run / "windows.csv").is_file() and "over its windows" in (committed / "summary.md").read_text()
