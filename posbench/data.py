@@ -290,10 +290,8 @@ def tokenizer_of(cfg: DataConfig, fetching=None):
 def _bytes_corpus(cfg: DataConfig, fetching=None) -> Corpus:
     import torch  # the corpus's name and its reading need no torch; its tensors do
 
-    if cfg.path:
-        data, name = user_text(cfg.path), f"{cfg.path} (bytes)"
-    else:
-        data, name = registry_text(cfg.corpus, fetching), CORPORA[cfg.corpus].name
+    data = user_text(cfg.path) if cfg.path else registry_text(cfg.corpus, fetching)
+    name = corpus_name(cfg)
     if not data:  # frombuffer refuses an empty buffer
         raise PosbenchError(f"the corpus '{name}' is empty")
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (N,)

@@ -61,14 +61,20 @@ def effective_length(
     return longest
 
 
+def row_label(run, measures: dict, variant: Optional[str]) -> str:
+    """The row a run's effective length belongs to: its own, or its `variant`'s at the factor its
+    context_gain_<variant> was scored at (rope+yarn@2)."""
+    factor = None if variant is None else (measures[f"{GAIN}_{variant}"].options or {}).get("factor")
+    return variant_label(run_label(run.cfg.model), variant, factor)
+
+
 def by_run(run, measures: dict, variant: Optional[str] = None) -> tuple[Optional[int], list[str]]:
     """A run's effective length from its records (its rows, non-overlapping; `measures`: its
     plugin.read_measures) and the criteria that decided it: as trained, or as its evaluation-time
     `variant` (its perplexity rows of that variant, at the factor its context_gain_<variant> was
     scored at, and its measures' records of that variant)."""
     own = "" if variant is None else f"_{variant}"
-    factor = None if variant is None else (measures[GAIN + own].options or {}).get("factor")
-    label, L = variant_label(run_label(run.cfg.model), variant, factor), run.cfg.model.train_len
+    label, L = row_label(run, measures, variant), run.cfg.model.train_len
     eps, fraction = run.cfg.eval.effective.eps, run.cfg.eval.effective.fraction
     ppl = {
         int(r["length"]): float(r["ppl"]) if r["status"] == "ok" else math.nan
@@ -110,8 +116,7 @@ def cells(runs) -> tuple[dict[str, str], list[str]]:
             variant = None if name == GAIN else rec.options["variant"]
             eff, criteria = by_run(run, measures, variant)
             if eff is not None:
-                label = variant_label(run_label(run.cfg.model), variant, (rec.options or {}).get("factor"))
-                found.setdefault(label, []).append(eff)
+                found.setdefault(row_label(run, measures, variant), []).append(eff)
                 said = max(said, criteria, key=len)
     out = {}
     for label, values in found.items():
