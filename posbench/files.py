@@ -6,6 +6,8 @@ import contextlib
 import csv
 import errno
 import fcntl
+import gzip
+import io
 import math
 import os
 from pathlib import Path
@@ -70,12 +72,31 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def write_rows(path: Path, rows: list[dict], columns: list[str]) -> None:
-    """A CSV of `columns`; None and NaN are written as empty cells."""
-    with atomic(path) as tmp, tmp.open("w", newline="") as f:
+    """A CSV of `columns`; None and NaN are written as empty cells. A path ending in .gz is
+    gzipped with neither name nor time in its header, so the same rows give the same bytes."""
+    with atomic(path) as tmp, _text_out(tmp, gzipped=path.suffix == ".gz") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow({k: ("" if _missing(r.get(k)) else r.get(k)) for k in columns})
+
+
+@contextlib.contextmanager
+def _text_out(path: Path, gzipped: bool):
+    if not gzipped:
+        with path.open("w", newline="") as f:
+            yield f
+        return
+    with path.open("wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as z:
+        with io.TextIOWrapper(z, encoding="utf-8", newline="") as f:
+            yield f
+
+
+def open_text(path: Path):
+    """A CSV record for reading, gzipped or not by its name."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return path.open(newline="", encoding="utf-8")
 
 
 def _missing(x) -> bool:

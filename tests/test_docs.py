@@ -43,7 +43,7 @@ def test_readme_says_what_a_run_folder_holds(smoke):
     exp, _, _ = smoke
     written = {p.name for p in (exp / "alibi-seed0").iterdir() if not p.name.startswith(".")}
     listed = readme[readme.index("a folder per run") :].split("\n\n")[0]
-    named = set(re.findall(r"`(\w+\.\w+)`", listed))
+    named = set(re.findall(r"`(\w+(?:\.\w+)+)`", listed))
     assert written <= named and named - written == set(ExactMatch.records) - written, (named, written)
     for at in [m.start() for m in re.finditer(r"`positions\.png`", readme)]:
         before = readme[max(0, at - 60) : at]

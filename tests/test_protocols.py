@@ -1,6 +1,7 @@
 """Evaluation protocols and the loss per position: every token scored once, as each protocol says."""
 
 import csv
+import gzip
 import math
 
 import pytest
@@ -116,7 +117,7 @@ def test_both_protocols_are_rows_of_one_experiment_with_positions_on_disk(tmp_pa
     assert "## nonoverlapping" in text and "## sliding, stride 8" in text
     assert "sliding evaluation, stride 8:" in " ".join(res.output.split())
     assert (exp / "positions.png").is_file() and (exp / "summary.png").is_file()
-    pos = list(csv.DictReader((exp / "alibi-seed0" / "positions.csv").open()))
+    pos = list(csv.DictReader(gzip.open(exp / "alibi-seed0" / "positions.csv.gz", "rt")))
     evals = list(csv.DictReader((exp / "alibi-seed0" / "eval.csv").open()))
     for r in evals:
         mine = [
@@ -165,11 +166,48 @@ def test_evaluate_adds_sliding_rows_beside_the_non_overlapping_ones(tmp_path, co
     run = tmp_path / "smoke" / "alibi-seed0"
     before = {(r["length"], r["protocol"], r["stride"]) for r in csv.DictReader((run / "eval.csv").open())}
     assert {(p, s) for _, p, s in before} == {("nonoverlapping", "")}
+    # its loss per position as a plain positions.csv, which is read as the .gz is and replaced by it
+    plain = gzip.decompress((run / "positions.csv.gz").read_bytes()).decode()
+    (run / "positions.csv").write_text(plain)
+    (run / "positions.csv.gz").unlink()
     res = invoke("evaluate", run, "--protocol", "sliding", "--stride", "8")
     assert res.exit_code == 0, res.output
     after = {(r["length"], r["protocol"], r["stride"]) for r in csv.DictReader((run / "eval.csv").open())}
     lengths = {length for length, _, _ in before}
     assert after == before | {(length, "sliding", "8") for length in lengths}
+    assert not (run / "positions.csv").exists()
+    rows = list(csv.DictReader(gzip.open(run / "positions.csv.gz", "rt")))
+    kept = [r for r in rows if r["protocol"] == "nonoverlapping"]
+    assert kept == list(csv.DictReader(plain.splitlines())) and len(rows) > len(kept)
+
+
+def test_a_gzipped_record_is_the_same_bytes_for_the_same_rows_and_a_broken_one_is_one_line(tmp_path):
+    """positions.csv.gz carries neither a name nor a time, so rescoring the same rows leaves the
+    committed file as it was; a truncated or foreign file is refused as a malformed record."""
+    from posbench.errors import PosbenchError
+    from posbench.files import write_rows
+    from posbench.measures.perplexity.records import POSITION_COLUMNS, read_positions
+
+    rows = [
+        {"scheme": "alibi", "length": 8, "protocol": "nonoverlapping", "stride": "", "position": p, "loss": 1 / 3 + p}
+        | {"tokens": 4}
+        for p in range(8)
+    ]
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        folder.mkdir()
+        write_rows(folder / "positions.csv.gz", rows, POSITION_COLUMNS)
+        write_rows(folder / "positions.csv", rows, POSITION_COLUMNS)
+    assert (a / "positions.csv.gz").read_bytes() == (b / "positions.csv.gz").read_bytes()
+    assert gzip.decompress((a / "positions.csv.gz").read_bytes()) == (a / "positions.csv").read_bytes()
+    got = read_positions(a)  # the .gz, where both are
+    assert [float(r["loss"]) for r in got] == [1 / 3 + p for p in range(8)]
+    (b / "positions.csv.gz").unlink()
+    assert read_positions(b) == got  # the plain file alone
+    for broken in ((a / "positions.csv.gz").read_bytes()[:-12], b"not gzip at all"):
+        (a / "positions.csv.gz").write_bytes(broken)
+        with pytest.raises(PosbenchError, match="positions.csv.gz: malformed loss-per-position rows"):
+            read_positions(a)
 
 
 def test_a_stride_below_one_slides_every_length_by_its_fraction_and_is_named_so(tmp_path, corpus_file):

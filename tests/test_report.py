@@ -138,7 +138,7 @@ def test_the_committed_reference_rebuilds_to_its_committed_summary(tmp_path):
     runs = sorted(p.name for p in committed.iterdir() if p.is_dir())
     assert runs == [f"{s}-seed{n}" for s in ("alibi", "rope", "sinusoidal", "t5") for n in (0, 1, 2)]
     for run in runs:
-        assert {"config.yaml", "eval.csv", "positions.csv", "train_log.jsonl"} <= {
+        assert {"config.yaml", "eval.csv", "positions.csv.gz", "train_log.jsonl"} <= {
             p.name for p in (committed / run).iterdir()
         }
 

@@ -53,8 +53,8 @@ def test_the_reference_report_sets_the_law_beside_each_seeds_measured_break(tmp_
     assert head in md
     row = next(line for line in md.splitlines() if line.startswith("| rope | 32 |"))
     breaks = []
-    for seed in range(3):  # derived here from each seed's positions.csv, as the law's own words say
-        pos = pd.read_csv(REFERENCE / f"rope-seed{seed}" / "positions.csv")
+    for seed in range(3):  # derived here from each seed's positions.csv.gz, as the law's own words say
+        pos = pd.read_csv(REFERENCE / f"rope-seed{seed}" / "positions.csv.gz")
         pos = pos[(pos["protocol"] == "nonoverlapping") & (pos["length"] == pos["length"].max())]
         breaks.append(break_position(pos.set_index("position")["loss"], 100))
     assert None not in breaks
@@ -79,7 +79,7 @@ def test_the_committed_base_sweep_rebuilds_a_point_per_base_and_sets_each_law_be
         assert f"## scheme_options.rope.base={base}; nonoverlapping" in md
         broke = []
         for run in sorted(committed.glob(f"rope-seed*-base{base}-*")):
-            pos = pd.read_csv(run / "positions.csv")
+            pos = pd.read_csv(run / "positions.csv.gz")
             pos = pos[pos["length"] == pos["length"].max()]
             broke.append(break_position(pos.set_index("position")["loss"], 100))
         assert len(broke) == 3 and None not in broke

@@ -2,7 +2,7 @@
 
 Its experiment folder holds one run folder per model, named as the model, with config.yaml
 (model.pretrained: the model's name, path, architecture, context and the sha256 of each file it
-was read from; the shape is the model's own), eval.csv and positions.csv, a row per length,
+was read from; the shape is the model's own), eval.csv and positions.csv.gz, a row per length,
 protocol and RoPE variant (`<model>+yarn@2`), measures/<name>.csv for each --measure, and
 data.json (the corpus, by sha256). The tokenizer the corpus is cut with is the model's: its
 tokenizer.json, or for a .gguf file the one transformers builds from it, kept as tokenizer.json

@@ -1,7 +1,7 @@
 """Perplexity: next-token loss on the corpus at each length, the measure of task lm's runs.
 
 A run is scored at every eval length on the same validation tokens, under each protocol. Its
-rooms: records.py (eval.csv, a row per scheme label, length, protocol and stride; positions.csv,
+rooms: records.py (eval.csv, a row per scheme label, length, protocol and stride; positions.csv.gz,
 the mean loss at each window position; the metrics), score.py (scoring into them;
 posbench/evaluate.py holds the forward passes) and views.py (tables and plots). This module
 decides how a config's runs are scored and answers the Measure interface.
@@ -23,7 +23,7 @@ from posbench.measures.perplexity.views import join_checks, report
 class Perplexity(Measure):
     name = "perplexity"
     metrics = METRICS
-    records = ("eval.csv", "positions.csv", "windows.csv")
+    records = ("eval.csv", "positions.csv.gz", "windows.csv")
 
     def decide(self, cfg, test_len: Optional[int]) -> None:
         L = cfg.model.train_len

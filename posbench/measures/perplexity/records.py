@@ -1,15 +1,18 @@
 """Perplexity's records: eval.csv (a row per scheme label, length, protocol and stride),
-positions.csv (the mean loss at each window position) and windows.csv (each window's summed
+positions.csv.gz (the mean loss at each window position) and windows.csv (each window's summed
 loss and scored tokens: a pretrained model's intervals), their columns and readers; no torch."""
 
 from __future__ import annotations
 
 import csv
+import gzip
 import math
+import zlib
 from pathlib import Path
 from typing import Optional
 
 from posbench.errors import PosbenchError
+from posbench.files import open_text
 from posbench.measures.base import Metric
 
 PROTOCOL_NAMES = {
@@ -93,9 +96,20 @@ def row_key(r: dict) -> tuple:
     return r["scheme"], int(r["length"]), r["protocol"], str(r["stride"] if r["stride"] is not None else "")
 
 
+POSITIONS = "positions.csv.gz"  # a 16k model's rows run to tens of MB as text
+PLAIN_POSITIONS = "positions.csv"  # the same rows uncompressed, also read
+
+
+def positions_file(run_dir: Path) -> Path:
+    """Where a run's loss per position is: positions.csv.gz, else a plain positions.csv."""
+    gz = Path(run_dir) / POSITIONS
+    return gz if gz.is_file() or not (Path(run_dir) / PLAIN_POSITIONS).is_file() else Path(run_dir) / PLAIN_POSITIONS
+
+
 def read_positions(run_dir: Path) -> list[dict]:
-    """positions.csv's rows: the mean loss at each window position (empty if none yet)."""
-    return _read_losses(Path(run_dir) / "positions.csv", POSITION_COLUMNS, "position")
+    """The rows of positions.csv.gz (or positions.csv): the mean loss at each window position
+    (empty if none yet)."""
+    return _read_losses(positions_file(run_dir), POSITION_COLUMNS, "position")
 
 
 def read_windows(run_dir: Path) -> list[dict]:
@@ -104,18 +118,18 @@ def read_windows(run_dir: Path) -> list[dict]:
 
 
 def _read_losses(path: Path, columns: list[str], per: str) -> list[dict]:
-    """A loss-per-`per` file's rows, checked (positions.csv, windows.csv); empty if it is absent."""
+    """A loss-per-`per` file's rows, checked (positions.csv.gz, windows.csv); empty if it is absent."""
     if not path.is_file():
         return []
     try:
-        with path.open(newline="", encoding="utf-8") as f:
+        with open_text(path) as f:
             reader = csv.DictReader(f)
             rows = list(reader)
         if reader.fieldnames != columns:
             raise ValueError
         for r in rows:
             int(r["length"]), int(r[per]), int(r["tokens"]), float(r["loss"])
-    except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError):
+    except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError, gzip.BadGzipFile, EOFError, zlib.error):
         raise PosbenchError(f"{path}: malformed loss-per-{per} rows; delete it and run evaluate again") from None
     return rows
 

@@ -12,7 +12,9 @@ from posbench.errors import PosbenchError
 from posbench.files import write_rows
 from posbench.measures.perplexity.records import (
     EVAL_COLUMNS,
+    PLAIN_POSITIONS,
     POSITION_COLUMNS,
+    POSITIONS,
     WINDOW_COLUMNS,
     eval_rows,
     read_eval,
@@ -40,7 +42,7 @@ def evaluate_into(
 ) -> list[dict]:
     """Evaluate at `lengths` under each protocol (None: the config's), as trained (None) and as
     each named evaluation-time variant, and merge the rows into the run's eval.csv and their
-    loss per position into positions.csv: a (scheme label, length, protocol, stride) row
+    loss per position into positions.csv.gz: a (scheme label, length, protocol, stride) row
     replaces its old one. The plain rows come first, then each variant's. `reporter` hears how
     many of the input tokens are scored (Reporter.scoring)."""
     from posbench.device import pick_device
@@ -122,10 +124,11 @@ def evaluate_into(
     write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
     kept = [r for r in read_positions(rdir) if row_key(r) not in new]
     write_rows(
-        rdir / "positions.csv",
+        rdir / POSITIONS,
         sorted(kept + positions, key=lambda r: (*order(r), int(r["position"]))),
         POSITION_COLUMNS,
     )
+    (rdir / PLAIN_POSITIONS).unlink(missing_ok=True)  # its rows are kept in the .gz
     kept = [r for r in read_windows(rdir) if row_key(r) not in new]
     write_rows(
         rdir / "windows.csv", sorted(kept + per_window, key=lambda r: (*order(r), int(r["window"]))), WINDOW_COLUMNS

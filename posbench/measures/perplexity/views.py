@@ -437,7 +437,7 @@ def join_checks(rows: list[dict]) -> list[tuple[str, set]]:
 
 
 def position_losses(runs: list, points: dict) -> pd.DataFrame:
-    """Every run's loss per window position (its positions.csv), with its seed and grid point
+    """Every run's loss per window position (its positions.csv.gz), with its seed and grid point
     (`points`: a run folder's, where there are several), in long format."""
     frames = []
     for run in runs:
