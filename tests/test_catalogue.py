@@ -528,6 +528,43 @@ def test_fire_formula():
     assert b[0, 11, 0].item() == pytest.approx(1.0, abs=1e-5)  # i-j = i past L_thr: psi(i)/psi(i)
 
 
+@pytest.mark.parametrize("case", ["trained", "flat units", "shared kinks", "far kinks", "no kinks"])
+def test_fire_reads_its_mlp_as_lines_equal_to_the_mlp_with_its_gradients(case):
+    """FIRE's bias takes its 1 -> 32 -> H MLP as the line it is between two kinks: values and the
+    gradients of x and of every weight equal the MLP's own forward and backward, whatever the
+    kinks (units with w1 = 0 on or off, two units turning at one x, kinks far outside [0, 1]); at
+    an x on a kink (x = 0 with b1 = 0) the values, where the MLP has no gradient (torch takes
+    relu's as 0 there, the lines take the segment's below)."""
+    from posbench.schemes.fire import as_lines
+
+    torch.manual_seed(3)
+    mlp = SCHEMES["fire"](tiny("fire")).mlp[0]
+    with torch.no_grad():
+        w1, b1 = mlp[0].weight[:, 0], mlp[0].bias
+        if case == "flat units":
+            w1[:6], b1[:3], b1[3:6] = 0, 0.5, -0.5
+        elif case == "shared kinks":
+            w1[8:12], b1[8:12] = torch.tensor([1.0, 2.0, -1.0, -3.0]), -0.25 * torch.tensor([1.0, 2.0, -1.0, -3.0])
+            b1[12] = 0.0  # a kink at x = 0, which the diagonal hits
+        elif case == "far kinks":
+            w1.mul_(1e-4)
+        elif case == "no kinks":
+            w1.zero_()
+    x = torch.rand(24, 40).clamp(max=0.999)
+    x[:, 0] = 0.0
+    x.requires_grad_(True)
+    ref = mlp(x.unsqueeze(-1)).permute(2, 0, 1)  # (H, 24, 40)
+    got = as_lines(mlp, x)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(ref)
+    g[:, :, 0] = 0  # x = 0 may sit on a kink
+    params = [x, *mlp.parameters()]
+    want = torch.autograd.grad((ref * g).sum(), params)
+    for mine, theirs in zip(torch.autograd.grad((got * g).sum(), params), want):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
 def test_fire_default_threshold_is_a_quarter_of_train_len():
     scheme = SCHEMES["fire"](tiny("fire", train_len=64))
     assert scheme.init_L.item() == 16.0 and scheme.c.tolist() == pytest.approx([0.1, 0.1])

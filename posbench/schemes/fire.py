@@ -43,5 +43,27 @@ class FIRE(PositionalScheme):
         dist = (qpos[:, None] - kpos[None, :]).clamp(min=0).float()  # (Tq, Tk); future is masked
         norm = torch.maximum(qpos.float(), threshold)  # (Tq,)
         x = torch.log1p(c * dist) / (torch.log1p(c * norm) + self.eps)[:, None]  # (Tq, Tk) in [0, 1]
-        b = self.mlp[layer](x.unsqueeze(-1).to(q.dtype))  # (Tq, Tk, H)
-        return b.permute(2, 0, 1).unsqueeze(0)  # (1, H, Tq, Tk)
+        return as_lines(self.mlp[layer], x).to(q.dtype).unsqueeze(0)  # (1, H, Tq, Tk)
+
+
+def as_lines(mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """mlp(x) for the (Tq, Tk) scalars x, as (H, Tq, Tk), without its (Tq, Tk, W) hidden layer.
+    A 1 -> W -> H ReLU MLP is piecewise linear in x: unit k turns on or off at x = -b1_k / w1_k.
+    Between consecutive kinks the units that are on are fixed, so the MLP is one line per
+    segment, A_s x + C_s (H values each); every x costs a bucketize and two gathers. Equal to
+    the MLP up to rounding, and so are the gradients (a kink's own x aside, a set of measure
+    zero); the parameters stay the MLP's."""
+    first, last = mlp[0], mlp[2]
+    w1, b1, W2, b2 = first.weight[:, 0].float(), first.bias.float(), last.weight.float(), last.bias.float()
+    kinks = (-b1 / w1).detach()  # (W,); a unit with w1 = 0 (kink +-inf) is on everywhere or nowhere
+    kinks = kinks[kinks.isfinite()].sort().values  # (K,)
+    # a point inside each of the K + 1 segments says which units are on there
+    ends = kinks[:1] - 1 - kinks[:1].abs(), kinks[-1:] + 1 + kinks[-1:].abs()
+    inside = torch.cat([ends[0], kinks[:-1] / 2 + kinks[1:] / 2, ends[1]]) if len(kinks) else kinks.new_zeros(1)
+    on = (inside[:, None] * w1.detach() + b1.detach() > 0).float()  # (K + 1, W)
+    # elementwise, not a matmul: autocast would take these sums to bf16
+    A = (on[:, None, :] * w1 * W2).sum(-1)  # (K + 1, H): the segment's slope per head
+    C = (on[:, None, :] * b1 * W2).sum(-1) + b2  # (K + 1, H)
+    seg = torch.bucketize(x.detach(), kinks).flatten()  # (Tq * Tk,): the kinks below each x
+    out = A.T.index_select(1, seg) * x.float().flatten() + C.T.index_select(1, seg)  # (H, Tq * Tk)
+    return out.view(-1, *x.shape)
