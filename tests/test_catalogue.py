@@ -557,6 +557,11 @@ def test_fire_reads_its_mlp_as_lines_equal_to_the_mlp_with_its_gradients(case):
     got = as_lines(mlp, x)
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation's path: gathered in the model's dtype, added in place
+        torch.testing.assert_close(as_lines(mlp, x), ref, rtol=1e-5, atol=1e-6)
+        half = as_lines(mlp, x, torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), ref.detach(), rtol=0.02, atol=0.02)
     g = torch.randn_like(ref)
     g[:, :, 0] = 0  # x = 0 may sit on a kink
     params = [x, *mlp.parameters()]

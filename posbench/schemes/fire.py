@@ -43,11 +43,12 @@ class FIRE(PositionalScheme):
         dist = (qpos[:, None] - kpos[None, :]).clamp(min=0).float()  # (Tq, Tk); future is masked
         norm = torch.maximum(qpos.float(), threshold)  # (Tq,)
         x = torch.log1p(c * dist) / (torch.log1p(c * norm) + self.eps)[:, None]  # (Tq, Tk) in [0, 1]
-        return as_lines(self.mlp[layer], x).to(q.dtype).unsqueeze(0)  # (1, H, Tq, Tk)
+        return as_lines(self.mlp[layer], x, q.dtype).unsqueeze(0)  # (1, H, Tq, Tk)
 
 
-def as_lines(mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-    """mlp(x) for the (Tq, Tk) scalars x, as (H, Tq, Tk), without its (Tq, Tk, W) hidden layer.
+def as_lines(mlp: nn.Sequential, x: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """mlp(x) for the (Tq, Tk) scalars x, as (H, Tq, Tk) in `dtype`, without its (Tq, Tk, W)
+    hidden layer.
     A 1 -> W -> H ReLU MLP is piecewise linear in x: unit k turns on or off at x = -b1_k / w1_k.
     Between consecutive kinks the units that are on are fixed, so the MLP is one line per
     segment, A_s x + C_s (H values each); every x costs a bucketize and two gathers. Equal to
@@ -64,6 +65,9 @@ def as_lines(mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     # elementwise, not a matmul: autocast would take these sums to bf16
     A = (on[:, None, :] * w1 * W2).sum(-1)  # (K + 1, H): the segment's slope per head
     C = (on[:, None, :] * b1 * W2).sum(-1) + b2  # (K + 1, H)
-    seg = torch.bucketize(x.detach(), kinks).flatten()  # (Tq * Tk,): the kinks below each x
-    out = A.T.index_select(1, seg) * x.float().flatten() + C.T.index_select(1, seg)  # (H, Tq * Tk)
-    return out.view(-1, *x.shape)
+    seg = torch.bucketize(x.detach(), kinks, out_int32=True).flatten()  # (Tq * Tk,): the kinks below each x
+    if torch.is_grad_enabled():  # fp32: the gathers' backward sums every (i, j) into (K + 1, H)
+        out = A.T.index_select(1, seg) * x.float().flatten() + C.T.index_select(1, seg)  # (H, Tq * Tk)
+        return out.to(dtype).view(-1, *x.shape)
+    out = C.T.to(dtype).index_select(1, seg)  # (H, Tq * Tk): evaluation holds one (H, Tq, Tk) beside it
+    return out.addcmul_(A.T.to(dtype).index_select(1, seg), x.to(dtype).flatten()).view(-1, *x.shape)
