@@ -65,8 +65,11 @@ def as_lines(mlp: nn.Sequential, x: torch.Tensor, dtype=torch.float32) -> torch.
     # elementwise, not a matmul: autocast would take these sums to bf16
     A = (on[:, None, :] * w1 * W2).sum(-1)  # (K + 1, H): the segment's slope per head
     C = (on[:, None, :] * b1 * W2).sum(-1) + b2  # (K + 1, H)
-    seg = torch.bucketize(x.detach(), kinks, out_int32=True).flatten()  # (Tq * Tk,): the kinks below each x
-    if torch.is_grad_enabled():  # fp32: the gathers' backward sums every (i, j) into (K + 1, H)
+    training = torch.is_grad_enabled()
+    # (Tq * Tk,): the kinks below each x; int64 in training, where the gathers' backward (an
+    # index_add) takes int32 indices 10x slower, int32 at evaluation, to hold less
+    seg = torch.bucketize(x.detach(), kinks, out_int32=not training).flatten()
+    if training:  # fp32: the gathers' backward sums every (i, j) into the (K + 1, H) tables
         out = A.T.index_select(1, seg) * x.float().flatten() + C.T.index_select(1, seg)  # (H, Tq * Tk)
         return out.to(dtype).view(-1, *x.shape)
     out = C.T.to(dtype).index_select(1, seg)  # (H, Tq * Tk): evaluation holds one (H, Tq, Tk) beside it
