@@ -73,23 +73,24 @@ def write_atomic(path: Path, text: str) -> None:
 
 def write_rows(path: Path, rows: list[dict], columns: list[str]) -> None:
     """A CSV of `columns`; None and NaN are written as empty cells. A path ending in .gz is
-    gzipped with neither name nor time in its header, so the same rows give the same bytes."""
-    with atomic(path) as tmp, _text_out(tmp, gzipped=path.suffix == ".gz") as f:
-        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if _missing(r.get(k)) else r.get(k)) for k in columns})
+    gzipped in one write, with neither name nor time in its header: the same rows give the same
+    bytes (under one zlib)."""
+    with atomic(path) as tmp:
+        if path.suffix == ".gz":
+            text = io.StringIO(newline="")
+            _write_csv(text, rows, columns)
+            with tmp.open("wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as z:
+                z.write(text.getvalue().encode())  # one write: a flush would add an empty block
+        else:
+            with tmp.open("w", newline="") as f:
+                _write_csv(f, rows, columns)
 
 
-@contextlib.contextmanager
-def _text_out(path: Path, gzipped: bool):
-    if not gzipped:
-        with path.open("w", newline="") as f:
-            yield f
-        return
-    with path.open("wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as z:
-        with io.TextIOWrapper(z, encoding="utf-8", newline="") as f:
-            yield f
+def _write_csv(f, rows: list[dict], columns: list[str]) -> None:
+    w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if _missing(r.get(k)) else r.get(k)) for k in columns})
 
 
 def open_text(path: Path):

@@ -532,9 +532,9 @@ def test_fire_formula():
 def test_fire_reads_its_mlp_as_lines_equal_to_the_mlp_with_its_gradients(case):
     """FIRE's bias takes its 1 -> 32 -> H MLP as the line it is between two kinks: values and the
     gradients of x and of every weight equal the MLP's own forward and backward, whatever the
-    kinks (units with w1 = 0 on or off, two units turning at one x, kinks far outside [0, 1]); at
-    an x on a kink (x = 0 with b1 = 0) the values, where the MLP has no gradient (torch takes
-    relu's as 0 there, the lines take the segment's below)."""
+    kinks (units with w1 = 0 on or off, two units turning at one x, kinks far outside [0, 1]).
+    At an x on a kink (x = 0 with b1 = 0) only values are compared: the MLP has no gradient
+    there (torch takes relu's as 0, the lines take the segment's below)."""
     from posbench.schemes.fire import as_lines
 
     torch.manual_seed(3)
@@ -568,6 +568,30 @@ def test_fire_reads_its_mlp_as_lines_equal_to_the_mlp_with_its_gradients(case):
     want = torch.autograd.grad((ref * g).sum(), params)
     for mine, theirs in zip(torch.autograd.grad((got * g).sum(), params), want):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_fire_traces_in_one_graph_runs_another_mlp_as_it_is_and_takes_an_empty_block():
+    """train.compile: the lines have one segment per unit whatever the weights, so FIRE traces
+    without a graph break; an MLP of another shape (a subclass's) is run as it is; a block with
+    no queries gives (H, 0, Tk)."""
+    import torch.nn as nn
+
+    from posbench.check import tiny_model
+    from posbench.schemes.fire import as_lines
+
+    torch._dynamo.reset()
+    model = tiny_model("fire").train()
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason)[:120] for r in explained.break_reasons]
+    torch.manual_seed(0)
+    deeper = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.rand(5, 7)
+    assert torch.equal(as_lines(deeper, x), deeper(x.unsqueeze(-1)).permute(2, 0, 1))
+    mlp = SCHEMES["fire"](tiny("fire")).mlp[0]
+    assert as_lines(mlp, torch.rand(0, 7)).shape == (4, 0, 7)
+    with torch.no_grad():
+        assert as_lines(mlp, torch.rand(0, 7)).shape == (4, 0, 7)
 
 
 def test_fire_default_threshold_is_a_quarter_of_train_len():

@@ -182,28 +182,27 @@ def test_evaluate_adds_sliding_rows_beside_the_non_overlapping_ones(tmp_path, co
 
 
 def test_a_gzipped_record_is_the_same_bytes_for_the_same_rows_and_a_broken_one_is_one_line(tmp_path):
-    """positions.csv.gz carries neither a name nor a time, so rescoring the same rows leaves the
-    committed file as it was; a truncated or foreign file is refused as a malformed record."""
+    """positions.csv.gz carries neither a name nor a time, so scoring the same rows again leaves
+    a committed file byte for byte as it was; a truncated or foreign file is refused as a
+    malformed record."""
+    from conftest import ROOT
+
     from posbench.errors import PosbenchError
     from posbench.files import write_rows
     from posbench.measures.perplexity.records import POSITION_COLUMNS, read_positions
 
-    rows = [
-        {"scheme": "alibi", "length": 8, "protocol": "nonoverlapping", "stride": "", "position": p, "loss": 1 / 3 + p}
-        | {"tokens": 4}
-        for p in range(8)
-    ]
+    committed = ROOT / "results" / "reference" / "alibi-seed0"
+    rows = read_positions(committed)
+    assert len(rows) > 100
     a, b = tmp_path / "a", tmp_path / "b"
     for folder in (a, b):
         folder.mkdir()
         write_rows(folder / "positions.csv.gz", rows, POSITION_COLUMNS)
         write_rows(folder / "positions.csv", rows, POSITION_COLUMNS)
-    assert (a / "positions.csv.gz").read_bytes() == (b / "positions.csv.gz").read_bytes()
+    assert (a / "positions.csv.gz").read_bytes() == (committed / "positions.csv.gz").read_bytes()
     assert gzip.decompress((a / "positions.csv.gz").read_bytes()) == (a / "positions.csv").read_bytes()
-    got = read_positions(a)  # the .gz, where both are
-    assert [float(r["loss"]) for r in got] == [1 / 3 + p for p in range(8)]
     (b / "positions.csv.gz").unlink()
-    assert read_positions(b) == got  # the plain file alone
+    assert read_positions(b) == read_positions(a) == rows  # the plain file alone; the .gz where both are
     for broken in ((a / "positions.csv.gz").read_bytes()[:-12], b"not gzip at all"):
         (a / "positions.csv.gz").write_bytes(broken)
         with pytest.raises(PosbenchError, match="positions.csv.gz: malformed loss-per-position rows"):

@@ -53,24 +53,27 @@ def as_lines(mlp: nn.Sequential, x: torch.Tensor, dtype=torch.float32) -> torch.
     Between consecutive kinks the units that are on are fixed, so the MLP is one line per
     segment, A_s x + C_s (H values each); every x costs a bucketize and two gathers. Equal to
     the MLP up to rounding, and so are the gradients (a kink's own x aside, a set of measure
-    zero); the parameters stay the MLP's."""
+    zero); the parameters stay the MLP's. Any other MLP (a subclass's) is run as it is."""
+    if not (len(mlp) == 3 and isinstance(mlp[1], nn.ReLU) and all(isinstance(mlp[i], nn.Linear) for i in (0, 2))):
+        return mlp(x.unsqueeze(-1).to(dtype)).permute(2, 0, 1)
     first, last = mlp[0], mlp[2]
     w1, b1, W2, b2 = first.weight[:, 0].float(), first.bias.float(), last.weight.float(), last.bias.float()
-    kinks = (-b1 / w1).detach()  # (W,); a unit with w1 = 0 (kink +-inf) is on everywhere or nowhere
-    kinks = kinks[kinks.isfinite()].sort().values  # (K,)
-    # a point inside each of the K + 1 segments says which units are on there
-    ends = kinks[:1] - 1 - kinks[:1].abs(), kinks[-1:] + 1 + kinks[-1:].abs()
-    inside = torch.cat([ends[0], kinks[:-1] / 2 + kinks[1:] / 2, ends[1]]) if len(kinks) else kinks.new_zeros(1)
-    on = (inside[:, None] * w1.detach() + b1.detach() > 0).float()  # (K + 1, W)
+    H, W = W2.shape
+    w, b = w1.detach(), b1.detach()
+    kink = torch.where(w != 0, -b / w, torch.inf)  # (W,); a unit with w1 = 0 never turns
+    kinks, order = kink.sort()  # (W,); segment s lies above the first s of them
+    rank = order.argsort()  # (W,): where each unit's kink sorts
+    s = torch.arange(W + 1, device=w.device)[:, None]  # (W + 1, 1)
+    on = torch.where(w > 0, rank < s, torch.where(w < 0, rank >= s, b > 0)).float()  # (W + 1, W)
     # elementwise, not a matmul: autocast would take these sums to bf16
-    A = (on[:, None, :] * w1 * W2).sum(-1)  # (K + 1, H): the segment's slope per head
-    C = (on[:, None, :] * b1 * W2).sum(-1) + b2  # (K + 1, H)
-    training = torch.is_grad_enabled()
-    # (Tq * Tk,): the kinks below each x; int64 in training, where the gathers' backward (an
-    # index_add) takes int32 indices 10x slower, int32 at evaluation, to hold less
-    seg = torch.bucketize(x.detach(), kinks, out_int32=not training).flatten()
-    if training:  # fp32: the gathers' backward sums every (i, j) into the (K + 1, H) tables
+    A = (on[:, None, :] * w1 * W2).sum(-1)  # (W + 1, H): the segment's slope per head
+    C = (on[:, None, :] * b1 * W2).sum(-1) + b2  # (W + 1, H)
+    grad = torch.is_grad_enabled()
+    # (Tq * Tk,): the kinks below each x; int64 where a gradient is taken, since the gathers'
+    # backward (an index_add) takes int32 indices 10x slower; int32 without, to hold less
+    seg = torch.bucketize(x.detach(), kinks, out_int32=not grad).flatten()
+    if grad:  # fp32: the gathers' backward sums every (i, j) into the (W + 1, H) tables
         out = A.T.index_select(1, seg) * x.float().flatten() + C.T.index_select(1, seg)  # (H, Tq * Tk)
-        return out.to(dtype).view(-1, *x.shape)
-    out = C.T.to(dtype).index_select(1, seg)  # (H, Tq * Tk): evaluation holds one (H, Tq, Tk) beside it
-    return out.addcmul_(A.T.to(dtype).index_select(1, seg), x.to(dtype).flatten()).view(-1, *x.shape)
+        return out.to(dtype).view(H, *x.shape)
+    out = C.T.to(dtype).index_select(1, seg)  # (H, Tq * Tk): one (H, Tq, Tk) beside it, added in place
+    return out.addcmul_(A.T.to(dtype).index_select(1, seg), x.to(dtype).flatten()).view(H, *x.shape)

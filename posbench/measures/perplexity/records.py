@@ -102,8 +102,8 @@ PLAIN_POSITIONS = "positions.csv"  # the same rows uncompressed, also read
 
 def positions_file(run_dir: Path) -> Path:
     """Where a run's loss per position is: positions.csv.gz, else a plain positions.csv."""
-    gz = Path(run_dir) / POSITIONS
-    return gz if gz.is_file() or not (Path(run_dir) / PLAIN_POSITIONS).is_file() else Path(run_dir) / PLAIN_POSITIONS
+    gz, plain = Path(run_dir) / POSITIONS, Path(run_dir) / PLAIN_POSITIONS
+    return plain if plain.is_file() and not gz.is_file() else gz
 
 
 def read_positions(run_dir: Path) -> list[dict]:
