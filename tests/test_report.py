@@ -541,6 +541,15 @@ def test_the_readme_task_table_is_the_committed_task_reference():
         assert ours == [f"{by_task[t][scheme][0]} / {by_task[t][scheme][1]}" for t in FIVE_TASKS] + [rank[scheme][0]]
 
 
+def test_the_task_docs_reciprocal_rank_table_is_the_committed_task_reference():
+    """docs/tasks.md's mean reciprocal rank, "here", is results/reference-tasks' summary, scheme
+    for scheme (it once kept numbers of an earlier rebuild)."""
+    docs = _table((ROOT / "docs" / "tasks.md").read_text(), "| scheme | here, 5 tasks |")
+    summary = (ROOT / "results" / "reference-tasks" / "summary.md").read_text()
+    rank = _table(summary, "## mean reciprocal rank")
+    assert len(docs) == 5 and {s: cells[0] for s, cells in docs.items()} == {s: rank[s][0] for s in docs}
+
+
 @pytest.mark.plots
 def test_a_report_of_another_view_is_written_beside_the_experiments_summary_never_over_it(tmp_path):
     """#47.2: report --metric bpb (or --buckets, --transpose) writes summary-bpb.* beside the
