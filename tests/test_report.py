@@ -543,7 +543,7 @@ def test_the_readme_task_table_is_the_committed_task_reference():
 
 def test_the_task_docs_reciprocal_rank_table_is_the_committed_task_reference():
     """docs/tasks.md's mean reciprocal rank, "here", is results/reference-tasks' summary, scheme
-    for scheme (it once kept numbers of an earlier rebuild)."""
+    for scheme."""
     docs = _table((ROOT / "docs" / "tasks.md").read_text(), "| scheme | here, 5 tasks |")
     summary = (ROOT / "results" / "reference-tasks" / "summary.md").read_text()
     rank = _table(summary, "## mean reciprocal rank")
