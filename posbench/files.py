@@ -10,6 +10,7 @@ import gzip
 import io
 import math
 import os
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -93,8 +94,11 @@ def _write_csv(f, rows: list[dict], columns: list[str]) -> None:
         w.writerow({k: ("" if _missing(r.get(k)) else r.get(k)) for k in columns})
 
 
+GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)  # what reading a damaged .gz raises
+
+
 def open_text(path: Path):
-    """A CSV record for reading, gzipped or not by its name."""
+    """A CSV record for reading, gzipped or not by its name (a damaged .gz: GZIP_ERRORS)."""
     if path.suffix == ".gz":
         return gzip.open(path, "rt", encoding="utf-8", newline="")
     return path.open(newline="", encoding="utf-8")

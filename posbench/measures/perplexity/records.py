@@ -5,14 +5,12 @@ loss and scored tokens: a pretrained model's intervals), their columns and reade
 from __future__ import annotations
 
 import csv
-import gzip
 import math
-import zlib
 from pathlib import Path
 from typing import Optional
 
 from posbench.errors import PosbenchError
-from posbench.files import open_text
+from posbench.files import GZIP_ERRORS, open_text
 from posbench.measures.base import Metric
 
 PROTOCOL_NAMES = {
@@ -129,7 +127,7 @@ def _read_losses(path: Path, columns: list[str], per: str) -> list[dict]:
             raise ValueError
         for r in rows:
             int(r["length"]), int(r[per]), int(r["tokens"]), float(r["loss"])
-    except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError, gzip.BadGzipFile, EOFError, zlib.error):
+    except (UnicodeDecodeError, csv.Error, KeyError, TypeError, ValueError, *GZIP_ERRORS):
         raise PosbenchError(f"{path}: malformed loss-per-{per} rows; delete it and run evaluate again") from None
     return rows
 
