@@ -534,11 +534,8 @@ def pretrained(
     fetched from a hub. Rows go to results/NAME/MODEL/, a report of which joins any other.
     --measure context_gain,key_tokens also scores it by those measures (docs/measures.md), at
     the same lengths, into results/NAME/MODEL/measures/."""
-    from posbench.experiment.pretrained import check_prepared, model_config, run_pretrained, tokenizer_of
+    from posbench.experiment.pretrained import plan_pretrained, run_pretrained
     from posbench.measures.plugin import load_measures
-    from posbench.pretrained import approx_params, fitting_batch, load_pretrained, memory_of, read_model_config
-    from posbench.resolve import Experiment
-    from posbench.tasks import task_for
 
     stride = _whole(stride)
     with user_errors():
@@ -561,43 +558,10 @@ def pretrained(
         cfg = load_config(config, set_ or [], values)
         if "name" not in cfg.origins:
             cfg.name = "pretrained"
-        shape = read_model_config(model_path)  # before the weights: a length that cannot fit is refused first
-        context = int(getattr(shape, "max_position_embeddings", 0) or getattr(shape, "n_positions", 0))
-        longest = test_len or (max(cfg.eval.lengths) if "eval.lengths" in cfg.origins else 2 * context)
-        batch = fitting_batch(shape, approx_params(shape), [longest], cfg.eval.batch_size, memory_of(cfg.train.device))
-        model = load_pretrained(model_path)
-        kinds = cfg.eval.perplexity.rope_scaling
-        if kinds and not model.eval_variants:
-            raise PosbenchError(
-                f"--rope-scaling {','.join(kinds)}: {model.name} ({model.config.model_type}) has no rotary embedding"
-            )
-        wrong = [k for k in kinds if k not in model.eval_variants]
-        if wrong:
-            hint = "; transformers' NTK-aware scaling is dynamic" if wrong[0] == "ntk" else ""
-            raise PosbenchError(
-                f"--rope-scaling {wrong[0]}: not a RoPE type transformers has; valid: "
-                f"{', '.join(model.eval_variants)}{hint}"
-            )
-        folder = Path(cfg.out_dir) / cfg.name
-        origins = cfg.origins
-        tokenizer = tokenizer_of(model, folder)
-        check_prepared(cfg.data.path, tokenizer, model)
-        cfg = model_config(cfg, model, tokenizer)
-        cfg.origins = origins
-        if lengths is None and test_len is None and "eval.lengths" not in cfg.origins:
-            cfg.eval.lengths = [model.context, 2 * model.context]
-        cfg.eval.batch_size = batch
-        task = task_for(cfg)
-        own = task.measure()
-        try:
-            own.decide(cfg, test_len)
-        except PosbenchError as e:
-            from posbench.config import blame
-
-            raise blame(cfg, e) from None
-        folder, rdir, scored = run_pretrained(Experiment(cfg, task, own), model, BarReporter(err), measures)
+        exp, model = plan_pretrained(cfg, model_path, test_len)
+        folder, rdir, scored = run_pretrained(exp, model, BarReporter(err), measures)
         _print_measures(model.name, scored, rdir)
-        _print_summary(folder, asked=cfg)
+        _print_summary(folder, asked=exp.cfg)
 
 
 @app.command()

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Optional
 
-from posbench.config import ExperimentConfig, config_from_dict, differences, dump_yaml, read_record
+from posbench.config import ExperimentConfig, blame, config_from_dict, differences, dump_yaml, read_record
 from posbench.device import pick_device
 from posbench.errors import PosbenchError
 from posbench.experiment.records import CONFIG, check_read, lock_file, record_read
@@ -82,6 +83,47 @@ def model_config(cfg: ExperimentConfig, model, tokenizer: str) -> ExperimentConf
     )
     data = dataclasses.replace(cfg.data, tokenizer=tokenizer)
     return dataclasses.replace(cfg, schemes=[model_cfg.scheme], seeds=[0], model=model_cfg, data=data)
+
+
+def plan_pretrained(cfg: ExperimentConfig, model_path: Path, test_len: Optional[int]) -> tuple[Experiment, object]:
+    """The model at `model_path` loaded, and the experiment that scores it as `cfg` asks: its
+    shape, context, tokenizer and a batch that fits the longest length. A length that cannot
+    fit, or a RoPE scaling the model lacks, is refused before anything is written."""
+    from posbench.pretrained import approx_params, fitting_batch, load_pretrained, memory_of, read_model_config
+    from posbench.tasks import task_for
+
+    shape = read_model_config(model_path)  # before the weights: a length that cannot fit is refused first
+    context = int(getattr(shape, "max_position_embeddings", 0) or getattr(shape, "n_positions", 0))
+    longest = test_len or (max(cfg.eval.lengths) if "eval.lengths" in cfg.origins else 2 * context)
+    batch = fitting_batch(shape, approx_params(shape), [longest], cfg.eval.batch_size, memory_of(cfg.train.device))
+    model = load_pretrained(model_path)
+    kinds = cfg.eval.perplexity.rope_scaling
+    if kinds and not model.eval_variants:
+        raise PosbenchError(
+            f"--rope-scaling {','.join(kinds)}: {model.name} ({model.config.model_type}) has no rotary embedding"
+        )
+    wrong = [k for k in kinds if k not in model.eval_variants]
+    if wrong:
+        hint = "; transformers' NTK-aware scaling is dynamic" if wrong[0] == "ntk" else ""
+        raise PosbenchError(
+            f"--rope-scaling {wrong[0]}: not a RoPE type transformers has; valid: "
+            f"{', '.join(model.eval_variants)}{hint}"
+        )
+    origins = cfg.origins
+    tokenizer = tokenizer_of(model, Path(cfg.out_dir) / cfg.name)
+    check_prepared(cfg.data.path, tokenizer, model)
+    cfg = model_config(cfg, model, tokenizer)
+    cfg.origins = origins
+    if test_len is None and "eval.lengths" not in origins:
+        cfg.eval.lengths = [model.context, 2 * model.context]
+    cfg.eval.batch_size = batch
+    task = task_for(cfg)
+    own = task.measure()
+    try:
+        own.decide(cfg, test_len)
+    except PosbenchError as e:
+        raise blame(cfg, e) from None
+    return Experiment(cfg, task, own), model
 
 
 def check_same_model(rdir: Path, rc: ExperimentConfig) -> None:
