@@ -49,7 +49,7 @@ reproduce-tasks: install
 # in results/reference-extend/ each method, its swept settings, the PI experiment and the
 # continue control fine-tuned at 400 on 1% of the parents' tokens (40 steps x 8 x 400), scored
 # to 1600; in results/reference-extend-long/ pi, pi-keep2 and continue on 10% (400 steps), until
-# PI's curve flattens. About 45 minutes on 2 free cores.
+# PI's curve flattens. About an hour on 2 cores.
 EXTEND_METHODS = pi,pi@2,pi-keep2,ntk,yarn,yarn-fast8,abf,abf-base100000,abf-base20000,pose,plain,continue
 EXTEND = posbench extend results/reference-extend-parents --to 400 --lengths 100,200,400,800,1600 \
 	--set train.batch_size=8
@@ -76,7 +76,7 @@ reproduce-smollm2: smollm2
 # schemes and two 1:1 layer patterns at the defaults, 3 seeds, to 8x, under perplexity, context
 # gain, key tokens and retrieval (about 30 minutes on 2 cores); then SmolLM2-135M at 1k to 8k
 # (its context), plain and with linear and yarn at factor 2, under the same measures, in
-# results/reference-context-smollm2/ (about an hour)
+# results/reference-context-smollm2/ (about 75 minutes)
 SMOLLM2 = "$$($(PYTHON) -c 'from posbench.pretrained import smollm2; print(smollm2())')"
 CONTEXT_SMOLLM2 = --name reference-context-smollm2 --lengths 1024,2048,4096,8192 --rope-scaling linear,yarn \
 	--rope-factor 2 --set eval.tokens=32768 --measure context_gain,key_tokens,retrieval --measure-option k=256 \
