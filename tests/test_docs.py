@@ -125,3 +125,21 @@ def test_extrapolate_help_names_every_registered_task():
     res = invoke("extrapolate", "--help")
     text = "".join(res.output.split())
     assert res.exit_code == 0 and all(name in text for name in TASKS), res.output
+
+
+def test_readme_counts_the_built_in_schemes_patterns_and_scalings():
+    """The README's opening counts are the registries': every built-in scheme, every preset
+    pattern, and the evaluation-time scalings a posbench run can take (longrope is a pretrained
+    model's only)."""
+    from conftest import ROOT
+
+    from posbench.schemes import PATTERNS, SCHEMES
+    from posbench.schemes.rope import ROPE_SCALINGS
+
+    words = dict(enumerate("zero one two three four five six seven eight nine ten eleven twelve".split()))
+    words |= {13: "thirteen", 14: "fourteen", 15: "fifteen", 16: "sixteen", 17: "seventeen", 18: "eighteen"}
+    words |= {19: "nineteen", 20: "twenty"}
+    opening = folded((ROOT / "README.md").read_text().split("## Quick start")[0]).lower()
+    scalings = [v for v in ROPE_SCALINGS if v not in (None, "longrope")]
+    assert f"{words[len(SCHEMES)]} schemes and {words[len(PATTERNS)]} layer patterns are built in" in opening
+    assert f"rope has {words[len(scalings)]} evaluation-time scalings (and longrope for pretrained" in opening
