@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import signal
 import sys
@@ -103,7 +104,7 @@ def _csv_ints(text: Optional[str], what: str) -> Optional[list[int]]:
 
 def _whole(x: Optional[float]) -> Optional[float]:
     """A number typer read as a float, as an int where it is whole: --stride 256 is 256 tokens."""
-    return int(x) if x is not None and x == int(x) else x
+    return int(x) if x is not None and math.isfinite(x) and x == int(x) else x  # nan and inf: the config refuses them
 
 
 def _set_threads(threads: Optional[int]) -> None:
@@ -286,7 +287,11 @@ def extrapolate(
             "task": (f"--task {task}", task),
             "train.tracker": (f"--tracker {tracker}", tracker),
         }
-        exp = resolve(load_config(config, set_ or [], values), test_len)
+        cfg = load_config(config, set_ or [], values)
+        if test_len is not None and cfg.origins.get("eval.lengths", "").startswith("--set"):
+            given = cfg.origins["eval.lengths"]
+            raise PosbenchError(f"--test-len and {given} both set the evaluation lengths; give one")
+        exp = resolve(cfg, test_len)
         _kernel_notes(exp.cfg)
         _print_summary(run_experiment(exp, BarReporter(err)), asked=exp.cfg, tracker=exp.cfg.train.tracker)
 
@@ -766,6 +771,8 @@ def bench(
             "task": (f"--task {task}", task),
         }
         cfg = load_config(config, set_ or [], values)
+        if rounds is not None and rounds < 1:
+            raise PosbenchError(f"--rounds {rounds} must be positive")
         if task is not None:  # on the CPU, where training cuts a task's batch by length
             from posbench.bench_data import task_benchmark
             from posbench.console import plain_table

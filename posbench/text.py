@@ -503,7 +503,17 @@ def load_prepared(path: str) -> Tokens:
             )
         arrays.append(tokens)
     lengths_file = folder / "byte_lengths.npy"
-    lengths = np.load(lengths_file) if lengths_file.is_file() else np.ones(int(meta["vocab_size"]), np.int64)
+    lengths = np.ones(vocab, np.int64)  # a folder prepared without it: one byte per token
+    if lengths_file.is_file():
+        try:
+            lengths = np.load(lengths_file, allow_pickle=False)
+        except (OSError, ValueError, EOFError):
+            lengths = None
+        if lengths is None or lengths.shape != (vocab,) or lengths.dtype.kind not in "iu":
+            raise PosbenchError(
+                f"{lengths_file}: damaged, not the {vocab:,} byte lengths tokens.json's vocabulary needs; "
+                f"prepare it again"
+            )
     return Tokens(meta.get("name", str(folder)), arrays[0], arrays[1], meta["tokenizer"], lengths)
 
 

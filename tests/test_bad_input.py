@@ -41,6 +41,14 @@ def _assert_clean_failure(res, message, results: Path):
         (["--set", "eval.tokens=40"], "eval.tokens=40 is fewer than the longest eval length 64"),
         (["--schemes", "alibi]"], "unknown scheme 'alibi]'"),  # given as typed, not read as YAML
         (["--threads", "-1"], "train.threads=-1 must be positive"),
+        (
+            ["--train-len", "32", "--set", "model.train_len=48"],
+            "--train-len 32 and --set model.train_len=48 both set model.train_len; give one",
+        ),
+        (["--task", "copy", "--set", "task=reverse"], "--task copy and --set task=reverse both set task"),
+        (["--test-len", "64", "--set", "eval.lengths=[32,48]"], "--test-len and --set eval.lengths=[32,48] both set"),
+        (["--protocol", "sliding", "--stride", "nan"], "stride: expected a finite number, got nan"),
+        (["--protocol", "sliding", "--stride", "inf"], "stride: expected a finite number, got inf"),
     ],
 )
 def test_extrapolate_errors_are_one_line_and_leave_nothing(tmp_path, corpus_file, args, message):
@@ -243,3 +251,19 @@ def test_what_would_fail_late_or_abort_is_one_line_first(tmp_path, args, said):
     res = invoke(*args, *out)
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
     assert said in " ".join(res.output.split()) and not (tmp_path / "out").exists()
+
+
+def test_eval_tokens_are_checked_against_the_lengths_scored():
+    """eval.tokens is held against the lengths a run is scored at, once they are decided: the
+    default lengths (to 200) do not refuse 100 tokens for --train-len 25 --test-len 50."""
+    from posbench.config import load_config
+    from posbench.errors import PosbenchError
+    from posbench.resolve import resolve
+
+    def resolved(tokens):
+        cfg = load_config(None, [f"eval.tokens={tokens}"], {"model.train_len": ("--train-len 25", 25)})
+        return resolve(cfg, test_len=50).cfg
+
+    assert resolved(100).eval.lengths == [25, 31, 38, 50]  # 25 + 25 * (0, 1/4, 1/2, 1), rounded
+    with pytest.raises(PosbenchError, match="eval.tokens=40 is fewer than the longest eval length 50"):
+        resolved(40)

@@ -143,3 +143,39 @@ def test_readme_counts_the_built_in_schemes_patterns_and_scalings():
     scalings = [v for v in ROPE_SCALINGS if v not in (None, "longrope")]
     assert f"{words[len(SCHEMES)]} schemes and {words[len(PATTERNS)]} layer patterns are built in" in opening
     assert f"rope has {words[len(scalings)]} evaluation-time scalings (and longrope for pretrained" in opening
+
+
+def test_readme_benchmark_table_is_the_committed_bench():
+    """Every number in the README's benchmark table is results/reference-bench/bench.csv's,
+    rounded as the table shows it, and the range of the rest spans the other schemes."""
+    import csv
+
+    from conftest import ROOT
+
+    rows = list(csv.DictReader(open(ROOT / "results" / "reference-bench" / "bench.csv")))
+    train = {r["scheme"]: r for r in rows if r["measurement"] == "train"}
+    memory = {
+        r["scheme"]: float(r["peak_mem_mb"]) for r in rows if r["measurement"] == "eval" and r["eval_len"] == "6400"
+    }
+    section = (ROOT / "README.md").read_text().split("## Benchmark")[1].split("## Layout")[0]
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")]
+    shown = {cells[0]: cells for cells in table[1:]}
+    for scheme, cells in shown.items():
+        if scheme == "(the rest)":
+            continue
+        r = train[scheme]
+        assert cells[1:] == [
+            f"{float(r['tokens_per_s']):.0f}",
+            f"{float(r['ratio_vs_nope']):.2f}",
+            f"{float(r['peer_tokens_per_s']):.0f}",
+            f"{float(r['peer_ratio']):.2f}",
+            f"{memory[scheme]:.0f}",
+        ], scheme
+    rest = [s for s in train if s not in shown]
+    low = min(rest, key=lambda s: float(train[s]["ratio_vs_nope"]))
+    high = max(rest, key=lambda s: float(train[s]["ratio_vs_nope"]))
+    most = max(rest, key=lambda s: memory[s])
+    r = shown["(the rest)"]
+    ratio = lambda s: f"{float(train[s]['ratio_vs_nope']):.2f}"  # noqa: E731
+    assert r[2] == f"{ratio(low)} ({low}) to {ratio(high)} ({high})"
+    assert r[5] == f"at most {memory[most]:.0f} ({most})"

@@ -346,6 +346,39 @@ def test_a_missing_or_unfinished_parent_is_one_line(parents, tmp_path):
     assert not (tmp_path / "ext").exists()
 
 
+def test_out_is_never_a_parents_folder_nor_a_folder_extend_did_not_make(parents, tmp_path):
+    """--out at a parent's own experiment folder would write the parent's copy over the parent;
+    --out at another experiment (or any folder holding files) would mix its runs with these.
+    Both are one line, with every file there as it was."""
+    exp, _ = parents
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in exp.rglob("*") if p.is_file()}
+    for source, out, message in (
+        (exp / "rope-seed0", exp, f"--out {exp}: holds the parent run {exp / 'rope-seed0'}"),
+        (exp, other, f"--out {other}: a folder extend did not make (no extend.yaml)"),
+    ):
+        res = invoke("extend", source, "--to", "64", "--steps", "1", "--out", out)
+        assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+        assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+    assert {p: p.read_bytes() for p in exp.rglob("*") if p.is_file()} == before
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def test_a_damaged_parent_is_refused_before_anything_is_written(parents, tmp_path):
+    """A parent whose model.pt is damaged is named in one line while planning: no copy of it,
+    no extend.yaml, no folder to delete before the rerun."""
+    exp, _ = parents
+    damaged = tmp_path / "exp" / "rope-seed0"
+    shutil.copytree(exp / "rope-seed0", damaged)
+    weights = damaged / "model.pt"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    res = invoke("extend", damaged, "--to", "64", "--steps", "1", "--out", tmp_path / "ext")
+    assert res.exit_code == 2 and f"{weights}: corrupt or not a posbench checkpoint" in " ".join(res.output.split())
+    assert not (tmp_path / "ext").exists()
+
+
 def test_a_method_that_applies_to_no_run_is_refused(parents, tmp_path):
     exp, _ = parents
     res = invoke("extend", exp / "alibi-seed0", "--to", "64", "--methods", "pi,yarn", "--out", tmp_path / "ext")

@@ -1,6 +1,7 @@
 """Pretrained models from disk, scored by posbench's protocols: the same losses as transformers
 computes itself, for every RoPE variant, past the model's context."""
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+from posbench.config import EvalConfig  # noqa: E402
 from posbench.errors import PosbenchError  # noqa: E402
 from posbench.evaluate import evaluate_model  # noqa: E402
 from posbench.pretrained import VARIANTS, load_pretrained  # noqa: E402
@@ -304,6 +306,11 @@ def test_other_model_files_under_the_same_name_are_refused_and_nothing_is_touche
             ["--set", "eval.tokens=20", "--lengths", str(CONTEXT)],
             "eval.tokens=20 is fewer than the longest eval length",
         ),
+        (["--set", "task=copy"], "--set task=copy: posbench pretrained scores a model on text (task lm)"),
+        (
+            ["--test-len", str(CONTEXT // 2)],
+            f"--test-len {CONTEXT // 2} is shorter than the model's context {CONTEXT}, where its grid starts",
+        ),
         (
             ["--protocol", "sliding", "--stride", str(CONTEXT + 1), "--lengths", str(CONTEXT)],
             f"eval.perplexity.stride={CONTEXT + 1} is longer than the shortest window, eval.lengths {CONTEXT}",
@@ -320,6 +327,23 @@ def test_bad_input_to_pretrained_is_one_line_and_writes_nothing(models, tmp_path
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) == 1, res.output
     assert not out.exists()
+
+
+def test_eval_tokens_are_held_against_the_lengths_the_model_is_scored_at(models, tmp_path):
+    """By default a model is scored at its context and twice it, not at the defaults' lengths:
+    eval.tokens is checked against those."""
+    from conftest import invoke
+
+    out = tmp_path / "r"
+    tokens = 2 * CONTEXT
+    assert tokens < max(EvalConfig().lengths)  # the defaults' lengths alone would refuse it
+    args = ("--data", str(_corpus(tmp_path)), "--set", f"out_dir={out}", "--set", f"eval.tokens={tokens}")
+    res = invoke("pretrained", str(models / "llama"), *args)
+    assert res.exit_code == 0, res.output
+    assert sorted({int(r["length"]) for r in csv.DictReader(open(out / "pretrained" / "llama" / "eval.csv"))}) == [
+        CONTEXT,
+        2 * CONTEXT,
+    ]
 
 
 def test_a_rope_variant_asked_of_a_model_without_rope_is_one_line(models, tmp_path):

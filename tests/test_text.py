@@ -404,3 +404,28 @@ def test_a_sentencepiece_style_tokenizer_json_counts_the_bytes_its_tokens_spell_
     lengths = t.byte_lengths()
     assert lengths[tok.token_to_id("<0x0A>")] == 1 and lengths[1] == 0
     assert int(lengths[ids].sum()) == len(sample.encode()) + 1  # the ▁ prepended to the piece
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda f: f.write_bytes(b"garbage, not an array"),
+        lambda f: f.write_bytes(f.read_bytes()[:40]),  # cut inside the header
+        lambda f: f.write_bytes(b""),
+        lambda f: np.save(f, np.ones(7, np.int64)),  # an array, of another vocabulary's length
+        lambda f: np.save(f, np.array([{"a": 1}], dtype=object)),  # pickled objects are never loaded
+    ],
+)
+def test_a_damaged_byte_lengths_file_in_a_prepared_folder_is_one_line(tmp_path, words, damage):
+    """byte_lengths.npy turns token losses into bits per byte: damaged, it is named in one line
+    before anything trains, as the token files are."""
+    res = invoke("prepare", words, "--out", tmp_path / "prep", "--tokenizer", "bpe", "--vocab-size", "300")
+    assert res.exit_code == 0, res.output
+    vocab = json.loads((tmp_path / "prep" / "tokens.json").read_text())["vocab_size"]
+    lengths = tmp_path / "prep" / "byte_lengths.npy"
+    damage(lengths)
+    res = _smoke(tmp_path / "r", "--set", f"data.path={tmp_path / 'prep'}")
+    last = res.output.strip().splitlines()[-1]
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert last.startswith(f"error: {lengths}: damaged, not the {vocab:,} byte lengths"), res.output
+    assert not (tmp_path / "r").exists()

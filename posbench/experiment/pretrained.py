@@ -92,6 +92,10 @@ def plan_pretrained(cfg: ExperimentConfig, model_path: Path, test_len: Optional[
     from posbench.pretrained import approx_params, fitting_batch, load_pretrained, memory_of, read_model_config
     from posbench.tasks import task_for
 
+    text = ExperimentConfig().task
+    if cfg.task != text:  # a task's exact match needs a model trained on that task
+        e = PosbenchError(f"task={cfg.task}: posbench pretrained scores a model on text (task {text})", "task")
+        raise blame(cfg, e)
     shape = read_model_config(model_path)  # before the weights: a length that cannot fit is refused first
     context = int(getattr(shape, "max_position_embeddings", 0) or getattr(shape, "n_positions", 0))
     longest = test_len or (max(cfg.eval.lengths) if "eval.lengths" in cfg.origins else 2 * context)

@@ -107,7 +107,7 @@ def plan_extension(
     """Every job, checked before anything is written: a bad method, parent or length is one line."""
     from posbench.experiment.checkpoint import load_run
     from posbench.experiment.plan import Job, plan_state
-    from posbench.experiment.records import read_config, run_name
+    from posbench.experiment.records import run_name
     from posbench.registry import named_by
     from posbench.schemes import SCHEMES
     from posbench.tasks import task_for
@@ -126,9 +126,16 @@ def plan_extension(
     folder = Path(out) if out is not None else source.parent / f"{source.name}-extend{to}"
     if folder.resolve() == source.resolve() or source.resolve() in folder.resolve().parents:
         raise PosbenchError(f"--out {folder}: inside the parent's folder {source}, which extend never writes to")
+    holds = [p for p in parents if folder.resolve() == p.resolve() or folder.resolve() in p.resolve().parents]
+    if holds:
+        raise PosbenchError(f"--out {folder}: holds the parent run {holds[0]}, which extend never writes to")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / EXTEND_RECORD).is_file():
+        raise PosbenchError(
+            f"--out {folder}: a folder extend did not make (no {EXTEND_RECORD}); give a new or empty folder"
+        )
     jobs, notes, skipped, tokens = [], [], {}, {}
     for pdir in parents:
-        prc = read_config(pdir) if (pdir / "config.yaml").is_file() else load_run(pdir)[0]
+        prc = load_run(pdir)[0]  # its weights checked against their checksum before anything is written
         with named_by(pdir):  # its scheme and task, if a user's module:Class, are said before they run
             SCHEMES.lookup(prc.model.scheme)
             task = task_for(prc)

@@ -31,6 +31,11 @@ class Perplexity(Measure):
         # (posbench extend scores a child beside its parent, from the parent's length); a
         # pretrained model's, any (its context, model.train_len, is scored beside them)
         floor = cfg.model.extend["from_len"] if cfg.model.extend else 1 if cfg.model.pretrained else L
+        if test_len is not None and cfg.model.pretrained and test_len < L:
+            raise PosbenchError(
+                f"--test-len {test_len} is shorter than the model's context {L}, where its grid starts; "
+                f"--lengths scores shorter lengths"
+            )
         if test_len is not None:  # the grid runs from the training length, however it is given
             cfg.eval.lengths = length_grid(L, test_len)
         only_own_section(cfg, self.name)
