@@ -9,7 +9,7 @@ import torch
 from posbench.errors import PosbenchError
 
 
-def pick_device(name: str, hint: str = "evaluate takes --device cpu") -> torch.device:
+def pick_device(name: str, hint: str = "--device cpu runs on the CPU") -> torch.device:
     """auto (cuda if present, else cpu), cpu, cuda or cuda:N; a missing GPU is one line."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -58,7 +58,7 @@ def test_a_run_trained_on_a_gpu_is_scored_here_with_device_cpu(smoke, tmp_path):
     rec["train"]["device"] = "cuda"  # as if trained on a GPU (the device does not decide weights)
     (run / "config.yaml").write_text(yaml.safe_dump(rec))
     res = invoke("evaluate", run, "--lengths", "32")
-    assert res.exit_code == 2 and "no CUDA device is available here (evaluate takes --device cpu)" in res.output
+    assert res.exit_code == 2 and "no CUDA device is available here (--device cpu runs on the CPU)" in res.output
     assert invoke("evaluate", run, "--lengths", "32", "--device", "cpu").exit_code == 0
     res = invoke("evaluate", run, "--lengths", "32", "--device", "tpu")
     assert res.exit_code == 2 and "--device tpu: expected auto, cpu, cuda or cuda:N" in res.output

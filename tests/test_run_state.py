@@ -152,3 +152,33 @@ def test_a_diverged_run_is_diverged_to_status_and_report_whoever_holds_it(experi
         rows = {r["run"]: (r["state"], r["detail"]) for r in run_status(experiment)}
         assert rows["alibi-seed1"] == ("diverged", "at step 12")
         assert collect(experiment).diverged == {"alibi-seed1": "alibi seed 1 at step 12"}
+
+
+def test_status_names_what_it_cannot_read_and_a_folder_that_is_no_experiment(tmp_path):
+    """A finished run whose config.yaml is damaged, and a partial one whose checkpoints are
+    both damaged, each say so (a rerun cannot resume either); a run folder or an empty folder
+    given to status is one line, not an empty table."""
+    from conftest import invoke
+
+    from posbench.experiment.status import run_status
+
+    exp = tmp_path / "exp"
+    shutil.copytree(REFERENCE / "alibi-seed0", exp / "alibi-seed0")
+    (exp / "alibi-seed0" / "model.pt").write_bytes(b"")
+    (exp / "alibi-seed0" / "config.yaml").write_text("model: {n_layer: 2\n")
+    partial = partial_dir(exp / "rope-seed0")
+    partial.mkdir()
+    shutil.copy(REFERENCE / "rope-seed0" / "config.yaml", partial)
+    for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+        (partial / name).write_bytes(b"not a checkpoint")
+    rows = {r["run"]: (r["state"], r["detail"]) for r in run_status(exp)}
+    assert rows["alibi-seed0"][0] == "partial" and "config.yaml: malformed YAML" in rows["alibi-seed0"][1]
+    assert rows["rope-seed0"] == ("partial", f"no readable checkpoint: delete {partial} to train it anew")
+    for folder, message in (
+        (exp / "alibi-seed0", f"a run folder; status reads its experiment folder, {exp}"),
+        (tmp_path / "empty", "holds no runs, finished, partial or planned"),
+    ):
+        folder.mkdir(exist_ok=True)
+        res = invoke("status", folder)
+        assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+        assert len(res.output.strip().splitlines()) == 1

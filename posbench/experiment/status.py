@@ -49,6 +49,10 @@ def run_status(exp: Path) -> list[dict]:
                 "detail": "not started; rerun the command that made this folder",
             },
         )
+    if not rows:
+        if run_state(exp).here:
+            raise PosbenchError(f"{exp}: a run folder; status reads its experiment folder, {exp.parent}")
+        raise PosbenchError(f"{exp}: holds no runs, finished, partial or planned")
     return [rows[name] for name in sorted(rows)]
 
 
@@ -61,8 +65,11 @@ def _status_of(run: RunState) -> dict:
         cfg = read_config(folder)
         ident = {"scheme": cfg.schemes[0], "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
         steps, pretrained = cfg.train.steps, cfg.model.pretrained is not None
-    except PosbenchError:
+    except PosbenchError as e:
         ident, steps, pretrained = {"scheme": "?", "seed": "?", "train_len": "?"}, None, False
+        unreadable = f"{e}"
+    else:
+        unreadable = None
     if pretrained:  # a model posbench did not train: its folder holds only scores
         return {**ident, "run": rdir.name, "pretrained": True, **_scored_status(run, rdir)}
     row = {"run": rdir.name, **ident}
@@ -70,11 +77,15 @@ def _status_of(run: RunState) -> dict:
         return {**row, "state": "diverged", "detail": diverged_step(rdir)}
     step = checkpoint_step(folder) if not run.here else None
     at = f"at step {step} of {steps}" if step is not None else "no checkpoint yet"
+    if step is None and not run.here and any((folder / f).is_file() for f in (CHECKPOINT, PREVIOUS)):
+        at = f"no readable checkpoint: delete {folder} to train it anew"
     if run.holder is not None:  # training it, or scoring a trained run
         logged = read_train_log(folder) if not run.here else []
         now = f"at step {logged[-1]['step'] + 1} of {steps}" if logged and "step" in logged[-1] else at
         doing = f"training, {now}" if not run.here else "evaluating"
         return {**row, "state": "running", "detail": f"{doing} (pid {run.holder or '?'})"}
+    if run.here and unreadable:  # a report of it would fail: say so here
+        return {**row, "state": "partial", "detail": unreadable}
     if run.here:
         missing = [f for f in (WEIGHTS, EVAL) if not (rdir / f).is_file()]
         return {
