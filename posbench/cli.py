@@ -97,9 +97,12 @@ def _csv_ints(text: Optional[str], what: str) -> Optional[list[int]]:
     if text is None:
         return None
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        values = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200") from None
+        values = []
+    if not values:
+        raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200")
+    return values
 
 
 def _whole(x: Optional[float]) -> Optional[float]:
@@ -118,6 +121,15 @@ def _set_threads(threads: Optional[int]) -> None:
 
 def _csv_names(text: Optional[str]) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def _protocols(text: Optional[str]) -> Optional[list[str]]:
+    if text is None:
+        return None
+    names = _csv_names(text)
+    if not names:
+        raise PosbenchError(f"--protocol {text!r}: name a protocol, e.g. nonoverlapping,sliding")
+    return names
 
 
 def _measure_names(text: str) -> list[str]:
@@ -281,7 +293,7 @@ def extrapolate(
                 _csv_names(rope_scaling) if rope_scaling is not None else None,
             ),
             "eval.perplexity.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
-            "eval.perplexity.protocol": (f"--protocol {protocol}", _csv_names(protocol) if protocol else None),
+            "eval.perplexity.protocol": (f"--protocol {protocol}", _protocols(protocol)),
             "eval.perplexity.stride": (f"--stride {stride}", stride),
             "train.compile": ("--compile", compile_ or None),
             "task": (f"--task {task}", task),
@@ -492,7 +504,7 @@ def evaluate(
         }
         for key, flag, value in (
             ("eval.lengths", f"--lengths {lengths}", _csv_ints(lengths, "--lengths")),
-            ("eval.perplexity.protocol", f"--protocol {protocol}", _csv_names(protocol)),
+            ("eval.perplexity.protocol", f"--protocol {protocol}", _protocols(protocol)),
             ("eval.perplexity.stride", f"--stride {stride}", stride),
         ):
             if value:  # else the run's own
@@ -552,7 +564,7 @@ def pretrained(
             "eval.lengths": (f"--lengths {lengths}", _csv_ints(lengths, "--lengths")),
             "eval.perplexity.rope_scaling": (f"--rope-scaling {rope_scaling}", _csv_names(rope_scaling) or None),
             "eval.perplexity.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
-            "eval.perplexity.protocol": (f"--protocol {protocol}", _csv_names(protocol) if protocol else None),
+            "eval.perplexity.protocol": (f"--protocol {protocol}", _protocols(protocol)),
             "eval.perplexity.stride": (f"--stride {stride}", stride),
             "data.path": (f"--data {data}", data),
             "train.device": (f"--device {device}", device),

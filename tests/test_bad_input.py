@@ -28,6 +28,8 @@ def _assert_clean_failure(res, message, results: Path):
         (["--set", "model.d_model=-8"], "model.d_model=-8 must be positive"),
         (["--set", "data.path=/no/such/*.txt"], "data.path '/no/such/*.txt' matches no file"),
         (["--lengths", "32,abc"], "expected comma-separated integers"),
+        (["--lengths", ","], "--lengths ',': expected comma-separated integers"),
+        (["--protocol", ","], "--protocol ',': name a protocol"),
         (["--schemes", "alibi,alibi"], "schemes: alibi listed more than once"),
         (["--seeds", "0,0"], "seeds: 0 listed more than once"),
         (["--lengths", "32,48,48"], "eval.lengths: 48 listed more than once"),
