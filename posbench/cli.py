@@ -31,7 +31,10 @@ app = typer.Typer(
 
 
 @contextlib.contextmanager
-def user_errors(on_interrupt: str = "finished runs and checkpoints are kept; rerun the same command to resume"):
+def user_errors(
+    on_interrupt: str = "finished runs and checkpoints are kept; rerun the same command to resume",
+    on_oom: str = "a smaller train.batch_size, shorter eval.lengths, a smaller eval.batch_size or a smaller model",
+):
     """A domain error becomes one line and a non-zero exit, never a traceback. The command's
     process (not its workers) says before it imports a user's module that only a run folder's
     records name (registry.py)."""
@@ -49,12 +52,12 @@ def user_errors(on_interrupt: str = "finished runs and checkpoints are kept; rer
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         _error(f"{where}{e.strerror or e}{_FREE if disk_full(e) else ''}")
     except (torch_oom(), MemoryError) as e:
-        _out_of_memory(e)
+        _out_of_memory(e, on_oom)
     except Exception as e:  # a bug here or in a user's plugin: still one line, unless debugging
         if os.environ.get("POSBENCH_DEBUG", "0") not in ("", "0"):
             raise
         if "can't allocate memory" in str(e):  # torch's CPU allocator raises a RuntimeError
-            _out_of_memory(e)
+            _out_of_memory(e, on_oom)
         if disk_full(e):  # torch.save's own RuntimeError, where no writer named its folder
             _error(f"the disk is full ({os.strerror(errno.ENOSPC)}){_FREE}")
         # exit 1, not 2: scripts can tell a bug (here or in a plugin) from a bad input
@@ -74,10 +77,8 @@ def _print_error(message: str) -> None:
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
-def _out_of_memory(e: BaseException):
-    _error(
-        f"out of memory ({first_line(e, 100)}); try shorter eval.lengths, a smaller eval.batch_size or a smaller model"
-    )
+def _out_of_memory(e: BaseException, advice: str):
+    _error(f"out of memory ({first_line(e, 100)}); try {advice}")
 
 
 def torch_oom():
@@ -775,7 +776,10 @@ def bench(
     from posbench.device import pick_device
     from posbench.resolve import resolve_training
 
-    with user_errors(on_interrupt="nothing was written; an earlier bench.csv is kept"):
+    with user_errors(
+        on_interrupt="nothing was written; an earlier bench.csv is kept",
+        on_oom="a smaller model or train.batch_size (--set)",
+    ):
         values = {
             "schemes": (f"--schemes {schemes}", _scheme_list(schemes) if schemes is not None else None),
             "train.device": (f"--device {device}", device),  # checked with the config's own
@@ -912,7 +916,7 @@ def inspect(
     from posbench.config import apply_override, blame
     from posbench.plots import inspect_target
 
-    with user_errors():
+    with user_errors(on_oom="a shorter --length"):
         raw, origins = {}, {}  # a bad option is blamed on its --set, as in check-scheme
         for o in set_ or []:
             apply_override(raw, o, origins, under=f"scheme_options.{target}")

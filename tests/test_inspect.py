@@ -352,3 +352,17 @@ def test_inspect_draws_a_scheme_under_an_evaluation_time_variant(tmp_path):
     res = invoke("inspect", "sinusoidal", "--variant", "rerope", "--out", tmp_path / "s")
     assert res.exit_code == 2 and "sinusoidal+rerope: rerope remaps distances" in res.output
     assert not (tmp_path / "s").exists()
+
+
+def test_out_of_memory_is_one_line_with_advice_for_inspect(tmp_path, monkeypatch):
+    """inspect's memory follows its --length, so that is what its out-of-memory line advises,
+    not the eval.* settings a run's would."""
+    import posbench.plots
+
+    def too_big(*args, **kwargs):
+        raise MemoryError("can't allocate memory: you tried to allocate 4 PB")
+
+    monkeypatch.setattr(posbench.plots, "inspect_target", too_big)
+    res = invoke("inspect", "rope", "--length", "100000000", "--out", tmp_path / "i")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "out of memory" in res.output and "try a shorter --length" in res.output and "eval." not in res.output
