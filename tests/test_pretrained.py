@@ -306,6 +306,8 @@ def test_other_model_files_under_the_same_name_are_refused_and_nothing_is_touche
             ["--set", "eval.tokens=20", "--lengths", str(CONTEXT)],
             "eval.tokens=20 is fewer than the longest eval length",
         ),
+        (["--set", "model.n_layer=5"], "--set model.n_layer=5: posbench pretrained does not read model.n_layer"),
+        (["--set", "train.steps=5"], "--set train.steps=5: posbench pretrained does not read train.steps"),
         (["--set", "task=copy"], "--set task=copy: posbench pretrained scores a model on text (task lm)"),
         (
             ["--test-len", str(CONTEXT // 2)],

@@ -96,6 +96,13 @@ def plan_pretrained(cfg: ExperimentConfig, model_path: Path, test_len: Optional[
     if cfg.task != text:  # a task's exact match needs a model trained on that task
         e = PosbenchError(f"task={cfg.task}: posbench pretrained scores a model on text (task {text})", "task")
         raise blame(cfg, e)
+    kept = ("train.device", "train.threads")  # the rest of train.* and the model's shape are the model's own
+    unread = [k for k in cfg.origins if k.startswith(("model.", "train.")) and k not in kept]
+    if unread:
+        raise PosbenchError(
+            f"{cfg.origins[unread[0]]}: posbench pretrained does not read {unread[0]} (the model's shape is its "
+            f"own, and it trains nothing)"
+        )
     shape = read_model_config(model_path)  # before the weights: a length that cannot fit is refused first
     context = int(getattr(shape, "max_position_embeddings", 0) or getattr(shape, "n_positions", 0))
     longest = test_len or (max(cfg.eval.lengths) if "eval.lengths" in cfg.origins else 2 * context)
