@@ -98,12 +98,9 @@ def _csv_ints(text: Optional[str], what: str) -> Optional[list[int]]:
     if text is None:
         return None
     try:
-        values = [int(t) for t in text.split(",") if t.strip()]
+        return [int(t) for t in text.split(",") if t.strip()]  # none: the setting's own "is empty"
     except ValueError:
-        values = []
-    if not values:
-        raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200")
-    return values
+        raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200") from None
 
 
 def _whole(x: Optional[float]) -> Optional[float]:
@@ -508,7 +505,7 @@ def evaluate(
             ("eval.perplexity.protocol", f"--protocol {protocol}", _protocols(protocol)),
             ("eval.perplexity.stride", f"--stride {stride}", stride),
         ):
-            if value:  # else the run's own
+            if value is not None:  # else the run's own
                 asked[key] = (flag, value)
         rc, measure, rows = evaluate_run(run_dir, asked, device, attention, tracker)
         out.print(plain_table(*measure.evaluation(rc, rows)))

@@ -713,7 +713,8 @@ def load_config(
     values: Optional[dict[str, Any]] = None,
 ) -> ExperimentConfig:
     """Defaults, then the YAML file (if any), then the command line's typed `values` (dotted key
-    -> (the flag, its value)), then each --set override, validated together. The config's
+    -> (the flag, its value)), then each --set override (one on a key a flag set is refused),
+    validated together. The config's
     `origins` maps each key that was given to where it came from (the file, or the flag), so
     that any later error about it names its source (`blame`)."""
     raw = read_yaml(path) if path else {}

@@ -28,7 +28,7 @@ def _assert_clean_failure(res, message, results: Path):
         (["--set", "model.d_model=-8"], "model.d_model=-8 must be positive"),
         (["--set", "data.path=/no/such/*.txt"], "data.path '/no/such/*.txt' matches no file"),
         (["--lengths", "32,abc"], "expected comma-separated integers"),
-        (["--lengths", ","], "--lengths ',': expected comma-separated integers"),
+        (["--lengths", ","], "--lengths ,: eval.lengths is empty"),
         (["--protocol", ","], "--protocol ',': name a protocol"),
         (["--schemes", "alibi,alibi"], "schemes: alibi listed more than once"),
         (["--seeds", "0,0"], "seeds: 0 listed more than once"),

@@ -163,6 +163,21 @@ def test_a_length_given_twice_is_one_line_not_two_rows(smoke, tmp_path):
     assert (run / "eval.csv").read_bytes() == before
 
 
+def test_flags_given_nothing_are_one_line_not_the_runs_own_settings(smoke, tmp_path):
+    """--lengths , and --protocol , name nothing: refused, never read as "not given"."""
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    before = (run / "eval.csv").read_bytes()
+    for args, message in (
+        (("--lengths", ","), "--lengths ,: eval.lengths is empty"),
+        (("--protocol", ","), "--protocol ',': name a protocol"),
+    ):
+        res = invoke("evaluate", run, *args)
+        assert res.exit_code == 2 and message in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert (run / "eval.csv").read_bytes() == before
+
+
 def test_evaluate_says_when_the_runs_own_tracker_cannot_be_sent_the_rows(smoke, tmp_path, monkeypatch):
     """#41: a run recorded with train.tracker whose library is not installed here was scored
     and its rows not sent, without a word."""

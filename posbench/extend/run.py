@@ -107,7 +107,7 @@ def plan_extension(
     """Every job, checked before anything is written: a bad method, parent or length is one line."""
     from posbench.experiment.checkpoint import load_run
     from posbench.experiment.plan import Job, plan_state
-    from posbench.experiment.records import run_name
+    from posbench.experiment.records import read_config, run_name
     from posbench.registry import named_by
     from posbench.schemes import SCHEMES
     from posbench.tasks import task_for
@@ -135,7 +135,7 @@ def plan_extension(
         )
     jobs, notes, skipped, tokens = [], [], {}, {}
     for pdir in parents:
-        prc = load_run(pdir)[0]  # its weights checked against their checksum before anything is written
+        prc = read_config(pdir) if (pdir / "config.yaml").is_file() else load_run(pdir)[0]
         with named_by(pdir):  # its scheme and task, if a user's module:Class, are said before they run
             SCHEMES.lookup(prc.model.scheme)
             task = task_for(prc)
@@ -145,6 +145,7 @@ def plan_extension(
             raise PosbenchError(f"{pdir}: {why_not}")
         if prc.model.extend:
             raise PosbenchError(f"{pdir}: already a fine-tuned run ({prc.model.extend['method']}); extend its parent")
+        load_run(pdir)  # its weights, checked against their checksum before anything is written
         L, scheme, seed = prc.model.train_len, prc.model.scheme, prc.seeds[0]
         if to <= L:
             raise PosbenchError(f"--to {to} is not longer than {pdir.name}'s training length {L}")
