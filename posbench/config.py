@@ -508,7 +508,7 @@ def _coerce(value: Any, tp, where: str) -> Any:
         return _coerce(value, args[0], where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise PosbenchError(f"{where}: expected a mapping of {tp.__name__} keys, got {value!r}")
+            raise PosbenchError(f"{where}: expected a mapping of {tp.__name__} keys, got {value!r}", where)
         return _build(tp, value, where)
     if origin is list:
         (item,) = typing.get_args(tp)
@@ -517,21 +517,21 @@ def _coerce(value: Any, tp, where: str) -> Any:
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list):
-            raise PosbenchError(f"{where}: expected a list, got {value!r}")
+            raise PosbenchError(f"{where}: expected a list, got {value!r}", where)
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is dict or origin is dict:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise PosbenchError(f"{where}: expected a mapping, got {value!r}")
+            raise PosbenchError(f"{where}: expected a mapping, got {value!r}", where)
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise PosbenchError(f"{where}: expected true or false, got {value!r}")
+            raise PosbenchError(f"{where}: expected true or false, got {value!r}", where)
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise PosbenchError(f"{where}: expected an integer, got {value!r}")
+            raise PosbenchError(f"{where}: expected an integer, got {value!r}", where)
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
@@ -540,13 +540,13 @@ def _coerce(value: Any, tp, where: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PosbenchError(f"{where}: expected a number, got {value!r}")
+            raise PosbenchError(f"{where}: expected a number, got {value!r}", where)
         if not math.isfinite(value):
-            raise PosbenchError(f"{where}: expected a finite number, got {value!r}")
+            raise PosbenchError(f"{where}: expected a finite number, got {value!r}", where)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise PosbenchError(f"{where}: expected a string, got {value!r}")
+            raise PosbenchError(f"{where}: expected a string, got {value!r}", where)
         return value
     raise TypeError(f"unsupported config type {_type_name(tp)}")  # a bug in posbench, not input
 

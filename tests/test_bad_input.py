@@ -22,6 +22,7 @@ def _assert_clean_failure(res, message, results: Path):
         (["--schemes", "alibi,ropee"], "unknown scheme 'ropee'"),
         (["--set", "modell.n_layer=1"], "did you mean 'model'?"),
         (["--set", "train.steps=abc"], "train.steps: expected an integer"),
+        (["--set", "model.n_layer.x=3"], "--set model.n_layer.x=3: model.n_layer: expected an integer"),
         (["--set", "model.n_head=3"], "is not divisible by model.n_head=3"),
         (["--train-len", "100", "--test-len", "50"], "--test-len 50 is shorter than --train-len 100"),
         (["--lengths", "10,64"], "eval.lengths [10] are shorter than the training length"),
