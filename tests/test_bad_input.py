@@ -22,7 +22,6 @@ def _assert_clean_failure(res, message, results: Path):
         (["--schemes", "alibi,ropee"], "unknown scheme 'ropee'"),
         (["--set", "modell.n_layer=1"], "did you mean 'model'?"),
         (["--set", "train.steps=abc"], "train.steps: expected an integer"),
-        (["--set", "model.n_layer.x=3"], "--set model.n_layer.x=3: model.n_layer: expected an integer"),
         (["--set", "model.n_head=3"], "is not divisible by model.n_head=3"),
         (["--train-len", "100", "--test-len", "50"], "--test-len 50 is shorter than --train-len 100"),
         (["--lengths", "10,64"], "eval.lengths [10] are shorter than the training length"),
@@ -270,3 +269,11 @@ def test_eval_tokens_are_checked_against_the_lengths_scored():
     assert resolved(100).eval.lengths == [25, 31, 38, 50]  # 25 + 25 * (0, 1/4, 1/2, 1), rounded
     with pytest.raises(PosbenchError, match="eval.tokens=40 is fewer than the longest eval length 50"):
         resolved(40)
+
+
+def test_a_set_inside_a_plain_value_names_its_flag(tmp_path):
+    """Over the defaults (no file sets model.n_layer), --set model.n_layer.x=3 makes a mapping
+    where an integer belongs: the line names the flag, as any other bad value's does."""
+    out = tmp_path / "results"
+    res = invoke("extrapolate", "--set", f"out_dir={out}", "--set", "model.n_layer.x=3")
+    _assert_clean_failure(res, "--set model.n_layer.x=3: model.n_layer: expected an integer, got {'x': 3}", out)
