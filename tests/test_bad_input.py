@@ -41,6 +41,7 @@ def _assert_clean_failure(res, message, results: Path):
         (["--rope-factor", "2"], "eval.perplexity.rope_factor is set but eval.perplexity.rope_scaling is empty"),
         (["--test-len", "64", "--lengths", "32,48"], "--test-len and --lengths both set"),
         (["--set", "eval.tokens=40"], "eval.tokens=40 is fewer than the longest eval length 64"),
+        (["--train-len", "99999"], "--train-len 99999: model.train_len=99999 is more than eval.tokens="),
         (["--schemes", "alibi]"], "unknown scheme 'alibi]'"),  # given as typed, not read as YAML
         (["--threads", "-1"], "train.threads=-1 must be positive"),
         (

@@ -44,6 +44,12 @@ class Perplexity(Measure):
         if not cfg.model.pretrained or max(cfg.eval.lengths) > L:
             cfg.eval.lengths = sorted({L, *cfg.eval.lengths})
         cfg.eval.lengths = sorted(cfg.eval.lengths)
+        if cfg.eval.tokens < L and not cfg.model.pretrained:  # the training length is always scored
+            raise PosbenchError(
+                f"model.train_len={L} is more than eval.tokens={cfg.eval.tokens}, the tokens every length is "
+                "scored on; raise eval.tokens",
+                "model.train_len",
+            )
         if cfg.eval.tokens < max(cfg.eval.lengths):
             raise PosbenchError(
                 f"eval.tokens={cfg.eval.tokens} is fewer than the longest eval length {max(cfg.eval.lengths)}",
