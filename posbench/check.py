@@ -292,12 +292,20 @@ def variants_hold(model: TransformerLM, T: int) -> str:
 
 def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
     """Every check on `spec` (a registered name or module:Class) at a tiny size, built with
-    `options` (its scheme_options). A scheme that cannot be loaded, or options it does not
-    take, raise PosbenchError; anything else that goes wrong is a failed row."""
+    `options` (its scheme_options). A scheme that cannot be loaded, options it does not take,
+    or options it refuses at this size raise PosbenchError; anything else that goes wrong is a
+    failed row."""
     options = options or {}
     SCHEMES.lookup(spec).validate_options(options, where=f"scheme_options.{spec}")
     L = TINY["train_len"]
     got: dict = {}
+    try:  # an option that cannot hold at the check's size is the user's to change: one line
+        tiny_model(spec, options=options)
+    except PosbenchError as e:
+        size = f" (check-scheme builds the scheme at train_len {L})" if "train_len" in str(e) else ""
+        raise PosbenchError(f"{e}{size}", e.key) from None
+    except Exception:  # anything else is the build row's reason, below
+        pass
 
     def build():
         got["model"] = model = tiny_model(spec, options=options)

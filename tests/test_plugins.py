@@ -114,6 +114,15 @@ def test_broken_plugin_is_one_clear_line(on_path, case, command):
     assert message in res.output, res.output
 
 
+def test_an_option_the_scheme_refuses_at_the_checks_size_is_one_line():
+    """learned with max_len=1 cannot hold check-scheme's train_len: the option is the user's to
+    change, so it is one line naming the --set, not eight failed checks of the scheme."""
+    res = invoke("check-scheme", "learned", "--set", "max_len=1")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "--set max_len=1: scheme_options.learned.max_len=1 is shorter than model.train_len=16" in res.output
+    assert "(check-scheme builds the scheme at train_len 16)" in " ".join(res.output.split())
+
+
 def test_broken_plugin_stops_extrapolate_before_training(on_path, tmp_path, corpus_file):
     on_path("plug_notscheme2", "class Thing:\n    pass\n")
     out = tmp_path / "r"
