@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from posbench import registry
+from posbench import progress
 from posbench.config import EvalConfig, ModelConfig, length_grid, load_config
 from posbench.console import BarReporter, err, out
 from posbench.errors import PosbenchError, first_line
@@ -38,7 +38,7 @@ def user_errors(
     """A domain error becomes one line and a non-zero exit, never a traceback. The command's
     process (not its workers) says before it imports a user's module that only a run folder's
     records name (registry.py)."""
-    registry.notice = lambda line: err.print(f"note: {line}", highlight=False, markup=False, soft_wrap=True)
+    progress.notice = lambda line: err.print(f"note: {line}", highlight=False, markup=False, soft_wrap=True)
     try:
         yield
     except typer.Exit:

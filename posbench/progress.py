@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+# the CLI's one line for what no run's progress carries (a module about to be imported, a
+# tracker that failed); a library caller hears nothing
+notice: Callable[[str], None] | None = None
+
+
+def say(line: str) -> None:
+    if notice is not None:
+        notice(line)
+
 
 class Reporter:
     """Progress callbacks; the CLI supplies one that draws bars, library code never prints.

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 
+from posbench import progress
 from posbench.errors import PosbenchError, did_you_mean, first_line
 
 
@@ -100,14 +101,12 @@ class Registry(Mapping):
 
 # where the names being looked up come from, when that is a run folder rather than the user
 _named_by: ContextVar[str | None] = ContextVar("named_by", default=None)
-# how to say a line (the CLI sets it; a library caller imports without a word)
-notice: Callable[[str], None] | None = None
 
 
 @contextlib.contextmanager
 def named_by(record: str | os.PathLike):
     """Within the block, the names looked up are read from `record` (a run folder), not given by
-    the user: a module:Class whose module is not yet imported is said through `notice` first."""
+    the user: a module:Class whose module is not yet imported is said (progress.say) first."""
     token = _named_by.set(str(record))
     try:
         yield
@@ -120,7 +119,7 @@ def _say_import(spec: str, kind: str, module_name: str) -> None:
     said for a module already imported (its code has run) or one that cannot be found (its
     import fails in one line of its own)."""
     record = _named_by.get()
-    if record is None or notice is None or module_name in sys.modules:
+    if record is None or progress.notice is None or module_name in sys.modules:
         return
     try:  # a top-level module is found without running it; its file is what would run
         found = importlib.util.find_spec(module_name.partition(".")[0])
@@ -131,7 +130,7 @@ def _say_import(spec: str, kind: str, module_name: str) -> None:
     folders = list(found.submodule_search_locations or []) if "." in module_name else []  # a package's
     path = folders[0] if folders else found.origin if found.has_location else None
     where = f" ({path})" if path else ""
-    notice(f"{record} names {kind} '{spec}', not one of posbench's: importing module '{module_name}'{where}")
+    progress.say(f"{record} names {kind} '{spec}', not one of posbench's: importing module '{module_name}'{where}")
 
 
 def _import(path: str) -> type:

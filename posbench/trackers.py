@@ -358,12 +358,12 @@ def _kept_going(tracker: str, what: str):
     try:
         yield
     except Exception as e:  # any library error: the records are already on disk
+        from posbench import progress
         from posbench.errors import first_line
 
-        print(
-            f"note: {tracker}: {what} was not sent ({type(e).__name__}: {first_line(e)}); its records are "
-            f"kept, and the next posbench command on it sends it",
-            file=sys.stderr,
+        progress.say(
+            f"{tracker}: {what} was not sent ({type(e).__name__}: {first_line(e)}); its records are "
+            f"kept, and the next posbench command on it sends it"
         )
 
 
