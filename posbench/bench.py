@@ -150,8 +150,8 @@ def time_interleaved(
     order, shuffle = list(steps), random.Random(0).shuffle
     for _ in range(s.rounds):
         # a new order each round (the same in every run): whatever runs right after the 2048²
-        # matmul finds its data pushed out of cache, and with one fixed order that was always
-        # NoPE, the baseline of every ratio (a little slower)
+        # matmul finds its data pushed out of cache, and with one fixed order that would always
+        # be NoPE, the baseline of every ratio (a little slower)
         shuffle(order)
         for name in order:
             t = time.perf_counter()

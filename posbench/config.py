@@ -46,7 +46,7 @@ class ModelConfig:
     # the attention call: auto (the C kernels on a CPU in fp32, else SDPA), eager (the plain
     # formula, the reference), sdpa, native or flex; a run's records name the one that ran
     attention: str = setting("auto")  # the backends differ in the last bits; records name the one that ran
-    # written by `posbench extend` on a run fine-tuned from another (posbench/extend.py): its
+    # written by `posbench extend` on a run fine-tuned from another (posbench/extend/run.py): its
     # method, its parent's identity, the lengths L and L2, and the RoPE scaling it fixes; null
     # (and then no part of the run's identity) on a run trained from scratch
     extend: Optional[dict] = field(default=None, metadata={"omitted_when_null": True, "derived": True})
@@ -310,7 +310,7 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = setting(factory=EvalConfig)  # how runs are scored, not how they are trained
     # lm: next-byte perplexity on the corpus; or a synthetic task scored by exact match at each
-    # length (posbench/tasks.py: copy, reverse, sort, addition, parity, passkey, recall, module:Class)
+    # length (posbench/tasks/: copy, reverse, sort, addition, parity, passkey, recall, module:Class)
     task: str = "lm"
     task_options: dict = field(default_factory=dict)  # e.g. train_max, test_max, alphabet
     # where each given key came from (a file, a flag), for errors; not part of the config

@@ -145,6 +145,3 @@ class TransformerLM(nn.Module):
         logits = self(win[:, :-1])  # (b, T, V)
         nll = F.cross_entropy(logits.float().flatten(0, 1), win[:, 1:].flatten(), reduction="none")
         return nll.view(win.size(0), -1)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())

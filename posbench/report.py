@@ -226,7 +226,7 @@ def write_summary(
         for name, rows in frames.items():
             with atomic(folder / f"{name}.csv") as tmp:
                 rows.to_csv(tmp, index=False)
-        parts["written"] += [f"{name}.csv" for name in frames] + plugin.write_plots(frames, panels, folder)
+        parts["written"] += [f"{name}.csv" for name in frames] + plugin.write_plots(panels, folder)
     return collected, parts, folder
 
 

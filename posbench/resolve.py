@@ -3,8 +3,8 @@
 A config as loaded holds what the user gave; `resolve` decides everything else, once: the
 task (train_len, the training budget, the vocabulary), the measure (the evaluation lengths),
 and every scheme's options filled with its defaults, so that a run's record names every
-choice its weights were made under (an option a scheme added later is named once it is off its
-default, so the runs recorded before it keep their identity: `PositionalScheme.added_later`).
+choice its weights were made under (an option in `PositionalScheme.added_later` is named only
+once it is off its default, so records that do not name it keep their identity).
 An error names the file or flag its value came from.
 """
 

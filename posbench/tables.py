@@ -40,8 +40,8 @@ def options_apart(points: dict, runs: list) -> dict:
 
 
 def _default(key: str):
-    """A setting a run's identity leaves out, at the default it was left out at (a field added
-    later: data.tokenizer bytes)."""
+    """A setting a run's identity leaves out while it is at its default, and that default
+    (data.tokenizer: bytes)."""
     import dataclasses
 
     from posbench.config import ExperimentConfig

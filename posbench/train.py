@@ -72,7 +72,7 @@ def train_model(
     `init`: the weights to start from instead of a fresh initialization (a fine-tuned run's
     parent's). `batches(gen)` may give (x, y, pos), pos the (T,) or (B, T) position ids of the batch.
     `probe(step, model, resumed_at)`, if given, is called before the first step and after each
-    (posbench/extend.py scores a few of them)."""
+    (posbench/extend/run.py scores a few of them)."""
     seed, tc = cfg.seeds[0], cfg.train
     device = pick_device(tc.device)
     torch.manual_seed(seed)

@@ -134,7 +134,7 @@ def plain_log_axis(ax) -> None:
     ax.yaxis.set_minor_formatter(plain)
 
 
-def legend_outside(fig, axes) -> None:
+def legend_outside(axes) -> None:
     """One legend for every panel, right of the last, where it covers no data."""
     handles = {}
     for ax in axes:
@@ -221,7 +221,7 @@ def band_plot(
             ax.set_ylim(bottom=max(ax.get_ylim()[0], 0.8 * min(finite)))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
-    legend_outside(fig, list(axes[0]))
+    legend_outside(list(axes[0]))
     return save(plt, fig, path)
 
 
@@ -305,5 +305,5 @@ def plot_training(runs, path: Path, unit: str = "byte") -> bool:
     ax.set_xlabel("training step")
     ax.set_ylabel(f"training loss (nats per {unit})")
     ax.grid(alpha=0.3)
-    legend_outside(fig, [ax])
+    legend_outside([ax])
     return save(plt, fig, path)

@@ -42,8 +42,8 @@ def weights_digest(state: dict) -> str:
 
 
 def _damaged(ckpt: dict, key: str) -> bool:
-    """Whether a checkpoint's weights differ from the checksum written with them (one saved
-    before checksums were written has none, and is taken as it is)."""
+    """Whether a checkpoint's weights differ from the checksum written with them (one without
+    a checksum is taken as it is)."""
     return "sha256" in ckpt and weights_digest(ckpt[key]) != ckpt["sha256"]
 
 

@@ -1,4 +1,4 @@
-"""Context extension by fine-tuning: `posbench extend`, its methods, and what each changes.
+"""The extension methods (METHODS) and their parser: what each one changes in a parent before it is fine-tuned.
 
 A finished run (the parent), trained at L, is copied and fine-tuned at a longer length L2 for
 K steps with one method. The child is a run like any other: its own folder, checkpoints, lock

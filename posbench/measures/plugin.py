@@ -327,7 +327,7 @@ def _said(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else repr(value)
 
 
-def write_plots(frames: dict, panels: dict, folder: Path) -> list[str]:
+def write_plots(panels: dict, folder: Path) -> list[str]:
     """<name>.png per user measure: each metric against length, a panel per metric (and grid
     point); for a measure with a second axis, its heatmaps: a row per metric (and grid point), a
     panel per scheme."""

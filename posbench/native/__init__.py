@@ -141,7 +141,6 @@ SIGNATURES: dict[str, dict[str, list | tuple]] = {
         "attention_backward": [P] * 16 + [I, I, I, I, I, I, F, P, I],
     },
 }
-KERNELS = ("attention", "cope")  # every .c here; cope's runs for CoPE alone
 
 
 def _declare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -22,7 +22,7 @@ class Sinusoidal(PositionalScheme):
     """The encoding is scaled to a root mean square of `rms` per element, by default 0.02: the
     token embeddings' init std, and the learned table's, so neither drowns the other at the
     start. At x-transformers' scale, 1/sqrt(d_model) (RMS 0.06 at width 128), a 4-layer model on
-    copy sat on the uniform-loss plateau 5-10x longer than NoPE; at RMS 0.02 it leaves it as
+    copy sits on the uniform-loss plateau 5-10x longer than NoPE; at RMS 0.02 it leaves it as
     soon as NoPE does (docs/tasks.md, "The recipe")."""
 
     description = "fixed sin/cos of the absolute position added to the embeddings (Vaswani 2017)"

@@ -60,8 +60,8 @@ class PositionalScheme(nn.Module):
 
     description = "no positional information at all; the causal mask alone leaks order"
     options: dict = {}  # option name -> default value; YAML `scheme_options.<name>` overrides
-    # options added after runs were recorded: a run's config leaves one out while it is at its
-    # default, so the runs recorded before it keep their identity (and resume, and are found done)
+    # options a run's config leaves out while they are at their default, so that records which
+    # do not name them keep their identity (and resume, and are found done)
     added_later: tuple = ()
     eval_variants: dict = dict(training_free.VARIANTS)  # name -> description; rows "<scheme>+<name>"
     variant: Optional[EvalVariant] = None  # the variant being evaluated, set by eval_variant()

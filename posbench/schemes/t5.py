@@ -60,7 +60,7 @@ class T5Bias(DistanceBias):
              "none": bias = table[bucket]
       init   "normal" (default): the table starts N(0, 1); "zeros": it starts at zero
     scale "none" with init "zeros" is a table added as is and learned from zero: the setup a
-    task gives T5 unless its config says otherwise (posbench/tasks.py, Task.scheme_setup).
+    task gives T5 unless its config says otherwise (posbench/tasks/generators.py, Task.scheme_setup).
     """
 
     description = "a learned scalar per head per log-spaced distance bucket (Raffel 2020)"
