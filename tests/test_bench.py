@@ -333,9 +333,9 @@ def test_the_fastest_round_stands_only_where_another_comes_within_agree_of_it():
 
 
 def test_quick_mode_times_enough_rounds_for_two_to_agree_and_warms_past_the_first_step():
-    """--quick printed 204 tokens/s for NoPE against about 5,600 in training: one round of two
-    steps, one warm-up step, on a busy machine. Now it times rounds that can confirm each other,
-    past the first, slow step of each model (AdamW allocating its state)."""
+    """--quick times rounds that can confirm each other, past the first, slow step of each model
+    (AdamW allocating its state): one round of two steps on a busy machine can read 30 times
+    slow."""
     from posbench.bench import BenchSettings
 
     quick = BenchSettings.quick()

@@ -60,8 +60,8 @@ def test_best_follows_the_metrics_direction_and_ties_what_a_test_cannot_tell_apa
 
 
 def test_a_task_table_says_how_many_seeds_a_cell_stands_on():
-    """The drift fix of the engine: a task table cell over fewer seeds than its row's says so
-    ("n of m seeds"), as perplexity's always did; where no seed was scored it shows —."""
+    """A task table cell over fewer seeds than its row's says so ("n of m seeds"), as
+    perplexity's does; where no seed was scored it shows —."""
     from posbench.measures.exact_match.views import comparison
     from posbench.measures.exact_match.views import grid as task_grid
 
@@ -206,9 +206,9 @@ def test_a_metric_names_its_column_direction_and_aggregation_once():
 
 
 def test_the_extension_steps_table_bolds_the_best_method_at_each_step():
-    """The drift fix of extend's curve, now a view through the engine: results/reference-extend's
-    steps table marks, at each step, the method with the lowest mean perplexity over its seeds'
-    curve.csv (and any not significantly different), as every other table does."""
+    """Extend's curve is a view through the engine: results/reference-extend's steps table marks,
+    at each step, the method with the lowest mean perplexity over its seeds' curve.csv (and any
+    not significantly different), as every other table does."""
     import csv
 
     from conftest import ROOT
@@ -229,8 +229,8 @@ def test_the_extension_steps_table_bolds_the_best_method_at_each_step():
 
 
 def test_a_task_report_says_what_its_bold_means_as_a_perplexity_report_does():
-    """The drift fix of the spread note: task tables' note is the engine's, naming the test that
-    decided the ties (the task reference pairs its seeds), word for word as perplexity's."""
+    """Task tables' note is the engine's, naming the test that decided the ties (the task
+    reference pairs its seeds), word for word as perplexity's."""
     from conftest import ROOT
 
     from posbench.compare.table import spread_note
@@ -286,9 +286,9 @@ def test_a_column_where_every_scheme_ties_has_no_bold():
 
 
 def test_the_task_reference_bolds_no_column_whole():
-    """#47.11, the drift fix of the tie rule: results/reference-tasks bolded every cell of a
-    column where the schemes tied (rows of 0.0 past N among them); its tables, regenerated, bold
-    no column whole, and its note says why a column has no bold."""
+    """#47.11, the tie rule: where the schemes tie (rows of 0.0 past N among them) no cell of
+    the column is bold; results/reference-tasks' tables bold no column whole, and their note says
+    why a column has no bold."""
     from conftest import ROOT
 
     md = (ROOT / "results" / "reference-tasks" / "summary.md").read_text()
@@ -304,7 +304,7 @@ def test_the_task_reference_bolds_no_column_whole():
 
 
 def test_extend_rows_keep_every_parent_above_the_fine_tuned_children():
-    """#47.11: an extension of alibi, hybrid and rope listed alibi and hybrid below rope's
+    """#47.11: an extension of alibi, hybrid and rope lists alibi and hybrid above rope's
     children. Runs trained from scratch (and rope evaluated rescaled) come first in registry
     order; then the children, by parent in that order and by method."""
     from posbench.compare.order import scheme_order
@@ -326,9 +326,9 @@ def test_extend_rows_keep_every_parent_above_the_fine_tuned_children():
 
 
 def test_the_extension_steps_caption_does_not_repeat_the_first_tables():
-    """#47.11, the drift fix of extend's steps caption: it repeated the first table's note
-    (Student's t, the test and its p) a table below it; it now says what is its own, the best
-    method at each step, and points to the test above. results/reference-extend regenerated."""
+    """#47.11: extend's steps caption does not repeat the first table's note (Student's t, the
+    test and its p); it says what is its own, the best method at each step, and points to the
+    test above (results/reference-extend's summary)."""
     from conftest import ROOT
 
     from posbench.compare.table import spread_note
@@ -342,9 +342,9 @@ def test_the_extension_steps_caption_does_not_repeat_the_first_tables():
 
 
 def test_a_header_tells_the_seeds_of_each_row():
-    """#47.4: a header said `seeds [0, 1, 2]` when 6 of 8 rows stood on one seed. Where every row
-    has the same seeds it reads as before; else each set is said with its rows, the largest
-    group as the rest."""
+    """#47.4: a header does not say `seeds [0, 1, 2]` when 6 of 8 rows stand on one seed. Where
+    every row has the same seeds it names them once; else each set is said with its rows, the
+    largest group as the rest."""
     from posbench.compare.table import seeds_said
 
     full = {"t5": [0, 1, 2], "rope": [0, 1, 2]}
@@ -358,11 +358,10 @@ def test_a_header_tells_the_seeds_of_each_row():
 
 
 def test_the_reciprocal_rank_table_has_intervals_and_the_engines_tie_rule():
-    """The drift fix of the mean reciprocal rank: its table wrote its own cells, the bare mean,
-    and bolded the top value alone; through the engine each cell has its 95% interval (over the
-    (grid point, seed) pairs, and over a point's seeds) and bold follows the paired test. In
+    """The mean reciprocal rank goes through the engine: each cell has its 95% interval (over
+    the (grid point, seed) pairs, and over a point's seeds) and bold follows the paired test. In
     results/reference-tasks NoPE (0.76) and ALiBi (0.58) cannot be told apart over 15 pairs:
-    both are bold, with every mean as before (the README's table)."""
+    both are bold (the README's table)."""
     from conftest import ROOT
 
     md = (ROOT / "results" / "reference-tasks" / "summary.md").read_text()
@@ -377,7 +376,7 @@ def test_the_reciprocal_rank_table_has_intervals_and_the_engines_tie_rule():
 
 
 def test_a_reports_header_tells_the_seeds_of_each_row(tmp_path):
-    """#47.4: results/reference with alibi's seeds 1 and 2 removed: the header no longer says
+    """#47.4: results/reference with alibi's seeds 1 and 2 removed: the header does not say
     seeds [0, 1, 2] of every row."""
     from conftest import ROOT, invoke
 

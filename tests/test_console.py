@@ -188,8 +188,8 @@ def _help(command: str, width: int) -> str:
 
 
 def test_help_prose_reflows_to_the_terminal_and_loses_no_word():
-    """#47.11: a docstring's paragraph broke where its source line did ("... instead of the
-    corpus and" / "scores exact-match accuracy by length."). At any width a paragraph now flows
+    """#47.11: a docstring's paragraph does not break where its source line does ("... instead of
+    the corpus and" / "scores exact-match accuracy by length."). At any width a paragraph flows
     whole, and every word of it and of each option's help is shown (no <name> taken for markup)."""
     import inspect
 
@@ -212,8 +212,8 @@ def test_help_prose_reflows_to_the_terminal_and_loses_no_word():
 
 
 def test_a_path_is_printed_unbroken_in_80_columns(tmp_path):
-    """#47.11: `wrote results/...` broke a long path across two lines; it is printed whole and
-    the terminal folds it, so it can be copied."""
+    """#47.11: `wrote results/...` prints a long path whole, never broken across two lines; the
+    terminal folds it, so it can be copied."""
     import shutil
 
     from conftest import ROOT, invoke
@@ -226,8 +226,8 @@ def test_a_path_is_printed_unbroken_in_80_columns(tmp_path):
 
 
 def test_a_quick_scoring_without_a_terminal_says_nothing_and_never_that_it_stopped():
-    """A sweep's log said 'scoring rope seed 2 ...: stopped at step 0/98304' of each run scored
-    in under QUIET_SCORING_S: the line's count was kept only when a line was said."""
+    """A run scored in under QUIET_SCORING_S leaves no line in a sweep's log, least of all
+    'scoring rope seed 2 ...: stopped at step 0/98304'."""
     import io
 
     from rich.console import Console

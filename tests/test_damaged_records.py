@@ -64,7 +64,7 @@ def test_a_checkpoint_with_nan_weights_is_refused(smoke, tmp_path):
 
 def test_a_run_records_every_scheme_option_and_a_checkpoint_without_them_is_refused(smoke, tmp_path):
     """A checkpoint that does not say how its scheme was set up cannot be scored as trained:
-    the defaults may have moved (t5's scale did). One line, and nothing is changed."""
+    its scheme's defaults may differ from this posbench's. One line, and nothing is changed."""
     exp, _, _ = smoke
     run = tmp_path / "t5-seed0"
     shutil.copytree(exp / "t5-seed0", run)
@@ -187,10 +187,10 @@ def test_a_model_pt_with_bytes_flipped_inside_is_refused_and_no_record_is_touche
 
 
 def test_a_run_is_scored_and_fine_tuned_only_on_the_data_it_read(tmp_path):
-    """#41: evaluate, a rerun and extend read data.path afresh: a corpus changed under its name
-    gave an old model's rows on other text, merged with its own. A run's data.json pins the
-    sha256 of what it read; each of them refuses other data in one line, before anything is
-    scored or trained, and the records stay as they were."""
+    """#41: evaluate, a rerun and extend read data.path afresh, so a corpus changed under its
+    name would give a model's rows on other text. A run's data.json pins the sha256 of what it
+    read; each of them refuses other data in one line, before anything is scored or trained,
+    and the records stay as they were."""
     from conftest import smoke_experiment
 
     exp, _, text = smoke_experiment(tmp_path, "--schemes", "alibi")

@@ -566,8 +566,8 @@ def test_attention_kernel_refuses_a_second_derivative():
 
 
 def test_torch_compile_traces_the_pytorch_path_and_agrees_with_eager():
-    """--compile: the tracer cannot follow the kernels' raw pointers (it crashed the process),
-    so under torch.compile every kernel declines and the compiled model is torch's own. The
+    """--compile: the tracer cannot follow the kernels' raw pointers (it would crash the
+    process), so under torch.compile every kernel declines and the compiled model is torch's own. The
     tracer and autograd's tracing are what meet the kernels; aot_eager runs both and then the
     traced graph as is, without inductor's C++ build (a minute or more on a cold cache)."""
     torch.manual_seed(0)

@@ -63,8 +63,8 @@ def test_a_training_command_tables_what_it_asked_for_not_what_evaluate_added(tmp
 def test_the_headline_ratio_stays_where_every_scheme_was_scored(tmp_path):
     """#47.7: ppl(longest)/ppl(train) is — where the scheme cannot encode the longest length
     (learned's table of 48 at 64); after evaluate scores alibi alone at 96, the ratio stays at 64,
-    where every scheme was scored, with the same cells (it moved to 96 and went blank for the
-    others)."""
+    where every scheme was scored, with the same cells, rather than moving to 96 and going blank
+    for the others."""
 
     def ratios(exp):
         lines = [r.split("|") for r in (exp / "summary.md").read_text().splitlines() if r.startswith("| ")]

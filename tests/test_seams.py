@@ -70,7 +70,7 @@ def test_no_code_outside_the_task_and_measure_packages_asks_the_kind_of_run():
 
 
 def test_the_scan_finds_each_way_of_asking_the_kind(tmp_path):
-    """The scan above would see a fork on the kind, written any of the ways it was written before."""
+    """The scan above sees a fork on the kind however it is spelled: by name, by class or by attribute."""
     (tmp_path / "measures").mkdir()
     (tmp_path / "measures" / "mine.py").write_text("class Perplexity: ...\nclass ExactMatch: ...\nclass Mine: ...\n")
     (tmp_path / "tasks").mkdir()

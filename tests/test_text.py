@@ -356,8 +356,8 @@ def test_no_character_is_cut_in_two_so_bits_per_byte_counts_the_file(tmp_path):
 
 
 def test_a_token_id_past_the_vocabulary_in_a_prepared_file_is_one_line(tmp_path, words):
-    """#41: it was an IndexError naming no file, after training; it is refused before anything
-    is trained or written, naming the file, the id and the vocabulary."""
+    """#41: refused before anything is trained or written, in one line naming the file, the id
+    and the vocabulary."""
     res = invoke("prepare", words, "--out", tmp_path / "prep", "--tokenizer", "bpe", "--vocab-size", "300")
     assert res.exit_code == 0, res.output
     vocab = json.loads((tmp_path / "prep" / "tokens.json").read_text())["vocab_size"]
