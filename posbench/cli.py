@@ -358,6 +358,7 @@ def _kernel_notes(cfg) -> None:
     """Build the C kernels once, here, before any worker starts; say where auto cannot use them."""
     from posbench import native
     from posbench.device import pick_device
+    from posbench.schemes import SCHEMES
 
     device = pick_device(cfg.train.device)
     if cfg.model.attention != "auto" or device.type != "cpu":
@@ -366,7 +367,8 @@ def _kernel_notes(cfg) -> None:
     def building(folder):
         err.print(f"note: building the C kernels, once (cached in {folder})", highlight=False, markup=False)
 
-    for name in ("attention", "cope") if "cope" in cfg.schemes else ("attention",):
+    own = sorted({name for s in cfg.schemes for name in SCHEMES.lookup(s).kernels})
+    for name in ("attention", *own):
         native.load(name, building)
     why = native.why_not(cfg.model.head_dim, device)
     if why:
@@ -375,10 +377,10 @@ def _kernel_notes(cfg) -> None:
             highlight=False,
             markup=False,
         )
-    elif "cope" in cfg.schemes and native.load("cope") is None:
+    for name in [] if why else [n for n in own if native.load(n) is None]:
         err.print(
-            f"note: cope trains on its PyTorch bias, several times slower: its C kernel cannot run "
-            f"({native.unavailable['cope']})",
+            f"note: {name} trains on its PyTorch path, several times slower: its C kernel cannot run "
+            f"({native.unavailable[name]})",
             highlight=False,
             markup=False,
         )

@@ -314,7 +314,7 @@ def test_extrapolate_says_when_auto_cannot_use_the_kernels(monkeypatch, tmp_path
         assert "attention: sdpa backend" in (exp / "summary.md").read_text()
     else:
         assert ("attention runs on SDPA" in text) == (native.load("attention") is None)
-        assert ("cope trains on its PyTorch bias" in text) == (native.load("cope") is None)
+        assert ("cope trains on its PyTorch path" in text) == (native.load("cope") is None)
     assert (exp / "summary.csv").is_file()
 
 
@@ -704,3 +704,17 @@ def test_a_first_build_is_said_before_the_compiler_runs(monkeypatch, tmp_path):
     assert len(heard) == 1 and heard[0].parent == tmp_path / "native" and any(heard[0].glob("*.so"))  # then built
     monkeypatch.setattr(native, "_loaded", {})
     assert native.load("attention", heard.append) is not None and len(heard) == 1
+
+
+def test_a_schemes_own_kernels_are_posbench_native_ones():
+    """`kernels` names the C kernels a scheme calls beside attention's, built before workers
+    start: each is a posbench/native source, and CoPE, which calls native.cope_attention, names
+    its own."""
+    from pathlib import Path
+
+    from posbench.schemes import SCHEMES
+
+    sources = {p.stem for p in Path(native.__file__).parent.glob("*.c")}
+    named = {name: SCHEMES.lookup(name).kernels for name in SCHEMES}
+    assert all(set(k) <= sources for k in named.values()), named
+    assert named["cope"] == ("cope",) and {n for n, k in named.items() if k} == {"cope"}

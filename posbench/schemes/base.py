@@ -60,6 +60,7 @@ class PositionalScheme(nn.Module):
 
     description = "no positional information at all; the causal mask alone leaks order"
     options: dict = {}  # option name -> default value; YAML `scheme_options.<name>` overrides
+    kernels: tuple = ()  # posbench/native's C kernels of its own, beside attention's (built before workers start)
     # options a run's config leaves out while they are at their default, so that records which
     # do not name them keep their identity (and resume, and are found done)
     added_later: tuple = ()

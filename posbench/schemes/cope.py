@@ -39,6 +39,7 @@ class CoPE(PositionalScheme):
 
     description = "positions counted by sigmoid gates on q.k, learned position logits (Golovneva 2024)"
     options = {"npos_max": 64}
+    kernels = ("cope",)
     fixed_distances = "its positions are counted by gates on q.k, not handed to it"
 
     def __init__(self, cfg):
