@@ -275,6 +275,8 @@ def child_config(
     times the parent's, so that it trains on the same tokens), K steps from lr (default: the
     parent's final lr, min_lr) with a warmup of K/20 and a cosine decay to lr/10, scored at
     `lengths` as it is (no evaluation-time variant on top of its own scaling)."""
+    from posbench.schemes import SCHEMES
+
     L = prc.model.train_len
     ext = {"method": method.name, "parent": parent, "from_len": L, "to_len": to}
     if method.scaling:
@@ -287,8 +289,7 @@ def child_config(
     options = dict(prc.model.options)
     if method.base == "abf":
         options["base"] = method.value("base", abf_base)
-    if "max_len" in options and prc.model.scheme == "learned" and options["max_len"] < to:
-        options["max_len"] = to  # the table grows to L2: its new rows are initialised as GPT-2's
+    options = SCHEMES.lookup(prc.model.scheme).options_at(options, to)
     lr = prc.train.min_lr if lr is None else lr
     train = {"steps": steps, "lr": lr, "min_lr": float(f"{lr / 10:.6g}"), "warmup_steps": max(1, round(steps / 20))}
     model = {"train_len": L if method.at_parent_len else to, "extend": ext}

@@ -44,6 +44,11 @@ class Learned(PositionalScheme):
     description = "a trained table of absolute position vectors (GPT-2); undefined past its size"
     options = {"max_len": 1024}  # GPT-2's n_positions
 
+    @classmethod
+    def options_at(cls, options: dict, length: int) -> dict:
+        """The table grows to `length`: its new rows are initialised as GPT-2's."""
+        return {**options, "max_len": max(options["max_len"], length)}
+
     def __init__(self, cfg):
         super().__init__(cfg)
         if self.max_len < cfg.train_len:

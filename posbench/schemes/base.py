@@ -81,6 +81,11 @@ class PositionalScheme(nn.Module):
     def validate_options(cls, given: dict, where: str) -> None:
         check_options(cls.options, given, where)
 
+    @classmethod
+    def options_at(cls, options: dict, length: int) -> dict:
+        """Its options for a model fine-tuned to `length` (posbench extend): as they are."""
+        return options
+
     def choice(self, key: str, valid) -> str:
         """The value of option `key`, refused in one line unless it is one of `valid`."""
         value = self.opt[key]
