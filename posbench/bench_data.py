@@ -114,3 +114,21 @@ def task_benchmark(cfg: ExperimentConfig, scheme: str, rounds: int = 10, reporte
         name = "padded whole" if k == 1 else f"{k} parts by length"
         rows.append([name, f"{1e3 * best[k]:.1f}", f"{whole / best[k]:.2f}", f"{100 * padding[k]:.0f}%"])
     return rows
+
+
+def task_benchmarks(cfg: ExperimentConfig, schemes: list[str], rounds: int, reporter=None) -> list[tuple[str, list]]:
+    """`posbench bench --task`: a (title, table) per scheme of `task_benchmark`, at the task's
+    recipe (its depth and batch size); a task whose batches are not cut by length is refused."""
+    from posbench.errors import PosbenchError
+    from posbench.resolve import resolve_training
+
+    exp = resolve_training(cfg)
+    why_not = exp.task.padding_benchmark()
+    if why_not is not None:
+        raise PosbenchError(f"--task {cfg.task}: {why_not}")
+    cfg = exp.cfg
+    title = "task {}, {}: one training step on the CPU, {} layers, batch {}"
+    return [
+        (title.format(cfg.task, s, cfg.model.n_layer, cfg.train.batch_size), task_benchmark(cfg, s, rounds, reporter))
+        for s in schemes
+    ]

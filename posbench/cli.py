@@ -789,23 +789,15 @@ def bench(
         if rounds is not None and rounds < 1:
             raise PosbenchError(f"--rounds {rounds} must be positive")
         if task is not None:  # on the CPU, where training cuts a task's batch by length
-            from posbench.bench_data import task_benchmark
+            from posbench.bench_data import task_benchmarks
             from posbench.console import plain_table
 
             if data:
                 raise PosbenchError("--data and --task are two benchmarks: give one")
-            exp = resolve_training(cfg)  # the task's recipe: its depth and batch size
-            why_not = exp.task.padding_benchmark()
-            if why_not is not None:
-                raise PosbenchError(f"--task {task}: {why_not}")
-            cfg = exp.cfg
             _set_threads(threads)
-            for scheme in cfg.schemes if schemes is not None else ["nope"]:
-                table = task_benchmark(cfg, scheme, rounds or 10, lambda m: err.print(m, highlight=False))
-                title = (
-                    f"task {cfg.task}, {scheme}: one training step on the CPU, {cfg.model.n_layer} layers, "
-                    f"batch {cfg.train.batch_size}"
-                )
+            timed = cfg.schemes if schemes is not None else ["nope"]
+            say = lambda m: err.print(m, highlight=False)  # noqa: E731
+            for title, table in task_benchmarks(cfg, timed, rounds or 10, say):
                 out.print(plain_table(title, table, left=True))
             return
         if data:  # the corpus's side of a step: nothing is written
