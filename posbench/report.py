@@ -97,7 +97,14 @@ def collect(exp_dir: Path) -> Collected:
                 f"{exp_dir}: runs trained under different settings ({', '.join(diff)}); "
                 f"a table compares runs that differ only in scheme and seed"
             )
-        out.runs.append(Run(rdir, cfg, measure.read(rdir), trained_with(rdir)))
+        rows = measure.read(rdir)
+        scored_at = {int(r["train_len"]) for r in rows if r.get("train_len")}
+        if scored_at - {cfg.model.train_len}:  # a record edited by hand, or another run's rows
+            raise PosbenchError(
+                f"{rdir}: its rows were scored at train_len {min(scored_at - {cfg.model.train_len})}, but its "
+                f"config.yaml says {cfg.model.train_len}; restore config.yaml or score the run again"
+            )
+        out.runs.append(Run(rdir, cfg, rows, trained_with(rdir)))
         out.parts[rdir] = part
     for lock in sorted(exp_dir.glob(".*.lock")):  # a run still training has no folder of its own yet
         name = lock.name[1 : -len(".lock")]

@@ -570,6 +570,24 @@ def test_a_report_of_another_view_is_written_beside_the_experiments_summary_neve
     assert res.exit_code == 0 and (tmp_path / "bpb" / "summary.md").read_text() == (copy / "summary-bpb.md").read_text()
 
 
+def test_a_run_whose_config_says_another_training_length_than_its_rows_is_refused(tmp_path):
+    """A config.yaml that names another train_len than the run's eval.csv was scored at (a hand
+    edit) would title a table with one length and compute its ratios at another: one line, and
+    no summary is written."""
+    from conftest import ROOT
+
+    copy = tmp_path / "reference"
+    shutil.copytree(ROOT / "results" / "reference", copy)
+    for record in copy.glob("*/config.yaml"):  # every run alike, so that the runs still compare
+        record.write_text(record.read_text().replace("train_len: 100", "train_len: 120", 1))
+    before = (copy / "summary.md").read_bytes()
+    res = invoke("report", copy)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "its rows were scored at train_len 100, but its config.yaml says 120" in text
+    assert (copy / "summary.md").read_bytes() == before
+
+
 def test_a_report_of_one_run_folder_names_its_experiment(tmp_path):
     """#47.9: a run folder is not called a folder without runs: the line names its experiment."""
     from conftest import ROOT
