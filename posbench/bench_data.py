@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from posbench.config import DataConfig, ExperimentConfig
@@ -116,9 +117,12 @@ def task_benchmark(cfg: ExperimentConfig, scheme: str, rounds: int = 10, reporte
     return rows
 
 
-def task_benchmarks(cfg: ExperimentConfig, schemes: list[str], rounds: int, reporter=None) -> list[tuple[str, list]]:
-    """`posbench bench --task`: a (title, table) per scheme of `task_benchmark`, at the task's
-    recipe (its depth and batch size); a task whose batches are not cut by length is refused."""
+def task_benchmarks(
+    cfg: ExperimentConfig, schemes: list[str], rounds: int, reporter=None
+) -> Iterator[tuple[str, list]]:
+    """`posbench bench --task`: a (title, table) per scheme of `task_benchmark`, each as it is
+    timed, at the task's recipe (its depth and batch size); a task whose batches are not cut by
+    length is refused before any is timed."""
     from posbench.errors import PosbenchError
     from posbench.resolve import resolve_training
 
@@ -128,7 +132,7 @@ def task_benchmarks(cfg: ExperimentConfig, schemes: list[str], rounds: int, repo
         raise PosbenchError(f"--task {cfg.task}: {why_not}")
     cfg = exp.cfg
     title = "task {}, {}: one training step on the CPU, {} layers, batch {}"
-    return [
+    return (
         (title.format(cfg.task, s, cfg.model.n_layer, cfg.train.batch_size), task_benchmark(cfg, s, rounds, reporter))
         for s in schemes
-    ]
+    )

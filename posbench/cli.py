@@ -297,10 +297,7 @@ def extrapolate(
             "task": (f"--task {task}", task),
             "train.tracker": (f"--tracker {tracker}", tracker),
         }
-        cfg = load_config(config, set_ or [], values)
-        if test_len is not None and cfg.origins.get("eval.lengths", "").startswith("--set"):
-            given = cfg.origins["eval.lengths"]
-            raise PosbenchError(f"--test-len and {given} both set the evaluation lengths; give one")
+        cfg = _lengths_once(load_config(config, set_ or [], values), test_len)
         exp = resolve(cfg, test_len)
         _kernel_notes(exp.cfg)
         _print_summary(run_experiment(exp, BarReporter(err)), asked=exp.cfg, tracker=exp.cfg.train.tracker)
@@ -384,6 +381,13 @@ def _kernel_notes(cfg) -> None:
             highlight=False,
             markup=False,
         )
+
+
+def _lengths_once(cfg, test_len: Optional[int]):
+    """`cfg`, refused where --test-len and a --set of eval.lengths both set the lengths."""
+    if test_len is not None and cfg.origins.get("eval.lengths", "").startswith("--set"):
+        raise PosbenchError(f"--test-len and {cfg.origins['eval.lengths']} both set the evaluation lengths; give one")
+    return cfg
 
 
 def _one_config(argument: Optional[Path], option: Optional[Path]) -> Optional[Path]:
@@ -556,11 +560,11 @@ def pretrained(
 
     stride = _whole(stride)
     with user_errors():
-        _set_threads(threads)
         if test_len is not None and lengths is not None:
             raise PosbenchError("--test-len and --lengths both set the evaluation lengths; give one")
         values = {
             "name": (f"--name {name}", name),
+            "train.threads": (f"--threads {threads}", threads),
             "eval.lengths": (f"--lengths {lengths}", _csv_ints(lengths, "--lengths")),
             "eval.perplexity.rope_scaling": (f"--rope-scaling {rope_scaling}", _csv_names(rope_scaling) or None),
             "eval.perplexity.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
@@ -572,7 +576,8 @@ def pretrained(
         if measure is None and measure_option:
             raise PosbenchError("--measure-option sets an option of a measure named by --measure")
         measures = load_measures(_measure_names(measure), _measure_options(measure_option)) if measure else []
-        cfg = load_config(config, set_ or [], values)
+        cfg = _lengths_once(load_config(config, set_ or [], values), test_len)
+        _set_threads(cfg.train.threads)
         if "name" not in cfg.origins:
             cfg.name = "pretrained"
         exp, model = plan_pretrained(cfg, model_path, test_len)

@@ -736,8 +736,8 @@ def load_config(
     for key, (flag, value) in values.items():
         assign(raw, key, copy.deepcopy(value), origins=origins, origin=flag)
     for o in overrides:
-        key = o.split("=", 1)[0].strip()
-        clash = next((k for k in values if k == key or k.startswith(key + ".")), None)
+        key = measure_key(o.split("=", 1)[0].strip())  # eval.stride is eval.perplexity.stride
+        clash = next((k for k in values if k == key or k.startswith(key + ".")), None) if "=" in o else None
         if clash is not None:  # neither silently wins
             raise PosbenchError(f"{values[clash][0]} and --set {o} both set {clash}; give one")
         apply_override(raw, o, origins)

@@ -102,7 +102,7 @@ def collect(exp_dir: Path) -> Collected:
         if scored_at - {cfg.model.train_len}:  # a record edited by hand, or another run's rows
             raise PosbenchError(
                 f"{rdir}: its rows were scored at train_len {min(scored_at - {cfg.model.train_len})}, but its "
-                f"config.yaml says {cfg.model.train_len}; restore config.yaml or score the run again"
+                f"config.yaml says {cfg.model.train_len}; restore config.yaml's model.train_len"
             )
         out.runs.append(Run(rdir, cfg, rows, trained_with(rdir)))
         out.parts[rdir] = part

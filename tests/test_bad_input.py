@@ -49,6 +49,7 @@ def _assert_clean_failure(res, message, results: Path):
             "--train-len 32 and --set model.train_len=48 both set model.train_len; give one",
         ),
         (["--task", "copy", "--set", "task=reverse"], "--task copy and --set task=reverse both set task"),
+        (["--stride", "8", "--set", "eval.stride=4"], "--set eval.stride=4 both set eval.perplexity.stride"),
         (["--test-len", "64", "--set", "eval.lengths=[32,48]"], "--test-len and --set eval.lengths=[32,48] both set"),
         (["--protocol", "sliding", "--stride", "nan"], "stride: expected a finite number, got nan"),
         (["--protocol", "sliding", "--stride", "inf"], "stride: expected a finite number, got inf"),

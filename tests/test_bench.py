@@ -34,20 +34,11 @@ def test_bench_quick_writes_every_row(tmp_path):
         if r["tokens_per_s"] == "":
             assert r["ratio_vs_nope"] == r["mfu"] == "" and f"{s} unconfirmed" in line, s
             continue
-        assert float(r["tokens_per_s"]) > 0 and (r["mfu"] == "" or float(r["mfu"]) > 0)
+        # the peak is timed beside the model, so load slows both; 2x it would be a FLOP count gone wrong
+        assert float(r["tokens_per_s"]) > 0 and (r["mfu"] == "" or 0 < float(r["mfu"]) < 2)
         if r["ratio_vs_nope"]:
             assert f"{s} {float(r['tokens_per_s']):,.0f} tokens/s ({float(r['ratio_vs_nope']):.2f}x NoPE)" in line, s
     assert train["nope"]["ratio_vs_nope"] in ("", "1.0")
-    # MFU is tokens/s times the model's FLOPs per token over one matmul peak: beside other work
-    # the peak may read low, so no bound on it holds, but the schemes' MFUs keep their FLOPs' ratios
-    from posbench.bench import model_flops_per_token
-
-    per_flop = {}
-    for s, r in train.items():
-        if r["mfu"]:
-            cfg = ModelConfig(scheme=s)
-            per_flop[s] = float(r["mfu"]) / float(r["tokens_per_s"]) / model_flops_per_token(cfg, TransformerLM(cfg))
-    assert len(per_flop) >= 2 and max(per_flop.values()) == pytest.approx(min(per_flop.values()), rel=1e-9)
     assert "first step s" in res.output and all(float(r["first_call_s"]) >= 0 for r in train.values())
     first_forward = {r["first_call_s"] for r in rows if r["measurement"] == "eval"}
     if torch.cuda.is_available():  # auto picked the GPU: each length's one forward, compiling

@@ -308,6 +308,10 @@ def test_other_model_files_under_the_same_name_are_refused_and_nothing_is_touche
         ),
         (["--set", "model.n_layer=5"], "--set model.n_layer=5: posbench pretrained does not read model.n_layer"),
         (["--set", "train.steps=5"], "--set train.steps=5: posbench pretrained does not read train.steps"),
+        (
+            ["--test-len", str(2 * CONTEXT), "--set", f"eval.lengths=[{CONTEXT}]"],
+            f"--test-len and --set eval.lengths=[{CONTEXT}] both set the evaluation lengths",
+        ),
         (["--set", "task=copy"], "--set task=copy: posbench pretrained scores a model on text (task lm)"),
         (
             ["--test-len", str(CONTEXT // 2)],
@@ -346,6 +350,25 @@ def test_eval_tokens_are_held_against_the_lengths_the_model_is_scored_at(models,
         CONTEXT,
         2 * CONTEXT,
     ]
+
+
+def test_a_config_file_at_the_training_defaults_is_taken_and_one_that_changes_them_is_not(models, tmp_path):
+    """A shared experiment config may hold model: and train: sections: at their defaults they
+    change nothing a pretrained model is scored by and are taken; a value the model would ignore
+    (its shape is its own) is one line naming the file."""
+    from conftest import invoke
+
+    out = tmp_path / "r"
+    args = ("--data", str(_corpus(tmp_path)), "--set", f"out_dir={out}", "--set", f"eval.tokens={2 * CONTEXT}")
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("train: {grad_clip: 1.0}\nmodel: {dropout: 0.0}\n")
+    res = invoke("pretrained", str(models / "llama"), "--config", shared, *args)
+    assert res.exit_code == 0, res.output
+    shared.write_text("model: {n_layer: 5}\n")
+    res = invoke("pretrained", str(models / "llama"), "--config", shared, *args, "--name", "other")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"{shared}: posbench pretrained does not read model.n_layer" in text, res.output
+    assert "drop it" in text and not (out / "other").exists()
 
 
 def test_a_rope_variant_asked_of_a_model_without_rope_is_one_line(models, tmp_path):

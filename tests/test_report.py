@@ -584,7 +584,7 @@ def test_a_run_whose_config_says_another_training_length_than_its_rows_is_refuse
     res = invoke("report", copy)
     text = " ".join(res.output.split())
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
-    assert "its rows were scored at train_len 100, but its config.yaml says 120" in text
+    assert "scored at train_len 100, but its config.yaml says 120; restore config.yaml's model.train_len" in text
     assert (copy / "summary.md").read_bytes() == before
 
 

@@ -92,16 +92,26 @@ def plan_pretrained(cfg: ExperimentConfig, model_path: Path, test_len: Optional[
     from posbench.pretrained import approx_params, fitting_batch, load_pretrained, memory_of, read_model_config
     from posbench.tasks import task_for
 
-    text = ExperimentConfig().task
+    default = ExperimentConfig()
+    text = default.task
     if cfg.task != text:  # a task's exact match needs a model trained on that task
         e = PosbenchError(f"task={cfg.task}: posbench pretrained scores a model on text (task {text})", "task")
         raise blame(cfg, e)
     kept = ("train.device", "train.threads")  # the rest of train.* and the model's shape are the model's own
-    unread = [k for k in cfg.origins if k.startswith(("model.", "train.")) and k not in kept]
+
+    def changed(key: str) -> bool:  # a file's model: or train: section at the defaults is harmless
+        section, field = key.split(".")[:2]
+        return getattr(getattr(cfg, section), field) != getattr(getattr(default, section), field)
+
+    unread = [
+        k
+        for k, where in cfg.origins.items()
+        if k.startswith(("model.", "train.")) and k not in kept and (where.startswith("--") or changed(k))
+    ]
     if unread:
         raise PosbenchError(
             f"{cfg.origins[unread[0]]}: posbench pretrained does not read {unread[0]} (the model's shape is its "
-            f"own, and it trains nothing)"
+            f"own, and it trains nothing); drop it"
         )
     shape = read_model_config(model_path)  # before the weights: a length that cannot fit is refused first
     context = int(getattr(shape, "max_position_embeddings", 0) or getattr(shape, "n_positions", 0))

@@ -135,7 +135,8 @@ def plan_extension(
         )
     jobs, notes, skipped, tokens = [], [], {}, {}
     for pdir in parents:
-        prc = read_config(pdir) if (pdir / "config.yaml").is_file() else load_run(pdir)[0]
+        recorded = (pdir / "config.yaml").is_file()
+        prc = read_config(pdir) if recorded else load_run(pdir)[0]
         with named_by(pdir):  # its scheme and task, if a user's module:Class, are said before they run
             SCHEMES.lookup(prc.model.scheme)
             task = task_for(prc)
@@ -145,10 +146,11 @@ def plan_extension(
             raise PosbenchError(f"{pdir}: {why_not}")
         if prc.model.extend:
             raise PosbenchError(f"{pdir}: already a fine-tuned run ({prc.model.extend['method']}); extend its parent")
-        load_run(pdir)  # its weights, checked against their checksum before anything is written
         L, scheme, seed = prc.model.train_len, prc.model.scheme, prc.seeds[0]
         if to <= L:
             raise PosbenchError(f"--to {to} is not longer than {pdir.name}'s training length {L}")
+        if recorded:  # its weights, checked against their checksum before anything is written
+            load_run(pdir)
         want = sorted(set(lengths or [*prc.eval.lengths, to, 2 * to, 4 * to]))
         if min(want) < 1:
             raise PosbenchError(f"--lengths: every length must be positive, not {min(want)}")
