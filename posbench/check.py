@@ -300,15 +300,17 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
     L = TINY["train_len"]
     got: dict = {}
     try:  # an option that cannot hold at the check's size is the user's to change: one line
-        tiny_model(spec, options=options)
+        built = tiny_model(spec, options=options)
     except PosbenchError as e:
         size = f" (check-scheme builds the scheme at train_len {L})" if "train_len" in str(e) else ""
         raise PosbenchError(f"{e}{size}", e.key) from None
-    except Exception:  # anything else is the build row's reason, below
-        pass
+    except Exception as e:  # anything else is the build row's reason, below
+        built = e
 
     def build():
-        got["model"] = model = tiny_model(spec, options=options)
+        if isinstance(built, Exception):
+            raise built
+        got["model"] = model = built
         n = sum(p.numel() for p in model.scheme.parameters())
         c = model.cfg
         given = ", ".join(f"{k}={v!r}" for k, v in options.items())

@@ -365,8 +365,7 @@ def _kernel_notes(cfg) -> None:
         err.print(f"note: building the C kernels, once (cached in {folder})", highlight=False, markup=False)
 
     own = sorted({name for s in cfg.schemes for name in SCHEMES.lookup(s).kernels})
-    for name in ("attention", *own):
-        native.load(name, building)
+    loaded = {name: native.load(name, building) for name in ("attention", *own)}
     why = native.why_not(cfg.model.head_dim, device)
     if why:
         err.print(
@@ -374,7 +373,7 @@ def _kernel_notes(cfg) -> None:
             highlight=False,
             markup=False,
         )
-    for name in [] if why else [n for n in own if native.load(n) is None]:
+    for name in [] if why else [n for n in own if loaded[n] is None]:
         err.print(
             f"note: {name} trains on its PyTorch path, several times slower: its C kernel cannot run "
             f"({native.unavailable[name]})",
