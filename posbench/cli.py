@@ -335,6 +335,9 @@ def sweep(
             raise PosbenchError(f"--executor {executor}: expected local or ray")
         if executor == "local" and (address or storage):
             raise PosbenchError("--address and --storage are for --executor ray")
+        given = [o for o in set_ or [] if o.split("=", 1)[0].strip() in ("train", "train.tracker") and "=" in o]
+        if tracker is not None and given:  # neither silently wins, as with the other commands' flags
+            raise PosbenchError(f"--tracker {tracker} and --set {given[0]} both set train.tracker; give one")
         sets = [*(set_ or []), *([f"train.tracker={tracker}"] if tracker is not None else [])]
         grid = [(settings, resolve(cfg)) for settings, cfg in load_sweep(config, sets)]
         if dry_run:
@@ -364,7 +367,8 @@ def _kernel_notes(cfg) -> None:
     def building(folder):
         err.print(f"note: building the C kernels, once (cached in {folder})", highlight=False, markup=False)
 
-    own = sorted({name for s in cfg.schemes for name in SCHEMES.lookup(s).kernels})
+    T = cfg.model.train_len
+    own = sorted({k for s in cfg.schemes for k in SCHEMES.lookup(s).kernels_for(cfg.scheme_options.get(s, {}), T)})
     loaded = {name: native.load(name, building) for name in ("attention", *own)}
     why = native.why_not(cfg.model.head_dim, device)
     if why:

@@ -318,6 +318,30 @@ def test_extrapolate_says_when_auto_cannot_use_the_kernels(monkeypatch, tmp_path
     assert (exp / "summary.csv").is_file()
 
 
+@pytest.mark.parametrize(
+    "schemes, options, built",
+    [
+        ("alibi,rope", {}, ["attention"]),
+        ("cope", {}, ["attention", "cope"]),
+        ("pattern_mix", {"pattern_mix": {"layers": ["cope", {"scheme": "rope", "window": 8}]}}, ["attention", "cope"]),
+        ("pattern_mix", {"pattern_mix": {"layers": ["nope", {"scheme": "rope", "window": 8}]}}, ["attention"]),
+        ("gemma3,irope", {}, ["attention"]),
+    ],
+)
+def test_the_kernels_built_before_workers_start_are_those_of_every_layers_scheme(monkeypatch, schemes, options, built):
+    """A pattern's layers attend through their own schemes, so a CoPE layer's kernel is built
+    (and its absence reported) before any worker starts, as a plain CoPE run's is."""
+    from posbench import cli
+    from posbench.config import load_config
+
+    asked = []
+    monkeypatch.setattr(native, "load", lambda name, building=None: asked.append(name) or object())
+    monkeypatch.setattr(native, "why_not", lambda head_dim, device: None)
+    cfg = load_config(None, [f"schemes=[{schemes}]", f"scheme_options={options}", "train.device=cpu"])
+    cli._kernel_notes(cfg)
+    assert asked == built
+
+
 # ---- attention.c: every scheme's causal attention (no bias, a fixed bias or a learned one) ----
 
 needs_attention_kernel = pytest.mark.skipif(

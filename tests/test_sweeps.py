@@ -365,6 +365,15 @@ def test_a_set_of_a_swept_key_is_one_line_and_nothing_runs(tmp_path, override, s
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("override", ["train.tracker=mlflow", "train={tracker: mlflow}"])
+def test_tracker_and_a_set_of_train_tracker_are_one_line_and_nothing_runs(tmp_path, override):
+    res = invoke("sweep", _sweep(tmp_path), "--tracker", "tensorboard", "--set", override)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    said = " ".join(res.output.split())
+    assert f"--tracker tensorboard and --set {override} both set train.tracker; give one" in said
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_diverged_point_is_recorded_the_grid_goes_on_and_status_shows_every_state(tmp_path, monkeypatch):
     from posbench.experiment.records import lock_file
     from posbench.experiment.status import run_status

@@ -82,6 +82,11 @@ class PositionalScheme(nn.Module):
         check_options(cls.options, given, where)
 
     @classmethod
+    def kernels_for(cls, given: dict, train_len: int) -> tuple:
+        """Its own C kernels with these options (a pattern's are its layers')."""
+        return cls.kernels
+
+    @classmethod
     def options_at(cls, options: dict, length: int) -> dict:
         """Its options for a model fine-tuned to `length` (posbench extend): as they are."""
         return options

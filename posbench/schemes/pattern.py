@@ -151,6 +151,12 @@ class Pattern(PositionalScheme):
         return parse_layers(opt["layers"], f"{where}.layers")
 
     @classmethod
+    def kernels_for(cls, given: dict, train_len: int) -> tuple:
+        period = cls.layers_of({**cls.options, **given}, train_len, "scheme_options")
+        own = {k for x in period for k in cls.registry.lookup(x.scheme).kernels_for(x.opt, train_len)}
+        return tuple(sorted(own))
+
+    @classmethod
     def layers_needed(cls, given: dict, train_len: int = 16) -> int:
         """The fewest layers that hold a whole period."""
         return len(cls.layers_of({**cls.options, **given}, train_len, "scheme_options"))
