@@ -1,4 +1,6 @@
-"""`posbench bench --data`: how fast a corpus becomes tokens, and what share of a training step
+"""Benchmarks of the input side: tokenizing and fetching a corpus, and a task's batches.
+
+`posbench bench --data`: how fast a corpus becomes tokens, and what share of a training step
 fetching a batch from a memory-mapped (prepared) corpus takes. `posbench bench --task NAME`: a
 task's training step with its batch padded whole against cut into parts by length."""
 

@@ -1,4 +1,6 @@
-"""Where RoPE should break, and where it does: the scaling law's bound from a run's base, head
+"""The RoPE scaling law's predicted break, and the measured one.
+
+Where RoPE should break, and where it does: the scaling law's bound from a run's base, head
 size and training length, beside the first position whose loss rises past the in-window level.
 
 The law (Liu et al. 2024, "Scaling Laws of RoPE-based Extrapolation", arXiv 2310.05209; Men et

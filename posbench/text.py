@@ -1,4 +1,6 @@
-"""Text beyond Shakespeare bytes: where a corpus's text comes from, how it becomes tokens, and
+"""Text beyond Shakespeare bytes: formats, tokenizers and prepared corpora.
+
+Text beyond Shakespeare bytes: where a corpus's text comes from, how it becomes tokens, and
 corpora prepared once into memory-mapped token files (`posbench prepare`).
 
 Sources (data.path):

@@ -225,3 +225,13 @@ def test_bench_resolves_what_a_config_trains_and_not_how_it_is_scored():
         resolve(load_config(None, sets, {}))
     exp = resolve_training(load_config(None, sets, {}))
     assert (exp.cfg.model.train_len, exp.cfg.train.steps, exp.cfg.eval.lengths) == (1024, 500, [100, 125, 150, 200])
+
+
+def test_every_module_opens_with_one_line_on_what_room_it_is():
+    """STYLE.md: each module opens with a docstring whose first line, a sentence of its own, says
+    what room the module is; detail follows after a blank line."""
+    for path in sorted((Path(__file__).parent.parent / "posbench").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        assert doc, f"{path}: no module docstring"
+        first = doc.split("\n\n")[0].strip()
+        assert "\n" not in first and first[-1] in ".?", f"{path}: its first line is not a sentence of its own"

@@ -1,4 +1,6 @@
-"""The one band plot (a metric against length, bucket or fine-tuning step, a line per scheme
+"""The plots: a metric against length (or bucket, or step) with 95% bands, and the training curves.
+
+The one band plot (a metric against length, bucket or fine-tuning step, a line per scheme
 with its 95% band over seeds) and the training curves, with a look per scheme name that is the
 same in every plot."""
 

@@ -1,4 +1,6 @@
-"""A table of text cells (a header first, the (row, column) cells to set in bold) as Markdown
+"""Tables as Markdown or LaTeX.
+
+A table of text cells (a header first, the (row, column) cells to set in bold) as Markdown
 or LaTeX; the terminal draws the same rows (posbench/console.py)."""
 
 from __future__ import annotations

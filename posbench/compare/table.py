@@ -1,4 +1,6 @@
-"""The one table builder and the one cell: a measure's long rows -> schemes x columns of the
+"""The one table builder: long rows to schemes x columns of means, intervals and ties.
+
+The one table builder and the one cell: a measure's long rows -> schemes x columns of the
 mean over seeds, its 95% interval, how many seeds it stands on, and the schemes tied for best."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""`posbench extend`'s runs: the parents, the children's configs, what a child starts from and
+"""`posbench extend`'s runs: planning the children and training them.
+
+`posbench extend`'s runs: the parents, the children's configs, what a child starts from and
 trains on, and the copies of the parents (the methods: posbench/extend/methods.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Does a model use its far context? Context gain and key tokens (LongPPL), from two passes over
+"""Context gain and key tokens: does a model use its far context?
+
+Does a model use its far context? Context gain and key tokens (LongPPL), from two passes over
 the same windows: each window of L tokens whole, and its last K tokens alone.
 
 Each window's last K // 2 targets are scored twice: with the whole window visible (a context of

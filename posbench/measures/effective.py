@@ -1,4 +1,6 @@
-"""Effective length: the longest length up to which a run stays as good as at its training
+"""Effective length: how far a run stays as good as at its training length.
+
+Effective length: the longest length up to which a run stays as good as at its training
 length by every measure it was scored by, so that "flat" and "uses its context" are one column.
 
 A run's effective length is the longest L, walking up from its training length through the

@@ -1,4 +1,6 @@
-"""The `native` attention backend: C kernels compiled on first use with the machine's C compiler,
+"""The `native` attention backend: C kernels for the CPU, built once and cached.
+
+The `native` attention backend: C kernels compiled on first use with the machine's C compiler,
 cached, and called through ctypes, on CPU tensors in fp32. The eager formula in
 posbench/attention.py is their reference; tests check every kernel against it.
 

@@ -1,4 +1,6 @@
-"""Exact match's records: eval.csv (a row per test length with both metrics), its columns,
+"""Exact match's records: eval.csv and its readers.
+
+Exact match's records: eval.csv (a row per test length with both metrics), its columns,
 reader and metrics, and the length buckets samples.txt and the tables group lengths into; no torch."""
 
 from __future__ import annotations

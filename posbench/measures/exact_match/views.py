@@ -1,4 +1,6 @@
-"""Exact match's tables and plots: lengths grouped into buckets, each in or out of distribution,
+"""Exact match's tables and plots.
+
+Exact match's tables and plots: lengths grouped into buckets, each in or out of distribution,
 plus the in- and out-of-distribution totals, schemes x buckets of one metric per grid point
 through the comparison engine, the mean reciprocal rank past N over grid points and seeds, the
 description, and the plot of the metric by length."""

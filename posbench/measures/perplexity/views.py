@@ -1,4 +1,6 @@
-"""Perplexity's tables and plots: schemes x lengths per protocol (and grid point) through the
+"""Perplexity's tables and plots.
+
+Perplexity's tables and plots: schemes x lengths per protocol (and grid point) through the
 comparison engine, the ratio ppl(longest)/ppl(train), bits per byte, the description, and the
 plots of perplexity by length and loss by position."""
 
