@@ -550,6 +550,42 @@ def test_the_task_docs_reciprocal_rank_table_is_the_committed_task_reference():
     assert len(docs) == 5 and {s: cells[0] for s, cells in docs.items()} == {s: rank[s][0] for s in docs}
 
 
+def _task_reference_runs() -> dict:
+    """(task, scheme, seed) -> % exact match of results/reference-tasks' run: in distribution,
+    past N, and at each length past N, from its eval.csv alone."""
+    runs = {}
+    for path in (ROOT / "results" / "reference-tasks").glob("*/eval.csv"):
+        d = pd.read_csv(path)
+        n = int(d["train_max"].iloc[0])
+        pct = lambda part: 100 * part["correct"].sum() / part["instances"].sum()  # noqa: E731
+        runs[d["task"].iloc[0], d["scheme"].iloc[0], int(d["seed"].iloc[0])] = {
+            "in": pct(d[d["length"] <= n]),
+            "out": pct(d[d["length"] > n]),
+            **{int(k): pct(g) for k, g in d[d["length"] > n].groupby("length")},
+        }
+    return runs
+
+
+def test_the_task_docs_tables_are_the_committed_task_reference_run_by_run():
+    """docs/tasks.md's reference tables, derived here from each run's eval.csv: in distribution
+    per seed, and past N length by length, the mean of the seeds (the study's brackets aside)."""
+    runs = _task_reference_runs()
+    docs = (ROOT / "docs" / "tasks.md").read_text()
+    per_seed = _table(docs, "| scheme | repeat | replace | copy | reverse | sort |")
+    assert len(per_seed) == 5
+    for scheme, cells in per_seed.items():
+        assert cells == [" / ".join(f"{runs[t, scheme, k]['in']:.1f}" for k in (0, 1, 2)) for t in FIVE_TASKS]
+    by_length = _table(docs, "| task, scheme | in (1-20) |")
+    head = docs[docs.index("| task, scheme | in (1-20) |") :].splitlines()[0].strip("|").split("|")[1:]
+    columns = ["in" if "in" in h else "out" if "out" in h else int(h) for h in (c.strip() for c in head)]
+    assert len(by_length) == 25
+    for row, cells in by_length.items():
+        task, scheme = row.split()
+        for column, cell in zip(columns, cells):
+            mean = sum(runs[task, scheme, k][column] for k in (0, 1, 2)) / 3
+            assert cell.split(" [")[0] == f"{mean:.1f}", (row, column, cell)
+
+
 @pytest.mark.plots
 def test_a_report_of_another_view_is_written_beside_the_experiments_summary_never_over_it(tmp_path):
     """#47.2: report --metric bpb (or --buckets, --transpose) writes summary-bpb.* beside the
