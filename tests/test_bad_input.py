@@ -226,7 +226,7 @@ def test_blame_names_the_flag_not_a_file_with_a_fault_of_its_own(tmp_path):
 
 
 def test_a_wrong_model_key_lists_the_keys_a_user_sets(tmp_path):
-    """#47.11: model.scheme, model.options and model.extend are posbench's (from schemes,
+    """model.scheme, model.options and model.extend are posbench's (from schemes,
     scheme_options and extend): a wrong key's message lists the others, not those."""
     res = invoke("extrapolate", "--set", "model.schme=3", "--set", f"out_dir={tmp_path}")
     said = " ".join(res.output.split())
@@ -237,7 +237,7 @@ def test_a_wrong_model_key_lists_the_keys_a_user_sets(tmp_path):
 
 @pytest.mark.parametrize(
     "args,said",
-    [  # #41's smaller cases: each is one line before anything runs
+    [  # the smaller cases: each is one line before anything runs
         (
             ["extrapolate", "--task", "copy", "--set", "task_options.alphabet=a"],
             "--set task_options.alphabet=a: task_options.alphabet: task copy has 1 distinct instance(s) of length 1",

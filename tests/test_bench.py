@@ -310,7 +310,7 @@ def test_bench_task_refuses_bad_input_in_one_line(args, message):
     assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
 
 
-# --- a time stands where a second round confirms it (#47.6) ----------------------------------
+# --- a time stands where a second round confirms it ------------------------------------------
 
 
 def test_the_fastest_round_stands_only_where_another_comes_within_agree_of_it():
@@ -358,7 +358,7 @@ def test_bench_shows_no_rate_its_rounds_did_not_confirm(tmp_path, monkeypatch):
     assert f"no two of the {quick.rounds} rounds came within {AGREE - 1:.0%} of each other for rope, the matmul" in text
 
 
-# --- a first call's time apart from the steady state (#46) -----------------------------------
+# --- a first call's time apart from the steady state -----------------------------------------
 
 
 FIRST_S = 0.05  # the fake first step's sleep: a lower bound, never a speed to assert

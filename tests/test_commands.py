@@ -138,7 +138,7 @@ def test_train_with_no_config_trains_the_defaults_and_one_run_on_request(tmp_pat
 
 
 def test_train_and_sweep_take_the_config_as_a_flag_and_train_takes_seeds(tmp_path, corpus_file):
-    """#30.6: every command takes `--config FILE`; `train --seeds 0,1,2`, as the tables' footer advises."""
+    """Every command takes `--config FILE`; `train --seeds 0,1,2`, as the tables' footer advises."""
     from conftest import ROOT
 
     out = tmp_path / "results"

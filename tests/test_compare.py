@@ -242,7 +242,7 @@ def test_a_task_report_says_what_its_bold_means_as_a_perplexity_report_does():
 
 
 def test_the_ratio_column_has_an_interval_and_a_bold_best_like_every_other_cell():
-    """#47.4: results/reference's ppl(800)/ppl(100) is each seed's own ratio from its eval.csv,
+    """results/reference's ppl(800)/ppl(100) is each seed's own ratio from its eval.csv,
     their mean ± Student's t interval, and the lowest (with any not significantly different)
     in bold."""
     import csv
@@ -286,7 +286,7 @@ def test_a_column_where_every_scheme_ties_has_no_bold():
 
 
 def test_the_task_reference_bolds_no_column_whole():
-    """#47.11, the tie rule: where the schemes tie (rows of 0.0 past N among them) no cell of
+    """The tie rule: where the schemes tie (rows of 0.0 past N among them) no cell of
     the column is bold; results/reference-tasks' tables bold no column whole, and their note says
     why a column has no bold."""
     from conftest import ROOT
@@ -304,7 +304,7 @@ def test_the_task_reference_bolds_no_column_whole():
 
 
 def test_extend_rows_keep_every_parent_above_the_fine_tuned_children():
-    """#47.11: an extension of alibi, hybrid and rope lists alibi and hybrid above rope's
+    """An extension of alibi, hybrid and rope lists alibi and hybrid above rope's
     children. Runs trained from scratch (and rope evaluated rescaled) come first in registry
     order; then the children, by parent in that order and by method."""
     from posbench.compare.order import scheme_order
@@ -326,7 +326,7 @@ def test_extend_rows_keep_every_parent_above_the_fine_tuned_children():
 
 
 def test_the_extension_steps_caption_does_not_repeat_the_first_tables():
-    """#47.11: extend's steps caption does not repeat the first table's note (Student's t, the
+    """extend's steps caption does not repeat the first table's note (Student's t, the
     test and its p); it says what is its own, the best method at each step, and points to the
     test above (results/reference-extend's summary)."""
     from conftest import ROOT
@@ -342,7 +342,7 @@ def test_the_extension_steps_caption_does_not_repeat_the_first_tables():
 
 
 def test_a_header_tells_the_seeds_of_each_row():
-    """#47.4: a header does not say `seeds [0, 1, 2]` when 6 of 8 rows stand on one seed. Where
+    """A header does not say `seeds [0, 1, 2]` when 6 of 8 rows stand on one seed. Where
     every row has the same seeds it names them once; else each set is said with its rows, the
     largest group as the rest."""
     from posbench.compare.table import seeds_said
@@ -402,7 +402,7 @@ def test_the_reciprocal_rank_table_has_intervals_and_the_engines_tie_rule():
 
 
 def test_a_reports_header_tells_the_seeds_of_each_row(tmp_path):
-    """#47.4: results/reference with alibi's seeds 1 and 2 removed: the header does not say
+    """results/reference with alibi's seeds 1 and 2 removed: the header does not say
     seeds [0, 1, 2] of every row."""
     from conftest import ROOT, invoke
 

@@ -1,5 +1,5 @@
-"""What the terminal shows: tables in 80 columns (output redirected) cut no number (#30.3),
-and progress comes in logs and bars while runs train (#30.8)."""
+"""What the terminal shows: tables in 80 columns (output redirected) cut no number,
+and progress comes in logs and bars while runs train."""
 
 import torch
 from conftest import invoke, smoke_experiment
@@ -25,7 +25,7 @@ def _rendered(table, width: int = 80) -> str:
 
 
 def test_the_report_in_80_columns_cuts_no_number_and_no_header(tmp_path):
-    """#30.3: two seeds and five lengths, redirected (CliRunner is 80 wide): every number of the
+    """Two seeds and five lengths, redirected (CliRunner is 80 wide): every number of the
     table is there in full, and no header ends in "…" (ppl(64)/ppl(train) breaks after its "/")."""
     import re
 
@@ -42,7 +42,7 @@ def test_the_report_in_80_columns_cuts_no_number_and_no_header(tmp_path):
 
 
 def test_bench_tables_in_80_columns_tell_100_from_1600(tmp_path):
-    """#30.3: with the peer's columns and the first step's, eval memory at 100 and 1600 is headed
+    """With the peer's columns and the first step's, eval memory at 100 and 1600 is headed
     by its length in full, never "mem@1…" twice, and every number is there in full."""
     from posbench.config import ModelConfig
     from posbench.console import bench_table
@@ -75,7 +75,7 @@ def test_bench_tables_in_80_columns_tell_100_from_1600(tmp_path):
 
 
 def test_status_in_80_columns_spends_a_line_or_two_a_run(tmp_path):
-    """#30.3: a run is a line, with its state and whole detail beside it; a sweep's runs, whose
+    """A run is a line, with its state and whole detail beside it; a sweep's runs, whose
     folder names are long, at most two; no number is cut and nothing ends in "…"."""
     import re
 
@@ -107,7 +107,7 @@ def test_status_in_80_columns_spends_a_line_or_two_a_run(tmp_path):
 
 
 def test_without_a_terminal_progress_lines_come_while_a_run_trains():
-    """#30.8: output redirected (nohup, CI, tee): a line every tenth of a run, with its loss and
+    """Output redirected (nohup, CI, tee): a line every tenth of a run, with its loss and
     time left, before the run finishes, not a bar drawn only at its end."""
     import io
 
@@ -130,7 +130,7 @@ def test_without_a_terminal_progress_lines_come_while_a_run_trains():
 
 
 def test_progress_counts_the_runs_in_logs_and_on_a_terminal(smoke):
-    """#30.8: each run says which of the runs to train it is ("2 of 8"), in a log and in a bar,
+    """Each run says which of the runs to train it is ("2 of 8"), in a log and in a bar,
     and a bar shows the time left."""
     import io
 
@@ -156,7 +156,7 @@ def test_progress_counts_the_runs_in_logs_and_on_a_terminal(smoke):
 
 
 def test_a_sweeps_progress_names_each_grid_point(tmp_path):
-    """#30.8: two grid points train "alibi seed 0" each; their progress is told apart by the
+    """Two grid points train "alibi seed 0" each; their progress is told apart by the
     grid point, as the run folder names it (train_len16-<hash>)."""
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be that is the question\n" * 400)
@@ -188,7 +188,7 @@ def _help(command: str, width: int) -> str:
 
 
 def test_help_prose_reflows_to_the_terminal_and_loses_no_word():
-    """#47.11: a docstring's paragraph does not break where its source line does ("... instead of
+    """A docstring's paragraph does not break where its source line does ("... instead of
     the corpus and" / "scores exact-match accuracy by length."). At any width a paragraph flows
     whole, and every word of it and of each option's help is shown (no <name> taken for markup)."""
     import inspect
@@ -212,7 +212,7 @@ def test_help_prose_reflows_to_the_terminal_and_loses_no_word():
 
 
 def test_a_path_is_printed_unbroken_in_80_columns(tmp_path):
-    """#47.11: `wrote results/...` prints a long path whole, never broken across two lines; the
+    """`wrote results/...` prints a long path whole, never broken across two lines; the
     terminal folds it, so it can be copied."""
     import shutil
 

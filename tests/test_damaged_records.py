@@ -168,7 +168,7 @@ def _flip_inside_a_tensor(path):
 
 
 def test_a_model_pt_with_bytes_flipped_inside_is_refused_and_no_record_is_touched(smoke, tmp_path):
-    """#41: model.pt carries a checksum of its weights, checked on load: a byte flipped inside a
+    """model.pt carries a checksum of its weights, checked on load: a byte flipped inside a
     tensor (which torch loads without a word) is one line, and eval.csv keeps its rows."""
     import torch
 
@@ -187,10 +187,10 @@ def test_a_model_pt_with_bytes_flipped_inside_is_refused_and_no_record_is_touche
 
 
 def test_a_run_is_scored_and_fine_tuned_only_on_the_data_it_read(tmp_path):
-    """#41: evaluate, a rerun and extend read data.path afresh, so a corpus changed under its
-    name would give a model's rows on other text. A run's data.json pins the sha256 of what it
-    read; each of them refuses other data in one line, before anything is scored or trained,
-    and the records stay as they were."""
+    """evaluate, a rerun and extend read data.path afresh; a run's data.json pins the sha256 of
+    what it read, so a corpus changed under its name never gives a model's rows on other text:
+    each of them refuses other data in one line, before anything is scored or trained, and the
+    records stay as they were."""
     from conftest import smoke_experiment
 
     exp, _, text = smoke_experiment(tmp_path, "--schemes", "alibi")
@@ -240,7 +240,9 @@ def _temporaries(folder):
 
 
 def test_a_full_disk_while_saving_weights_is_one_line_naming_the_folder(tmp_path, monkeypatch):
-    """#41: it read as `[enforce fail at inline_container.cc]`."""
+    """A full disk while torch.save writes the weights is one line naming the run's .partial folder
+    and saying to free space and rerun (torch's own `[enforce fail at inline_container.cc]` is not); no temporary,
+    no half-written model.pt and no finished run folder is left."""
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be that is the question\n" * 400)
     monkeypatch.setattr(torch, "save", _full_save)

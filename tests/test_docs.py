@@ -1,4 +1,4 @@
-"""The help, the README and the Makefile say what the code does (#30.12, #30.13)."""
+"""The help, the README and the Makefile say what the code does."""
 
 import shutil
 
@@ -7,7 +7,7 @@ from conftest import folded, invoke
 
 
 def test_help_offers_only_input_that_is_taken_and_names_the_length_defaults():
-    """#30.12: --protocol takes a comma list (no `both`), --compile is a flag and says so when
+    """--protocol takes a comma list (no `both`), --compile is a flag and says so when
     given a value, and extrapolate's help names where its lengths come from."""
     import subprocess
     import sys
@@ -31,7 +31,7 @@ def test_help_offers_only_input_that_is_taken_and_names_the_length_defaults():
 
 
 def test_readme_says_what_a_run_folder_holds(smoke):
-    """#30.13: the files the README lists in a run folder are the ones a run writes;
+    """The files the README lists in a run folder are the ones a run writes;
     positions.png is the experiment's, never a run's."""
     import re
 
@@ -51,7 +51,7 @@ def test_readme_says_what_a_run_folder_holds(smoke):
 
 
 def test_docs_count_the_hooks_name_the_interval_and_state_the_length_rule():
-    """#30.13: the hook table and its sentence agree, default.yaml names the interval the tables
+    """The hook table and its sentence agree, default.yaml names the interval the tables
     print, and the README states how --test-len picks lengths, not only an example."""
     import pandas as pd
     from conftest import ROOT
@@ -81,7 +81,7 @@ def test_docs_count_the_hooks_name_the_interval_and_state_the_length_rule():
 
 
 def test_bench_quick_says_its_timings_are_rough(tmp_path, small_peak):
-    """#30.13: one round cannot be compared; the README and the command both say so."""
+    """One round cannot be compared; the README and the command both say so."""
     from conftest import ROOT
 
     from posbench.bench import BenchSettings
@@ -95,7 +95,7 @@ def test_bench_quick_says_its_timings_are_rough(tmp_path, small_peak):
 
 
 def test_make_installs_the_test_extra_only_for_test_and_lint():
-    """#30.13: `make extrapolate` (and smoke) install the package alone; test and lint add `.[test]`."""
+    """`make extrapolate` (and smoke) install the package alone; test and lint add `.[test]`."""
     import subprocess
 
     from conftest import ROOT
@@ -117,7 +117,7 @@ def test_make_installs_the_test_extra_only_for_test_and_lint():
 
 
 def test_extrapolate_help_names_every_registered_task():
-    """#47.11: --task's help is the registry's list, so a task added is a task listed."""
+    """--task's help is the registry's list, so a task added is a task listed."""
     from conftest import invoke
 
     from posbench.tasks import TASKS

@@ -153,7 +153,7 @@ def test_evaluate_decides_as_extrapolate_decides_and_names_its_flags(smoke, tmp_
 
 
 def test_a_length_given_twice_is_one_line_not_two_rows(smoke, tmp_path):
-    """#41: evaluate --lengths 64,64 is refused in one line; the run's rows stay one per length."""
+    """evaluate --lengths 64,64 is refused in one line; the run's rows stay one per length."""
     exp, _, _ = smoke
     run = tmp_path / "alibi-seed0"
     shutil.copytree(exp / "alibi-seed0", run)
@@ -179,8 +179,8 @@ def test_flags_given_nothing_are_one_line_not_the_runs_own_settings(smoke, tmp_p
 
 
 def test_evaluate_says_when_the_runs_own_tracker_cannot_be_sent_the_rows(smoke, tmp_path, monkeypatch):
-    """#41: a run recorded with a train.tracker whose library is not installed here is scored,
-    and a line says its rows were not sent."""
+    """A run whose recorded train.tracker has no library installed here is still scored, and
+    a line says its rows are not sent to that tracker."""
     import posbench.trackers
 
     exp, _, _ = smoke

@@ -470,15 +470,15 @@ def test_a_childs_scoring_is_decided_by_its_measure_as_any_configs(parents, tmp_
 
 
 def test_curve_steps_past_the_fine_tuning_are_refused_not_dropped(parents, tmp_path):
-    """#41: a --curve step past --steps (9 of 4) is refused in one line, never dropped."""
+    """A --curve step past --steps (9 of 4) is refused in one line, never dropped."""
     res = _extend(parents, tmp_path / "ext", "--curve", "2,9")
     assert res.exit_code == 2 and "--curve 9: the steps scored while fine-tuning lie in 0..4 (--steps)" in res.output
     assert not (tmp_path / "ext").exists()
 
 
 def test_extend_refuses_a_model_override_before_writing_and_gives_training_ones_to_the_children(parents, tmp_path):
-    """#41: `extend --set model.n_layer=3` would make a parent copy whose config.yaml misdescribes
-    its model.pt: it is refused before anything is written. A training override
+    """`extend --set model.n_layer=3` is refused in one line before anything is written, so a
+    parent copy's config.yaml always describes its model.pt. A training override
     (train.batch_size) is the children's: the copy keeps its parent's."""
     res = _extend(parents, tmp_path / "bad", "--set", "model.n_layer=3")
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output

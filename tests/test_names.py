@@ -13,7 +13,7 @@ def test_every_alias_names_a_registered_scheme_and_is_not_one(alias):
 
 
 def test_schemes_rotary_suggests_rope_as_the_readme_calls_it():
-    """#47.11: the README says "rotary", so `--schemes rotary` suggests rope."""
+    """The README says "rotary", so `--schemes rotary` suggests rope."""
     res = invoke("extrapolate", "--schemes", "alibi,rotary")
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "unknown scheme 'rotary' (did you mean 'rope'?)" in " ".join(res.output.split()), res.output

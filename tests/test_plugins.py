@@ -369,7 +369,7 @@ def test_a_plugin_module_not_found_hints_at_the_working_directory(on_path):
 
 
 def test_a_file_named_like_a_library_where_the_user_stands_never_runs(tmp_path):
-    """#41: the working directory is searched for a module:Class plugin after the installed
+    """The working directory is searched for a module:Class plugin after the installed
     packages: a tokenizers.py there does not replace the library that trains a BPE."""
     import subprocess
     import sys
@@ -390,7 +390,7 @@ PLAIN = "from posbench.schemes import PositionalScheme\n\n\nclass Mine(Positiona
 
 
 def test_a_module_that_only_a_run_folder_names_is_said_before_it_is_imported(on_path, tmp_path, corpus_file):
-    """#41: a results folder can name any module:Class. Named on the command line, it imports
+    """A results folder can name any module:Class. Named on the command line, it imports
     without a word; named only by a run's records, one line names the module and its file
     before it runs; report and status import none of it."""
     module = on_path("plug_recorded", PLAIN)

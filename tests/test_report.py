@@ -588,7 +588,7 @@ def test_the_task_docs_tables_are_the_committed_task_reference_run_by_run():
 
 @pytest.mark.plots
 def test_a_report_of_another_view_is_written_beside_the_experiments_summary_never_over_it(tmp_path):
-    """#47.2: report --metric bpb (or --buckets, --transpose) writes summary-bpb.* beside the
+    """report --metric bpb (or --buckets, --transpose) writes summary-bpb.* beside the
     experiment's own summary, which stays byte for byte; --out puts a view where it says."""
     from conftest import ROOT
 
@@ -625,7 +625,7 @@ def test_a_run_whose_config_says_another_training_length_than_its_rows_is_refuse
 
 
 def test_a_report_of_one_run_folder_names_its_experiment(tmp_path):
-    """#47.9: a run folder is not called a folder without runs: the line names its experiment."""
+    """A run folder is not called a folder without runs: the line names its experiment."""
     from conftest import ROOT
 
     copy = tmp_path / "reference"
@@ -638,7 +638,7 @@ def test_a_report_of_one_run_folder_names_its_experiment(tmp_path):
 
 
 def test_the_readme_bytes_against_bpe_table_is_one_report_in_bits_per_byte(tmp_path):
-    """#47.5: the two tokenizers' references join in bits per byte, a table per tokenizer, and
+    """The two tokenizers' references join in bits per byte, a table per tokenizer, and
     give the README's bytes-against-BPE cells; in perplexity, which does not compare across
     tokenizers, the join is refused with one line that names the metric that does. A terminal
     table of a BPE experiment shows bits per byte beside perplexity."""

@@ -56,12 +56,12 @@ def test_a_training_command_tables_what_it_asked_for_not_what_evaluate_added(tmp
     assert "| scheme | 32 | 48 | 64 | seeds | ppl(64)/ppl(32) |" in md and "rope+yarn" not in md
     assert invoke("report", exp).exit_code == 0
     md = (exp / "summary.md").read_text()
-    # the headline ratio stays at the longest length every scheme was scored at (#47.7)
+    # the headline ratio stays at the longest length every scheme was scored at
     assert "| scheme | 32 | 48 | 64 | 96 | seeds | ppl(64)/ppl(32) |" in md and "| rope+yarn |" in md
 
 
 def test_the_headline_ratio_stays_where_every_scheme_was_scored(tmp_path):
-    """#47.7: ppl(longest)/ppl(train) is — where the scheme cannot encode the longest length
+    """ppl(longest)/ppl(train) is — where the scheme cannot encode the longest length
     (learned's table of 48 at 64); after evaluate scores alibi alone at 96, the ratio stays at 64,
     where every scheme was scored, with the same cells, rather than moving to 96 and going blank
     for the others."""

@@ -618,8 +618,8 @@ def test_a_grid_point_over_tasks_is_named_by_what_was_chosen_not_what_each_task_
 
 
 def test_a_sweep_of_thousands_of_runs_says_so_before_the_first_starts(tmp_path, monkeypatch):
-    """#41: a sweep of 10,000 runs started without a word. Past LARGE_SWEEP (1,000) runs to
-    train, one line says how many, the work in all, and how to stop and resume; not below."""
+    """A sweep of thousands of runs never starts without a word: past LARGE_SWEEP (1,000) runs to
+    train, one line says how many, the work in all, and how to stop and resume; not at or below."""
     from posbench.experiment import execute
 
     def stopped(*args, **kwargs):

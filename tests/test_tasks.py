@@ -600,7 +600,7 @@ def test_a_user_s_task_loads_as_module_colon_class(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     run = tmp_path / "r" / "my_tasks_Increment" / "nope-seed0"
     assert "inc:" in (run / "samples.txt").read_text()
-    # #41: a report learns a task's lengths from its class: a module that only the records name
+    # a report learns a task's lengths from its class: a module that only the records name
     # (a later process, or a results folder from someone else) is said before it is imported
     monkeypatch.delitem(sys.modules, "my_tasks")
     res = invoke("report", run.parent)

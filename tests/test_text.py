@@ -266,7 +266,7 @@ def test_a_validation_set_of_its_own_is_held_out_whole(tmp_path, words):
 
 
 def test_prepares_errors_name_its_own_flags_and_the_fields_it_found(tmp_path):
-    """#47.10: posbench prepare says --text-field and SOURCE (its own words, not the config's
+    """posbench prepare says --text-field and SOURCE (its own words, not the config's
     data.text_field and data.path), and lists the fields a row has; training keeps the keys."""
     jsonl = tmp_path / "c.jsonl"
     jsonl.write_text(json.dumps({"content": "x", "path": "a.py"}) + "\n")
@@ -282,8 +282,8 @@ def test_prepares_errors_name_its_own_flags_and_the_fields_it_found(tmp_path):
 
 
 def test_a_second_prepare_into_one_folder_is_refused_naming_the_first(tmp_path):
-    """#41: two `prepare` into one --out mixed their files (tokens.json of one source, train.bin
-    of the other's tokens); while one writes, the other is one line naming it, and writes nothing."""
+    """Two `prepare` into one --out never mix their files (tokens.json of one source, train.bin of
+    the other's tokens): while one writes, the other is one line naming it, and writes nothing."""
     import os
 
     from posbench.files import exclusive
@@ -305,9 +305,9 @@ def test_a_second_prepare_into_one_folder_is_refused_naming_the_first(tmp_path):
 
 
 def test_text_that_is_not_utf8_is_refused_under_a_text_tokenizer_and_read_as_bytes(tmp_path, words):
-    """#41: a text tokenizer read a Latin-1 byte as U+FFFD, three bytes that bits per byte counted
-    for one (a 95,000-byte file counted as 135,000). It is one line naming the file and the first
-    such byte, and nothing is written; the bytes tokenizer reads it, counting each byte once."""
+    """A text tokenizer never reads a byte that is not UTF-8 (Latin-1 é) as U+FFFD, three bytes that
+    bits per byte would count for one: it is one line naming the file and the first such byte,
+    and nothing is written; the bytes tokenizer reads the file, counting each byte once."""
     latin = tmp_path / "latin.txt"
     latin.write_bytes(words.read_bytes()[:5000] + "café\n".encode("latin-1") + words.read_bytes()[5000:])
     said = f"{latin}: not UTF-8 at byte 5,003 (0xe9); a text tokenizer reads UTF-8"
@@ -356,7 +356,7 @@ def test_no_character_is_cut_in_two_so_bits_per_byte_counts_the_file(tmp_path):
 
 
 def test_a_token_id_past_the_vocabulary_in_a_prepared_file_is_one_line(tmp_path, words):
-    """#41: refused before anything is trained or written, in one line naming the file, the id
+    """Refused before anything is trained or written, in one line naming the file, the id
     and the vocabulary."""
     res = invoke("prepare", words, "--out", tmp_path / "prep", "--tokenizer", "bpe", "--vocab-size", "300")
     assert res.exit_code == 0, res.output

@@ -163,7 +163,7 @@ def test_a_tracker_holds_the_loss_and_perplexity_of_the_records(tmp_path, tracke
         assert json.loads((exp / name / RECORD).read_text())[tracker]["train"] is True
     if tracker == "tensorboard":  # the experiment's plots, as images, in a run named after it
         assert {"summary", "training", "positions"} <= set(sent["smoke"]["images"])
-        # #47.11: a series whose step is the length says so in its name, which titles its chart
+        # a series whose step is the length says so in its name, which titles its chart
         tags = set(_tensorboard(exp, raw=True)["nope-seed0"]) - {"images"}
         assert {t.split("/")[0] for t in tags} == {"train", "eval_by_length"}, tags
         _, ppl = _records(exp / "nope-seed0")

@@ -14,8 +14,8 @@ def _plan(monkeypatch, cores: int, steps: int, to_train: int) -> tuple[tuple, li
 
 
 def test_runs_too_small_for_a_worker_train_one_after_another_and_say_so(monkeypatch):
-    """#47.8: the README says one run per core; runs under SMALL_RUN_TOKENS train one at a time,
-    and now one line says so, with their size and how to train them side by side."""
+    """The README says one run per core; runs under SMALL_RUN_TOKENS train one at a time,
+    and one line says so, with their size and how to train them side by side."""
     cfg = resolve(ExperimentConfig()).cfg
     per_step = cfg.train.batch_size * cfg.model.train_len
     small = SMALL_RUN_TOKENS // per_step - 1  # steps of a run just under the line
@@ -34,7 +34,7 @@ def test_nothing_is_said_where_runs_go_side_by_side_or_nothing_could(monkeypatch
 
 
 def test_extrapolate_says_when_its_runs_go_one_after_another_and_leaves_no_lock_file(tmp_path, monkeypatch):
-    """#47.8 and #47.11, end to end: two smoke runs on two cores train in sequence, which the
+    """End to end: two smoke runs on two cores train in sequence, which the
     command says in a line; a finished run leaves no .SCHEME-seedN.lock behind."""
     from conftest import smoke_experiment
 
