@@ -228,8 +228,8 @@ def test_bench_resolves_what_a_config_trains_and_not_how_it_is_scored():
 
 
 def test_every_module_opens_with_one_line_on_what_room_it_is():
-    """STYLE.md: each module opens with a docstring whose first line, a sentence of its own, says
-    what room the module is; detail follows after a blank line."""
+    """Each module opens with a docstring whose first line, a sentence of its own, says what room
+    the module is; detail follows after a blank line."""
     for path in sorted((Path(__file__).parent.parent / "posbench").rglob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
         assert doc, f"{path}: no module docstring"
