@@ -229,7 +229,7 @@ class BarReporter(Reporter):
         if label in self.lines:
             run = self.lines.pop(label)
             if run["step"] < run["total"]:
-                self.say(f"{run['name']}: stopped at step {run['step']}/{run['total']}")
+                self.say(f"{run['name']}: stopped at step {run['step']:,}/{run['total']:,}")
             return
         self.progress.stop_task(self.tasks.pop(label))
         if not self.tasks:  # the bars stay on screen; the next run starts a fresh set

@@ -32,7 +32,7 @@ class Diverged(PosbenchError):
 
     def __init__(self, step: int, loss: float, lr: float):
         self.step, self.loss = step, loss
-        super().__init__(f"diverged at step {step} (loss {loss}); lower train.lr (now {lr})")
+        super().__init__(f"diverged at step {step:,} (loss {loss}); lower train.lr (now {lr})")
 
 
 def lr_at(step: int, cfg) -> float:
@@ -94,7 +94,7 @@ def train_model(
                 f"{folder / CHECKPOINT}: does not fit this run ({first_line(e, 120, last=True)}); "
                 f"delete {folder} to train this run anew"
             ) from None
-        reporter.note(f"{label}: resuming from its checkpoint at step {start} of {tc.steps}")
+        reporter.note(f"{label}: resuming from its checkpoint at step {start:,} of {tc.steps:,}")
     parts = getattr(batches, "parts", 1)  # a task's batch on the CPU comes in parts, cut by length
     params = list(model.parameters())  # once: model.parameters() walks every module each call
     forward = torch.compile(model) if tc.compile else model  # same weights, compiled graph

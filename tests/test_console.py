@@ -241,4 +241,4 @@ def test_a_quick_scoring_without_a_terminal_says_nothing_and_never_that_it_stopp
     assert buf.getvalue() == "", buf.getvalue()
     reporter.scoring("rope seed 3, nonoverlapping", 4096, 12288)  # one stopped short is still said
     reporter.finish("scoring rope seed 3, nonoverlapping")
-    assert "stopped at step 4096/12288" in buf.getvalue(), buf.getvalue()
+    assert "stopped at step 4,096/12,288" in buf.getvalue(), buf.getvalue()

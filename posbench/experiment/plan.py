@@ -204,4 +204,4 @@ def plan_note(job: Job) -> str:
     from posbench.experiment.status import checkpoint_step
 
     step = checkpoint_step(partial_dir(job.folder))
-    return "train" if step is None else f"resume at step {step}"
+    return "train" if step is None else f"resume at step {step:,}"

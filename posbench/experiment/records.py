@@ -105,7 +105,7 @@ def run_state(rdir: Path) -> RunState:
 def diverged_step(rdir: Path) -> str:
     """'at step 12', from a diverged run's record."""
     try:
-        return f"at step {json.loads((Path(rdir) / DIVERGED).read_text())['step']}"
+        return f"at step {json.loads((Path(rdir) / DIVERGED).read_text())['step']:,}"
     except (OSError, ValueError, KeyError, TypeError):
         return "at an unrecorded step"
 
