@@ -664,8 +664,8 @@ def test_the_committed_pretrained_reference_rebuilds_and_holds_the_published_sha
     16,384 with transformers' RoPE scalings at factor 2, non-overlapping and sliding by half of
     each length. Under both protocols: without scaling perplexity rises steeply past the context;
     YaRN and llama3 stay flat to 2x; dynamic equals none inside the context; linear (PI without
-    its fine-tuning) costs about 3x everywhere, not a little as the issue expected from the
-    papers. Sliding gives every token past the first window half a window of context: lower
+    its fine-tuning) costs about 3x everywhere, not the little the papers lead one to
+    expect. Sliding gives every token past the first window half a window of context: lower
     perplexity inside the context, and without scaling higher at 16k, where more of the scored
     tokens lie past it."""
     import csv
