@@ -344,7 +344,7 @@ def sweep(
             folder, plan = plan_sweep(grid)
             out.print(grid_table(folder, grid, plan))
             return
-        _kernel_notes(grid[0][1].cfg)
+        _kernel_notes(*(exp.cfg for _, exp in grid))
         if executor == "ray":
             from posbench.cluster import run_sweep_on_ray
 
@@ -354,8 +354,9 @@ def sweep(
         _print_summary(folder, tracker=grid[0][1].cfg.train.tracker)
 
 
-def _kernel_notes(cfg) -> None:
-    """Build the C kernels once, here, before any worker starts; say where auto cannot use them."""
+def _kernel_notes(cfg, *others) -> None:
+    """Build the C kernels once, here, before any worker starts; say where auto cannot use them.
+    `others`: a sweep's other grid points, whose schemes may need kernels of their own."""
     from posbench import native
     from posbench.device import pick_device
     from posbench.schemes import SCHEMES
@@ -367,8 +368,11 @@ def _kernel_notes(cfg) -> None:
     def building(folder):
         err.print(f"note: building the C kernels, once (cached in {folder})", highlight=False, markup=False)
 
-    T = cfg.model.train_len
-    own = sorted({k for s in cfg.schemes for k in SCHEMES.lookup(s).kernels_for(cfg.scheme_options.get(s, {}), T)})
+    needed: set = set()  # the schemes' own kernels, each scheme with its options
+    for c in (cfg, *others):
+        for s in c.schemes:
+            needed |= set(SCHEMES.lookup(s).kernels_for(c.scheme_options.get(s, {}), c.model.train_len))
+    own = sorted(needed)
     loaded = {name: native.load(name, building) for name in ("attention", *own)}
     why = native.why_not(cfg.model.head_dim, device)
     if why:

@@ -183,7 +183,7 @@ class BarReporter(Reporter):
         if not self.console.is_terminal:
             now = time.monotonic()
             self.lines[label] = {"name": name, "total": total, "t0": now, "said": now, "tenth": 0, "step": 0}
-            self.say(f"{name}: training, {total} steps")
+            self.say(f"{name}: training, {total:,} steps")
             return
         self.tasks[label] = self._bars().add_task(name, total=total, loss="-")
 
@@ -229,7 +229,7 @@ class BarReporter(Reporter):
         if label in self.lines:
             run = self.lines.pop(label)
             if run["step"] < run["total"]:
-                self.say(f"{run['name']}: stopped at step {run['step']:,}/{run['total']:,}")
+                self.say(f"{run['name']}: stopped at {run.get('unit', 'step')} {run['step']:,}/{run['total']:,}")
             return
         self.progress.stop_task(self.tasks.pop(label))
         if not self.tasks:  # the bars stay on screen; the next run starts a fresh set
@@ -244,7 +244,8 @@ class BarReporter(Reporter):
         if key not in self.lines and key not in self.tasks:
             if not self.console.is_terminal:
                 now = time.monotonic()
-                self.lines[key] = {"name": key, "total": total, "t0": now, "said": now, "tenth": 0, "step": 0}
+                run = {"name": key, "total": total, "t0": now, "said": now, "tenth": 0, "step": 0}
+                self.lines[key] = {**run, "unit": "tokens"}
             else:
                 self.tasks[key] = self._bars().add_task(key, total=total, loss="-")
         if key in self.lines:

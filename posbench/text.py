@@ -1,7 +1,7 @@
 """Text beyond Shakespeare bytes: formats, tokenizers and prepared corpora.
 
-Text beyond Shakespeare bytes: where a corpus's text comes from, how it becomes tokens, and
-corpora prepared once into memory-mapped token files (`posbench prepare`).
+Where a corpus's text comes from, how it becomes tokens, and corpora prepared once into
+memory-mapped token files (`posbench prepare`).
 
 Sources (data.path):
   - text files, or a glob of them;

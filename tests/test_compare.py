@@ -360,9 +360,10 @@ def test_a_header_tells_the_seeds_of_each_row():
 def test_the_reciprocal_rank_table_has_intervals_and_the_engines_tie_rule():
     """The mean reciprocal rank goes through the engine: results/reference-tasks' table is derived
     here from the runs' eval.csv alone. At each task and seed the schemes are ranked by exact match
-    past N (tied schemes share their mean rank); each cell is the mean of 1/rank over the 15
-    (task, seed) pairs with its 95% interval, and bold marks the best and every scheme a paired
-    t-test over the pairs cannot tell from it (p >= 0.05)."""
+    past N (tied schemes share their mean rank). The first column is the mean of 1/rank over every
+    (task, seed) pair, a task's column over its seeds, each with its 95% interval; bold marks the
+    best of a column and every scheme a paired t-test cannot tell from it (p >= 0.05), and nothing
+    in a column where that is every scheme."""
     import csv
 
     from conftest import ROOT
@@ -370,35 +371,38 @@ def test_the_reciprocal_rank_table_has_intervals_and_the_engines_tie_rule():
     from posbench.stats import mean_ci, paired_p
 
     committed = ROOT / "results" / "reference-tasks"
-    past: dict = {}  # (task, seed) -> {scheme: % exact past N}
+    past: dict = {}  # (task, seed) -> {scheme: share exact past N}
     for path in committed.glob("*/eval.csv"):
         with path.open() as f:
             rows = [r for r in csv.DictReader(f) if int(r["length"]) > int(r["train_max"])]
         key, scheme = (rows[0]["task"], int(rows[0]["seed"])), rows[0]["scheme"]
         past.setdefault(key, {})[scheme] = sum(int(r["correct"]) for r in rows) / sum(int(r["instances"]) for r in rows)
-    assert len(past) == 15 and all(len(by) == 5 for by in past.values())
-    pairs = sorted(past)
-    rr: dict = {}
-    for key in pairs:
-        ranks = pd.Series(past[key]).rank(method="average", ascending=False)
-        for scheme, rank in ranks.items():
-            rr.setdefault(scheme, []).append(1 / rank)
-    best = max(rr, key=lambda s: sum(rr[s]))
-    bold = {s for s in rr if s == best or paired_p(rr[s], rr[best]) >= 0.05}
-    assert 0 < len(bold) < len(rr)  # a best that stands out from some, so the rule is exercised
+    schemes = set().union(*past.values())
+    assert all(set(by) == schemes for by in past.values())
+    rr: dict = {}  # (task or "all", scheme) -> 1/rank, pair by pair in one order
+    for key in sorted(past):
+        for scheme, rank in pd.Series(past[key]).rank(method="average", ascending=False).items():
+            for column in ("all", key[0]):
+                rr.setdefault((column, scheme), []).append(1 / rank)
+
+    def expected(column: str) -> dict:
+        values = {s: rr[column, s] for s in schemes}
+        best = max(values, key=lambda s: sum(values[s]))
+        bold = {s for s in values if s == best or paired_p(values[s], values[best]) >= 0.05}
+        bold = set() if bold == set(values) else bold  # where every scheme ties, bold singles out none
+        cell = {s: "{:.2f} ± {:.2f}".format(*mean_ci(values[s])) for s in values}
+        return {s: f"**{cell[s]}**" if s in bold else cell[s] for s in values}
 
     md = (committed / "summary.md").read_text()
-    table = md.split("## mean reciprocal rank past N over 15 (grid point, seed) pairs")[1].split("\n\n")[1]
-    cells = {
-        r.strip("|").split("|")[0].strip(): [c.strip() for c in r.strip("|").split("|")[1:]]
-        for r in table.splitlines()[2:]
-    }
-    for scheme, values in rr.items():
-        mean, ci = mean_ci(values)
-        want = f"{mean:.2f} ± {ci:.2f}"
-        assert cells[scheme][0] == (f"**{want}**" if scheme in bold else want), (scheme, cells[scheme][0])
-    assert all(" ± " in c for row in cells.values() for c in row)
-    assert "averaged over the 15 pairs" in (committed / "summary.tex").read_text()
+    heading = f"## mean reciprocal rank past N over {len(past)} (grid point, seed) pairs"
+    table = md.split(heading)[1].split("\n\n")[1].splitlines()
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    cells = {r.strip("|").split("|")[0].strip(): [c.strip() for c in r.strip("|").split("|")[1:]] for r in table[2:]}
+    assert set(cells) == schemes and len(head) == 2 + len({t for t, _ in past})
+    for j, column in enumerate(head[1:]):
+        task = "all" if j == 0 else column.split(",")[0].removeprefix("task=")
+        assert {s: cells[s][j] for s in schemes} == expected(task), column
+    assert f"averaged over the {len(past)} pairs" in (committed / "summary.tex").read_text()
 
 
 def test_a_reports_header_tells_the_seeds_of_each_row(tmp_path):

@@ -227,7 +227,7 @@ def test_a_path_is_printed_unbroken_in_80_columns(tmp_path):
 
 def test_a_quick_scoring_without_a_terminal_says_nothing_and_never_that_it_stopped():
     """A run scored in under QUIET_SCORING_S leaves no line in a sweep's log, least of all
-    'scoring rope seed 2 ...: stopped at step 0/98304'."""
+    'scoring rope seed 2 ...: stopped at tokens 0/98304'."""
     import io
 
     from rich.console import Console
@@ -241,4 +241,4 @@ def test_a_quick_scoring_without_a_terminal_says_nothing_and_never_that_it_stopp
     assert buf.getvalue() == "", buf.getvalue()
     reporter.scoring("rope seed 3, nonoverlapping", 4096, 12288)  # one stopped short is still said
     reporter.finish("scoring rope seed 3, nonoverlapping")
-    assert "stopped at step 4,096/12,288" in buf.getvalue(), buf.getvalue()
+    assert "stopped at tokens 4,096/12,288" in buf.getvalue(), buf.getvalue()

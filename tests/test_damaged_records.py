@@ -240,7 +240,7 @@ def _temporaries(folder):
 
 
 def test_a_full_disk_while_saving_weights_is_one_line_naming_the_folder(tmp_path, monkeypatch):
-    """A full disk while torch.save writes the weights is one line naming the run's .partial folder
+    """A full disk while torch.save writes the weights ends in one line naming the run's .partial folder
     and saying to free space and rerun (torch's own `[enforce fail at inline_container.cc]` is not); no temporary,
     no half-written model.pt and no finished run folder is left."""
     text = tmp_path / "tiny.txt"

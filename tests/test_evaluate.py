@@ -194,3 +194,4 @@ def test_evaluate_says_when_the_runs_own_tracker_cannot_be_sent_the_rows(smoke, 
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
     assert "not sent to trackio (the run's train.tracker): its library is not installed here" in said
+    assert "32" in {r["length"] for r in csv.DictReader((run / "eval.csv").open())}  # scored all the same

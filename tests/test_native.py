@@ -325,12 +325,14 @@ def test_extrapolate_says_when_auto_cannot_use_the_kernels(monkeypatch, tmp_path
         ("cope", {}, ["attention", "cope"]),
         ("pattern_mix", {"pattern_mix": {"layers": ["cope", {"scheme": "rope", "window": 8}]}}, ["attention", "cope"]),
         ("pattern_mix", {"pattern_mix": {"layers": ["nope", {"scheme": "rope", "window": 8}]}}, ["attention"]),
+        ("pattern_mix", {"pattern_mix": {"layers": ["nope", {"scheme": "cope", "window": 8}]}}, ["attention"]),
         ("gemma3,irope", {}, ["attention"]),
     ],
 )
 def test_the_kernels_built_before_workers_start_are_those_of_every_layers_scheme(monkeypatch, schemes, options, built):
-    """A pattern's layers attend through their own schemes, so a CoPE layer's kernel is built
-    (and its absence reported) before any worker starts, as a plain CoPE run's is."""
+    """A pattern's full-attention layers attend through their own schemes, so a CoPE layer's kernel
+    is built (and its absence reported) before any worker starts, as a plain CoPE run's is; a
+    window layer attends through its mask and bias and needs none."""
     from posbench import cli
     from posbench.config import load_config
 
@@ -340,6 +342,20 @@ def test_the_kernels_built_before_workers_start_are_those_of_every_layers_scheme
     cfg = load_config(None, [f"schemes=[{schemes}]", f"scheme_options={options}", "train.device=cpu"])
     cli._kernel_notes(cfg)
     assert asked == built
+
+
+def test_a_sweep_builds_the_kernels_of_every_grid_point(monkeypatch, tmp_path):
+    """A sweep whose grid varies the schemes builds before its workers start what any point needs."""
+    from posbench import cli
+    from posbench.config import load_sweep
+
+    asked = []
+    monkeypatch.setattr(native, "load", lambda name, building=None: asked.append(name) or object())
+    monkeypatch.setattr(native, "why_not", lambda head_dim, device: None)
+    config = tmp_path / "sweep.yaml"
+    config.write_text("train: {device: cpu}\nsweep: {schemes: [[alibi], [cope]]}\n")
+    cli._kernel_notes(*(cfg for _, cfg in load_sweep(config)))
+    assert asked == ["attention", "cope"]
 
 
 # ---- attention.c: every scheme's causal attention (no bias, a fixed bias or a learned one) ----

@@ -568,21 +568,24 @@ def _task_reference_runs() -> dict:
 
 def test_the_task_docs_tables_are_the_committed_task_reference_run_by_run():
     """docs/tasks.md's reference tables, derived here from each run's eval.csv: in distribution
-    per seed, and past N length by length, the mean of the seeds (the study's brackets aside)."""
+    per seed, and past N length by length, the mean of the seeds (the study's brackets aside); a
+    row for every task and scheme of the records."""
     runs = _task_reference_runs()
+    seeds = sorted({k for _, _, k in runs})
+    schemes = {s for _, s, _ in runs}
     docs = (ROOT / "docs" / "tasks.md").read_text()
     per_seed = _table(docs, "| scheme | repeat | replace | copy | reverse | sort |")
-    assert len(per_seed) == 5
+    assert set(per_seed) == schemes
     for scheme, cells in per_seed.items():
-        assert cells == [" / ".join(f"{runs[t, scheme, k]['in']:.1f}" for k in (0, 1, 2)) for t in FIVE_TASKS]
+        assert cells == [" / ".join(f"{runs[t, scheme, k]['in']:.1f}" for k in seeds) for t in FIVE_TASKS]
     by_length = _table(docs, "| task, scheme | in (1-20) |")
     head = docs[docs.index("| task, scheme | in (1-20) |") :].splitlines()[0].strip("|").split("|")[1:]
     columns = ["in" if "in" in h else "out" if "out" in h else int(h) for h in (c.strip() for c in head)]
-    assert len(by_length) == 25
+    assert len(by_length) == len(FIVE_TASKS) * len(schemes)
     for row, cells in by_length.items():
         task, scheme = row.split()
         for column, cell in zip(columns, cells):
-            mean = sum(runs[task, scheme, k][column] for k in (0, 1, 2)) / 3
+            mean = sum(runs[task, scheme, k][column] for k in seeds) / len(seeds)
             assert cell.split(" [")[0] == f"{mean:.1f}", (row, column, cell)
 
 
@@ -657,6 +660,29 @@ def test_the_readme_bytes_against_bpe_table_is_one_report_in_bits_per_byte(tmp_p
     }
     shown = invoke("report", refs[1], "--out", tmp_path / "one").output
     assert "bpb(100)" in shown and "bpb(200)" in shown
+
+
+def test_the_readme_pretrained_table_is_the_committed_reference():
+    """Every cell of the README's SmolLM2 table is results/reference-smollm2's summary, both protocols
+    (± over the windows kept)."""
+    md = (ROOT / "results" / "reference-smollm2" / "summary.md").read_text()
+
+    def rows(section: str) -> dict:
+        body = md.split(section)[1].split("\n\n")[1].splitlines()[2:]
+        cells = [[c.strip().strip("*") for c in r.strip("|").split("|")] for r in body]
+        return {(c[0].partition("+")[2] or "none"): dict(zip(("1024", "2048", "4096", "8192", "16384"), c[1:6]))
+                for c in cells}  # fmt: skip
+
+    plain, sliding = rows("## nonoverlapping"), rows("## sliding, stride 0.5 x length")
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| | 1024 | 8192 | 16384 | sliding 1024 |") :].split("\n\n")[0].splitlines()
+    head = [c.strip() for c in table[0].strip("|").split("|")][1:]
+    assert len(table) == 7
+    for line in table[2:]:
+        variant, *cells = [c.strip() for c in line.strip("|").split("|")]
+        for column, cell in zip(head, cells):
+            source = sliding if column.startswith("sliding") else plain
+            assert cell == source[variant][column.split()[-1]], (variant, column)
 
 
 def test_the_committed_pretrained_reference_rebuilds_and_holds_the_published_shape_where_it_does(tmp_path):

@@ -126,6 +126,22 @@ def test_status_report_and_extend_read_one_experiment_alike(experiment):
     assert parents_in(experiment) == [experiment / "alibi-seed0"]  # the diverged run is left out
 
 
+def test_status_of_a_partial_run_whose_config_cannot_be_read_still_says_its_step(experiment, monkeypatch):
+    """One damaged run never stops the listing: a partial run whose config.yaml is empty says the
+    step it is at, of a total it cannot read, from its training log or its checkpoint."""
+    from posbench.experiment import status
+
+    held = partial_dir(experiment / "rope-seed1")
+    (held / "config.yaml").write_text("")
+    (held / "train_log.jsonl").write_text(json.dumps({"step": 1233, "loss": 2.0}) + "\n")
+    row = {r["run"]: r for r in status.run_status(experiment)}["rope-seed1"]
+    assert (row["state"], row["scheme"]) == ("running", "?") and "training, at step 1,234 of ?" in row["detail"]
+    os.remove(held / "train_log.jsonl")
+    monkeypatch.setattr(status, "checkpoint_step", lambda folder: 1200)
+    row = {r["run"]: r for r in status.run_status(experiment)}["rope-seed1"]
+    assert "training, at step 1,200 of ?" in row["detail"]
+
+
 def test_extend_names_a_diverged_run_given_to_it(experiment):
     from posbench.extend.run import parents_in
 

@@ -372,6 +372,8 @@ def test_tracker_and_a_set_of_train_tracker_are_one_line_and_nothing_runs(tmp_pa
     said = " ".join(res.output.split())
     assert f"--tracker tensorboard and --set {override} both set train.tracker; give one" in said
     assert not (tmp_path / "r").exists()
+    res = invoke("sweep", _sweep(tmp_path), "--tracker", "tensorboard", "--set", "train.steps=5", "--dry-run")
+    assert res.exit_code == 0, res.output  # another train.* key is no clash
 
 
 def test_a_diverged_point_is_recorded_the_grid_goes_on_and_status_shows_every_state(tmp_path, monkeypatch):

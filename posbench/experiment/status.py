@@ -76,12 +76,13 @@ def _status_of(run: RunState) -> dict:
     if run.state == "diverged":
         return {**row, "state": "diverged", "detail": diverged_step(rdir)}
     step = checkpoint_step(folder) if not run.here else None
-    at = f"at step {step:,} of {steps:,}" if step is not None else "no checkpoint yet"
+    of = f"{steps:,}" if isinstance(steps, int) else "?"  # ? where its config cannot be read
+    at = f"at step {step:,} of {of}" if step is not None else "no checkpoint yet"
     if step is None and not run.here and any((folder / f).is_file() for f in (CHECKPOINT, PREVIOUS)):
         at = f"no readable checkpoint: delete {folder} to train it anew"
     if run.holder is not None:  # training it, or scoring a trained run
         logged = read_train_log(folder) if not run.here else []
-        now = f"at step {logged[-1]['step'] + 1:,} of {steps:,}" if logged and "step" in logged[-1] else at
+        now = f"at step {logged[-1]['step'] + 1:,} of {of}" if logged and "step" in logged[-1] else at
         doing = f"training, {now}" if not run.here else "evaluating"
         return {**row, "state": "running", "detail": f"{doing} (pid {run.holder or '?'})"}
     if run.here and unreadable:  # a report of it would fail: say so here

@@ -1,7 +1,7 @@
 """`posbench extend`'s part of a report: a row per method and the steps curve.
 
-`posbench extend`'s part of a report: a line per method, and perplexity at L2 against
-fine-tuning steps (a table and steps.png), read from the children's curve.csv."""
+A line per method, and perplexity at L2 against fine-tuning steps (a table and steps.png),
+read from the children's curve.csv."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""`posbench extend`'s runs: planning the children and training them.
+"""`posbench extend`'s runs: the children planned, what each starts from, and the parents' copies.
 
-`posbench extend`'s runs: the parents, the children's configs, what a child starts from and
-trains on, and the copies of the parents (the methods: posbench/extend/methods.py)."""
+The parents, the children's configs, what a child starts from and trains on, and the copies
+of the parents (the methods: posbench/extend/methods.py)."""
 
 from __future__ import annotations
 

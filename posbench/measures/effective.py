@@ -1,7 +1,7 @@
 """Effective length: how far a run stays as good as at its training length.
 
-Effective length: the longest length up to which a run stays as good as at its training
-length by every measure it was scored by, so that "flat" and "uses its context" are one column.
+The longest length up to which a run stays as good as at its training length by every measure
+it was scored by, so that "flat" and "uses its context" are one column.
 
 A run's effective length is the longest L, walking up from its training length through the
 lengths it was scored at, at which all of these hold at L and at every length before it:

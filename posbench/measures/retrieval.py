@@ -1,8 +1,8 @@
 """Retrieval by likelihood: a planted pass key ranked against distractors.
 
-Retrieval by likelihood: does the model use a key it read far back? A pass key planted at a
-depth of filler text from the run's own corpus is asked for at the end, and the model ranks the
-true key against distractor keys by their likelihood (docs/measures.md).
+Does the model use a key it read far back? A pass key planted at a depth of filler text from
+the run's own corpus is asked for at the end, and the model ranks the true key against
+distractor keys by their likelihood (docs/measures.md).
 
     posbench evaluate RUN --measure posbench.measures.retrieval:Retrieval
 

@@ -1,8 +1,8 @@
 """The `native` attention backend: C kernels for the CPU, built once and cached.
 
-The `native` attention backend: C kernels compiled on first use with the machine's C compiler,
-cached, and called through ctypes, on CPU tensors in fp32. The eager formula in
-posbench/attention.py is their reference; tests check every kernel against it.
+C kernels compiled on first use with the machine's C compiler, cached, and called through
+ctypes, on CPU tensors in fp32. The eager formula in posbench/attention.py is their reference;
+tests check every kernel against it.
 
 - attention.c: causal attention with no bias, a fixed bias or a learned one, fused, and
   Transformer-XL's relative position term computed inside its tiles;

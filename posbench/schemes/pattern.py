@@ -153,7 +153,8 @@ class Pattern(PositionalScheme):
     @classmethod
     def kernels_for(cls, given: dict, train_len: int) -> tuple:
         period = cls.layers_of({**cls.options, **given}, train_len, "scheme_options")
-        own = {k for x in period for k in cls.registry.lookup(x.scheme).kernels_for(x.opt, train_len)}
+        # a window or chunk layer attends through its mask and bias, never its scheme's own kernel
+        own = {k for x in period if not x.local for k in cls.registry.lookup(x.scheme).kernels_for(x.opt, train_len)}
         return tuple(sorted(own))
 
     @classmethod

@@ -1,7 +1,7 @@
 """Exact match's records: eval.csv and its readers.
 
-Exact match's records: eval.csv (a row per test length with both metrics), its columns,
-reader and metrics, and the length buckets samples.txt and the tables group lengths into; no torch."""
+eval.csv (a row per test length with both metrics), its columns, reader and metrics, and the length
+buckets samples.txt and the tables group lengths into; no torch."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Exact match's scoring: greedy answers on a task's test set.
 
-Exact match's scoring: a run on its task's test set into eval.csv, and samples.txt, a few test
-instances of each length bucket with the model's answers (posbench/accuracy.py holds the torch side)."""
+A run on its task's test set into eval.csv, and samples.txt, a few test instances of each length
+bucket with the model's answers (posbench/accuracy.py holds the torch side)."""
 
 from __future__ import annotations
 

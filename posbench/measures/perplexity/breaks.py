@@ -1,8 +1,8 @@
 """Where RoPE breaks: the scaling law's bound beside the measured break, in a report.
 
-Where RoPE breaks: each rotary run's scaling-law bound (posbench/rope_law.py) beside the
-position where its loss per position rises past the in-window level, as a report section, and
-the two against the base as a plot where runs differ in base (a rope.base sweep)."""
+Each rotary run's scaling-law bound (posbench/rope_law.py) beside the position where its loss
+per position rises past the in-window level, as a report section, and the two against the
+base as a plot where runs differ in base (a rope.base sweep)."""
 
 from __future__ import annotations
 

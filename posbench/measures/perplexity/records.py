@@ -1,8 +1,8 @@
 """Perplexity's records: eval.csv, positions.csv.gz and windows.csv, and their readers.
 
-Perplexity's records: eval.csv (a row per scheme label, length, protocol and stride),
-positions.csv.gz (the mean loss at each window position) and windows.csv (each window's summed
-loss and scored tokens: a pretrained model's intervals), their columns and readers; no torch."""
+eval.csv (a row per scheme label, length, protocol and stride), positions.csv.gz (the mean
+loss at each window position) and windows.csv (each window's summed loss and scored tokens: a
+pretrained model's intervals), their columns and readers; no torch."""
 
 from __future__ import annotations
 

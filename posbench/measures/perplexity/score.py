@@ -1,8 +1,7 @@
 """Perplexity's scoring: every length, protocol and variant into the run's records.
 
-Perplexity's scoring: each length's windows of the validation tokens, under each protocol
-and evaluation-time variant, merged into the run's records (posbench/evaluate.py holds the
-forward passes)."""
+Each length's windows of the validation tokens, under each protocol and evaluation-time
+variant, merged into the run's records (posbench/evaluate.py holds the forward passes)."""
 
 from __future__ import annotations
 
