@@ -50,8 +50,7 @@ def layers_needed(scheme: str, options: dict | None) -> int:
     """TINY's layers, or more for a pattern (posbench/schemes/pattern.py) whose period is longer.
     A name that does not resolve gets TINY's: building it says what is wrong."""
     try:
-        needed = getattr(SCHEMES.lookup(scheme), "layers_needed", None)
-        return max(TINY["n_layer"], needed(options or {}) if needed else 0)
+        return max(TINY["n_layer"], SCHEMES.lookup(scheme).layers_needed(options or {}))
     except PosbenchError:
         return TINY["n_layer"]
 

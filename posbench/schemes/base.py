@@ -82,6 +82,11 @@ class PositionalScheme(nn.Module):
         check_options(cls.options, given, where)
 
     @classmethod
+    def layers_needed(cls, given: dict, train_len: int = 16) -> int:
+        """The fewest layers a model of it has (a pattern's: its whole period)."""
+        return 1
+
+    @classmethod
     def kernels_for(cls, given: dict, train_len: int) -> tuple:
         """Its own C kernels with these options (a pattern's are its layers')."""
         return cls.kernels
