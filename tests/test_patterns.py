@@ -448,3 +448,20 @@ def test_extend_scores_a_parent_with_the_variants_its_own_layers_take():
 
     assert _variants(parent([{"scheme": "rope", "window": 4}, "nope"])) == []
     assert _variants(parent(["rope", "nope"])) == ["linear", "ntk", "dynamic", "yarn", "llama3"]
+
+
+def test_a_scaling_a_patterns_layers_cannot_take_is_a_note_naming_why_not_a_row():
+    """A pattern takes an evaluation-time variant only where a full-attention layer's scheme has it:
+    asked for one none of its layers take, the run gets no row and the plan says why in one line; a
+    pattern with a full-attention RoPE layer, and plain RoPE, get no such line."""
+    from posbench.config import load_config
+    from posbench.measures.perplexity import Perplexity
+
+    layers = {"windowed": "[{scheme: rope, window: 8}, nope]", "full": "[rope, {scheme: rope, window: 8}]"}
+    sets = ["schemes=[pattern_windowed, pattern_full, rope]", "eval.perplexity.rope_scaling=[yarn]"]
+    sets += [f"scheme_options.pattern_{k}={{layers: {v}}}" for k, v in layers.items()]
+    notes = Perplexity().notes(load_config(None, sets), corpus=None)
+    assert notes == [
+        "eval.perplexity.rope_scaling yarn: no pattern_windowed+yarn rows, its rope layers attend within a window "
+        "and keep their trained frequencies; its nope layers have no such variant"
+    ]

@@ -70,6 +70,7 @@ class PositionalScheme(nn.Module):
     fixed_distances: Optional[str] = None  # why its hooks cannot be handed other positions (None: they can)
     replaces_softmax: bool = False  # True: `attend` is the attention under every backend
     per_row_positions = False  # its hooks take (B, T) positions, each row its own (PoSE), not only (T,)
+    variants_by_options = False  # True: an instance takes only some of eval_variants, as its options decide
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -80,6 +81,10 @@ class PositionalScheme(nn.Module):
     @classmethod
     def validate_options(cls, given: dict, where: str) -> None:
         check_options(cls.options, given, where)
+
+    def lacks(self, name: str) -> str:
+        """Why this instance takes no variant `name` that its class declares (see variants_by_options)."""
+        return f"its options leave no part of it that takes {name}"
 
     @classmethod
     def layers_needed(cls, given: dict, train_len: int = 16) -> int:

@@ -137,6 +137,7 @@ class Pattern(PositionalScheme):
     description = "your own pattern of schemes over layers, windows optional: scheme_options.pattern_<label>.layers"
     options = {"layers": None}  # the period, e.g. [{scheme: rope, window: 32}, nope]; see parse_layers
     eval_variants = RoPE.eval_variants  # those its RoPE layers may take; an instance has its layers' own
+    variants_by_options = True
     registry = None  # the scheme registry, which builds each layer's scheme (set by the registry)
 
     @classmethod

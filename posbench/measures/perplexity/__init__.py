@@ -97,8 +97,7 @@ class Perplexity(Measure):
                 if why:
                     notes.append(f"eval.perplexity.rope_scaling {kind}: no {s}+{kind} rows, {why}")
         for s in cfg.schemes if kinds else []:  # a pattern over layers whose own layers take none of them
-            lacks = getattr(SCHEMES.lookup(s), "lacks", None)
-            if lacks is not None:
+            if SCHEMES.lookup(s).variants_by_options:
                 from posbench.schemes import build_scheme
 
                 scheme = build_scheme(cfg.model_for(s))
