@@ -335,11 +335,8 @@ def sweep(
             raise PosbenchError(f"--executor {executor}: expected local or ray")
         if executor == "local" and (address or storage):
             raise PosbenchError("--address and --storage are for --executor ray")
-        given = [o for o in set_ or [] if o.split("=", 1)[0].strip() in ("train", "train.tracker") and "=" in o]
-        if tracker is not None and given:  # neither silently wins, as with the other commands' flags
-            raise PosbenchError(f"--tracker {tracker} and --set {given[0]} both set train.tracker; give one")
-        sets = [*(set_ or []), *([f"train.tracker={tracker}"] if tracker is not None else [])]
-        grid = [(settings, resolve(cfg)) for settings, cfg in load_sweep(config, sets)]
+        values = {"train.tracker": (f"--tracker {tracker}", tracker)}
+        grid = [(settings, resolve(cfg)) for settings, cfg in load_sweep(config, set_ or [], values)]
         if dry_run:
             folder, plan = plan_sweep(grid)
             out.print(grid_table(folder, grid, plan))

@@ -707,6 +707,26 @@ def _names(text: str, key: str) -> bool:
     return False
 
 
+def flag_values(values: Optional[dict[str, Any]]) -> dict[str, tuple[str, Any]]:
+    """The command line's typed values as dotted key -> (the flag, its value), those left unset
+    dropped; a plain value, not a pair, is blamed on the command line as a whole."""
+    values = {k: fv if isinstance(fv, tuple) else ("command line", fv) for k, fv in (values or {}).items()}
+    return {k: fv for k, fv in values.items() if fv[1] is not None}
+
+
+def command_line(raw: dict, values: dict[str, tuple[str, Any]], overrides: list[str], origins: dict) -> None:
+    """The flags' values over `raw`, then each --set; a --set on a key a flag set is refused,
+    so that neither silently wins."""
+    for key, (flag, value) in values.items():
+        assign(raw, key, copy.deepcopy(value), origins=origins, origin=flag)
+    for o in overrides:
+        key = measure_key(o.split("=", 1)[0].strip())  # eval.stride is eval.perplexity.stride
+        clash = next((k for k in values if k == key or k.startswith(key + ".")), None) if "=" in o else None
+        if clash is not None:
+            raise PosbenchError(f"{values[clash][0]} and --set {o} both set {clash}; give one")
+        apply_override(raw, o, origins)
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] = (),
@@ -725,22 +745,13 @@ def load_config(
     except PosbenchError as e:
         raise PosbenchError(f"{path}: {e}", e.key) from None
     origins = {k: str(path) for k in flat(raw)}
-    # a plain value, not a (flag, value) pair, is blamed on the command line as a whole
-    values = {k: fv if isinstance(fv, tuple) else ("command line", fv) for k, fv in (values or {}).items()}
-    values = {k: fv for k, fv in values.items() if fv[1] is not None}
+    values = flag_values(values)
     new_schemes = "schemes" in values or any(o.startswith("schemes=") for o in overrides)
     if new_schemes and isinstance(raw.get("model"), dict):
         # a run's own config.yaml names its scheme twice; a new choice of schemes replaces both
         raw["model"].pop("scheme", None)
         raw["model"].pop("options", None)
-    for key, (flag, value) in values.items():
-        assign(raw, key, copy.deepcopy(value), origins=origins, origin=flag)
-    for o in overrides:
-        key = measure_key(o.split("=", 1)[0].strip())  # eval.stride is eval.perplexity.stride
-        clash = next((k for k in values if k == key or k.startswith(key + ".")), None) if "=" in o else None
-        if clash is not None:  # neither silently wins
-            raise PosbenchError(f"{values[clash][0]} and --set {o} both set {clash}; give one")
-        apply_override(raw, o, origins)
+    command_line(raw, values, overrides, origins)
     try:
         cfg = config_from_dict(raw)
     except PosbenchError as e:
@@ -754,11 +765,15 @@ def dump_yaml(cfg: ExperimentConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
-def load_sweep(path: str | Path, overrides: list[str] = ()) -> list[tuple[dict, ExperimentConfig]]:
+def load_sweep(
+    path: str | Path, overrides: list[str] = (), values: Optional[dict[str, Any]] = None
+) -> list[tuple[dict, ExperimentConfig]]:
     """The grid of a config file's `sweep:` block: a (settings, validated config) pair per point,
-    the product of its lists, each value assigned to its dotted key over the rest of the file
-    and the --set overrides. The whole grid is checked before it is returned: each value on
-    its own first, so that a bad one is named with its key, then every combination."""
+    the product of its lists, each value assigned to its dotted key over the rest of the file,
+    then the command line's flags and --set overrides as load_config applies them. The whole
+    grid is checked before it is returned: each value on its own first, so that a bad one is
+    named with its key, then every combination."""
+    flags = flag_values(values)
     raw = read_yaml(path)
     block = raw.pop("sweep", None)
     if not isinstance(block, dict) or not block:
@@ -781,19 +796,19 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> list[tuple[dict, 
             f"{path}: the sweep: block makes {points:,} points ({sizes}); one sweep takes at most "
             f"{MAX_SWEEP_POINTS:,}: split it into several configs"
         )
-    for o in (o for o in overrides if "=" in o):  # applied after the grid's values: every point alike
-        key = o.split("=", 1)[0].strip()
+    given = [(flag, key) for key, (flag, _) in flags.items()]
+    given += [(f"--set {o}", o.split("=", 1)[0].strip()) for o in overrides if "=" in o]
+    for flag, key in given:  # applied after the grid's values: every point alike
         swept = [k for k in block if k == key or k.startswith(key + ".") or key.startswith(k + ".")]
         if swept:
-            raise PosbenchError(f"--set {o}: {swept[0]} is swept; change its list in {path}'s sweep: block")
+            raise PosbenchError(f"{flag}: {swept[0]} is swept; change its list in {path}'s sweep: block")
 
     def point(settings: dict) -> ExperimentConfig:
         one = copy.deepcopy(raw)
         origins = {k: str(path) for k in flat(one)}
         for key, value in settings.items():
             assign(one, key, copy.deepcopy(value), f"sweep.{key}", origins, f"{path}: sweep.{key}={value!r}")
-        for o in overrides:
-            apply_override(one, o, origins)
+        command_line(one, flags, overrides, origins)
         cfg = config_from_dict(one)
         cfg.origins, cfg.source = origins, str(path)
         return cfg

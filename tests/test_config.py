@@ -257,6 +257,12 @@ def test_a_measure_s_options_are_its_own_section_and_eval_s_own_spelling_still_r
         ({"eval.perplexity.stride": 5}, 5),
         ({"eval.perplexity.stride": 10}, 10),
     ]
+    flagged = load_sweep(swept, ["train.steps=7"], {"train.threads": ("--threads 1", 1), "train.device": None})
+    assert [(c.train.threads, c.train.steps) for _, c in flagged] == [(1, 7), (1, 7)]
+    assert flagged[1][1].origins["train.threads"] == "--threads 1"
+    assert flagged[1][1].origins["train.steps"] == "--set train.steps=7"
+    with pytest.raises(PosbenchError, match="--threads 1 and --set train.threads=2 both set train.threads; give one"):
+        load_sweep(swept, ["train.threads=2"], {"train.threads": ("--threads 1", 1)})
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("eval:\n  perplexity: {protocl: [sliding]}\n")

@@ -376,6 +376,14 @@ def test_tracker_and_a_set_of_train_tracker_are_one_line_and_nothing_runs(tmp_pa
     assert res.exit_code == 0, res.output  # another train.* key is no clash
 
 
+def test_tracker_on_a_sweep_of_train_tracker_is_one_line_and_nothing_runs(tmp_path):
+    config = _sweep(tmp_path, key="train.tracker", values="[tensorboard, mlflow]")
+    res = invoke("sweep", config, "--tracker", "tensorboard")
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "--tracker tensorboard: train.tracker is swept" in " ".join(res.output.split())
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_diverged_point_is_recorded_the_grid_goes_on_and_status_shows_every_state(tmp_path, monkeypatch):
     from posbench.experiment.records import lock_file
     from posbench.experiment.status import run_status
