@@ -778,12 +778,6 @@ def bench(
     ] = None,
 ):
     """Training tokens/s (vs NoPE and a peer), FLOP utilisation, and eval memory up to 64x."""
-
-    from posbench.bench import BenchSettings, run_bench, write_bench
-    from posbench.console import bench_table
-    from posbench.device import pick_device
-    from posbench.resolve import resolve_training
-
     with user_errors(
         on_interrupt="nothing was written; an earlier bench.csv is kept",
         on_oom="a smaller model or train.batch_size (--set)",
@@ -797,59 +791,75 @@ def bench(
         cfg = load_config(config, set_ or [], values)
         if rounds is not None and rounds < 1:
             raise PosbenchError(f"--rounds {rounds} must be positive")
-        if task is not None:  # on the CPU, where training cuts a task's batch by length
-            from posbench.bench_data import task_benchmarks
-            from posbench.console import plain_table
-
-            if data:
-                raise PosbenchError("--data and --task are two benchmarks: give one")
-            _set_threads(threads)
-            timed = cfg.schemes if schemes is not None else ["nope"]
-            say = lambda m: err.print(m, highlight=False)  # noqa: E731
-            for title, table in task_benchmarks(cfg, timed, rounds or 10, say):
-                out.print(plain_table(title, table, left=True))
-            return
-        if data:  # the corpus's side of a step: nothing is written
-            from posbench.bench_data import data_benchmark
-            from posbench.console import plain_table
-
-            _set_threads(threads)
-            table = data_benchmark(cfg, rounds or 30, err.print)
-            out.print(plain_table("the data pipeline (posbench prepare, memory-mapped batches)", table, left=True))
-            return
-        # the bench evaluates at its own multiples of train_len and never reads eval.*, so the
-        # config's test lengths must not stop a longer train_len (--set model.train_len=1024)
-        cfg = resolve_training(cfg).cfg
+        if task is not None and data:
+            raise PosbenchError("--data and --task are two benchmarks: give one")
         _set_threads(threads)
-        dev = pick_device(cfg.train.device, "bench takes --device cpu")
-        out_file = _writable_csv(out_file)  # before the minutes of timing, not after
-        settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
-        if rounds is not None:
-            if rounds < 2:
-                raise PosbenchError(f"--rounds {rounds}: at least two rounds are needed (a time stands when two agree)")
-            settings.rounds = rounds
-        rows, peak = run_bench(
-            cfg.model,
-            cfg.schemes,
-            settings,
-            peer,
-            progress=lambda m: err.print(m, highlight=False, soft_wrap=True),
-            options=cfg.scheme_options,
-            device=dev,
+        if task is not None:  # on the CPU, where training cuts a task's batch by length
+            _bench_task(cfg, cfg.schemes if schemes is not None else ["nope"], rounds or 10)
+        elif data:  # the corpus's side of a step: nothing is written
+            _bench_data(cfg, rounds or 30)
+        else:
+            _bench_model(cfg, quick, peer, rounds, out_file)
+
+
+def _bench_task(cfg, timed: list[str], rounds: int) -> None:
+    """A task's training step, its batch padded whole against cut by length."""
+    from posbench.bench_data import task_benchmarks
+    from posbench.console import plain_table
+
+    say = lambda m: err.print(m, highlight=False)  # noqa: E731
+    for title, table in task_benchmarks(cfg, timed, rounds, say):
+        out.print(plain_table(title, table, left=True))
+
+
+def _bench_data(cfg, rounds: int) -> None:
+    """Tokenization MB/s and a memory-mapped batch's share of a step."""
+    from posbench.bench_data import data_benchmark
+    from posbench.console import plain_table
+
+    table = data_benchmark(cfg, rounds, err.print)
+    out.print(plain_table("the data pipeline (posbench prepare, memory-mapped batches)", table, left=True))
+
+
+def _bench_model(cfg, quick: bool, peer: Optional[str], rounds: Optional[int], out_file: Path) -> None:
+    """Training tokens/s against NoPE (and a peer), FLOP utilisation and eval memory, into out_file."""
+    from posbench.bench import BenchSettings, run_bench, write_bench
+    from posbench.console import bench_table
+    from posbench.device import pick_device
+    from posbench.resolve import resolve_training
+
+    # the bench evaluates at its own multiples of train_len and never reads eval.*, so the
+    # config's test lengths must not stop a longer train_len (--set model.train_len=1024)
+    cfg = resolve_training(cfg).cfg
+    dev = pick_device(cfg.train.device, "bench takes --device cpu")
+    out_file = _writable_csv(out_file)  # before the minutes of timing, not after
+    settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
+    if rounds is not None:
+        if rounds < 2:
+            raise PosbenchError(f"--rounds {rounds}: at least two rounds are needed (a time stands when two agree)")
+        settings.rounds = rounds
+    rows, peak = run_bench(
+        cfg.model,
+        cfg.schemes,
+        settings,
+        peer,
+        progress=lambda m: err.print(m, highlight=False, soft_wrap=True),
+        options=cfg.scheme_options,
+        device=dev,
+    )
+    write_bench(rows, out_file)
+    out.print(bench_table(rows, peak, cfg.model, dev, peer, settings.rounds))
+    if quick:  # five rounds skip fewer bursts of load than the fastest of thirty does
+        done = f"{settings.rounds} round{'s' * (settings.rounds > 1)}"
+        err.print(
+            f"note: --quick timed {done} at batch {settings.batch_size}: its tokens/s and ratios are rough; "
+            f"run without --quick ({BenchSettings().rounds} rounds) to compare schemes",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
         )
-        write_bench(rows, out_file)
-        out.print(bench_table(rows, peak, cfg.model, dev, peer, settings.rounds))
-        if quick:  # five rounds skip fewer bursts of load than the fastest of thirty does
-            rounds = f"{settings.rounds} round{'s' * (settings.rounds > 1)}"
-            err.print(
-                f"note: --quick timed {rounds} at batch {settings.batch_size}: its tokens/s and ratios are rough; "
-                f"run without --quick ({BenchSettings().rounds} rounds) to compare schemes",
-                highlight=False,
-                markup=False,
-                soft_wrap=True,
-            )
-        _kernel_notes(cfg)
-        out.print(f"wrote {out_file}", highlight=False, soft_wrap=True)
+    _kernel_notes(cfg)
+    out.print(f"wrote {out_file}", highlight=False, soft_wrap=True)
 
 
 def _writable_csv(path: Path) -> Path:
