@@ -50,24 +50,7 @@ def evaluate_into(
     from posbench.evaluate import eval_tokens, evaluate_model, window_tokens
     from posbench.schemes import run_label, variant_label
 
-    unknown = [v for v in variants if v is not None and v not in model.eval_variants]
-    scheme = getattr(model, "scheme", None)
-    for v in unknown:  # a training-free variant the scheme refuses says why, in its own words
-        if scheme is not None and v in scheme.eval_variants:
-            with scheme.eval_variant(v, rc.model.train_len, max(lengths), factor):
-                pass
-    if unknown:
-        have = ", ".join(model.eval_variants) or "none"
-        lacks = getattr(getattr(model, "scheme", None), "lacks", None)  # a pattern says which layers lack it
-        why = f": {lacks(unknown[0])}" if lacks else ""
-        raise PosbenchError(
-            f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have}){why}"
-        )
-    if factor is not None and not factor >= 1.0:
-        raise PosbenchError(f"rope factor {factor}: must be >= 1")
-    for v in variants:  # one the model declares but cannot apply (longrope without factors) refuses before any scoring
-        with model.eval_variant(v, max(lengths), factor):
-            pass
+    _refuse_variants(rc, model, variants, max(lengths), factor)
     device = pick_device(rc.train.device)
     tokens = eval_tokens(corpus, rc, lengths)
     labels = {variant_label(run_label(rc.model), v, factor) for v in variants}
@@ -115,13 +98,41 @@ def evaluate_into(
                     {**ident, "window": w, "loss": loss, "tokens": int(count)}
                     for w, (loss, count) in enumerate(wins.tolist())
                 ]
+    _merge_records(rdir, run_label(rc.model), rows, positions, per_window)
+    return rows
+
+
+def _refuse_variants(rc, model, variants: list[Optional[str]], longest: int, factor: Optional[float]) -> None:
+    """One line, before any scoring, for a variant the model lacks or cannot apply, or a factor below 1."""
+    unknown = [v for v in variants if v is not None and v not in model.eval_variants]
+    scheme = getattr(model, "scheme", None)
+    for v in unknown:  # a training-free variant the scheme refuses says why, in its own words
+        if scheme is not None and v in scheme.eval_variants:
+            with scheme.eval_variant(v, rc.model.train_len, longest, factor):
+                pass
+    if unknown:
+        have = ", ".join(model.eval_variants) or "none"
+        lacks = getattr(scheme, "lacks", None)  # a pattern says which layers lack it
+        why = f": {lacks(unknown[0])}" if lacks else ""
+        raise PosbenchError(
+            f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have}){why}"
+        )
+    if factor is not None and not factor >= 1.0:
+        raise PosbenchError(f"rope factor {factor}: must be >= 1")
+    for v in variants:  # one the model declares but cannot apply (longrope without factors) refuses here
+        with model.eval_variant(v, longest, factor):
+            pass
+
+
+def _merge_records(rdir: Path, base: str, rows: list, positions: list, per_window: list) -> None:
+    """The new rows into eval.csv, their loss per position into positions.csv.gz and per window
+    into windows.csv; a row replaces the old one of its key. The plain run's rows (`base`) first."""
     new = {row_key(r) for r in rows}
-    keep = [r for r in read_eval(rdir) if row_key(r) not in new]
-    base = run_label(rc.model)
 
     def order(r):
         return r["scheme"] != base, r["scheme"], r["protocol"], int(r["length"])
 
+    keep = [r for r in read_eval(rdir) if row_key(r) not in new]
     write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
     kept = [r for r in read_positions(rdir) if row_key(r) not in new]
     write_rows(
@@ -134,7 +145,6 @@ def evaluate_into(
     write_rows(
         rdir / "windows.csv", sorted(kept + per_window, key=lambda r: (*order(r), int(r["window"]))), WINDOW_COLUMNS
     )
-    return rows
 
 
 def unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tuple, list[int]]:
