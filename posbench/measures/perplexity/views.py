@@ -309,19 +309,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
     df = with_metric(df, metric)
     what = metric_label(metric, df)
     windows = window_means(collected)
-    tables, effective = {}, {}
-    for point in point_order(df):
-        rows = df if point is None else df[df["point"] == point]
-        for protocol, stride in protocols(rows):
-            part = rows[(rows["protocol"] == protocol) & (rows["stride"].fillna("").astype(str) == stride)]
-            label = protocol_label(protocol, stride)
-            table = comparison(part)
-            over_windows(table, part, windows, metric)
-            key = label if point is None else f"{point}; {label}"
-            tables[key] = table
-            if protocol == "nonoverlapping":  # runs scored by context_gain: their effective length
-                here = [r for r in collected.runs if collected.points.get(r.folder, "") == (point or "")]
-                effective[key] = effective_cells(here)
+    tables, effective = protocol_tables(collected, df, windows, metric)
     pretrained = all(c.model.pretrained for c in configs)  # no training to speak of, a context instead
     trained = "context" if pretrained else "trained at"
     note = spread_note(tables, pretrained, bool(windows))
@@ -402,6 +390,25 @@ def report(collected, metric: str, transpose: bool) -> dict:
         "csv": (df, EVAL_COLUMNS + (["point"] if "point" in df else [])),
         "plots": plots,
     }
+
+
+def protocol_tables(collected, df: pd.DataFrame, windows, metric: str) -> tuple[dict, dict]:
+    """A comparison table per grid point and protocol (keyed "point; protocol", or the protocol
+    alone), and for the non-overlapping ones the effective length of runs context_gain scored."""
+    tables, effective = {}, {}
+    for point in point_order(df):
+        rows = df if point is None else df[df["point"] == point]
+        for protocol, stride in protocols(rows):
+            part = rows[(rows["protocol"] == protocol) & (rows["stride"].fillna("").astype(str) == stride)]
+            label = protocol_label(protocol, stride)
+            table = comparison(part)
+            over_windows(table, part, windows, metric)
+            key = label if point is None else f"{point}; {label}"
+            tables[key] = table
+            if protocol == "nonoverlapping":
+                here = [r for r in collected.runs if collected.points.get(r.folder, "") == (point or "")]
+                effective[key] = effective_cells(here)
+    return tables, effective
 
 
 def frame(collected) -> tuple[pd.DataFrame, list]:
