@@ -39,8 +39,9 @@ bench: install
 reproduce: install
 	posbench extrapolate --config configs/reproduce-alibi.yaml
 
-# the committed comparison on synthetic tasks in results/reference-tasks/ (75 runs: minutes
-# on one GPU with --set train.device=cuda --set train.workers=15; 6 to 7 hours on 2 cores)
+# the committed comparison on synthetic tasks in results/reference-tasks/ (75 runs, all on 2 CPU
+# cores, two at a time: about 10 hours; minutes on one GPU with --set train.device=cuda
+# --set train.workers=15)
 reproduce-tasks: install
 	posbench sweep configs/reproduce-tasks.yaml
 

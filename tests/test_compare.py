@@ -295,12 +295,14 @@ def test_the_task_reference_bolds_no_column_whole():
     assert "none at a length where every scheme ties" in md
     tables = [part.split("\n\n")[0].splitlines() for part in md.split("\n\n| scheme | in-dist |")[1:]]
     assert len(tables) == 5  # a task's table each
+    bold = 0
     for table in tables:
         cells = [row.strip("|").split("|")[1:-1] for row in table[2:]]
         for j in range(len(cells[0])):
             column = [row[j].strip() for row in cells]
             assert not all(c.startswith("**") for c in column), column
-        assert any(c.strip().startswith("**") for row in cells for c in row)  # bold where a best stands out
+        bold += sum(c.strip().startswith("**") for row in cells for c in row)
+    assert bold  # bold where a best stands out (a table may have none: sort's schemes tie at every length)
 
 
 def test_extend_rows_keep_every_parent_above_the_fine_tuned_children():

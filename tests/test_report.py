@@ -152,9 +152,10 @@ def _recipe(config: dict, keys) -> dict:
 
 def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path):
     """results/reference-tasks holds the records of configs/reproduce-tasks.yaml (no weights):
-    five schemes x three seeds x five tasks, each at its task's default recipe and T5 setup, and
-    a fresh report of them gives the committed tables digit for digit, the mean reciprocal rank
-    included."""
+    five schemes x three seeds x five tasks, each at its task's default recipe and T5 setup, RoPE
+    rotating a quarter of each head, all on one device class (a CPU in fp32: the native backend),
+    and a fresh report of them gives the committed tables digit for digit, the mean reciprocal
+    rank included."""
     import yaml
 
     from posbench.tasks import TASKS
@@ -172,6 +173,9 @@ def test_the_committed_task_reference_rebuilds_to_its_committed_summary(tmp_path
     assert len(runs) == 75 and made == {(t, s, n) for t in FIVE_TASKS for s in schemes for n in (0, 1, 2)}
     for run in runs:
         assert {"config.yaml", "eval.csv", "samples.txt", "train_log.jsonl"} <= {p.name for p in run.iterdir()}
+    assert all(c["model"]["options"]["fraction"] == 0.25 for c in configs if c["model"]["scheme"] == "rope")
+    backends = {r["attention"] for run in runs for r in pd.read_csv(run / "eval.csv").to_dict("records")}
+    assert backends == {"native"} and {c["train"]["device"] for c in configs} == {"auto"}
 
 
 def test_the_task_reference_config_plans_the_committed_runs():
