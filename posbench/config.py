@@ -797,7 +797,7 @@ def load_sweep(
             f"{MAX_SWEEP_POINTS:,}: split it into several configs"
         )
     given = [(flag, key) for key, (flag, _) in flags.items()]
-    given += [(f"--set {o}", o.split("=", 1)[0].strip()) for o in overrides if "=" in o]
+    given += [(f"--set {o}", measure_key(o.split("=", 1)[0].strip())) for o in overrides if "=" in o]
     for flag, key in given:  # applied after the grid's values: every point alike
         swept = [k for k in block if k == key or k.startswith(key + ".") or key.startswith(k + ".")]
         if swept:

@@ -365,6 +365,15 @@ def test_a_set_of_a_swept_key_is_one_line_and_nothing_runs(tmp_path, override, s
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("swept", ["eval.stride", "eval.perplexity.stride"])
+@pytest.mark.parametrize("override", ["eval.stride=4", "eval.perplexity.stride=4"])
+def test_a_set_of_a_swept_measure_key_is_refused_however_either_is_spelled(tmp_path, swept, override):
+    res = invoke("sweep", _sweep(tmp_path, key=swept, values="[4, 8]"), "--set", override)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"--set {override}: eval.perplexity.stride is swept" in " ".join(res.output.split())
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("override", ["train.tracker=mlflow", "train={tracker: mlflow}"])
 def test_tracker_and_a_set_of_train_tracker_are_one_line_and_nothing_runs(tmp_path, override):
     res = invoke("sweep", _sweep(tmp_path), "--tracker", "tensorboard", "--set", override)
