@@ -765,7 +765,8 @@ def bench(
     ] = None,
     attention: AttentionOpt = None,
     rounds: Annotated[
-        Optional[int], typer.Option(help="interleaved timing rounds, at least 2 (default 30; 5 with --quick)")
+        Optional[int],
+        typer.Option(help="timing rounds (default 30; 5 with --quick, 10 with --task); the model bench needs 2"),
     ] = None,
     out_file: Annotated[Path, typer.Option("--out", help="the CSV to write, or a folder for bench.csv")] = Path(
         "results/bench/bench.csv"
