@@ -270,57 +270,65 @@ def run_bench(
     progress: Callable[[str], None] = lambda msg: None,
     options: Optional[dict[str, dict]] = None,
     device: torch.device = torch.device("cpu"),
+    backends: Optional[list[str]] = None,
 ) -> tuple[list[dict], float]:
     """Rows of bench.csv and the measured matmul peak (FLOP/s). `options`: each scheme's own
     (the config's scheme_options), so the numbers describe the models a run would train.
     `device`: cpu (fp32, the tested default) or cuda (bf16 autocast, as training runs there).
-    A time no second round confirms is None, and so is every number built on it (its tokens/s,
-    its ratio to NoPE, its MFU; the peak and every MFU where the matmul's is unconfirmed)."""
+    `backends`: attention backends to time side by side in the same rounds (default: the
+    config's); every ratio is to NoPE under the first. A time no second round confirms is None,
+    and so is every number built on it (its tokens/s, its ratio to NoPE, its MFU; the peak and
+    every MFU where the matmul's is unconfirmed)."""
     if peer:
         _import_peer(peer)
     schemes = ["nope"] + [s for s in schemes if s != "nope"]  # NoPE is every ratio's baseline
+    backends = backends or [cfg.attention]
+    pairs = [(s, b) for s in schemes for b in backends]
+    name = {(s, b): s if len(backends) == 1 else f"{s} {b}" for s, b in pairs}  # a step's name in the rounds
     T = cfg.train_len
     n = peak_size(device)
     models, steps = {}, {"matmul peak": matmul_step_fn(n, device)}
-    for s in schemes:
+    for s, b in pairs:
         torch.manual_seed(0)
-        mc = dataclasses.replace(cfg, scheme=s, options=dict((options or {}).get(s, {})))
-        models[s] = TransformerLM(mc).to(device)
-        steps[s] = _train_step_fn(models[s], settings.batch_size, T)
-        if peer:
+        mc = dataclasses.replace(cfg, scheme=s, attention=b, options=dict((options or {}).get(s, {})))
+        models[s, b] = TransformerLM(mc).to(device)
+        steps[name[s, b]] = _train_step_fn(models[s, b], settings.batch_size, T)
+        if peer and b == backends[0]:
             other = _peer_step(s, mc, settings.batch_size, device)
             if other is not None:
                 steps[f"peer:{s}"] = other
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    progress(f"timing each model's first training step: {', '.join(schemes)}")
-    first = time_first_calls({s: steps[s] for s in schemes}, sync)  # a peer's first ran in _peer_step
+    progress(f"timing each model's first training step: {', '.join(name.values())}")
+    first = time_first_calls({name[p]: steps[name[p]] for p in pairs}, sync)  # a peer's first ran in _peer_step
     progress(f"timing training steps: {len(steps) - 1} models and the matmul peak x {settings.rounds} rounds")
-    sec = {name: confirmed(rounds) for name, rounds in time_interleaved(steps, settings, sync).items()}
+    sec = {key: confirmed(rounds) for key, rounds in time_interleaved(steps, settings, sync).items()}
     peak = 2 * n**3 / sec["matmul peak"] if sec["matmul peak"] else None
     tokens = settings.batch_size * T
+    base = sec[name["nope", backends[0]]]
     rows = []
-    for s in schemes:
-        tps = tokens / sec[s] if sec[s] else None
-        peer_tps = tokens / sec[f"peer:{s}"] if sec.get(f"peer:{s}") else None
+    for s, b in pairs:
+        own = sec[name[s, b]]
+        tps = tokens / own if own else None
+        peer_tps = tokens / sec[f"peer:{s}"] if b == backends[0] and sec.get(f"peer:{s}") else None
         rows.append(
             {
                 "scheme": s,
                 "measurement": "train",
                 "tokens_per_s": tps,
-                "ratio_vs_nope": sec["nope"] / sec[s] if sec["nope"] and tps else None,
-                "mfu": tps * model_flops_per_token(models[s].cfg, models[s]) / peak if tps and peak else None,
+                "ratio_vs_nope": base / own if base and tps else None,
+                "mfu": tps * model_flops_per_token(models[s, b].cfg, models[s, b]) / peak if tps and peak else None,
                 "peer_tokens_per_s": peer_tps,
                 "peer_ratio": tps / peer_tps if tps and peer_tps else None,
-                "first_call_s": first[s],
+                "first_call_s": first[name[s, b]],
                 "device": device_name(device),
-                "attention": models[s].backend(device),
+                "attention": models[s, b].backend(device),
             }
         )
     # said now, so a bench stopped during the memory part (flex compiles a kernel per length) keeps them
     progress("training speed: " + ", ".join(map(speed_words, rows)))
     longest = max(settings.multiples) * T
-    for s in schemes:
-        model = models[s].eval()
+    for s, b in pairs:
+        model = models[s, b].eval()
         grow = {k: longest for k in ("max_len", "max_pos") if k in model.scheme.options}  # learned, randomized
         if model.max_len is not None and model.max_len < longest and grow:
             # positions as many as the longest length: what the memory of that length would be
@@ -328,7 +336,6 @@ def run_bench(
             model = TransformerLM(mc).to(device).eval()
         for m in settings.multiples:
             L = m * T
-            progress(f"evaluation memory: {s} at {L}")
             mb = seconds = None
             if model.max_len is None or L <= model.max_len:
                 t = time.perf_counter()
@@ -337,6 +344,8 @@ def run_bench(
                 # under the profiler that reads its memory, whose start-up and bookkeeping would be
                 # most of that time (its first start took 1 s, the forward 2 ms, at T = 100)
                 seconds = time.perf_counter() - t if device.type == "cuda" else None
+            took = f", first forward {seconds:.1f} s" if seconds is not None else ""
+            progress(f"evaluation memory: {name[s, b]} at {L}: {'—' if mb is None else f'{mb:,.1f} MB'}{took}")
             rows.append(
                 {
                     "scheme": s,
@@ -352,11 +361,12 @@ def run_bench(
 
 
 def speed_words(row: dict) -> str:
-    """'rope 59,272 tokens/s (0.94x NoPE)', or what could not be confirmed."""
+    """'rope sdpa 59,272 tokens/s (0.94x NoPE)', or what could not be confirmed."""
+    who = f"{row['scheme']} {row['attention']}"
     if row["tokens_per_s"] is None:
-        return f"{row['scheme']} unconfirmed"
+        return f"{who} unconfirmed"
     ratio = f"{row['ratio_vs_nope']:.2f}x NoPE" if row["ratio_vs_nope"] is not None else "NoPE unconfirmed"
-    return f"{row['scheme']} {row['tokens_per_s']:,.0f} tokens/s ({ratio})"
+    return f"{who} {row['tokens_per_s']:,.0f} tokens/s ({ratio})"
 
 
 def device_name(device: torch.device) -> str:

@@ -783,13 +783,16 @@ def bench(
         on_interrupt="nothing was written; an earlier bench.csv is kept",
         on_oom="a smaller model or train.batch_size (--set)",
     ):
+        backends = _csv_names(attention)  # the model bench times several side by side
         values = {
             "schemes": (f"--schemes {schemes}", _scheme_list(schemes) if schemes is not None else None),
             "train.device": (f"--device {device}", device),  # checked with the config's own
-            "model.attention": (f"--attention {attention}", attention),
+            "model.attention": (f"--attention {attention}", backends[0] if backends else None),
             "task": (f"--task {task}", task),
         }
         cfg = load_config(config, set_ or [], values)
+        if len(backends) > 1 and (task is not None or data):
+            raise PosbenchError(f"--attention {attention}: one backend with --task or --data; several time the model")
         if rounds is not None and rounds < 1:
             raise PosbenchError(f"--rounds {rounds} must be positive")
         if task is not None and data:
@@ -800,7 +803,7 @@ def bench(
         elif data:  # the corpus's side of a step: nothing is written
             _bench_data(cfg, rounds or 30)
         else:
-            _bench_model(cfg, quick, peer, rounds, out_file)
+            _bench_model(cfg, quick, peer, rounds, out_file, backends)
 
 
 def _bench_task(cfg, timed: list[str], rounds: int) -> None:
@@ -822,9 +825,14 @@ def _bench_data(cfg, rounds: int) -> None:
     out.print(plain_table("the data pipeline (posbench prepare, memory-mapped batches)", table, left=True))
 
 
-def _bench_model(cfg, quick: bool, peer: Optional[str], rounds: Optional[int], out_file: Path) -> None:
-    """Training tokens/s against NoPE (and a peer), FLOP utilisation and eval memory, into out_file."""
+def _bench_model(
+    cfg, quick: bool, peer: Optional[str], rounds: Optional[int], out_file: Path, backends: list[str]
+) -> None:
+    """Training tokens/s against NoPE (and a peer), FLOP utilisation and eval memory, into out_file,
+    under each of `backends` side by side (none given: the config's)."""
+    from posbench.attention import backend_for
     from posbench.bench import BenchSettings, run_bench, write_bench
+    from posbench.config import ATTENTION_BACKENDS
     from posbench.console import bench_table
     from posbench.device import pick_device
     from posbench.resolve import resolve_training
@@ -833,6 +841,15 @@ def _bench_model(cfg, quick: bool, peer: Optional[str], rounds: Optional[int], o
     # config's test lengths must not stop a longer train_len (--set model.train_len=1024)
     cfg = resolve_training(cfg).cfg
     dev = pick_device(cfg.train.device, "bench takes --device cpu")
+    runs_as = {}  # each backend as it runs here: auto is one of the others
+    for b in backends:
+        if b not in ATTENTION_BACKENDS:
+            expected = ", ".join(ATTENTION_BACKENDS)
+            raise PosbenchError(f"--attention {','.join(backends)}: {b!r} is not one of {expected}")
+        runs_as.setdefault(backend_for(b, dev, cfg.model.head_dim), []).append(b)
+    twice = [given for given in runs_as.values() if len(given) > 1]
+    if twice:
+        raise PosbenchError(f"--attention {','.join(twice[0])}: these run as one backend here; give it once")
     out_file = _writable_csv(out_file)  # before the minutes of timing, not after
     settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
     if rounds is not None:
@@ -847,6 +864,7 @@ def _bench_model(cfg, quick: bool, peer: Optional[str], rounds: Optional[int], o
         progress=lambda m: err.print(m, highlight=False, soft_wrap=True),
         options=cfg.scheme_options,
         device=dev,
+        backends=backends or None,
     )
     write_bench(rows, out_file)
     out.print(bench_table(rows, peak, cfg.model, dev, peer, settings.rounds))

@@ -291,7 +291,7 @@ STATE_STYLES = {
 
 
 def _backends(rows) -> str:
-    return ", ".join(sorted({r["attention"] for r in rows}))
+    return ", ".join(dict.fromkeys(r["attention"] for r in rows))  # in the order they were given
 
 
 def bench_table(rows, peak, mc, device, peer, rounds: int) -> Group:
@@ -302,8 +302,13 @@ def bench_table(rows, peak, mc, device, peer, rounds: int) -> Group:
     from posbench.bench import AGREE
 
     train = [r for r in rows if r["measurement"] == "train"]
+    several = len({r["attention"] for r in train}) > 1  # backends side by side: a row is (scheme, backend)
+
+    def who(r) -> str:
+        return f"{r['scheme']} {r['attention']}" if several else r["scheme"]
+
     lengths = sorted({r["eval_len"] for r in rows if r["measurement"] == "eval"})
-    mem = {(r["scheme"], r["eval_len"]): r["peak_mem_mb"] for r in rows if r["measurement"] == "eval"}
+    mem = {(who(r), r["eval_len"]): r["peak_mem_mb"] for r in rows if r["measurement"] == "eval"}
     where = rows[0]["device"] if rows else str(device)
     if device.type == "cuda":
         where, peak_text = f"{where}, bf16 autocast", f"bf16 matmul peak {_number(peak, 1e12, 'TFLOP/s')}"
@@ -317,16 +322,16 @@ def bench_table(rows, peak, mc, device, peer, rounds: int) -> Group:
     for r in train:
         small = (r["mfu"] or 1) < 0.1  # a GPU's can be tiny
         mfu = f(r["mfu"], ".2%" if small and r["mfu"] < 0.01 else ".1%" if small else ".0%")
-        speed.append([r["scheme"], f(r["tokens_per_s"], ".0f"), f(r["ratio_vs_nope"], ".2f"), mfu])
+        speed.append([who(r), f(r["tokens_per_s"], ".0f"), f(r["ratio_vs_nope"], ".2f"), mfu])
         if peer:
             speed[-1] += [f(r["peer_tokens_per_s"], ".0f"), f(r["peer_ratio"], ".2f")]
         speed[-1].append(_seconds(r["first_call_s"]))
     memory = [["scheme", *map(str, lengths)]]
-    memory += [[r["scheme"], *(f(mem.get((r["scheme"], L)), ".1f") for L in lengths)] for r in train]
-    first = {(r["scheme"], r["eval_len"]): r["first_call_s"] for r in rows if r["measurement"] == "eval"}
+    memory += [[who(r), *(f(mem.get((who(r), L)), ".1f") for L in lengths)] for r in train]
+    first = {(who(r), r["eval_len"]): r["first_call_s"] for r in rows if r["measurement"] == "eval"}
     timed = any(v is not None for v in first.values())  # on a GPU only: see run_bench
     forward = [["scheme", *map(str, lengths)]]
-    forward += [[r["scheme"], *(_seconds(first.get((r["scheme"], L))) for L in lengths)] for r in train]
+    forward += [[who(r), *(_seconds(first.get((who(r), L))) for L in lengths)] for r in train]
     compiled = (
         "compiling kernels where the backend does (flex: a later scheme may reuse what an earlier one compiled)"
         if device.type == "cuda"
@@ -339,8 +344,10 @@ def bench_table(rows, peak, mc, device, peer, rounds: int) -> Group:
     )
     title = (
         f"posbench bench: {mc.n_layer} layers, d_model {mc.d_model}, {mc.n_head} heads, "
-        f"T={mc.train_len}; {where}; attention {_backends(rows)}; {peak_text}" + (f"; peer: {peer}" if peer else "")
+        f"T={mc.train_len}; {where}; attention {_backends(train)}; {peak_text}" + (f"; peer: {peer}" if peer else "")
     )
+    if several:  # run_bench's ratios are to NoPE under the first backend
+        title += f"; x NoPE: against NoPE under {train[0]['attention']}"
     unconfirmed = [r["scheme"] for r in train if r["tokens_per_s"] is None] + (["the matmul"] if peak is None else [])
     why = (
         f"—: no two of the {rounds} rounds came within {AGREE - 1:.0%} of each other for {', '.join(unconfirmed)} "

@@ -31,13 +31,14 @@ def test_bench_quick_writes_every_row(tmp_path):
     line = res.output[said:].splitlines()[0]
     for s, r in train.items():  # a busy machine may leave a time unconfirmed: blank, and said so
         assert r["peer_ratio"] == ""  # no peer ran
+        who = f"{s} {r['attention']}"
         if r["tokens_per_s"] == "":
-            assert r["ratio_vs_nope"] == r["mfu"] == "" and f"{s} unconfirmed" in line, s
+            assert r["ratio_vs_nope"] == r["mfu"] == "" and f"{who} unconfirmed" in line, s
             continue
         # the peak is timed beside the model, so load slows both; 2x it would be a FLOP count gone wrong
         assert float(r["tokens_per_s"]) > 0 and (r["mfu"] == "" or 0 < float(r["mfu"]) < 2)
         if r["ratio_vs_nope"]:
-            assert f"{s} {float(r['tokens_per_s']):,.0f} tokens/s ({float(r['ratio_vs_nope']):.2f}x NoPE)" in line, s
+            assert f"{who} {float(r['tokens_per_s']):,.0f} tokens/s ({float(r['ratio_vs_nope']):.2f}x NoPE)" in line
     assert train["nope"]["ratio_vs_nope"] in ("", "1.0")
     assert "first step s" in res.output and all(float(r["first_call_s"]) >= 0 for r in train.values())
     first_forward = {r["first_call_s"] for r in rows if r["measurement"] == "eval"}
@@ -217,6 +218,71 @@ def test_bench_on_a_missing_gpu_is_one_line_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
+# seconds a step, the same in every round: each ratio follows from them alone
+SIDE_BY_SIDE = {"matmul peak": 1.0, "nope eager": 2.0, "nope sdpa": 1.0, "t5 eager": 4.0, "t5 sdpa": 2.5}
+
+
+@pytest.fixture
+def fixed_times(monkeypatch):
+    from posbench import bench
+
+    monkeypatch.setattr(bench, "time_interleaved", lambda steps, s, sync: {k: [SIDE_BY_SIDE[k]] * 2 for k in steps})
+
+
+def test_backends_side_by_side_are_timed_in_one_run_against_nope_under_the_first(fixed_times, small_peak):
+    from posbench.bench import BenchSettings, run_bench
+
+    s = BenchSettings(batch_size=2, steps=1, rounds=2, warmup=0, multiples=(1, 4))
+    rows, _ = run_bench(
+        ModelConfig(n_layer=1, d_model=32, n_head=2, train_len=16), ["t5"], s, backends=["eager", "sdpa"]
+    )
+    train = {(r["scheme"], r["attention"]): r for r in rows if r["measurement"] == "train"}
+    assert list(train) == [("nope", "eager"), ("nope", "sdpa"), ("t5", "eager"), ("t5", "sdpa")]
+    for (scheme, backend), r in train.items():  # NoPE under eager takes 2.0 s a step
+        assert r["ratio_vs_nope"] == pytest.approx(2.0 / SIDE_BY_SIDE[f"{scheme} {backend}"])
+        assert r["tokens_per_s"] == pytest.approx(2 * 16 / SIDE_BY_SIDE[f"{scheme} {backend}"])
+    evals = sorted((r["scheme"], r["attention"], r["eval_len"]) for r in rows if r["measurement"] == "eval")
+    assert evals == sorted((s, b, L) for s, b in train for L in (16, 64))
+
+
+def test_the_bench_command_tables_each_scheme_under_each_backend(tmp_path, fixed_times, small_peak):
+    out = tmp_path / "bench.csv"
+    args = ["bench", "--quick", "--schemes", "t5", "--attention", "eager,sdpa", "--out", str(out)]
+    res = CliRunner().invoke(app, [*args, "--set", "model.n_layer=1", "--set", "model.train_len=16"])
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "attention eager, sdpa;" in said and "x NoPE: against NoPE under eager" in said
+    # --quick's batch of 4 x 16 tokens a step
+    assert "training speed: nope eager 32 tokens/s (1.00x NoPE), nope sdpa 64 tokens/s (2.00x NoPE)" in said
+    assert "t5 eager 16 tokens/s (0.50x NoPE), t5 sdpa 26 tokens/s (0.80x NoPE)" in said
+    for who, ratio in [("nope sdpa", "2.00"), ("t5 eager", "0.50"), ("t5 sdpa", "0.80")]:
+        rows = [line.split("│") for line in res.output.splitlines() if line.startswith("│")]
+        assert any(cells[1].strip() == who and cells[3].strip() == ratio for cells in rows), who
+    assert [(r["scheme"], r["attention"]) for r in csv.DictReader(out.open()) if r["measurement"] == "train"] == [
+        ("nope", "eager"),
+        ("nope", "sdpa"),
+        ("t5", "eager"),
+        ("t5", "sdpa"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        ("sdpa,bogus", "--attention sdpa,bogus: 'bogus' is not one of auto, eager, sdpa, native, flex"),
+        ("sdpa,eager,sdpa", "--attention sdpa,sdpa: these run as one backend here; give it once"),
+    ],
+)
+def test_a_bad_list_of_backends_is_one_line_before_any_timing(tmp_path, monkeypatch, given, said):
+    from posbench import bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("timed"))
+    res = CliRunner().invoke(app, ["bench", "--quick", "--attention", given, "--out", str(tmp_path / "b.csv")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert said in " ".join(res.output.split()) and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "b.csv").exists()
+
+
 def test_rows_name_the_cpu_and_its_threads(tmp_path):
     from posbench.bench import BenchSettings, device_name, run_bench
 
@@ -354,7 +420,7 @@ def test_bench_shows_no_rate_its_rounds_did_not_confirm(tmp_path, monkeypatch):
     assert train["rope"]["tokens_per_s"] == train["rope"]["ratio_vs_nope"] == ""
     assert train["nope"]["mfu"] == train["rope"]["mfu"] == ""
     text = " ".join(res.output.split())
-    assert "rope unconfirmed" in text and "fp32 matmul peak —" in text
+    assert f"rope {train['rope']['attention']} unconfirmed" in text and "fp32 matmul peak —" in text
     assert f"no two of the {quick.rounds} rounds came within {AGREE - 1:.0%} of each other for rope, the matmul" in text
 
 
