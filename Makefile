@@ -103,18 +103,12 @@ reproduce-gpu: install
 	$(PIP) install -q -e '.[text]'
 	posbench extrapolate --config configs/gpu-study.yaml
 
-# on one CUDA GPU, the checks docs/performance.md asks of it in about 8 minutes: the CUDA tests,
-# then learned biases against NoPE at GPT-2-small's shape under sdpa and under flex
-# (sdpa.csv and flex.csv in BENCH_OUT, results/bench-gpu unless given: `make gpu-checks
-# BENCH_OUT=$OUT` on a lent machine, whose $OUT comes back). No install: a GPU machine without
-# network runs it from the checkout with its own torch (python3 -m posbench.cli is posbench)
-GPU_SHAPE = --schemes nope,alibi,t5,kerple_log,fire --set model.n_layer=12 --set model.d_model=768 \
-	--set model.n_head=12 --set model.train_len=1024 --rounds 3
+# on one CUDA GPU, the checks docs/performance.md asks of it (.ci/gpu: the CUDA tests, then sdpa
+# and flex side by side at GPT-2-small's shape) into BENCH_OUT, results/bench-gpu unless given.
+# No install: a GPU machine without network runs it from the checkout with its own torch
 BENCH_OUT ?= results/bench-gpu
 gpu-checks:
-	-PYTHONPATH=. $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_cuda.py  # a failing test leaves the benches to run
-	PYTHONPATH=. $(PYTHON) -m posbench.cli bench --device cuda --attention sdpa $(GPU_SHAPE) --out $(BENCH_OUT)/sdpa.csv
-	PYTHONPATH=. $(PYTHON) -m posbench.cli bench --device cuda --attention flex $(GPU_SHAPE) --out $(BENCH_OUT)/flex.csv
+	OUT=$(BENCH_OUT) PYTHON=$(PYTHON) bash .ci/gpu checks
 
 # the GPU study's corpus and its BPE, fetched and trained here into .gpu-cache/ (13 s), for a GPU
 # machine without network: carry .gpu-cache there and run the study from the checkout with

@@ -177,7 +177,7 @@ def flex(q, k, v, bias, q0: int, table=None) -> torch.Tensor:
         return _flex_fn(q.device.type)(q, k, v, score_mod=score_mod, block_mask=mask)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)  # a dense bias at 65,536 tokens meets 256 blocks; each mask is a few KB
 def _causal_block_mask(Tq: int, Tk: int, q0: int, device: torch.device):
     """Queries q0..q0+Tq-1 see keys up to their own index: FlexAttention's block mask, made once
     per (Tq, Tk, q0, device) (a training run meets one shape; evaluation, one per length and block)."""
@@ -191,11 +191,22 @@ def _causal_block_mask(Tq: int, Tk: int, q0: int, device: torch.device):
     return create_block_mask(causal, None, None, Tq, Tk, device=device)
 
 
+FLEX_RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def _flex_fn(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+    if device_type != "cuda":
+        return flex_attention
+    # one compiled function meets every kind of score_mod (none, a table, a dense bias shared by
+    # the batch or per row), with and without a gradient, and each new shape until dynamic shapes
+    # set in; past dynamo's default limit of 8 it would run uncompiled, building the (Tq, Tk)
+    # scores that a long evaluation cannot hold
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, FLEX_RECOMPILE_LIMIT)
+    return torch.compile(flex_attention)
 
 
 ATTENTION = {"eager": eager, "sdpa": sdpa, "native": native_attention, "flex": flex}

@@ -306,3 +306,63 @@ def test_the_gpu_study_on_a_machine_without_a_gpu_is_one_line_and_trains_nothing
     assert res.exit_code != 0
     assert res.output.strip().count("\n") == 0 and "train.device=cuda: no CUDA device is available" in res.output
     assert not any(tmp_path.iterdir())
+
+
+STUB_PYTHON = """#!/usr/bin/env bash
+echo "POSBENCH_CACHE=${POSBENCH_CACHE:-} $*" >> "$CALLS"
+if [ "$1 $2 $3" = "-m posbench.cli extrapolate" ]; then  # a study's records and weights, where --set out_dir says
+    out=${7#out_dir=}; mkdir -p "$out/reference-gpu/nope-seed0"
+    echo records > "$out/reference-gpu/nope-seed0/eval.csv"; echo weights > "$out/reference-gpu/nope-seed0/model.pt"
+fi
+"""
+
+
+@pytest.fixture
+def gpu_script(tmp_path):
+    """.ci/gpu run with a stand-in Python that logs each call and writes what a study would."""
+    import os
+    import subprocess
+
+    stub = tmp_path / "python"
+    stub.write_text(STUB_PYTHON)
+    stub.chmod(0o755)
+
+    def run(*args, **env):
+        calls = tmp_path / "calls.txt"
+        calls.touch()
+        full = {**os.environ, "PYTHON": str(stub), "CALLS": str(calls), "OUT": str(tmp_path / "out"), **env}
+        done = subprocess.run(["bash", str(ROOT / ".ci" / "gpu"), *args], env=full, capture_output=True, text=True)
+        said = calls.read_text().splitlines()  # machine.txt's torch version aside
+        return done, [c for c in said if "-c import torch" not in c]
+
+    return run
+
+
+def test_the_gpu_checks_run_the_cuda_tests_then_sdpa_and_flex_side_by_side_at_gpt2_small(gpu_script, tmp_path):
+    done, calls = gpu_script("checks")
+    assert done.returncode == 0, done.stderr
+    assert calls[0].endswith("-m pytest -q -p no:cacheprovider tests/test_cuda.py")
+    bench = calls[1].split()
+    assert bench[1:5] == ["-m", "posbench.cli", "bench", "--device"] and "--attention sdpa,flex" in calls[1]
+    assert "--schemes nope,rope,alibi,t5,kerple_log,fire" in calls[1] and f"--out {tmp_path}/out/bench.csv" in calls[1]
+    for shape in ("model.n_layer=12", "model.d_model=768", "model.n_head=12", "model.train_len=1024"):
+        assert f"--set {shape}" in calls[1]
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} == {"machine.txt", "cuda-tests.txt", "bench.txt"}
+    assert "exit 0 after" in (out / "bench.txt").read_text()  # each part says how it ended
+
+
+def test_the_gpu_study_brings_back_its_records_without_the_weights(gpu_script, tmp_path):
+    done, _ = gpu_script("study", GPU_CACHE=str(tmp_path / "absent"))
+    assert done.returncode == 2 and "run make gpu-cache" in done.stderr
+    (tmp_path / "cache").mkdir()
+    done, calls = gpu_script("study", GPU_CACHE=str(tmp_path / "cache"), STUDY_DIR=str(tmp_path / "study"))
+    assert done.returncode == 0, done.stderr
+    assert calls == [
+        f"POSBENCH_CACHE={tmp_path}/cache -m posbench.cli extrapolate --config configs/gpu-study.yaml "
+        f"--set out_dir={tmp_path}/study"
+    ]
+    run = tmp_path / "out" / "study" / "reference-gpu" / "nope-seed0"
+    assert [p.name for p in run.iterdir()] == ["eval.csv"]  # model.pt stays on the machine
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"machine.txt", "study.txt", "study"}
+    assert (tmp_path / "study" / "reference-gpu" / "nope-seed0" / "model.pt").exists()

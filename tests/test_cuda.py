@@ -112,3 +112,19 @@ def test_cuda_flex_trains_a_distance_bias_from_its_table_whole_and_compiled_once
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(2):
             _outputs_and_grads(model, x, 16)
+
+
+def test_cuda_flex_stays_compiled_across_schemes_lengths_and_gradients(caplog):
+    """The bench's and a study's mix in one process (five kinds of bias, training and scoring at
+    four lengths) stays under the compiled flex's recompile limit: past it dynamo says so in its
+    log and runs flex uncompiled, whose (Tq, Tk) scores a long evaluation cannot hold."""
+    x = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(0)).cuda()
+    with caplog.at_level("WARNING", logger="torch._dynamo"):
+        for scheme in ("nope", "rope", "alibi", "t5", "kerple_log", "fire"):
+            model = check.tiny_model(scheme, train_len=64, d_model=64).cuda()  # head_dim 16
+            model.cfg = dataclasses.replace(model.cfg, attention="flex")
+            _outputs_and_grads(model.train(), x[:, :64], 16)
+            with torch.no_grad():
+                for T in (64, 128, 192, 256):
+                    model.eval()(x[:, :T])
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()], caplog.text
