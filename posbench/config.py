@@ -674,6 +674,17 @@ def assign(raw: dict, key: str, value: Any, where: Optional[str] = None, origins
         origins.update({k: origin for k in flat({key: value}) if k.startswith(key)} or {key: origin})
 
 
+def refuse_idle_stride(cfg: ExperimentConfig, origins: dict) -> None:
+    """A stride from the command line sets the sliding windows' step; where no sliding window is
+    scored it would change nothing, so it is refused rather than ignored."""
+    where, ppl = origins.get("eval.perplexity.stride", ""), cfg.eval.perplexity
+    if where.startswith("--") and ppl.stride is not None and "sliding" not in ppl.protocol:
+        raise PosbenchError(
+            f"{where}: a stride is the sliding windows' step, and the protocol here is "
+            f"{','.join(ppl.protocol)}: add --protocol sliding (or nonoverlapping,sliding)"
+        )
+
+
 def blame(cfg_or_origins, e: PosbenchError, fallback: str = "") -> PosbenchError:
     """`e` prefixed with where its value came from: the file, or the flag (`--set k=v`,
     `--train-len 32`). The key is the error's own, or the longest recorded key the message
@@ -758,6 +769,7 @@ def load_config(
         raise blame(origins, e, str(path) if path else "") from None
     cfg.origins = origins
     cfg.source = str(path) if path else ""
+    refuse_idle_stride(cfg, origins)
     return cfg
 
 
@@ -811,6 +823,7 @@ def load_sweep(
         command_line(one, flags, overrides, origins)
         cfg = config_from_dict(one)
         cfg.origins, cfg.source = origins, str(path)
+        refuse_idle_stride(cfg, origins)
         return cfg
 
     def blame(settings: dict, e: PosbenchError, key: Optional[str] = None) -> PosbenchError:

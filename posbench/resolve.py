@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from posbench.config import ExperimentConfig, assign, blame, config_from_dict
+from posbench.config import ExperimentConfig, assign, blame, config_from_dict, refuse_idle_stride
 from posbench.errors import PosbenchError, did_you_mean
 from posbench.measures import Measure
 from posbench.schemes import SCHEMES, SEED_SCHEMES, build_scheme
@@ -72,6 +72,7 @@ def resolve_scoring(rc: ExperimentConfig, asked: dict[str, tuple[str, Any]]) -> 
             assign(raw, key, value)
         cfg = config_from_dict(raw)
         cfg.origins = origins
+        refuse_idle_stride(cfg, origins)
         task = task_for(cfg)
         measure = task.measure()
         measure.decide(cfg, None)

@@ -51,6 +51,11 @@ def _assert_clean_failure(res, message, results: Path):
         (["--task", "copy", "--set", "task=reverse"], "--task copy and --set task=reverse both set task"),
         (["--stride", "8", "--set", "eval.stride=4"], "--set eval.stride=4 both set eval.perplexity.stride"),
         (["--test-len", "64", "--set", "eval.lengths=[32,48]"], "--test-len and --set eval.lengths=[32,48] both set"),
+        (
+            ["--stride", "8"],
+            "--stride 8: a stride is the sliding windows' step, and the protocol here is nonoverlapping",
+        ),
+        (["--set", "eval.stride=8"], "--set eval.stride=8: a stride is the sliding windows' step"),
         (["--protocol", "sliding", "--stride", "nan"], "stride: expected a finite number, got nan"),
         (["--protocol", "sliding", "--stride", "inf"], "stride: expected a finite number, got inf"),
     ],

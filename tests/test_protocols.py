@@ -170,6 +170,8 @@ def test_evaluate_adds_sliding_rows_beside_the_non_overlapping_ones(tmp_path, co
     plain = gzip.decompress((run / "positions.csv.gz").read_bytes()).decode()
     (run / "positions.csv").write_text(plain)
     (run / "positions.csv.gz").unlink()
+    res = invoke("evaluate", run, "--stride", "8")  # the run's protocol has no sliding window to step
+    assert res.exit_code == 2 and "--stride 8: a stride is the sliding windows' step" in " ".join(res.output.split())
     res = invoke("evaluate", run, "--protocol", "sliding", "--stride", "8")
     assert res.exit_code == 0, res.output
     after = {(r["length"], r["protocol"], r["stride"]) for r in csv.DictReader((run / "eval.csv").open())}
