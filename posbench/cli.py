@@ -734,7 +734,8 @@ def report(
 def status(
     experiment_dir: Annotated[Path, typer.Argument(help="an experiment folder, e.g. results/sweep-example")],
 ):
-    """Each run of an experiment: done, partial (at which step), failed, diverged or running."""
+    """Each run of an experiment: done, records (scored, no weights), partial (at which step), failed,
+    diverged or running."""
     from posbench.console import status_table
     from posbench.experiment.status import run_status
 

@@ -283,6 +283,7 @@ def grid_table(exp: Path, grid, plan) -> Table:
 STATE_STYLES = {
     "pending": "dim",
     "done": "green",
+    "records": "blue",
     "partial": "yellow",
     "running": "cyan",
     "failed": "bold red",

@@ -111,7 +111,7 @@ def test_status_report_and_extend_read_one_experiment_alike(experiment):
     assert rows == {
         "alibi-seed0": ("done", "trained and evaluated"),
         "alibi-seed1": ("diverged", "at step 12"),
-        "rope-seed0": ("partial", "lacks model.pt"),
+        "rope-seed0": ("records", "evaluated, no model.pt: tabled as is; a rerun trains it"),
         "rope-seed1": ("running", f"training, no checkpoint yet (pid {pid})"),
     }
     got = collect(experiment)

@@ -23,8 +23,8 @@ from posbench.experiment.records import (
 
 
 def run_status(exp: Path) -> list[dict]:
-    """A row per run found in the experiment folder `exp`, with its state (done, partial,
-    failed, diverged or running) and what can be said of it."""
+    """A row per run found in the experiment folder `exp`, with its state (done, records,
+    partial, failed, diverged or running) and what can be said of it."""
     exp = Path(exp)
     if not exp.is_dir():
         raise PosbenchError(f"{exp}: no such experiment directory")
@@ -89,6 +89,8 @@ def _status_of(run: RunState) -> dict:
         return {**row, "state": "partial", "detail": unreadable}
     if run.here:
         missing = [f for f in (WEIGHTS, EVAL) if not (rdir / f).is_file()]
+        if missing == [WEIGHTS]:  # a committed reference's records: its weights stay where it trained
+            return {**row, "state": "records", "detail": f"evaluated, no {WEIGHTS}: tabled as is; a rerun trains it"}
         return {
             **row,
             "state": "done" if not missing else "partial",
