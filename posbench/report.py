@@ -268,5 +268,20 @@ def summary_dir(exp_dirs, out: Optional[Path] = None) -> Path:
     a folder beside the first named after them all (results/a+b)."""
     dirs = _dirs(exp_dirs)
     if out:
-        return Path(out)
+        return _report_folder(Path(out), dirs)
     return dirs[0] if len(dirs) == 1 else dirs[0].parent / "+".join(d.name for d in dirs)
+
+
+def _report_folder(out: Path, sources: list[Path]) -> Path:
+    """`--out` as a folder the report may fill: not a file, not a file's name (summary.md goes
+    inside it), and not a run or another experiment, whose own summary it would replace."""
+    if out.exists() and not out.is_dir():
+        raise PosbenchError(f"--out {out}: is a file; the report's tables and plots go into a folder")
+    if not out.exists() and out.suffix.lower() in (".md", ".csv", ".tex", ".png", ".pdf"):
+        raise PosbenchError(f"--out {out}: names a folder for summary.md, .csv, .tex and the plots, not a file")
+    if out.is_dir() and all(out.resolve() != d.resolve() for d in sources):
+        if (out / CONFIG).is_file():
+            raise PosbenchError(f"--out {out}: is a run's folder; give a folder of its own for the report")
+        if any((d / CONFIG).is_file() for d in out.iterdir() if d.is_dir()):
+            raise PosbenchError(f"--out {out}: holds another experiment's runs, whose summary it would replace")
+    return out

@@ -725,3 +725,27 @@ def test_the_committed_pretrained_reference_rebuilds_and_holds_the_published_sha
     assert all(ppl["sliding", "", L] < ppl["nonoverlapping", "", L] for L in inside)
     assert ppl["sliding", "", 16384] > ppl["nonoverlapping", "", 16384]
     assert (run / "windows.csv").is_file() and "over its windows" in (committed / "summary.md").read_text()
+
+
+def test_report_out_is_refused_over_a_file_a_run_or_another_experiment_and_nothing_is_written(tmp_path):
+    """--out is a folder of the report's own: a file, a file's name, a run's folder and an
+    experiment holding other runs each get one line, and what is there stays as it was."""
+    ref = ROOT / "results" / "reference-bytes"
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "results" / "reference", other)
+    before = (other / "summary.md").read_bytes()
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("kept")
+    for out, said in [
+        (a_file, "is a file; the report's tables and plots go into a folder"),
+        (tmp_path / "table.md", "names a folder for summary.md, .csv, .tex and the plots, not a file"),
+        (other / "alibi-seed0", "is a run's folder; give a folder of its own for the report"),
+        (other, "holds another experiment's runs, whose summary it would replace"),
+    ]:
+        res = invoke("report", ref, "--out", out)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert f"--out {out}: {said}" in " ".join(res.output.split()) and len(res.output.strip().splitlines()) <= 2
+    assert a_file.read_text() == "kept" and not (tmp_path / "table.md").exists()
+    assert (other / "summary.md").read_bytes() == before and not (other / "alibi-seed0" / "summary.md").exists()
+    res = invoke("report", other, "--out", other)  # its own folder is where its report lives
+    assert res.exit_code == 0, res.output
