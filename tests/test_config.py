@@ -292,7 +292,7 @@ def test_gpu_study_resolves_to_the_budget_its_docs_state():
     assert f"{cfg.eval.tokens:,} validation tokens" in section
     assert "posbench extrapolate --config configs/gpu-study.yaml" in section
     make = (ROOT / "Makefile").read_text().split("\nreproduce-gpu:")[1]
-    assert "posbench extrapolate --config configs/gpu-study.yaml" in make.split("\n\n")[0]
+    assert "$(POSBENCH) extrapolate --config configs/gpu-study.yaml" in make.split("\n\n")[0]
 
 
 def test_the_gpu_study_on_a_machine_without_a_gpu_is_one_line_and_trains_nothing(tmp_path):
