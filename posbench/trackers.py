@@ -37,7 +37,7 @@ from typing import Optional
 from posbench.config import check_tracker_name
 from posbench.errors import PosbenchError
 
-INSTALL = "pip install 'posbench[trackers]'"
+INSTALL = "pip install -e '.[trackers]'"
 RECORD = "trackers.json"  # in a run folder: {tracker: {"id": ..., "train": sent?, "eval": {"eval/ppl@48": value sent}}}
 IMAGES = ("summary.png", "positions.png", "training.png", "steps.png")  # the report's plots, where present
 

@@ -237,7 +237,7 @@ def test_a_tracker_whose_library_is_missing_is_one_line_naming_the_install(tmp_p
     )  # fmt: skip
     assert res.exit_code == 2 and "Traceback" not in res.output
     said = " ".join(res.output.split())
-    assert "train.tracker=wandb: the wandb library is not installed; pip install 'posbench[trackers]'" in said
+    assert "train.tracker=wandb: the wandb library is not installed; pip install -e '.[trackers]'" in said
     assert not (tmp_path / "r" / "smoke").exists()
 
 
