@@ -94,13 +94,13 @@ def _scheme_list(text: str) -> list[str]:
     return list(SCHEMES) if text.strip() == "all" else [s.strip() for s in text.split(",") if s.strip()]
 
 
-def _csv_ints(text: Optional[str], what: str) -> Optional[list[int]]:
+def _csv_ints(text: Optional[str], what: str, example: str = "100,150,200") -> Optional[list[int]]:
     if text is None:
         return None
     try:
         return [int(t) for t in text.split(",") if t.strip()]  # none: the setting's own "is empty"
     except ValueError:
-        raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. 100,150,200") from None
+        raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. {example}") from None
 
 
 def _whole(x: Optional[float]) -> Optional[float]:
@@ -281,7 +281,7 @@ def extrapolate(
         values = {
             "model.train_len": (f"--train-len {train_len}", train_len),
             "schemes": (f"--schemes {schemes}", _scheme_list(schemes) if schemes is not None else None),
-            "seeds": (f"--seeds {seeds}", _csv_ints(seeds, "--seeds")),
+            "seeds": (f"--seeds {seeds}", _csv_ints(seeds, "--seeds", "0,1,2")),
             "eval.lengths": (f"--lengths {lengths}", _csv_ints(lengths, "--lengths")),
             "train.threads": (f"--threads {threads}", threads),
             "train.device": (f"--device {device}", device),
@@ -432,7 +432,11 @@ def train(
         config = _one_config(config, config_opt)
         if seed is not None and seeds is not None:
             raise PosbenchError("--seed and --seeds both pick the seeds; give one")
-        picked = (f"--seed {seed}", [seed]) if seed is not None else (f"--seeds {seeds}", _csv_ints(seeds, "--seeds"))
+        picked = (
+            (f"--seed {seed}", [seed])
+            if seed is not None
+            else (f"--seeds {seeds}", _csv_ints(seeds, "--seeds", "0,1,2"))
+        )
         values = {
             "schemes": (f"--scheme {scheme}", [scheme] if scheme is not None else None),
             "seeds": picked,

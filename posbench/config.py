@@ -600,6 +600,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def read_yaml(path: str | Path) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise PosbenchError(f"{p}: is a folder; give a config file (a .yaml)")
     if not p.is_file():
         raise PosbenchError(f"{p}: config file not found")
     try:

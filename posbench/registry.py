@@ -40,11 +40,13 @@ class Registry(Mapping):
         explain: Callable[[str], None] | None = None,
         derive: Callable[[str, Registry], type | None] | None = None,
         aliases: dict[str, str] | None = None,
+        forms: tuple[tuple[str, ...], str] = ((), ""),
     ):
         self.kind, self.entries, self.base, self.example = kind, entries, base, example
         self.aliases = aliases or {}
         self.also, self.check, self.explain = also, check, explain  # also: names valid outside the registry
         self.derive = derive  # names made from registered ones (noisy_rope), or None
+        self.forms = forms  # what `derive` takes: names it knows (suggested) and words for the rest
         self.loaded: dict[str, type] = {}
 
     def __getitem__(self, name: str) -> type:
@@ -78,9 +80,10 @@ class Registry(Mapping):
         if self.explain is not None:
             self.explain(name)
         names = [*self.also, *self.entries]
+        known, words = self.forms
         raise PosbenchError(
-            f"unknown {self.kind} '{name}'{did_you_mean(name, names, self.aliases)}; valid {self.kind}s: "
-            f"{', '.join(names)}, "
+            f"unknown {self.kind} '{name}'{did_you_mean(name, [*names, *known], self.aliases)}; valid {self.kind}s: "
+            f"{', '.join(names)}, {words + ', ' if words else ''}"
             f"or module:Class"
         )
 

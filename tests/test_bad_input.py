@@ -79,6 +79,16 @@ def test_malformed_and_missing_yaml(tmp_path):
         "gone.yaml: config file not found",
         tmp_path / "results",
     )
+    _assert_clean_failure(
+        invoke("extrapolate", "--config", tmp_path),
+        f"{tmp_path}: is a folder; give a config file",
+        tmp_path / "results",
+    )
+    _assert_clean_failure(
+        invoke("extrapolate", "--seeds", "a,b", "--set", f"out_dir={tmp_path / 'results'}"),
+        "--seeds 'a,b': expected comma-separated integers, e.g. 0,1,2",
+        tmp_path / "results",
+    )
 
 
 def test_unwritable_out_dir_is_one_line(tmp_path, corpus_file):

@@ -80,6 +80,8 @@ def test_length_grid(train, test, grid):
         (["train.lr=nan"], "train.lr: expected a finite number"),
         (["train.workers=0"], "train.workers=0 must be positive"),
         (["schemes=[alibi, ropee]"], "unknown scheme 'ropee' (did you mean 'rope'?); valid schemes: nope, "),
+        (["schemes=[irop]"], "unknown scheme 'irop' (did you mean 'irope'?); valid schemes: nope, "),
+        (["schemes=[x]"], "stickbreaking, the patterns over layers rnope_swa, irope, gemma3 and pattern_<label>"),
         (["model.n_head=3"], "model.d_model=128 is not divisible by model.n_head=3"),
         (["model.d_model=0"], "model.d_model=0 must be positive"),
         (["train.steps=-1"], "train.steps=-1 must be positive"),

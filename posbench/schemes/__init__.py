@@ -22,6 +22,9 @@ def _explain(name: str) -> None:
         )
 
 
+PATTERNS = ("rnope_swa", "irope", "gemma3")  # presets of posbench/schemes/pattern.py, with pattern_<label>
+
+
 SCHEMES = Registry(
     "scheme",
     {
@@ -48,6 +51,10 @@ SCHEMES = Registry(
     example="examples.my_scheme:MyScheme",
     explain=_explain,
     derive=lambda name, registry: _pattern(name, registry) or _modified(name, registry),
+    forms=(
+        PATTERNS,
+        "the patterns over layers rnope_swa, irope, gemma3 and pattern_<label>, noisy_<scheme>, offset_<scheme>",
+    ),
     # what papers and other libraries call them, suggested for an unknown name
     aliases={
         "rotary": "rope",
@@ -68,9 +75,6 @@ SCHEMES = Registry(
 # prefix -> the modifier it applies to the scheme named after it, and how that scheme trains:
 # noisy_rope is rope on sorted random positions (randomized with base rope)
 MODIFIERS = {"noisy_": ("randomized", "on sorted random positions"), "offset_": ("offset", "from a random start")}
-
-
-PATTERNS = ("rnope_swa", "irope", "gemma3")  # presets of posbench/schemes/pattern.py, with pattern_<label>
 
 
 def _pattern(name: str, registry):
