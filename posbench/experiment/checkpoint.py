@@ -91,7 +91,10 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
     except PosbenchError:
         raise
     except Exception as e:  # torch raises many kinds for a truncated or foreign file
-        raise PosbenchError(f"{ckpt_path}: corrupt or not a posbench checkpoint ({first_line(e, 120)})") from None
+        raise PosbenchError(
+            f"{ckpt_path}: corrupt or not a posbench checkpoint ({first_line(e, 120)}); restore the file, "
+            f"or delete it and rerun the experiment's command to train the run again"
+        ) from None
     cls = type(model.scheme)  # an option added later is left out of a record at its default
     unrecorded = sorted(set(cls.options) - set(cfg.model.options) - set(cls.added_later))
     if unrecorded:  # its weights were made under defaults that this posbench may not share
