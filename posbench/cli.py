@@ -704,10 +704,11 @@ def prepare(
             task = bar.add_task("tokenizing", total=total)
             meta = prepare_tokens(data, out_dir, err.print, lambda n: bar.advance(task, n))
         seconds = time.perf_counter() - start
-        size = (meta["train_bytes"] + meta["val_bytes"]) / 1e6
+        n = meta["train_bytes"] + meta["val_bytes"]
+        size = f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n:,} bytes"
         out.print(
             f"wrote {out_dir}: {meta['train_tokens']:,} training and {meta['val_tokens']:,} validation tokens "
-            f"({meta['tokenizer']}, {meta['dtype']}) from {size:.1f} MB in {seconds:.1f} s; "
+            f"({meta['tokenizer']}, {meta['dtype']}) from {size} in {seconds:.1f} s; "
             f"train on it with --set data.path={out_dir}",
             highlight=False,
         )

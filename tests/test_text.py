@@ -176,6 +176,11 @@ def test_a_prepared_corpus_gives_the_batches_and_eval_tokens_of_the_in_memory_on
     res = invoke("prepare", words, "--out", tmp_path / "prep", "--tokenizer", "bpe", "--vocab-size", "300")
     assert res.exit_code == 0, res.output
     assert "training and" in res.output
+    assert "from 0.2 MB in" in " ".join(res.output.split())  # its 160,215 bytes
+    small = tmp_path / "small.txt"
+    small.write_text("a few words\n" * 500)
+    res = invoke("prepare", small, "--out", tmp_path / "small")
+    assert res.exit_code == 0 and "from 6,000 bytes in" in " ".join(res.output.split()), res.output  # not 0.0 MB
     prepared = load_corpus(DataConfig(path=str(tmp_path / "prep")))
     assert isinstance(prepared.train, np.memmap)
     memory = load_corpus(DataConfig(path=str(words), tokenizer="bpe", vocab_size=300))
