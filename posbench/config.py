@@ -699,9 +699,9 @@ def blame(cfg_or_origins, e: PosbenchError, fallback: str = "") -> PosbenchError
     if key is None and e.key:  # a key inside a section given whole, or a section given key by key
         key = next((k for k in sorted(origins, key=len, reverse=True) if e.key.startswith(k + ".")), None)
         key = key or next((k for k in sorted(origins) if k.startswith(e.key + ".")), None)
-    if key is None:
-        named = [(text.find(k), -len(k), k) for k in origins if _names(text, k)]
-        key = min(named)[2] if named else None
+    if key is None:  # the first key the message names, one the command line gave before the file's
+        named = [(not origins[k].startswith("--"), text.find(k), -len(k), k) for k in origins if _names(text, k)]
+        key = min(named)[3] if named else None
     where = origins.get(key, fallback) if key else fallback
     if where.startswith("--set ") and text.startswith(where[len("--set ") :]):
         return PosbenchError(f"--set {text}", e.key)  # --set train.steps=0 must be positive

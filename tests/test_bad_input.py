@@ -68,6 +68,21 @@ def test_extrapolate_errors_are_one_line_and_leave_nothing(tmp_path, corpus_file
     _assert_clean_failure(res, message, out)
 
 
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("model.n_head=3", "--set model.n_head=3: model.d_model=32 is not divisible by model.n_head=3"),
+        ("eval.tokens=10", "--set eval.tokens=10: model.train_len=100 is more than eval.tokens=10"),
+    ],
+)
+def test_an_error_between_a_files_key_and_a_flags_names_the_flag(tmp_path, override, said):
+    """Two keys, one from the file and one from --set, clash: the line names the flag, which is
+    the one the user just typed, not the file."""
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  d_model: 32\n  n_head: 4\n")
+    _assert_clean_failure(invoke("extrapolate", "--config", config, "--set", override), said, tmp_path / "results")
+
+
 def test_malformed_and_missing_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {n_layer: 2\n")
