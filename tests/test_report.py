@@ -421,6 +421,36 @@ def test_a_scheme_has_one_colour_in_summary_positions_and_training_png(tmp_path,
     assert summary["alibi"][0] == colour("alibi") and summary["rope"][0] == colour("rope")
 
 
+def test_positions_png_draws_a_long_window_as_means_of_its_positions_with_the_legend_clear_of_the_right_axis(
+    tmp_path, figures
+):
+    """16,384 positions are drawn as 200 points, each the mean of 82 neighbours at their middle
+    (losses 0, 1, 0, 1...: each bin's mean is 0.5 where it holds as many of each); the legend
+    sits right of the grey axis of training pairs, not on its ticks."""
+    from posbench.measures.perplexity.views import POSITION_POINTS, plot_positions
+
+    n, seeds = 16384, (0, 1, 2)
+    rows = [("alibi", n, "nonoverlapping", "", p, float(p % 2), 8, seed, "") for seed in seeds for p in range(n)]
+    pos = pd.DataFrame(
+        rows, columns=["scheme", "length", "protocol", "stride", "position", "loss", "tokens", "seed", "point"]
+    )
+    assert plot_positions(pos, {"": 1024}, tmp_path / "positions.png")
+    fig = figures["positions.png"]
+    line = next(line for line in fig.axes[0].get_lines() if line.get_label() == "alibi")
+    width = math.ceil(n / POSITION_POINTS)
+    assert width == 82 and len(line.get_xdata()) == math.ceil(n / width) <= POSITION_POINTS
+    assert list(line.get_xdata()[:2]) == [40.5, 122.5] and set(line.get_ydata()[:-1]) == {0.5}
+    assert "position, means of 82;" in fig.axes[0].get_xlabel()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # the saved figure's canvas is closed
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    legend = fig.axes[0].get_legend() or next(ax.get_legend() for ax in fig.axes if ax.get_legend())
+    right = [ax for ax in fig.axes if ax is not fig.axes[0]][-1]  # the grey axis
+    assert legend.get_window_extent(renderer).x0 > right.get_tightbbox(renderer).x1
+
+
 def test_a_task_report_colours_its_schemes_as_a_perplexity_report_does(tmp_path, task_smoke, figures):
     res = invoke("report", shutil.copytree(task_smoke, tmp_path / "copy"))  # draws what extrapolate drew
     assert res.exit_code == 0, res.output

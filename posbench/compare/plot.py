@@ -136,15 +136,16 @@ def plain_log_axis(ax) -> None:
     ax.yaxis.set_minor_formatter(plain)
 
 
-def legend_outside(axes) -> None:
-    """One legend for every panel, right of the last, where it covers no data."""
+def legend_outside(axes, x: float = 1.02) -> None:
+    """One legend for every panel, right of the last, where it covers no data; `x`, in the last
+    panel's widths from its left edge, moves it past a right-hand axis's ticks and label."""
     handles = {}
     for ax in axes:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
     if handles:
         axes[-1].legend(
-            handles.values(), handles.keys(), loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize=8
+            handles.values(), handles.keys(), loc="upper left", bbox_to_anchor=(x, 1), borderaxespad=0, fontsize=8
         )
 
 
@@ -223,7 +224,7 @@ def band_plot(
             ax.set_ylim(bottom=max(ax.get_ylim()[0], 0.8 * min(finite)))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
-    legend_outside(list(axes[0]))
+    legend_outside(list(axes[0]), x=1.15 if panels[-1].beside is not None else 1.02)
     return save(plt, fig, path)
 
 

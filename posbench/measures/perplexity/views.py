@@ -464,6 +464,9 @@ def position_losses(runs: list, points: dict) -> pd.DataFrame:
     return out
 
 
+POSITION_POINTS = 200  # the most points a line of positions.png draws
+
+
 def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = "byte") -> bool:
     """Mean loss at each position of the longest windows (compare.band_plot): a line per scheme
     with its 95% band over seeds, a panel per protocol (and grid point), a dashed line at the
@@ -479,6 +482,9 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = 
         pos.groupby(["point", "protocol", "stride"]).groups,
         key=lambda ps: (train_lens[ps[0]], ps[0], ps[1] != "nonoverlapping", ps[1:]),
     )
+    # a point per `width` positions (their mean, at their middle): a long window's few tokens
+    # per position would otherwise draw noise
+    width = max(1, math.ceil(int(longest) / POSITION_POINTS))
     panels = []
     for point, protocol, stride in groups:
         part = pos[(pos["point"] == point) & (pos["protocol"] == protocol) & (pos["stride"] == stride)]
@@ -491,13 +497,16 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = 
         # so the far distances a position past L needs were rarely or never seen
         trained = Line("training pairs at distance = position, per window", [0, L, int(longest) - 1], [L, 0, 0], [], 1)
         panel = Panel(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", mark=L, beside=trained)
+        binned = part.assign(position=part["position"] // width * width + (width - 1) / 2)
         for s in scheme_order(set(part["scheme"])):
-            at = part[part["scheme"] == s].groupby("position")["loss"].agg(["mean", "std", "count"])
+            per_seed = binned[binned["scheme"] == s].groupby(["seed", "position"])["loss"].mean()
+            at = per_seed.groupby("position").agg(["mean", "std", "count"])
             n = int(at["count"].min())
             half = t_quantile(0.975, n - 1) * at["std"] / at["count"] ** 0.5 if n > 1 else at["mean"] * math.nan
             panel.lines.append(Line(s, list(at.index), list(at["mean"]), list(half), n))
         panels.append(panel)
-    xlabel = f"position in the window; dashed: the training length; band: 95% ({BAND_SEEDS}+ seeds)"
+    binned_by = f", means of {width}" if width > 1 else ""
+    xlabel = f"position{binned_by}; dashed: training length; band: 95% ({BAND_SEEDS}+ seeds)"
     return band_plot(panels, path, f"mean loss (nats per {unit})", xlabel, log=False, markers=False)
 
 
