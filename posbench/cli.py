@@ -325,7 +325,7 @@ def sweep(
     from posbench.console import grid_table
     from posbench.experiment.execute import run_sweep
     from posbench.experiment.plan import plan_sweep
-    from posbench.resolve import resolve
+    from posbench.resolve import resolve_sweep
 
     with user_errors():
         config = _one_config(config, config_opt)
@@ -336,7 +336,7 @@ def sweep(
         if executor == "local" and (address or storage):
             raise PosbenchError("--address and --storage are for --executor ray")
         values = {"train.tracker": (f"--tracker {tracker}", tracker)}
-        grid = [(settings, resolve(cfg)) for settings, cfg in load_sweep(config, set_ or [], values)]
+        grid = resolve_sweep(load_sweep(config, set_ or [], values), config)
         if dry_run:
             folder, plan = plan_sweep(grid)
             out.print(grid_table(folder, grid, plan))

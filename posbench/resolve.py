@@ -60,6 +60,20 @@ def _resolved(cfg: ExperimentConfig, test_len: Optional[int], scored: bool) -> E
     return Experiment(cfg, task, measure)
 
 
+def resolve_sweep(grid: list[tuple[dict, ExperimentConfig]], path) -> list[tuple[dict, Experiment]]:
+    """Each point of a sweep's grid (config.load_sweep) resolved; a point that cannot run is
+    named by its settings, so a value that only fails beside another is found."""
+    resolved = []
+    for settings, cfg in grid:
+        try:
+            resolved.append((settings, resolve(cfg)))
+        except PosbenchError as e:
+            text, own = str(e), f"{path}: "
+            point = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+            raise PosbenchError(f"{path}: sweep point {point}: {text.removeprefix(own)}", e.key) from None
+    return resolved
+
+
 def resolve_scoring(rc: ExperimentConfig, asked: dict[str, tuple[str, Any]]) -> Experiment:
     """A trained run's config as a command asks it scored again (`posbench evaluate`): `asked`
     maps eval.* keys to (the flag as given, its value); the run's measure decides the rest once,

@@ -356,6 +356,17 @@ def test_a_bad_value_anywhere_in_the_grid_is_one_line_and_nothing_runs(tmp_path,
     assert not (tmp_path / "r").exists()
 
 
+def test_a_point_that_fails_only_at_resolution_is_named_by_its_settings(tmp_path):
+    """train_len 40 builds on its own but is longer than the eval lengths (32, 48) beside it:
+    the line names the grid point, and nothing runs."""
+    config = _sweep(tmp_path, values="[16, 40]")
+    res = invoke("sweep", config, "--dry-run")
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    said = " ".join(res.output.split())
+    assert f"{config}: sweep point schemes='alibi', seeds=0, model.train_len=40: eval.lengths [32] are shorter" in said
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("override, swept", [("seeds=[7]", "seeds"), ("model={n_layer: 2}", "model.train_len")])
 def test_a_set_of_a_swept_key_is_one_line_and_nothing_runs(tmp_path, override, swept):
     config = _sweep(tmp_path, seeds="[0, 1]")
