@@ -262,6 +262,23 @@ def _import_peer(peer: str):
         ) from None
 
 
+def check_backends(backends: list[str], device: torch.device, head_dim: int) -> None:
+    """`--attention a,b,...` for side-by-side timing: each a backend that runs here, none of them
+    running as another does (auto is one of the others), else one line naming them."""
+    from posbench.attention import backend_for
+    from posbench.config import ATTENTION_BACKENDS
+
+    runs_as: dict[str, list[str]] = {}
+    for b in backends:
+        if b not in ATTENTION_BACKENDS:
+            expected = ", ".join(ATTENTION_BACKENDS)
+            raise PosbenchError(f"--attention {','.join(backends)}: {b!r} is not one of {expected}")
+        runs_as.setdefault(backend_for(b, device, head_dim), []).append(b)
+    twice = [given for given in runs_as.values() if len(given) > 1]
+    if twice:
+        raise PosbenchError(f"--attention {','.join(twice[0])}: these run as one backend here; give it once")
+
+
 def run_bench(
     cfg: ModelConfig,
     schemes: list[str],

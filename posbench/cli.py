@@ -836,9 +836,7 @@ def _bench_model(
 ) -> None:
     """Training tokens/s against NoPE (and a peer), FLOP utilisation and eval memory, into out_file,
     under each of `backends` side by side (none given: the config's)."""
-    from posbench.attention import backend_for
-    from posbench.bench import BenchSettings, run_bench, write_bench
-    from posbench.config import ATTENTION_BACKENDS
+    from posbench.bench import BenchSettings, check_backends, run_bench, write_bench
     from posbench.console import bench_table
     from posbench.device import pick_device
     from posbench.resolve import resolve_training
@@ -847,15 +845,7 @@ def _bench_model(
     # config's test lengths must not stop a longer train_len (--set model.train_len=1024)
     cfg = resolve_training(cfg).cfg
     dev = pick_device(cfg.train.device, "bench takes --device cpu")
-    runs_as = {}  # each backend as it runs here: auto is one of the others
-    for b in backends:
-        if b not in ATTENTION_BACKENDS:
-            expected = ", ".join(ATTENTION_BACKENDS)
-            raise PosbenchError(f"--attention {','.join(backends)}: {b!r} is not one of {expected}")
-        runs_as.setdefault(backend_for(b, dev, cfg.model.head_dim), []).append(b)
-    twice = [given for given in runs_as.values() if len(given) > 1]
-    if twice:
-        raise PosbenchError(f"--attention {','.join(twice[0])}: these run as one backend here; give it once")
+    check_backends(backends, dev, cfg.model.head_dim)
     out_file = _writable_csv(out_file)  # before the minutes of timing, not after
     settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
     if rounds is not None:
