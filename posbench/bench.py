@@ -162,20 +162,27 @@ def time_interleaved(
     return times
 
 
-def eval_peak_memory_mb(model: TransformerLM, T: int) -> float:
+def eval_peak_memory_mb(model: TransformerLM, T: int, first: Optional[list] = None) -> float:
     """Peak bytes held by tensors during one no-grad forward of length T, beyond what was held
     before it (the weights). On a CPU from the profiler's allocation events (the process's RSS
     is too coarse and never goes down); on a GPU from the CUDA allocator's peak, under the bf16
-    autocast that evaluation runs in."""
+    autocast that evaluation runs in, during a second forward: the first compiles flex's kernels
+    for this length, whose autotuning holds buffers no evaluation does. That first forward's
+    seconds are appended to `first`, if given."""
     device = next(model.parameters()).device
     x = torch.randint(0, 256, (1, T)).to(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
         with torch.no_grad(), autocast(device):
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
             model(x)
-        torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)
+            if first is not None:
+                first.append(time.perf_counter() - t)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            model(x)
+            torch.cuda.synchronize(device)
         return (torch.cuda.max_memory_allocated(device) - before) / 2**20
     with torch.no_grad():
         return peak_tensor_bytes(lambda: model(x)) / 2**20
@@ -355,12 +362,12 @@ def run_bench(
             L = m * T
             mb = seconds = None
             if model.max_len is None or L <= model.max_len:
-                t = time.perf_counter()
-                mb = eval_peak_memory_mb(model, L)
                 # the first forward at this length, where a GPU compiles flex for it; a CPU's runs
                 # under the profiler that reads its memory, whose start-up and bookkeeping would be
                 # most of that time (its first start took 1 s, the forward 2 ms, at T = 100)
-                seconds = time.perf_counter() - t if device.type == "cuda" else None
+                first = []
+                mb = eval_peak_memory_mb(model, L, first)
+                seconds = first[0] if first else None
             took = f", first forward {seconds:.1f} s" if seconds is not None else ""
             progress(f"evaluation memory: {name[s, b]} at {L}: {'—' if mb is None else f'{mb:,.1f} MB'}{took}")
             rows.append(
