@@ -198,3 +198,24 @@ def test_status_names_what_it_cannot_read_and_a_folder_that_is_no_experiment(tmp
         res = invoke("status", folder)
         assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
         assert len(res.output.strip().splitlines()) == 1
+
+
+def test_runs_are_planned_seed_by_seed_so_a_study_stopped_early_compares_whole_seeds(tmp_path):
+    """Every scheme at seed 0, then every scheme at seed 1: a study killed by a time limit after
+    its first few runs holds a full comparison at the seeds it finished, not every seed of a few
+    schemes. A sweep's points plan their runs the same way."""
+    from conftest import SMOKE
+
+    from posbench.config import load_config, load_sweep
+    from posbench.experiment.plan import plan_runs, plan_sweep
+    from posbench.resolve import resolve, resolve_sweep
+
+    sets = [f"out_dir={tmp_path}", "schemes=[nope, alibi, rope]", "seeds=[0, 1]"]
+    jobs = plan_runs(resolve(load_config(SMOKE, sets)))
+    order = [(j.cfg.schemes[0], j.cfg.seeds[0]) for j in jobs]
+    assert order == [("nope", 0), ("alibi", 0), ("rope", 0), ("nope", 1), ("alibi", 1), ("rope", 1)]
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(Path(SMOKE).read_text() + "\nsweep:\n  model.n_layer: [1, 2]\n")
+    _, jobs = plan_sweep(resolve_sweep(load_sweep(sweep, sets), sweep))
+    per_point = [(j.cfg.model.n_layer, j.cfg.schemes[0], j.cfg.seeds[0]) for j in jobs]
+    assert per_point[:6] == [(1, s, n) for n in (0, 1) for s in ("nope", "alibi", "rope")]

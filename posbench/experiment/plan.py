@@ -50,13 +50,15 @@ def run_digest(rc: ExperimentConfig, task: TrainingTask) -> str:
 
 
 def plan_runs(exp: Experiment) -> list[Job]:
-    """A job for every (scheme, seed), checked before anything is written."""
+    """A job for every (scheme, seed), checked before anything is written, seed by seed: every
+    scheme at the first seed before any at the second, so a study stopped early (a time limit,
+    a machine handed back) has a comparison at the seeds it finished."""
     cfg = exp.cfg
     folder = Path(cfg.out_dir) / cfg.name
     _check_same_experiment(exp, folder)
     jobs = []
-    for s in cfg.schemes:
-        for n in cfg.seeds:
+    for n in cfg.seeds:
+        for s in cfg.schemes:
             rc = cfg.for_run(s, n)
             rdir = folder / run_name(s, n)
             jobs.append(Job(rc, exp.task, exp.measure, rdir, plan_state(rc, exp.task, rdir)))
@@ -142,8 +144,8 @@ def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
                 f"sweep: its points would write to {folder} and {Path(cfg.out_dir) / cfg.name}, but name "
                 f"and out_dir make the one experiment folder and cannot be swept{named}"
             )
-        for s in cfg.schemes:
-            for n in cfg.seeds:
+        for n in cfg.seeds:  # seed by seed, as plan_runs
+            for s in cfg.schemes:
                 rc = cfg.for_run(s, n)
                 rdir = folder / sweep_run_name(rc, exp.task, settings)
                 where = ", ".join(f"{k}={v}" for k, v in settings.items())
