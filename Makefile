@@ -54,7 +54,7 @@ reproduce-tasks: install
 # to 1600; in results/reference-extend-long/ pi, pi-keep2 and continue on 10% (400 steps), until
 # PI's curve flattens. About an hour on 2 cores.
 EXTEND_METHODS = pi,pi@2,pi-keep2,ntk,yarn,yarn-fast8,abf,abf-base100000,abf-base20000,pose,plain,continue
-EXTEND = posbench extend results/reference-extend-parents --to 400 --lengths 100,200,400,800,1600 \
+EXTEND = $(POSBENCH) extend results/reference-extend-parents --to 400 --lengths 100,200,400,800,1600 \
 	--set train.batch_size=8
 reproduce-extend: install
 	$(POSBENCH) extrapolate --config configs/reproduce-extend.yaml
@@ -87,7 +87,7 @@ CONTEXT_SMOLLM2 = --name reference-context-smollm2 --lengths 1024,2048,4096,8192
 reproduce-context: smollm2
 	$(POSBENCH) extrapolate --config configs/reference-context.yaml
 	$(POSBENCH) pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2)
-	for v in yarn linear; do posbench pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2) --measure-option variant=$$v \
+	for v in yarn linear; do $(POSBENCH) pretrained $(SMOLLM2) $(CONTEXT_SMOLLM2) --measure-option variant=$$v \
 		--measure-option factor=2; done
 
 # the 2025 catalogue beside its parts, in results/reference-catalogue/ (21 runs, 3 seeds)
@@ -106,15 +106,16 @@ reproduce-gpu: install
 	$(POSBENCH) extrapolate --config configs/gpu-study.yaml
 
 # on one CUDA GPU, the checks docs/performance.md asks of it (.ci/gpu: the CUDA tests, then sdpa
-# and flex side by side at GPT-2-small's shape) into BENCH_OUT, results/bench-gpu unless given.
+# and flex side by side at GPT-2-small's shape) into BENCH_OUT: a lent machine's $OUT where there is
+# one, else results/bench-gpu.
 # No install: a GPU machine without network runs it from the checkout with its own torch
-BENCH_OUT ?= results/bench-gpu
+BENCH_OUT ?= $(or $(OUT),results/bench-gpu)
 gpu-checks:
 	OUT=$(BENCH_OUT) PYTHON=$(PYTHON) bash .ci/gpu checks
 
 # the GPU study's corpus and its BPE, fetched and trained here into .gpu-cache/ (13 s), for a GPU
 # machine without network: carry .gpu-cache there and run the study from the checkout with
-# POSBENCH_CACHE=.gpu-cache PYTHONPATH=. python3 -m posbench.cli extrapolate --config configs/gpu-study.yaml
+# `bash .ci/gpu study`
 gpu-cache:
 	POSBENCH_CACHE=.gpu-cache $(PYTHON) -c "from posbench.config import load_config; \
 	from posbench.data import load_corpus; load_corpus(load_config('configs/gpu-study.yaml', []).data)"

@@ -204,8 +204,9 @@ def _flex_fn(device_type: str):
     # the batch or per row), with and without a gradient, and each new shape until dynamic shapes
     # set in; past dynamo's default limit of 8 it would run uncompiled, building the (Tq, Tk)
     # scores that a long evaluation cannot hold
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, FLEX_RECOMPILE_LIMIT)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # before torch 2.7
+    setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
     return torch.compile(flex_attention)
 
 

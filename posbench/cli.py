@@ -769,7 +769,10 @@ def bench(
     device: Annotated[
         Optional[str], typer.Option(help="auto, cpu or cuda (default: the config's train.device)")
     ] = None,
-    attention: AttentionOpt = None,
+    attention: Annotated[
+        Optional[str],
+        typer.Option(help="attention backend: auto, eager, sdpa, native or flex; several (sdpa,flex) side by side"),
+    ] = None,
     rounds: Annotated[
         Optional[int],
         typer.Option(help="timing rounds (default 30; 5 with --quick, 10 with --task); the model bench needs 2"),
@@ -790,6 +793,8 @@ def bench(
         on_oom="a smaller model or train.batch_size (--set)",
     ):
         backends = _csv_names(attention)  # the model bench times several side by side
+        if attention is not None and not backends:
+            raise PosbenchError(f"--attention {attention!r}: name a backend, or several: e.g. sdpa,flex")
         values = {
             "schemes": (f"--schemes {schemes}", _scheme_list(schemes) if schemes is not None else None),
             "train.device": (f"--device {device}", device),  # checked with the config's own

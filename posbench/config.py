@@ -566,7 +566,7 @@ def _build(cls, raw: dict, where: str = ""):
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
             hint = did_you_mean(key, shown).replace("'", f"'{where}." if where else "'", 1)
-            raise PosbenchError(f"{path}: unknown key{hint}; valid keys: {', '.join(shown)}")
+            raise PosbenchError(f"{path}: unknown key{hint}; valid keys: {', '.join(shown)}", path)
         kwargs[key] = _coerce(value, hints[key], path)
     return cls(**kwargs)
 
@@ -678,12 +678,14 @@ def assign(raw: dict, key: str, value: Any, where: Optional[str] = None, origins
 
 def refuse_idle_stride(cfg: ExperimentConfig, origins: dict) -> None:
     """A stride from the command line sets the sliding windows' step; where no sliding window is
-    scored it would change nothing, so it is refused rather than ignored."""
+    scored it would change nothing, so it is refused rather than ignored (once the measure has
+    refused what is not its own: a task's runs take no stride at all)."""
     where, ppl = origins.get("eval.perplexity.stride", ""), cfg.eval.perplexity
     if where.startswith("--") and ppl.stride is not None and "sliding" not in ppl.protocol:
+        add = "--set 'eval.protocol=[sliding]'" if where.startswith("--set") else "--protocol sliding"
         raise PosbenchError(
             f"{where}: a stride is the sliding windows' step, and the protocol here is "
-            f"{','.join(ppl.protocol)}: add --protocol sliding (or nonoverlapping,sliding)"
+            f"{','.join(ppl.protocol)}: add {add} (or nonoverlapping,sliding)"
         )
 
 
@@ -771,7 +773,6 @@ def load_config(
         raise blame(origins, e, str(path) if path else "") from None
     cfg.origins = origins
     cfg.source = str(path) if path else ""
-    refuse_idle_stride(cfg, origins)
     return cfg
 
 
@@ -825,7 +826,6 @@ def load_sweep(
         command_line(one, flags, overrides, origins)
         cfg = config_from_dict(one)
         cfg.origins, cfg.source = origins, str(path)
-        refuse_idle_stride(cfg, origins)
         return cfg
 
     def blame(settings: dict, e: PosbenchError, key: Optional[str] = None) -> PosbenchError:

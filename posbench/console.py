@@ -349,7 +349,7 @@ def bench_table(rows, peak, mc, device, peer, rounds: int) -> Group:
     )
     if several:  # run_bench's ratios are to NoPE under the first backend
         title += f"; x NoPE: against NoPE under {train[0]['attention']}"
-    unconfirmed = [r["scheme"] for r in train if r["tokens_per_s"] is None] + (["the matmul"] if peak is None else [])
+    unconfirmed = [who(r) for r in train if r["tokens_per_s"] is None] + (["the matmul"] if peak is None else [])
     why = (
         f"—: no two of the {rounds} rounds came within {AGREE - 1:.0%} of each other for {', '.join(unconfirmed)} "
         f"(on a busy machine a step can stall many times over), so no time is shown; rerun when the machine "

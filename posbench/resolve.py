@@ -50,6 +50,7 @@ def _resolved(cfg: ExperimentConfig, test_len: Optional[int], scored: bool) -> E
         measure = task.measure()
         if scored:
             measure.decide(cfg, test_len)
+            refuse_idle_stride(cfg, cfg.origins or {})
             if cfg.eval.measures:  # a bad name or option fails before anything trains
                 from posbench.measures.plugin import load_measures
 
@@ -86,10 +87,10 @@ def resolve_scoring(rc: ExperimentConfig, asked: dict[str, tuple[str, Any]]) -> 
             assign(raw, key, value)
         cfg = config_from_dict(raw)
         cfg.origins = origins
-        refuse_idle_stride(cfg, origins)
         task = task_for(cfg)
         measure = task.measure()
         measure.decide(cfg, None)
+        refuse_idle_stride(cfg, origins)
     except PosbenchError as e:
         raise blame(origins, e) from None
     return Experiment(cfg, task, measure)

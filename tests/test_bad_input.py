@@ -83,6 +83,19 @@ def test_an_error_between_a_files_key_and_a_flags_names_the_flag(tmp_path, overr
     _assert_clean_failure(invoke("extrapolate", "--config", config, "--set", override), said, tmp_path / "results")
 
 
+def test_a_typo_in_the_file_is_the_files_even_beside_a_flag_on_the_key_it_meant(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  train_le: 100\n")
+    said = f"{config}: model.train_le: unknown key (did you mean 'model.train_len'?)"
+    _assert_clean_failure(invoke("extrapolate", "--config", config, "--train-len", "64"), said, tmp_path / "results")
+
+
+def test_a_stride_on_a_task_says_the_task_takes_none_rather_than_ask_for_a_protocol(tmp_path):
+    out = tmp_path / "results"
+    res = invoke("extrapolate", "--task", "copy", "--stride", "8", "--set", f"out_dir={out}")
+    _assert_clean_failure(res, "--stride 8: eval.perplexity.stride is an option of the perplexity measure", out)
+
+
 def test_malformed_and_missing_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {n_layer: 2\n")

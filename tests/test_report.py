@@ -424,9 +424,10 @@ def test_a_scheme_has_one_colour_in_summary_positions_and_training_png(tmp_path,
 def test_positions_png_draws_a_long_window_as_means_of_its_positions_with_the_legend_clear_of_the_right_axis(
     tmp_path, figures
 ):
-    """16,384 positions are drawn as 200 points, each the mean of 82 neighbours at their middle
-    (losses 0, 1, 0, 1...: each bin's mean is 0.5 where it holds as many of each); the legend
-    sits right of the grey axis of training pairs, not on its ticks."""
+    """16,384 positions are drawn as 200 points, each the mean of 82 neighbours at their mean
+    position (losses 0, 1, 0, 1...: each bin's mean is 0.5 where it holds as many of each); a
+    sliding window's last 25 positions, 775-799 of 800, stay one point each; the legend sits
+    right of the grey axis of training pairs, not on its ticks."""
     from posbench.measures.perplexity.views import POSITION_POINTS, plot_positions
 
     n, seeds = 16384, (0, 1, 2)
@@ -440,7 +441,7 @@ def test_positions_png_draws_a_long_window_as_means_of_its_positions_with_the_le
     width = math.ceil(n / POSITION_POINTS)
     assert width == 82 and len(line.get_xdata()) == math.ceil(n / width) <= POSITION_POINTS
     assert list(line.get_xdata()[:2]) == [40.5, 122.5] and set(line.get_ydata()[:-1]) == {0.5}
-    assert "position, means of 82;" in fig.axes[0].get_xlabel()
+    assert fig.axes[0].get_title().endswith("windows of 16384, means of 82 positions")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     canvas = FigureCanvasAgg(fig)  # the saved figure's canvas is closed
@@ -449,6 +450,19 @@ def test_positions_png_draws_a_long_window_as_means_of_its_positions_with_the_le
     legend = fig.axes[0].get_legend() or next(ax.get_legend() for ax in fig.axes if ax.get_legend())
     right = [ax for ax in fig.axes if ax is not fig.axes[0]][-1]  # the grey axis
     assert legend.get_window_extent(renderer).x0 > right.get_tightbbox(renderer).x1
+
+    # sliding, stride 25 over windows of 800: the first window's other positions are too few to draw
+    rows = [
+        ("alibi", 800, "sliding", "25", p, float(p), 1 if p < 775 else 30, seed, "")
+        for seed in seeds
+        for p in range(800)
+    ]
+    pos = pd.DataFrame(
+        rows, columns=["scheme", "length", "protocol", "stride", "position", "loss", "tokens", "seed", "point"]
+    )
+    assert plot_positions(pos, {"": 100}, tmp_path / "positions.png")
+    line = next(line for line in figures["positions.png"].axes[0].get_lines() if line.get_label() == "alibi")
+    assert list(line.get_xdata()) == list(range(775, 800)) == list(line.get_ydata())
 
 
 def test_a_task_report_colours_its_schemes_as_a_perplexity_report_does(tmp_path, task_smoke, figures):

@@ -482,31 +482,34 @@ def plot_positions(pos: pd.DataFrame, train_lens: dict, path: Path, unit: str = 
         pos.groupby(["point", "protocol", "stride"]).groups,
         key=lambda ps: (train_lens[ps[0]], ps[0], ps[1] != "nonoverlapping", ps[1:]),
     )
-    # a point per `width` positions (their mean, at their middle): a long window's few tokens
-    # per position would otherwise draw noise
-    width = max(1, math.ceil(int(longest) / POSITION_POINTS))
     panels = []
     for point, protocol, stride in groups:
         part = pos[(pos["point"] == point) & (pos["protocol"] == protocol) & (pos["stride"] == stride)]
         # the positions every window scores: all of them in chunks, a sliding window's last
         # `stride` (its first window alone scores the rest, too few tokens to draw)
         part = part[part["tokens"] >= part["tokens"].max() / 2]
+        # a point per `width` of those positions, their mean loss at their mean position: a
+        # long window's few tokens per position would otherwise draw noise
+        first = int(part["position"].min())
+        width = max(1, math.ceil((int(part["position"].max()) - first + 1) / POSITION_POINTS))
+        part = part.assign(bin=(part["position"] - first) // width)
         where = f"{point}; " if point else ""
         L = train_lens[point]
         # STRING (An et al. 2024): a window of L trains distance d in L - d of its query-key pairs,
         # so the far distances a position past L needs were rarely or never seen
         trained = Line("training pairs at distance = position, per window", [0, L, int(longest) - 1], [L, 0, 0], [], 1)
-        panel = Panel(f"{where}{protocol_label(protocol, stride)}: windows of {longest}", mark=L, beside=trained)
-        binned = part.assign(position=part["position"] // width * width + (width - 1) / 2)
+        means = f", means of {width} positions" if width > 1 else ""
+        title = f"{where}{protocol_label(protocol, stride)}: windows of {longest}{means}"
+        panel = Panel(title, mark=L, beside=trained)
         for s in scheme_order(set(part["scheme"])):
-            per_seed = binned[binned["scheme"] == s].groupby(["seed", "position"])["loss"].mean()
-            at = per_seed.groupby("position").agg(["mean", "std", "count"])
+            mine = part[part["scheme"] == s]
+            xs = mine.groupby("bin")["position"].mean()
+            at = mine.groupby(["seed", "bin"])["loss"].mean().groupby("bin").agg(["mean", "std", "count"])
             n = int(at["count"].min())
             half = t_quantile(0.975, n - 1) * at["std"] / at["count"] ** 0.5 if n > 1 else at["mean"] * math.nan
-            panel.lines.append(Line(s, list(at.index), list(at["mean"]), list(half), n))
+            panel.lines.append(Line(s, list(xs[at.index]), list(at["mean"]), list(half), n))
         panels.append(panel)
-    binned_by = f", means of {width}" if width > 1 else ""
-    xlabel = f"position{binned_by}; dashed: training length; band: 95% ({BAND_SEEDS}+ seeds)"
+    xlabel = f"position in the window; dashed: training length; band: 95% ({BAND_SEEDS}+ seeds)"
     return band_plot(panels, path, f"mean loss (nats per {unit})", xlabel, log=False, markers=False)
 
 
