@@ -484,8 +484,8 @@ def length_grid(train_len: int, test_len: int) -> list[int]:
     """Train length, then 1/4, 1/2 and all of the way to the test length: 100..200 -> 100,125,150,200."""
     if test_len < train_len:
         raise PosbenchError(
-            f"--test-len {test_len} is shorter than --train-len {train_len}; "
-            "test lengths must be >= the training length"
+            f"--test-len {test_len} is shorter than the training length, model.train_len={train_len}; "
+            "test lengths must be >= it"
         )
     pts = [train_len + (test_len - train_len) * f for f in (0, 0.25, 0.5, 1.0)]
     return sorted({int(round(p)) for p in pts})

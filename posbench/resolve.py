@@ -104,14 +104,20 @@ def _resolve_schemes(cfg: ExperimentConfig) -> None:
     from posbench.schemes.training_free import remap
 
     for s in cfg.schemes:
-        build_scheme(cfg.model_for(s))
+        try:
+            build_scheme(cfg.model_for(s))
+        except PosbenchError as e:  # its options' error names them; else the scheme's, blamed on who named it
+            raise PosbenchError(str(e), e.key or (None if "scheme_options." in str(e) else "schemes")) from None
         cls = SCHEMES.lookup(s)
         filled = {**cls.options, **cfg.scheme_options.get(s, {})}
         # all of them, so that a run's record names every option, but those added later at their default
         cfg.scheme_options[s] = {k: v for k, v in filled.items() if k not in cls.added_later or v != cls.options[k]}
     for s, opts in cfg.scheme_options.items():  # options of unselected schemes are kept, checked
         if s not in cfg.schemes:
-            SCHEMES.lookup(s).validate_options(opts, where=f"scheme_options.{s}")
+            try:
+                SCHEMES.lookup(s).validate_options(opts, where=f"scheme_options.{s}")
+            except PosbenchError as e:
+                raise PosbenchError(str(e), e.key or f"scheme_options.{s}") from None
     known = {v for c in [*SCHEMES.values(), *map(SCHEMES.lookup, cfg.schemes)] for v in c.eval_variants}
     for kind in cfg.eval.perplexity.rope_scaling:
         if kind not in known:

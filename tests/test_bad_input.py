@@ -23,7 +23,10 @@ def _assert_clean_failure(res, message, results: Path):
         (["--set", "modell.n_layer=1"], "did you mean 'model'?"),
         (["--set", "train.steps=abc"], "train.steps: expected an integer"),
         (["--set", "model.n_head=3"], "is not divisible by model.n_head=3"),
-        (["--train-len", "100", "--test-len", "50"], "--test-len 50 is shorter than --train-len 100"),
+        (
+            ["--train-len", "100", "--test-len", "50"],
+            "--test-len 50 is shorter than the training length, model.train_len=100",
+        ),
         (["--lengths", "10,64"], "eval.lengths [10] are shorter than the training length"),
         (["--set", "model.d_model=-8"], "model.d_model=-8 must be positive"),
         (["--set", "data.path=/no/such/*.txt"], "data.path '/no/such/*.txt' matches no file"),
@@ -73,6 +76,8 @@ def test_extrapolate_errors_are_one_line_and_leave_nothing(tmp_path, corpus_file
     [
         ("model.n_head=3", "--set model.n_head=3: model.d_model=32 is not divisible by model.n_head=3"),
         ("eval.tokens=10", "--set eval.tokens=10: model.train_len=100 is more than eval.tokens=10"),
+        ("scheme_options.ropee.base=5", "--set scheme_options.ropee.base=5: unknown scheme 'ropee'"),
+        ("schemes=[nosuch:Cls]", "--set schemes=[nosuch:Cls]: scheme 'nosuch:Cls': cannot import module 'nosuch'"),
     ],
 )
 def test_an_error_between_a_files_key_and_a_flags_names_the_flag(tmp_path, override, said):

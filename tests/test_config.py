@@ -132,7 +132,7 @@ def test_model_config_validates_directly():
 
 
 def test_length_grid_rejects_short_test():
-    with pytest.raises(PosbenchError, match="--test-len 50 is shorter than --train-len 100"):
+    with pytest.raises(PosbenchError, match="--test-len 50 is shorter than the training length, model.train_len=100"):
         length_grid(100, 50)
 
 
