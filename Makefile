@@ -106,15 +106,15 @@ reproduce-gpu: install
 	$(POSBENCH) extrapolate --config configs/gpu-study.yaml
 
 # on one CUDA GPU, the checks docs/performance.md asks of it (.ci/gpu: the CUDA tests, then sdpa
-# and flex side by side at GPT-2-small's shape) into BENCH_OUT: a lent machine's $OUT where there is
-# one, else results/bench-gpu.
+# and flex side by side at GPT-2-small's shape) into BENCH_OUT: $OUT where it is set (a remote
+# job's folder that comes back), else results/bench-gpu.
 # No install: a GPU machine without network runs it from the checkout with its own torch
 BENCH_OUT ?= $(or $(OUT),results/bench-gpu)
 gpu-checks:
 	OUT=$(BENCH_OUT) PYTHON=$(PYTHON) bash .ci/gpu checks
 
 # the GPU study's corpus and its BPE, fetched and trained here into .gpu-cache/ (13 s), for a GPU
-# machine without network: carry .gpu-cache there and run the study from the checkout with
+# machine without network: copy .gpu-cache there and run the study from the checkout with
 # `bash .ci/gpu study`
 gpu-cache:
 	POSBENCH_CACHE=.gpu-cache $(PYTHON) -c "from posbench.config import load_config; \
