@@ -311,7 +311,7 @@ def test_the_gpu_study_on_a_machine_without_a_gpu_is_one_line_and_trains_nothing
 
 
 STUB_PYTHON = """#!/usr/bin/env bash
-echo "POSBENCH_CACHE=${POSBENCH_CACHE:-} $*" >> "$CALLS"
+echo "POSBENCH_CACHE=${POSBENCH_CACHE:-} PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-} $*" >> "$CALLS"
 if [ "$1 $2 $3" = "-m posbench.cli extrapolate" ]; then  # a study's records and weights, where --set out_dir says
     out=${7#out_dir=}; mkdir -p "$out/reference-gpu/nope-seed0"
     echo records > "$out/reference-gpu/nope-seed0/eval.csv"; echo weights > "$out/reference-gpu/nope-seed0/model.pt"
@@ -344,8 +344,9 @@ def test_the_gpu_checks_run_the_cuda_tests_then_sdpa_and_flex_side_by_side_at_gp
     done, calls = gpu_script("checks")
     assert done.returncode == 0, done.stderr
     assert calls[0].endswith("-m pytest -q -p no:cacheprovider tests/test_cuda.py")
+    assert all("PYTHONUNBUFFERED=1 " in c for c in calls)  # a part killed at its limit keeps what it printed
     bench = calls[1].split()
-    assert bench[1:5] == ["-m", "posbench.cli", "bench", "--device"] and "--attention sdpa,flex" in calls[1]
+    assert bench[2:6] == ["-m", "posbench.cli", "bench", "--device"] and "--attention sdpa,flex" in calls[1]
     assert "--schemes nope,rope,alibi,t5,kerple_log,fire" in calls[1] and f"--out {tmp_path}/out/bench.csv" in calls[1]
     for shape in ("model.n_layer=12", "model.d_model=768", "model.n_head=12", "model.train_len=1024"):
         assert f"--set {shape}" in calls[1]
@@ -361,8 +362,8 @@ def test_the_gpu_study_brings_back_its_records_without_the_weights(gpu_script, t
     done, calls = gpu_script("study", GPU_CACHE=str(tmp_path / "cache"), STUDY_DIR=str(tmp_path / "study"))
     assert done.returncode == 0, done.stderr
     assert calls == [
-        f"POSBENCH_CACHE={tmp_path}/cache -m posbench.cli extrapolate --config configs/gpu-study.yaml "
-        f"--set out_dir={tmp_path}/study"
+        f"POSBENCH_CACHE={tmp_path}/cache PYTHONUNBUFFERED=1 -m posbench.cli extrapolate "
+        f"--config configs/gpu-study.yaml --set out_dir={tmp_path}/study"
     ]
     run = tmp_path / "out" / "study" / "reference-gpu" / "nope-seed0"
     assert [p.name for p in run.iterdir()] == ["eval.csv"]  # model.pt stays on the machine
