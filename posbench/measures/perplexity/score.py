@@ -112,8 +112,8 @@ def _refuse_variants(rc, model, variants: list[Optional[str]], longest: int, fac
                 pass
     if unknown:
         have = ", ".join(model.eval_variants) or "none"
-        lacks = getattr(scheme, "lacks", None)  # a pattern says which layers lack it
-        why = f": {lacks(unknown[0])}" if lacks else ""
+        # a scheme whose options decide its variants (a pattern) says why this one lacks it
+        why = f": {scheme.lacks(unknown[0])}" if scheme is not None and scheme.variants_by_options else ""
         raise PosbenchError(
             f"scheme '{rc.model.scheme}' has no evaluation-time variant '{unknown[0]}' (its variants: {have}){why}"
         )
