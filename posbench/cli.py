@@ -698,9 +698,9 @@ def prepare(
             raise blame(flags, e) from None
         total = sum(f.stat().st_size for f in source_files(source, "SOURCE") if f.is_file()) or None
         start = time.perf_counter()
-        with Progress(
-            TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err, transient=True
-        ) as bar:
+        columns = TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn()
+        # a bar only where a terminal shows it: into a log it would leave an empty line
+        with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
             task = bar.add_task("tokenizing", total=total)
             meta = prepare_tokens(data, out_dir, err.print, lambda n: bar.advance(task, n))
         seconds = time.perf_counter() - start

@@ -181,6 +181,7 @@ def test_a_prepared_corpus_gives_the_batches_and_eval_tokens_of_the_in_memory_on
     small.write_text("a few words\n" * 500)
     res = invoke("prepare", small, "--out", tmp_path / "small")
     assert res.exit_code == 0 and "from 6,000 bytes in" in " ".join(res.output.split()), res.output  # not 0.0 MB
+    assert res.output.startswith("wrote "), res.output  # no progress bar's empty line where no terminal shows it
     prepared = load_corpus(DataConfig(path=str(tmp_path / "prep")))
     assert isinstance(prepared.train, np.memmap)
     memory = load_corpus(DataConfig(path=str(words), tokenizer="bpe", vocab_size=300))
