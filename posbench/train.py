@@ -84,17 +84,7 @@ def train_model(
     gen = torch.Generator().manual_seed(seed)  # the data order depends on the seed alone
     opt = make_optimizer(model, tc.lr, tc.weight_decay)
     label = f"{run_label(cfg.model)} seed {seed}"  # rope:yarn for a run posbench extend fine-tunes
-    start, spent = 0, 0.0
-    state = load_progress(folder, reporter, label)
-    if state is not None:
-        try:
-            start, spent = restore(state, model, opt, gen, device, batches), float(state.get("seconds", 0.0))
-        except Exception as e:
-            raise PosbenchError(
-                f"{folder / CHECKPOINT}: does not fit this run ({first_line(e, 120, last=True)}); "
-                f"delete {folder} to train this run anew"
-            ) from None
-        reporter.note(f"{label}: resuming from its checkpoint at step {start:,} of {tc.steps:,}")
+    start, spent = _resume(folder, reporter, label, tc.steps, model, opt, gen, device, batches)
     parts = getattr(batches, "parts", 1)  # a task's batch on the CPU comes in parts, cut by length
     params = list(model.parameters())  # once: model.parameters() walks every module each call
     forward = torch.compile(model) if tc.compile else model  # same weights, compiled graph
@@ -158,6 +148,23 @@ def train_model(
             if stop.is_set():
                 raise KeyboardInterrupt
     return model.cpu()
+
+
+def _resume(folder: Path, reporter: Reporter, label: str, steps: int, model, opt, gen, device, batches):
+    """(the step to start at, the seconds already spent): from folder's checkpoint where it holds
+    one, whose model, optimizer, data order and batches' state are restored; else (0, 0.0)."""
+    state = load_progress(folder, reporter, label)
+    if state is None:
+        return 0, 0.0
+    try:
+        start = restore(state, model, opt, gen, device, batches)
+    except Exception as e:
+        raise PosbenchError(
+            f"{folder / CHECKPOINT}: does not fit this run ({first_line(e, 120, last=True)}); "
+            f"delete {folder} to train this run anew"
+        ) from None
+    reporter.note(f"{label}: resuming from its checkpoint at step {start:,} of {steps:,}")
+    return start, float(state.get("seconds", 0.0))
 
 
 def loss_backward(forward, batch, device, compiling: bool) -> torch.Tensor:
