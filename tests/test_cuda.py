@@ -129,7 +129,7 @@ def test_cuda_flex_stays_compiled_across_schemes_lengths_and_gradients():
                     model.eval()(x[:, :T])
 
 
-def test_cuda_eval_memory_is_read_after_the_first_forward_which_is_timed_apart():
+def test_cuda_eval_memory_under_flex_is_read_after_the_first_forward_which_is_timed_apart():
     from posbench.bench import eval_peak_memory_mb
 
     model = check.tiny_model("t5", train_len=64, d_model=64).cuda().eval()
