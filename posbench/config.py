@@ -702,7 +702,7 @@ def blame(cfg_or_origins, e: PosbenchError, fallback: str = "") -> PosbenchError
         key = next((k for k in sorted(origins, key=len, reverse=True) if e.key.startswith(k + ".")), None)
         key = key or next((k for k in sorted(origins) if k.startswith(e.key + ".")), None)
     if key is None:  # the first key the message names, one the command line gave before the file's
-        named = [(not origins[k].startswith("--"), text.find(k), -len(k), k) for k in origins if _names(text, k)]
+        named = [(not origins[k].startswith("--"), text.find(k), -len(k), k) for k in origins if names_key(text, k)]
         key = min(named)[3] if named else None
     where = origins.get(key, fallback) if key else fallback
     if where.startswith("--set ") and text.startswith(where[len("--set ") :]):
@@ -710,7 +710,7 @@ def blame(cfg_or_origins, e: PosbenchError, fallback: str = "") -> PosbenchError
     return PosbenchError(f"{where}: {text}" if where else text, e.key)
 
 
-def _names(text: str, key: str) -> bool:
+def names_key(text: str, key: str) -> bool:
     """Whether an error message names the dotted key (not merely a longer key it begins)."""
     at = text.find(key)
     while at >= 0:

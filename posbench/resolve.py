@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from posbench.config import ExperimentConfig, assign, blame, config_from_dict, refuse_idle_stride
+from posbench.config import ExperimentConfig, assign, blame, config_from_dict, names_key, refuse_idle_stride
 from posbench.errors import PosbenchError, did_you_mean
 from posbench.measures import Measure
 from posbench.schemes import SCHEMES, SEED_SCHEMES, build_scheme
@@ -106,8 +106,10 @@ def _resolve_schemes(cfg: ExperimentConfig) -> None:
     for s in cfg.schemes:
         try:
             build_scheme(cfg.model_for(s))
-        except PosbenchError as e:  # its options' error names them; else the scheme's, blamed on who named it
-            raise PosbenchError(str(e), e.key or (None if "scheme_options." in str(e) else "schemes")) from None
+        except PosbenchError as e:  # blamed on a key it names (an option, d_model), else on who named the scheme
+            text = str(e)
+            named = "scheme_options." in text or any(names_key(text, k) for k in cfg.origins or {} if k != "schemes")
+            raise PosbenchError(text, e.key or (None if named else "schemes")) from None
         cls = SCHEMES.lookup(s)
         filled = {**cls.options, **cfg.scheme_options.get(s, {})}
         # all of them, so that a run's record names every option, but those added later at their default

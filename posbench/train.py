@@ -157,14 +157,14 @@ def _resume(folder: Path, reporter: Reporter, label: str, steps: int, model, opt
     if state is None:
         return 0, 0.0
     try:
-        start = restore(state, model, opt, gen, device, batches)
+        start, spent = restore(state, model, opt, gen, device, batches), float(state.get("seconds", 0.0))
     except Exception as e:
         raise PosbenchError(
             f"{folder / CHECKPOINT}: does not fit this run ({first_line(e, 120, last=True)}); "
             f"delete {folder} to train this run anew"
         ) from None
     reporter.note(f"{label}: resuming from its checkpoint at step {start:,} of {steps:,}")
-    return start, float(state.get("seconds", 0.0))
+    return start, spent
 
 
 def loss_backward(forward, batch, device, compiling: bool) -> torch.Tensor:

@@ -78,6 +78,7 @@ def test_extrapolate_errors_are_one_line_and_leave_nothing(tmp_path, corpus_file
         ("eval.tokens=10", "--set eval.tokens=10: model.train_len=100 is more than eval.tokens=10"),
         ("scheme_options.ropee.base=5", "--set scheme_options.ropee.base=5: unknown scheme 'ropee'"),
         ("schemes=[nosuch:Cls]", "--set schemes=[nosuch:Cls]: scheme 'nosuch:Cls': cannot import module 'nosuch'"),
+        ("model.d_model=36", "--set model.d_model=36: scheme"),  # the default schemes' rope cannot pair 9 dims
     ],
 )
 def test_an_error_between_a_files_key_and_a_flags_names_the_flag(tmp_path, override, said):
