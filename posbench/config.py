@@ -676,19 +676,6 @@ def assign(raw: dict, key: str, value: Any, where: Optional[str] = None, origins
         origins.update({k: origin for k in flat({key: value}) if k.startswith(key)} or {key: origin})
 
 
-def refuse_idle_stride(cfg: ExperimentConfig, origins: dict) -> None:
-    """A stride from the command line sets the sliding windows' step; where no sliding window is
-    scored it would change nothing, so it is refused rather than ignored (once the measure has
-    refused what is not its own: a task's runs take no stride at all)."""
-    where, ppl = origins.get("eval.perplexity.stride", ""), cfg.eval.perplexity
-    if where.startswith("--") and ppl.stride is not None and "sliding" not in ppl.protocol:
-        add = "--set 'eval.protocol=[sliding]'" if where.startswith("--set") else "--protocol sliding"
-        raise PosbenchError(
-            f"{where}: a stride is the sliding windows' step, and the protocol here is "
-            f"{','.join(ppl.protocol)}: add {add} (or nonoverlapping,sliding)"
-        )
-
-
 def blame(cfg_or_origins, e: PosbenchError, fallback: str = "") -> PosbenchError:
     """`e` prefixed with where its value came from: the file, or the flag (`--set k=v`,
     `--train-len 32`). The key is the error's own, or the longest recorded key the message

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from posbench.config import ExperimentConfig, assign, blame, config_from_dict, names_key, refuse_idle_stride
+from posbench.config import ExperimentConfig, assign, blame, config_from_dict, names_key
 from posbench.errors import PosbenchError, did_you_mean
 from posbench.measures import Measure
 from posbench.schemes import SCHEMES, SEED_SCHEMES, build_scheme
@@ -50,7 +50,6 @@ def _resolved(cfg: ExperimentConfig, test_len: Optional[int], scored: bool) -> E
         measure = task.measure()
         if scored:
             measure.decide(cfg, test_len)
-            refuse_idle_stride(cfg, cfg.origins or {})
             if cfg.eval.measures:  # a bad name or option fails before anything trains
                 from posbench.measures.plugin import load_measures
 
@@ -90,7 +89,6 @@ def resolve_scoring(rc: ExperimentConfig, asked: dict[str, tuple[str, Any]]) -> 
         task = task_for(cfg)
         measure = task.measure()
         measure.decide(cfg, None)
-        refuse_idle_stride(cfg, origins)
     except PosbenchError as e:
         raise blame(origins, e) from None
     return Experiment(cfg, task, measure)

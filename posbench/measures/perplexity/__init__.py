@@ -75,6 +75,15 @@ class Perplexity(Measure):
                     f"{where}; a window cannot score more than its length",
                     "eval.perplexity.stride",
                 )
+        elif own.stride is not None and (cfg.origins or {}).get("eval.perplexity.stride", "").startswith("--"):
+            # a stride from the command line where no sliding window is scored would change
+            # nothing: refused rather than ignored
+            where = cfg.origins["eval.perplexity.stride"]
+            add = "--set 'eval.protocol=[sliding]'" if where.startswith("--set") else "--protocol sliding"
+            raise PosbenchError(
+                f"{where}: a stride is the sliding windows' step, and the protocol here is "
+                f"{','.join(own.protocol)}: add {add} (or nonoverlapping,sliding)"
+            )
 
     def notes(self, cfg, corpus) -> list[str]:
         from posbench.evaluate import eval_tokens, windows
