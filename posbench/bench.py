@@ -162,27 +162,35 @@ def time_interleaved(
     return times
 
 
-def eval_peak_memory_mb(model: TransformerLM, T: int, first: Optional[list] = None) -> float:
+def first_forward_s(model: TransformerLM, T: int) -> float:
+    """Seconds of a GPU's first no-grad forward of length T, under bf16 autocast: where flex
+    compiles (and autotunes) its kernels for this length, so it is timed apart and run before
+    eval_peak_memory_mb reads the memory an evaluation holds."""
+    device = next(model.parameters()).device
+    x = torch.randint(0, 256, (1, T)).to(device)
+    with torch.no_grad(), autocast(device):
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        model(x)
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t
+
+
+def eval_peak_memory_mb(model: TransformerLM, T: int) -> float:
     """Peak bytes held by tensors during one no-grad forward of length T, beyond what was held
     before it (the weights). On a CPU from the profiler's allocation events (the process's RSS
     is too coarse and never goes down); on a GPU from the CUDA allocator's peak, under the bf16
-    autocast that evaluation runs in, during a second forward: the first compiles flex's kernels
-    for this length, whose autotuning holds buffers no evaluation does. That first forward's
-    seconds are appended to `first`, if given."""
+    autocast that evaluation runs in (after first_forward_s, whose compiling holds buffers no
+    evaluation does)."""
     device = next(model.parameters()).device
     x = torch.randint(0, 256, (1, T)).to(device)
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
         with torch.no_grad(), autocast(device):
-            torch.cuda.synchronize(device)
-            t = time.perf_counter()
             model(x)
-            torch.cuda.synchronize(device)
-            if first is not None:
-                first.append(time.perf_counter() - t)
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            model(x)
-            torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)
         return (torch.cuda.max_memory_allocated(device) - before) / 2**20
     with torch.no_grad():
         return peak_tensor_bytes(lambda: model(x)) / 2**20
@@ -365,9 +373,8 @@ def run_bench(
                 # the first forward at this length, where a GPU compiles flex for it; a CPU's runs
                 # under the profiler that reads its memory, whose start-up and bookkeeping would be
                 # most of that time (its first start took 1 s, the forward 2 ms, at T = 100)
-                first = []
-                mb = eval_peak_memory_mb(model, L, first)
-                seconds = first[0] if first else None
+                seconds = first_forward_s(model, L) if device.type == "cuda" else None
+                mb = eval_peak_memory_mb(model, L)
             took = f", first forward {seconds:.1f} s" if seconds is not None else ""
             progress(f"evaluation memory: {name[s, b]} at {L}: {'—' if mb is None else f'{mb:,.1f} MB'}{took}")
             rows.append(

@@ -130,11 +130,11 @@ def test_cuda_flex_stays_compiled_across_schemes_lengths_and_gradients():
 
 
 def test_cuda_eval_memory_under_flex_is_read_after_the_first_forward_which_is_timed_apart():
-    from posbench.bench import eval_peak_memory_mb
+    from posbench.bench import eval_peak_memory_mb, first_forward_s
 
     model = check.tiny_model("t5", train_len=64, d_model=64).cuda().eval()
     model.cfg = dataclasses.replace(model.cfg, attention="flex")
-    first = []
-    mb = eval_peak_memory_mb(model, 256, first)
-    assert len(first) == 1 and first[0] > 0 and 0 < mb
+    first = first_forward_s(model, 256)
+    mb = eval_peak_memory_mb(model, 256)
+    assert first > 0 and 0 < mb
     assert eval_peak_memory_mb(model, 256) == pytest.approx(mb, rel=0.05)  # compiled once: the same peak again
