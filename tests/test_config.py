@@ -340,18 +340,17 @@ def gpu_script(tmp_path):
     return run
 
 
-def test_the_gpu_checks_run_the_cuda_tests_then_sdpa_and_flex_side_by_side_at_gpt2_small(gpu_script, tmp_path):
+def test_the_gpu_checks_run_sdpa_and_flex_side_by_side_at_gpt2_small_then_the_cuda_tests(gpu_script, tmp_path):
     done, calls = gpu_script("checks")
     assert done.returncode == 0, done.stderr
-    assert calls[0].endswith("-m pytest -q -p no:cacheprovider tests/test_cuda.py -k not flex")
-    assert calls[1].endswith("-m pytest -q -p no:cacheprovider tests/test_cuda.py -k flex")
-    calls = calls[1:]  # the bench is next
     assert all("PYTHONUNBUFFERED=1 " in c for c in calls)  # a part killed at its limit keeps what it printed
-    bench = calls[1].split()
-    assert bench[2:6] == ["-m", "posbench.cli", "bench", "--device"] and "--attention sdpa,flex" in calls[1]
-    assert "--schemes nope,rope,alibi,t5,kerple_log,fire" in calls[1] and f"--out {tmp_path}/out/bench.csv" in calls[1]
+    bench = calls[0].split()
+    assert bench[2:6] == ["-m", "posbench.cli", "bench", "--device"] and "--attention sdpa,flex" in calls[0]
+    assert "--schemes nope,alibi,t5,kerple_log,fire" in calls[0] and f"--out {tmp_path}/out/bench.csv" in calls[0]
     for shape in ("model.n_layer=12", "model.d_model=768", "model.n_head=12", "model.train_len=1024"):
-        assert f"--set {shape}" in calls[1]
+        assert f"--set {shape}" in calls[0]
+    assert calls[1].endswith("-m pytest -q -p no:cacheprovider tests/test_cuda.py -k not flex")
+    assert calls[2].endswith("-m pytest -q -p no:cacheprovider tests/test_cuda.py -k flex")
     out = tmp_path / "out"
     assert {p.name for p in out.iterdir()} == {"machine.txt", "cuda-tests.txt", "cuda-flex-tests.txt", "bench.txt"}
     assert "exit 0 after" in (out / "bench.txt").read_text()  # each part says how it ended
