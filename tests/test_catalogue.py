@@ -1039,3 +1039,23 @@ def test_evaluate_with_a_variant_scores_plain_rope_and_the_training_length_too(t
     have = {(r["scheme"], int(r["length"])) for r in csv.DictReader((run / "eval.csv").open())}
     for scheme in ("rope", "rope+yarn"):
         assert {(scheme, train_len), (scheme, 2 * train_len)} <= have
+
+
+def test_fire_gathers_on_a_gpu_sum_their_gradient_by_a_bincount_equal_to_index_selects():
+    """SegmentGather (FIRE's gathers where a gradient is taken on a GPU) is index_select forward;
+    backward, each (head, segment) cell's sum by one bincount equals index_select's index_add,
+    an unused segment's gradient included (zero), in the table's dtype."""
+    from posbench.schemes.fire import SegmentGather
+
+    torch.manual_seed(0)
+    table = torch.randn(3, 7, requires_grad=True)  # (H, S): segment 6 is never read
+    seg = torch.randint(0, 6, (500,))
+    grad = torch.randn(3, 500)
+    out = SegmentGather.apply(table, seg)
+    assert torch.equal(out, table.index_select(1, seg))
+    (mine,) = torch.autograd.grad((out * grad).sum(), table)
+    (theirs,) = torch.autograd.grad((table.index_select(1, seg) * grad).sum(), table)
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert mine.dtype == table.dtype and torch.equal(mine[:, 6], torch.zeros(3))
+    by_hand = torch.zeros(3, 7).index_put_((torch.arange(3)[:, None], seg[None, :]), grad, accumulate=True)
+    torch.testing.assert_close(mine, by_hand, rtol=1e-5, atol=1e-5)

@@ -73,7 +73,29 @@ def as_lines(mlp: nn.Sequential, x: torch.Tensor, dtype=torch.float32) -> torch.
     # backward (an index_add) takes int32 indices 10x slower; int32 without, to hold less
     seg = torch.bucketize(x.detach(), kinks, out_int32=not grad).flatten()
     if grad:  # fp32: the gathers' backward sums every (i, j) into the (W + 1, H) tables
-        out = A.T.index_select(1, seg) * x.float().flatten() + C.T.index_select(1, seg)  # (H, Tq * Tk)
+        gather = SegmentGather.apply if x.is_cuda else lambda table, seg: table.index_select(1, seg)
+        out = gather(A.T, seg) * x.float().flatten() + gather(C.T, seg)  # (H, Tq * Tk)
         return out.to(dtype).view(H, *x.shape)
     out = C.T.to(dtype).index_select(1, seg)  # (H, Tq * Tk): one (H, Tq, Tk) beside it, added in place
     return out.addcmul_(A.T.to(dtype).index_select(1, seg), x.to(dtype).flatten()).view(H, *x.shape)
+
+
+class SegmentGather(torch.autograd.Function):
+    """table.index_select(1, seg), (H, S) -> (H, N), whose backward sums each segment's gradient
+    with one bincount over (head, segment) cells. On a GPU that is a histogram in shared memory;
+    index_select's backward, an index_add of every (i, j) into the same (H, S) cells, collides
+    in its atomic additions (8.5 against 1.4 ms for FIRE's bias at T = 1,024 on an H200)."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(seg)
+        ctx.shape = table.shape
+        return table.index_select(1, seg)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (seg,) = ctx.saved_tensors
+        H, S = ctx.shape
+        cell = (seg + S * torch.arange(H, device=seg.device)[:, None]).flatten()  # (H * N,): head h, segment s
+        sums = torch.bincount(cell, weights=grad.float().flatten(), minlength=H * S)
+        return sums.view(H, S).to(grad.dtype), None
