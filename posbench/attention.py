@@ -153,13 +153,20 @@ def native_attention(q, k, v, bias, q0: int) -> torch.Tensor:
 def flex(q, k, v, bias, q0: int, table=None) -> torch.Tensor:
     """torch's FlexAttention, the causal mask as a block mask (built once per shape) and the bias
     read by a score_mod: a distance table's value at qpos[i] - kpos[j] (posbench/schemes/
-    distance.py), so no (Tq, Tk) bias exists, else the dense bias's element. Compiled on a GPU;
+    distance.py), or its slope times that distance where it is linear, so no (Tq, Tk) bias
+    exists; else the dense bias's element. Compiled on a GPU;
     on a CPU torch runs its unfused reference forward, which suits checking, not speed, and has
     no backward."""
     if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
         raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)
     score_mod = None
-    if table is not None:
+    if table is not None and table.slopes is not None:  # -slope * distance: computed, not read
+        slopes, qpos, kpos = table.slopes, table.qpos, table.kpos
+
+        def score_mod(score, b, h, i, j):
+            return score - slopes[h] * (qpos[i] - kpos[j])
+
+    elif table is not None:
         values, qpos, kpos = table.values, table.qpos - table.lo, table.kpos  # column = qpos[i] - kpos[j]
 
         def score_mod(score, b, h, i, j):

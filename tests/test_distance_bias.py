@@ -181,3 +181,24 @@ def test_torch_compile_traces_a_distance_bias_in_one_graph(name, options):
     x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     explained = torch._dynamo.explain(model)(x)
     assert explained.graph_break_count == 0, [str(r.reason)[:120] for r in explained.break_reasons]
+
+
+def test_flex_computes_a_linear_bias_from_its_slopes_the_very_values_of_its_table():
+    """ALiBi's table carries its slopes, and flex computes -slope * distance in its score_mod
+    instead of reading the table: the same logits bit for bit (one product of the same fp32
+    numbers), whole and for a block of later queries, and the table's values are never read."""
+    scheme = tiny_model("alibi").scheme
+    assert torch.equal(scheme.linear_slopes(0), alibi_slopes(scheme.cfg.n_head))
+    assert tiny_model("t5").scheme.linear_slopes(0) is None and tiny_model("kerple_log").scheme.linear_slopes(0) is None
+    H, D = scheme.cfg.n_head, scheme.cfg.head_dim
+    g = torch.Generator().manual_seed(0)
+    for qpos, kpos in ((torch.arange(24), torch.arange(24)), (torch.arange(16, 24), torch.arange(24))):
+        q, k, v = (torch.randn(2, H, n, D, generator=g) for n in (len(qpos), len(kpos), len(kpos)))
+        table = scheme.distance_table(qpos, kpos, 0, torch.float32)
+        with torch.no_grad():
+            read = attention.flex(
+                q, k, v, None, int(qpos[0]), DistanceTable(table.values, table.lo, qpos, kpos, q.dtype)
+            )
+            table.values = torch.full_like(table.values, float("nan"))  # read, it would show
+            computed = attention.flex(q, k, v, None, int(qpos[0]), table)
+        assert torch.equal(computed, read)

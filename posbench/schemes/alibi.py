@@ -28,3 +28,6 @@ class ALiBi(DistanceBias):
 
     def distance_bias(self, d, layer):
         return -self.slopes[:, None] * d  # (H, n)
+
+    def linear_slopes(self, layer):
+        return self.slopes.float()  # (H,)
