@@ -34,16 +34,25 @@ FLEX_CANNOT_TRAIN_ON_CPU = (
 
 
 def backend_for(
-    name: str, device: torch.device, head_dim: int, compiled: bool = False, dtype: torch.dtype = torch.float32
+    name: str,
+    device: torch.device,
+    head_dim: int,
+    compiled: bool = False,
+    dtype: torch.dtype = torch.float32,
+    table: bool = False,
 ) -> str:
     """The backend that `name` runs as here. auto: the C kernels on a CPU in fp32 where they
-    build, else SDPA. A backend named outright that cannot run here is an error, never a quiet
-    substitute, because a run's records name the backend that computed it."""
+    build; on a GPU, flex for a scheme whose bias is a table over distances (`table`: ALiBi, T5,
+    KERPLE; docs/performance.md has them twice as fast there as under sdpa), else SDPA. A
+    backend named outright that cannot run here is an error, never a quiet substitute, because
+    a run's records name the backend that computed it."""
     if name not in BACKENDS:
         raise PosbenchError(f"model.attention={name!r}: expected one of {', '.join(BACKENDS)}")
     compiling = compiled or torch.compiler.is_compiling()  # the tracer cannot follow pointers into C
     why_not_native = native.why_not(head_dim, device, compiling, dtype)
     if name == "auto":
+        if table and device.type == "cuda" and not compiling and head_dim >= FLEX_CUDA_MIN_HEAD_DIM:
+            return "flex"  # under train.compile the bias is the per-pair formula, not the table
         return "sdpa" if why_not_native else "native"
     if name == "native" and why_not_native:
         raise PosbenchError(f"model.attention=native cannot run here: {why_not_native}; use auto, sdpa or eager")

@@ -283,12 +283,15 @@ def check_backends(backends: list[str], device: torch.device, head_dim: int) -> 
     from posbench.attention import backend_for
     from posbench.config import ATTENTION_BACKENDS
 
-    runs_as: dict[str, list[str]] = {}
+    runs_as: dict[tuple, list[str]] = {}
     for b in backends:
         if b not in ATTENTION_BACKENDS:
             expected = ", ".join(ATTENTION_BACKENDS)
             raise PosbenchError(f"--attention {','.join(backends)}: {b!r} is not one of {expected}")
-        runs_as.setdefault(backend_for(b, device, head_dim), []).append(b)
+        # auto runs as one backend for a table's schemes and maybe another for the rest
+        runs_as.setdefault(
+            tuple(sorted({backend_for(b, device, head_dim, table=t) for t in (False, True)})), []
+        ).append(b)
     twice = [given for given in runs_as.values() if len(given) > 1]
     if twice:
         raise PosbenchError(f"--attention {','.join(twice[0])}: these run as one backend here; give it once")

@@ -18,6 +18,7 @@ from posbench.attention import backend_for, causal_attention
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError
 from posbench.schemes import PositionalScheme, build_scheme
+from posbench.schemes.distance import has_table
 from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
 
 Norm = nn.LayerNorm  # every block's two norms and the final one; nn.RMSNorm works as well
@@ -105,7 +106,8 @@ class TransformerLM(nn.Module):
 
     def backend(self, device: torch.device, compiled: bool = False) -> str:
         """The attention backend model.attention runs as on `device` (see attention.backend_for)."""
-        return backend_for(self.cfg.attention, device, self.cfg.head_dim, compiled, self.tok.weight.dtype)
+        dtype, table = self.tok.weight.dtype, has_table(self.scheme)
+        return backend_for(self.cfg.attention, device, self.cfg.head_dim, compiled, dtype, table)
 
     def forward(self, tokens: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`pos`: the position ids to use instead of the scheme's own (PoSE's skipped ones), (T,)

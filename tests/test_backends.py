@@ -14,6 +14,7 @@ from posbench.check import BLOCK, tiny_model
 from posbench.config import ATTENTION_BACKENDS, ModelConfig, load_config
 from posbench.errors import PosbenchError
 from posbench.schemes import SCHEMES
+from posbench.schemes.alibi import ALiBi
 
 CPU = torch.device("cpu")
 NATIVE = native.why_not(8, CPU) is None  # the tiny model's head size
@@ -86,6 +87,36 @@ def test_auto_picks_native_on_a_cpu_where_it_builds_and_sdpa_where_it_cannot(mon
     assert attention.backend_for("auto", CPU, 32) == "sdpa"
     with pytest.raises(PosbenchError, match="model.attention=native cannot run here: the attention kernel"):
         attention.backend_for("native", CPU, 32)
+
+
+@pytest.mark.parametrize(
+    "scheme, on_a_gpu",
+    [("alibi", "flex"), ("t5", "flex"), ("hybrid", "flex"), ("kerple_log", "flex"), ("kerple_power", "flex")]
+    + [("nope", "sdpa"), ("rope", "sdpa"), ("fire", "sdpa"), ("xl", "sdpa"), ("cope", "sdpa"), ("rnope_swa", "sdpa")],
+)
+def test_auto_picks_flex_on_a_gpu_for_a_bias_read_as_a_table_over_distances(scheme, on_a_gpu):
+    """The schemes flex trains about twice as fast as sdpa on a GPU (docs/performance.md) are
+    those it reads as a table; FIRE's dense bias, XL's and CoPE's, a window and no bias stay on
+    sdpa. Never under train.compile (the bias is then the per-pair formula), below flex's least
+    head dimension, or on a CPU."""
+    cuda = torch.device("cuda")
+    model = tiny_model(scheme, d_model=32, n_head=2)  # head dim 16: flex's least on CUDA
+    assert model.backend(cuda) == on_a_gpu
+    assert model.backend(cuda, compiled=True) == "sdpa"
+    assert model.backend(CPU) == attention.backend_for("auto", CPU, model.cfg.head_dim)  # native or sdpa
+    assert attention.backend_for("auto", cuda, 8, table=True) == "sdpa"
+    assert attention.backend_for("sdpa", cuda, 16, table=True) == "sdpa"  # named outright, it runs
+
+
+def test_a_window_on_a_table_scheme_overrides_its_bias_and_stays_on_sdpa():
+    class Windowed(ALiBi):
+        def bias(self, q, k, qpos, kpos, layer):
+            return super().bias(q, k, qpos, kpos, layer)
+
+    model = tiny_model("alibi", d_model=32, n_head=2)
+    assert model.backend(torch.device("cuda")) == "flex"
+    model.scheme.__class__ = Windowed
+    assert model.backend(torch.device("cuda")) == "sdpa"
 
 
 def test_native_named_outright_where_it_cannot_run_is_one_clear_error():

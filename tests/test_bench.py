@@ -10,9 +10,11 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
+from posbench import attention
 from posbench.bench import BENCH_COLUMNS, model_flops_per_token
 from posbench.cli import app
 from posbench.config import ModelConfig
+from posbench.errors import PosbenchError
 from posbench.model import TransformerLM
 from posbench.schemes import SEED_SCHEMES
 
@@ -515,3 +517,16 @@ def test_the_table_says_what_a_first_call_pays_for_on_each_device():
     assert "first forward (s), batch 1, compilation included" in gpu and "12.3" in gpu and "24.7" in gpu
     cpu = shown("cpu", None)
     assert "otherwise it is warm-up only" in cpu and "first forward" not in cpu
+
+
+def test_auto_beside_the_backend_it_runs_as_is_refused_only_where_it_is_that_backend_for_every_scheme():
+    """On a GPU auto is flex for a table's schemes and sdpa for the rest, so it is neither; on a
+    CPU it is native (where the kernels build) or sdpa for every scheme."""
+    from posbench.bench import check_backends
+
+    cuda = torch.device("cuda")
+    check_backends(["auto", "sdpa"], cuda, 64)
+    check_backends(["auto", "flex"], cuda, 64)
+    cpu_auto = attention.backend_for("auto", torch.device("cpu"), 64)
+    with pytest.raises(PosbenchError, match=f"--attention auto,{cpu_auto}: these run as one backend here"):
+        check_backends(["auto", cpu_auto], torch.device("cpu"), 64)

@@ -78,10 +78,14 @@ class DistanceBias(PositionalScheme):
         return make() if self.per_layer else self.once_per_forward((qpos, kpos), make)
 
 
+def has_table(scheme: PositionalScheme) -> bool:
+    """Whether `scheme`'s bias is its table over distances: a DistanceBias whose `bias` is the
+    table's own (a subclass that overrides it, a window on ALiBi say, adds what no table holds)."""
+    return isinstance(scheme, DistanceBias) and type(scheme).bias is DistanceBias.bias
+
+
 def reads_as_table(scheme: PositionalScheme, pos: torch.Tensor) -> bool:
-    """Whether `scheme`'s bias at positions `pos` is its table over distances: a DistanceBias whose
-    `bias` is the table's own (a subclass that overrides it, a window on ALiBi say, adds what no
-    table holds), at whole-number positions (T,) shared by the batch, outside torch.compile."""
-    own = isinstance(scheme, DistanceBias) and type(scheme).bias is DistanceBias.bias
+    """Whether `scheme`'s bias at positions `pos` is read as its table: it has one, and the
+    positions are whole numbers (T,) shared by the batch, outside torch.compile."""
     whole = pos.dim() == 1 and not pos.is_floating_point()
-    return own and whole and not torch.compiler.is_compiling()
+    return has_table(scheme) and whole and not torch.compiler.is_compiling()
