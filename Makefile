@@ -99,14 +99,14 @@ reproduce-rope-base: install
 	$(POSBENCH) sweep configs/rope-base.yaml
 
 # the GPU study in results/reference-gpu/: nope, rope, alibi, t5 and fire at GPT-2-small's shape,
-# 3 seeds, scored to 8x, on one CUDA GPU in about 10 minutes (docs/performance.md); the text extra
+# 2 seeds, scored to 8x, on one CUDA GPU in about 9 minutes (docs/performance.md); the text extra
 # brings the tokenizers library that trains its BPE
 reproduce-gpu: install
 	$(PIP) install -q -e '.[text]'
 	$(POSBENCH) extrapolate --config configs/gpu-study.yaml
 
-# on one CUDA GPU, the checks docs/performance.md asks of it (.ci/gpu: the CUDA tests, then sdpa
-# and flex side by side at GPT-2-small's shape) into BENCH_OUT: $OUT where it is set (a remote
+# on one CUDA GPU, the checks docs/performance.md asks of it (.ci/gpu: sdpa and flex side by side
+# at GPT-2-small's shape, then the CUDA tests) into BENCH_OUT: $OUT where it is set (a remote
 # job's folder that comes back), else results/bench-gpu.
 # No install: a GPU machine without network runs it from the checkout with its own torch
 BENCH_OUT ?= $(or $(OUT),results/bench-gpu)

@@ -276,13 +276,13 @@ def test_a_measure_s_options_are_its_own_section_and_eval_s_own_spelling_still_r
 
 def test_gpu_study_resolves_to_the_budget_its_docs_state():
     """configs/gpu-study.yaml, resolved without training anything: GPT-2-small's shape, the five
-    schemes at 3 seeds, scored to 8x, and the tokens a run and the parameters that
+    schemes at 2 seeds, scored to 8x, and the tokens a run and the parameters that
     docs/performance.md's arithmetic is made of."""
     cfg = resolve(load_config(ROOT / "configs" / "gpu-study.yaml")).cfg
     m, t = cfg.model, cfg.train
     assert (m.n_layer, m.d_model, m.n_head, m.train_len) == (12, 768, 12, 1024)
     assert (cfg.data.corpus, cfg.data.tokenizer, m.vocab_size) == ("shakespeare-kjv", "bpe", 16384)
-    assert cfg.schemes == ["nope", "rope", "alibi", "t5", "fire"] and cfg.seeds == [0, 1, 2]
+    assert cfg.schemes == ["nope", "rope", "alibi", "t5", "fire"] and cfg.seeds == [0, 1]
     assert cfg.eval.lengths == [m.train_len * k for k in (1, 2, 4, 8)]
     assert cfg.eval.perplexity.protocol == ["nonoverlapping"] and cfg.eval.tokens == 16 * 8 * m.train_len
     assert (t.device, t.compile, t.checkpoint_every) == ("cuda", False, 0)
