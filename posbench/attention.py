@@ -12,6 +12,7 @@ linearly with the length; on a GPU the fused kernels take them whole where no de
 from __future__ import annotations
 
 import functools
+import importlib.util
 import warnings
 from typing import Optional
 
@@ -42,16 +43,18 @@ def backend_for(
     table: bool = False,
 ) -> str:
     """The backend that `name` runs as here. auto: the C kernels on a CPU in fp32 where they
-    build; on a GPU, flex for a scheme whose bias is a table over distances (`table`: ALiBi, T5,
-    KERPLE; docs/performance.md has them twice as fast there as under sdpa), else SDPA. A
-    backend named outright that cannot run here is an error, never a quiet substitute, because
-    a run's records name the backend that computed it."""
+    build; on a GPU, flex for a scheme whose bias is a table over distances (`table`: ALiBi,
+    T5, Hybrid, KERPLE; docs/performance.md measured ALiBi, T5 and KERPLE 1.3x to 2.2x faster
+    there than under sdpa) where this torch compiles it, else SDPA. A backend named outright
+    that cannot run here is an error, never a quiet substitute, because a run's records name
+    the backend that computed it."""
     if name not in BACKENDS:
         raise PosbenchError(f"model.attention={name!r}: expected one of {', '.join(BACKENDS)}")
     compiling = compiled or torch.compiler.is_compiling()  # the tracer cannot follow pointers into C
     why_not_native = native.why_not(head_dim, device, compiling, dtype)
     if name == "auto":
-        if table and device.type == "cuda" and not compiling and head_dim >= FLEX_CUDA_MIN_HEAD_DIM:
+        flex_fits = head_dim >= FLEX_CUDA_MIN_HEAD_DIM and flex_learns_biases()
+        if table and device.type == "cuda" and not compiling and flex_fits:
             return "flex"  # under train.compile the bias is the per-pair formula, not the table
         return "sdpa" if why_not_native else "native"
     if name == "native" and why_not_native:
@@ -62,6 +65,14 @@ def backend_for(
             f"least {FLEX_CUDA_MIN_HEAD_DIM}, and model.d_model / model.n_head is {head_dim}; use auto, sdpa or eager"
         )
     return name
+
+
+@functools.cache
+def flex_learns_biases() -> bool:
+    """Whether this torch compiles FlexAttention with a learned bias's gradient: Triton is
+    installed, and torch is 2.6 or later (the first whose compiled backward sums it)."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 6) and importlib.util.find_spec("triton") is not None
 
 
 def causal_attention(q, k, v, pos, scheme, layer: int, backend: str, block: Optional[int] = None):

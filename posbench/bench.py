@@ -278,23 +278,23 @@ def _import_peer(peer: str):
 
 
 def check_backends(backends: list[str], device: torch.device, head_dim: int) -> None:
-    """`--attention a,b,...` for side-by-side timing: each a backend that runs here, none of them
-    running as another does (auto is one of the others), else one line naming them."""
+    """`--attention a,b,...` for side-by-side timing: each a backend that runs here, no two of
+    them running as one for any scheme (auto is one of the others: on a GPU flex for a table's
+    schemes, sdpa for the rest), else one line naming them."""
     from posbench.attention import backend_for
     from posbench.config import ATTENTION_BACKENDS
 
-    runs_as: dict[tuple, list[str]] = {}
     for b in backends:
         if b not in ATTENTION_BACKENDS:
             expected = ", ".join(ATTENTION_BACKENDS)
             raise PosbenchError(f"--attention {','.join(backends)}: {b!r} is not one of {expected}")
-        # auto runs as one backend for a table's schemes and maybe another for the rest
-        runs_as.setdefault(
-            tuple(sorted({backend_for(b, device, head_dim, table=t) for t in (False, True)})), []
-        ).append(b)
-    twice = [given for given in runs_as.values() if len(given) > 1]
-    if twice:
-        raise PosbenchError(f"--attention {','.join(twice[0])}: these run as one backend here; give it once")
+    for table in (False, True):  # a scheme without a table over distances, then one with
+        runs_as: dict[str, list[str]] = {}
+        for b in backends:
+            runs_as.setdefault(backend_for(b, device, head_dim, table=table), []).append(b)
+        twice = [given for given in runs_as.values() if len(given) > 1]
+        if twice:
+            raise PosbenchError(f"--attention {','.join(twice[0])}: these run as one backend here; give it once")
 
 
 def run_bench(

@@ -360,7 +360,7 @@ def _kernel_notes(cfg, *others) -> None:
 
     device = pick_device(cfg.train.device)
     if cfg.model.attention != "auto" or device.type != "cpu":
-        return  # a backend named outright is checked when the model runs; a GPU takes SDPA
+        return  # a backend named outright is checked when the model runs; a GPU takes SDPA or flex
 
     def building(folder):
         err.print(f"note: building the C kernels, once (cached in {folder})", highlight=False, markup=False)

@@ -43,7 +43,8 @@ class ModelConfig:
     vocab_size: int = 256  # bytes
     dropout: float = 0.0  # off: short runs on a small corpus barely overfit
     options: dict = field(default_factory=dict, metadata={"derived": True})  # from scheme_options.<scheme>
-    # the attention call: auto (the C kernels on a CPU in fp32, else SDPA), eager (the plain
+    # the attention call: auto (the C kernels on a CPU in fp32; on a GPU flex for a table over
+    # distances, else SDPA; attention.backend_for), eager (the plain
     # formula, the reference), sdpa, native or flex; a run's records name the one that ran
     attention: str = setting("auto")  # the backends differ in the last bits; records name the one that ran
     # written by `posbench extend` on a run fine-tuned from another (posbench/extend/run.py): its

@@ -94,11 +94,12 @@ def test_auto_picks_native_on_a_cpu_where_it_builds_and_sdpa_where_it_cannot(mon
     [("alibi", "flex"), ("t5", "flex"), ("hybrid", "flex"), ("kerple_log", "flex"), ("kerple_power", "flex")]
     + [("nope", "sdpa"), ("rope", "sdpa"), ("fire", "sdpa"), ("xl", "sdpa"), ("cope", "sdpa"), ("rnope_swa", "sdpa")],
 )
-def test_auto_picks_flex_on_a_gpu_for_a_bias_read_as_a_table_over_distances(scheme, on_a_gpu):
-    """The schemes flex trains about twice as fast as sdpa on a GPU (docs/performance.md) are
-    those it reads as a table; FIRE's dense bias, XL's and CoPE's, a window and no bias stay on
-    sdpa. Never under train.compile (the bias is then the per-pair formula), below flex's least
-    head dimension, or on a CPU."""
+def test_auto_picks_flex_on_a_gpu_for_a_bias_read_as_a_table_over_distances(scheme, on_a_gpu, monkeypatch):
+    """The schemes flex trains faster than sdpa on a GPU (docs/performance.md) are those it reads
+    as a table; FIRE's dense bias, XL's and CoPE's, a window and no bias stay on sdpa. Never under
+    train.compile (the bias is then the per-pair formula), below flex's least head dimension, on a
+    CPU, or where this torch cannot compile flex with a learned bias's gradient."""
+    monkeypatch.setattr(attention, "flex_learns_biases", lambda: True)
     cuda = torch.device("cuda")
     model = tiny_model(scheme, d_model=32, n_head=2)  # head dim 16: flex's least on CUDA
     assert model.backend(cuda) == on_a_gpu
@@ -106,9 +107,27 @@ def test_auto_picks_flex_on_a_gpu_for_a_bias_read_as_a_table_over_distances(sche
     assert model.backend(CPU) == attention.backend_for("auto", CPU, model.cfg.head_dim)  # native or sdpa
     assert attention.backend_for("auto", cuda, 8, table=True) == "sdpa"
     assert attention.backend_for("sdpa", cuda, 16, table=True) == "sdpa"  # named outright, it runs
+    monkeypatch.setattr(attention, "flex_learns_biases", lambda: False)  # torch < 2.6, or no Triton
+    assert model.backend(cuda) == "sdpa"
 
 
-def test_a_window_on_a_table_scheme_overrides_its_bias_and_stays_on_sdpa():
+def test_flex_learns_biases_from_torch_2_6_with_triton(monkeypatch):
+    import importlib.util
+
+    for version, triton, want in [("2.11.0+cu130", True, True), ("2.6.0", True, True), ("2.5.1", True, False)] + [
+        ("2.13.0+cpu", False, False),
+        ("3.0.0a0+git", True, True),
+    ]:
+        attention.flex_learns_biases.cache_clear()
+        monkeypatch.setattr(torch, "__version__", version)
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, t=triton: object() if t else None)
+        assert attention.flex_learns_biases() is want, version
+    attention.flex_learns_biases.cache_clear()
+
+
+def test_a_window_on_a_table_scheme_overrides_its_bias_and_stays_on_sdpa(monkeypatch):
+    monkeypatch.setattr(attention, "flex_learns_biases", lambda: True)
+
     class Windowed(ALiBi):
         def bias(self, q, k, qpos, kpos, layer):
             return super().bias(q, k, qpos, kpos, layer)

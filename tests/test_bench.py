@@ -519,14 +519,19 @@ def test_the_table_says_what_a_first_call_pays_for_on_each_device():
     assert "otherwise it is warm-up only" in cpu and "first forward" not in cpu
 
 
-def test_auto_beside_the_backend_it_runs_as_is_refused_only_where_it_is_that_backend_for_every_scheme():
-    """On a GPU auto is flex for a table's schemes and sdpa for the rest, so it is neither; on a
-    CPU it is native (where the kernels build) or sdpa for every scheme."""
+def test_auto_beside_a_backend_it_runs_as_for_some_schemes_is_refused(monkeypatch):
+    """On a GPU auto is flex for a table's schemes and sdpa for the rest: beside either, some
+    scheme would be timed twice under one backend. On a CPU it is native (where the kernels
+    build) or sdpa for every scheme."""
     from posbench.bench import check_backends
 
+    monkeypatch.setattr(attention, "flex_learns_biases", lambda: True)
     cuda = torch.device("cuda")
-    check_backends(["auto", "sdpa"], cuda, 64)
-    check_backends(["auto", "flex"], cuda, 64)
+    check_backends(["sdpa", "flex"], cuda, 64)
+    for other in ("sdpa", "flex"):
+        with pytest.raises(PosbenchError, match=f"--attention auto,{other}: these run as one backend here"):
+            check_backends(["auto", other], cuda, 64)
+    check_backends(["auto", "eager"], cuda, 64)
     cpu_auto = attention.backend_for("auto", torch.device("cpu"), 64)
     with pytest.raises(PosbenchError, match=f"--attention auto,{cpu_auto}: these run as one backend here"):
         check_backends(["auto", cpu_auto], torch.device("cpu"), 64)

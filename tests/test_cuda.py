@@ -94,9 +94,24 @@ def test_cuda_flex_equals_eager_in_outputs_and_gradients(scheme):
     assert torch.allclose(g1, g0, atol=2e-5), (g1 - g0).abs().max()
 
 
+@pytest.mark.parametrize("scheme, runs_as", [("alibi", "flex"), ("t5", "flex"), ("fire", "sdpa"), ("nope", "sdpa")])
+def test_cuda_auto_takes_flex_for_a_table_and_equals_eager(scheme, runs_as):
+    """auto, the default, on a GPU at flex's least head dim: flex for a table over distances,
+    sdpa for the rest, in outputs and gradients equal to eager under each."""
+    model = check.tiny_model(scheme, train_len=40, d_model=64).cuda().train()  # head_dim 16
+    assert model.cfg.attention == "auto" and model.backend(torch.device("cuda")) == runs_as
+    x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0)).cuda()
+    got = _outputs_and_grads(model, x, 16)
+    model.cfg = dataclasses.replace(model.cfg, attention="eager")
+    want = _outputs_and_grads(model, x, 16)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=2e-5), (a - b).abs().max()
+
+
 @pytest.mark.parametrize("scheme", ["alibi", "t5", "kerple_log", "kerple_power"])
 def test_cuda_flex_trains_a_distance_bias_from_its_table_whole_and_compiled_once(scheme, monkeypatch):
-    """A bias of distance alone trains through flex's score_mod reading its table: no dense
+    """A bias of distance alone trains through flex's score_mod reading its table (ALiBi's computed
+    from its slopes): no dense
     (Tq, Tk) bias, all queries in one call past the query block, and after the first step no
     recompilation (the table and the mask's offset are tensors, not constants)."""
     model = check.tiny_model(scheme, train_len=64, d_model=64).cuda().train()  # head_dim 16

@@ -202,3 +202,21 @@ def test_flex_computes_a_linear_bias_from_its_slopes_the_very_values_of_its_tabl
             table.values = torch.full_like(table.values, float("nan"))  # read, it would show
             computed = attention.flex(q, k, v, None, int(qpos[0]), table)
         assert torch.equal(computed, read)
+
+
+def test_a_subclass_that_changes_alibis_function_of_distance_is_read_from_its_table():
+    """The slopes describe ALiBi's own function: a subclass whose distance_bias is not linear (a
+    cap, say) carries none, and flex reads its table, equal to eager."""
+
+    class Capped(ALiBi):
+        def distance_bias(self, d, layer):
+            return super().distance_bias(d.clamp(max=5), layer)
+
+    model = tiny_model("alibi")
+    model.scheme.__class__ = Capped
+    assert model.scheme.linear_slopes(0) is None
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x)
+        model.cfg.attention = "flex"
+        assert (model(x) - want).abs().max().item() <= 1e-5

@@ -94,7 +94,8 @@ def prepare(exp: Experiment, jobs: list[Job], reporter: Reporter) -> dict:
     for job in jobs:
         if job.state == "todo":
             check_trainable(job.cfg.model, gpu)  # a model too big is refused, not allocated
-    # a backend that cannot run here is refused before anything trains
+    # a backend that cannot run here is refused before anything trains (auto is never flex on a
+    # CPU, so the scheme's table does not matter here)
     backend = backend_for(cfg.model.attention, device, cfg.model.head_dim, cfg.train.compile)
     if backend == "flex" and device.type == "cpu" and any(job.state == "todo" for job in jobs):
         raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)

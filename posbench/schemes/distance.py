@@ -2,8 +2,8 @@
 
 ALiBi, T5's buckets and KERPLE's kernels write their function of distance once
 (`distance_bias`), and every backend reads it as a per-head table over the distances a block of
-queries meets: FlexAttention indexes the table inside its score_mod, so no (Tq, Tk) bias is
-ever built; eager, sdpa and native expand it to (1, H, Tq, Tk), once per forward pass for a
+queries meets: FlexAttention indexes the table inside its score_mod (or, for a linear one,
+computes slope times distance), so no (Tq, Tk) bias is ever built; eager, sdpa and native expand it to (1, H, Tq, Tk), once per forward pass for a
 table all layers share. A learned function's gradient reaches its parameters through the table.
 """
 
@@ -21,8 +21,8 @@ class DistanceTable:
     positions it is read at, distance qpos[i] - kpos[j] (a future key's too: masked later);
     dtype, the logits' (bf16 under a GPU's autocast), is what the dense form is made in.
     slopes (H,), where the bias is -slopes[h] * distance (ALiBi): flex computes it in its kernel
-    instead of gathering it from the table (on an H200, an attention call took 1.59 ms reading
-    a table, 0.91 ms with no bias, 0.87 ms computing a slope times j - i)."""
+    instead of gathering it from the table (docs/performance.md: a table's gather is most of
+    what a bias costs flex)."""
 
     def __init__(self, values, lo: int, qpos, kpos, dtype, slopes: Optional[torch.Tensor] = None):
         self.values, self.lo, self.qpos, self.kpos, self.dtype = values, lo, qpos, kpos, dtype  # values: (H, n)

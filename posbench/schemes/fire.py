@@ -69,11 +69,13 @@ def as_lines(mlp: nn.Sequential, x: torch.Tensor, dtype=torch.float32) -> torch.
     A = (on[:, None, :] * w1 * W2).sum(-1)  # (W + 1, H): the segment's slope per head
     C = (on[:, None, :] * b1 * W2).sum(-1) + b2  # (W + 1, H)
     grad = torch.is_grad_enabled()
-    # (Tq * Tk,): the kinks below each x; int64 where a gradient is taken, since the gathers'
-    # backward (an index_add) takes int32 indices 10x slower; int32 without, to hold less
+    # (Tq * Tk,): the kinks below each x; int64 where a gradient is taken, since a CPU's
+    # index_add (the gathers' backward there) takes int32 indices 10x slower; int32 without
     seg = torch.bucketize(x.detach(), kinks, out_int32=not grad).flatten()
     if grad:  # fp32: the gathers' backward sums every (i, j) into the (W + 1, H) tables
-        gather = SegmentGather.apply if x.is_cuda else lambda table, seg: table.index_select(1, seg)
+        # a GPU's sums by bincount, whose data-dependent output shape torch.compile cannot trace
+        fast = x.is_cuda and not torch.compiler.is_compiling()
+        gather = SegmentGather.apply if fast else lambda table, seg: table.index_select(1, seg)
         out = gather(A.T, seg) * x.float().flatten() + gather(C.T, seg)  # (H, Tq * Tk)
         return out.to(dtype).view(H, *x.shape)
     out = C.T.to(dtype).index_select(1, seg)  # (H, Tq * Tk): one (H, Tq, Tk) beside it, added in place
