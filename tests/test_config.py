@@ -356,6 +356,37 @@ def test_the_gpu_checks_run_sdpa_and_flex_side_by_side_at_gpt2_small_then_the_cu
     assert "exit 0 after" in (out / "bench.txt").read_text()  # each part says how it ended
 
 
+def test_the_gpu_forms_time_one_attention_call_in_each_form(gpu_script, tmp_path):
+    done, calls = gpu_script("forms")
+    assert done.returncode == 0, done.stderr
+    assert calls == ["POSBENCH_CACHE= PYTHONUNBUFFERED=1 .ci/attention_forms.py"]
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"machine.txt", "forms.txt"}
+
+
+def test_the_attention_forms_run_here_small_and_each_candidate_equals_the_form_it_would_replace():
+    """.ci/attention_forms.py --small on this CPU: a line for every form (flex forward only; SDPA's
+    memory-efficient kernel has no CPU form, so it says why), and every candidate's output equals
+    the one it would replace (a per-row table, ALiBi's slopes, FIRE's gathers and MLP)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "attention_forms.py"), "--small", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("cpu: B 2, H 2, T 64, D 16") and len(lines) == 13
+    assert "memory-efficient kernel, a learned dense bias: cannot run here" in done.stdout
+    assert "DIFFERS" not in done.stdout
+    candidates = ["table per batch row:", "and 128 queries:", "from its slopes:", "SegmentGather:", "its MLP:"]
+    for candidate in [*candidates, "flex, no bias:", "memory-efficient kernel"]:
+        (line,) = [x for x in lines if candidate in x]
+        assert candidate == "memory-efficient kernel" or (" ms (" in line and "; equal to " in line), line
+
+
 def test_the_gpu_study_brings_back_its_records_without_the_weights(gpu_script, tmp_path):
     done, _ = gpu_script("study", GPU_CACHE=str(tmp_path / "absent"))
     assert done.returncode == 2 and "run make gpu-cache" in done.stderr
