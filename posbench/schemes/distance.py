@@ -3,8 +3,9 @@
 ALiBi, T5's buckets and KERPLE's kernels write their function of distance once
 (`distance_bias`), and every backend reads it as a per-head table over the distances a block of
 queries meets: FlexAttention indexes the table inside its score_mod (or, for a linear one,
-computes slope times distance), so no (Tq, Tk) bias is ever built; eager, sdpa and native expand it to (1, H, Tq, Tk), once per forward pass for a
-table all layers share. A learned function's gradient reaches its parameters through the table.
+computes slope times distance), so no (Tq, Tk) bias is ever built; eager, sdpa and native
+expand it to (1, H, Tq, Tk), once per forward pass for a table all layers share. A learned
+function's gradient reaches its parameters through the table.
 """
 
 from __future__ import annotations
