@@ -4,12 +4,14 @@
     python .ci/attention_forms.py --small      # a seconds-long check of every form (on a CPU: flex forward only)
 
 The forms posbench runs (sdpa's flash kernel for NoPE, flex with a table, ALiBi's slopes,
-BiasedAttention for a learned dense bias, FIRE's lines) beside forms it could run (a learned
-table copied per batch row, or per row and block of 128 queries, so that fewer of flex's
-atomic additions meet in one cell; SDPA's memory-efficient kernel, which returns a dense
-bias's gradient; FIRE's MLP with its hidden layer). Each line: milliseconds a call (the mean
-of 10 after 2 warm-ups), its ratio to the first form, and the first call's seconds (compiling).
-A form this torch cannot run says why in one line; the others still run.
+BiasedAttention for a learned dense bias) beside forms it could run (a learned table copied per
+batch row, or per row and block of 128 queries, so that fewer of flex's atomic additions meet
+in one cell; SDPA's memory-efficient kernel, which returns a dense bias's gradient). Two lines
+time a bias alone: a learned table made dense, and FIRE's bias in three forms (its lines with
+index_select or SegmentGather, its MLP). Each line: milliseconds a call (the mean of 10 after
+2 warm-ups, every gradient cleared before each), its ratio to the first form, the first call's
+seconds (compiling), and for a candidate whether its output and every gradient it takes equal
+the form it would replace. A form this torch cannot run says why in one line; the others run.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def main() -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     backward = dev.type == "cuda"  # torch has no FlexAttention backward on a CPU
+    torch._dynamo.config.automatic_dynamic_shapes = False  # the per-row forms' shapes differ: each its own kernel
     g = torch.Generator(device=dev).manual_seed(0)
     qkv = [torch.randn(B, H, T, D, device=dev, dtype=dtype, generator=g, requires_grad=True) for _ in range(3)]
     pos = torch.arange(T, device=dev)
@@ -111,58 +114,93 @@ def main() -> None:
     def nope(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    def biased(q, k, v):
-        return attention.sdpa(q, k, v, dense(learned), 0)
-
-    def efficient(q, k, v):
-        return sdpa_efficient(q, k, v, dense(learned))
-
     def flex_table(values, slopes_=None):
         return lambda q, k, v: attention.flex(q, k, v, None, 0, table(values, slopes_))
 
-    forms = [  # (name, whether it trains on a CPU too, the call given q, k, v, the form it must equal)
-        ("sdpa, no bias (NoPE's flash kernel)", True, nope, None),
-        ("flex, no bias", False, lambda q, k, v: attention.flex(q, k, v, None, 0), 0),
-        ("sdpa, BiasedAttention, a learned dense bias", True, biased, None),
-        ("sdpa, memory-efficient kernel, a learned dense bias", True, efficient, 2),
-        ("flex, a learned table (T5, KERPLE)", False, flex_table(learned), 2),
-        ("flex, a learned table per batch row", False, lambda q, k, v: per_row(q, k, v, learned, 1), 2),
-        ("flex, per batch row and 128 queries", False, lambda q, k, v: per_row(q, k, v, learned, max(1, T // 128)), 2),
-        ("flex, ALiBi's table", False, flex_table(alibi), None),
-        ("flex, ALiBi from its slopes", False, flex_table(alibi, slopes), 7),
-        ("FIRE's bias, its lines, index_select", True, lambda q, k, v: fire_lines(IndexSelect), None),
-        ("FIRE's bias, its lines, SegmentGather", True, lambda q, k, v: fire_lines(SegmentGather), 9),
-        ("FIRE's bias, its MLP", True, lambda q, k, v: fire_mlp(), 9),
-    ]
+    dense_leaf = dense(learned).detach().requires_grad_()  # (1, H, T, T): a learned bias made dense once
+    forms = {  # name: (whether it trains on a CPU too, the call given q, k, v, the form it must equal)
+        "sdpa, no bias (NoPE's flash kernel)": (True, nope, None),
+        "flex, no bias": (
+            False,
+            lambda q, k, v: attention.flex(q, k, v, None, 0),
+            "sdpa, no bias (NoPE's flash kernel)",
+        ),
+        "a learned table made dense (1, H, T, T), alone": (True, lambda q, k, v: dense(learned), None),
+        "sdpa, BiasedAttention, a learned dense bias": (
+            True,
+            lambda q, k, v: attention.sdpa(q, k, v, dense_leaf, 0),
+            None,
+        ),
+        "sdpa, memory-efficient kernel, a learned dense bias": (
+            True,
+            lambda q, k, v: sdpa_efficient(q, k, v, dense_leaf),
+            "sdpa, BiasedAttention, a learned dense bias",
+        ),
+        "flex, a learned table (T5, KERPLE)": (
+            False,
+            flex_table(learned),
+            "sdpa, BiasedAttention, a learned dense bias",
+        ),
+        "flex, a learned table per batch row": (
+            False,
+            lambda q, k, v: per_row(q, k, v, learned, 1),
+            "flex, a learned table (T5, KERPLE)",
+        ),
+        "flex, per batch row and 128 queries": (
+            False,
+            lambda q, k, v: per_row(q, k, v, learned, max(1, T // 128)),
+            "flex, a learned table (T5, KERPLE)",
+        ),
+        "FIRE's bias alone, its lines, index_select": (True, lambda q, k, v: fire_lines(IndexSelect), None),
+        "FIRE's bias alone, its lines, SegmentGather": (
+            True,
+            lambda q, k, v: fire_lines(SegmentGather),
+            "FIRE's bias alone, its lines, index_select",
+        ),
+        "FIRE's bias alone, its MLP": (True, lambda q, k, v: fire_mlp(), "FIRE's bias alone, its lines, index_select"),
+        "flex, ALiBi's table": (False, flex_table(alibi), None),
+        "flex, ALiBi from its slopes": (False, flex_table(alibi, slopes), "flex, ALiBi's table"),
+    }
+    watched = [*qkv, learned, dense_leaf, *fire.parameters()]  # every gradient a form may take
+    grad_outs: dict = {}
+    tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4  # relative to the twin's largest value
+
+    def run(call, train: bool, inputs):
+        for t in watched:
+            t.grad = None  # no accumulation timed
+        with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda"), torch.set_grad_enabled(train):
+            out = call(*inputs)
+        if train:  # one fixed gradient per output's shape, so twins meet the same
+            key = (tuple(out.shape), out.dtype)
+            if key not in grad_outs:
+                grad_outs[key] = torch.randn(out.shape, device=dev, generator=g).to(out.dtype)
+            out.backward(grad_outs[key])
+        return out
 
     base = None
+    results: dict = {}
     print(f"{dev.type}: B {B}, H {H}, T {T}, D {D}, {dtype}; torch {torch.__version__}", flush=True)
-    outputs = {}
-    for n, (name, any_device, call, twin) in enumerate(forms):
+    for name, (any_device, call, twin) in forms.items():
         train = backward or any_device
         inputs = qkv if train else [t.detach() for t in qkv]  # flex's forward on a CPU refuses a grad
-
-        def step(call=call, train=train, inputs=inputs):
-            with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda"), torch.set_grad_enabled(train):
-                out = call(*inputs)
-            if train:
-                out.float().sum().backward()
-            return out
-
         try:
-            ms, first = timed(step, sync, reps)
-            with torch.no_grad():
-                outputs[n] = step(train=False, inputs=[t.detach() for t in qkv]).float()
+            ms, first = timed(lambda call=call, train=train, inputs=inputs: run(call, train, inputs), sync, reps)
         except Exception as e:  # a form this torch cannot run: said, and the others run
-            print(f"{name}: cannot run here: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+            print(f"{name}: cannot run here: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}", flush=True)
             continue
         base = base or ms
         how = "forward and backward" if train else "forward only"
         said = f"{name}: {ms:.3f} ms ({how}), {ms / base:.2f}x the first, first call {first:.1f} s"
-        if twin is not None and twin in outputs:  # a form that would replace another computes what it does
-            gap = (outputs[n] - outputs[twin]).abs().max().item()
-            said += f"; {'equal to' if gap <= (0.02 if dtype == torch.bfloat16 else 1e-4) else 'DIFFERS from'} "
-            said += f"{forms[twin][0]!r} (max gap {gap:.1e})"
+        try:  # what the timed call computed: its output and every gradient it took
+            out = run(call, train, inputs)
+            results[name] = [out.detach().float()] + [None if t.grad is None else t.grad.float() for t in watched]
+        except Exception as e:
+            said += f"; its output could not be read: {type(e).__name__}"
+        if twin in results and name in results:  # a form that would replace another computes what it does
+            pairs = [(a, b) for a, b in zip(results[name], results[twin]) if a is not None and b is not None]
+            gap = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in pairs)
+            verdict = "equal to" if gap <= tolerance else "DIFFERS from"
+            said += f"; {verdict} {twin!r} in the output and {len(pairs) - 1} gradients (largest gap {gap:.1e})"
         print(said, flush=True)
 
 

@@ -378,13 +378,15 @@ def test_the_attention_forms_run_here_small_and_each_candidate_equals_the_form_i
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("cpu: B 2, H 2, T 64, D 16") and len(lines) == 13
+    assert lines[0].startswith("cpu: B 2, H 2, T 64, D 16") and len(lines) == 14
     assert "memory-efficient kernel, a learned dense bias: cannot run here" in done.stdout
     assert "DIFFERS" not in done.stdout
     candidates = ["table per batch row:", "and 128 queries:", "from its slopes:", "SegmentGather:", "its MLP:"]
     for candidate in [*candidates, "flex, no bias:", "memory-efficient kernel"]:
         (line,) = [x for x in lines if candidate in x]
         assert candidate == "memory-efficient kernel" or (" ms (" in line and "; equal to " in line), line
+    (fire,) = [x for x in lines if "SegmentGather:" in x]
+    assert "in the output and 4 gradients" in fire  # FIRE's MLP's weights and biases, compared
 
 
 def test_the_gpu_study_brings_back_its_records_without_the_weights(gpu_script, tmp_path):
