@@ -85,8 +85,12 @@ def main() -> None:
     def sdpa_efficient(q, k, v, bias):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        full = (bias + mask).expand(B, H, T, T)
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=(bias + mask).expand(B, H, T, T))
+            try:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=full)
+            except RuntimeError:  # a kernel that wants the batch's copies in memory, not a stride of 0
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=full.contiguous())
 
     x = torch.rand(T, T, device=dev, generator=g)  # FIRE's normalised distances
     fire = nn.Sequential(nn.Linear(1, 32), nn.ReLU(), nn.Linear(32, H)).to(dev)
