@@ -399,7 +399,11 @@ def test_the_gpu_study_brings_back_its_records_without_the_weights(gpu_script, t
         f"POSBENCH_CACHE={tmp_path}/cache PYTHONUNBUFFERED=1 -m posbench.cli extrapolate "
         f"--config configs/gpu-study.yaml --set out_dir={tmp_path}/study"
     ]
-    run = tmp_path / "out" / "study" / "reference-gpu" / "nope-seed0"
-    assert [p.name for p in run.iterdir()] == ["eval.csv"]  # model.pt stays on the machine
-    assert {p.name for p in (tmp_path / "out").iterdir()} == {"machine.txt", "study.txt", "study"}
+    import tarfile
+
+    with tarfile.open(tmp_path / "out" / "study-records.tar.gz") as records:  # one file, whatever the runs
+        names = sorted(m.name for m in records.getmembers() if m.isfile())
+        assert records.extractfile("./reference-gpu/nope-seed0/eval.csv").read() == b"records\n"
+    assert names == ["./reference-gpu/nope-seed0/eval.csv"]  # model.pt stays on the machine
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"machine.txt", "study.txt", "study-records.tar.gz"}
     assert (tmp_path / "study" / "reference-gpu" / "nope-seed0" / "model.pt").exists()
