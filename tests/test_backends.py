@@ -333,3 +333,23 @@ def test_a_backend_that_cannot_train_here_is_one_line_and_nothing_is_written(mon
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) <= 3
     assert not (tmp_path / "r").exists()
+
+
+def test_a_report_whose_schemes_each_ran_one_backend_says_which_and_not_that_runs_differ():
+    """auto on a GPU trains ALiBi and T5 through flex and the rest through sdpa: summary.md names
+    each backend's schemes. A scheme with two backends across its seeds, or trained with one and
+    scored with another, is a mix again."""
+    from posbench.measures.perplexity.views import backends_note
+
+    rows = [(s, n, b) for s, b in (("nope", "sdpa"), ("alibi", "flex"), ("t5", "flex")) for n in (0, 1)]
+    df = pd.DataFrame(rows, columns=["scheme", "seed", "attention"])
+    df.attrs["trained_with"] = {f"{s}-seed{n}": b for s, n, b in rows}
+    df.attrs["scheme_of"] = {f"{s}-seed{n}": s for s, n, _ in rows}
+    said = "one backend a scheme, trained and scored: flex for alibi, t5; sdpa for nope (model.attention)"
+    assert backends_note(df) == said
+    assert backends_note(df, short=True) == "one backend a scheme, see summary.md"
+    df.attrs["trained_with"]["t5-seed1"] = "sdpa"  # trained one way, scored another
+    assert backends_note(df).startswith("DIFFERENT backends across runs")
+    df.attrs["trained_with"]["t5-seed1"] = "flex"
+    df.loc[(df["scheme"] == "alibi") & (df["seed"] == 1), "attention"] = "sdpa"  # two backends in one scheme
+    assert backends_note(df).startswith("DIFFERENT backends across runs")

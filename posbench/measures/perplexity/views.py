@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
@@ -233,6 +234,11 @@ def backends_note(df: pd.DataFrame, short: bool = False) -> str:
         if train_set in (set(), {how}):
             return f"{how} backend (model.attention)"
         return f"trained with {train_set.pop()}, scored with {how}"
+    by_scheme = _one_backend_a_scheme(df, trained)
+    if by_scheme:  # auto on a GPU: flex for a table over distances, sdpa for the rest
+        if short:
+            return "one backend a scheme, see summary.md"
+        return f"one backend a scheme, trained and scored: {by_scheme} (model.attention)"
     if short:
         return "different backends across runs, see summary.md"
     by_train: dict[str, list[str]] = {}
@@ -242,6 +248,25 @@ def backends_note(df: pd.DataFrame, short: bool = False) -> str:
         f"DIFFERENT backends across runs (they differ in the last bits): "
         f"trained with {_grouped(by_train)}; scored with {_grouped(scored.to_dict())}"
     )
+
+
+def _one_backend_a_scheme(df: pd.DataFrame, trained: dict[str, str]) -> Optional[str]:
+    """'flex for alibi, t5; sdpa for fire, nope', where each scheme's runs were trained and scored
+    by one backend; else None."""
+    scheme_of = df.attrs.get("scheme_of", {})
+    backends: dict[str, set] = {}
+    for scheme, backend in zip(df["scheme"], df["attention"]):
+        backends.setdefault(scheme, set()).add(backend)
+    for name, backend in trained.items():
+        if name not in scheme_of:
+            return None
+        backends.setdefault(scheme_of[name], set()).add(backend)
+    if any(len(b) > 1 for b in backends.values()):
+        return None
+    schemes: dict[str, list[str]] = {}
+    for scheme, (backend,) in backends.items():
+        schemes.setdefault(backend, []).append(scheme)
+    return "; ".join(f"{b} for {', '.join(sorted(s))}" for b, s in sorted(schemes.items()))
 
 
 def _grouped(runs_by_backend: dict[str, list[str]]) -> str:
@@ -432,6 +457,7 @@ def frame(collected) -> tuple[pd.DataFrame, list]:
     df.attrs["trained_with"] = {
         run.folder.name: run.trained_with for run in collected.runs if not run.cfg.model.pretrained
     }
+    df.attrs["scheme_of"] = {run.folder.name: str(run.rows[0]["scheme"]) for run in collected.runs if run.rows}
     df.attrs["diverged"] = collected.diverged
     df.attrs["points"] = points if "point" in df else {}
     return df, [run.cfg for run in collected.runs]
