@@ -74,7 +74,7 @@ def evaluate_model(
     at each window position and the number of tokens scored there, (L,) each, and each window's
     summed loss and scored tokens, (windows, 2). `progress` hears of each batch's input tokens."""
     model = model.to(device).eval()
-    backend = model.backend(device)
+    backend = model.backend(device, variant=variant)
     n = len(tokens) - 1
     rows, by_position = [], {}
     for L in lengths:

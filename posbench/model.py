@@ -104,8 +104,11 @@ class TransformerLM(nn.Module):
     def max_len(self):
         return self.scheme.max_len
 
-    def backend(self, device: torch.device, compiled: bool = False) -> str:
-        """The attention backend model.attention runs as on `device` (see attention.backend_for)."""
+    def backend(self, device: torch.device, compiled: bool = False, variant: Optional[str] = None) -> str:
+        """The attention backend model.attention runs as on `device` (see attention.backend_for);
+        under a training-free `variant`, eager: its remap computes attention itself (Attention)."""
+        if variant in TRAINING_FREE:
+            return "eager"
         dtype, table = self.tok.weight.dtype, has_table(self.scheme)
         return backend_for(self.cfg.attention, device, self.cfg.head_dim, compiled, dtype, table)
 

@@ -185,8 +185,8 @@ class PretrainedLM(nn.Module):
     def eval_variants(self) -> tuple[str, ...]:
         return VARIANTS if self.rotary is not None else ()
 
-    def backend(self, device) -> str:
-        return self.config._attn_implementation or "eager"
+    def backend(self, device, variant: Optional[str] = None) -> str:
+        return self.config._attn_implementation or "eager"  # its RoPE scalings keep its attention
 
     def token_losses(self, win: torch.Tensor) -> torch.Tensor:
         """Each target's loss in nats, (b, T), for windows of tokens (b, T + 1)."""

@@ -353,3 +353,37 @@ def test_a_report_whose_schemes_each_ran_one_backend_says_which_and_not_that_run
     df.attrs["trained_with"]["t5-seed1"] = "flex"
     df.loc[(df["scheme"] == "alibi") & (df["seed"] == 1), "attention"] = "sdpa"  # two backends in one scheme
     assert backends_note(df).startswith("DIFFERENT backends across runs")
+
+
+def test_a_training_free_variants_rows_name_eager_which_computes_them_and_a_rerun_keeps_them(tmp_path, monkeypatch):
+    """rope+rerope attends through its remap's own formula whatever model.attention says, so its
+    rows record eager; rope's and rope+yarn's record the backend. A rerun finds every row and
+    scores nothing again."""
+    from posbench import evaluate
+    from posbench.experiment.execute import run_experiment
+    from posbench.progress import Reporter
+    from posbench.resolve import resolve
+
+    (tmp_path / "text.txt").write_text("abcdefghij " * 400)
+    values = {
+        "out_dir": str(tmp_path),
+        "name": "variants",
+        "schemes": ["rope"],
+        "data.path": str(tmp_path / "text.txt"),
+        "model.n_layer": 1,
+        "model.d_model": 32,
+        "model.train_len": 16,
+        "model.attention": "sdpa",
+        "train.steps": 2,
+        "train.batch_size": 4,
+        "train.warmup_steps": 1,
+        "eval.lengths": [16, 32],
+        "eval.tokens": 128,
+        "eval.perplexity.rope_scaling": ["rerope", "yarn"],
+    }
+    exp = run_experiment(resolve(load_config(None, values=values)), Reporter())
+    rows = pd.read_csv(exp / "rope-seed0" / "eval.csv")
+    by_label = rows.groupby("scheme")["attention"].agg(set).to_dict()
+    assert by_label == {"rope": {"sdpa"}, "rope+rerope": {"eager"}, "rope+yarn": {"sdpa"}}, by_label
+    monkeypatch.setattr(evaluate, "evaluate_model", lambda *a, **k: pytest.fail("scored again"))
+    run_experiment(resolve(load_config(None, values=values)), Reporter())

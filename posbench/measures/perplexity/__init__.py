@@ -128,7 +128,7 @@ class Perplexity(Measure):
 
         n_tokens = len(eval_tokens(corpus, rc, rc.eval.lengths)) - 1  # the same for every run
         factor = rc.eval.perplexity.rope_factor
-        for (variant, protocol), lengths in unevaluated(rc, rdir, model, n_tokens, backend).items():
+        for (variant, protocol), lengths in unevaluated(rc, rdir, model, n_tokens, device).items():
             evaluate_into(rc, rdir, model, corpus, lengths, [variant], factor, [protocol], reporter)
 
     def rescore(self, cfg, rdir: Path, model, corpus, device) -> list[dict]:

@@ -147,10 +147,10 @@ def _merge_records(rdir: Path, base: str, rows: list, positions: list, per_windo
     )
 
 
-def unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tuple, list[int]]:
+def unevaluated(rc, rdir: Path, model, n_tokens: int, device) -> dict[tuple, list[int]]:
     """For each (variant, protocol) (variant None: as trained), the lengths still lacking a row
-    scored on these tokens by this attention backend; eval.perplexity.rope_scaling kinds apply to a run
-    only if its scheme declares them."""
+    scored on these tokens by the attention backend that variant runs on `device`;
+    eval.perplexity.rope_scaling kinds apply to a run only if its scheme declares them."""
     from posbench.schemes import run_label, variant_label
 
     variants = [None] + [v for v in rc.eval.perplexity.rope_scaling if v in model.eval_variants]
@@ -160,6 +160,7 @@ def unevaluated(rc, rdir: Path, model, n_tokens: int, backend: str) -> dict[tupl
         stride = str(rc.eval.perplexity.stride) if protocol == "sliding" else ""
         for v in variants:
             label = variant_label(run_label(rc.model), v, rc.eval.perplexity.rope_factor)
+            backend = model.backend(device, variant=v)
             lengths = [L for L in rc.eval.lengths if (label, L, protocol, stride, n_tokens, backend) not in have]
             if lengths:
                 missing[v, protocol] = lengths
