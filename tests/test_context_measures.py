@@ -476,3 +476,18 @@ def test_the_committed_catalogue_rebuilds_and_holds_what_the_readme_says(tmp_pat
             float(r["retrieval_accuracy"]) for r in csv.DictReader((run / "measures" / "retrieval_short.csv").open())
         ]
         assert len(acc) == 20 and sum(acc) / len(acc) < 0.2, run.name
+
+
+def test_a_measure_scored_under_a_training_free_variant_records_eager_and_otherwise_the_backend(tmp_path):
+    """context_gain with variant=rerope attends through the remap's own formula: its rows say
+    eager; as trained and with yarn they say the model's backend."""
+    from posbench.check import tiny_model
+    from posbench.measures.plugin import score_into
+
+    model = tiny_model("rope", train_len=K, d_model=32, n_head=2)
+    model.cfg.attention = "sdpa"
+    for variant, want in ((None, "sdpa"), ("yarn", "sdpa"), ("rerope", "eager")):
+        gain = ContextGain(k=[8], variant=variant)
+        (tmp_path / str(variant)).mkdir()
+        rows = score_into(gain, "context_gain", _run(model, _text(), lengths=(32,)), tmp_path / str(variant))
+        assert {r["attention"] for r in rows} == {want}, variant

@@ -133,6 +133,8 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
         scored = measure.score(run)
     rc = run.cfg
     ident = {"scheme": run_label(rc.model), "seed": rc.seeds[0], "train_len": rc.model.train_len}
+    variant = (getattr(measure, "options", None) or {}).get("variant")  # a training-free one attends eager
+    backend = run.model.backend(run.device, variant=variant) if variant else run.model.backend(run.device)
     rows, with_ci = [], set()
     for r in scored:
         if not isinstance(r, dict) or not isinstance(r.get("length"), int):
@@ -148,7 +150,7 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
         if missing:
             raise PosbenchError(f"measure '{spec}': a row at length {r['length']} lacks {', '.join(missing)}")
         rows.append(
-            {**ident, "status": "ok", "attention": run.model.backend(run.device), **r}
+            {**ident, "status": "ok", "attention": backend, **r}
             | {m: float(r.get(m, math.nan)) for m in measure.metrics}
             | {f"{CI}{m}": float(v) for m, v in ci.items()}
         )
