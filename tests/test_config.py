@@ -406,6 +406,11 @@ def test_the_gpu_study_brings_back_its_records_without_the_weights(gpu_script, t
         assert records.extractfile("./reference-gpu/nope-seed0/eval.csv").read() == b"records\n"
     assert names == ["./reference-gpu/nope-seed0/eval.csv"]  # model.pt stays on the machine
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"machine.txt", "study.txt", "study-records.tar.gz"}
+    import os
+
+    relative = os.path.relpath(tmp_path / "elsewhere", ROOT)  # $OUT as the checkout sees it, not the study folder
+    done, _ = gpu_script("study", GPU_CACHE=str(tmp_path / "cache"), STUDY_DIR=str(tmp_path / "study"), OUT=relative)
+    assert done.returncode == 0 and (tmp_path / "elsewhere" / "study-records.tar.gz").is_file(), done.stderr
     again = {"GPU_CACHE": str(tmp_path / "cache"), "STUDY_DIR": str(tmp_path / "study")}
     done, calls = gpu_script("study", "--set", "model.attention=sdpa", **again)  # what follows goes to extrapolate
     assert done.returncode == 0 and calls[-1].endswith(f"out_dir={tmp_path}/study --set model.attention=sdpa")
