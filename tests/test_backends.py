@@ -348,6 +348,12 @@ def test_a_report_whose_schemes_each_ran_one_backend_says_which_and_not_that_run
     said = "one backend a scheme, trained and scored: flex for alibi, t5; sdpa for nope (model.attention)"
     assert backends_note(df) == said
     assert backends_note(df, short=True) == "one backend a scheme, see summary.md"
+    variant_rows = pd.DataFrame(
+        [("t5+yarn", 0, "flex"), ("t5+rerope", 0, "eager"), ("nope+rerope", 0, "eager")], columns=df.columns
+    )
+    both = pd.concat([df, variant_rows], ignore_index=True)
+    both.attrs = dict(df.attrs)  # t5+yarn's rows are t5's; a training-free variant's eager is its own
+    assert backends_note(both) == f"{said}; nope+rerope, t5+rerope: eager, the training-free variants' own formula"
     df.attrs["trained_with"]["t5-seed1"] = "sdpa"  # trained one way, scored another
     assert backends_note(df).startswith("DIFFERENT backends across runs")
     df.attrs["trained_with"]["t5-seed1"] = "flex"
@@ -387,3 +393,8 @@ def test_a_training_free_variants_rows_name_eager_which_computes_them_and_a_reru
     assert by_label == {"rope": {"sdpa"}, "rope+rerope": {"eager"}, "rope+yarn": {"sdpa"}}, by_label
     monkeypatch.setattr(evaluate, "evaluate_model", lambda *a, **k: pytest.fail("scored again"))
     run_experiment(resolve(load_config(None, values=values)), Reporter())
+    from posbench.report import write_summary
+
+    write_summary(exp)  # one backend, and the variant's eager said apart, not as a mix
+    said = "- attention: sdpa backend (model.attention); rope+rerope: eager, the training-free variants' own formula"
+    assert said in (exp / "summary.md").read_text()

@@ -36,6 +36,7 @@ from posbench.measures.perplexity.records import (
     read_windows,
     row_key,
 )
+from posbench.schemes import run_label
 from posbench.stats import mean_ci
 
 UNRECORDED = "unrecorded"  # a run whose train_log.jsonl does not name its attention backend
@@ -223,7 +224,23 @@ def _protocols_note(df: pd.DataFrame) -> str:
 
 def backends_note(df: pd.DataFrame, short: bool = False) -> str:
     """Which attention backend trained and scored the runs. Backends differ in the last bits,
-    so a table made with several names which runs used which (`short`: only that they differ)."""
+    so a table made with several names which runs used which (`short`: only that they differ).
+    A training-free variant's rows are eager by design (its remap's own formula): said apart."""
+    variants = df["scheme"].map(_variant_of)
+    if variants.notna().any():  # as SCHEMES, it imports torch: only where a variant was scored
+        from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
+
+        own = variants.isin(list(TRAINING_FREE)) & (df["attention"] == "eager")
+    else:
+        own = variants.notna()
+    if own.any():
+        aside = ", ".join(sorted(set(df.loc[own, "scheme"])))
+        rest = df[~own]
+        rest.attrs = dict(df.attrs)
+        if rest.empty:
+            return f"eager, the training-free variants' own formula ({aside})"
+        note = backends_note(rest, short)
+        return note if short else f"{note}; {aside}: eager, the training-free variants' own formula"
     trained = {name: b or UNRECORDED for name, b in df.attrs.get("trained_with", {}).items()}
     scored = df.groupby("attention")[["scheme", "seed"]].apply(
         lambda g: sorted({f"{s} seed {n}" for s, n in zip(g["scheme"], g["seed"])})
@@ -255,8 +272,8 @@ def _one_backend_a_scheme(df: pd.DataFrame, trained: dict[str, str]) -> Optional
     by one backend; else None."""
     scheme_of = df.attrs.get("scheme_of", {})
     backends: dict[str, set] = {}
-    for scheme, backend in zip(df["scheme"], df["attention"]):
-        backends.setdefault(scheme, set()).add(backend)
+    for label, backend in zip(df["scheme"], df["attention"]):  # rope+yarn's rows are rope's
+        backends.setdefault(label.rpartition("+")[0] if _variant_of(label) else label, set()).add(backend)
     for name, backend in trained.items():
         if name not in scheme_of:
             return None
@@ -267,6 +284,12 @@ def _one_backend_a_scheme(df: pd.DataFrame, trained: dict[str, str]) -> Optional
     for scheme, (backend,) in backends.items():
         schemes.setdefault(backend, []).append(scheme)
     return "; ".join(f"{b} for {', '.join(sorted(s))}" for b, s in sorted(schemes.items()))
+
+
+def _variant_of(label: str) -> Optional[str]:
+    """yarn for a row labelled rope+yarn or rope+yarn@4 (schemes.variant_label); None for rope."""
+    base, plus, variant = label.rpartition("+")
+    return variant.split("@")[0] if plus and base else None
 
 
 def _grouped(runs_by_backend: dict[str, list[str]]) -> str:
@@ -457,7 +480,7 @@ def frame(collected) -> tuple[pd.DataFrame, list]:
     df.attrs["trained_with"] = {
         run.folder.name: run.trained_with for run in collected.runs if not run.cfg.model.pretrained
     }
-    df.attrs["scheme_of"] = {run.folder.name: str(run.rows[0]["scheme"]) for run in collected.runs if run.rows}
+    df.attrs["scheme_of"] = {run.folder.name: run_label(run.cfg.model) for run in collected.runs}
     df.attrs["diverged"] = collected.diverged
     df.attrs["points"] = points if "point" in df else {}
     return df, [run.cfg for run in collected.runs]
