@@ -113,6 +113,12 @@ def variant_label(scheme: str, variant: Optional[str], factor: Optional[float] =
     return f"{scheme}+{variant}" + (f"@{factor:g}" if factor is not None else "")
 
 
+def label_variant(label: str) -> tuple[str, Optional[str]]:
+    """variant_label read back: ('rope', 'yarn') for rope+yarn or rope+yarn@4, ('rope', None) for rope."""
+    base, _, variant = label.partition("+")
+    return base, variant.partition("@")[0] or None
+
+
 # the schemes that rotate q and k by theta_k = base^(-2k/d), and the option holding base: the RoPE
 # scaling law (posbench/rope_law.py) predicts where their runs break, with no scheme imported
 ROTARY_BASE = {"rope": "base", "ssmax": "base"}

@@ -162,20 +162,18 @@ class Perplexity(Measure):
         return read_eval(rdir)
 
     def asked(self, rows: list[dict], cfg) -> list[dict]:
+        from posbench.schemes import label_variant
+
         lengths = set(cfg.eval.lengths)
         own = cfg.eval.perplexity
         protocols = {(p, str(own.stride) if p == "sliding" else "") for p in own.protocol}
         variants = {None, *own.rope_scaling}
-
-        def variant(label: str):
-            return label.partition("+")[2].partition("@")[0] or None
-
         return [
             r
             for r in rows
             if int(r["length"]) in lengths
             and (r["protocol"], str(r["stride"])) in protocols
-            and variant(r["scheme"]) in variants
+            and label_variant(r["scheme"])[1] in variants
         ]
 
     def report(self, collected, metric: str, transpose: bool, buckets) -> dict:

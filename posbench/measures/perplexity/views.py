@@ -36,7 +36,7 @@ from posbench.measures.perplexity.records import (
     read_windows,
     row_key,
 )
-from posbench.schemes import run_label
+from posbench.schemes import label_variant, run_label
 from posbench.stats import mean_ci
 
 UNRECORDED = "unrecorded"  # a run whose train_log.jsonl does not name its attention backend
@@ -226,7 +226,7 @@ def backends_note(df: pd.DataFrame, short: bool = False) -> str:
     """Which attention backend trained and scored the runs. Backends differ in the last bits,
     so a table made with several names which runs used which (`short`: only that they differ).
     A training-free variant's rows are eager by design (its remap's own formula): said apart."""
-    variants = df["scheme"].map(_variant_of)
+    variants = df["scheme"].map(lambda label: label_variant(label)[1])
     if variants.notna().any():  # as SCHEMES, it imports torch: only where a variant was scored
         from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
 
@@ -273,7 +273,7 @@ def _one_backend_a_scheme(df: pd.DataFrame, trained: dict[str, str]) -> Optional
     scheme_of = df.attrs.get("scheme_of", {})
     backends: dict[str, set] = {}
     for label, backend in zip(df["scheme"], df["attention"]):  # rope+yarn's rows are rope's
-        backends.setdefault(label.rpartition("+")[0] if _variant_of(label) else label, set()).add(backend)
+        backends.setdefault(label_variant(label)[0], set()).add(backend)
     for name, backend in trained.items():
         if name not in scheme_of:
             return None
@@ -284,12 +284,6 @@ def _one_backend_a_scheme(df: pd.DataFrame, trained: dict[str, str]) -> Optional
     for scheme, (backend,) in backends.items():
         schemes.setdefault(backend, []).append(scheme)
     return "; ".join(f"{b} for {', '.join(sorted(s))}" for b, s in sorted(schemes.items()))
-
-
-def _variant_of(label: str) -> Optional[str]:
-    """yarn for a row labelled rope+yarn or rope+yarn@4 (schemes.variant_label); None for rope."""
-    base, plus, variant = label.rpartition("+")
-    return variant.split("@")[0] if plus and base else None
 
 
 def _grouped(runs_by_backend: dict[str, list[str]]) -> str:
