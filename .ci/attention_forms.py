@@ -69,8 +69,11 @@ def main() -> None:
     future = attention.future_mask(T, T, 0, dev)
     mask = torch.zeros(T, T, device=dev, dtype=dtype).masked_fill_(future, float("-inf"))
 
-    def dense(table):  # (1, H, T, T) from a table over distances, as eager and sdpa read it
-        return DistanceTable(table, lo, pos, pos, dtype).dense()
+    def table(values, slopes_=None):  # a table over the window's distances, as posbench makes it
+        return DistanceTable(values, lo, pos, pos, dtype, slopes_)
+
+    def dense(values):  # (1, H, T, T) from a table over distances, as eager and sdpa read it
+        return table(values).dense()
 
     def per_row(q, k, v, table, rows: int):  # flex reading a learned table copied per batch row (and block of queries)
         copies = table[None, :, None, :].repeat(B, 1, rows, 1)  # (B, H, rows, n); its backward sums the copies
@@ -111,9 +114,6 @@ def main() -> None:
 
     class IndexSelect:  # index_select, its backward left to autograd (an index_add)
         apply = staticmethod(lambda table_, seg: table_.index_select(1, seg))
-
-    def table(values, slopes_=None):
-        return DistanceTable(values, lo, pos, pos, dtype, slopes_)
 
     def nope(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
