@@ -227,12 +227,11 @@ def backends_note(df: pd.DataFrame, short: bool = False) -> str:
     so a table made with several names which runs used which (`short`: only that they differ).
     A training-free variant's rows are eager by design (its remap's own formula): said apart."""
     variants = df["scheme"].map(lambda label: label_variant(label)[1])
+    own = pd.Series(False, index=df.index)  # a training-free variant's eager rows
     if variants.notna().any():  # as SCHEMES, it imports torch: only where a variant was scored
         from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
 
         own = variants.isin(list(TRAINING_FREE)) & (df["attention"] == "eager")
-    else:
-        own = variants.notna()
     if own.any():
         aside = ", ".join(sorted(set(df.loc[own, "scheme"])))
         rest = df[~own]
