@@ -285,6 +285,36 @@ def test_the_committed_tokenizer_references_rebuild_to_their_committed_summary(t
     assert {r["tokenizer"] for r in rows} == {tokenizer} and len({r["scheme"] for r in rows}) == 8
 
 
+def test_the_committed_gpu_reference_rebuilds_and_is_the_presets_study(tmp_path):
+    """results/reference-gpu holds the records of configs/gpu-study.yaml as it stands (no
+    weights): five schemes x its seeds, each run's config the preset's, trained and scored on
+    CUDA through the backend `auto` gives its scheme there (flex for a table over distances);
+    every run learned (perplexity at the training length far below the 16,384 of guessing) and
+    a fresh report gives the committed tables digit for digit."""
+    import dataclasses
+
+    from posbench.config import load_config
+    from posbench.schemes import SCHEMES
+
+    committed = rebuilds_byte_for_byte("reference-gpu", tmp_path)
+    preset = load_config(ROOT / "configs" / "gpu-study.yaml", [])
+    runs = sorted(p.name for p in committed.iterdir() if p.is_dir())
+    assert runs == sorted(f"{s}-seed{n}" for s in preset.schemes for n in preset.seeds)
+    want = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(preset)))
+    for run in runs:
+        config = yaml.safe_load((committed / run / "config.yaml").read_text())
+        for part in ("train", "data", "eval"):
+            assert config[part] == want[part], (run, part)
+        resolved = {**want["model"], "scheme": config["model"]["scheme"], "vocab_size": preset.data.vocab_size}
+        assert {**config["model"], "options": {}} == resolved, run  # options: the scheme's defaults
+        assert config["model"]["options"].items() <= SCHEMES[config["model"]["scheme"]].options.items(), run
+        rows = pd.read_csv(committed / run / "eval.csv")
+        runs_as = "flex" if config["model"]["scheme"] in ("alibi", "t5") else "sdpa"
+        assert set(rows.attention) == {runs_as} and set(rows.status) == {"ok"}, run
+        assert rows.set_index("length").ppl[preset.model.train_len] < 200, run
+    assert "GPU: one NVIDIA H200" in (committed / "command.txt").read_text()
+
+
 def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp_path):
     """results/reference-extend holds the records of `make reproduce-extend` (no weights): rope
     trained at 100, 3 seeds, each copied and fine-tuned at 400 with twelve methods (the spelled
