@@ -313,6 +313,9 @@ def test_the_committed_gpu_reference_rebuilds_and_is_the_presets_study(tmp_path)
         assert set(rows.attention) == {runs_as} and set(rows.status) == {"ok"}, run
         assert rows.set_index("length").ppl[preset.model.train_len] < 200, run
     assert "GPU: one NVIDIA H200" in (committed / "command.txt").read_text()
+    readme = _table((ROOT / "README.md").read_text(), "## The same study at GPT-2-small's shape")
+    summary = _table((committed / "summary.md").read_text(), "## nonoverlapping")
+    assert len(readme) == 5 and readme == {s: cells[:4] + cells[5:6] for s, cells in summary.items()}
 
 
 def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp_path):
