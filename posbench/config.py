@@ -102,6 +102,10 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    # the scheme's own parameters (T5's table, FIRE's MLP, KERPLE's, learned embeddings) train at
+    # this multiple of the learning rate, on the same schedule: a short run's way to let a learned
+    # bias move as far as a long run's would (docs/performance.md, the GPU study)
+    scheme_lr_mult: float = field(default=1.0, metadata={"omitted_at": 1.0})
     device: str = setting("auto")  # auto = cuda if present, else cpu
     # tensorboard, wandb, mlflow or trackio: each run's records also go there (posbench/trackers.py)
     tracker: Optional[str] = setting(None)
@@ -114,7 +118,7 @@ class TrainConfig:
     checkpoint_every: int = setting(100)
 
     def __post_init__(self):
-        _positive(self, "train", ["steps", "batch_size", "lr", "log_every"])
+        _positive(self, "train", ["steps", "batch_size", "lr", "scheme_lr_mult", "log_every"])
         for name in ("warmup_steps", "min_lr", "weight_decay", "grad_clip", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise PosbenchError(f"train.{name}={getattr(self, name)} must be >= 0")

@@ -44,12 +44,19 @@ def lr_at(step: int, cfg) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW, weight decay on matrices only; fused where torch has the kernel (CPU and CUDA)."""
-    params = list(model.parameters())
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, scheme_lr_mult: float = 1.0):
+    """AdamW, weight decay on matrices only; fused where torch has the kernel (CPU and CUDA).
+    Each group's `lr_mult` scales the schedule's rate: the parameters of `model.scheme` have
+    groups of their own at `scheme_lr_mult` where it is not 1."""
+    own = {id(p) for p in model.scheme.parameters()} if scheme_lr_mult != 1 else set()
+    rest = [p for p in model.parameters() if id(p) not in own]
+    scheme = [p for p in model.parameters() if id(p) in own]
+    groups = []
+    for mult, params in [(1.0, rest)] + ([(scheme_lr_mult, scheme)] if scheme else []):
+        for decays in (True, False):  # matrices decay; vectors and scalars do not
+            part = [p for p in params if (p.dim() >= 2) == decays]
+            if part:
+                groups.append({"params": part, "weight_decay": weight_decay if decays else 0.0, "lr_mult": mult})
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 
@@ -82,7 +89,7 @@ def train_model(
     model = model.to(device)
     backend = model.backend(device, compiled=tc.compile)
     gen = torch.Generator().manual_seed(seed)  # the data order depends on the seed alone
-    opt = make_optimizer(model, tc.lr, tc.weight_decay)
+    opt = make_optimizer(model, tc.lr, tc.weight_decay, tc.scheme_lr_mult)
     label = f"{run_label(cfg.model)} seed {seed}"  # rope:yarn for a run posbench extend fine-tunes
     start, spent = _resume(folder, reporter, label, tc.steps, model, opt, gen, device, batches)
     parts = getattr(batches, "parts", 1)  # a task's batch on the CPU comes in parts, cut by length
@@ -120,7 +127,7 @@ def train_model(
         for step in range(start, tc.steps):
             lr = lr_at(step, tc)
             for g in opt.param_groups:
-                g["lr"] = lr
+                g["lr"] = lr * g.get("lr_mult", 1.0)  # a checkpoint's groups from before lr_mult: 1
             opt.zero_grad(set_to_none=True)
             loss = loss_backward(forward, batches(gen), device, compiling=tc.compile and step == start)
             if tc.grad_clip > 0:

@@ -187,3 +187,44 @@ def _training(exp: Path) -> list[Path]:
         for p in exp.glob(".*.partial")
         if (p / "train_log.jsonl").is_file() and (p / "train_log.jsonl").stat().st_size
     ]
+
+
+def test_a_schemes_parameters_take_their_multiple_of_the_rate_and_the_rest_train_as_before(tmp_path):
+    """train.scheme_lr_mult: after one step (AdamW's first update is the rate times g / (|g| +
+    eps), the same at any rate), T5's table has moved 4 times as far at 4 as at 1, and every
+    other weight exactly as far; at 1 the optimiser's groups are the two they always were
+    (matrices decayed, the rest not) and the key is left out of a run's identity, so the runs
+    made before it keep their folders."""
+    from posbench.config import identity
+    from posbench.experiment.checkpoint import load_run
+    from posbench.model import TransformerLM
+    from posbench.train import make_optimizer
+
+    weights = {}
+    for mult in (1, 4):
+        (tmp_path / str(mult)).mkdir()
+        exp, _, _ = smoke_experiment(
+            tmp_path / str(mult), "--schemes", "t5", "--set", "train.steps=1", "--set", f"train.scheme_lr_mult={mult}"
+        )
+        cfg, trained = load_run(exp / "t5-seed0")
+        assert cfg.train.scheme_lr_mult == mult and ("scheme_lr_mult" in identity(cfg)["train"]) == (mult != 1)
+        weights[mult] = trained.state_dict()
+    torch.manual_seed(0)
+    model = TransformerLM(cfg.model)
+    start = model.state_dict()
+    (table,) = [k for k in start if k.startswith("scheme.")]
+    for name, w0 in start.items():
+        moved1, moved4 = weights[1][name] - w0, weights[4][name] - w0
+        if name == table:
+            assert moved1.abs().min() > 0
+            torch.testing.assert_close(moved4, 4 * moved1, rtol=1e-3, atol=1e-7)
+        else:
+            assert torch.equal(weights[4][name], weights[1][name]), name
+    plain = make_optimizer(model, 1e-3, 0.1)
+    decayed = [p for p in model.parameters() if p.dim() >= 2]
+    assert [(g["weight_decay"], g["lr_mult"]) for g in plain.param_groups] == [(0.1, 1.0), (0.0, 1.0)]
+    assert [id(p) for p in plain.param_groups[0]["params"]] == [id(p) for p in decayed]
+    fast = make_optimizer(model, 1e-3, 0.1, 4.0)
+    mults = {id(p): g["lr_mult"] for g in fast.param_groups for p in g["params"]}
+    assert sum(len(g["params"]) for g in fast.param_groups) == len(list(model.parameters())) == len(mults)
+    assert {n: mults[id(p)] for n, p in model.named_parameters() if mults[id(p)] != 1.0} == {table: 4.0}
