@@ -293,7 +293,7 @@ def test_the_committed_gpu_reference_rebuilds_and_is_the_presets_study(tmp_path)
     a fresh report gives the committed tables digit for digit."""
     import dataclasses
 
-    from posbench.config import load_config
+    from posbench.config import config_from_dict, load_config, read_record
     from posbench.schemes import SCHEMES
 
     committed = rebuilds_byte_for_byte("reference-gpu", tmp_path)
@@ -301,8 +301,8 @@ def test_the_committed_gpu_reference_rebuilds_and_is_the_presets_study(tmp_path)
     runs = sorted(p.name for p in committed.iterdir() if p.is_dir())
     assert runs == sorted(f"{s}-seed{n}" for s in preset.schemes for n in preset.seeds)
     want = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(preset)))
-    for run in runs:
-        config = yaml.safe_load((committed / run / "config.yaml").read_text())
+    for run in runs:  # read as posbench reads a record: a key added since, at its default
+        config = dataclasses.asdict(config_from_dict(read_record(committed / run / "config.yaml")))
         for part in ("train", "data", "eval"):
             assert config[part] == want[part], (run, part)
         resolved = {**want["model"], "scheme": config["model"]["scheme"], "vocab_size": preset.data.vocab_size}
@@ -316,6 +316,36 @@ def test_the_committed_gpu_reference_rebuilds_and_is_the_presets_study(tmp_path)
     readme = _table((ROOT / "README.md").read_text(), "## The same study at GPT-2-small's shape")
     summary = _table((committed / "summary.md").read_text(), "## nonoverlapping")
     assert len(readme) == 5 and readme == {s: cells[:4] + cells[5:6] for s, cells in summary.items()}
+
+
+def test_the_gpu_schedule_at_toy_scale_rebuilds_and_is_what_the_docs_read(tmp_path):
+    """results/reference-gpu-toy: the defaults, the GPU study's schedule, and that with the
+    schemes' own parameters at 10x the rate, 5 schemes x 3 seeds each; each rebuilds from its
+    records, each ran the schedule it is named for, and the perplexities at 100 bytes that
+    docs/performance.md tabulates and the README quotes are theirs."""
+    from posbench.config import load_config
+
+    gpu = load_config(ROOT / "configs" / "gpu-study.yaml", []).train
+    schedule = ("lr", "min_lr", "steps", "warmup_steps")
+    at_100 = {}
+    for name, mult in (("defaults", 1), ("gpu-schedule", 1), ("gpu-schedule-scheme-lr10", 10)):
+        committed = rebuilds_byte_for_byte(f"reference-gpu-toy/{name}", tmp_path)
+        runs = sorted(p.name for p in committed.iterdir() if p.is_dir())
+        assert runs == sorted(f"{s}-seed{n}" for s in ("nope", "t5", "rope", "alibi", "fire") for n in (0, 1, 2))
+        for run in runs:
+            train = yaml.safe_load((committed / run / "config.yaml").read_text())["train"]
+            ran = [train[k] for k in schedule]
+            assert (ran == [getattr(gpu, k) for k in schedule]) == (name != "defaults"), run
+            assert train.get("scheme_lr_mult", 1) == mult, run
+        at_100[name] = {s: cells[0] for s, cells in _table((committed / "summary.md").read_text(), "## ").items()}
+    docs = _table((ROOT / "docs" / "performance.md").read_text(), "| scheme | defaults (lr 3e-3")
+    assert docs == {s: [at_100[n][s] for n in at_100] for s in at_100["defaults"]}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    fire, t5, nope = (at_100["gpu-schedule"][s] for s in ("fire", "t5", "nope"))
+    assert f"FIRE {fire} against NoPE's {nope}" in readme and f"T5 {t5} ± " in readme
+    assert f"give FIRE {at_100['defaults']['fire']} and T5 {at_100['defaults']['t5']}" in readme
+    faster = at_100["gpu-schedule-scheme-lr10"]
+    assert f"FIRE reaches {faster['fire']} and T5 {faster['t5']}" in readme
 
 
 def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp_path):
