@@ -99,7 +99,7 @@ reproduce-rope-base: install
 	$(POSBENCH) sweep configs/rope-base.yaml
 
 # the GPU study in results/reference-gpu/: nope, rope, alibi, t5 and fire at GPT-2-small's shape,
-# 2 seeds, scored to 8x, on one CUDA GPU in about 9 minutes (docs/performance.md); the text extra
+# 2 seeds, scored to 8x, on one CUDA GPU in about 6 minutes (docs/performance.md); the text extra
 # brings the tokenizers library that trains its BPE
 reproduce-gpu: install
 	$(PIP) install -q -e '.[text]'

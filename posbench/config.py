@@ -102,9 +102,10 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    # the scheme's own parameters (T5's table, FIRE's MLP, KERPLE's, learned embeddings) train at
-    # this multiple of the learning rate, on the same schedule: a short run's way to let a learned
-    # bias move as far as a long run's would (docs/performance.md, the GPU study)
+    # every parameter of the scheme's module (T5's table, FIRE's MLP, KERPLE's, XL's, FoX's gates,
+    # learned embeddings) trains at this multiple of the learning rate, on the same schedule: a
+    # short run's way to let a learned bias move further (docs/performance.md, the GPU study); a
+    # run that posbench extend fine-tunes keeps its parent's
     scheme_lr_mult: float = field(default=1.0, metadata={"omitted_at": 1.0})
     device: str = setting("auto")  # auto = cuda if present, else cpu
     # tensorboard, wandb, mlflow or trackio: each run's records also go there (posbench/trackers.py)

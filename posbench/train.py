@@ -127,7 +127,7 @@ def train_model(
         for step in range(start, tc.steps):
             lr = lr_at(step, tc)
             for g in opt.param_groups:
-                g["lr"] = lr * g.get("lr_mult", 1.0)  # a checkpoint's groups from before lr_mult: 1
+                g["lr"] = lr * g.get("lr_mult", 1.0)  # a group without lr_mult runs at 1
             opt.zero_grad(set_to_none=True)
             loss = loss_backward(forward, batches(gen), device, compiling=tc.compile and step == start)
             if tc.grad_clip > 0:

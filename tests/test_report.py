@@ -1,9 +1,11 @@
 """Reports: the tables, intervals and marks they hold, their LaTeX, joined experiments, and
 reports rebuilt from the records on disk."""
 
+import json
 import math
 import re
 import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -318,16 +320,65 @@ def test_the_committed_gpu_reference_rebuilds_and_is_the_presets_study(tmp_path)
     assert len(readme) == 5 and readme == {s: cells[:4] + cells[5:6] for s, cells in summary.items()}
 
 
+def _tokens_per_s(run: Path) -> float:
+    """A run's training speed from its log: the tokens of the steps after step 10 over their seconds."""
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    train = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    (first,), last = [r for r in log if r["step"] == 10], log[-1]
+    return (last["step"] - 10) * train["batch_size"] * 1024 / (last["seconds"] - first["seconds"])
+
+
+def test_the_gpu_speeds_in_the_docs_and_readme_are_the_studies_training_logs(tmp_path):
+    """docs/performance.md's table of the GPU study's speeds (each study's NoPE the ratios' base,
+    the mean of its seeds) and the README's sentence on them come from the committed training
+    logs of results/reference-gpu (auto) and -sdpa (every scheme through sdpa), which also
+    rebuilds; the two studies' perplexities differ as the docs say."""
+    rebuilds_byte_for_byte("reference-gpu-sdpa", tmp_path)
+    speed, backend = {}, {}
+    for name in ("reference-gpu-sdpa", "reference-gpu"):
+        folder = ROOT / "results" / name
+        for scheme in ("nope", "rope", "alibi", "t5", "fire"):
+            runs = [folder / f"{scheme}-seed{n}" for n in (0, 1)]
+            speed[name, scheme] = sum(map(_tokens_per_s, runs)) / 2
+            backend[name, scheme] = pd.read_csv(runs[0] / "eval.csv").attention[0]
+    docs = _table((ROOT / "docs" / "performance.md").read_text(), "| scheme | all sdpa: tokens/s")
+    want = {}
+    for scheme in ("nope", "rope", "alibi", "t5", "fire"):
+        cells = []
+        for name in ("reference-gpu-sdpa", "reference-gpu"):
+            cells += [backend[name, scheme]] if name == "reference-gpu" else []
+            cells += [f"{speed[name, scheme]:,.0f}", f"{speed[name, scheme] / speed[name, 'nope']:.2f}"]
+        want[scheme] = cells
+    assert docs == want and {backend["reference-gpu-sdpa", s] for s in want} == {"sdpa"}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    x = {s: f"{speed['reference-gpu', s] / speed['reference-gpu', 'nope']:.2f}x" for s in want}
+    assert f"NoPE trains at {speed['reference-gpu', 'nope'] / 1000:.0f}k tokens/s through sdpa" in readme
+    assert f"ALiBi at {x['alibi']} of that and T5 at {x['t5']} through flex" in readme
+    assert f"RoPE at {x['rope']} and FIRE at {x['fire']} through sdpa" in readme
+    a, b = (
+        pd.read_csv(ROOT / "results" / n / "summary.csv").set_index(["scheme", "seed", "length"])
+        for n in ("reference-gpu", "reference-gpu-sdpa")
+    )
+    apart = sorted(((a.ppl / b.ppl - 1).abs() * 100).items(), key=lambda kv: kv[1])
+    (scheme, seed, length), most = apart[-1]
+    text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+    assert f"by at most {most:.1f}% in one run at one length ({scheme}, seed {seed}, {length:,})" in text.lower()
+    assert f"and by at most {apart[-2][1]:.1f}% everywhere else" in text
+
+
 def test_the_gpu_schedule_at_toy_scale_rebuilds_and_is_what_the_docs_read(tmp_path):
     """results/reference-gpu-toy: the defaults, the GPU study's schedule, and that with the
     schemes' own parameters at 10x the rate, 5 schemes x 3 seeds each; each rebuilds from its
     records, each ran the schedule it is named for, and the perplexities at 100 bytes that
     docs/performance.md tabulates and the README quotes are theirs."""
-    from posbench.config import load_config
+    from types import SimpleNamespace
+
+    from posbench.config import TrainConfig, load_config
+    from posbench.train import lr_at
 
     gpu = load_config(ROOT / "configs" / "gpu-study.yaml", []).train
     schedule = ("lr", "min_lr", "steps", "warmup_steps")
-    at_100 = {}
+    at_100, rates = {}, {}
     for name, mult in (("defaults", 1), ("gpu-schedule", 1), ("gpu-schedule-scheme-lr10", 10)):
         committed = rebuilds_byte_for_byte(f"reference-gpu-toy/{name}", tmp_path)
         runs = sorted(p.name for p in committed.iterdir() if p.is_dir())
@@ -336,8 +387,18 @@ def test_the_gpu_schedule_at_toy_scale_rebuilds_and_is_what_the_docs_read(tmp_pa
             train = yaml.safe_load((committed / run / "config.yaml").read_text())["train"]
             ran = [train[k] for k in schedule]
             assert (ran == [getattr(gpu, k) for k in schedule]) == (name != "defaults"), run
+            if name == "defaults":
+                assert (
+                    [train[k] for k in ("lr", "min_lr", "warmup_steps")]
+                    == [3e-3, 3e-4, 50]
+                    == [getattr(TrainConfig(), k) for k in ("lr", "min_lr", "warmup_steps")]
+                )
             assert train.get("scheme_lr_mult", 1) == mult, run
+            rates[name] = sum(lr_at(n, SimpleNamespace(**train)) for n in range(train["steps"]))
         at_100[name] = {s: cells[0] for s, cells in _table((committed / "summary.md").read_text(), "## ").items()}
+    header = f"| scheme | defaults (lr 3e-3, 500 steps; rates add to {rates['defaults']:.2f}) | "
+    header += f"the GPU study's schedule ({rates['gpu-schedule']:.3f}) |"
+    assert header in (ROOT / "docs" / "performance.md").read_text()
     docs = _table((ROOT / "docs" / "performance.md").read_text(), "| scheme | defaults (lr 3e-3")
     assert docs == {s: [at_100[n][s] for n in at_100] for s in at_100["defaults"]}
     readme = " ".join((ROOT / "README.md").read_text().split())
@@ -346,6 +407,7 @@ def test_the_gpu_schedule_at_toy_scale_rebuilds_and_is_what_the_docs_read(tmp_pa
     assert f"give FIRE {at_100['defaults']['fire']} and T5 {at_100['defaults']['t5']}" in readme
     faster = at_100["gpu-schedule-scheme-lr10"]
     assert f"FIRE reaches {faster['fire']} and T5 {faster['t5']}" in readme
+    assert f"whose rates add to {rates['gpu-schedule']:.3f}" in readme
 
 
 def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp_path):
