@@ -130,6 +130,13 @@ class TrainConfig:
         if self.workers is not None and self.workers <= 0:
             raise PosbenchError(f"train.workers={self.workers} must be positive (or null: one per core)")
 
+    def rate_said(self, schedule: bool = True) -> str:
+        """'AdamW lr 0.003 (warmup 50, cosine to 0.0003)' for a report's description, and the
+        scheme's parameters' multiple where it is not 1."""
+        said = f"AdamW lr {self.lr:g}"
+        said += f" (warmup {self.warmup_steps}, cosine to {self.min_lr:g})" if schedule else ""
+        return said + (f", the scheme's own parameters at {self.scheme_lr_mult:g}x" if self.scheme_lr_mult != 1 else "")
+
 
 @dataclass
 class DataConfig:

@@ -395,7 +395,9 @@ def test_the_gpu_schedule_at_toy_scale_rebuilds_and_is_what_the_docs_read(tmp_pa
                 )
             assert train.get("scheme_lr_mult", 1) == mult, run
             rates[name] = sum(lr_at(n, SimpleNamespace(**train)) for n in range(train["steps"]))
-        at_100[name] = {s: cells[0] for s, cells in _table((committed / "summary.md").read_text(), "## ").items()}
+        summary = (committed / "summary.md").read_text()
+        assert ("the scheme's own parameters at 10x" in summary) == (mult == 10)  # said beside the rate
+        at_100[name] = {s: cells[0] for s, cells in _table(summary, "## ").items()}
     header = f"| scheme | defaults (lr 3e-3, 500 steps; rates add to {rates['defaults']:.2f}) | "
     header += f"the GPU study's schedule ({rates['gpu-schedule']:.3f}) |"
     assert header in (ROOT / "docs" / "performance.md").read_text()

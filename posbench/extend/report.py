@@ -30,8 +30,7 @@ def describe(configs: list) -> list[str]:
         lines.append(
             f"- {child_label(m.scheme, ext['method'])}: {method.description}{''.join(', ' + x for x in settings)}; "
             f"s = {ext['to_len']}/{ext['from_len']} = {s:g}; {t.steps} steps x {t.batch_size} x {m.train_len} "
-            f"= {trained_tokens(c):,} tokens from each seed's parent, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, "
-            f"cosine to {t.min_lr:g})"
+            f"= {trained_tokens(c):,} tokens from each seed's parent, {t.rate_said()}"
         )
     return lines
 

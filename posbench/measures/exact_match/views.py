@@ -230,7 +230,7 @@ def describe(configs: list, task: Task, long: pd.DataFrame, metric: str, note: s
         f"- model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, {params / 1e6:.2f}M parameters "
         f"with NoPE; train_len {m.train_len} (the longest training instance)",
         f"- training: {t.steps} steps x {t.batch_size} instances, lengths uniform in 1..{task.train_max}, "
-        f"loss on the answer bytes only, AdamW lr {t.lr:g}, {seeds_said(long)}",
+        f"loss on the answer bytes only, {t.rate_said(schedule=False)}, {seeds_said(long)}",
         f"- evaluation: up to {task.opt['test_count']} fixed test instances per length 1..{task.test_max}, "
         f"never trained on; {METRICS[metric].how}",
         f"- cells: {METRICS[metric].label}, {note}; — : the scheme cannot encode those lengths",

@@ -186,8 +186,7 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
             f"- model: {m.n_layer} layer{'s' if m.n_layer > 1 else ''}, d_model {m.d_model}, {m.n_head} heads, "
             f"{params / 1e6:.2f}M parameters with NoPE, vocab {m.vocab_size}",
             f"- training: {t.steps} steps x {t.batch_size} sequences x {m.train_len} tokens "
-            f"= {tokens:,} tokens, AdamW lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
-            f"to {t.min_lr:g}), {seeds_said(df)}",
+            f"= {tokens:,} tokens, {t.rate_said()}, {seeds_said(df)}",
         ]
     for p in {id(c.model.pretrained): c.model.pretrained for c in configs if c.model.pretrained}.values():
         lines.append(
