@@ -323,9 +323,10 @@ def test_the_committed_gpu_reference_rebuilds_and_is_the_presets_study(tmp_path)
 def _tokens_per_s(run: Path) -> float:
     """A run's training speed from its log: the tokens of the steps after step 10 over their seconds."""
     log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
-    train = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    tokens = config["train"]["batch_size"] * config["model"]["train_len"]  # a step's
     (first,), last = [r for r in log if r["step"] == 10], log[-1]
-    return (last["step"] - 10) * train["batch_size"] * 1024 / (last["seconds"] - first["seconds"])
+    return (last["step"] - 10) * tokens / (last["seconds"] - first["seconds"])
 
 
 def test_the_gpu_speeds_in_the_docs_and_readme_are_the_studies_training_logs(tmp_path):
