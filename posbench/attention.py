@@ -1,4 +1,4 @@
-"""Causal attention behind one switch, `model.attention`: eager, sdpa, native, flex, or auto.
+"""Causal attention behind one switch, `model.attention`: eager, sdpa, native, flex, triton, or auto.
 
 Every backend computes softmax(q.k / sqrt(d) + bias, future masked) v, where the bias comes
 from the scheme's `bias` hook; a scheme that replaces softmax (`replaces_softmax`,
@@ -6,7 +6,8 @@ stick-breaking) computes its own attention in its `attend` hook, under every bac
 writes that formula out and is the reference; the others are tested equal to it. Queries are
 processed in blocks once T is long, so no (T, T) tensor per head is ever built and memory grows
 linearly with the length; on a GPU the fused kernels take them whole where no dense bias is held
-(`whole_window`). A bias of distance alone reaches flex as a table over distances, never dense.
+(`whole_window`). A bias of distance alone reaches flex as a table over distances, never dense;
+triton (posbench/kernels) also takes FIRE's in its own terms, the scheme's `tiled_bias`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from posbench import native
+from posbench import kernels, native
 from posbench.config import ATTENTION_BACKENDS as BACKENDS
 from posbench.errors import PosbenchError
 from posbench.schemes.base import PositionalScheme
@@ -57,6 +58,10 @@ def backend_for(
         if table and device.type == "cuda" and not compiling and flex_fits:
             return "flex"  # under train.compile the bias is the per-pair formula, not the table
         return "sdpa" if why_not_native else "native"
+    if name == "triton":
+        why_not = kernels.why_not(device) or ("it does not run under train.compile" if compiling else None)
+        if why_not:
+            raise PosbenchError(f"model.attention=triton cannot run here: {why_not}; use auto, sdpa or eager")
     if name == "native" and why_not_native:
         raise PosbenchError(f"model.attention=native cannot run here: {why_not_native}; use auto, sdpa or eager")
     if name == "flex" and device.type == "cuda" and head_dim < FLEX_CUDA_MIN_HEAD_DIM:
@@ -96,6 +101,8 @@ def whole_window(q, pos, scheme, backend: str) -> bool:
     over distances. They take all queries at once, where blocks would cost launches (and flex a
     compiled kernel per block's shape). Elsewhere the blocks keep memory linear (on a CPU flex is
     unfused; SDPA in fp32 may fall back to its (Tq, Tk) math kernel)."""
+    if backend == "triton" and not scheme.replaces_softmax:  # its kernels hold no (Tq, Tk) tensor but a dense bias
+        return type(scheme).bias is PositionalScheme.bias or scheme.tiled_bias(pos, pos, 0, q.dtype) is not None
     if not q.is_cuda or backend not in ("sdpa", "flex") or scheme.replaces_softmax:
         return False
     if type(scheme).bias is PositionalScheme.bias:
@@ -115,6 +122,9 @@ def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> t
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise PosbenchError(f"the scheme's attend returned {got}, expected None or shape {want}")
             return out
+    if backend == "triton":  # the kernels compute a table's or FIRE's bias themselves, else read it dense
+        form = scheme.tiled_bias(qpos, kpos, layer, q.dtype)
+        return kernels.attention(q, k, v, q0, form if form is not None else scheme.bias(q, k, qpos, kpos, layer))
     if backend == "flex" and reads_as_table(scheme, qpos):  # a bias of distance alone: flex reads its table
         return flex(q, k, v, None, q0, scheme.distance_table(qpos, kpos, layer, q.dtype))
     bias = scheme.bias(q, k, qpos, kpos, layer)  # None or (B or 1, H, Tq, Tk)
@@ -237,7 +247,7 @@ def _flex_fn(device_type: str):
     return torch.compile(flex_attention)
 
 
-ATTENTION = {"eager": eager, "sdpa": sdpa, "native": native_attention, "flex": flex}
+ATTENTION = {"eager": eager, "sdpa": sdpa, "native": native_attention, "flex": flex}  # triton: _attend
 
 
 class BiasedAttention(torch.autograd.Function):

@@ -17,7 +17,7 @@ import yaml
 
 from posbench.errors import PosbenchError, did_you_mean
 
-ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "native", "flex")  # see posbench/attention.py
+ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "native", "flex", "triton")  # see posbench/attention.py
 CORPUS_NAMES = ("shakespeare", "shakespeare-kjv")  # data.corpus: posbench/data.py CORPORA says what each is
 PROTOCOLS = ("nonoverlapping", "sliding")  # see posbench/evaluate.py
 MAX_BPE_VOCAB = 2**20  # a BPE trained here: past it the tokenizers library aborts in Rust
@@ -45,7 +45,8 @@ class ModelConfig:
     options: dict = field(default_factory=dict, metadata={"derived": True})  # from scheme_options.<scheme>
     # the attention call: auto (the C kernels on a CPU in fp32; on a GPU flex for a table over
     # distances, else SDPA; attention.backend_for), eager (the plain
-    # formula, the reference), sdpa, native or flex; a run's records name the one that ran
+    # formula, the reference), sdpa, native, flex or triton (posbench's own GPU kernels, which
+    # compute a table's or FIRE's bias in their tiles); a run's records name the one that ran
     attention: str = setting("auto")  # the backends differ in the last bits; records name the one that ran
     # written by `posbench extend` on a run fine-tuned from another (posbench/extend/run.py): its
     # method, its parent's identity, the lengths L and L2, and the RoPE scaling it fixes; null

@@ -1,6 +1,7 @@
 """Shared fixtures and helpers: a tiny model config, a tiny corpus, and a smoke experiment trained
 once for the whole suite; no test needs the network."""
 
+import os
 import random
 import re
 import shutil
@@ -12,6 +13,11 @@ from typer.testing import CliRunner
 
 from posbench.check import tiny_config as tiny  # noqa: F401  (the tests' tiny model size)
 from posbench.cli import app
+
+# without a GPU, posbench's Triton kernels (model.attention=triton) run under Triton's
+# interpreter, so the tests check them on a CPU as they check every other backend
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "configs" / "smoke.yaml")

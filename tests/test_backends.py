@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from posbench import attention, native
+from posbench import attention, kernels, native
 from posbench.check import BLOCK, tiny_model
 from posbench.config import ATTENTION_BACKENDS, ModelConfig, load_config
 from posbench.errors import PosbenchError
@@ -18,7 +18,8 @@ from posbench.schemes.alibi import ALiBi
 
 CPU = torch.device("cpu")
 NATIVE = native.why_not(8, CPU) is None  # the tiny model's head size
-OTHERS = ["sdpa", "flex"] + (["native"] if NATIVE else [])
+TRITON = kernels.why_not(CPU) is None  # Triton installed (the kernels extra); its interpreter on a CPU
+OTHERS = ["sdpa", "flex"] + (["native"] if NATIVE else []) + (["triton"] if TRITON else [])
 
 
 def run(model, backend, x, w, block, grad=True):
@@ -162,6 +163,117 @@ def test_an_unknown_backend_is_refused_by_the_config():
     with pytest.raises(PosbenchError, match="command line: model.attention"):
         load_config(None, values={"model.attention": "fast"})
     assert ATTENTION_BACKENDS == ("auto", "eager", "sdpa", "native", "flex")
+
+
+# --- posbench's Triton kernels, beyond what the registry's schemes reach -----------------------
+
+needs_triton = pytest.mark.skipif(not TRITON, reason="Triton is not installed (the kernels extra)")
+
+
+def kernel_against_eager(form, bias, params, q0=0, Tq=40, T=40, seed=0):
+    """The largest gaps between the Triton kernels and the eager formula: the output, then each
+    gradient of q, k, v and `params`, each relative to its largest value; and the eager gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, Tq, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 3, T, 16, generator=gen, requires_grad=True) for _ in range(2))
+    w = torch.randn(2, 3, Tq, 16, generator=gen)
+    inputs = [q, k, v, *params]
+    out = kernels.attention(q, k, v, q0, form)
+    ref = attention.eager(q, k, v, bias(), q0)
+    grads = torch.autograd.grad((out * w).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * w).sum(), inputs)
+    gaps = [(out - ref).abs().max().item()]
+    gaps += [((g - r).abs().max() / (1 + r.abs().max())).item() for g, r in zip(grads, ref_grads)]
+    return gaps, ref_grads
+
+
+@needs_triton
+@pytest.mark.parametrize("step", [1, 3])  # positions that run on by one (diagonals), and with gaps
+@pytest.mark.parametrize("q0", [0, 24])  # all queries, and the last 16 as a block
+def test_triton_sums_a_tables_gradient_by_distance_whatever_the_positions(step, q0):
+    from posbench.schemes.distance import DistanceTable
+
+    T = 40
+    pos = torch.arange(T) * step
+    qpos = pos[q0:]
+    lo = int(qpos.min() - pos.max())
+    values = torch.randn(3, int(qpos.max() - pos.min()) - lo + 1, requires_grad=True)  # (H, n)
+
+    def table():
+        return DistanceTable(values, lo, qpos, pos, torch.float32)
+
+    gaps, _ = kernel_against_eager(table(), lambda: table().dense(), [values], q0, T - q0, T)
+    assert max(gaps) <= 1e-5, gaps
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", [1, 2])  # a bias the batch shares (its gradient summed), one per row
+def test_triton_reads_a_dense_bias_and_returns_its_gradient(rows):
+    bias = torch.randn(rows, 3, 40, 40, requires_grad=True)
+    gaps, _ = kernel_against_eager(bias, lambda: bias, [bias])
+    assert max(gaps) <= 1e-5, gaps
+
+
+@needs_triton
+@pytest.mark.parametrize("L_mult", [1.0, 0.3])  # the threshold at a query's position (a tie), and between
+def test_triton_computes_fires_bias_and_the_gradient_of_every_fire_parameter(L_mult):
+    from posbench.check import tiny_config
+    from posbench.schemes.fire import FIRE
+
+    torch.manual_seed(0)
+    fire = FIRE(tiny_config("fire", train_len=32, n_head=3, d_model=48))  # threshold 8 * L_mult
+    with torch.no_grad():
+        fire.L_mult.fill_(L_mult)
+        fire.mlp[0][0].bias.add_(torch.randn(32))  # kinks inside [0, 1], so tiles meet several segments
+    pos = torch.arange(40)
+    params = [fire.c, fire.L_mult, *fire.mlp[0].parameters()]
+    form = fire.tiled_bias(pos, pos, 0, torch.float32)
+    assert form.threshold.item() == pytest.approx(8 * L_mult)
+    gaps, ref = kernel_against_eager(form, lambda: fire.bias(torch.zeros(1), None, pos, pos, 0), params)
+    # the kernel's x is log(1 + c d), torch's log1p(c d): an x within rounding of a kink can take
+    # the neighbouring segment, whose line there is the same value but another cell's gradient
+    assert max(gaps) <= 1e-4, gaps
+    assert all(g.abs().max() > 1e-3 for g in ref[3:5])  # c's and the threshold's: the check reaches them
+
+
+COMPILE_FOR_H200 = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from posbench import kernels
+from posbench.kernels import triton_attention as K
+
+pointers = {"QPOS": "*i32", "KPOS": "*i32", **dict.fromkeys(("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"), "*bf16")}
+scalars = dict.fromkeys(("H", "Tq", "Tk", "q0", "lo", "n_values", "sbb", "sbh", "sbt", "sbk"), "i32")
+scalars.update(scale="fp32", eps="fp32")
+options = {"num_warps": kernels.WARPS, "num_stages": kernels.STAGES}
+for mode in range(5):
+    constants = dict(D=64, BLOCK_D=64, BLOCK=kernels.BLOCK, BIAS=mode, S=33, KW=32, DOT="tf32")
+    for kernel in (K.forward_kernel, K.backward_q_kernel, K.backward_kv_kernel):
+        given = dict(constants, LEARNED=mode > 1, SHARED=True) if kernel is K.backward_kv_kernel else constants
+        names = kernel.arg_names
+        signature = {a: "constexpr" if a in given else pointers.get(a, scalars.get(a, "*fp32")) for a in names}
+        source = ASTSource(kernel, signature, constexprs=given)
+        compiled = compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm["cubin"]
+        print("compiled", mode, kernel.fn.__name__)
+"""
+
+
+@needs_triton
+def test_every_triton_kernel_compiles_for_an_h200_without_one():
+    """The interpreter runs what a GPU's compiler may refuse (a global that is not constexpr, a
+    loop-carried type that changes): each kernel, for each form of bias, is compiled here for
+    compute capability 9.0 with Triton's own ptxas, as posbench launches it, in a process of its
+    own with the interpreter off (Triton decorates its own functions once, at import)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H200], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 15, done.stdout
 
 
 # --- the model is plain PyTorch: a researcher swaps its parts in model.py alone -------------
@@ -320,6 +432,7 @@ def test_runs_record_their_backend_and_a_mixed_report_says_so(tmp_path, capsys):
     [
         ("flex", "model.attention=flex: torch has no FlexAttention backward on a CPU"),
         ("native", "model.attention=native cannot run here: the attention kernel is unavailable"),
+        ("triton", "model.attention=triton cannot run here:"),
     ],
 )
 def test_a_backend_that_cannot_train_here_is_one_line_and_nothing_is_written(monkeypatch, tmp_path, backend, message):
@@ -329,6 +442,7 @@ def test_a_backend_that_cannot_train_here_is_one_line_and_nothing_is_written(mon
         monkeypatch.setattr(native, "_loaded", {})
         monkeypatch.setattr(native, "unavailable", {})
         monkeypatch.setenv("POSBENCH_NATIVE", "0")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU runs the Triton kernels only under it
     res = invoke("extrapolate", "--config", SMOKE, "--attention", backend, "--set", f"out_dir={tmp_path / 'r'}")
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert message in " ".join(res.output.split()) and len(res.output.strip().splitlines()) <= 3

@@ -39,6 +39,12 @@ class PositionalScheme(nn.Module):
                                           `bias` only. None, the default, declines, and the backend
                                           then uses `bias`. `posbench check-scheme` verifies attend
                                           against bias.
+    A fifth hook is optional and only for speed too:
+      tiled_bias(qpos, kpos, layer, dtype)  its bias in a form posbench's Triton kernels compute
+                                            inside their tiles (posbench/kernels): a table over
+                                            distances, or FIRE's lines; None, the default, leaves
+                                            them to read `bias` as a dense tensor. Only the
+                                            `triton` backend asks.
     A scheme that is no bias on softmax but a formula of its own (stick-breaking) sets the class
     attribute `replaces_softmax`: every backend then calls its `attend`, which must answer, and
     never `bias`.
@@ -187,6 +193,9 @@ class PositionalScheme(nn.Module):
 
     def attend(self, q, k, v, qpos, kpos, layer: int) -> Optional[torch.Tensor]:
         return None  # or (B, H, Tq, D): softmax(q.k / sqrt(d) + bias, future masked) v
+
+    def tiled_bias(self, qpos, kpos, layer: int, dtype):
+        return None  # or a DistanceTable or posbench.kernels.Lines: `bias` in a kernel's terms
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,6 +78,10 @@ class DistanceBias(PositionalScheme):
 
         return make() if self.per_layer else self.once_per_forward((qpos, kpos), make)
 
+    def tiled_bias(self, qpos, kpos, layer, dtype):
+        """The table, for posbench's Triton kernels, where it is the whole bias (has_table)."""
+        return self.distance_table(qpos, kpos, layer, dtype) if reads_as_table(self, qpos) else None
+
 
 def has_table(scheme: PositionalScheme) -> bool:
     """Whether `scheme`'s bias is its table over distances: a DistanceBias whose `bias` is the

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
 from posbench.errors import PosbenchError
+from posbench.kernels import Lines
 from posbench.schemes.base import PositionalScheme
 
 
@@ -45,6 +48,15 @@ class FIRE(PositionalScheme):
         x = torch.log1p(c * dist) / (torch.log1p(c * norm) + self.eps)[:, None]  # (Tq, Tk) in [0, 1]
         return as_lines(self.mlp[layer], x, q.dtype).unsqueeze(0)  # (1, H, Tq, Tk)
 
+    def tiled_bias(self, qpos, kpos, layer, dtype):
+        """The bias as its lines and the terms of x, for a kernel to compute (posbench/kernels):
+        whole-number positions (T,) shared by the batch, the MLP as this class builds it."""
+        lines = mlp_lines(self.mlp[layer])
+        if lines is None or type(self).bias is not FIRE.bias or qpos.dim() != 1 or qpos.is_floating_point():
+            return None
+        threshold = (self.L_mult[layer] * self.init_L).abs()
+        return Lines(*lines, self.c[layer].abs(), threshold, self.eps, qpos, kpos)
+
 
 def as_lines(mlp: nn.Sequential, x: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """mlp(x) for the (Tq, Tk) scalars x, as (H, Tq, Tk) in `dtype`, without its (Tq, Tk, W)
@@ -54,20 +66,11 @@ def as_lines(mlp: nn.Sequential, x: torch.Tensor, dtype=torch.float32) -> torch.
     segment, A_s x + C_s (H values each); every x costs a bucketize and two gathers. Equal to
     the MLP up to rounding, and so are the gradients (a kink's own x aside, a set of measure
     zero); the parameters stay the MLP's. Any other MLP (a subclass's) is run as it is."""
-    if not (len(mlp) == 3 and isinstance(mlp[1], nn.ReLU) and all(isinstance(mlp[i], nn.Linear) for i in (0, 2))):
+    lines = mlp_lines(mlp)
+    if lines is None:
         return mlp(x.unsqueeze(-1).to(dtype)).permute(2, 0, 1)
-    first, last = mlp[0], mlp[2]
-    w1, b1, W2, b2 = first.weight[:, 0].float(), first.bias.float(), last.weight.float(), last.bias.float()
-    H, W = W2.shape
-    w, b = w1.detach(), b1.detach()
-    kink = torch.where(w != 0, -b / w, torch.inf)  # (W,); a unit with w1 = 0 never turns
-    kinks, order = kink.sort()  # (W,); segment s lies above the first s of them
-    rank = order.argsort()  # (W,): where each unit's kink sorts
-    s = torch.arange(W + 1, device=w.device)[:, None]  # (W + 1, 1)
-    on = torch.where(w > 0, rank < s, torch.where(w < 0, rank >= s, b > 0)).float()  # (W + 1, W)
-    # elementwise, not a matmul: autocast would take these sums to bf16
-    A = (on[:, None, :] * w1 * W2).sum(-1)  # (W + 1, H): the segment's slope per head
-    C = (on[:, None, :] * b1 * W2).sum(-1) + b2  # (W + 1, H)
+    kinks, A, C = lines
+    H = A.size(1)
     grad = torch.is_grad_enabled()
     # (Tq * Tk,): the kinks below each x; int64 where a gradient is taken, since a CPU's
     # index_add (the gathers' backward there) takes int32 indices 10x slower; int32 without
@@ -80,6 +83,27 @@ def as_lines(mlp: nn.Sequential, x: torch.Tensor, dtype=torch.float32) -> torch.
         return out.to(dtype).view(H, *x.shape)
     out = C.T.to(dtype).index_select(1, seg)  # (H, Tq * Tk): one (H, Tq, Tk) beside it, added in place
     return out.addcmul_(A.T.to(dtype).index_select(1, seg), x.to(dtype).flatten()).view(H, *x.shape)
+
+
+def mlp_lines(mlp: nn.Sequential) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A 1 -> W -> H ReLU MLP as lines (see as_lines): the kinks (W,), sorted, +inf for a unit
+    with w1 = 0 (it never turns), and each segment's slope A and intercept C, (W + 1, H) fp32,
+    differentiable in the MLP's weights. None for any other MLP."""
+    if not (len(mlp) == 3 and isinstance(mlp[1], nn.ReLU) and all(isinstance(mlp[i], nn.Linear) for i in (0, 2))):
+        return None
+    first, last = mlp[0], mlp[2]
+    w1, b1, W2, b2 = first.weight[:, 0].float(), first.bias.float(), last.weight.float(), last.bias.float()
+    W = w1.numel()
+    w, b = w1.detach(), b1.detach()
+    kink = torch.where(w != 0, -b / w, torch.inf)  # (W,)
+    kinks, order = kink.sort()  # (W,); segment s lies above the first s of them
+    rank = order.argsort()  # (W,): where each unit's kink sorts
+    s = torch.arange(W + 1, device=w.device)[:, None]  # (W + 1, 1)
+    on = torch.where(w > 0, rank < s, torch.where(w < 0, rank >= s, b > 0)).float()  # (W + 1, W)
+    # elementwise, not a matmul: autocast would take these sums to bf16
+    A = (on[:, None, :] * w1 * W2).sum(-1)  # (W + 1, H): the segment's slope per head
+    C = (on[:, None, :] * b1 * W2).sum(-1) + b2  # (W + 1, H)
+    return kinks, A, C
 
 
 class SegmentGather(torch.autograd.Function):

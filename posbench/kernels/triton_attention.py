@@ -1,0 +1,250 @@
+"""The Triton kernels behind `model.attention=triton`: causal attention whose bias is computed
+inside its tiles, forward and backward, with the bias's own gradient summed there.
+
+One program takes BLOCK queries (forward, dq) or BLOCK keys (dk, dv) of one (batch, head) and
+walks the other side in tiles of BLOCK, as FlashAttention-2 does; the (Tq, Tk) scores exist
+only a tile at a time. The bias of a tile is one of:
+
+  NONE    nothing (NoPE, RoPE)
+  SLOPES  -slope[h] * (qpos[i] - kpos[j])                              ALiBi
+  TABLE   values[h, qpos[i] - kpos[j] - lo]                            T5, KERPLE: a table over distances
+  FIRE    A[h, s] * x + C[h, s],  x = log(1 + c d) / (log(1 + c max(qpos[i], thr)) + eps),
+          d = max(qpos[i] - kpos[j], 0), s = the number of kinks below x   FIRE's MLP as its lines
+  DENSE   bias[b, h, i, j], read from memory, for every other scheme (its batch stride 0 when shared)
+
+A learned bias's gradient is a sum of the scores' gradients dS over the pairs that share a
+parameter. DENSE writes dS itself (adds it, for a bias the batch shares). TABLE sums each
+tile's diagonals: one gather in registers, then one atomic add per distance and tile, where
+flex makes one per pair, all colliding in the same few cells. FIRE sums each tile's pairs per
+segment the tile meets, and its c and threshold's gradients once per program.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# the bias's form (BIAS); constexpr, as every global a kernel reads must be
+NONE, SLOPES, TABLE, FIRE, DENSE = (tl.constexpr(mode) for mode in range(5))
+
+
+@triton.jit
+def _fire_x(qp, kp, FIREP, eps):
+    """x (BM, BN) for FIRE, and the pieces its gradient reuses."""
+    c = tl.load(FIREP)
+    thr = tl.load(FIREP + 1)
+    dist = tl.maximum(qp[:, None] - kp[None, :], 0).to(tl.float32)  # (BM, BN); the future is masked
+    norm = tl.maximum(qp.to(tl.float32), thr)  # (BM,)
+    u = tl.log(1.0 + c * dist)  # (BM, BN)
+    w = tl.log(1.0 + c * norm) + eps  # (BM,)
+    return u / w[:, None], dist, norm, u, w, c, thr
+
+
+@triton.jit
+def _fire_segments(x, visible, KINKS, KW: tl.constexpr):
+    """Each x's segment, the number of (sorted) kinks below it, and the tile's lowest and
+    highest: the kinks below the tile's smallest x count for every pair, so only those between
+    its smallest and largest are compared pair by pair."""
+    kinks = tl.load(KINKS + tl.arange(0, KW))  # (KW,), padded with +inf
+    lo = tl.sum((kinks < tl.min(tl.where(visible, x, float("inf")))).to(tl.int32))
+    hi = tl.sum((kinks < tl.max(tl.where(visible, x, -float("inf")))).to(tl.int32))
+    seg = tl.zeros(x.shape, tl.int32) + lo
+    for k in range(lo, hi):
+        seg += (x > tl.load(KINKS + k)).to(tl.int32)
+    return seg, lo, hi
+
+
+@triton.jit
+def _tile_scores(
+    q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
+    SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+    BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """The tile's scores q.k * scale + bias (fp32, (BM, BN)), -inf where a key is unseen, and
+    which pairs count: seen, by a query below Tq (the rows past it are computed, never stored)."""
+    seen = ((q0 + rows)[:, None] >= cols[None, :]) & (cols[None, :] < Tk)
+    visible = seen & (rows[:, None] < Tq)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT) * scale
+    if BIAS == SLOPES:
+        s += -tl.load(SLOPES_ + h) * (qp[:, None] - kp[None, :]).to(tl.float32)
+    elif BIAS == TABLE:
+        idx = tl.minimum(tl.maximum(qp[:, None] - kp[None, :] - lo, 0), n_values - 1)
+        s += tl.load(VALUES + h * n_values + idx)
+    elif BIAS == FIRE:
+        x, _, _, _, _, _, _ = _fire_x(qp, kp, FIREP, eps)
+        seg, _, _ = _fire_segments(x, visible, KINKS, KW)
+        s += tl.load(A + h * S + seg) * x + tl.load(C + h * S + seg)
+    elif BIAS == DENSE:
+        at = BIASP + b * sbb + h * sbh + rows[:, None] * sbt + cols[None, :] * sbk
+        s += tl.load(at, mask=visible, other=0.0).to(tl.float32)
+    return tl.where(seen, s, -float("inf")), visible
+
+
+@triton.jit
+def forward_kernel(
+    Q, K, V, OUT, LSE, QPOS, KPOS, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+    H, Tq, Tk, q0, lo, n_values, scale, eps,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    m0 = tl.program_id(0) * BLOCK
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = m0 + tl.arange(0, BLOCK)  # (BM,)
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims[None, :] < D
+    q = tl.load(Q + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=(rows[:, None] < Tq) & dmask, other=0.0)
+    qp = tl.load(QPOS + rows, mask=rows < Tq, other=0)
+    m_i = tl.full((BLOCK,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK,), tl.float32)
+    acc = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    end = tl.minimum(Tk, q0 + m0 + BLOCK)  # the last query of the block sees keys below it
+    for n0 in range(0, end, BLOCK):
+        cols = n0 + tl.arange(0, BLOCK)  # (BN,)
+        kmask = (cols[:, None] < Tk) & dmask
+        k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+        v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+        kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
+        s, _ = _tile_scores(
+            q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
+            SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT,
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is every row's
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    at = OUT + (bh * Tq + rows[:, None]) * D + dims[None, :]
+    tl.store(at, out.to(OUT.dtype.element_ty), mask=(rows[:, None] < Tq) & dmask)
+    tl.store(LSE + bh * Tq + rows, m_i + tl.log(l_i), mask=rows < Tq)
+
+
+@triton.jit
+def backward_kv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, KPOS, SLOPES_, VALUES, DVALUES, A, C, DA, DC, KINKS, FIREP, DFIREP,
+    BIASP, sbb, sbh, sbt, sbk, DBIAS,
+    H, Tq, Tk, q0, lo, n_values, scale, eps,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr,
+    LEARNED: tl.constexpr, SHARED: tl.constexpr,
+):  # fmt: skip
+    """dk and dv for BLOCK keys; with LEARNED, the bias's gradient from every tile they meet
+    (DENSE's into DBIAS, (B or 1, H, Tq, Tk) fp32, added across the batch where SHARED)."""
+    n0 = tl.program_id(0) * BLOCK
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    cols = n0 + tl.arange(0, BLOCK)  # (BN,)
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims[None, :] < D
+    kmask = (cols[:, None] < Tk) & dmask
+    k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+    v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+    kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
+    k_off = tl.sum(tl.where(cols < Tk, kp != tl.load(KPOS + n0) + tl.arange(0, BLOCK), 0).to(tl.int32))
+    dk = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    d_c = 0.0
+    d_thr = 0.0
+    first = (tl.maximum(n0 - q0, 0) // BLOCK) * BLOCK  # the first block of queries that sees one of them
+    for m0 in range(first, Tq, BLOCK):
+        rows = m0 + tl.arange(0, BLOCK)  # (BM,)
+        qmask = (rows[:, None] < Tq) & dmask
+        q = tl.load(Q + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
+        do = tl.load(DO + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
+        lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
+        delta = tl.load(DELTA + bh * Tq + rows, mask=rows < Tq, other=0.0)
+        qp = tl.load(QPOS + rows, mask=rows < Tq, other=0)
+        s, visible = _tile_scores(
+            q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
+            SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT,
+        )  # fmt: skip
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # (BM, BN)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT)
+        # (BM, BN): the scores' gradient, 0 where unseen
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT) - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT)
+        if LEARNED:
+            if BIAS == DENSE:
+                at = rows[:, None] * Tk + cols[None, :]
+                inside = (rows[:, None] < Tq) & (cols[None, :] < Tk)
+                if SHARED:
+                    tl.atomic_add(DBIAS + h * Tq * Tk + at, ds, mask=inside)
+                else:
+                    tl.store(DBIAS + bh * Tq * Tk + at, ds, mask=inside)
+            elif BIAS == TABLE:
+                # on a tile whose positions run on by one, pairs with one distance lie on one
+                # diagonal: gather the diagonals as rows of a (2 BLOCK, BLOCK) tile and sum them
+                lane = tl.arange(0, BLOCK)
+                q_off = tl.sum(tl.where(rows < Tq, qp != tl.load(QPOS + m0) + lane, 0).to(tl.int32))
+                if k_off + q_off == 0:
+                    diag = tl.arange(0, 2 * BLOCK)  # (2B,): r - c = diag - (BLOCK - 1)
+                    r = lane[None, :] + diag[:, None] - (BLOCK - 1)  # (2B, BN): the row on that diagonal
+                    on = (r >= 0) & (r < BLOCK)
+                    sums = tl.sum(tl.where(on, tl.gather(ds, tl.where(on, r, 0), axis=0), 0.0), axis=1)  # (2B,)
+                    col = tl.load(QPOS + m0) - tl.load(KPOS + n0) + diag - (BLOCK - 1) - lo
+                    ok = (diag < 2 * BLOCK - 1) & (col >= 0) & (col < n_values)
+                    tl.atomic_add(DVALUES + h * n_values + col, sums, mask=ok)
+                else:
+                    idx = tl.minimum(tl.maximum(qp[:, None] - kp[None, :] - lo, 0), n_values - 1)
+                    tl.atomic_add(DVALUES + h * n_values + idx, ds, mask=visible)
+            elif BIAS == FIRE:
+                x, dist, norm, u, w, c, thr = _fire_x(qp, kp, FIREP, eps)
+                seg, seg_lo, seg_hi = _fire_segments(x, visible, KINKS, KW)
+                for sg in range(seg_lo, seg_hi + 1):
+                    on = visible & (seg == sg)
+                    tl.atomic_add(DA + h * S + sg, tl.sum(tl.where(on, ds * x, 0.0)))
+                    tl.atomic_add(DC + h * S + sg, tl.sum(tl.where(on, ds, 0.0)))
+                dx = ds * tl.load(A + h * S + seg)  # (BM, BN): the gradient of x
+                # x = u / w: dx/dc from u = log(1 + c d) and w = log(1 + c norm) + eps
+                dw = norm / (1.0 + c * norm) / (w * w)  # (BM,): -(d x / d c) through w, over u
+                d_c += tl.sum(dx * (dist / (1.0 + c * dist) / w[:, None] - u * dw[:, None]))
+                # norm = max(qpos, thr): thr's share, half at a tie as torch.maximum's gradient
+                qf = qp.to(tl.float32)
+                share = (thr > qf).to(tl.float32) + 0.5 * (thr == qf).to(tl.float32)
+                d_thr += tl.sum(dx * u * (-c / (1.0 + c * norm) / (w * w) * share)[:, None])
+    if LEARNED:
+        if BIAS == FIRE:
+            tl.atomic_add(DFIREP, d_c)
+            tl.atomic_add(DFIREP + 1, d_thr)
+    tl.store(DK + (bh * Tk + cols[:, None]) * D + dims[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kmask)
+    tl.store(DV + (bh * Tk + cols[:, None]) * D + dims[None, :], dv.to(DV.dtype.element_ty), mask=kmask)
+
+
+@triton.jit
+def backward_q_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, QPOS, KPOS, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+    H, Tq, Tk, q0, lo, n_values, scale, eps,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """dq for BLOCK queries."""
+    m0 = tl.program_id(0) * BLOCK
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = m0 + tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims[None, :] < D
+    qmask = (rows[:, None] < Tq) & dmask
+    q = tl.load(Q + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
+    do = tl.load(DO + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
+    lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
+    delta = tl.load(DELTA + bh * Tq + rows, mask=rows < Tq, other=0.0)
+    qp = tl.load(QPOS + rows, mask=rows < Tq, other=0)
+    dq = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    end = tl.minimum(Tk, q0 + m0 + BLOCK)
+    for n0 in range(0, end, BLOCK):
+        cols = n0 + tl.arange(0, BLOCK)
+        kmask = (cols[:, None] < Tk) & dmask
+        k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+        v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+        kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
+        s, visible = _tile_scores(
+            q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
+            SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT,
+        )  # fmt: skip
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT)
+    tl.store(DQ + (bh * Tq + rows[:, None]) * D + dims[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
