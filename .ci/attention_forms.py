@@ -4,7 +4,8 @@
     python .ci/attention_forms.py --small      # a seconds-long check of every form (on a CPU: flex forward only)
 
 The forms posbench runs (sdpa's flash kernel for NoPE, flex with a table, ALiBi's slopes,
-BiasedAttention for a learned dense bias) beside forms it could run (a learned table copied per
+BiasedAttention for a learned dense bias, and its own Triton kernels at their tiles and warps and
+at others) beside forms it could run (a learned table copied per
 batch row, or per row and block of 128 queries, so that fewer of flex's atomic additions meet
 in one cell; SDPA's memory-efficient kernel, which returns a dense bias's gradient). Two lines
 time a bias alone: a learned table made dense, and FIRE's bias in three forms (its lines with
@@ -26,10 +27,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from posbench import attention  # noqa: E402
+from posbench import attention, kernels  # noqa: E402
 from posbench.schemes.alibi import alibi_slopes  # noqa: E402
 from posbench.schemes.distance import DistanceTable  # noqa: E402
-from posbench.schemes.fire import SegmentGather, as_lines  # noqa: E402
+from posbench.schemes.fire import SegmentGather, as_lines, mlp_lines  # noqa: E402
 
 
 def timed(step, sync, reps: int):
@@ -122,6 +123,30 @@ def main() -> None:
         return lambda q, k, v: attention.flex(q, k, v, None, 0, table(values, slopes_))
 
     dense_leaf = dense(learned).detach().requires_grad_()  # (1, H, T, T): a learned bias made dense once
+
+    # FIRE's whole attention: its c and threshold learned, its x from the positions (as FIRE.bias)
+    fire_c = torch.tensor(0.1, device=dev, requires_grad=True)
+    fire_thr = torch.tensor(T / 4, device=dev, requires_grad=True)
+
+    def fire_dense():  # (1, H, T, T), as FIRE.bias makes it
+        dist = (pos[:, None] - pos[None, :]).clamp(min=0).float()
+        x_ = torch.log1p(fire_c * dist) / (torch.log1p(fire_c * torch.maximum(pos.float(), fire_thr)) + 1e-6)[:, None]
+        return as_lines(fire, x_, dtype).unsqueeze(0)
+
+    def fire_lines_form():
+        return kernels.Lines(*mlp_lines(fire), fire_c, fire_thr, 1e-6, pos, pos)
+
+    def tiled(make_form, block=None, warps=None):  # posbench's Triton kernels, at other tiles or warps
+        def call(q, k, v):
+            saved = kernels.BLOCK, kernels.WARPS
+            kernels.BLOCK, kernels.WARPS = block or saved[0], warps or saved[1]
+            try:
+                return kernels.attention(q, k, v, 0, make_form())
+            finally:
+                kernels.BLOCK, kernels.WARPS = saved
+
+        return call
+
     forms = {  # name: (whether it trains on a CPU too, the call given q, k, v, the form it must equal)
         "sdpa, no bias (NoPE's flash kernel)": (True, nope, None),
         "flex, no bias": (
@@ -164,8 +189,44 @@ def main() -> None:
         "FIRE's bias alone, its MLP": (True, lambda q, k, v: fire_mlp(), "FIRE's bias alone, its lines, index_select"),
         "flex, ALiBi's table": (False, flex_table(alibi), None),
         "flex, ALiBi from its slopes": (False, flex_table(alibi, slopes), "flex, ALiBi's table"),
+        "sdpa, FIRE's dense bias (BiasedAttention)": (
+            True,
+            lambda q, k, v: attention.sdpa(q, k, v, fire_dense(), 0),
+            None,
+        ),
+        # posbench's Triton kernels (model.attention=triton), each against the form it would replace
+        "triton, no bias": (True, tiled(lambda: None), "sdpa, no bias (NoPE's flash kernel)"),
+        "triton, no bias, 4 warps": (True, tiled(lambda: None, warps=4), "sdpa, no bias (NoPE's flash kernel)"),
+        "triton, no bias, tiles of 128": (True, tiled(lambda: None, block=128), "sdpa, no bias (NoPE's flash kernel)"),
+        "triton, ALiBi from its slopes": (True, tiled(lambda: table(alibi, slopes)), "flex, ALiBi's table"),
+        "triton, a learned table (T5, KERPLE)": (
+            True,
+            tiled(lambda: table(learned)),
+            "flex, a learned table (T5, KERPLE)",
+        ),
+        "triton, a learned table, 4 warps": (
+            True,
+            tiled(lambda: table(learned), warps=4),
+            "flex, a learned table (T5, KERPLE)",
+        ),
+        "triton, a learned table, tiles of 32": (
+            True,
+            tiled(lambda: table(learned), block=32),
+            "flex, a learned table (T5, KERPLE)",
+        ),
+        "triton, FIRE's lines": (True, tiled(fire_lines_form), "sdpa, FIRE's dense bias (BiasedAttention)"),
+        "triton, FIRE's lines, tiles of 32": (
+            True,
+            tiled(fire_lines_form, block=32),
+            "sdpa, FIRE's dense bias (BiasedAttention)",
+        ),
+        "triton, a learned dense bias": (
+            True,
+            tiled(lambda: dense_leaf),
+            "sdpa, BiasedAttention, a learned dense bias",
+        ),
     }
-    watched = [*qkv, learned, dense_leaf, *fire.parameters()]  # every gradient a form may take
+    watched = [*qkv, learned, dense_leaf, *fire.parameters(), fire_c, fire_thr]  # every gradient a form may take
     grad_outs: dict = {}
     tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4  # relative to the twin's largest value
 
@@ -202,7 +263,12 @@ def main() -> None:
             said += f"; its output could not be read: {type(e).__name__}"
         if twin in results and name in results:  # a form that would replace another computes what it does
             pairs = [(a, b) for a, b in zip(results[name], results[twin]) if a is not None and b is not None]
-            gap = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in pairs)
+            # a gradient that is zero but for rounding (FIRE's last bias: softmax's rows sum to
+            # one) is read against the largest of the twin's tensors, not against its own noise
+            most = max(b.abs().max().item() for _, b in pairs)
+            scales = [b.abs().max().item() for _, b in pairs]
+            scales = [scale if scale >= 1e-3 * most else most for scale in scales]
+            gap = max((a - b).abs().max().item() / scale for (a, b), scale in zip(pairs, scales))
             verdict = "equal to" if gap <= tolerance else "DIFFERS from"
             said += f"; {verdict} {twin!r} in the output and {len(pairs) - 1} gradients (largest gap {gap:.1e})"
         print(said, flush=True)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from posbench import native
+from posbench import kernels, native
+from posbench.attention import future_mask
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError, first_line
 from posbench.model import TransformerLM
@@ -273,6 +274,39 @@ def attend_agrees(model: TransformerLM, T: int) -> str:
 
 
 @torch.no_grad()
+def tiled_agrees(model: TransformerLM, T: int) -> str:
+    """A scheme's `tiled_bias`, the form the triton backend computes inside its tiles, stands for
+    its `bias` within 1e-5 at every pair a query sees, in every layer, for all queries and for a
+    later block of them."""
+    scheme = model.scheme
+    if type(scheme).tiled_bias is PositionalScheme.tiled_bias:
+        return "no tiled_bias hook: the triton backend reads its bias as a dense tensor"
+    H, D = model.cfg.n_head, model.cfg.head_dim
+    pos = scheme.positions(T, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(1, H, T, D, generator=gen)
+    took = 0
+    for q0 in (0, T - BLOCK):
+        qpos, q = pos[q0:], torch.randn(1, H, T - q0, D, generator=gen)
+        seen = ~future_mask(T - q0, T, q0, q.device)  # (Tq, Tk)
+        for layer in range(model.cfg.n_layer):
+            form = scheme.tiled_bias(qpos, pos, layer, torch.float32)
+            if form is None:
+                continue
+            took += 1
+            want = scheme.bias(q, k, qpos, pos, layer).float().expand(1, H, *seen.shape)
+            gap = (kernels.dense(form) - want)[..., seen].abs().max().item()
+            if not gap <= 1e-5 * (1 + want[..., seen].abs().max().item()):
+                raise CheckFailed(
+                    f"tiled_bias stands for a bias that differs from `bias` by up to {gap:.2g} "
+                    f"(layer {layer}, queries from {q0}, T={T})"
+                )
+    if not took:
+        return f"tiled_bias declined every call here, so the triton backend reads its bias dense (T={T})"
+    return f"tiled_bias stands for its bias within 1e-5 in every layer (T={T}, whole and a block)"
+
+
+@torch.no_grad()
 def variants_hold(model: TransformerLM, T: int) -> str:
     """Under each evaluation-time variant the model takes (its scheme's own and the training-free
     ones of posbench/schemes/training_free.py), earlier logits stay unchanged when a later token
@@ -344,6 +378,9 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
     def attend():
         return attend_agrees(got["model"].train(), L * 5 // 2 if supports(got["model"], L * 5 // 2) else L)
 
+    def tiled():
+        return tiled_agrees(got["model"].eval(), L * 5 // 2 if supports(got["model"], L * 5 // 2) else L)
+
     def variants():
         return variants_hold(got["model"].eval(), L * 5 // 2 if supports(got["model"], L * 5 // 2) else L)
 
@@ -355,6 +392,7 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
         ("beyond length", beyond, ("build",)),
         ("window", window, ("build",)),
         ("attend", attend, ("build",)),
+        ("tiled bias", tiled, ("build",)),
         ("variants", variants, ("build",)),
     ]
     passed: dict[str, bool] = {}

@@ -153,3 +153,53 @@ def test_cuda_eval_memory_under_flex_is_read_after_the_first_forward_which_is_ti
     mb = eval_peak_memory_mb(model, 256)
     assert first > 0 and 0 < mb
     assert eval_peak_memory_mb(model, 256) == pytest.approx(mb, rel=0.05)  # compiled once: the same peak again
+
+
+# --- posbench's Triton kernels (model.attention=triton) ------------------------------------------
+
+
+def _triton_against_eager(model, x, block):
+    results = []
+    for backend in ("eager", "triton"):
+        model.cfg = dataclasses.replace(model.cfg, attention=backend)
+        results.append(_outputs_and_grads(model, x, block))
+    return results
+
+
+@pytest.mark.parametrize("scheme", ALL)
+@pytest.mark.parametrize("T", [40, 150])  # within one tile of 64, and across three
+def test_cuda_triton_equals_eager_in_outputs_and_gradients(scheme, T):
+    model = check.tiny_model(scheme, train_len=T, d_model=64).cuda().train()  # head_dim 16
+    x = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0)).cuda()
+    (y0, g0), (y1, g1) = _triton_against_eager(model, x, 48)
+    assert torch.allclose(y1, y0, atol=2e-5), (y1 - y0).abs().max()
+    assert torch.allclose(g1, g0, atol=2e-5), (g1 - g0).abs().max()
+
+
+@pytest.mark.parametrize("scheme", ["nope", "alibi", "t5", "kerple_log", "fire", "xl"])
+def test_cuda_triton_trains_under_bf16_autocast_as_eager_does(scheme):
+    """At a head of 64 and 300 tokens (five tiles), in bf16: the gradients of every parameter
+    within bf16's rounding of eager's (relative to the whole gradient vector)."""
+    model = check.tiny_model(scheme, train_len=300, d_model=256, n_head=4).cuda().train()
+    x = torch.randint(0, 256, (4, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (y0, g0), (y1, g1) = _triton_against_eager(model, x, 10_000)
+    assert torch.isfinite(g1).all()
+    assert ((y1.float() - y0.float()).norm() / y0.float().norm()).item() < 2e-2
+    assert ((g1 - g0).norm() / g0.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "t5", "kerple_log", "fire"])
+def test_cuda_triton_takes_a_table_or_fires_lines_whole_and_never_dense(scheme, monkeypatch):
+    from posbench.schemes.fire import FIRE
+
+    model = check.tiny_model(scheme, train_len=64, d_model=64).cuda().train()
+    model.cfg = dataclasses.replace(model.cfg, attention="triton")
+    monkeypatch.setattr(DistanceTable, "dense", lambda *a: pytest.fail("triton built a table's dense bias"))
+    monkeypatch.setattr(FIRE, "bias", lambda *a: pytest.fail("triton built FIRE's dense bias"))
+    calls = []
+    real = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda *a: calls.append(a[0].size(2)) or real(*a))
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    _outputs_and_grads(model, x, 16)
+    assert set(calls) == {64}

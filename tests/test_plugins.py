@@ -222,6 +222,28 @@ class DropsKGrad(PositionalScheme):
         return F.scaled_dot_product_attention(q, k.detach(), v, is_causal=True)
 """
 
+WRONG_TILES = """
+import torch
+from posbench.schemes import PositionalScheme
+from posbench.schemes.distance import DistanceTable
+
+class WrongTiles(PositionalScheme):
+    # a distance bias whose table for the triton backend is off by one distance
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.slope = torch.nn.Parameter(torch.tensor(0.5))
+
+    def bias(self, q, k, qpos, kpos, layer):
+        return -self.slope * (qpos[:, None] - kpos[None, :]).float()[None, None]
+
+    def tiled_bias(self, qpos, kpos, layer, dtype):
+        lo = int(qpos.min() - kpos.max())
+        d = torch.arange(lo, int(qpos.max() - kpos.min()) + 1).float()
+        values = -self.slope * (d + 1)  # (n,): the slope at the next distance
+        return DistanceTable(values.expand(self.cfg.n_head, -1), lo, qpos, kpos, dtype)
+"""
+
 # scheme -> the checks it must fail (the others must pass), and a phrase of the reason
 BREAKS = {
     "Leaky": (LEAKY, {"causality"}, "the future leaks into the past"),
@@ -230,6 +252,7 @@ BREAKS = {
     "Cliff": (CLIFF, {"beyond length"}, "non-finite logits at length 64"),
     "SkipsBias": (SKIPS_BIAS, {"attend"}, "attend's logits differ from the eager formula's"),
     "DropsKGrad": (DROPS_K_GRAD, {"attend"}, "attend's gradient of tok.weight differs from the eager formula's"),
+    "WrongTiles": (WRONG_TILES, {"tiled bias"}, "tiled_bias stands for a bias that differs from `bias`"),
 }
 
 
@@ -240,7 +263,7 @@ def test_check_scheme_names_the_check_that_fails(on_path, name):
     res = invoke("check-scheme", f"{module}:{name}")
     assert res.exit_code == 1, res.output
     assert "Traceback" not in res.output
-    order = ["build", "causality", "forward", "backward", "beyond length", "attend"]
+    order = ["build", "causality", "forward", "backward", "beyond length", "attend", "tiled bias"]
     for c in order:
         assert row(res.output, c) == ("FAIL" if c in failing else "pass"), c
     assert reason in " ".join(res.output.replace("│", " ").split()), res.output

@@ -44,6 +44,19 @@ class Lines:
     kpos: torch.Tensor
 
 
+def dense(form) -> torch.Tensor:
+    """The (1, H, Tq, Tk) fp32 bias that a DistanceTable or Lines stands for, in plain torch: what
+    the kernels compute inside their tiles (`posbench check-scheme` holds a scheme's `tiled_bias`
+    to its `bias` through it)."""
+    if not isinstance(form, Lines):
+        return form.dense().float()
+    dist = (form.qpos[:, None] - form.kpos[None, :]).clamp(min=0).float()  # (Tq, Tk)
+    norm = torch.maximum(form.qpos.float(), form.threshold)  # (Tq,)
+    x = torch.log1p(form.c * dist) / (torch.log1p(form.c * norm) + form.eps)[:, None]  # (Tq, Tk)
+    seg = torch.bucketize(x.detach(), form.kinks)  # (Tq, Tk): the kinks below each x
+    return (form.A.T[:, seg] * x + form.C.T[:, seg]).unsqueeze(0)
+
+
 def why_not(device: torch.device) -> Optional[str]:
     """Why the kernels cannot run on `device`, in one line (None: they can)."""
     if importlib.util.find_spec("triton") is None:

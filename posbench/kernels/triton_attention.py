@@ -8,7 +8,7 @@ only a tile at a time. The bias of a tile is one of:
   NONE    nothing (NoPE, RoPE)
   SLOPES  -slope[h] * (qpos[i] - kpos[j])                              ALiBi
   TABLE   values[h, qpos[i] - kpos[j] - lo]                            T5, KERPLE: a table over distances
-  FIRE    A[h, s] * x + C[h, s],  x = log(1 + c d) / (log(1 + c max(qpos[i], thr)) + eps),
+  FIRE    A[h, s] * x + C[h, s],  x = log1p(c d) / (log1p(c max(qpos[i], thr)) + eps),
           d = max(qpos[i] - kpos[j], 0), s = the number of kinks below x   FIRE's MLP as its lines
   DENSE   bias[b, h, i, j], read from memory, for every other scheme (its batch stride 0 when shared)
 
@@ -29,14 +29,23 @@ NONE, SLOPES, TABLE, FIRE, DENSE = (tl.constexpr(mode) for mode in range(5))
 
 
 @triton.jit
+def _log1p(y):
+    """log(1 + y) to within rounding for small y too, as torch.log1p (Kahan's correction), so
+    that x lands on the same side of a kink as FIRE.bias's does."""
+    u = 1.0 + y
+    exact = u == 1.0
+    return tl.where(exact, y, tl.log(u) * (y / tl.where(exact, 1.0, u - 1.0)))
+
+
+@triton.jit
 def _fire_x(qp, kp, FIREP, eps):
     """x (BM, BN) for FIRE, and the pieces its gradient reuses."""
     c = tl.load(FIREP)
     thr = tl.load(FIREP + 1)
     dist = tl.maximum(qp[:, None] - kp[None, :], 0).to(tl.float32)  # (BM, BN); the future is masked
     norm = tl.maximum(qp.to(tl.float32), thr)  # (BM,)
-    u = tl.log(1.0 + c * dist)  # (BM, BN)
-    w = tl.log(1.0 + c * norm) + eps  # (BM,)
+    u = _log1p(c * dist)  # (BM, BN)
+    w = _log1p(c * norm) + eps  # (BM,)
     return u / w[:, None], dist, norm, u, w, c, thr
 
 
