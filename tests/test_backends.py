@@ -170,7 +170,7 @@ def test_an_unknown_backend_is_refused_by_the_config():
 needs_triton = pytest.mark.skipif(not TRITON, reason="Triton is not installed (the kernels extra)")
 
 
-def kernel_against_eager(form, bias, params, q0=0, Tq=40, T=40, seed=0):
+def kernel_against_eager(form, bias, params, q0=0, Tq=100, T=100, seed=0):
     """The largest gaps between the Triton kernels and the eager formula: the output, then each
     gradient of q, k, v and `params`, each relative to its largest value; and the eager gradients."""
     gen = torch.Generator().manual_seed(seed)
@@ -189,11 +189,11 @@ def kernel_against_eager(form, bias, params, q0=0, Tq=40, T=40, seed=0):
 
 @needs_triton
 @pytest.mark.parametrize("step", [1, 3])  # positions that run on by one (diagonals), and with gaps
-@pytest.mark.parametrize("q0", [0, 24])  # all queries, and the last 16 as a block
+@pytest.mark.parametrize("q0", [0, 60])  # all queries, and the last 40 as a block
 def test_triton_sums_a_tables_gradient_by_distance_whatever_the_positions(step, q0):
     from posbench.schemes.distance import DistanceTable
 
-    T = 40
+    T = 100  # tiles of 32 (the interpreter's): diagonal, unmasked and partial ones
     pos = torch.arange(T) * step
     qpos = pos[q0:]
     lo = int(qpos.min() - pos.max())
@@ -209,7 +209,7 @@ def test_triton_sums_a_tables_gradient_by_distance_whatever_the_positions(step, 
 @needs_triton
 @pytest.mark.parametrize("rows", [1, 2])  # a bias the batch shares (its gradient summed), one per row
 def test_triton_reads_a_dense_bias_and_returns_its_gradient(rows):
-    bias = torch.randn(rows, 3, 40, 40, requires_grad=True)
+    bias = torch.randn(rows, 3, 100, 100, requires_grad=True)
     gaps, _ = kernel_against_eager(bias, lambda: bias, [bias])
     assert max(gaps) <= 1e-5, gaps
 
@@ -225,7 +225,7 @@ def test_triton_computes_fires_bias_and_the_gradient_of_every_fire_parameter(L_m
     with torch.no_grad():
         fire.L_mult.fill_(L_mult)
         fire.mlp[0][0].bias.add_(torch.randn(32))  # kinks inside [0, 1], so tiles meet several segments
-    pos = torch.arange(40)
+    pos = torch.arange(100)
     params = [fire.c, fire.L_mult, *fire.mlp[0].parameters()]
     form = fire.tiled_bias(pos, pos, 0, torch.float32)
     assert form.threshold.item() == pytest.approx(8 * L_mult)

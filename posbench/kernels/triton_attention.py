@@ -68,11 +68,17 @@ def _tile_scores(
     q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
     SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
     BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr,
+    BLOCK: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """The tile's scores q.k * scale + bias (fp32, (BM, BN)), -inf where a key is unseen, and
-    which pairs count: seen, by a query below Tq (the rows past it are computed, never stored)."""
-    seen = ((q0 + rows)[:, None] >= cols[None, :]) & (cols[None, :] < Tk)
-    visible = seen & (rows[:, None] < Tq)
+    """The tile's scores q.k * scale + bias (fp32, (BM, BN)) and which pairs count: seen, by a
+    query below Tq (rows past it are computed, never stored). MASKED: some pair of the tile is
+    unseen or out of range, and its score is -inf; else every pair counts, and no mask is made."""
+    if MASKED:
+        seen = ((q0 + rows)[:, None] >= cols[None, :]) & (cols[None, :] < Tk)
+        visible = seen & (rows[:, None] < Tq)
+    else:
+        seen = tl.full((BLOCK, BLOCK), 1, tl.int1)
+        visible = seen
     s = tl.dot(q, tl.trans(k), input_precision=DOT) * scale
     if BIAS == SLOPES:
         s += -tl.load(SLOPES_ + h) * (qp[:, None] - kp[None, :]).to(tl.float32)
@@ -85,8 +91,38 @@ def _tile_scores(
         s += tl.load(A + h * S + seg) * x + tl.load(C + h * S + seg)
     elif BIAS == DENSE:
         at = BIASP + b * sbb + h * sbh + rows[:, None] * sbt + cols[None, :] * sbk
-        s += tl.load(at, mask=visible, other=0.0).to(tl.float32)
-    return tl.where(seen, s, -float("inf")), visible
+        if MASKED:
+            s += tl.load(at, mask=visible, other=0.0).to(tl.float32)
+        else:
+            s += tl.load(at).to(tl.float32)
+    if MASKED:
+        s = tl.where(seen, s, -float("inf"))
+    return s, visible
+
+
+@triton.jit
+def _forward_step(
+    acc, m_i, l_i, q, qp, n0, bh, b, h, rows, dims, K, V, KPOS,
+    Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+    D: tl.constexpr, BLOCK: tl.constexpr, BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr,
+    DOT: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One tile of keys n0.. into the running softmax (m_i, l_i) and output acc."""
+    cols = n0 + tl.arange(0, BLOCK)  # (BN,)
+    kmask = (cols[:, None] < Tk) & (dims[None, :] < D)
+    k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+    v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+    kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
+    s, _ = _tile_scores(
+        q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
+        SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT, BLOCK, MASKED,
+    )  # fmt: skip
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is every row's
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -96,6 +132,8 @@ def forward_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
+    """Output and log-sum-exp for BLOCK queries: first the tiles of keys every one of them sees,
+    unmasked, then the diagonal's."""
     m0 = tl.program_id(0) * BLOCK
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -107,27 +145,92 @@ def forward_kernel(
     m_i = tl.full((BLOCK,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK,), tl.float32)
     acc = tl.zeros((BLOCK, BLOCK_D), tl.float32)
-    end = tl.minimum(Tk, q0 + m0 + BLOCK)  # the last query of the block sees keys below it
-    for n0 in range(0, end, BLOCK):
-        cols = n0 + tl.arange(0, BLOCK)  # (BN,)
-        kmask = (cols[:, None] < Tk) & dmask
-        k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
-        v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
-        kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
-        s, _ = _tile_scores(
-            q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
-            SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT,
+    end = tl.minimum(Tk, q0 + m0 + BLOCK)  # the block's last query sees the keys below it
+    full = ((q0 + m0 + 1) // BLOCK) * BLOCK  # its first query, every key below this
+    for n0 in range(0, full, BLOCK):
+        acc, m_i, l_i = _forward_step(
+            acc, m_i, l_i, q, qp, n0, bh, b, h, rows, dims, K, V, KPOS,
+            Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+            D, BLOCK, BIAS, S, KW, DOT, False,
         )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is every row's
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT)
-        m_i = m_new
+    for n0 in range(full, end, BLOCK):
+        acc, m_i, l_i = _forward_step(
+            acc, m_i, l_i, q, qp, n0, bh, b, h, rows, dims, K, V, KPOS,
+            Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+            D, BLOCK, BIAS, S, KW, DOT, True,
+        )  # fmt: skip
     out = acc / l_i[:, None]
     at = OUT + (bh * Tq + rows[:, None]) * D + dims[None, :]
     tl.store(at, out.to(OUT.dtype.element_ty), mask=(rows[:, None] < Tq) & dmask)
     tl.store(LSE + bh * Tq + rows, m_i + tl.log(l_i), mask=rows < Tq)
+
+
+@triton.jit
+def _kv_step(
+    dk, dv, d_c, d_thr, k, v, kp, k_off, m0, n0, bh, b, h, cols, dims, Q, DO, LSE, DELTA, QPOS, KPOS,
+    DVALUES, DA, DC, DBIAS,
+    Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+    D: tl.constexpr, BLOCK: tl.constexpr, BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr,
+    DOT: tl.constexpr, MASKED: tl.constexpr, LEARNED: tl.constexpr, SHARED: tl.constexpr,
+):  # fmt: skip
+    """One tile of queries m0.. into dk and dv, and with LEARNED into the bias's gradient."""
+    rows = m0 + tl.arange(0, BLOCK)  # (BM,)
+    qmask = (rows[:, None] < Tq) & (dims[None, :] < D)
+    q = tl.load(Q + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
+    do = tl.load(DO + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
+    lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
+    delta = tl.load(DELTA + bh * Tq + rows, mask=rows < Tq, other=0.0)
+    qp = tl.load(QPOS + rows, mask=rows < Tq, other=0)
+    s, visible = _tile_scores(
+        q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
+        SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT, BLOCK, MASKED,
+    )  # fmt: skip
+    p = tl.exp(s - lse[:, None])  # (BM, BN)
+    if MASKED:
+        p = tl.where(visible, p, 0.0)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT) - delta[:, None])  # (BM, BN): the scores' gradient
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT)
+    if LEARNED:
+        if BIAS == DENSE:
+            at = rows[:, None] * Tk + cols[None, :]
+            inside = (rows[:, None] < Tq) & (cols[None, :] < Tk)
+            if SHARED:
+                tl.atomic_add(DBIAS + h * Tq * Tk + at, ds, mask=inside)
+            else:
+                tl.store(DBIAS + bh * Tq * Tk + at, ds, mask=inside)
+        elif BIAS == TABLE:
+            # on a tile whose positions run on by one, pairs with one distance lie on one
+            # diagonal: gather the diagonals as rows of a (2 BLOCK, BLOCK) tile and sum them
+            lane = tl.arange(0, BLOCK)
+            q_off = tl.sum(tl.where(rows < Tq, qp != tl.load(QPOS + m0) + lane, 0).to(tl.int32))
+            if k_off + q_off == 0:
+                diag = tl.arange(0, 2 * BLOCK)  # (2B,): r - c = diag - (BLOCK - 1)
+                r = lane[None, :] + diag[:, None] - (BLOCK - 1)  # (2B, BN): the row on that diagonal
+                on = (r >= 0) & (r < BLOCK)
+                sums = tl.sum(tl.where(on, tl.gather(ds, tl.where(on, r, 0), axis=0), 0.0), axis=1)  # (2B,)
+                col = tl.load(QPOS + m0) - tl.load(KPOS + n0) + diag - (BLOCK - 1) - lo
+                ok = (diag < 2 * BLOCK - 1) & (col >= 0) & (col < n_values)
+                tl.atomic_add(DVALUES + h * n_values + col, sums, mask=ok)
+            else:
+                idx = tl.minimum(tl.maximum(qp[:, None] - kp[None, :] - lo, 0), n_values - 1)
+                tl.atomic_add(DVALUES + h * n_values + idx, ds, mask=visible)
+        elif BIAS == FIRE:
+            x, dist, norm, u, w, c, thr = _fire_x(qp, kp, FIREP, eps)
+            seg, seg_lo, seg_hi = _fire_segments(x, visible, KINKS, KW)
+            for sg in range(seg_lo, seg_hi + 1):
+                on = visible & (seg == sg)
+                tl.atomic_add(DA + h * S + sg, tl.sum(tl.where(on, ds * x, 0.0)))
+                tl.atomic_add(DC + h * S + sg, tl.sum(tl.where(on, ds, 0.0)))
+            dx = ds * tl.load(A + h * S + seg)  # (BM, BN): the gradient of x
+            # x = u / w: dx/dc from u = log1p(c d) and w = log1p(c norm) + eps
+            dw = norm / (1.0 + c * norm) / (w * w)  # (BM,): -(d x / d c) through w, over u
+            d_c += tl.sum(dx * (dist / (1.0 + c * dist) / w[:, None] - u * dw[:, None]))
+            # norm = max(qpos, thr): thr's share, half at a tie as torch.maximum's gradient
+            qf = qp.to(tl.float32)
+            share = (thr > qf).to(tl.float32) + 0.5 * (thr == qf).to(tl.float32)
+            d_thr += tl.sum(dx * u * (-c / (1.0 + c * norm) / (w * w) * share)[:, None])
+    return dk, dv, d_c, d_thr
 
 
 @triton.jit
@@ -140,14 +243,15 @@ def backward_kv_kernel(
     LEARNED: tl.constexpr, SHARED: tl.constexpr,
 ):  # fmt: skip
     """dk and dv for BLOCK keys; with LEARNED, the bias's gradient from every tile they meet
-    (DENSE's into DBIAS, (B or 1, H, Tq, Tk) fp32, added across the batch where SHARED)."""
+    (DENSE's into DBIAS, (B or 1, H, Tq, Tk) fp32, added across the batch where SHARED). The
+    tiles of queries go in three runs: the diagonal's (masked), those that see every key of the
+    block (unmasked), and a last one past Tq (masked)."""
     n0 = tl.program_id(0) * BLOCK
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     cols = n0 + tl.arange(0, BLOCK)  # (BN,)
     dims = tl.arange(0, BLOCK_D)
-    dmask = dims[None, :] < D
-    kmask = (cols[:, None] < Tk) & dmask
+    kmask = (cols[:, None] < Tk) & (dims[None, :] < D)
     k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
     v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
     kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
@@ -156,63 +260,30 @@ def backward_kv_kernel(
     dv = tl.zeros((BLOCK, BLOCK_D), tl.float32)
     d_c = 0.0
     d_thr = 0.0
-    first = (tl.maximum(n0 - q0, 0) // BLOCK) * BLOCK  # the first block of queries that sees one of them
-    for m0 in range(first, Tq, BLOCK):
-        rows = m0 + tl.arange(0, BLOCK)  # (BM,)
-        qmask = (rows[:, None] < Tq) & dmask
-        q = tl.load(Q + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
-        do = tl.load(DO + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
-        lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
-        delta = tl.load(DELTA + bh * Tq + rows, mask=rows < Tq, other=0.0)
-        qp = tl.load(QPOS + rows, mask=rows < Tq, other=0)
-        s, visible = _tile_scores(
-            q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
-            SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT,
+    first = (tl.maximum(n0 - q0, 0) // BLOCK) * BLOCK  # the first tile of queries that sees one of them
+    seen_all = ((tl.maximum(n0 + BLOCK - 1 - q0, 0) + BLOCK - 1) // BLOCK) * BLOCK  # from here on, all
+    whole = (Tq // BLOCK) * BLOCK  # tiles below this lie inside Tq
+    for m0 in range(first, tl.minimum(seen_all, Tq), BLOCK):
+        dk, dv, d_c, d_thr = _kv_step(
+            dk, dv, d_c, d_thr, k, v, kp, k_off, m0, n0, bh, b, h, cols, dims, Q, DO, LSE, DELTA, QPOS, KPOS,
+            DVALUES, DA, DC, DBIAS,
+            Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+            D, BLOCK, BIAS, S, KW, DOT, True, LEARNED, SHARED,
         )  # fmt: skip
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # (BM, BN)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT)
-        # (BM, BN): the scores' gradient, 0 where unseen
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT) - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT)
-        if LEARNED:
-            if BIAS == DENSE:
-                at = rows[:, None] * Tk + cols[None, :]
-                inside = (rows[:, None] < Tq) & (cols[None, :] < Tk)
-                if SHARED:
-                    tl.atomic_add(DBIAS + h * Tq * Tk + at, ds, mask=inside)
-                else:
-                    tl.store(DBIAS + bh * Tq * Tk + at, ds, mask=inside)
-            elif BIAS == TABLE:
-                # on a tile whose positions run on by one, pairs with one distance lie on one
-                # diagonal: gather the diagonals as rows of a (2 BLOCK, BLOCK) tile and sum them
-                lane = tl.arange(0, BLOCK)
-                q_off = tl.sum(tl.where(rows < Tq, qp != tl.load(QPOS + m0) + lane, 0).to(tl.int32))
-                if k_off + q_off == 0:
-                    diag = tl.arange(0, 2 * BLOCK)  # (2B,): r - c = diag - (BLOCK - 1)
-                    r = lane[None, :] + diag[:, None] - (BLOCK - 1)  # (2B, BN): the row on that diagonal
-                    on = (r >= 0) & (r < BLOCK)
-                    sums = tl.sum(tl.where(on, tl.gather(ds, tl.where(on, r, 0), axis=0), 0.0), axis=1)  # (2B,)
-                    col = tl.load(QPOS + m0) - tl.load(KPOS + n0) + diag - (BLOCK - 1) - lo
-                    ok = (diag < 2 * BLOCK - 1) & (col >= 0) & (col < n_values)
-                    tl.atomic_add(DVALUES + h * n_values + col, sums, mask=ok)
-                else:
-                    idx = tl.minimum(tl.maximum(qp[:, None] - kp[None, :] - lo, 0), n_values - 1)
-                    tl.atomic_add(DVALUES + h * n_values + idx, ds, mask=visible)
-            elif BIAS == FIRE:
-                x, dist, norm, u, w, c, thr = _fire_x(qp, kp, FIREP, eps)
-                seg, seg_lo, seg_hi = _fire_segments(x, visible, KINKS, KW)
-                for sg in range(seg_lo, seg_hi + 1):
-                    on = visible & (seg == sg)
-                    tl.atomic_add(DA + h * S + sg, tl.sum(tl.where(on, ds * x, 0.0)))
-                    tl.atomic_add(DC + h * S + sg, tl.sum(tl.where(on, ds, 0.0)))
-                dx = ds * tl.load(A + h * S + seg)  # (BM, BN): the gradient of x
-                # x = u / w: dx/dc from u = log(1 + c d) and w = log(1 + c norm) + eps
-                dw = norm / (1.0 + c * norm) / (w * w)  # (BM,): -(d x / d c) through w, over u
-                d_c += tl.sum(dx * (dist / (1.0 + c * dist) / w[:, None] - u * dw[:, None]))
-                # norm = max(qpos, thr): thr's share, half at a tie as torch.maximum's gradient
-                qf = qp.to(tl.float32)
-                share = (thr > qf).to(tl.float32) + 0.5 * (thr == qf).to(tl.float32)
-                d_thr += tl.sum(dx * u * (-c / (1.0 + c * norm) / (w * w) * share)[:, None])
+    for m0 in range(seen_all, whole, BLOCK):
+        dk, dv, d_c, d_thr = _kv_step(
+            dk, dv, d_c, d_thr, k, v, kp, k_off, m0, n0, bh, b, h, cols, dims, Q, DO, LSE, DELTA, QPOS, KPOS,
+            DVALUES, DA, DC, DBIAS,
+            Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+            D, BLOCK, BIAS, S, KW, DOT, False, LEARNED, SHARED,
+        )  # fmt: skip
+    for m0 in range(tl.maximum(seen_all, whole), Tq, BLOCK):
+        dk, dv, d_c, d_thr = _kv_step(
+            dk, dv, d_c, d_thr, k, v, kp, k_off, m0, n0, bh, b, h, cols, dims, Q, DO, LSE, DELTA, QPOS, KPOS,
+            DVALUES, DA, DC, DBIAS,
+            Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+            D, BLOCK, BIAS, S, KW, DOT, True, LEARNED, SHARED,
+        )  # fmt: skip
     if LEARNED:
         if BIAS == FIRE:
             tl.atomic_add(DFIREP, d_c)
@@ -222,20 +293,43 @@ def backward_kv_kernel(
 
 
 @triton.jit
+def _q_step(
+    dq, q, do, lse, delta, qp, n0, bh, b, h, rows, dims, K, V, KPOS,
+    Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+    D: tl.constexpr, BLOCK: tl.constexpr, BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr,
+    DOT: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One tile of keys n0.. into dq."""
+    cols = n0 + tl.arange(0, BLOCK)
+    kmask = (cols[:, None] < Tk) & (dims[None, :] < D)
+    k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+    v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+    kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
+    s, visible = _tile_scores(
+        q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
+        SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT, BLOCK, MASKED,
+    )  # fmt: skip
+    p = tl.exp(s - lse[:, None])  # rows past Tq may overflow here: theirs alone, never stored
+    if MASKED:
+        p = tl.where(visible, p, 0.0)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT) - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT)
+
+
+@triton.jit
 def backward_q_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, QPOS, KPOS, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
     H, Tq, Tk, q0, lo, n_values, scale, eps,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
-    """dq for BLOCK queries."""
+    """dq for BLOCK queries, over their tiles of keys as the forward walks them."""
     m0 = tl.program_id(0) * BLOCK
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     rows = m0 + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
-    dmask = dims[None, :] < D
-    qmask = (rows[:, None] < Tq) & dmask
+    qmask = (rows[:, None] < Tq) & (dims[None, :] < D)
     q = tl.load(Q + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
     do = tl.load(DO + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
     lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
@@ -243,17 +337,17 @@ def backward_q_kernel(
     qp = tl.load(QPOS + rows, mask=rows < Tq, other=0)
     dq = tl.zeros((BLOCK, BLOCK_D), tl.float32)
     end = tl.minimum(Tk, q0 + m0 + BLOCK)
-    for n0 in range(0, end, BLOCK):
-        cols = n0 + tl.arange(0, BLOCK)
-        kmask = (cols[:, None] < Tk) & dmask
-        k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
-        v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
-        kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
-        s, visible = _tile_scores(
-            q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
-            SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT,
+    full = ((q0 + m0 + 1) // BLOCK) * BLOCK
+    for n0 in range(0, full, BLOCK):
+        dq = _q_step(
+            dq, q, do, lse, delta, qp, n0, bh, b, h, rows, dims, K, V, KPOS,
+            Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+            D, BLOCK, BIAS, S, KW, DOT, False,
         )  # fmt: skip
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT)
+    for n0 in range(full, end, BLOCK):
+        dq = _q_step(
+            dq, q, do, lse, delta, qp, n0, bh, b, h, rows, dims, K, V, KPOS,
+            Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+            D, BLOCK, BIAS, S, KW, DOT, True,
+        )  # fmt: skip
     tl.store(DQ + (bh * Tq + rows[:, None]) * D + dims[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
