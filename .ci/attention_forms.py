@@ -1,18 +1,20 @@
 """One attention call's forward and backward, timed in each form a bias could take on a GPU.
 
     python .ci/attention_forms.py              # CUDA, GPT-2-small's attention: B 16, H 12, T 1024, D 64, bf16
-    python .ci/attention_forms.py --small      # a seconds-long check of every form (on a CPU: flex forward only)
+    python .ci/attention_forms.py --small      # a check of every form, no warm-up (on a CPU: flex forward only,
+                                               # posbench's Triton kernels under TRITON_INTERPRET=1)
 
 The forms posbench runs (sdpa's flash kernel for NoPE, flex with a table, ALiBi's slopes,
-BiasedAttention for a learned dense bias, and its own Triton kernels at their tiles and warps and
-at others) beside forms it could run (a learned table copied per
-batch row, or per row and block of 128 queries, so that fewer of flex's atomic additions meet
-in one cell; SDPA's memory-efficient kernel, which returns a dense bias's gradient). Two lines
-time a bias alone: a learned table made dense, and FIRE's bias in three forms (its lines with
-index_select or SegmentGather, its MLP). Each line: milliseconds a call (the mean of 10 after
-2 warm-ups, every gradient cleared before each), its ratio to the first form, the first call's
-seconds (compiling), and for a candidate whether its output and every gradient it takes equal
-the form it would replace. A form this torch cannot run says why in one line; the others run.
+BiasedAttention for a learned dense bias, posbench's own Triton kernels at their tiles and warps
+and at others) beside forms it could run (a learned table copied per batch row, or per row and
+block of 128 queries, so that fewer of flex's atomic additions meet in one cell; SDPA's
+memory-efficient kernel, which returns a dense bias's gradient). Two lines time a bias alone: a
+learned table made dense, and FIRE's bias in three forms (its lines with index_select or
+SegmentGather, its MLP). Each line: milliseconds a call (the mean of 10 after 2 warm-ups; with
+--small of 2 after none), every gradient cleared before each, its ratio to the first form, the
+first call's seconds (compiling), and for a candidate whether its output and every gradient it
+takes equal the form it would replace. A form this torch cannot run says why in one line; the
+others run.
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ from posbench.schemes.distance import DistanceTable  # noqa: E402
 from posbench.schemes.fire import SegmentGather, as_lines, mlp_lines  # noqa: E402
 
 
-def timed(step, sync, reps: int):
+def timed(step, sync, reps: int, warmups: int = 2):
     start = time.perf_counter()
     step()
     sync()
     first = time.perf_counter() - start
-    for _ in range(2):
+    for _ in range(warmups):
         step()
     sync()
     start = time.perf_counter()
@@ -249,7 +251,8 @@ def main() -> None:
         train = backward or any_device
         inputs = qkv if train else [t.detach() for t in qkv]  # flex's forward on a CPU refuses a grad
         try:
-            ms, first = timed(lambda call=call, train=train, inputs=inputs: run(call, train, inputs), sync, reps)
+            step = lambda call=call, train=train, inputs=inputs: run(call, train, inputs)  # noqa: E731
+            ms, first = timed(step, sync, reps, warmups=0 if args.small else 2)
         except Exception as e:  # a form this torch cannot run: said, and the others run
             print(f"{name}: cannot run here: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}", flush=True)
             continue

@@ -211,7 +211,7 @@ TrackerOpt = Annotated[
     Optional[str], typer.Option(help="also send each run to tensorboard, wandb, mlflow or trackio (train.tracker)")
 ]
 AttentionOpt = Annotated[
-    Optional[str], typer.Option(help="attention backend: auto, eager, sdpa, native or flex (model.attention)")
+    Optional[str], typer.Option(help="attention backend: auto, eager, sdpa, native, flex or triton (model.attention)")
 ]
 # a flag: `--compile` alone turns it on; metavar "" keeps the help from showing a value to type
 Compile = Annotated[
@@ -771,7 +771,9 @@ def bench(
     ] = None,
     attention: Annotated[
         Optional[str],
-        typer.Option(help="attention backend: auto, eager, sdpa, native or flex; several (sdpa,flex) side by side"),
+        typer.Option(
+            help="attention backend: auto, eager, sdpa, native, flex or triton; several (sdpa,flex) side by side"
+        ),
     ] = None,
     rounds: Annotated[
         Optional[int],

@@ -3,9 +3,11 @@
 import dataclasses
 
 import pytest
+import torch
 import yaml
 from conftest import invoke
 
+from posbench import kernels
 from posbench.config import (
     ExperimentConfig,
     ModelConfig,
@@ -366,7 +368,8 @@ def test_the_gpu_forms_time_one_attention_call_in_each_form(gpu_script, tmp_path
 def test_the_attention_forms_run_here_small_and_each_candidate_equals_the_form_it_would_replace():
     """.ci/attention_forms.py --small on this CPU: a line for every form (flex forward only; SDPA's
     memory-efficient kernel has no CPU form, so it says why), and every candidate's output equals
-    the one it would replace (a per-row table, ALiBi's slopes, FIRE's gathers and MLP)."""
+    the one it would replace (a per-row table, ALiBi's slopes, FIRE's gathers and MLP, and
+    posbench's Triton kernels in their interpreter, in outputs and gradients)."""
     import subprocess
     import sys
 
@@ -374,19 +377,25 @@ def test_the_attention_forms_run_here_small_and_each_candidate_equals_the_form_i
         [sys.executable, str(ROOT / ".ci" / "attention_forms.py"), "--small", "--device", "cpu"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("cpu: B 2, H 2, T 64, D 16") and len(lines) == 14
+    assert lines[0].startswith("cpu: B 2, H 2, T 64, D 16") and len(lines) == 25
     assert "memory-efficient kernel, a learned dense bias: cannot run here" in done.stdout
     assert "DIFFERS" not in done.stdout
-    candidates = ["table per batch row:", "and 128 queries:", "from its slopes:", "SegmentGather:", "its MLP:"]
+    candidates = ["table per batch row:", "and 128 queries:", "flex, ALiBi from its slopes:", "SegmentGather:"]
+    candidates += ["its MLP:"]
+    if kernels.why_not(torch.device("cpu")) is None:  # Triton's interpreter, as conftest sets it
+        candidates += ["triton, no bias:", "triton, a learned table (T5, KERPLE):", "triton, FIRE's lines:"]
+        candidates += ["triton, a learned dense bias:", "triton, ALiBi from its slopes:"]
     for candidate in [*candidates, "flex, no bias:", "memory-efficient kernel"]:
         (line,) = [x for x in lines if candidate in x]
         assert candidate == "memory-efficient kernel" or (" ms (" in line and "; equal to " in line), line
     (fire,) = [x for x in lines if "SegmentGather:" in x]
     assert "in the output and 4 gradients" in fire  # FIRE's MLP's weights and biases, compared
+    if kernels.why_not(torch.device("cpu")) is None:  # q, k, v, FIRE's MLP, its c and threshold
+        assert "in the output and 9 gradients" in [x for x in lines if "triton, FIRE's lines:" in x][0]
 
 
 def test_the_gpu_study_brings_back_its_records_without_the_weights(gpu_script, tmp_path):
