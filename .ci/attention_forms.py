@@ -3,6 +3,7 @@
     python .ci/attention_forms.py              # CUDA, GPT-2-small's attention: B 16, H 12, T 1024, D 64, bf16
     python .ci/attention_forms.py --small      # a check of every form, no warm-up (on a CPU: flex forward only,
                                                # posbench's Triton kernels under TRITON_INTERPRET=1)
+    python .ci/attention_forms.py --only triton  # the forms named so, and those they are checked against
 
 The forms posbench runs (sdpa's flash kernel for NoPE, flex with a table, ALiBi's slopes,
 BiasedAttention for a learned dense bias, posbench's own Triton kernels at their tiles and warps
@@ -54,6 +55,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="B 2, H 2, T 64, D 16, 2 timed calls")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated words: only the forms whose names hold one, the forms they are checked "
+        "against, and the first (the ratios' base)",
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     B, H, T, D = (2, 2, 64, 16) if args.small else (16, 12, 1024, 64)
@@ -247,6 +254,11 @@ def main() -> None:
     base = None
     results: dict = {}
     print(f"{dev.type}: B {B}, H {H}, T {T}, D {D}, {dtype}; torch {torch.__version__}", flush=True)
+    if args.only:
+        words = args.only.split(",")
+        chosen = {name for name in forms if any(w in name for w in words)}
+        chosen |= {forms[name][2] for name in chosen} | {next(iter(forms))}
+        forms = {name: form for name, form in forms.items() if name in chosen}
     for name, (any_device, call, twin) in forms.items():
         train = backward or any_device
         inputs = qkv if train else [t.detach() for t in qkv]  # flex's forward on a CPU refuses a grad

@@ -162,7 +162,7 @@ def test_an_unknown_backend_is_refused_by_the_config():
         ModelConfig(attention="fast")
     with pytest.raises(PosbenchError, match="command line: model.attention"):
         load_config(None, values={"model.attention": "fast"})
-    assert ATTENTION_BACKENDS == ("auto", "eager", "sdpa", "native", "flex")
+    assert ATTENTION_BACKENDS == ("auto", "eager", "sdpa", "native", "flex", "triton")
 
 
 # --- posbench's Triton kernels, beyond what the registry's schemes reach -----------------------

@@ -351,11 +351,29 @@ def test_the_gpu_checks_run_sdpa_and_flex_side_by_side_at_gpt2_small_then_the_cu
     assert "--schemes nope,alibi,t5,kerple_log,fire" in calls[0] and f"--out {tmp_path}/out/bench.csv" in calls[0]
     for shape in ("model.n_layer=12", "model.d_model=768", "model.n_head=12", "model.train_len=1024"):
         assert f"--set {shape}" in calls[0]
-    assert calls[1].endswith("-m pytest -p no:cacheprovider tests/test_cuda.py -k not flex")
+    assert calls[1].endswith("-m pytest -p no:cacheprovider tests/test_cuda.py -k not flex and not triton")
     assert calls[2].endswith("-m pytest -p no:cacheprovider tests/test_cuda.py -k flex")
     out = tmp_path / "out"
     assert {p.name for p in out.iterdir()} == {"machine.txt", "cuda-tests.txt", "cuda-flex-tests.txt", "bench.txt"}
     assert "exit 0 after" in (out / "bench.txt").read_text()  # each part says how it ended
+
+
+def test_the_gpu_triton_part_checks_the_kernels_then_benches_them_beside_sdpa_then_times_the_forms(
+    gpu_script, tmp_path
+):
+    done, calls = gpu_script("triton")
+    assert done.returncode == 0, done.stderr
+    assert calls[0].endswith("-m pytest -p no:cacheprovider tests/test_cuda.py -k triton")
+    assert " bench --device cuda --attention sdpa,triton " in calls[1]
+    assert "--schemes nope,alibi,t5,kerple_log,fire" in calls[1] and f"--out {tmp_path}/out/bench.csv" in calls[1]
+    for shape in ("model.n_layer=12", "model.d_model=768", "model.n_head=12", "model.train_len=1024"):
+        assert f"--set {shape}" in calls[1]
+    assert calls[2].endswith(".ci/attention_forms.py --only triton")
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} == {"machine.txt", "cuda-triton-tests.txt", "bench.txt", "forms.txt"}
+    part = (ROOT / ".ci" / "gpu").read_text().split("\ntriton)")[1].split(";;")[0]
+    limits = [int(x) for x in part.split("timed ")[1:] for x in [x.split()[0]]]
+    assert len(limits) == 3 and sum(limits) + 15 * 3 <= 600 - 40  # each limit and 15 s to stop, in a 10-minute job
 
 
 def test_the_gpu_forms_time_one_attention_call_in_each_form(gpu_script, tmp_path):

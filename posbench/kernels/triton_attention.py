@@ -1,5 +1,6 @@
-"""The Triton kernels behind `model.attention=triton`: causal attention whose bias is computed
-inside its tiles, forward and backward, with the bias's own gradient summed there.
+"""The Triton kernels behind `model.attention=triton`: causal attention, its bias made in its tiles.
+
+Forward and backward; a learned bias's own gradient is summed in the tiles too.
 
 One program takes BLOCK queries (forward, dq) or BLOCK keys (dk, dv) of one (batch, head) and
 walks the other side in tiles of BLOCK, as FlashAttention-2 does; the (Tq, Tk) scores exist
