@@ -84,6 +84,10 @@ def causal_attention(q, k, v, pos, scheme, layer: int, backend: str, block: Opti
     """Attention over (B, H, T, D) tensors with `scheme`'s bias, `block` queries at a time;
     `pos` is (T,), or (B, T) for a scheme whose hooks take each row's own positions."""
     T = q.size(2)
+    if backend == "triton" and not scheme.replaces_softmax:  # its kernels hold nothing (T, T) but a dense bias
+        form = scheme.tiled_bias(pos, pos, layer, q.dtype)
+        if form is not None or type(scheme).bias is PositionalScheme.bias:
+            return kernels.attention(q, k, v, 0, form)
     if block is None or T <= block or whole_window(q, pos, scheme, backend):
         return _attend(q, k, v, pos, pos, 0, scheme, layer, backend)
     out = []
@@ -101,8 +105,6 @@ def whole_window(q, pos, scheme, backend: str) -> bool:
     over distances. They take all queries at once, where blocks would cost launches (and flex a
     compiled kernel per block's shape). Elsewhere the blocks keep memory linear (on a CPU flex is
     unfused; SDPA in fp32 may fall back to its (Tq, Tk) math kernel)."""
-    if backend == "triton" and not scheme.replaces_softmax:  # its kernels hold no (Tq, Tk) tensor but a dense bias
-        return type(scheme).bias is PositionalScheme.bias or scheme.tiled_bias(pos, pos, 0, q.dtype) is not None
     if not q.is_cuda or backend not in ("sdpa", "flex") or scheme.replaces_softmax:
         return False
     if type(scheme).bias is PositionalScheme.bias:

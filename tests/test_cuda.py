@@ -158,35 +158,47 @@ def test_cuda_eval_memory_under_flex_is_read_after_the_first_forward_which_is_ti
 # --- posbench's Triton kernels (model.attention=triton) ------------------------------------------
 
 
-def _triton_against_eager(model, x, block):
-    results = []
-    for backend in ("eager", "triton"):
-        model.cfg = dataclasses.replace(model.cfg, attention=backend)
-        results.append(_outputs_and_grads(model, x, block))
-    return results
+def _per_parameter(model, x, backend, block):
+    """Logits and each parameter's gradient of a random projection of them (every gradient of
+    order 1), under `backend`."""
+    model.cfg = dataclasses.replace(model.cfg, attention=backend)
+    model.attn_block = block
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    w = torch.randn(y.shape, generator=torch.Generator(device=y.device).manual_seed(1), device=y.device)
+    (y.float() * w).sum().backward()
+    return y.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("scheme", ALL)
+def _largest_gaps(model, x, block):
+    """The triton backend against eager: the logits' largest gap, and each parameter's gradient's
+    largest gap relative to 1 + its own largest value (a gradient that is zero but for rounding,
+    FIRE's last bias, is read against 1)."""
+    y1, g1 = _per_parameter(model, x, "triton", block)
+    y0, g0 = _per_parameter(model, x, "eager", block)
+    assert g1.keys() == g0.keys() and all(torch.isfinite(g).all() for g in g1.values())
+    gaps = {n: ((g1[n] - g0[n]).abs().max() / (1 + g0[n].abs().max())).item() for n in g0}
+    return (y1 - y0).abs().max().item(), gaps
+
+
+@pytest.mark.parametrize("scheme", ALL + ["rnope_swa", "irope"])
 @pytest.mark.parametrize("T", [40, 150])  # within one tile of 64, and across three
 def test_cuda_triton_equals_eager_in_outputs_and_gradients(scheme, T):
     model = check.tiny_model(scheme, train_len=T, d_model=64).cuda().train()  # head_dim 16
     x = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0)).cuda()
-    (y0, g0), (y1, g1) = _triton_against_eager(model, x, 48)
-    assert torch.allclose(y1, y0, atol=2e-5), (y1 - y0).abs().max()
-    assert torch.allclose(g1, g0, atol=2e-5), (g1 - g0).abs().max()
+    logits, gaps = _largest_gaps(model, x, 48)
+    assert logits <= 2e-5 and max(gaps.values()) <= 1e-4, (logits, gaps)
 
 
 @pytest.mark.parametrize("scheme", ["nope", "alibi", "t5", "kerple_log", "fire", "xl"])
 def test_cuda_triton_trains_under_bf16_autocast_as_eager_does(scheme):
-    """At a head of 64 and 300 tokens (five tiles), in bf16: the gradients of every parameter
-    within bf16's rounding of eager's (relative to the whole gradient vector)."""
+    """At a head of 64 and 300 tokens (five tiles), in bf16: every parameter's gradient within
+    bf16's rounding of eager's."""
     model = check.tiny_model(scheme, train_len=300, d_model=256, n_head=4).cuda().train()
     x = torch.randint(0, 256, (4, 300), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        (y0, g0), (y1, g1) = _triton_against_eager(model, x, 10_000)
-    assert torch.isfinite(g1).all()
-    assert ((y1.float() - y0.float()).norm() / y0.float().norm()).item() < 2e-2
-    assert ((g1 - g0).norm() / g0.norm()).item() < 2e-2
+        logits, gaps = _largest_gaps(model, x, 10_000)
+    assert max(gaps.values()) <= 5e-2, gaps
 
 
 @pytest.mark.parametrize("scheme", ["alibi", "t5", "kerple_log", "fire"])
@@ -199,7 +211,7 @@ def test_cuda_triton_takes_a_table_or_fires_lines_whole_and_never_dense(scheme, 
     monkeypatch.setattr(FIRE, "bias", lambda *a: pytest.fail("triton built FIRE's dense bias"))
     calls = []
     real = attention._attend
-    monkeypatch.setattr(attention, "_attend", lambda *a: calls.append(a[0].size(2)) or real(*a))
+    monkeypatch.setattr(attention, "_attend", lambda *a: calls.append(a) or real(*a))
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
     _outputs_and_grads(model, x, 16)
-    assert set(calls) == {64}
+    assert not calls  # all 64 queries in one call of the kernels, never in blocks through _attend

@@ -11,6 +11,7 @@ tiles and sum a learned one's gradient there, so a table's or FIRE's bias never 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -18,6 +19,7 @@ import os
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 # queries and keys a program takes, and its warps and pipeline stages. Chosen for a head of 64 on
 # an H200 by compiling for it, not yet timed there: at 4 warps the backward's tiles spill
@@ -102,7 +104,7 @@ def attention(q, k, v, q0: int, form=None) -> torch.Tensor:
         fire = torch.stack([lines.c, lines.threshold]).float()  # (2,)
         kinks, eps = lines.kinks, lines.eps
     qpos, kpos = qpos.to(torch.int32).contiguous(), kpos.to(torch.int32).contiguous()  # fewer registers than int64
-    spec = _Spec(mode, q0, lo, qpos, kpos, slopes, kinks, eps, dummy)
+    spec = _Spec(mode, q0, lo, qpos, kpos, slopes, kinks, eps)
     return _TiledAttention.apply(q, k, v, values, A, C, fire, dense, spec)
 
 
@@ -118,7 +120,6 @@ class _Spec:
     slopes: torch.Tensor
     kinks: torch.Tensor
     eps: float
-    dummy: torch.Tensor
 
 
 def _padded_kinks(kinks: torch.Tensor) -> torch.Tensor:
@@ -148,14 +149,31 @@ class _TiledAttention(torch.autograd.Function):
             DOT=_dot_precision(dtype), num_warps=WARPS, num_stages=STAGES,
         )  # fmt: skip
         grid = (-(-Tq // block), B * H)
-        K.forward_kernel[grid](
-            q, k, v, out, lse, spec.qpos, spec.kpos, spec.slopes, values, A, C, kinks, fire, dense, *strides, **common
-        )
+        with _on(q.device):
+            K.forward_kernel[grid](
+                q,
+                k,
+                v,
+                out,
+                lse,
+                spec.qpos,
+                spec.kpos,
+                spec.slopes,
+                values,
+                A,
+                C,
+                kinks,
+                fire,
+                dense,
+                *strides,
+                **common,
+            )
         ctx.save_for_backward(q, k, v, out, lse, values, A, C, fire, dense, kinks)
         ctx.spec, ctx.common, ctx.block = spec, common, block
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, d_out):
         K = _kernels()
         q, k, v, out, lse, values, A, C, fire, dense, kinks = ctx.saved_tensors
@@ -172,15 +190,21 @@ class _TiledAttention(torch.autograd.Function):
         d_dense = torch.zeros(dense.shape if learned and spec.mode == DENSE else (1,), device=q.device)
         strides = _dense_strides(dense, spec.mode == DENSE, B)
         pointers = (spec.qpos, spec.kpos, spec.slopes)
-        K.backward_kv_kernel[(-(-Tk // block), B * H)](
-            q, k, v, d_out, dk, dv, lse, delta, *pointers, values, d_values, A, C, d_A, d_C, kinks, fire, d_fire,
-            dense, *strides, d_dense, LEARNED=learned, SHARED=shared, **common,
-        )  # fmt: skip
-        K.backward_q_kernel[(-(-Tq // block), B * H)](
-            q, k, v, d_out, dq, lse, delta, *pointers, values, A, C, kinks, fire, dense, *strides, **common
-        )
+        with _on(q.device):
+            K.backward_kv_kernel[(-(-Tk // block), B * H)](
+                q, k, v, d_out, dk, dv, lse, delta, *pointers, values, d_values, A, C, d_A, d_C, kinks, fire, d_fire,
+                dense, *strides, d_dense, LEARNED=learned, SHARED=shared, **common,
+            )  # fmt: skip
+            K.backward_q_kernel[(-(-Tq // block), B * H)](
+                q, k, v, d_out, dq, lse, delta, *pointers, values, A, C, kinks, fire, dense, *strides, **common
+            )
         grads = [dq, dk, dv, d_values, d_A, d_C, d_fire, d_dense.to(dense.dtype)]
         return (*(g if need else None for g, need in zip(grads, needs)), None)
+
+
+def _on(device: torch.device):
+    """The launch's device current (Triton launches on the current one), on a GPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _dense_strides(dense: torch.Tensor, used: bool, B: int) -> tuple:

@@ -91,11 +91,12 @@ def _tile_scores(
         seg, _, _ = _fire_segments(x, visible, KINKS, KW)
         s += tl.load(A + h * S + seg) * x + tl.load(C + h * S + seg)
     elif BIAS == DENSE:
-        at = BIASP + b * sbb + h * sbh + rows[:, None] * sbt + cols[None, :] * sbk
+        # int64: a (B, H, 256, 65536) bias's batch stride times b passes 2^31 from b = 11
+        at = BIASP + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh + rows[:, None] * sbt + cols[None, :] * sbk
         if MASKED:
             s += tl.load(at, mask=visible, other=0.0).to(tl.float32)
         else:
-            s += tl.load(at).to(tl.float32)
+            s += tl.load(at, mask=rows[:, None] < Tq, other=0.0).to(tl.float32)  # a last block's rows past Tq
     if MASKED:
         s = tl.where(seen, s, -float("inf"))
     return s, visible
@@ -118,9 +119,11 @@ def _forward_step(
         q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
         SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT, BLOCK, MASKED,
     )  # fmt: skip
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is every row's
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # -inf while a row has seen no key: a window's or chunk's dense bias hides whole tiles from it
+    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT)
     return acc, m_new, l_i
@@ -179,7 +182,7 @@ def _kv_step(
     qmask = (rows[:, None] < Tq) & (dims[None, :] < D)
     q = tl.load(Q + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
     do = tl.load(DO + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
-    lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
+    lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=float("inf"))  # rows past Tq: p = 0
     delta = tl.load(DELTA + bh * Tq + rows, mask=rows < Tq, other=0.0)
     qp = tl.load(QPOS + rows, mask=rows < Tq, other=0)
     s, visible = _tile_scores(
@@ -197,9 +200,9 @@ def _kv_step(
             at = rows[:, None] * Tk + cols[None, :]
             inside = (rows[:, None] < Tq) & (cols[None, :] < Tk)
             if SHARED:
-                tl.atomic_add(DBIAS + h * Tq * Tk + at, ds, mask=inside)
+                tl.atomic_add(DBIAS + h.to(tl.int64) * Tq * Tk + at, ds, mask=inside)
             else:
-                tl.store(DBIAS + bh * Tq * Tk + at, ds, mask=inside)
+                tl.store(DBIAS + bh.to(tl.int64) * Tq * Tk + at, ds, mask=inside)
         elif BIAS == TABLE:
             # on a tile whose positions run on by one, pairs with one distance lie on one
             # diagonal: gather the diagonals as rows of a (2 BLOCK, BLOCK) tile and sum them
@@ -310,7 +313,7 @@ def _q_step(
         q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
         SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT, BLOCK, MASKED,
     )  # fmt: skip
-    p = tl.exp(s - lse[:, None])  # rows past Tq may overflow here: theirs alone, never stored
+    p = tl.exp(s - lse[:, None])  # 0 in rows past Tq, whose lse reads as +inf
     if MASKED:
         p = tl.where(visible, p, 0.0)
     ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT) - delta[:, None])
@@ -333,7 +336,7 @@ def backward_q_kernel(
     qmask = (rows[:, None] < Tq) & (dims[None, :] < D)
     q = tl.load(Q + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
     do = tl.load(DO + (bh * Tq + rows[:, None]) * D + dims[None, :], mask=qmask, other=0.0)
-    lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=0.0)
+    lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=float("inf"))  # rows past Tq: p = 0
     delta = tl.load(DELTA + bh * Tq + rows, mask=rows < Tq, other=0.0)
     qp = tl.load(QPOS + rows, mask=rows < Tq, other=0)
     dq = tl.zeros((BLOCK, BLOCK_D), tl.float32)
