@@ -103,6 +103,26 @@ def _tile_scores(
 
 
 @triton.jit
+def _key_tile(
+    q, qp, n0, bh, b, h, rows, dims, K, V, KPOS,
+    Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+    D: tl.constexpr, BLOCK: tl.constexpr, BIAS: tl.constexpr, S: tl.constexpr, KW: tl.constexpr,
+    DOT: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """Keys n0.. for a block of queries: their k and v, and the tile's scores and pairs that count."""
+    cols = n0 + tl.arange(0, BLOCK)  # (BN,)
+    kmask = (cols[:, None] < Tk) & (dims[None, :] < D)
+    k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+    v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
+    kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
+    s, visible = _tile_scores(
+        q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
+        SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT, BLOCK, MASKED,
+    )  # fmt: skip
+    return k, v, s, visible
+
+
+@triton.jit
 def _forward_step(
     acc, m_i, l_i, q, qp, n0, bh, b, h, rows, dims, K, V, KPOS,
     Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
@@ -110,14 +130,10 @@ def _forward_step(
     DOT: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One tile of keys n0.. into the running softmax (m_i, l_i) and output acc."""
-    cols = n0 + tl.arange(0, BLOCK)  # (BN,)
-    kmask = (cols[:, None] < Tk) & (dims[None, :] < D)
-    k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
-    v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
-    kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
-    s, _ = _tile_scores(
-        q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
-        SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT, BLOCK, MASKED,
+    _, v, s, _ = _key_tile(
+        q, qp, n0, bh, b, h, rows, dims, K, V, KPOS,
+        Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+        D, BLOCK, BIAS, S, KW, DOT, MASKED,
     )  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # -inf while a row has seen no key: a window's or chunk's dense bias hides whole tiles from it
@@ -304,14 +320,10 @@ def _q_step(
     DOT: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One tile of keys n0.. into dq."""
-    cols = n0 + tl.arange(0, BLOCK)
-    kmask = (cols[:, None] < Tk) & (dims[None, :] < D)
-    k = tl.load(K + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
-    v = tl.load(V + (bh * Tk + cols[:, None]) * D + dims[None, :], mask=kmask, other=0.0)
-    kp = tl.load(KPOS + cols, mask=cols < Tk, other=0)
-    s, visible = _tile_scores(
-        q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
-        SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT, BLOCK, MASKED,
+    k, v, s, visible = _key_tile(
+        q, qp, n0, bh, b, h, rows, dims, K, V, KPOS,
+        Tq, Tk, q0, lo, n_values, scale, eps, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+        D, BLOCK, BIAS, S, KW, DOT, MASKED,
     )  # fmt: skip
     p = tl.exp(s - lse[:, None])  # 0 in rows past Tq, whose lse reads as +inf
     if MASKED:
