@@ -145,14 +145,14 @@ def main() -> None:
     def fire_lines_form():
         return kernels.Lines(*mlp_lines(fire), fire_c, fire_thr, 1e-6, pos, pos)
 
-    def tiled(make_form, block=None, warps=None):  # posbench's Triton kernels, at other tiles or warps
+    def tiled(make_form, block=None, warps=None, stages=None):  # posbench's Triton kernels, at other settings
         def call(q, k, v):
-            saved = kernels.BLOCK, kernels.WARPS
-            kernels.BLOCK, kernels.WARPS = block or saved[0], warps or saved[1]
+            saved = kernels.BLOCK, kernels.WARPS, kernels.STAGES
+            kernels.BLOCK, kernels.WARPS, kernels.STAGES = block or saved[0], warps or saved[1], stages or saved[2]
             try:
                 return kernels.attention(q, k, v, 0, make_form())
             finally:
-                kernels.BLOCK, kernels.WARPS = saved
+                kernels.BLOCK, kernels.WARPS, kernels.STAGES = saved
 
         return call
 
@@ -207,6 +207,7 @@ def main() -> None:
         "triton, no bias": (True, tiled(lambda: None), "sdpa, no bias (NoPE's flash kernel)"),
         "triton, no bias, 4 warps": (True, tiled(lambda: None, warps=4), "sdpa, no bias (NoPE's flash kernel)"),
         "triton, no bias, tiles of 128": (True, tiled(lambda: None, block=128), "sdpa, no bias (NoPE's flash kernel)"),
+        "triton, no bias, 3 stages": (True, tiled(lambda: None, stages=3), "sdpa, no bias (NoPE's flash kernel)"),
         "triton, ALiBi from its slopes": (True, tiled(lambda: table(alibi, slopes)), "flex, ALiBi's table"),
         "triton, a learned table (T5, KERPLE)": (
             True,
@@ -216,6 +217,11 @@ def main() -> None:
         "triton, a learned table, 4 warps": (
             True,
             tiled(lambda: table(learned), warps=4),
+            "flex, a learned table (T5, KERPLE)",
+        ),
+        "triton, a learned table, 3 stages": (
+            True,
+            tiled(lambda: table(learned), stages=3),
             "flex, a learned table (T5, KERPLE)",
         ),
         "triton, a learned table, tiles of 32": (
