@@ -363,7 +363,7 @@ def test_the_gpu_triton_part_checks_the_kernels_then_benches_them_beside_sdpa_th
 ):
     done, calls = gpu_script("triton")
     assert done.returncode == 0, done.stderr
-    assert calls[0].endswith("-m pytest -p no:cacheprovider tests/test_cuda.py -k triton")
+    assert calls[0].endswith("-m pytest -p no:cacheprovider -vv tests/test_cuda.py -k triton")
     assert " bench --device cuda --attention sdpa,triton " in calls[1]
     assert "--schemes nope,alibi,t5,kerple_log,fire" in calls[1] and f"--out {tmp_path}/out/bench.csv" in calls[1]
     for shape in ("model.n_layer=12", "model.d_model=768", "model.n_head=12", "model.train_len=1024"):

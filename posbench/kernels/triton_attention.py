@@ -27,6 +27,9 @@ import triton.language as tl
 
 # the bias's form (BIAS); constexpr, as every global a kernel reads must be
 NONE, SLOPES, TABLE, FIRE, DENSE = (tl.constexpr(mode) for mode in range(5))
+# lengths, offsets and strides: Triton would compile a kernel again for each new one divisible by
+# 16 or not (a length scored, a block of queries), for no gain that its constexpr D leaves
+LENGTHS = ["Tq", "Tk", "q0", "lo", "n_values", "sbb", "sbh", "sbt", "sbk"]
 
 
 @triton.jit
@@ -145,7 +148,7 @@ def _forward_step(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTHS)
 def forward_kernel(
     Q, K, V, OUT, LSE, QPOS, KPOS, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
     H, Tq, Tk, q0, lo, n_values, scale, eps,
@@ -253,7 +256,7 @@ def _kv_step(
     return dk, dv, d_c, d_thr
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTHS)
 def backward_kv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, KPOS, SLOPES_, VALUES, DVALUES, A, C, DA, DC, KINKS, FIREP, DFIREP,
     BIASP, sbb, sbh, sbt, sbk, DBIAS,
@@ -332,7 +335,7 @@ def _q_step(
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTHS)
 def backward_q_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, QPOS, KPOS, SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
     H, Tq, Tk, q0, lo, n_values, scale, eps,
