@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from posbench import attention, kernels  # noqa: E402
 from posbench.schemes.alibi import alibi_slopes  # noqa: E402
 from posbench.schemes.distance import DistanceTable  # noqa: E402
-from posbench.schemes.fire import SegmentGather, as_lines, mlp_lines  # noqa: E402
+from posbench.schemes.fire import Lines, SegmentGather, as_lines, mlp_lines  # noqa: E402
 
 
 def timed(step, sync, reps: int, warmups: int = 2):
@@ -137,13 +137,11 @@ def main() -> None:
     fire_c = torch.tensor(0.1, device=dev, requires_grad=True)
     fire_thr = torch.tensor(T / 4, device=dev, requires_grad=True)
 
-    def fire_dense():  # (1, H, T, T), as FIRE.bias makes it
-        dist = (pos[:, None] - pos[None, :]).clamp(min=0).float()
-        x_ = torch.log1p(fire_c * dist) / (torch.log1p(fire_c * torch.maximum(pos.float(), fire_thr)) + 1e-6)[:, None]
-        return as_lines(fire, x_, dtype).unsqueeze(0)
+    def fire_lines_form():  # FIRE's lines as the triton backend takes them (FIRE.tiled_bias)
+        return Lines(*mlp_lines(fire), fire_c, fire_thr, 1e-6, pos, pos)
 
-    def fire_lines_form():
-        return kernels.Lines(*mlp_lines(fire), fire_c, fire_thr, 1e-6, pos, pos)
+    def fire_dense():  # (1, H, T, T), the same bias made dense, as sdpa reads it
+        return fire_lines_form().dense().to(dtype)
 
     def tiled(make_form, block=None, warps=None, stages=None):  # posbench's Triton kernels, at other settings
         def call(q, k, v):

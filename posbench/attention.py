@@ -124,9 +124,8 @@ def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> t
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise PosbenchError(f"the scheme's attend returned {got}, expected None or shape {want}")
             return out
-    if backend == "triton":  # the kernels compute a table's or FIRE's bias themselves, else read it dense
-        form = scheme.tiled_bias(qpos, kpos, layer, q.dtype)
-        return kernels.attention(q, k, v, q0, form if form is not None else scheme.bias(q, k, qpos, kpos, layer))
+    if backend == "triton":  # a bias with no tiled form (causal_attention takes those whole), read dense
+        return kernels.attention(q, k, v, q0, scheme.bias(q, k, qpos, kpos, layer))
     if backend == "flex" and reads_as_table(scheme, qpos):  # a bias of distance alone: flex reads its table
         return flex(q, k, v, None, q0, scheme.distance_table(qpos, kpos, layer, q.dtype))
     bias = scheme.bias(q, k, qpos, kpos, layer)  # None or (B or 1, H, Tq, Tk)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from posbench import kernels, native
+from posbench import native
 from posbench.attention import future_mask
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError, first_line
@@ -295,7 +295,7 @@ def tiled_agrees(model: TransformerLM, T: int) -> str:
                 continue
             took += 1
             want = scheme.bias(q, k, qpos, pos, layer).float().expand(1, H, *seen.shape)
-            gap = (kernels.dense(form) - want)[..., seen].abs().max().item()
+            gap = (form.dense().float() - want)[..., seen].abs().max().item()
             if not gap <= 1e-5 * (1 + want[..., seen].abs().max().item()):
                 raise CheckFailed(
                     f"tiled_bias stands for a bias that differs from `bias` by up to {gap:.2g} "

@@ -21,42 +21,14 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from posbench.schemes.fire import Lines
+
 # queries and keys a program takes, and its warps and pipeline stages. Chosen for a head of 64 on
 # an H200 by compiling for it, not yet timed there: at 4 warps the backward's tiles spill
 # registers, at 8 only FIRE's and a learned table's do (.ci/attention_forms.py times the others).
 # The interpreter's 32 runs faster and still puts tile edges inside a small check.
 BLOCK, WARPS, STAGES, INTERPRETED_BLOCK = 64, 8, 2, 32
 NONE, SLOPES, TABLE, FIRE, DENSE = range(5)  # the bias's form, as triton_attention.py numbers it
-
-
-@dataclasses.dataclass
-class Lines:
-    """FIRE's bias as the kernel computes it: A[h, s] * x + C[h, s] with s the number of `kinks`
-    below x = log(1 + c d) / (log(1 + c max(qpos, threshold)) + eps), d = max(qpos - kpos, 0)
-    (posbench/schemes/fire.py, `as_lines`). A and C are (W + 1, H) fp32; c and threshold are
-    0-d tensors, all of them differentiable; kinks (W,) sorted, +inf for a unit that never turns."""
-
-    kinks: torch.Tensor
-    A: torch.Tensor
-    C: torch.Tensor
-    c: torch.Tensor
-    threshold: torch.Tensor
-    eps: float
-    qpos: torch.Tensor
-    kpos: torch.Tensor
-
-
-def dense(form) -> torch.Tensor:
-    """The (1, H, Tq, Tk) fp32 bias that a DistanceTable or Lines stands for, in plain torch: what
-    the kernels compute inside their tiles (`posbench check-scheme` holds a scheme's `tiled_bias`
-    to its `bias` through it)."""
-    if not isinstance(form, Lines):
-        return form.dense().float()
-    dist = (form.qpos[:, None] - form.kpos[None, :]).clamp(min=0).float()  # (Tq, Tk)
-    norm = torch.maximum(form.qpos.float(), form.threshold)  # (Tq,)
-    x = torch.log1p(form.c * dist) / (torch.log1p(form.c * norm) + form.eps)[:, None]  # (Tq, Tk)
-    seg = torch.bucketize(x.detach(), form.kinks)  # (Tq, Tk): the kinks below each x
-    return (form.A.T[:, seg] * x + form.C.T[:, seg]).unsqueeze(0)
 
 
 def why_not(device: torch.device) -> Optional[str]:
@@ -145,29 +117,15 @@ class _TiledAttention(torch.autograd.Function):
         strides = _dense_strides(dense, spec.mode == DENSE, B)
         common = dict(
             H=H, Tq=Tq, Tk=Tk, q0=spec.q0, lo=spec.lo, n_values=values.size(-1), scale=D**-0.5, eps=spec.eps,
-            D=D, BLOCK_D=max(16, triton_next_pow2(D)), BLOCK=block, BIAS=spec.mode, S=A.size(-1), KW=kinks.numel(),
+            D=D, BLOCK_D=max(16, _next_pow2(D)), BLOCK=block, BIAS=spec.mode, S=A.size(-1), KW=kinks.numel(),
             DOT=_dot_precision(dtype), num_warps=WARPS, num_stages=STAGES,
         )  # fmt: skip
         grid = (-(-Tq // block), B * H)
         with _on(q.device):
             K.forward_kernel[grid](
-                q,
-                k,
-                v,
-                out,
-                lse,
-                spec.qpos,
-                spec.kpos,
-                spec.slopes,
-                values,
-                A,
-                C,
-                kinks,
-                fire,
-                dense,
-                *strides,
-                **common,
-            )
+                q, k, v, out, lse, spec.qpos, spec.kpos, spec.slopes, values, A, C, kinks, fire, dense,
+                *strides, **common,
+            )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, values, A, C, fire, dense, kinks)
         ctx.spec, ctx.common, ctx.block = spec, common, block
         return out
@@ -221,5 +179,5 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if exact else "tf32"
 
 
-def triton_next_pow2(n: int) -> int:
+def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()

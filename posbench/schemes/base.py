@@ -195,7 +195,7 @@ class PositionalScheme(nn.Module):
         return None  # or (B, H, Tq, D): softmax(q.k / sqrt(d) + bias, future masked) v
 
     def tiled_bias(self, qpos, kpos, layer: int, dtype):
-        return None  # or a DistanceTable or posbench.kernels.Lines: `bias` in a kernel's terms
+        return None  # or a DistanceTable or FIRE's Lines: `bias` in a kernel's terms
 
 
 @dataclasses.dataclass(frozen=True)

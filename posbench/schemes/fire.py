@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from posbench.errors import PosbenchError
-from posbench.kernels import Lines
 from posbench.schemes.base import PositionalScheme
 
 
@@ -41,11 +41,8 @@ class FIRE(PositionalScheme):
         self.register_buffer("init_L", torch.tensor(float(init_L)), persistent=False)
 
     def bias(self, q, k, qpos, kpos, layer):
-        c = self.c[layer].abs()
         threshold = (self.L_mult[layer] * self.init_L).abs()
-        dist = (qpos[:, None] - kpos[None, :]).clamp(min=0).float()  # (Tq, Tk); future is masked
-        norm = torch.maximum(qpos.float(), threshold)  # (Tq,)
-        x = torch.log1p(c * dist) / (torch.log1p(c * norm) + self.eps)[:, None]  # (Tq, Tk) in [0, 1]
+        x = normalised(qpos, kpos, self.c[layer].abs(), threshold, self.eps)  # (Tq, Tk) in [0, 1]
         return as_lines(self.mlp[layer], x, q.dtype).unsqueeze(0)  # (1, H, Tq, Tk)
 
     def tiled_bias(self, qpos, kpos, layer, dtype):
@@ -56,6 +53,36 @@ class FIRE(PositionalScheme):
             return None
         threshold = (self.L_mult[layer] * self.init_L).abs()
         return Lines(*lines, self.c[layer].abs(), threshold, self.eps, qpos, kpos)
+
+
+def normalised(qpos, kpos, c, threshold, eps: float) -> torch.Tensor:
+    """FIRE's x = psi(i - j) / psi(max(L_thr, i)), psi(d) = log(1 + c d), (Tq, Tk) fp32; the
+    future's distances are 0 (masked later)."""
+    dist = (qpos[:, None] - kpos[None, :]).clamp(min=0).float()  # (Tq, Tk)
+    norm = torch.maximum(qpos.float(), threshold)  # (Tq,)
+    return torch.log1p(c * dist) / (torch.log1p(c * norm) + eps)[:, None]
+
+
+@dataclasses.dataclass
+class Lines:
+    """FIRE's bias as posbench's Triton kernels compute it (posbench/kernels): A[h, s] x + C[h, s]
+    with s the number of `kinks` below x = normalised(qpos, kpos, c, threshold, eps). A and C are
+    (W + 1, H) fp32, c and threshold 0-d tensors, all of them differentiable; kinks (W,) sorted,
+    +inf for a unit that never turns (mlp_lines)."""
+
+    kinks: torch.Tensor
+    A: torch.Tensor
+    C: torch.Tensor
+    c: torch.Tensor
+    threshold: torch.Tensor
+    eps: float
+    qpos: torch.Tensor
+    kpos: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        """(1, H, Tq, Tk) fp32, the bias these lines stand for, in plain torch."""
+        x = normalised(self.qpos, self.kpos, self.c, self.threshold, self.eps)
+        return lines_at(self.kinks, self.A, self.C, x, torch.float32).unsqueeze(0)
 
 
 def as_lines(mlp: nn.Sequential, x: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -69,7 +96,11 @@ def as_lines(mlp: nn.Sequential, x: torch.Tensor, dtype=torch.float32) -> torch.
     lines = mlp_lines(mlp)
     if lines is None:
         return mlp(x.unsqueeze(-1).to(dtype)).permute(2, 0, 1)
-    kinks, A, C = lines
+    return lines_at(*lines, x, dtype)
+
+
+def lines_at(kinks, A, C, x: torch.Tensor, dtype) -> torch.Tensor:
+    """(H, Tq, Tk) in `dtype`: at each x, the line of the segment it falls in (see as_lines)."""
     H = A.size(1)
     grad = torch.is_grad_enabled()
     # (Tq * Tk,): the kinks below each x; int64 where a gradient is taken, since a CPU's
