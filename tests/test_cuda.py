@@ -158,13 +158,14 @@ def test_cuda_eval_memory_under_flex_is_read_after_the_first_forward_which_is_ti
 # --- posbench's Triton kernels (model.attention=triton) ------------------------------------------
 
 
-def _per_parameter(model, x, backend, block):
+def _per_parameter(model, x, backend, block, bf16=False):
     """Logits and each parameter's gradient of a random projection of them (every gradient of
-    order 1), under `backend`."""
+    order 1), under `backend`; with `bf16`, the forward under bf16 autocast, as training runs it."""
     model.cfg = dataclasses.replace(model.cfg, attention=backend)
     model.attn_block = block
     model.zero_grad(set_to_none=True)
-    y = model(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        y = model(x)
     w = torch.randn(y.shape, generator=torch.Generator(device=y.device).manual_seed(1), device=y.device)
     (y.float() * w).sum().backward()
     return y.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -204,13 +205,26 @@ def test_cuda_triton_takes_a_table_or_fires_lines_whole_and_never_dense(scheme, 
 
 @pytest.mark.parametrize("scheme", ["nope", "alibi", "t5", "kerple_log", "fire", "xl"])
 def test_cuda_triton_trains_under_bf16_autocast_as_eager_does(scheme):
-    """At a head of 64 and 300 tokens (five tiles), in bf16: every parameter's gradient within
-    bf16's rounding of eager's."""
+    """At a head of 64 and 300 tokens (five tiles), in bf16: the logits and every parameter's
+    gradient as near fp32's as eager's own bf16 run comes, within twice its worst. Rounding alone
+    moves a direction softmax ignores (FIRE's last bias, whose fp32 gradient is zero but for
+    rounding) by 10% of 1 under eager in bf16, so each kernel is held to eager's rounding, not to
+    a fixed tolerance (with fp16 under the interpreter, triton's worst is 0.5x to 1.1x eager's)."""
     model = check.tiny_model(scheme, train_len=300, d_model=256, n_head=4).cuda().train()
     x = torch.randint(0, 256, (4, 300), generator=torch.Generator().manual_seed(0)).cuda()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits, gaps = _largest_gaps(model, x, 10_000)
-    assert max(gaps.values()) <= 5e-2, gaps
+    torch.manual_seed(2)
+    y32, g32 = _per_parameter(model, x, "eager", 10_000)
+    errors = {}
+    for backend in ("eager", "triton"):
+        torch.manual_seed(2)
+        y, g = _per_parameter(model, x, backend, 10_000, bf16=True)
+        assert g.keys() == g32.keys() and all(torch.isfinite(t).all() for t in g.values()), backend
+        rel = {n: ((g[n] - g32[n]).abs().max() / (1 + g32[n].abs().max())).item() for n in g32}
+        errors[backend] = (y - y32).abs().max().item(), rel
+    (y_eager, eager), (y_triton, triton) = errors["eager"], errors["triton"]
+    assert y_triton <= 2 * y_eager, (y_triton, y_eager)
+    worst = max(eager.values())
+    assert all(e <= 2 * worst for e in triton.values()), ({n: e for n, e in triton.items() if e > 2 * worst}, worst)
 
 
 @pytest.mark.parametrize("scheme", ALL + ["rnope_swa", "irope"])
