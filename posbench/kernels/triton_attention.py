@@ -204,10 +204,18 @@ def _kv_step(
     lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=float("inf"))  # rows past Tq: p = 0
     delta = tl.load(DELTA + bh * Tq + rows, mask=rows < Tq, other=0.0)
     qp = tl.load(QPOS + rows, mask=rows < Tq, other=0)
+    # FIRE's x and segments serve its bias and then its gradient, so they are made once, here
+    FIRE_HERE: tl.constexpr = BIAS == FIRE and LEARNED
     s, visible = _tile_scores(
         q, k, qp, kp, b, h, rows, cols, Tq, Tk, q0, lo, n_values, scale, eps,
-        SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk, BIAS, S, KW, DOT, BLOCK, MASKED,
+        SLOPES_, VALUES, A, C, KINKS, FIREP, BIASP, sbb, sbh, sbt, sbk,
+        NONE if FIRE_HERE else BIAS, S, KW, DOT, BLOCK, MASKED,
     )  # fmt: skip
+    if FIRE_HERE:
+        x, _, _, _, _, _, _ = _fire_x(qp, kp, FIREP, eps)
+        seg, seg_lo, seg_hi = _fire_segments(x, visible, KINKS, KW)
+        a = tl.load(A + h * S + seg)  # (BM, BN): each pair's line
+        s += a * x + tl.load(C + h * S + seg)  # -inf stays -inf where unseen
     p = tl.exp(s - lse[:, None])  # (BM, BN)
     if MASKED:
         p = tl.where(visible, p, 0.0)
@@ -239,13 +247,12 @@ def _kv_step(
                 idx = tl.minimum(tl.maximum(qp[:, None] - kp[None, :] - lo, 0), n_values - 1)
                 tl.atomic_add(DVALUES + h * n_values + idx, ds, mask=visible)
         elif BIAS == FIRE:
-            x, dist, norm, u, w, c, thr = _fire_x(qp, kp, FIREP, eps)
-            seg, seg_lo, seg_hi = _fire_segments(x, visible, KINKS, KW)
             for sg in range(seg_lo, seg_hi + 1):
                 on = visible & (seg == sg)
                 tl.atomic_add(DA + h * S + sg, tl.sum(tl.where(on, ds * x, 0.0)))
                 tl.atomic_add(DC + h * S + sg, tl.sum(tl.where(on, ds, 0.0)))
-            dx = ds * tl.load(A + h * S + seg)  # (BM, BN): the gradient of x
+            dx = ds * a  # (BM, BN): the gradient of x
+            _, dist, norm, u, w, c, thr = _fire_x(qp, kp, FIREP, eps)  # made again: kept, they spill
             # x = u / w: dx/dc from u = log1p(c d) and w = log1p(c norm) + eps
             dw = norm / (1.0 + c * norm) / (w * w)  # (BM,): -(d x / d c) through w, over u
             d_c += tl.sum(dx * (dist / (1.0 + c * dist) / w[:, None] - u * dw[:, None]))
