@@ -236,13 +236,14 @@ def _kv_step(
             lane = tl.arange(0, BLOCK)
             q_off = tl.sum(tl.where(rows < Tq, qp != tl.load(QPOS + m0) + lane, 0).to(tl.int32))
             if k_off + q_off == 0:
-                diag = tl.arange(0, 2 * BLOCK)  # (2B,): r - c = diag - (BLOCK - 1)
-                r = lane[None, :] + diag[:, None] - (BLOCK - 1)  # (2B, BN): the row on that diagonal
-                on = (r >= 0) & (r < BLOCK)
-                sums = tl.sum(tl.where(on, tl.gather(ds, tl.where(on, r, 0), axis=0), 0.0), axis=1)  # (2B,)
-                col = tl.load(QPOS + m0) - tl.load(KPOS + n0) + diag - (BLOCK - 1) - lo
-                ok = (diag < 2 * BLOCK - 1) & (col >= 0) & (col < n_values)
-                tl.atomic_add(DVALUES + h * n_values + col, sums, mask=ok)
+                for half in range(2):  # the diagonals below the main one, then the rest
+                    diag = half * BLOCK + lane  # (B,): r - c = diag - (BLOCK - 1)
+                    r = lane[None, :] + diag[:, None] - (BLOCK - 1)  # (B, BN): the row on that diagonal
+                    on = (r >= 0) & (r < BLOCK)
+                    sums = tl.sum(tl.where(on, tl.gather(ds, tl.where(on, r, 0), axis=0), 0.0), axis=1)  # (B,)
+                    col = tl.load(QPOS + m0) - tl.load(KPOS + n0) + diag - (BLOCK - 1) - lo
+                    ok = (diag < 2 * BLOCK - 1) & (col >= 0) & (col < n_values)
+                    tl.atomic_add(DVALUES + h * n_values + col, sums, mask=ok)
             else:
                 idx = tl.minimum(tl.maximum(qp[:, None] - kp[None, :] - lo, 0), n_values - 1)
                 tl.atomic_add(DVALUES + h * n_values + idx, ds, mask=visible)
