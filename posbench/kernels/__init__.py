@@ -25,7 +25,8 @@ from posbench.schemes.fire import Lines
 
 # queries and keys a program takes, and its warps and pipeline stages. Chosen for a head of 64 on
 # an H200 by compiling for it, not yet timed there: at 4 warps the backward's tiles spill
-# registers, at 8 only FIRE's and a learned table's do (.ci/attention_forms.py times the others).
+# registers, at 8 the backward of FIRE, a learned table and a dense bias a little, at most 408 bytes
+# of stack (FIRE's dk/dv; .ci/attention_forms.py times the others).
 # The interpreter's 32 runs faster and still puts tile edges inside a small check.
 BLOCK, WARPS, STAGES, INTERPRETED_BLOCK = 64, 8, 2, 32
 NONE, SLOPES, TABLE, FIRE, DENSE = range(5)  # the bias's form, as triton_attention.py numbers it
