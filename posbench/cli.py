@@ -893,12 +893,27 @@ def _writable_csv(path: Path) -> Path:
     path = path.resolve()
     if path.exists() and not path.is_file():
         raise PosbenchError(f"--out {path}: exists and is not a plain file")
+    if path.is_file() and path.stat().st_size and not _is_bench_csv(path):
+        raise PosbenchError(
+            f"--out {path}: exists and is not a bench CSV (its first line is not bench's header), "
+            "so it is kept; name a new file, a bench CSV to replace, or a folder"
+        )
     folder = path.parent
     while not folder.exists():  # the nearest folder that exists must let us make the rest
         folder = folder.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise PosbenchError(f"--out {path}: cannot write in {folder}")
     return path
+
+
+def _is_bench_csv(path: Path) -> bool:
+    """Whether `path` starts as the header posbench bench writes (an older bench's too)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+    except OSError:
+        return False
+    return first.startswith("scheme,measurement,")
 
 
 @app.command("check-scheme")

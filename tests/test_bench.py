@@ -176,9 +176,23 @@ def test_a_peer_that_cannot_build_the_shape_is_one_line(tmp_path, monkeypatch):
     assert "ZeroDivisionError" in res.output and not (tmp_path / "bench.csv").exists()
 
 
+@pytest.mark.parametrize("name", ["eval.csv", "config.yaml"])  # a run's records, anyone's file
+def test_out_never_replaces_a_file_that_is_not_a_bench_csv(tmp_path, monkeypatch, name):
+    from posbench import bench
+
+    timed = []
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: timed.append(1))
+    kept = tmp_path / name
+    kept.write_text("length,ppl\n100,6.2\n")
+    res = CliRunner().invoke(app, ["bench", "--quick", "--out", str(kept)])
+    assert res.exit_code == 2 and "Traceback" not in res.output and not timed, res.output
+    assert f"{kept}: exists and is not a bench CSV" in res.output and len(res.output.strip().splitlines()) == 1
+    assert kept.read_text() == "length,ppl\n100,6.2\n"
+
+
 def test_out_replaces_a_symlinks_target_and_refuses_a_pipe(tmp_path, small_peak):
     target = tmp_path / "real.csv"
-    target.write_text("old")
+    target.write_text("scheme,measurement,tokens_per_s\nnope,train,1\n")  # an earlier bench's
     link = tmp_path / "link.csv"
     link.symlink_to(target)
     res = CliRunner().invoke(app, ["bench", "--quick", "--schemes", "nope", "--out", str(link)])
