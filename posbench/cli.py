@@ -401,6 +401,17 @@ def _one_config(argument: Optional[Path], option: Optional[Path]) -> Optional[Pa
     return argument if argument is not None else option
 
 
+def _absolute(value):
+    """A folder or file given on the command line (or a list of them), made absolute and rid of
+    `.` and `..` without following links, so that its name is its own: `report .` reports the
+    folder it is in, and `pretrained ..` names the model by its folder."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [Path(os.path.abspath(v)) for v in value]
+    return Path(os.path.abspath(value))
+
+
 def _not_a_flag_value(value: Optional[Path]) -> Optional[Path]:
     """`train --compile true` would read `true` as the config: say that a flag takes no value."""
     if value is not None and not value.exists() and value.name.lower() in ("true", "false", "yes", "no", "on", "off"):
@@ -456,7 +467,7 @@ def train(
 
 @app.command()
 def evaluate(
-    run_dir: Annotated[Path, typer.Argument(help="a run folder holding model.pt")],
+    run_dir: Annotated[Path, typer.Argument(help="a run folder holding model.pt", callback=_absolute)],
     lengths: Annotated[Optional[str], typer.Option(help="e.g. 100,200,400")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     rope_scaling: Annotated[
@@ -531,7 +542,8 @@ def evaluate(
 @app.command()
 def pretrained(
     model_path: Annotated[
-        Path, typer.Argument(help="a transformers folder (config.json, weights, tokenizer) or a .gguf")
+        Path,
+        typer.Argument(help="a transformers folder (config.json, weights, tokenizer) or a .gguf", callback=_absolute),
     ],
     lengths: Annotated[
         Optional[str], typer.Option(help="e.g. 1024,2048,4096 (default: its context and twice it)")
@@ -596,7 +608,9 @@ def pretrained(
 
 @app.command()
 def extend(
-    source: Annotated[Path, typer.Argument(help="a finished run, or an experiment folder: each of its runs")],
+    source: Annotated[
+        Path, typer.Argument(help="a finished run, or an experiment folder: each of its runs", callback=_absolute)
+    ],
     to: Annotated[int, typer.Option("--to", help="the new length L2 to fine-tune at (longer than the trained one)")],
     methods: Annotated[
         str,
@@ -617,7 +631,8 @@ def extend(
         Optional[str], typer.Option(help="steps scored at L2 while fine-tuning (default 0, K/10, K/4, K/2, K)")
     ] = None,
     out_dir: Annotated[
-        Optional[Path], typer.Option("--out", help="the folder to write (default: SOURCE-extendL2)")
+        Optional[Path],
+        typer.Option("--out", help="the folder to write (default: SOURCE-extendL2)", callback=_absolute),
     ] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     set_: Sets = None,
@@ -663,7 +678,9 @@ def extend(
 @app.command()
 def prepare(
     source: Annotated[str, typer.Argument(help="text files or a glob, .jsonl or .parquet files, or a datasets folder")],
-    out_dir: Annotated[Path, typer.Option("--out", help="the folder to write (train.bin, val.bin, tokens.json)")],
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="the folder to write (train.bin, val.bin, tokens.json)", callback=_absolute)
+    ],
     tokenizer: Annotated[str, typer.Option(help="bytes, bpe, or a tokenizer.json or sentencepiece .model")] = "bytes",
     vocab_size: Annotated[Optional[int], typer.Option(help="bpe's vocabulary (default 2048)")] = None,
     text_field: Annotated[str, typer.Option(help="the text's field in .jsonl, .parquet and datasets rows")] = "text",
@@ -716,13 +733,17 @@ def prepare(
 
 @app.command()
 def report(
-    experiment_dirs: Annotated[list[Path], typer.Argument(help="e.g. results/default; several join into one table")],
+    experiment_dirs: Annotated[
+        list[Path], typer.Argument(help="e.g. results/default; several join into one table", callback=_absolute)
+    ],
     metric: Annotated[
         Optional[str],
         typer.Option(help="ppl, loss, ratio (to train_len), bpb (bits per byte); a task: exact_match, token_accuracy"),
     ] = None,
     transpose: Annotated[bool, typer.Option(help="lengths as rows, schemes as columns")] = False,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="where a joined report goes")] = None,
+    out_dir: Annotated[
+        Optional[Path], typer.Option("--out", help="where a joined report goes", callback=_absolute)
+    ] = None,
     buckets: Annotated[
         Optional[str], typer.Option(help="a task's length buckets by their last length, e.g. 10,20,30,40")
     ] = None,
@@ -737,7 +758,9 @@ def report(
 
 @app.command()
 def status(
-    experiment_dir: Annotated[Path, typer.Argument(help="an experiment folder, e.g. results/sweep-example")],
+    experiment_dir: Annotated[
+        Path, typer.Argument(help="an experiment folder, e.g. results/sweep-example", callback=_absolute)
+    ],
 ):
     """Each run of an experiment: done, records (scored, no weights), partial (at which step), failed,
     diverged or running."""

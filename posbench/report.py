@@ -20,6 +20,7 @@ from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import atomic, write_atomic
 from posbench.measures import Measure, plugin
 from posbench.registry import named_by
+from posbench.schemes import run_label
 from posbench.tables import options_apart, point_labels
 from posbench.tasks import task_for
 
@@ -117,8 +118,42 @@ def collect(exp_dir: Path) -> Collected:
             raise PosbenchError(f"{exp_dir}: every run diverged ({', '.join(diverged.values())}); lower train.lr")
         raise PosbenchError(f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)")
     out.points = dict.fromkeys(out.parts, "") if extension else options_apart(point_labels(out.parts), out.runs)
+    holds: dict[tuple, Path] = {}
+    for run in out.runs:  # one row per (scheme, seed) and point: a copied run folder would make two
+        key = (out.points[run.folder], run_label(run.cfg.model), run.cfg.seeds[0])
+        if key in holds:
+            at = f" at {key[0]}" if key[0] else ""
+            raise PosbenchError(
+                f"{exp_dir}: {holds[key].name} and {run.folder.name} both hold {key[1]} seed {key[2]}{at}; "
+                "move one of them out"
+            )
+        holds[key] = run.folder
     out.diverged, out.running = diverged, running
     return out
+
+
+def check_joins(exp_dir: Path, cfg, rdir: Path) -> None:
+    """Refuse, before run folder `rdir` is written into `exp_dir`, a run that collect would refuse
+    to table beside the runs already there (trained under other settings, or scored by another
+    measure), so that a refused run leaves the folder as it was."""
+    if not exp_dir.is_dir() or (exp_dir / SWEEP_RECORD).is_file() or (exp_dir / EXTEND_RECORD).is_file():
+        return
+    task = task_for(cfg)
+    mine = (type(task.measure()), shared_identity(task.identity(identity(cfg))))
+    for other in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".") and p != rdir):
+        if not run_state(other).scored:
+            continue
+        ocfg = read_config(other)
+        with named_by(other):
+            otask = task_for(ocfg)
+        theirs = (type(otask.measure()), shared_identity(otask.identity(identity(ocfg))))
+        if theirs != mine:
+            diff = differences(theirs[1], mine[1], (other.name, "here")) or [f"scored by {theirs[0].name}"]
+            raise PosbenchError(
+                f"{exp_dir} holds runs its table could not join with this one ({', '.join(diff[:3])}); "
+                "write it to another folder (--name) and join the two with posbench report A B"
+            )
+        return  # the runs already there agree among themselves, as collect checks
 
 
 def join(collected: list[Collected], dirs: list[Path], metric: Optional[str] = None) -> Collected:

@@ -36,6 +36,7 @@ from typing import Optional
 
 from posbench.config import check_tracker_name
 from posbench.errors import PosbenchError
+from posbench.experiment.records import read_train_log
 
 INSTALL = "pip install -e '.[trackers]'"
 RECORD = "trackers.json"  # in a run folder: {tracker: {"id": ..., "train": sent?, "eval": {"eval/ppl@48": value sent}}}
@@ -319,7 +320,7 @@ def send_run(tracker: Optional[str], exp_dir: Path, rdir: Path) -> None:
     if sent.get("train") and not fresh:
         return
     cls = CLASSES[tracker]
-    log = _train_log(rdir)
+    log = read_train_log(rdir)
     flat = _flat_config(config, log)
     point = grid_point(rdir.name, config["model"]["scheme"], config["seeds"][0])
     if point:
@@ -450,11 +451,6 @@ def grid_point(folder: str, scheme: str, seed: int) -> str:
 
     middle = folder.removeprefix(run_name(scheme, seed))
     return middle.strip("-").rsplit("-", 1)[0] if middle.count("-") >= 2 else ""
-
-
-def _train_log(rdir: Path) -> list[dict]:
-    path = rdir / "train_log.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def _flat_config(config: dict, log: list[dict]) -> dict:

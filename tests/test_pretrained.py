@@ -2,6 +2,7 @@
 computes itself, for every RoPE variant, past the model's context."""
 
 import csv
+import shutil
 from pathlib import Path
 
 import pytest
@@ -567,3 +568,27 @@ def test_evaluate_and_extend_on_a_pretrained_models_scores_say_what_to_run_inste
     (run / "eval.csv").unlink()
     text = " ".join(invoke("status", str(out / "pretrained")).output.split())
     assert "partial" in text and "lacks eval.csv; rerun posbench pretrained" in text, text
+
+
+def test_a_model_given_as_dot_dot_is_named_by_its_folder_and_a_folder_of_other_runs_is_left_as_it_was(
+    models, tmp_path, monkeypatch
+):
+    from conftest import SMOKE, invoke
+
+    out, corpus = tmp_path / "r", _corpus(tmp_path)
+    args = ["--data", str(corpus), "--set", f"out_dir={out}", "--set", "eval.tokens=512", "--lengths", str(CONTEXT)]
+    copy = tmp_path / "llama"
+    shutil.copytree(models / "llama", copy)
+    (copy / "sub").mkdir()
+    monkeypatch.chdir(copy / "sub")
+    assert invoke("pretrained", "..", *args).exit_code == 0
+    assert (out / "pretrained" / "llama" / "eval.csv").is_file() and not (out / "pretrained" / "eval.csv").exists()
+
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={out}", "--set", "name=m")
+    assert res.exit_code == 0, res.output
+    before = sorted(p.relative_to(out) for p in (out / "m").rglob("*"))
+    res = invoke("pretrained", "..", *args, "--name", "m")
+    assert res.exit_code == 2 and "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+    assert f"{out / 'm'} holds runs its table could not join with this one" in res.output, res.output
+    assert sorted(p.relative_to(out) for p in (out / "m").rglob("*")) == before
+    assert invoke("report", str(out / "m")).exit_code == 0

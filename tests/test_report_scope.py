@@ -1,6 +1,7 @@
 """What a report tables: only runs that compare, only what the command asked for, and never an
 error for runs that are merely still running elsewhere."""
 
+import json
 import shutil
 
 from conftest import SMOKE, invoke
@@ -146,3 +147,37 @@ def test_status_lists_a_run_asked_for_but_never_started(tmp_path):
     lines = {line.split("│")[1].strip(): line for line in res.output.splitlines() if line.startswith("│")}
     assert "pending" in lines["rope-seed0"] and "done" in lines["alibi-seed0"]
     assert (exp / "runs.txt").read_text() == "alibi-seed0\nrope-seed0\n"
+
+
+def test_a_copied_run_folder_is_one_line_naming_both_and_a_bad_log_line_is_passed_over(tmp_path):
+    """A run copied within its experiment (a backup) would give (scheme, seed) two rows; a line
+    of train_log.jsonl cut off or edited by hand is no step, and the rest still plot."""
+    exp, _ = _smoke(tmp_path, "s", schemes="alibi")
+    log = exp / "alibi-seed0" / "train_log.jsonl"
+    kept = log.read_text()
+    with log.open("a") as f:
+        f.write('[1, 2]\n5\n{"step": 5}\n{"loss": 5}\n{"step": 5, "loss": [1]}\n{"step": "x", "loss": 1}\n{bad\n')
+    res = invoke("report", str(exp))
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+
+    from posbench.experiment.records import read_train_log
+
+    assert read_train_log(exp / "alibi-seed0") == [json.loads(x) for x in kept.splitlines()]
+
+    shutil.copytree(exp / "alibi-seed0", exp / "backup")
+    res = invoke("report", str(exp))
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "alibi-seed0 and backup both hold alibi seed 0; move one of them out" in res.output
+
+
+def test_a_folder_named_dot_or_the_root_is_the_folder_it_stands_for(tmp_path, monkeypatch):
+    exp, _ = _smoke(tmp_path, "s", schemes="alibi")
+    monkeypatch.chdir(exp)
+    res = invoke("report", ".")
+    assert res.exit_code == 0 and f"wrote {exp / 'summary.md'}" in res.output, res.output
+    res = invoke("status", "/")
+    assert res.exit_code == 2 and "Traceback" not in res.output and "/: holds no runs" in res.output, res.output
+    monkeypatch.chdir(exp / "alibi-seed0")
+    res = invoke("extend", ".", "--to", "64", "--steps", "1", "--lengths", "64")
+    assert res.exit_code == 0, res.output
+    assert (exp / "alibi-seed0-extend64" / "summary.md").is_file()

@@ -24,6 +24,7 @@ from posbench.files import exclusive, lock_holder, safe_name, write_atomic
 from posbench.measures.base import ScoringRun
 from posbench.measures.plugin import score_into
 from posbench.progress import Reporter
+from posbench.report import check_joins
 from posbench.resolve import Experiment
 
 TOKENIZER = "tokenizer.json"  # in the experiment folder: a .gguf model's tokenizer, as transformers reads it
@@ -186,6 +187,7 @@ def run_pretrained(exp: Experiment, model, reporter: Reporter, measures: list = 
     digest = exp.task.fingerprint(corpus)
     check_same_model(rdir, rc)
     check_read(rdir, digest)
+    check_joins(folder, rc, rdir)
     folder.mkdir(parents=True, exist_ok=True)
     with exclusive(lock_file(rdir), remove=True) as held:
         if not held:

@@ -49,12 +49,12 @@ def run_name(scheme: str, seed: int) -> str:
 
 def partial_dir(rdir: Path) -> Path:
     """The hidden folder a run is built in before it is renamed to `rdir`."""
-    return rdir.with_name("." + rdir.name + ".partial")
+    return rdir.parent / f".{rdir.name}.partial"  # not with_name, which refuses the root
 
 
 def lock_file(rdir: Path) -> Path:
     """The run's lock: whoever holds it alone may write `rdir` and its partial folder."""
-    return rdir.with_name("." + rdir.name + ".lock")
+    return rdir.parent / f".{rdir.name}.lock"
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,25 @@ def diverged_step(rdir: Path) -> str:
 
 
 def read_train_log(rdir: Path) -> list[dict]:
-    """A run's train_log.jsonl records (empty if it has none or it cannot be read)."""
+    """A run's train_log.jsonl records, each a step's numbers as training writes them; a line that
+    is not one (cut off mid-write, edited by hand) is passed over, and a log that cannot be read
+    is empty."""
     try:
-        return [json.loads(line) for line in (Path(rdir) / "train_log.jsonl").read_text().splitlines() if line]
-    except (OSError, ValueError):
+        lines = (Path(rdir) / "train_log.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
         return []
+    return [row for row in map(_log_row, lines) if row is not None]
+
+
+def _log_row(line: str) -> Optional[dict]:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or type(row.get("step")) is not int:
+        return None
+    numbers = (row.get(k) for k in ("loss", "lr", "seconds"))
+    return row if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) else None
 
 
 def trained_with(rdir: Path) -> Optional[str]:
