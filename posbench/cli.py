@@ -988,10 +988,11 @@ def inspect(
 
     with user_errors(on_oom="a shorter --length"):
         raw, origins = {}, {}  # a bad option is blamed on its --set, as in check-scheme
+        holder = target if ":" in target or "." not in target else "run"  # a folder's dots are no sections
         for o in set_ or []:
-            apply_override(raw, o, origins, under=f"scheme_options.{target}")
+            apply_override(raw, o, origins, under=f"scheme_options.{holder}")
         try:
-            paths, layers = inspect_target(target, out_dir, length, raw.get("scheme_options", {}).get(target), variant)
+            paths, layers = inspect_target(target, out_dir, length, raw.get("scheme_options", {}).get(holder), variant)
         except PosbenchError as e:
             raise blame(origins, e) from None
     for line in layers:  # a pattern over layers: what each layer is

@@ -452,20 +452,32 @@ def differences(a: dict, b: dict, names=("old", "new"), where: str = "") -> list
     return out
 
 
-def check_trainable(cfg: ModelConfig, device_memory: Optional[int] = None, bytes_per_param: int = 16) -> None:
+def check_trainable(
+    cfg: ModelConfig, device_memory: Optional[int] = None, bytes_per_param: int = 16, batch: Optional[int] = None
+) -> None:
     """Refuse a model too big for this machine before anything is allocated (a layer count of
     10^20 would otherwise hang building modules). Training takes 16 bytes a parameter (weights,
-    gradients, AdamW's two moments), activations aside; merely holding the weights takes 4.
-    `device_memory` is the GPU's; None means the machine's RAM."""
+    gradients, AdamW's two moments); merely holding the weights takes 4. With `batch`, a step's
+    activations count too, at their least: its logits and each layer's input, in bf16 (a batch of
+    10^8 would otherwise end in the kernel's out-of-memory kill, with no word). `device_memory`
+    is the GPU's; None means the machine's RAM."""
     params = 12 * cfg.n_layer * cfg.d_model**2 + cfg.vocab_size * cfg.d_model  # head tied to embedding
     have = device_memory or _physical_memory()
     need = bytes_per_param * params
-    if have and need > have:
-        what = "to train" if bytes_per_param >= 16 else "for its weights alone"
+    held = 2 * (batch or 0) * cfg.train_len * (cfg.vocab_size + cfg.n_layer * cfg.d_model)
+    if not have or need + held <= have:
+        return
+    if need <= have:  # the model fits: its batch does not
         raise PosbenchError(
-            f"model.n_layer={cfg.n_layer}, model.d_model={cfg.d_model}: about {params:.2g} parameters, "
-            f"{need / 2**30:.3g} GiB {what}, more than the {have / 2**30:.0f} GiB here"
+            f"train.batch_size={batch}: a step holds at least {held / 2**30:.3g} GiB of activations at "
+            f"{cfg.train_len} tokens, beside {need / 2**30:.3g} GiB for the model, more than the "
+            f"{have / 2**30:.0f} GiB here; lower train.batch_size"
         )
+    what = "to train" if bytes_per_param >= 16 else "for its weights alone"
+    raise PosbenchError(
+        f"model.n_layer={cfg.n_layer}, model.d_model={cfg.d_model}, model.vocab_size={cfg.vocab_size}: about "
+        f"{params:.2g} parameters, {need / 2**30:.3g} GiB {what}, more than the {have / 2**30:.0f} GiB here"
+    )
 
 
 def check_device(name: str, where: str) -> None:

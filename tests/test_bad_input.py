@@ -254,9 +254,14 @@ def test_a_model_too_big_to_train_is_refused_before_allocation():
 
     cfg = ModelConfig(n_layer=2, d_model=128)  # 12 * 2 * 128^2 + 256 * 128 = 425,984 parameters
     check_trainable(cfg, device_memory=16 * 425_984)
-    with pytest.raises(PosbenchError, match="model.n_layer=2, model.d_model=128: about 4.3e.05 parameters"):
+    with pytest.raises(PosbenchError, match="model.d_model=128, model.vocab_size=256: about 4.3e.05 parameters"):
         check_trainable(cfg, device_memory=16 * 425_984 - 1)
     check_trainable(cfg, device_memory=4 * 425_984, bytes_per_param=4)
+    # a step of 16 x 100 tokens holds at least its logits and each layer's input, 2 bytes each
+    held = 2 * 16 * 100 * (256 + 2 * 128)
+    check_trainable(cfg, device_memory=16 * 425_984 + held, batch=16)
+    with pytest.raises(PosbenchError, match="train.batch_size=17: a step holds at least"):
+        check_trainable(cfg, device_memory=16 * 425_984 + held, batch=17)
 
 
 def test_blame_names_the_flag_not_a_file_with_a_fault_of_its_own(tmp_path):

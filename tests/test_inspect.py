@@ -366,3 +366,12 @@ def test_out_of_memory_is_one_line_with_advice_for_inspect(tmp_path, monkeypatch
     res = invoke("inspect", "rope", "--length", "100000000", "--out", tmp_path / "i")
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
     assert "out of memory" in res.output and "try a shorter --length" in res.output and "eval." not in res.output
+
+
+@pytest.mark.parametrize("written", ["{run}", "./{name}", "../smoke/{name}"])  # dots in the path, or none
+def test_an_option_for_a_run_folder_is_refused_however_its_path_is_written(trained, tmp_path, monkeypatch, written):
+    run = trained("rope")
+    monkeypatch.chdir(run.parent)
+    res = invoke("inspect", written.format(run=run, name=run.name), "--set", "bogus=5", "--out", tmp_path / "x")
+    assert res.exit_code == 2 and "is a run folder, whose scheme keeps the options it trained with" in res.output
+    assert not (tmp_path / "x").exists()

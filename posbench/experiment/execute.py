@@ -93,7 +93,7 @@ def prepare(exp: Experiment, jobs: list[Job], reporter: Reporter) -> dict:
     gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     for job in jobs:
         if job.state == "todo":
-            check_trainable(job.cfg.model, gpu)  # a model too big is refused, not allocated
+            check_trainable(job.cfg.model, gpu, batch=job.cfg.train.batch_size)  # refused, not allocated
     # a backend that cannot run here is refused before anything trains (auto is never flex on a
     # CPU, so the scheme's table does not matter here)
     backend = backend_for(cfg.model.attention, device, cfg.model.head_dim, cfg.train.compile)
