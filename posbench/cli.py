@@ -141,6 +141,8 @@ def _measure_options(assignments: Optional[list[str]]) -> dict:
     """--measure-option key=value, each value read as YAML (k=64,128 is a list)."""
     import yaml
 
+    from posbench.config import parse_yaml
+
     options = {}
     for a in assignments or []:
         key, eq, text = a.partition("=")
@@ -148,7 +150,7 @@ def _measure_options(assignments: Optional[list[str]]) -> dict:
             raise PosbenchError(f"--measure-option {a!r}: expected key=value, e.g. k=64,128")
         text = f"[{text}]" if "," in text and not text.strip().startswith("[") else text
         try:
-            options[key.strip()] = yaml.safe_load(text)
+            options[key.strip()] = parse_yaml(text)
         except yaml.YAMLError:
             raise PosbenchError(f"--measure-option {a!r}: {text!r} is not a value") from None
     return options

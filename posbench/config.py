@@ -8,6 +8,7 @@ import functools
 import itertools
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -624,6 +625,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# YAML 1.2's floats: 1e5 and 1e-3 are numbers, where YAML 1.1 (PyYAML's) wants a dot (1.0e5)
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str):
+    """One value or document as posbench reads YAML: a key twice is an error, 1e5 a number."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if p.is_dir():
@@ -631,7 +645,7 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise PosbenchError(f"{p}: config file not found")
     try:
-        raw = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+        raw = parse_yaml(p.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -663,7 +677,7 @@ def apply_override(raw: dict, assignment: str, origins: Optional[dict] = None, u
         raise PosbenchError(f"--set {assignment!r}: expected key=value, e.g. train.steps=300")
     key, text = assignment.split("=", 1)
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
     key = f"{under}.{key.strip()}" if under else key.strip()

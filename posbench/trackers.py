@@ -399,8 +399,8 @@ def _send_training(run: Tracker, config: dict, log: list[dict]) -> None:
     per_step, unit = task_for(cfg).throughput(cfg)
     before = None
     for row in log:
-        values = {"train/loss": row["loss"], "train/lr": row["lr"]}
-        if before is not None and row["seconds"] > before["seconds"]:
+        values = {"train/loss": row["loss"], "train/lr": row.get("lr", math.nan)}
+        if before is not None and row.get("seconds", 0) > before.get("seconds", math.inf):
             values[f"train/{unit}"] = per_step * (row["step"] - before["step"]) / (row["seconds"] - before["seconds"])
         run.scalars("step", row["step"], {k: v for k, v in values.items() if math.isfinite(v)})
         before = row

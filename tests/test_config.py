@@ -139,12 +139,17 @@ def test_length_grid_rejects_short_test():
 
 
 def test_exponent_notation_is_a_number(tmp_path):
-    """YAML 1.1 reads `1e-3` (no dot) as a string; a float field takes it as the number."""
+    """YAML 1.1 reads `1e-3` (no dot) as a string; posbench reads it as YAML 1.2 does, a number,
+    in typed fields and in a scheme's options alike (RoPE's base=1e6 is how papers write it)."""
     assert load_config(None, ["train.lr=1e-3"]).train.lr == 0.001
     path = tmp_path / "c.yaml"
-    path.write_text("train:\n  lr: 3e-4\n  min_lr: 1E-5\n")
+    path.write_text("train:\n  lr: 3e-4\n  min_lr: 1E-5\nscheme_options:\n  rope: {base: 5e5}\n")
     cfg = load_config(path, [])
     assert (cfg.train.lr, cfg.train.min_lr) == (0.0003, 0.00001)
+    assert cfg.scheme_options["rope"]["base"] == 500000.0
+    cfg = load_config(None, ["scheme_options.rope.base=1e6", "schemes=[rope]"])
+    assert cfg.model_for("rope").options["base"] == 1e6
+    assert load_config(None, ["name=1e5x"]).name == "1e5x"  # not a number: a string still
 
 
 def test_the_training_length_is_always_evaluated():

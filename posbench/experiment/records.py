@@ -126,10 +126,13 @@ def _log_row(line: str) -> Optional[dict]:
         row = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(row, dict) or type(row.get("step")) is not int:
+    if not isinstance(row, dict) or type(row.get("step")) is not int or not _number(row.get("loss")):
         return None
-    numbers = (row.get(k) for k in ("loss", "lr", "seconds"))
-    return row if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) else None
+    return row if all(_number(row[k]) for k in ("lr", "seconds") if k in row) else None
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def trained_with(rdir: Path) -> Optional[str]:
