@@ -333,7 +333,7 @@ class ExperimentConfig:
     source: ClassVar[str] = ""  # the config file, if any
 
     def __post_init__(self):
-        if not self.name or "/" in self.name or self.name in (".", ".."):
+        if not self.name or "/" in self.name or self.name in (".", "..") or not self.name.isprintable():
             raise PosbenchError(f"name={self.name!r} must be a plain folder name")
         for s, opts in self.scheme_options.items():
             if opts is None:  # `alibi:` with nothing under it

@@ -47,6 +47,8 @@ def _assert_clean_failure(res, message, results: Path):
         (["--train-len", "99999"], "--train-len 99999: model.train_len=99999 is more than eval.tokens="),
         (["--schemes", "alibi]"], "unknown scheme 'alibi]'"),  # given as typed, not read as YAML
         (["--threads", "-1"], "train.threads=-1 must be positive"),
+        (["--set", "name=a/b"], "name='a/b' must be a plain folder name"),
+        (["--set", "name=tab\there"], "name='tab\\there' must be a plain folder name"),  # a control character
         (
             ["--train-len", "32", "--set", "model.train_len=48"],
             "--train-len 32 and --set model.train_len=48 both set model.train_len; give one",

@@ -309,6 +309,12 @@ def test_other_model_files_under_the_same_name_are_refused_and_nothing_is_touche
         ),
         (["--set", "model.n_layer=5"], "--set model.n_layer=5: posbench pretrained does not read model.n_layer"),
         (["--set", "train.steps=5"], "--set train.steps=5: posbench pretrained does not read train.steps"),
+        (["--set", "schemes=[rope]"], "--set schemes=[rope]: posbench pretrained does not read schemes"),
+        (["--set", "seeds=[3]"], "--set seeds=[3]: posbench pretrained does not read seeds"),
+        (
+            ["--set", "scheme_options.rope.base=5"],
+            "--set scheme_options.rope.base=5: posbench pretrained does not read scheme_options.rope.base",
+        ),
         (
             ["--test-len", str(2 * CONTEXT), "--set", f"eval.lengths=[{CONTEXT}]"],
             f"--test-len and --set eval.lengths=[{CONTEXT}] both set the evaluation lengths",

@@ -86,6 +86,9 @@ def model_config(cfg: ExperimentConfig, model, tokenizer: str) -> ExperimentConf
     return dataclasses.replace(cfg, schemes=[model_cfg.scheme], seeds=[0], model=model_cfg, data=data)
 
 
+PRETRAINED_OWN = ("schemes", "seeds", "scheme_options")  # top-level keys a pretrained model answers itself
+
+
 def plan_pretrained(cfg: ExperimentConfig, model_path: Path, test_len: Optional[int]) -> tuple[Experiment, object]:
     """The model at `model_path` loaded, and the experiment that scores it as `cfg` asks: its
     shape, context, tokenizer and a batch that fits the longest length. A length that cannot
@@ -109,10 +112,12 @@ def plan_pretrained(cfg: ExperimentConfig, model_path: Path, test_len: Optional[
         for k, where in cfg.origins.items()
         if k.startswith(("model.", "train.")) and k not in kept and (where.startswith("--") or changed(k))
     ]
+    # nor its schemes, their options or seeds: the model is its own scheme, trained once
+    unread += [k for k, where in cfg.origins.items() if where.startswith("--") and k.split(".")[0] in PRETRAINED_OWN]
     if unread:
         raise PosbenchError(
-            f"{cfg.origins[unread[0]]}: posbench pretrained does not read {unread[0]} (the model's shape is its "
-            f"own, and it trains nothing); drop it"
+            f"{cfg.origins[unread[0]]}: posbench pretrained does not read {unread[0]} (the model's shape and "
+            f"scheme are its own, and it trains nothing); drop it"
         )
     shape = read_model_config(model_path)  # before the weights: a length that cannot fit is refused first
     context = int(getattr(shape, "max_position_embeddings", 0) or getattr(shape, "n_positions", 0))
