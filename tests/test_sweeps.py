@@ -300,6 +300,20 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     assert len([p for p in exp.iterdir() if p.is_dir()]) == 4
 
 
+def test_a_run_an_earlier_sweep_named_by_other_keys_is_reused_not_trained_again(tmp_path):
+    """A run's folder names the keys its sweep listed; another sweep into the same experiment
+    that lists others (grad_clip, not train_len) but resolves to the same run finds it by its
+    hash: nothing trains twice, and the report holds one run, not two of one (scheme, seed)."""
+    assert invoke("sweep", _sweep(tmp_path, values="[16]")).exit_code == 0
+    exp = tmp_path / "r" / "grid"
+    (first,) = [p.name for p in exp.iterdir() if p.is_dir()]
+    assert first.startswith("alibi-seed0-train_len16-")
+    res = invoke("sweep", _sweep(tmp_path, key="train.grad_clip", values="[1.0]"))
+    assert res.exit_code == 0 and "already trained, reusing its checkpoint" in res.output, res.output
+    assert [p.name for p in exp.iterdir() if p.is_dir()] == [first]
+    assert invoke("report", exp).exit_code == 0
+
+
 def test_a_reused_run_keeps_the_record_of_how_it_was_trained(tmp_path):
     """A rerun that reuses a finished run scores it under the eval settings asked now and
     records those, but keeps the training side of its config.yaml as it was trained: a rerun

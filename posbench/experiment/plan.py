@@ -147,9 +147,10 @@ def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
         for n in cfg.seeds:  # seed by seed, as plan_runs
             for s in cfg.schemes:
                 rc = cfg.for_run(s, n)
-                rdir = folder / sweep_run_name(rc, exp.task, settings)
-                where = ", ".join(f"{k}={v}" for k, v in settings.items())
                 digest = run_digest(rc, exp.task)  # the readable part of two names may differ
+                rdir = folder / sweep_run_name(rc, exp.task, settings)
+                rdir = rdir if rdir.exists() else _named_before(folder, rc, digest) or rdir
+                where = ", ".join(f"{k}={v}" for k, v in settings.items())
                 same = seen.get(digest)
                 if same is not None and same[0] != where:
                     raise PosbenchError(
@@ -160,6 +161,14 @@ def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
                     seen[digest] = where, rdir
                     jobs.append(Job(rc, exp.task, exp.measure, rdir, plan_state(rc, exp.task, rdir), point=cfg))
     return folder, jobs
+
+
+def _named_before(folder: Path, rc: ExperimentConfig, digest: str) -> Optional[Path]:
+    """The run folder of this very run (its hash) that an earlier sweep into `folder` named by
+    other keys (its grid listed train_len, this one does not): reused, not trained twice."""
+    prefix, suffix = f"{run_name(rc.schemes[0], rc.seeds[0])}-", f"-{digest}"
+    named = [p for p in folder.glob(f"{prefix}*{digest}") if p.is_dir() and p.name.endswith(suffix)]
+    return min(named, default=None)
 
 
 # runs to train past which a sweep says, before it starts, what it will train: a run at the
