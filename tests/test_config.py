@@ -356,7 +356,7 @@ def test_the_gpu_checks_run_sdpa_and_flex_side_by_side_at_gpt2_small_then_the_cu
     assert "--schemes nope,alibi,t5,kerple_log,fire" in calls[0] and f"--out {tmp_path}/out/bench.csv" in calls[0]
     for shape in ("model.n_layer=12", "model.d_model=768", "model.n_head=12", "model.train_len=1024"):
         assert f"--set {shape}" in calls[0]
-    assert calls[1].endswith("-m pytest -p no:cacheprovider tests/test_cuda.py -k not flex and not triton")
+    assert calls[1].endswith("-m pytest -p no:cacheprovider tests/test_cuda.py -k not flex")
     assert calls[2].endswith("-m pytest -p no:cacheprovider tests/test_cuda.py -k flex")
     out = tmp_path / "out"
     assert {p.name for p in out.iterdir()} == {"machine.txt", "cuda-tests.txt", "cuda-flex-tests.txt", "bench.txt"}
@@ -368,7 +368,7 @@ def test_the_gpu_triton_part_checks_the_kernels_then_benches_them_beside_sdpa_th
 ):
     done, calls = gpu_script("triton")
     assert done.returncode == 0, done.stderr
-    assert calls[0].endswith("-m pytest -p no:cacheprovider -vv tests/test_cuda.py -k triton")
+    assert calls[0].endswith("-m pytest -p no:cacheprovider -vv tests/test_cuda_triton.py")
     assert " bench --device cuda --attention sdpa,triton " in calls[1]
     assert "--schemes nope,alibi,t5,kerple_log,fire" in calls[1] and f"--out {tmp_path}/out/bench.csv" in calls[1]
     for shape in ("model.n_layer=12", "model.d_model=768", "model.n_head=12", "model.train_len=1024"):
