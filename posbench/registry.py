@@ -183,7 +183,8 @@ def check_options(defaults: dict, given: dict, where: str, owner: str = "") -> N
         if key not in defaults:
             valid = ", ".join(defaults) or "none"
             raise PosbenchError(
-                f"{where}.{key}: unknown option{owner}{did_you_mean(key, defaults)}; valid options: {valid}"
+                f"{where}.{key}: unknown option{owner}{did_you_mean(key, defaults)}; valid options: {valid}",
+                f"{where}.{key}",
             )
         default = defaults[key]
         if default is None:
@@ -192,8 +193,8 @@ def check_options(defaults: dict, given: dict, where: str, owner: str = "") -> N
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         fits = isinstance(value, bool) if want is bool else (numeric if want is float else isinstance(value, want))
         if not fits or (want is int and isinstance(value, bool)):
-            raise PosbenchError(f"{where}.{key}: expected {want.__name__}, got {value!r}")
+            raise PosbenchError(f"{where}.{key}: expected {want.__name__}, got {value!r}", f"{where}.{key}")
         # sizes, distances, bases and scales: every numeric option with a positive default is a
         # positive quantity (a class may check more when it is built)
         if numeric and isinstance(default, (int, float)) and default > 0 and not value > 0:
-            raise PosbenchError(f"{where}.{key}={value} must be positive")
+            raise PosbenchError(f"{where}.{key}={value} must be positive", f"{where}.{key}")

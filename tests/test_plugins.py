@@ -343,6 +343,8 @@ def test_check_scheme_passes_options_to_the_scheme(repo_on_path):
     res = invoke("check-scheme", EXAMPLE, "--set", "windw=3")  # refused before any check, blamed on the flag
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "--set windw=3" in res.output and "did you mean 'window'" in res.output, res.output
+    res = invoke("check-scheme", "rope", "--set", "base.x=5")  # an option given as a section of its own
+    assert res.exit_code == 2 and "--set base.x=5: scheme_options.rope.base: expected float" in res.output
 
 
 CACHED_TABLE = """
