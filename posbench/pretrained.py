@@ -140,6 +140,11 @@ def fitting_batch(config, params: int, lengths: list[int], batch: int, have: Opt
     if have is None:
         return batch
     room = have - 4 * params
+    if room <= 0:  # no length is short enough
+        raise PosbenchError(
+            f"the model's weights take about {4 * params / 2**30:.1f} GiB in fp32, more than the "
+            f"{have / 2**30:.0f} GiB here; score it on a machine with more memory"
+        )
     longest = max(lengths)
     need = window_bytes(config, longest)
     if need > room:

@@ -454,6 +454,8 @@ def test_the_windows_scored_at_once_are_as_many_as_fit_beside_the_weights(models
     assert fitting_batch(config, 10, [1000], 16, 4 * 10 + 2 * 3 * one) == 3  # half the room, in whole windows
     assert fitting_batch(config, 10, [1000], 2, 4 * 10 + 2 * 3 * one) == 2  # never more than asked
     assert fitting_batch(config, 10, [1000], 16, None) == 16  # memory unknown: as asked
+    with pytest.raises(PosbenchError, match="the model's weights take about .* here; score it on a machine"):
+        fitting_batch(config, 2**30, [1000], 16, 2**32)  # 4 GiB of weights in 4 GiB: no length would fit
 
 
 def test_a_config_file_names_the_experiment_and_the_default_name_is_pretrained(models, tmp_path):
