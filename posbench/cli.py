@@ -403,15 +403,17 @@ def _one_config(argument: Optional[Path], option: Optional[Path]) -> Optional[Pa
     return argument if argument is not None else option
 
 
-def _absolute(value):
-    """A folder or file given on the command line (or a list of them), made absolute and rid of
-    `.` and `..` without following links, so that its name is its own: `report .` reports the
-    folder it is in, and `pretrained ..` names the model by its folder."""
+def _named(value):
+    """A folder or file given on the command line (or a list of them), as given, except that one
+    ending in `.` or `..` is made absolute (without following links), so that its name is the
+    folder's own: `report .` reports the folder it is in, `pretrained ..` names the model by its
+    folder. A relative path stays relative, as the records it reaches hold it."""
     if value is None:
         return None
     if isinstance(value, list):
-        return [Path(os.path.abspath(v)) for v in value]
-    return Path(os.path.abspath(value))
+        return [_named(v) for v in value]
+    path = Path(value)
+    return Path(os.path.abspath(path)) if path.name in ("", "..") else path
 
 
 def _not_a_flag_value(value: Optional[Path]) -> Optional[Path]:
@@ -469,7 +471,7 @@ def train(
 
 @app.command()
 def evaluate(
-    run_dir: Annotated[Path, typer.Argument(help="a run folder holding model.pt", callback=_absolute)],
+    run_dir: Annotated[Path, typer.Argument(help="a run folder holding model.pt", callback=_named)],
     lengths: Annotated[Optional[str], typer.Option(help="e.g. 100,200,400")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     rope_scaling: Annotated[
@@ -545,7 +547,7 @@ def evaluate(
 def pretrained(
     model_path: Annotated[
         Path,
-        typer.Argument(help="a transformers folder (config.json, weights, tokenizer) or a .gguf", callback=_absolute),
+        typer.Argument(help="a transformers folder (config.json, weights, tokenizer) or a .gguf", callback=_named),
     ],
     lengths: Annotated[
         Optional[str], typer.Option(help="e.g. 1024,2048,4096 (default: its context and twice it)")
@@ -611,7 +613,7 @@ def pretrained(
 @app.command()
 def extend(
     source: Annotated[
-        Path, typer.Argument(help="a finished run, or an experiment folder: each of its runs", callback=_absolute)
+        Path, typer.Argument(help="a finished run, or an experiment folder: each of its runs", callback=_named)
     ],
     to: Annotated[int, typer.Option("--to", help="the new length L2 to fine-tune at (longer than the trained one)")],
     methods: Annotated[
@@ -634,7 +636,7 @@ def extend(
     ] = None,
     out_dir: Annotated[
         Optional[Path],
-        typer.Option("--out", help="the folder to write (default: SOURCE-extendL2)", callback=_absolute),
+        typer.Option("--out", help="the folder to write (default: SOURCE-extendL2)", callback=_named),
     ] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
     set_: Sets = None,
@@ -681,7 +683,7 @@ def extend(
 def prepare(
     source: Annotated[str, typer.Argument(help="text files or a glob, .jsonl or .parquet files, or a datasets folder")],
     out_dir: Annotated[
-        Path, typer.Option("--out", help="the folder to write (train.bin, val.bin, tokens.json)", callback=_absolute)
+        Path, typer.Option("--out", help="the folder to write (train.bin, val.bin, tokens.json)", callback=_named)
     ],
     tokenizer: Annotated[str, typer.Option(help="bytes, bpe, or a tokenizer.json or sentencepiece .model")] = "bytes",
     vocab_size: Annotated[Optional[int], typer.Option(help="bpe's vocabulary (default 2048)")] = None,
@@ -736,7 +738,7 @@ def prepare(
 @app.command()
 def report(
     experiment_dirs: Annotated[
-        list[Path], typer.Argument(help="e.g. results/default; several join into one table", callback=_absolute)
+        list[Path], typer.Argument(help="e.g. results/default; several join into one table", callback=_named)
     ],
     metric: Annotated[
         Optional[str],
@@ -744,7 +746,7 @@ def report(
     ] = None,
     transpose: Annotated[bool, typer.Option(help="lengths as rows, schemes as columns")] = False,
     out_dir: Annotated[
-        Optional[Path], typer.Option("--out", help="where a joined report goes", callback=_absolute)
+        Optional[Path], typer.Option("--out", help="where a joined report goes", callback=_named)
     ] = None,
     buckets: Annotated[
         Optional[str], typer.Option(help="a task's length buckets by their last length, e.g. 10,20,30,40")
@@ -761,7 +763,7 @@ def report(
 @app.command()
 def status(
     experiment_dir: Annotated[
-        Path, typer.Argument(help="an experiment folder, e.g. results/sweep-example", callback=_absolute)
+        Path, typer.Argument(help="an experiment folder, e.g. results/sweep-example", callback=_named)
     ],
 ):
     """Each run of an experiment: done, records (scored, no weights), partial (at which step), failed,

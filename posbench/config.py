@@ -8,7 +8,6 @@ import functools
 import itertools
 import math
 import os
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -625,16 +624,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-# YAML 1.2's floats: 1e5 and 1e-3 are numbers, where YAML 1.1 (PyYAML's) wants a dot (1.0e5)
-_UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
 def parse_yaml(text: str):
-    """One value or document as posbench reads YAML: a key twice is an error, 1e5 a number."""
+    """One value or document as posbench reads YAML: a key given twice is an error. YAML 1.1
+    reads 1e5 (no dot) as a string: a float field or option takes it as the number (_coerce,
+    registry.check_options), and every other value keeps what was written."""
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
 

@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -178,8 +179,9 @@ def load_plugin(spec: str, kind: str, base: type, public: str, example: str) -> 
 def check_options(defaults: dict, given: dict, where: str, owner: str = "") -> None:
     """A class's options as given (scheme_options.<name>, task_options) against their defaults:
     unknown keys (with a did-you-mean), wrong types, and non-positive values of options whose
-    default is positive, one line each. A default of None takes any value; the class checks it."""
-    for key, value in given.items():
+    default is positive, one line each. A default of None takes any value; the class checks it.
+    A float option written 1e6, which YAML 1.1 reads as a string, becomes the number in `given`."""
+    for key, value in list(given.items()):
         if key not in defaults:
             valid = ", ".join(defaults) or "none"
             raise PosbenchError(
@@ -190,6 +192,10 @@ def check_options(defaults: dict, given: dict, where: str, owner: str = "") -> N
         if default is None:
             continue
         want = float if isinstance(default, float) else type(default)
+        if want is float and isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value)
+                given[key] = value = number if math.isfinite(number) else value
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         fits = isinstance(value, bool) if want is bool else (numeric if want is float else isinstance(value, want))
         if not fits or (want is int and isinstance(value, bool)):

@@ -109,6 +109,7 @@ def _resolve_schemes(cfg: ExperimentConfig) -> None:
             named = "scheme_options." in text or any(names_key(text, k) for k in cfg.origins or {} if k != "schemes")
             raise PosbenchError(text, e.key or (None if named else "schemes")) from None
         cls = SCHEMES.lookup(s)
+        cls.validate_options(cfg.scheme_options.get(s, {}), where=f"scheme_options.{s}")  # base: 1e6 as a number
         filled = {**cls.options, **cfg.scheme_options.get(s, {})}
         # all of them, so that a run's record names every option, but those added later at their default
         cfg.scheme_options[s] = {k: v for k, v in filled.items() if k not in cls.added_later or v != cls.options[k]}

@@ -139,17 +139,25 @@ def test_length_grid_rejects_short_test():
 
 
 def test_exponent_notation_is_a_number(tmp_path):
-    """YAML 1.1 reads `1e-3` (no dot) as a string; posbench reads it as YAML 1.2 does, a number,
-    in typed fields and in a scheme's options alike (RoPE's base=1e6 is how papers write it)."""
+    """YAML 1.1 reads `1e-3` (no dot) as a string; a float field or a scheme's float option takes
+    it as the number (RoPE's base=1e6 is how papers write it), and every other value keeps the
+    string written, so a record's name or hash reads back as written."""
+    from posbench.resolve import resolve
+    from posbench.schemes import build_scheme
+
     assert load_config(None, ["train.lr=1e-3"]).train.lr == 0.001
     path = tmp_path / "c.yaml"
-    path.write_text("train:\n  lr: 3e-4\n  min_lr: 1E-5\nscheme_options:\n  rope: {base: 5e5}\n")
+    path.write_text("train:\n  lr: 3e-4\n  min_lr: 1E-5\nschemes: [rope]\nscheme_options:\n  rope: {base: 5e5}\n")
     cfg = load_config(path, [])
     assert (cfg.train.lr, cfg.train.min_lr) == (0.0003, 0.00001)
-    assert cfg.scheme_options["rope"]["base"] == 500000.0
-    cfg = load_config(None, ["scheme_options.rope.base=1e6", "schemes=[rope]"])
-    assert cfg.model_for("rope").options["base"] == 1e6
-    assert load_config(None, ["name=1e5x"]).name == "1e5x"  # not a number: a string still
+    assert build_scheme(cfg.model_for("rope")).opt["base"] == 500000.0
+    assert resolve(cfg).cfg.scheme_options["rope"]["base"] == 500000.0  # recorded as the number
+    cfg = load_config(None, ["scheme_options.rope.base=1e6", "schemes=[alibi]"])  # a scheme not run here
+    assert resolve(cfg).cfg.scheme_options["rope"]["base"] == 1e6
+    cfg = load_config(None, ["scheme_options.rope.base=inf", "schemes=[rope]"])
+    with pytest.raises(PosbenchError, match="scheme_options.rope.base: expected float, got 'inf'"):
+        resolve(cfg)
+    assert load_config(None, ["name=1e3"]).name == "1e3"  # a string field keeps the string
 
 
 def test_the_training_length_is_always_evaluated():
