@@ -313,6 +313,18 @@ def test_a_run_an_earlier_sweep_named_by_other_keys_is_reused_not_trained_again(
     assert [p.name for p in exp.iterdir() if p.is_dir()] == [first]
     assert invoke("report", exp).exit_code == 0
 
+    from posbench.config import load_sweep
+    from posbench.experiment.plan import _named_before, run_digest
+    from posbench.tasks import task_for
+
+    (_, cfg), *_ = load_sweep(tmp_path / "sweep.yaml")
+    rc = cfg.for_run("alibi", 0)
+    digest = run_digest(rc, task_for(rc))
+    assert first.endswith(digest) and _named_before(exp, rc, digest) == exp / first
+    (exp / first).rename(exp / f".{first}.partial")  # still training under the first sweep: resumed there
+    assert _named_before(exp, rc, digest) == exp / first
+    assert _named_before(exp, cfg.for_run("alibi", 1), digest) is None  # another seed's run is not it
+
 
 def test_a_reused_run_keeps_the_record_of_how_it_was_trained(tmp_path):
     """A rerun that reuses a finished run scores it under the eval settings asked now and

@@ -165,10 +165,12 @@ def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
 
 def _named_before(folder: Path, rc: ExperimentConfig, digest: str) -> Optional[Path]:
     """The run folder of this very run (its hash) that an earlier sweep into `folder` named by
-    other keys (its grid listed train_len, this one does not): reused, not trained twice."""
+    other keys (its grid listed train_len, this one does not), finished or still partial:
+    reused or resumed, not trained twice."""
     prefix, suffix = f"{run_name(rc.schemes[0], rc.seeds[0])}-", f"-{digest}"
-    named = [p for p in folder.glob(f"{prefix}*{digest}") if p.is_dir() and p.name.endswith(suffix)]
-    return min(named, default=None)
+    named = [p.name for p in folder.glob(f"{prefix}*{digest}") if p.is_dir() and p.name.endswith(suffix)]
+    named += [p.name[1 : -len(".partial")] for p in folder.glob(f".{prefix}*{digest}.partial") if p.is_dir()]
+    return folder / min(named) if named else None
 
 
 # runs to train past which a sweep says, before it starts, what it will train: a run at the
