@@ -26,7 +26,7 @@ def data_benchmark(cfg: ExperimentConfig, rounds: int = 30, reporter=None) -> li
 
     from posbench.data import CorpusBatches, load_corpus, shakespeare
     from posbench.model import TransformerLM
-    from posbench.text import prepare
+    from posbench.text import prepare, source_files
     from posbench.train import make_optimizer
 
     rows = [["what", "value"]]
@@ -35,6 +35,8 @@ def data_benchmark(cfg: ExperimentConfig, rounds: int = 30, reporter=None) -> li
         if source is None:  # the default corpus, as a file prepare reads
             source = str(Path(tmp) / "shakespeare.txt")
             Path(source).write_bytes(shakespeare(reporter))
+        else:
+            source_files(source)  # a corpus that is not there is named as data.path, not as prepare's SOURCE
         vocab = cfg.data.vocab_size or 2048
         prepared = {}
         for spec in ("bytes", "bpe"):

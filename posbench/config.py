@@ -299,6 +299,8 @@ class EvalConfig:
             if n <= 0:
                 raise PosbenchError(f"eval.lengths: {n} is not a positive length")
         _unique(self.lengths, "eval.lengths")
+        if self.measure_options and not self.measures:  # options no measure would read
+            raise PosbenchError("eval.measure_options is set but eval.measures is empty", "eval.measure_options")
         # eval.tokens against the longest length is the measure's to check, once the lengths are decided
 
 

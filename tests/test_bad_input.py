@@ -48,6 +48,7 @@ def _assert_clean_failure(res, message, results: Path):
         (["--schemes", "alibi]"], "unknown scheme 'alibi]'"),  # given as typed, not read as YAML
         (["--threads", "-1"], "train.threads=-1 must be positive"),
         (["--set", "name=a/b"], "name='a/b' must be a plain folder name"),
+        (["--set", "eval.measure_options={k: 8}"], "eval.measure_options is set but eval.measures is empty"),
         (["--set", "name=tab\there"], "name='tab\\there' must be a plain folder name"),  # a control character
         (
             ["--train-len", "32", "--set", "model.train_len=48"],

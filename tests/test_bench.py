@@ -385,6 +385,7 @@ def test_bench_task_times_a_step_whole_and_in_parts_on_the_same_instances(tmp_pa
         (["--task", "lm"], "--task lm: a corpus's batches are all one length; give a task, e.g. --task copy"),
         (["--task", "copy", "--data"], "--data and --task are two benchmarks: give one"),
         (["--task", "copi"], "unknown task 'copi' (did you mean 'copy'?)"),
+        (["--data", "--quick", "--set", "data.path=/no/such.txt"], "data.path '/no/such.txt' matches no file"),
     ],
 )
 def test_bench_task_refuses_bad_input_in_one_line(args, message):
