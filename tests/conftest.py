@@ -29,6 +29,17 @@ def invoke(*args):
     return _runner.invoke(app, [str(a) for a in args])
 
 
+def outputs_and_grads(model, x, block):
+    """A model's logits and its parameters' gradients (of their squares' mean), `block` queries
+    at a time, on the CPU: what the GPU tests compare across backends and devices."""
+    model.zero_grad()
+    model.attn_block = block
+    y = model(x)
+    y.square().mean().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return y.detach().cpu(), grads.cpu()
+
+
 def folded(text: str) -> str:
     """Help or README text with its line breaks and rich's box edges folded into single spaces."""
     return re.sub(r"[\s│]+", " ", text)

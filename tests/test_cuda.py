@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import outputs_and_grads
 
 from posbench import attention, check
 from posbench.attention import BiasedAttention
@@ -21,15 +22,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 ALL = sorted(SCHEMES)
 
 
-def _outputs_and_grads(model, x, block):
-    model.zero_grad()
-    model.attn_block = block
-    y = model(x)
-    y.square().mean().backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return y.detach().cpu(), grads.cpu()
-
-
 @pytest.mark.parametrize("scheme", ALL)
 @pytest.mark.parametrize("T", [24, 21])  # a multiple of the block and not
 def test_cuda_fp32_matches_the_cpu(scheme, T):
@@ -37,8 +29,8 @@ def test_cuda_fp32_matches_the_cpu(scheme, T):
     gpu = copy.deepcopy(cpu).cuda()
     x = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
     for block in (8, 10_000):
-        y0, g0 = _outputs_and_grads(cpu, x, block)
-        y1, g1 = _outputs_and_grads(gpu, x.cuda(), block)
+        y0, g0 = outputs_and_grads(cpu, x, block)
+        y1, g1 = outputs_and_grads(gpu, x.cuda(), block)
         assert torch.allclose(y1, y0, atol=2e-5), (block, (y1 - y0).abs().max())
         assert torch.allclose(g1, g0, atol=2e-5), (block, (g1 - g0).abs().max())
 
@@ -88,7 +80,7 @@ def test_cuda_flex_equals_eager_in_outputs_and_gradients(scheme):
     results = []
     for backend in ("eager", "flex"):
         model.cfg = dataclasses.replace(model.cfg, attention=backend)
-        results.append(_outputs_and_grads(model, x, 16))
+        results.append(outputs_and_grads(model, x, 16))
     (y0, g0), (y1, g1) = results
     assert torch.allclose(y1, y0, atol=2e-5), (y1 - y0).abs().max()
     assert torch.allclose(g1, g0, atol=2e-5), (g1 - g0).abs().max()
@@ -101,9 +93,9 @@ def test_cuda_auto_takes_flex_for_a_table_and_equals_eager(scheme, runs_as):
     model = check.tiny_model(scheme, train_len=40, d_model=64).cuda().train()  # head_dim 16
     assert model.cfg.attention == "auto" and model.backend(torch.device("cuda")) == runs_as
     x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0)).cuda()
-    got = _outputs_and_grads(model, x, 16)
+    got = outputs_and_grads(model, x, 16)
     model.cfg = dataclasses.replace(model.cfg, attention="eager")
-    want = _outputs_and_grads(model, x, 16)
+    want = outputs_and_grads(model, x, 16)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=2e-5), (a - b).abs().max()
 
@@ -122,11 +114,11 @@ def test_cuda_flex_trains_a_distance_bias_from_its_table_whole_and_compiled_once
     real = attention._attend
     monkeypatch.setattr(attention, "_attend", lambda *a: calls.append(a[0].size(2)) or real(*a))
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
-    _outputs_and_grads(model, x, 16)
+    outputs_and_grads(model, x, 16)
     assert set(calls) == {64}
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(2):
-            _outputs_and_grads(model, x, 16)
+            outputs_and_grads(model, x, 16)
 
 
 def test_cuda_flex_stays_compiled_across_schemes_lengths_and_gradients():
@@ -138,7 +130,7 @@ def test_cuda_flex_stays_compiled_across_schemes_lengths_and_gradients():
         for scheme in ("nope", "rope", "alibi", "t5", "kerple_log", "fire"):
             model = check.tiny_model(scheme, train_len=64, d_model=64).cuda()  # head_dim 16
             model.cfg = dataclasses.replace(model.cfg, attention="flex")
-            _outputs_and_grads(model.train(), x[:, :64], 16)
+            outputs_and_grads(model.train(), x[:, :64], 16)
             with torch.no_grad():
                 for T in (64, 128, 192, 256):
                     model.eval()(x[:, :T])

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from conftest import outputs_and_grads
 
 from posbench import attention, check, kernels
 from posbench.schemes import SCHEMES
@@ -29,15 +30,6 @@ ALL = sorted(SCHEMES)
 def _gpu_tiles(monkeypatch):
     """The interpreter's tiles as the GPU's, so a CPU run meets the same tile edges."""
     monkeypatch.setattr(kernels, "INTERPRETED_BLOCK", kernels.BLOCK)
-
-
-def _outputs_and_grads(model, x, block):
-    model.zero_grad()
-    model.attn_block = block
-    y = model(x)
-    y.square().mean().backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return y.detach().cpu(), grads.cpu()
 
 
 def _per_parameter(model, x, backend, block, half=False):
@@ -82,7 +74,7 @@ def test_cuda_triton_takes_a_table_or_fires_lines_whole_and_never_dense(scheme, 
     real = attention._attend
     monkeypatch.setattr(attention, "_attend", lambda *a: calls.append(a) or real(*a))
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    _outputs_and_grads(model, x, 16)
+    outputs_and_grads(model, x, 16)
     assert not calls  # all 64 queries in one call of the kernels, never in blocks through _attend
 
 
