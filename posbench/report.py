@@ -8,6 +8,7 @@ checks once what several experiments must share. The run's measure builds the se
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -79,9 +80,7 @@ def collect(exp_dir: Path) -> Collected:
                 f"{rdir}: a run folder without {lacks}; finish it with {finish}, or move it out of {exp_dir}"
             )
         cfg = read_config(rdir)
-        with named_by(rdir):  # a task of the user's is imported to learn its lengths: said first
-            task = task_for(cfg)
-        measure = task.measure()
+        measure, part = table_share(cfg, rdir)
         kinds.setdefault(type(measure), rdir)
         if len(kinds) > 1:  # perplexity and exact match share no table
             (a, first_dir), (b, other_dir) = kinds.items()
@@ -89,7 +88,6 @@ def collect(exp_dir: Path) -> Collected:
                 f"this report mixes runs scored by {a.name} (e.g. {first_dir}) with runs scored by {b.name} "
                 f"(e.g. {other_dir}); report them apart"
             )
-        part = shared_identity(task.identity(identity(cfg)))
         if first is None:
             first, out = (rdir, part), Collected(measure)
         elif part != first[1] and not (sweep or extension):
@@ -132,23 +130,28 @@ def collect(exp_dir: Path) -> Collected:
     return out
 
 
+def table_share(cfg, rdir: Optional[Path] = None) -> tuple[Measure, dict]:
+    """What a run shares with every run of its table: the measure that scores it, and its
+    settings but for scheme and seed. Reading a run folder (`rdir`), a task of the user's is
+    imported to learn its lengths: said first."""
+    with named_by(rdir) if rdir is not None else contextlib.nullcontext():
+        task = task_for(cfg)
+    return task.measure(), shared_identity(task.identity(identity(cfg)))
+
+
 def check_joins(exp_dir: Path, cfg, rdir: Path) -> None:
     """Refuse, before run folder `rdir` is written into `exp_dir`, a run that collect would refuse
     to table beside the runs already there (trained under other settings, or scored by another
     measure), so that a refused run leaves the folder as it was."""
     if not exp_dir.is_dir() or (exp_dir / SWEEP_RECORD).is_file() or (exp_dir / EXTEND_RECORD).is_file():
         return
-    task = task_for(cfg)
-    mine = (type(task.measure()), shared_identity(task.identity(identity(cfg))))
+    measure, part = table_share(cfg)
     for other in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".") and p != rdir):
         if not run_state(other).scored:
             continue
-        ocfg = read_config(other)
-        with named_by(other):
-            otask = task_for(ocfg)
-        theirs = (type(otask.measure()), shared_identity(otask.identity(identity(ocfg))))
-        if theirs != mine:
-            diff = differences(theirs[1], mine[1], (other.name, "here")) or [f"scored by {theirs[0].name}"]
+        their_measure, their_part = table_share(read_config(other), other)
+        if (type(their_measure), their_part) != (type(measure), part):
+            diff = differences(their_part, part, (other.name, "here")) or [f"scored by {their_measure.name}"]
             raise PosbenchError(
                 f"{exp_dir} holds runs its table could not join with this one ({', '.join(diff[:3])}); "
                 "write it to another folder (--name) and join the two with posbench report A B"

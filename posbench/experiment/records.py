@@ -138,7 +138,7 @@ def _number(x) -> bool:
 def trained_with(rdir: Path) -> Optional[str]:
     """The attention backend a run trained with, from its train_log.jsonl (None if unrecorded)."""
     log = read_train_log(rdir)
-    return log[0].get("attention") if log and isinstance(log[0], dict) else None
+    return log[0].get("attention") if log else None  # read_train_log's rows are dicts
 
 
 def check_read(rdir: Path, digest: Optional[str]) -> None:
