@@ -286,7 +286,8 @@ class EvalConfig:
     exact_match: ExactMatchConfig = field(default_factory=ExactMatchConfig)
     effective: EffectiveConfig = field(default_factory=EffectiveConfig)  # effective length's thresholds
     # measures scored after the run's own, into RUN/measures/: posbench's by name (context_gain,
-    # key_tokens) or module:Class (docs/measures.md); their options as --measure-option gives them
+    # key_tokens, retrieval, retrieval_short) or module:Class (docs/measures.md); their options
+    # as --measure-option gives them
     measures: list[str] = field(default_factory=list)
     measure_options: dict = field(default_factory=dict)
 
@@ -326,7 +327,8 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = setting(factory=EvalConfig)  # how runs are scored, not how they are trained
     # lm: next-byte perplexity on the corpus; or a synthetic task scored by exact match at each
-    # length (posbench/tasks/: copy, reverse, sort, addition, parity, passkey, recall, module:Class)
+    # length (posbench/tasks/: copy, reverse, sort, addition, parity, passkey, recall, repeat, replace,
+    # module:Class)
     task: str = "lm"
     task_options: dict = field(default_factory=dict)  # e.g. train_max, test_max, alphabet
     # where each given key came from (a file, a flag), for errors; not part of the config

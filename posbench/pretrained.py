@@ -235,7 +235,8 @@ class PretrainedLM(nn.Module):
     @contextlib.contextmanager
     def eval_variant(self, name: Optional[str], length: int, factor: Optional[float] = None):
         """Within the block the model's rotary embedding is its `name` type at `factor` (None:
-        length / the model's context, at least 1), built by transformers from the config."""
+        length / the model's context, at least 1; dynamic's 1, as it grows with each forward's own
+        length), built by transformers from the config."""
         if name is None:
             yield
             return
@@ -246,7 +247,7 @@ class PretrainedLM(nn.Module):
                     "does not apply to it"
                 )
             raise PosbenchError(f"{name}: not a RoPE variant; valid: {', '.join(VARIANTS)}")
-        s = factor if factor is not None else max(1.0, length / self.context)
+        s = factor if factor is not None else 1.0 if name == "dynamic" else max(1.0, length / self.context)
         config = copy.deepcopy(self.config)
         config.rope_parameters = self.rope_parameters(name, s)
         rotary = type(self.rotary)(config=config).to(self.rotary.inv_freq.device)

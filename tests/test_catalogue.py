@@ -268,6 +268,19 @@ def test_linear_variant_is_rope_at_positions_over_s():
     assert not torch.allclose(after[0], got[0], atol=1e-3)
 
 
+@pytest.mark.parametrize("variant", ["linear", "ntk", "dynamic", "yarn", "llama3"])
+def test_a_variant_leaves_rope_as_trained_up_to_its_training_length(variant):
+    """s = L'/L is at least 1: at L' = L / 2 every scaling is the trained rotation (a factor of
+    0.5 would read every distance as twice what it is)."""
+    scheme = rope_scheme()
+    q, k = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8)
+    pos = torch.arange(8)
+    plain = scheme.rotate(q, k, pos, 0)
+    with scheme.eval_variant(variant, train_len=16, length=8):
+        got = scheme.rotate(q, k, pos, 0)
+    assert torch.allclose(got[0], plain[0], atol=1e-6) and torch.allclose(got[1], plain[1], atol=1e-6)
+
+
 @pytest.mark.parametrize("variant,base", [(None, 10000.0), (None, 500.0), ("yarn", 10000.0), ("ntk", 10000.0)])
 def test_rotate_turns_each_pair_by_position_times_its_frequency(variant, base):
     """A unit vector in dim k comes out of `rotate` at position p as a (cos, sin) pair in dims

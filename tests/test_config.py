@@ -29,6 +29,20 @@ def test_default_yaml_equals_dataclass_defaults():
     raw = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     assert raw["schemes"] == defaults.schemes  # and it is explicit, not empty
 
+    def keys(section, prefix=""):  # every key a user can set: the fields not derived from others
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from keys(value, f"{prefix}{f.name}.")
+            elif not f.metadata.get("derived"):
+                yield f"{prefix}{f.name}"
+
+    def listed(d, prefix=""):
+        for k, v in d.items():
+            yield from listed(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
+
+    assert set(keys(ExperimentConfig())) == set(listed(raw))  # every setting is there to read
+
 
 def test_smoke_yaml_loads():
     cfg = load_config(ROOT / "configs" / "smoke.yaml")

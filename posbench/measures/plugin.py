@@ -1,6 +1,6 @@
 """Measures beside a run's own: posbench's by name, or a user's module:Class.
 
-Measures beside a run's own, posbench's by name (MEASURES: context_gain, key_tokens) or a
+Measures beside a run's own, posbench's by name (MEASURES: context_gain, key_tokens, retrieval, retrieval_short) or a
 user's (module:Class): a model judged by another number, its records beside the run's own,
 tabled, plotted and sent to trackers by the comparison engine.
 

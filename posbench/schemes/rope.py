@@ -161,7 +161,7 @@ class RoPE(PositionalScheme):
     pairs the halves (like transformers and x-transformers) instead of neighbours (2k, 2k+1);
     the two are the same rotation up to a fixed permutation of dims, which the q/k projections
     absorb. At evaluation, its variants rescale theta_k (see `rope_frequencies`) with
-    s = L'/L (evaluation length over training length) unless a factor is fixed; `dynamic`
+    s = L'/L (evaluation length over training length, at least 1) unless a factor is fixed; `dynamic`
     uses transformers' factor (default 1) and grows s with each forward's own length.
 
     Options (docs/schemes.md, "RoPE options"):
@@ -248,7 +248,7 @@ class RoPE(PositionalScheme):
             return self.fine_tuned_frequencies(D, seq_len)
         if v is None:
             return rope_frequencies(D, self.opt["base"])
-        default = 1.0 if v.name == "dynamic" else v.length / v.train_len
+        default = 1.0 if v.name == "dynamic" else max(1.0, v.length / v.train_len)  # unscaled up to L
         factor = default if v.factor is None else v.factor
         return rope_frequencies(D, self.opt["base"], v.name, factor, v.train_len, seq_len, longrope=self.longrope)
 

@@ -203,10 +203,12 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
         lines.append(f"- grid points (a table each; the lines above describe the first run): {points}")
     variants = sorted({s for s in df["scheme"] if "+" in s})
     if variants:
+        dynamic = any(s.split("+")[-1] == "dynamic" for s in variants)
         lines.append(
             f"- {', '.join(variants)}: the same checkpoints evaluated with an evaluation-time "
             f"variant (`posbench schemes` describes each), no retraining; s = length / train "
-            f"length, or the s after @"
+            f"length, at least 1, or the s after @"
+            + ("; dynamic without @: factor 1, grown with each forward's length" if dynamic else "")
         )
     return lines
 
