@@ -317,6 +317,10 @@ def test_a_rerun_reuses_every_run(extended, parents):
         (("--methods", "pi-fast8"), "--methods pi-fast8: pi takes no parameter 'fast' (its parameters: keep)"),
         (("--methods", "pi@x"), "--methods pi@x: the factor 'x' is not a number"),
         (("--methods", "pi-keep1.5"), "keep counts frequencies, a whole number, not 1.5"),
+        (
+            ("--methods", "pi-keep99"),
+            "pi-keep99: keeps 99 of the 8 frequencies of each head unscaled, so none is scaled; keep at most 7",
+        ),
         (("--methods", "yarn-fast1-slow2"), "YaRN's fast turns must exceed its slow ones"),
         (("--methods", "abf-base1"), "--methods abf-base1: base must be > 1"),
     ],

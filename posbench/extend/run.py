@@ -111,7 +111,7 @@ def plan_extension(
     from posbench.experiment.plan import Job, plan_state
     from posbench.experiment.records import read_config, run_name
     from posbench.registry import named_by
-    from posbench.schemes import SCHEMES
+    from posbench.schemes import SCHEMES, build_scheme
     from posbench.tasks import task_for
 
     if steps <= 0:
@@ -172,6 +172,7 @@ def plan_extension(
                 skipped.setdefault(m, []).append(scheme)
                 continue
             rc = child_config(prc, m, to, steps, lr, want, ident, abf_base, folder, overrides)
+            build_scheme(rc.model)  # what the method asks of the scheme (pi-keep99 of 8 pairs), before any writing
             rdir = folder / f"{run_name(scheme, seed)}-{m.name}"
             points = sorted(set(curve or default_curve(steps)))
             jobs.append(Job(rc, task, measure, rdir, plan_state(rc, task, rdir, "--out"), parent=pdir, curve=points))
