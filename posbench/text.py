@@ -534,6 +534,13 @@ def prepare(data, out: Path, progress=None, advance=None) -> dict:
 
     out = Path(out)
     lock = out.resolve().with_name(f".{out.resolve().name}.lock")  # beside it; `--out .` too
+    try:  # the lock is the first thing written: a folder that takes no file is said as --out's
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        lock.touch()
+    except OSError as e:
+        file = next((p for p in lock.parents if p.exists() and not p.is_dir()), None)
+        why = f"{file} is a file, not a folder" if file else e.strerror or e
+        raise PosbenchError(f"--out {out}: cannot write there ({why})") from None
     with exclusive(lock) as held:
         if not held:
             pid = lock_holder(lock)

@@ -236,6 +236,18 @@ def test_a_missing_text_field_and_an_empty_corpus_are_one_line(tmp_path):
         assert not (tmp_path / "r").exists() and not (tmp_path / "prep").exists()
 
 
+def test_an_out_folder_that_takes_no_file_is_one_line_naming_out(tmp_path, words):
+    """The lock beside --out is the first thing written: where it cannot be, the line names
+    --out as given, not the lock file."""
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a folder")
+    res = invoke("prepare", words, "--out", blocker / "prep")
+    assert res.exit_code == 2, res.output
+    assert f"--out {blocker / 'prep'}: cannot write there ({blocker} is a file, not a folder)" in res.output
+    assert ".lock" not in res.output and len(res.output.strip().splitlines()) == 1
+    assert blocker.read_text() == "a file, not a folder"
+
+
 def test_a_missing_library_names_the_extra(tmp_path, words, monkeypatch):
     import builtins
 
