@@ -84,6 +84,20 @@ ROPES = {
 }  # fmt: skip
 
 
+def _hf_loss(hf, tokens, L: int) -> float:
+    """transformers' own mean loss over chunks of L inputs and their next tokens, every target
+    scored once: its logits' cross-entropy, not its `labels=` loss (which needs L + 1 inputs)."""
+    total = count = 0
+    with torch.no_grad():
+        for start in range(0, len(tokens) - 1, L):
+            win = tokens[start : start + L + 1][None]
+            logits = hf(input_ids=win[:, :-1]).logits[0].double()
+            total += F.cross_entropy(logits, win[0, 1:], reduction="sum").item()
+            count += win.size(1) - 1
+    assert count == len(tokens) - 1
+    return total / count
+
+
 @pytest.mark.parametrize("variant", list(ROPES))
 def test_nonoverlapping_perplexity_is_the_models_own_loss_on_the_same_windows(models, variant):
     """Chunks of L inputs and their next tokens, within and past the context: posbench's mean
@@ -94,15 +108,7 @@ def test_nonoverlapping_perplexity_is_the_models_own_loss_on_the_same_windows(mo
     hf = _hf(models / "llama", ROPES[variant])
     for L in (CONTEXT, 2 * CONTEXT, 3 * CONTEXT):
         (row,), _ = evaluate_model(model, tokens, [L], 4, torch.device("cpu"), variant, 2.0 if variant else None)
-        total = count = 0
-        with torch.no_grad():
-            for start in range(0, len(tokens) - 1, L):
-                win = tokens[start : start + L + 1][None]
-                logits = hf(input_ids=win[:, :-1]).logits[0].double()
-                total += F.cross_entropy(logits, win[0, 1:], reduction="sum").item()
-                count += win.size(1) - 1
-        assert count == len(tokens) - 1
-        assert row["status"] == "ok" and row["loss"] == pytest.approx(total / count, rel=1e-5), (variant, L)
+        assert row["status"] == "ok" and row["loss"] == pytest.approx(_hf_loss(hf, tokens, L), rel=1e-5), (variant, L)
 
 
 def test_the_variants_change_the_loss_past_the_context_so_the_equality_above_tells_them_apart(models):
@@ -126,14 +132,7 @@ def test_without_a_factor_linear_takes_the_length_over_the_context_and_dynamic_i
         s = 1.0 if variant == "dynamic" else max(1.0, L / CONTEXT)
         (row,), _ = evaluate_model(model, tokens, [L], 4, torch.device("cpu"), variant, None)
         hf = _hf(models / "llama", {"rope_type": variant, "factor": s})
-        total = count = 0
-        with torch.no_grad():
-            for start in range(0, len(tokens) - 1, L):
-                win = tokens[start : start + L + 1][None]
-                logits = hf(input_ids=win[:, :-1]).logits[0].double()
-                total += F.cross_entropy(logits, win[0, 1:], reduction="sum").item()
-                count += win.size(1) - 1
-        assert row["loss"] == pytest.approx(total / count, rel=1e-5), (variant, L)
+        assert row["loss"] == pytest.approx(_hf_loss(hf, tokens, L), rel=1e-5), (variant, L)
 
 
 def test_sliding_perplexity_is_transformers_strided_recipe(models):
