@@ -46,7 +46,15 @@ def _resolved(cfg: ExperimentConfig, test_len: Optional[int], scored: bool) -> E
         cfg.schemes = list(SEED_SCHEMES)
     try:
         task = task_for(cfg)
-        task.decide(cfg)
+        task.decide(cfg)  # a task's recipe may set lr and min_lr: compared once both are decided
+        if cfg.train.min_lr > cfg.train.lr:
+            lr_alone = "train.lr" in cfg.origins and "train.min_lr" not in cfg.origins
+            fix = "set train.min_lr too (lr / 10 is usual)" if lr_alone else "lower train.min_lr or raise train.lr"
+            raise PosbenchError(
+                f"train.min_lr={cfg.train.min_lr:g} is above train.lr={cfg.train.lr:g}, so the cosine would rise to "
+                f"it; {fix}",
+                "train.lr" if lr_alone else "train.min_lr",
+            )
         measure = task.measure()
         if scored:
             measure.decide(cfg, test_len)

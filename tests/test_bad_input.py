@@ -40,6 +40,12 @@ def _assert_clean_failure(res, message, results: Path):
         (["--set", "model.vocab_size=10"], "--set model.vocab_size=10: the corpus is bytes"),
         (["--set", "model.n_layer=99999999999999999999"], "GiB for its weights alone, more than the"),
         (["--set", "train.grad_clip=-1"], "train.grad_clip=-1.0 must be >= 0"),
+        (
+            ["--set", "train.lr=1e-5"],
+            "--set train.lr=1e-5: train.min_lr=0.0003 is above train.lr=1e-05, so the cosine would rise to it; "
+            "set train.min_lr too",
+        ),
+        (["--set", "train.min_lr=1"], "--set train.min_lr=1 is above train.lr=0.003, so the cosine would rise to it"),
         (["--set", "model.scheme=rope"], "model.scheme='rope' is not read"),
         (["--rope-factor", "2"], "eval.perplexity.rope_factor is set but eval.perplexity.rope_scaling is empty"),
         (["--test-len", "64", "--lengths", "32,48"], "--test-len and --lengths both set"),
