@@ -157,6 +157,29 @@ def test_failure_keeps_earlier_results(smoke, tmp_path, corpus_file):
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
 
 
+def test_an_unfinished_run_begun_under_other_settings_is_refused_and_its_checkpoints_kept(smoke, tmp_path):
+    """A rerun with a setting changed does not start an unfinished run anew over its checkpoints:
+    one line names what differs and the folder that holds them, and nothing on disk changes."""
+    exp, _, text = smoke
+    out = tmp_path / "results"
+    partial = out / "smoke" / ".rope-seed0.partial"
+    partial.mkdir(parents=True)
+    record = yaml.safe_load((exp / "rope-seed0" / "config.yaml").read_text())
+    record["train"]["steps"] = 7
+    (partial / "config.yaml").write_text(yaml.safe_dump(record))
+    (partial / "checkpoint.pt").write_bytes(b"a checkpoint")
+    before = {p: p.read_bytes() for p in partial.iterdir()}
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--schemes", "rope", "--set", f"out_dir={out}", "--set", f"data.path={text}"
+    )
+    assert res.exit_code == 2, res.output
+    said = " ".join(res.output.split())
+    assert "rope-seed0 was begun under other settings (train.steps: 7 in its unfinished rope-seed0, 30 here)" in said
+    assert f"its checkpoints wait in {partial}" in said and len(res.output.strip().splitlines()) == 1
+    assert {p: p.read_bytes() for p in partial.iterdir()} == before
+    assert sorted(p.name for p in (out / "smoke").iterdir()) == [".rope-seed0.partial"]
+
+
 def test_an_experiment_never_mixes_training_settings(smoke, tmp_path):
     """A run trained at another length joins no experiment (it would be averaged as a seed),
     and report refuses a folder assembled from two, naming the setting."""

@@ -72,6 +72,7 @@ def plan_state(rc: ExperimentConfig, task: TrainingTask, rdir: Path, elsewhere: 
     run = run_state(rdir)  # its lock is not read: a look at it could turn away the process taking it
     if not (run.trained or run.diverged):
         if not rdir.exists() or not any(rdir.iterdir()):
+            _check_unfinished(rc, task, rdir, elsewhere)
             return "todo"
         if not (rdir / CONFIG).is_file():
             raise PosbenchError(f"{rdir} exists but holds no finished run; delete it to retrain")
@@ -94,6 +95,25 @@ def plan_state(rc: ExperimentConfig, task: TrainingTask, rdir: Path, elsewhere: 
     if run.trained:
         return "done"
     return "diverged" if run.diverged else "todo"
+
+
+def _check_unfinished(rc: ExperimentConfig, task: TrainingTask, rdir: Path, elsewhere: str) -> None:
+    """An unfinished run's checkpoints are kept: one trained under other settings is refused,
+    not started anew over them (a partial folder whose config cannot be read holds nothing to
+    resume, and training replaces it)."""
+    record = partial_dir(rdir) / CONFIG
+    try:
+        ours = run_identity(config_from_dict(read_record(record)), task) if record.is_file() else None
+    except PosbenchError:
+        return
+    theirs = run_identity(rc, task)
+    if ours is not None and ours != theirs:
+        diff = differences(ours, theirs, (f"its unfinished {rdir.name}", "here"))
+        raise PosbenchError(
+            f"{rdir.name} was begun under other settings ({', '.join(diff)}) and its checkpoints wait in "
+            f"{partial_dir(rdir)}: rerun with its settings to resume it, choose another folder with {elsewhere}, "
+            f"or delete that folder to start it anew"
+        )
 
 
 def _check_same_experiment(exp: Experiment, folder: Path) -> None:
