@@ -125,6 +125,34 @@ def test_a_bad_measure_is_one_line_and_writes_nothing(scored, tmp_path, args, sa
     assert not (run / "measures").exists()
 
 
+@pytest.mark.parametrize(
+    "name,says",
+    [
+        ("summary", "is a file a report writes"),
+        ("summary_md", "is a file a report writes"),
+        ("eval", "is a file a report writes"),  # eval.csv would make the experiment folder look like a run
+        ("retrieval", "is posbench's own measure"),
+    ],
+)
+def test_a_measure_named_as_a_reports_file_or_posbenchs_own_measure_is_refused(
+    scored, tmp_path, monkeypatch, name, says
+):
+    """A report writes a measure's table as <name>.csv beside summary.csv: a measure named as
+    one of posbench's files or measures would overwrite them, so it is refused before scoring."""
+    module = f"clash_{name}"
+    code = f"from examples.my_measure import NextByteAccuracy\n\nclass Clash(NextByteAccuracy):\n    name = {name!r}\n"
+    (tmp_path / f"{module}.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    exp, _ = scored
+    run = tmp_path / "nope-seed0"
+    shutil.copytree(exp / "nope-seed0", run)
+    shutil.rmtree(run / "measures")
+    res = invoke("evaluate", run, "--measure", f"{module}:Clash")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"measure '{module}:Clash': its name '{name}' {says}; give the measure another name" in res.output
+    assert not (run / "measures").exists()
+
+
 def test_a_malformed_measure_record_is_one_line(scored, tmp_path):
     exp, _ = scored
     copy = tmp_path / "smoke"

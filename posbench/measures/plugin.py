@@ -30,6 +30,9 @@ FOLDER = "measures"  # in a run folder: <name>.csv and <name>.json per user meas
 KEYS = ["scheme", "seed", "train_len", "length", "status", "attention"]  # every row's, before its metrics
 CI = "ci_"  # a metric's interval over a run's own samples, in the column ci_<metric>
 OWN = "own_ci"  # a report's mark on the rows of a pretrained model whose records hold ci_<metric>
+# what a report writes or reads beside a measure's <name>.csv and <name>.png in an experiment
+# folder (and summary-*, a view's tables): a measure of one of these names would overwrite them
+RESERVED = ("summary", "eval", "positions", "training", "steps", "rope_law", "runs", "sweep", "extend", "bench")
 
 
 # posbench's own measures, by name; a user's is named as module:Class
@@ -86,6 +89,10 @@ def load_measure(spec: str, options: Optional[dict] = None, where: str = "--meas
         raise PosbenchError(_at(where, str(e))) from None
     if not measure.name or not measure.name.replace("_", "").isalnum():
         raise PosbenchError(f"measure '{spec}': its name {measure.name!r} must be a word (letters, digits, _)")
+    taken = measure.name in RESERVED or measure.name.startswith("summary")
+    if taken or (measure.name in MEASURES and spec != measure.name):
+        what = "a file a report writes" if taken else "posbench's own measure"
+        raise PosbenchError(f"measure '{spec}': its name {measure.name!r} is {what}; give the measure another name")
     if not measure.metrics or not all(isinstance(m, Metric) for m in measure.metrics.values()):
         raise PosbenchError(f"measure '{spec}': metrics must name at least one Metric")
     return measure
