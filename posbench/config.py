@@ -354,9 +354,9 @@ class ExperimentConfig:
             raise PosbenchError("seeds is empty")
         _unique(self.schemes or [], "schemes")  # the same run twice: two writers of one folder
         _unique(self.seeds, "seeds")
-        for seed in self.seeds:  # the range torch.manual_seed takes
-            if not -(2**63) <= seed < 2**64:
-                raise PosbenchError(f"seeds: {seed} is not a seed torch takes")
+        for seed in self.seeds:  # torch takes -2^63..2^64-1, but -1 and 2^64-1 are one seed, and a
+            if not 0 <= seed < 2**63:  # table's int64 column holds 2^63-1 at most
+                raise PosbenchError(f"seeds: {seed} is not a seed here: 0 to 2^63 - 1")
 
     def model_for(self, scheme: str) -> ModelConfig:
         """The resolved model config of one run."""

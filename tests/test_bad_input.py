@@ -36,7 +36,9 @@ def _assert_clean_failure(res, message, results: Path):
         (["--schemes", "alibi,alibi"], "schemes: alibi listed more than once"),
         (["--seeds", "0,0"], "seeds: 0 listed more than once"),
         (["--lengths", "32,48,48"], "eval.lengths: 48 listed more than once"),
-        (["--seeds", "99999999999999999999"], "is not a seed torch takes"),
+        (["--seeds", "99999999999999999999"], "seeds: 99999999999999999999 is not a seed here: 0 to 2^63 - 1"),
+        (["--seeds=9223372036854775808"], "seeds: 9223372036854775808 is not a seed here"),  # 2^63: no int64
+        (["--seeds=-1"], "seeds: -1 is not a seed here"),  # torch's 2^64 - 1
         (["--set", "model.vocab_size=10"], "--set model.vocab_size=10: the corpus is bytes"),
         (["--set", "model.n_layer=99999999999999999999"], "GiB for its weights alone, more than the"),
         (["--set", "train.grad_clip=-1"], "train.grad_clip=-1.0 must be >= 0"),

@@ -305,6 +305,17 @@ def test_a_rerun_reuses_every_run(extended, parents):
     assert ": training," not in res.output and "already trained" in res.output
 
 
+def test_a_rerun_with_fewer_methods_keeps_the_others_in_extend_yaml(extended, parents, tmp_path):
+    out, _ = extended
+    copy = tmp_path / "ext"
+    shutil.copytree(out, copy)
+    before = yaml.safe_load((copy / "extend.yaml").read_text())
+    res = _extend(parents, copy, "--methods", "pi", "--curve", "0,2,4")
+    assert res.exit_code == 0 and ": training," not in res.output, res.output
+    assert yaml.safe_load((copy / "extend.yaml").read_text()) == before
+    assert before["methods"] == ALL.split(",")
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -461,10 +461,23 @@ def parent_path(job) -> str:
 
 
 def write_record(plan: Plan) -> None:
+    """extend.yaml: a rerun with fewer methods or parents keeps those the folder already holds."""
     import yaml
 
+    path, record = plan.folder / EXTEND_RECORD, dict(plan.record)
+    try:
+        old = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        old = None
+    if isinstance(old, dict):
+        for key in ("parents", "methods", "lengths"):
+            if isinstance(old.get(key), list):
+                record[key] = list(dict.fromkeys([*old[key], *record[key]]))
+        record["lengths"] = sorted(record["lengths"])
+        if isinstance(old.get("tokens"), dict):
+            record["tokens"] = {**old["tokens"], **record["tokens"]}
     plan.folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(plan.folder / EXTEND_RECORD, yaml.safe_dump(plan.record, sort_keys=False))
+    write_atomic(path, yaml.safe_dump(record, sort_keys=False))
 
 
 # --- the report ----------------------------------------------------------------------------------
