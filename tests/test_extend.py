@@ -305,6 +305,19 @@ def test_a_rerun_reuses_every_run(extended, parents):
     assert ": training," not in res.output and "already trained" in res.output
 
 
+@pytest.mark.parametrize("text", ["a,b\n", "scheme,seed,step,length,loss,ppl,tokens\nrope,0,2\n", "\udcff"])
+def test_a_malformed_curve_is_one_line(extended, tmp_path, text):
+    out, _ = extended
+    copy = tmp_path / "ext"
+    shutil.copytree(out, copy)
+    curve = copy / "rope-seed0-pi" / "curve.csv"
+    curve.write_bytes(text.encode("utf-8", "surrogateescape"))
+    res = invoke("report", copy)
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"{curve}: malformed fine-tuning curve rows" in " ".join(res.output.split())
+    assert curve.read_bytes() == text.encode("utf-8", "surrogateescape")
+
+
 def test_a_rerun_with_fewer_methods_keeps_the_others_in_extend_yaml(extended, parents, tmp_path):
     out, _ = extended
     copy = tmp_path / "ext"

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from posbench.errors import PosbenchError
+from posbench.errors import PosbenchError, first_line
 from posbench.registry import did_you_mean
 
 EXTEND_RECORD = "extend.yaml"  # the extension an experiment folder holds: parents, L2, K, methods
@@ -198,8 +198,21 @@ def trained_tokens(cfg) -> int:
 
 
 def read_curve(rdir: Path) -> list[dict]:
+    """A child's curve.csv rows ([] where it has none); malformed rows are one line."""
     path = Path(rdir) / CURVE
     if not path.is_file():
         return []
-    with path.open(newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+        if reader.fieldnames != CURVE_COLUMNS:
+            raise ValueError(f"columns {reader.fieldnames}")
+        for r in rows:
+            int(r["seed"]), int(r["step"]), int(r["length"]), float(r["loss"]), float(r["ppl"])
+    except (ValueError, TypeError, UnicodeDecodeError) as e:
+        raise PosbenchError(
+            f"{path}: malformed fine-tuning curve rows ({first_line(e, 80)}); expected the columns "
+            f"{','.join(CURVE_COLUMNS)}"
+        ) from None
+    return rows
