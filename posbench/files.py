@@ -35,8 +35,13 @@ def atomic(path: Path):
     tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
     try:
         with room_in(path.parent):
-            yield tmp
-            tmp.replace(path)
+            try:
+                yield tmp
+                tmp.replace(path)
+            except OSError as e:  # said of the file being written, not of its temporary name
+                if e.filename is None or Path(e.filename) != tmp or e.errno is None:
+                    raise
+                raise type(e)(e.errno, e.strerror, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
 

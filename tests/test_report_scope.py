@@ -181,3 +181,17 @@ def test_a_folder_named_dot_or_the_root_is_the_folder_it_stands_for(tmp_path, mo
     res = invoke("extend", ".", "--to", "64", "--steps", "1", "--lengths", "64")
     assert res.exit_code == 0, res.output
     assert (exp / "alibi-seed0-extend64" / "summary.md").is_file()
+
+
+def test_a_table_that_cannot_be_written_is_named_not_its_temporary_file(tmp_path):
+    """Tables are written under a temporary name and renamed: an error names the table."""
+    from conftest import ROOT
+
+    exp = tmp_path / "reference-bytes"
+    shutil.copytree(ROOT / "results" / "reference-bytes", exp)
+    (exp / "summary.csv").unlink()
+    (exp / "summary.csv").mkdir()
+    res = invoke("report", exp)
+    assert res.exit_code == 2, res.output
+    assert f"{exp / 'summary.csv'}: Is a directory" in " ".join(res.output.split())
+    assert "tmp-" not in res.output and not list(exp.glob("tmp-*"))
