@@ -187,6 +187,21 @@ def test_a_model_pt_with_bytes_flipped_inside_is_refused_and_no_record_is_touche
     assert (run / "eval.csv").read_bytes() == before
 
 
+@pytest.mark.parametrize("damaged", ["windows.csv", "positions.csv.gz"])
+def test_a_damaged_record_stops_evaluate_before_any_record_is_rewritten(smoke, tmp_path, damaged):
+    """evaluate merges new rows into eval.csv, positions.csv.gz and windows.csv: each is read and
+    checked before scoring, so a damaged one leaves the other two as they were."""
+    exp, _, _ = smoke
+    run = tmp_path / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    (run / damaged).write_bytes(b"garbage,x\n")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    res = invoke("evaluate", run, "--lengths", "32,40")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"{run / damaged}: " in " ".join(res.output.split())
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
 def test_a_run_is_scored_and_fine_tuned_only_on_the_data_it_read(tmp_path):
     """evaluate, a rerun and extend read data.path afresh; a run's data.json pins the sha256 of
     what it read, so a corpus changed under its name never gives a model's rows on other text:

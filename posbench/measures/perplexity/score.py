@@ -55,10 +55,9 @@ def evaluate_into(
     tokens = eval_tokens(corpus, rc, lengths)
     labels = {variant_label(run_label(rc.model), v, factor) for v in variants}
     n = len(tokens) - 1
+    old = read_eval(rdir), read_positions(rdir), read_windows(rdir)  # each checked before any scoring or writing
     stale = {
-        int(r["length"])
-        for r in read_eval(rdir)
-        if r["scheme"] in labels and int(r["tokens"]) != n and int(r["length"]) <= n
+        int(r["length"]) for r in old[0] if r["scheme"] in labels and int(r["tokens"]) != n and int(r["length"]) <= n
     }
     if stale - set(lengths):  # rows scored on other tokens do not compare with these: redo them
         lengths = sorted(set(lengths) | stale)
@@ -98,7 +97,7 @@ def evaluate_into(
                     {**ident, "window": w, "loss": loss, "tokens": int(count)}
                     for w, (loss, count) in enumerate(wins.tolist())
                 ]
-    _merge_records(rdir, run_label(rc.model), rows, positions, per_window)
+    _merge_records(rdir, run_label(rc.model), old, rows, positions, per_window)
     return rows
 
 
@@ -124,24 +123,26 @@ def _refuse_variants(rc, model, variants: list[Optional[str]], longest: int, fac
             pass
 
 
-def _merge_records(rdir: Path, base: str, rows: list, positions: list, per_window: list) -> None:
+def _merge_records(rdir: Path, base: str, old: tuple, rows: list, positions: list, per_window: list) -> None:
     """The new rows into eval.csv, their loss per position into positions.csv.gz and per window
-    into windows.csv; a row replaces the old one of its key. The plain run's rows (`base`) first."""
+    into windows.csv (`old`: the three files' rows as read); a row replaces the old one of its
+    key. The plain run's rows (`base`) first."""
     new = {row_key(r) for r in rows}
+    old_eval, old_positions, old_windows = old
 
     def order(r):
         return r["scheme"] != base, r["scheme"], r["protocol"], int(r["length"])
 
-    keep = [r for r in read_eval(rdir) if row_key(r) not in new]
+    keep = [r for r in old_eval if row_key(r) not in new]
     write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
-    kept = [r for r in read_positions(rdir) if row_key(r) not in new]
+    kept = [r for r in old_positions if row_key(r) not in new]
     write_rows(
         rdir / POSITIONS,
         sorted(kept + positions, key=lambda r: (*order(r), int(r["position"]))),
         POSITION_COLUMNS,
     )
     (rdir / PLAIN_POSITIONS).unlink(missing_ok=True)  # its rows are kept in the .gz
-    kept = [r for r in read_windows(rdir) if row_key(r) not in new]
+    kept = [r for r in old_windows if row_key(r) not in new]
     write_rows(
         rdir / "windows.csv", sorted(kept + per_window, key=lambda r: (*order(r), int(r["window"]))), WINDOW_COLUMNS
     )
