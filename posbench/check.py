@@ -20,7 +20,7 @@ from posbench.attention import future_mask
 from posbench.config import ModelConfig
 from posbench.errors import PosbenchError, first_line
 from posbench.model import TransformerLM
-from posbench.schemes import SCHEMES, PositionalScheme
+from posbench.schemes import SCHEMES, PositionalScheme, check_hint
 
 TINY = dict(n_layer=2, n_head=4, d_model=32, train_len=16)
 BLOCK = 8  # the query block of the blocked attention path: smaller than every checked length
@@ -334,9 +334,10 @@ def run_checks(spec: str, options: dict | None = None) -> list[CheckResult]:
     got: dict = {}
     try:  # an option that cannot hold at the check's size is the user's to change: one line
         built = tiny_model(spec, options=options)
-    except PosbenchError as e:
-        size = f" (check-scheme builds the scheme at train_len {L})" if "train_len" in str(e) else ""
-        raise PosbenchError(f"{e}{size}", e.key) from None
+    except PosbenchError as e:  # check-scheme is what the build error would tell the user to run
+        text = str(e).replace(check_hint(spec), "")
+        size = f" (check-scheme builds the scheme at train_len {L})" if "train_len" in text else ""
+        raise PosbenchError(f"{text}{size}", e.key) from None
     except Exception as e:  # anything else is the build row's reason, below
         built = e
 

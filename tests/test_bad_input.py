@@ -204,6 +204,10 @@ def test_a_broken_plugin_is_one_line(tmp_path, corpus_file, monkeypatch):
     base = ["--config", SMOKE, "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}"]
     res = invoke("extrapolate", *base, "--schemes", "brokenplug:Raises")
     _assert_clean_failure(res, "scheme 'brokenplug:Raises' failed to build (ValueError: my constructor fails)", out)
+    assert "`posbench check-scheme brokenplug:Raises` checks it step by step" in " ".join(res.output.split())
+    res = invoke("check-scheme", "brokenplug:Raises")  # not told to run itself
+    assert res.exit_code == 2 and "checks it step by step" not in res.output, res.output
+    assert "scheme 'brokenplug:Raises' failed to build (ValueError: my constructor fails)" in res.output
     res = invoke("extrapolate", *base, "--schemes", "brokenplug:BadBias")
     assert "Traceback" not in res.output
     assert res.exit_code == 1, "a bug, not a bad input: exit 1"

@@ -142,7 +142,7 @@ _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first u
     "posbench.schemes.pattern": ["Pattern", "Layer", "window_mask"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = ["SCHEMES", "SEED_SCHEMES", "PATTERNS", "catalogue", "resolve_scheme", "build_scheme", *_WHERE]
+__all__ = ["SCHEMES", "SEED_SCHEMES", "PATTERNS", "catalogue", "resolve_scheme", "build_scheme", "check_hint", *_WHERE]
 
 
 def __getattr__(name: str):
@@ -186,6 +186,11 @@ def resolve_scheme(name: str) -> type:
     return SCHEMES.lookup(name)
 
 
+def check_hint(name: str) -> str:
+    """What a user's scheme that fails to build is told to run."""
+    return f"; `posbench check-scheme {name}` checks it step by step"
+
+
 def build_scheme(cfg):
     """The scheme a model config names, built with its options."""
-    return SCHEMES.build(cfg.scheme, cfg, hint=f"; `posbench check-scheme {cfg.scheme}` checks it step by step")
+    return SCHEMES.build(cfg.scheme, cfg, hint=check_hint(cfg.scheme))
