@@ -113,7 +113,11 @@ def collect(exp_dir: Path) -> Collected:
         return Collected(None, diverged=diverged, running=running)
     if out is None:
         if diverged:
-            raise PosbenchError(f"{exp_dir}: every run diverged ({', '.join(diverged.values())}); lower train.lr")
+            first = all(d.endswith(" at step 0") for d in diverged.values())  # before any update: not the rate
+            why = "their first loss, before any update, is not finite: no learning rate changes that"
+            raise PosbenchError(
+                f"{exp_dir}: every run diverged ({', '.join(diverged.values())}); {why if first else 'lower train.lr'}"
+            )
         raise PosbenchError(f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)")
     out.points = dict.fromkeys(out.parts, "") if extension else options_apart(point_labels(out.parts), out.runs)
     holds: dict[tuple, Path] = {}

@@ -30,9 +30,15 @@ from posbench.tasks import IGNORE
 class Diverged(PosbenchError):
     """The loss became NaN or inf: the run stops there and is recorded as diverged."""
 
-    def __init__(self, step: int, loss: float, lr: float):
+    def __init__(self, step: int, loss: float, lr: float, scheme: str = ""):
         self.step, self.loss = step, loss
-        super().__init__(f"diverged at step {step:,} (loss {loss}); lower train.lr (now {lr})")
+        why = (
+            f"the first loss, before any update: the model's forward is not finite (the scheme '{scheme}' or its "
+            f"options), not the learning rate"
+            if step == 0
+            else f"lower train.lr (now {lr})"
+        )
+        super().__init__(f"diverged at step {step:,} (loss {loss}); {why}")
 
 
 def lr_at(step: int, cfg) -> float:
@@ -116,7 +122,7 @@ def train_model(
         recent.clear()
         bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
         if bad is not None:
-            raise Diverged(step - len(values) + 1 + bad, values[bad], tc.lr)
+            raise Diverged(step - len(values) + 1 + bad, values[bad], tc.lr, cfg.model.scheme)
         return values[-1]
 
     with (

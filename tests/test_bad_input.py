@@ -198,6 +198,9 @@ def test_a_broken_plugin_is_one_line(tmp_path, corpus_file, monkeypatch):
         "class BadBias(PositionalScheme):\n"
         "    def bias(self, q, k, qpos, kpos, layer):\n"
         "        return q.new_zeros(3, 3)\n"
+        "class NanBias(PositionalScheme):\n"
+        "    def bias(self, q, k, qpos, kpos, layer):\n"
+        "        return q.new_full((1, 1, qpos.numel(), kpos.numel()), float('nan'))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "results"
@@ -214,6 +217,12 @@ def test_a_broken_plugin_is_one_line(tmp_path, corpus_file, monkeypatch):
     error = res.output[res.output.index("error:") :]  # after any note on kernels that cannot run
     assert "unexpected RuntimeError" in error and len(error.strip().splitlines()) <= 2
     assert not list(out.rglob("*.partial")) and not list(out.rglob("model.pt"))
+    # a forward that is not finite from the first step is the scheme's, not the learning rate's
+    res = invoke("extrapolate", *base, "--schemes", "brokenplug:NanBias", "--set", "name=nan")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "lower train.lr" not in said, res.output
+    assert "diverged at step 0 (loss nan); the first loss, before any update: the model's forward is not finite" in said
+    assert "every run diverged (brokenplug:NanBias seed 0 at step 0); their first loss, before any update" in said
 
 
 @pytest.mark.parametrize(
