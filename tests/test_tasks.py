@@ -707,3 +707,24 @@ def test_a_one_seed_task_table_claims_no_interval(task_smoke):
     md, tex = (exp / "summary.md").read_text(), (exp / "summary.tex").read_text()
     assert "1 seed: no interval; use --seeds 0,1,2" in md and "95% interval" not in md and "±" not in md
     assert "1 seed: no interval" in tex and "95\\% interval" not in tex
+
+
+def test_a_task_with_nothing_left_to_train_on_stops_with_one_line_not_forever():
+    """Training redraws an instance held out for the test set; a task whose every instance is
+    held out would redraw forever: after REDRAWS draws in a row it stops, naming the task."""
+    from posbench.tasks.generators import REDRAWS
+
+    class Few(Task):
+        name = "few"
+
+        def make(self, n, rng):
+            return b"few:a=", b"a" + END
+
+        def longest(self, n):
+            return 8
+
+    task = Few({"train_max": 3})
+    batches = task.batches(0, 4, test=[(1, b"few:a=", b"a" + END)])
+    with pytest.raises(PosbenchError, match=f"task 'few': {REDRAWS:,} draws in a row were all held out"):
+        batches()
+    assert task.batches(0, 4, test=[])()[0].shape[0] == 4  # nothing held out: a batch, as ever

@@ -155,6 +155,9 @@ class Task:
         return Batches(self, seed, batch_size, test if test is not None else self.test_set(), parts)
 
 
+REDRAWS = 10_000  # a draw held out this often in a row: the task has (almost) nothing left to train on
+
+
 class Batches:
     """Training batches: n ~ U(1..train_max), instances redrawn until none is a test instance,
     padded with PAD on the right, the loss on the answer bytes alone. The order follows the seed.
@@ -170,10 +173,14 @@ class Batches:
 
     def instance(self, n: Optional[int] = None) -> tuple[bytes, bytes]:
         """A training instance of length n (None: n ~ U(1..train_max)), never a test instance."""
-        while True:
+        for _ in range(REDRAWS):
             prompt, answer = self.task.make(n or self.rng.randint(1, self.task.train_max), self.rng)
             if prompt + answer not in self.held_out:
                 return prompt, answer
+        raise PosbenchError(
+            f"task '{self.task.name}': {REDRAWS:,} draws in a row were all held out for its test set, so it has "
+            f"too few distinct training instances up to train_max={self.task.train_max}; raise train_max"
+        )
 
     def get_state(self) -> list:
         """Where the instance stream stands, for a training checkpoint."""
