@@ -98,6 +98,30 @@ def test_damaged_records_are_one_line(smoke, tmp_path):
     assert "eval.csv: malformed evaluation rows" in " ".join(res.output.split())
 
 
+@pytest.mark.parametrize("column,value", [("length", "-64"), ("ppl", "-5.0"), ("ppl", "inf"), ("loss", "-0.5")])
+def test_an_impossible_value_in_eval_csv_is_a_damaged_record_not_a_result(smoke, tmp_path, column, value):
+    """A length is positive, and a scored row's mean cross-entropy is finite and >= 0, so its
+    perplexity is >= 1: a hand-edited row outside that is refused, not tabled (or bolded)."""
+    import csv
+
+    exp, _, _ = smoke
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    path = copy / "rope-seed0" / "eval.csv"
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows, columns = list(reader), reader.fieldnames
+    assert rows[0]["status"] == "ok"
+    rows[0][column] = value
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    res = invoke("report", copy)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"{path}: malformed evaluation rows" in " ".join(res.output.split())
+
+
 def test_an_empty_config_yaml_is_a_damaged_record_not_the_defaults(smoke, tmp_path):
     """A run's config.yaml left empty (a full disk, a crash) would read as the default config:
     a report would make it a grid point of its own, status would show the default train_len."""

@@ -83,8 +83,12 @@ def read_eval(run_dir: Path) -> list[dict]:
         raise bad
     for r in rows:
         try:
-            int(r["length"]), int(r["tokens"]), int(r["seed"]), int(r["train_len"])
-            if r["status"] not in STATUSES or (r["status"] == "ok" and not math.isfinite(float(r["loss"]))):
+            if min(int(r["length"]), int(r["train_len"])) < 1 or min(int(r["tokens"]), int(r["seed"])) < 0:
+                raise ValueError
+            if r["status"] not in STATUSES:
+                raise ValueError
+            # a scored row's mean cross-entropy is finite and >= 0, so its perplexity is >= 1
+            if r["status"] == "ok" and not (0 <= float(r["loss"]) < math.inf and 1 <= float(r["ppl"]) < math.inf):
                 raise ValueError
         except (KeyError, TypeError, ValueError):
             raise bad from None
