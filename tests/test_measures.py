@@ -163,6 +163,30 @@ def test_a_malformed_measure_record_is_one_line(scored, tmp_path):
     assert "next_byte.csv: malformed measure records" in " ".join(res.output.split())
 
 
+@pytest.mark.parametrize("damage", ["cut", "json", "no csv"])
+def test_a_damaged_measure_record_names_the_file_that_is_damaged(scored, tmp_path, damage):
+    """A row cut mid-write is refused, not read as unscored cells; a bad description names the
+    .json, and a table that is gone is called missing."""
+    exp, _ = scored
+    copy = tmp_path / "smoke"
+    shutil.copytree(exp, copy)
+    folder = copy / "alibi-seed0" / "measures"
+    table, described = folder / "next_byte.csv", folder / "next_byte.json"
+    if damage == "cut":
+        text = table.read_text()
+        table.write_text(text[: text.rindex(",")] + "\n")  # the last row loses its last cell
+        says = f"{table}: malformed measure records"
+    elif damage == "json":
+        described.write_text("{")
+        says = f"{described}: malformed measure description"
+    else:
+        table.unlink()
+        says = f"{table}: missing, though next_byte.json describes it"
+    res = invoke("report", copy)
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert says in " ".join(res.output.split())
+
+
 def test_the_example_measure_is_documented_where_plugins_are():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     assert SPEC in doc and "Scorer" in doc

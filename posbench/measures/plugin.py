@@ -187,10 +187,16 @@ def read_measures(rdir: Path) -> dict[str, Records]:
     out = {}
     for meta_path in sorted((Path(rdir) / FOLDER).glob("*.json")):
         name, path = meta_path.stem, meta_path.with_suffix(".csv")
-        bad = PosbenchError(f"{path}: malformed measure records; score the run again with posbench evaluate --measure")
+        again = "score the run again with posbench evaluate --measure"
+        bad = PosbenchError(f"{path}: malformed measure records; {again}")
         try:
             meta = json.loads(meta_path.read_text())
             metrics = {n: Metric(**{**m, "pooled": tuple(m["pooled"])}) for n, m in meta["metrics"].items()}
+        except (OSError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            raise PosbenchError(f"{meta_path}: malformed measure description; {again}") from None
+        if not path.is_file():
+            raise PosbenchError(f"{path}: missing, though {meta_path.name} describes it; {again}")
+        try:
             with path.open(newline="", encoding="utf-8") as f:
                 reader = csv.DictReader(f)
                 rows = list(reader)
@@ -199,6 +205,8 @@ def read_measures(rdir: Path) -> dict[str, Records]:
             if reader.fieldnames != columns(axis, metrics, cis) or not rows or bool(cis) != bool(samples):
                 raise ValueError
             for r in rows:
+                if None in r or None in r.values():  # a row cut short, or with cells past the header
+                    raise ValueError
                 # an empty metric: not scored at that length (its status says why)
                 int(r["length"]), int(r["seed"]), int(r["train_len"]), *(float(r[m] or "nan") for m in [*metrics, *cis])
                 if axis is not None:
