@@ -246,10 +246,7 @@ def load_corpus(cfg: DataConfig, fetching=None) -> Corpus:
     if cfg.tokenizer != "bytes" or cfg.val_path or not plain:
         stream, name = _text_stream(cfg, fetching)
         t = text.in_memory(cfg, stream, fetching)
-        if len(t.train) < 2 or len(t.val) < 2:
-            raise PosbenchError(
-                f"the corpus '{name}' makes {len(t.train)} training and {len(t.val)} validation tokens; too few"
-            )
+        text.check_splits(name, len(t.train), len(t.val), cfg.val_path)
         return Corpus(
             f"{name}, {t.tokenizer}", t.train, t.val, t.tokenizer, None if cfg.tokenizer == "bytes" else t.byte_lengths
         )

@@ -107,6 +107,14 @@ def pieces(
                 yield from utf8(blocks, f) if text else blocks
 
 
+def check_splits(name: str, train: int, val: int, val_path: Optional[str]) -> None:
+    """At least two tokens a split (an input and its target); one line naming what is too short."""
+    if val_path and val < 2 <= train:
+        raise PosbenchError(f"the validation set '{val_path}' makes {val} validation tokens; too few")
+    if train < 2 or val < 2:
+        raise PosbenchError(f"the corpus '{name}' makes {train} training and {val} validation tokens; too few")
+
+
 def utf8(blocks: Iterator[bytes], path: Path) -> Iterator[bytes]:
     """A file's blocks as they are, checked to be UTF-8 on the way. A text tokenizer would read
     a byte that is not as U+FFFD, three bytes that bits per byte would count for one: refused,
@@ -599,11 +607,7 @@ def _write_tokens(data, tok: Tokenizer, train: Iterator, val: Iterator, tmp: Pat
                 n += len(a)
                 nbytes += int(lengths[a].sum()) if len(a) else 0
         counts[split] = (n, nbytes)
-    if counts["train"][0] < 2 or counts["val"][0] < 2:
-        raise PosbenchError(
-            f"the corpus '{data.path}' makes {counts['train'][0]} training and {counts['val'][0]} "
-            f"validation tokens; too few"
-        )
+    check_splits(data.path, counts["train"][0], counts["val"][0], data.val_path)
     np.save(tmp / "byte_lengths.npy", lengths)
     if tok.file is not None:
         shutil.copy2(tok.file, tmp / tok.file.name)

@@ -248,6 +248,18 @@ def test_an_out_folder_that_takes_no_file_is_one_line_naming_out(tmp_path, words
     assert blocker.read_text() == "a file, not a folder"
 
 
+def test_an_empty_validation_set_of_its_own_is_named_not_the_corpus(tmp_path, words):
+    held = tmp_path / "held.txt"
+    held.write_text("")
+    for res in (
+        invoke("prepare", words, "--out", tmp_path / "prep", "--val-path", held),
+        _smoke(tmp_path / "r", "--set", f"data.path={words}", "--set", f"data.val_path={held}"),
+    ):
+        assert res.exit_code == 2 and res.output.count("error:") == 1 and "Traceback" not in res.output, res.output
+        assert f"the validation set '{held}' makes 0 validation tokens; too few" in " ".join(res.output.split())
+    assert not (tmp_path / "prep").exists() and not (tmp_path / "r").exists()
+
+
 def test_a_missing_library_names_the_extra(tmp_path, words, monkeypatch):
     import builtins
 
