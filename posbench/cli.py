@@ -97,8 +97,11 @@ def _scheme_list(text: str) -> list[str]:
 def _csv_ints(text: Optional[str], what: str, example: str = "100,150,200") -> Optional[list[int]]:
     if text is None:
         return None
+    items = [t.strip() for t in text.split(",")]
     try:
-        return [int(t) for t in text.split(",") if t.strip()]  # none: the setting's own "is empty"
+        if not any(items):
+            return []  # the setting's own "is empty" says it
+        return [int(t) for t in items]  # "0,,1": an empty item is no integer
     except ValueError:
         raise PosbenchError(f"{what} '{text}': expected comma-separated integers, e.g. {example}") from None
 

@@ -32,6 +32,7 @@ def _assert_clean_failure(res, message, results: Path):
         (["--set", "data.path=/no/such/*.txt"], "data.path '/no/such/*.txt' matches no file"),
         (["--lengths", "32,abc"], "expected comma-separated integers"),
         (["--lengths", ","], "--lengths ,: eval.lengths is empty"),
+        (["--seeds", "0,,1"], "--seeds '0,,1': expected comma-separated integers"),  # not seeds 0 and 1
         (["--protocol", ","], "--protocol ',': name a protocol"),
         (["--schemes", "alibi,alibi"], "schemes: alibi listed more than once"),
         (["--seeds", "0,0"], "seeds: 0 listed more than once"),
