@@ -677,6 +677,8 @@ def apply_override(raw: dict, assignment: str, origins: Optional[dict] = None, u
         value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
+    if under and not key.strip():  # under's own key would be "scheme_options.rope."
+        raise PosbenchError(f"--set {assignment!r}: the key is empty")
     key = f"{under}.{key.strip()}" if under else key.strip()
     assign(raw, key, value, f"--set {assignment!r}", origins, f"--set {assignment}")
 

@@ -49,6 +49,11 @@ def test_smoke_yaml_loads():
     assert cfg.name == "smoke" and cfg.train.steps < 100
 
 
+def test_an_empty_key_under_a_section_is_said_as_empty():
+    with pytest.raises(PosbenchError, match=r"--set '=5': the key is empty"):
+        apply_override({}, "=5", under="scheme_options.rope")
+
+
 def test_set_overrides_parse_types_and_nest():
     raw = {}
     apply_override(raw, "train.steps=7")
