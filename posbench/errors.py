@@ -17,9 +17,11 @@ class PosbenchError(Exception):
 
 
 def first_line(e: BaseException, limit: int = 200, last: bool = False) -> str:
-    """An exception as one line: its message's first (or `last`) line, else its type's name."""
+    """An exception as one line: its message's first (or `last`) line, else its type's name; one
+    over `limit` characters is cut at a word and ends in "...", not mid-word."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    return (lines[-1] if last else lines[0])[:limit] if lines else type(e).__name__
+    line = (lines[-1] if last else lines[0]) if lines else type(e).__name__
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def did_you_mean(name: str, choices: Iterable[str], aliases: Mapping[str, str] | None = None) -> str:

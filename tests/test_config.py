@@ -474,3 +474,12 @@ def test_the_gpu_study_brings_back_its_records_without_the_weights(gpu_script, t
     done, calls = gpu_script("study", "--set", "model.attention=sdpa", **again)  # what follows goes to extrapolate
     assert done.returncode == 0 and calls[-1].endswith(f"out_dir={tmp_path}/study --set model.attention=sdpa")
     assert (tmp_path / "study" / "reference-gpu" / "nope-seed0" / "model.pt").exists()
+
+
+def test_an_error_line_over_its_limit_is_cut_at_a_word_and_says_so():
+    from posbench.errors import first_line
+
+    e = ValueError("the checkpoint could not be read by torch.load from the file\nsecond line")
+    assert first_line(e, 200) == "the checkpoint could not be read by torch.load from the file"
+    assert first_line(e, 40) == "the checkpoint could not be read by ..."
+    assert first_line(e, 200, last=True) == "second line" and first_line(ValueError()) == "ValueError"
