@@ -50,6 +50,11 @@ def user_errors(
         raise typer.Exit(code=130) from None
     except OSError as e:  # a full disk, an unwritable out_dir, an unreadable file
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        if isinstance(e, (FileExistsError, NotADirectoryError)) and where:  # a folder's path met a file
+            path = Path(os.fsdecode(e.filename))
+            file = next((p for p in (path, *path.parents) if p.is_file()), None)
+            if file is not None:
+                _error(f"{file} is a file, not a folder; give another path")
         _error(f"{where}{e.strerror or e}{_FREE if disk_full(e) else ''}")
     except (torch_oom(), MemoryError) as e:
         _out_of_memory(e, on_oom)

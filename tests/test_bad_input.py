@@ -358,3 +358,14 @@ def test_a_set_inside_a_plain_value_names_its_flag(tmp_path):
     out = tmp_path / "results"
     res = invoke("extrapolate", "--set", f"out_dir={out}", "--set", "model.n_layer.x=3")
     _assert_clean_failure(res, "--set model.n_layer.x=3: model.n_layer: expected an integer, got {'x': 3}", out)
+
+
+@pytest.mark.parametrize("under", ["", "deeper"])
+def test_an_out_dir_that_is_a_file_is_one_line_naming_the_file(tmp_path, corpus_file, under):
+    blocker = tmp_path / "results.txt"
+    blocker.write_text("mine")
+    out = blocker / under if under else blocker
+    res = invoke("extrapolate", "--config", SMOKE, "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}")
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"{blocker} is a file, not a folder; give another path" in " ".join(res.output.split())
+    assert blocker.read_text() == "mine"
