@@ -52,7 +52,7 @@ def user_errors(
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         if isinstance(e, (FileExistsError, NotADirectoryError)) and where:  # a folder's path met a file
             path = Path(os.fsdecode(e.filename))
-            file = next((p for p in (path, *path.parents) if p.is_file()), None)
+            file = next((p for p in (path, *path.parents) if os.path.isfile(p)), None)  # isfile: never raises
             if file is not None:
                 _error(f"{file} is a file, not a folder; give another path")
         _error(f"{where}{e.strerror or e}{_FREE if disk_full(e) else ''}")
@@ -103,6 +103,8 @@ def _csv_ints(text: Optional[str], what: str, example: str = "100,150,200") -> O
     if text is None:
         return None
     items = [t.strip() for t in text.split(",")]
+    if len(items) > 1 and not items[-1]:
+        items.pop()  # "0,1,": a trailing comma ends the list
     try:
         if not any(items):
             return []  # the setting's own "is empty" says it

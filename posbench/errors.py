@@ -21,7 +21,11 @@ def first_line(e: BaseException, limit: int = 200, last: bool = False) -> str:
     over `limit` characters is cut at a word and ends in "...", not mid-word."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     line = (lines[-1] if last else lines[0]) if lines else type(e).__name__
-    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
+    if len(line) <= limit:
+        return line
+    cut = line[:limit]
+    at = cut.rfind(" ")
+    return (cut[:at] if at > limit // 2 else cut) + " ..."  # a long path has no word to cut at
 
 
 def did_you_mean(name: str, choices: Iterable[str], aliases: Mapping[str, str] | None = None) -> str:

@@ -33,6 +33,7 @@ def _assert_clean_failure(res, message, results: Path):
         (["--lengths", "32,abc"], "expected comma-separated integers"),
         (["--lengths", ","], "--lengths ,: eval.lengths is empty"),
         (["--seeds", "0,,1"], "--seeds '0,,1': expected comma-separated integers"),  # not seeds 0 and 1
+        (["--seeds", "0,0,"], "seeds: 0 listed more than once"),  # a trailing comma ends the list
         (["--protocol", ","], "--protocol ',': name a protocol"),
         (["--schemes", "alibi,alibi"], "schemes: alibi listed more than once"),
         (["--seeds", "0,0"], "seeds: 0 listed more than once"),

@@ -482,4 +482,6 @@ def test_an_error_line_over_its_limit_is_cut_at_a_word_and_says_so():
     e = ValueError("the checkpoint could not be read by torch.load from the file\nsecond line")
     assert first_line(e, 200) == "the checkpoint could not be read by torch.load from the file"
     assert first_line(e, 40) == "the checkpoint could not be read by ..."
+    path = ValueError("failed: /" + "x" * 300)  # no word to cut at near the end: cut where the limit falls
+    assert first_line(path, 100) == "failed: /" + "x" * 91 + " ..."
     assert first_line(e, 200, last=True) == "second line" and first_line(ValueError()) == "ValueError"

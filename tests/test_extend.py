@@ -305,6 +305,18 @@ def test_a_rerun_reuses_every_run(extended, parents):
     assert ": training," not in res.output and "already trained" in res.output
 
 
+def test_a_curve_point_that_is_not_finite_reads_back_as_nan(tmp_path):
+    """A child whose loss blew up mid-curve is written with empty loss and ppl cells (NaN), and
+    read back at the next curve step as NaN: the run goes on to be recorded as diverged."""
+    from posbench.extend.methods import CURVE_COLUMNS, read_curve
+    from posbench.files import write_rows
+
+    row = {"scheme": "rope:pi", "seed": 0, "step": 2, "length": 64, "loss": float("nan"), "ppl": float("nan")}
+    write_rows(tmp_path / "curve.csv", [{**row, "tokens": 100}], CURVE_COLUMNS)
+    (got,) = read_curve(tmp_path)
+    assert got["loss"] == "" and got["step"] == "2"
+
+
 @pytest.mark.parametrize("text", ["a,b\n", "scheme,seed,step,length,loss,ppl,tokens\nrope,0,2\n", "\udcff"])
 def test_a_malformed_curve_is_one_line(extended, tmp_path, text):
     out, _ = extended

@@ -178,6 +178,12 @@ def test_an_unfinished_run_begun_under_other_settings_is_refused_and_its_checkpo
     assert f"its checkpoints wait in {partial}" in said and len(res.output.strip().splitlines()) == 1
     assert {p: p.read_bytes() for p in partial.iterdir()} == before
     assert sorted(p.name for p in (out / "smoke").iterdir()) == [".rope-seed0.partial"]
+    (partial / "checkpoint.pt").unlink()  # no checkpoint, nothing to resume: trained anew
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--schemes", "rope", "--set", f"out_dir={out}", "--set", f"data.path={text}"
+    )
+    assert res.exit_code == 0, res.output
+    assert (out / "smoke" / "rope-seed0" / "model.pt").is_file() and not partial.exists()
 
 
 def test_an_experiment_never_mixes_training_settings(smoke, tmp_path):

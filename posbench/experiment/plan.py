@@ -16,7 +16,16 @@ from typing import Optional
 
 from posbench.config import ExperimentConfig, config_from_dict, differences, identity, read_record, shared_identity
 from posbench.errors import PosbenchError
-from posbench.experiment.records import CONFIG, diverged_step, partial_dir, read_config, run_name, run_state
+from posbench.experiment.records import (
+    CHECKPOINT,
+    CONFIG,
+    PREVIOUS,
+    diverged_step,
+    partial_dir,
+    read_config,
+    run_name,
+    run_state,
+)
 from posbench.files import safe_name
 from posbench.measures import Measure
 from posbench.resolve import Experiment
@@ -99,9 +108,11 @@ def plan_state(rc: ExperimentConfig, task: TrainingTask, rdir: Path, elsewhere: 
 
 def _check_unfinished(rc: ExperimentConfig, task: TrainingTask, rdir: Path, elsewhere: str) -> None:
     """An unfinished run's checkpoints are kept: one trained under other settings is refused,
-    not started anew over them (a partial folder whose config cannot be read holds nothing to
-    resume, and training replaces it)."""
+    not started anew over them (a partial folder with no checkpoint, or whose config cannot be
+    read, holds nothing to resume, and training replaces it)."""
     record = partial_dir(rdir) / CONFIG
+    if not any((partial_dir(rdir) / name).is_file() for name in (CHECKPOINT, PREVIOUS)):
+        return  # nothing to resume: training begins it anew
     try:
         ours = run_identity(config_from_dict(read_record(record)), task) if record.is_file() else None
     except PosbenchError:

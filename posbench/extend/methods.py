@@ -209,7 +209,7 @@ def read_curve(rdir: Path) -> list[dict]:
         if reader.fieldnames != CURVE_COLUMNS:
             raise ValueError(f"columns {reader.fieldnames}")
         for r in rows:
-            int(r["seed"]), int(r["step"]), int(r["length"]), float(r["loss"]), float(r["ppl"])
+            int(r["seed"]), int(r["step"]), int(r["length"]), float(r["loss"] or "nan"), float(r["ppl"] or "nan")
     except (ValueError, TypeError, UnicodeDecodeError) as e:
         raise PosbenchError(
             f"{path}: malformed fine-tuning curve rows ({first_line(e, 80)}); expected the columns "

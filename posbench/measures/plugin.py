@@ -90,7 +90,9 @@ def load_measure(spec: str, options: Optional[dict] = None, where: str = "--meas
     if not measure.name or not measure.name.replace("_", "").isalnum():
         raise PosbenchError(f"measure '{spec}': its name {measure.name!r} must be a word (letters, digits, _)")
     taken = measure.name in RESERVED or measure.name.startswith("summary")
-    if taken or (measure.name in MEASURES and spec != measure.name):
+    # posbench's own measure under its own name: named, spelled module:Class, or subclassed (other defaults)
+    own = measure.name not in MEASURES or isinstance(measure, MEASURES.lookup(measure.name))
+    if taken or not own:
         what = "a file a report writes" if taken else "posbench's own measure"
         raise PosbenchError(f"measure '{spec}': its name {measure.name!r} is {what}; give the measure another name")
     if not measure.metrics or not all(isinstance(m, Metric) for m in measure.metrics.values()):

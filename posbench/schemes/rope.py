@@ -228,11 +228,11 @@ class RoPE(PositionalScheme):
         self.fixed = (cfg.extend or {}).get("scaling")
         if self.fixed:
             self.eval_variants = {}
-        keep_fast = (cfg.extend or {}).get("keep_fast", 0)
-        if keep_fast >= R // 2:
+        keep_fast, rotating = (cfg.extend or {}).get("keep_fast", 0), int(self.kept.sum())
+        if keep_fast >= rotating:
             raise PosbenchError(
-                f"{cfg.extend['method']}: keeps {keep_fast} of the {R // 2} frequencies of each head unscaled, so "
-                f"none is scaled; keep at most {R // 2 - 1}"
+                f"{cfg.extend['method']}: keeps {keep_fast} of the {rotating} frequencies of each head unscaled, so "
+                f"none is scaled; keep at most {rotating - 1}"
             )
 
     per_row_positions = True  # rotate takes (B, T) positions too: each row of a batch its own (PoSE)
