@@ -18,7 +18,7 @@ from posbench import progress
 from posbench.config import EvalConfig, ModelConfig, length_grid, load_config
 from posbench.console import BarReporter, err, out
 from posbench.errors import PosbenchError, first_line
-from posbench.files import disk_full
+from posbench.files import disk_full, file_in_the_way
 from posbench.tasks import TASKS
 
 app = typer.Typer(
@@ -51,8 +51,7 @@ def user_errors(
     except OSError as e:  # a full disk, an unwritable out_dir, an unreadable file
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         if isinstance(e, (FileExistsError, NotADirectoryError)) and where:  # a folder's path met a file
-            path = Path(os.fsdecode(e.filename))
-            file = next((p for p in (path, *path.parents) if os.path.isfile(p)), None)  # isfile: never raises
+            file = file_in_the_way(e.filename)
             if file is not None:
                 _error(f"{file} is a file, not a folder; give another path")
         _error(f"{where}{e.strerror or e}{_FREE if disk_full(e) else ''}")

@@ -755,14 +755,22 @@ def flag_values(values: Optional[dict[str, Any]]) -> dict[str, tuple[str, Any]]:
     return {k: fv for k, fv in values.items() if fv[1] is not None}
 
 
+def set_clash(override: str, keys) -> Optional[str]:
+    """The key of `keys` that the --set `override` would also set (eval.stride is
+    eval.perplexity.stride; `train={steps: 2}` sets train.steps), or None."""
+    if "=" not in override:
+        return None
+    key = measure_key(override.split("=", 1)[0].strip())
+    return next((k for k in keys if k == key or k.startswith(key + ".")), None)
+
+
 def command_line(raw: dict, values: dict[str, tuple[str, Any]], overrides: list[str], origins: dict) -> None:
     """The flags' values over `raw`, then each --set; a --set on a key a flag set is refused,
     so that neither silently wins."""
     for key, (flag, value) in values.items():
         assign(raw, key, copy.deepcopy(value), origins=origins, origin=flag)
     for o in overrides:
-        key = measure_key(o.split("=", 1)[0].strip())  # eval.stride is eval.perplexity.stride
-        clash = next((k for k in values if k == key or k.startswith(key + ".")), None) if "=" in o else None
+        clash = set_clash(o, values)
         if clash is not None:
             raise PosbenchError(f"{values[clash][0]} and --set {o} both set {clash}; give one")
         apply_override(raw, o, origins)

@@ -46,6 +46,13 @@ def atomic(path: Path):
         tmp.unlink(missing_ok=True)
 
 
+def file_in_the_way(path: Path) -> Optional[Path]:
+    """The file that `path`, meant as a folder or a path inside one, runs into (itself or an
+    ancestor), or None. os.path.isfile never raises, on a folder it may not search either."""
+    path = Path(os.fsdecode(path))
+    return next((p for p in (path, *path.parents) if os.path.isfile(p)), None)
+
+
 def disk_full(e: Optional[BaseException]) -> bool:
     """Whether `e`, or an error it wraps, is a full disk (or a spent quota). torch.save raises a
     RuntimeError of its own ("enforce fail at inline_container.cc") whose context holds the

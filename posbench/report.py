@@ -16,7 +16,16 @@ from typing import Optional
 from posbench.compare.render import latex_table, markdown_table
 from posbench.config import differences, flat, identity, shared_identity
 from posbench.errors import PosbenchError
-from posbench.experiment.records import CONFIG, EVAL, SWEEP_RECORD, diverged_step, read_config, run_state, trained_with
+from posbench.experiment.records import (
+    CONFIG,
+    EVAL,
+    SWEEP_RECORD,
+    diverged_at,
+    diverged_step,
+    read_config,
+    run_state,
+    trained_with,
+)
 from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import atomic, write_atomic
 from posbench.measures import Measure, plugin
@@ -113,7 +122,7 @@ def collect(exp_dir: Path) -> Collected:
         return Collected(None, diverged=diverged, running=running)
     if out is None:
         if diverged:
-            first = all(d.endswith(" at step 0") for d in diverged.values())  # before any update: not the rate
+            first = all(diverged_at(exp_dir / name) == 0 for name in diverged)  # before any update: not the rate
             why = "their first loss, before any update, is not finite: no learning rate changes that"
             raise PosbenchError(
                 f"{exp_dir}: every run diverged ({', '.join(diverged.values())}); {why if first else 'lower train.lr'}"

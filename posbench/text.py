@@ -538,7 +538,7 @@ def prepare(data, out: Path, progress=None, advance=None) -> dict:
     byte_lengths.npy, the tokenizer's own file and tokens.json (tokenizer, source digests, token
     and byte counts). Written under a temporary name and renamed when whole, by one process at a
     time: a second `posbench prepare` into the same folder is refused, naming the first."""
-    from posbench.files import exclusive, lock_holder
+    from posbench.files import exclusive, file_in_the_way, lock_holder
 
     out = Path(out)
     lock = out.resolve().with_name(f".{out.resolve().name}.lock")  # beside it; `--out .` too
@@ -546,7 +546,7 @@ def prepare(data, out: Path, progress=None, advance=None) -> dict:
         lock.parent.mkdir(parents=True, exist_ok=True)
         lock.touch()
     except OSError as e:
-        file = next((p for p in lock.parents if p.exists() and not p.is_dir()), None)
+        file = file_in_the_way(lock.parent)
         why = f"{file} is a file, not a folder" if file else e.strerror or e
         raise PosbenchError(f"--out {out}: cannot write there ({why})") from None
     with exclusive(lock) as held:

@@ -363,6 +363,7 @@ def test_a_rerun_with_fewer_methods_keeps_the_others_in_extend_yaml(extended, pa
         (("--set", "train.lr=0.5"), "--set train.lr=0.5: extend sets train.lr from --lr; give that instead"),
         (("--set", "eval.lengths=[32,128]"), "--set eval.lengths=[32,128]: extend sets eval.lengths from --lengths"),
         (("--set", "model.train_len=48"), "--set model.train_len=48: extend sets model.train_len from --to"),
+        (("--set", "train={steps: 2}"), "--set train={steps: 2}: extend sets train.steps from --steps"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(parents, tmp_path, args, message):

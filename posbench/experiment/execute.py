@@ -18,11 +18,11 @@ from typing import Optional
 import torch
 
 from posbench.attention import FLEX_CANNOT_TRAIN_ON_CPU, backend_for
-from posbench.config import ExperimentConfig, check_device, check_trainable, dump_yaml, read_yaml
+from posbench.config import ExperimentConfig, check_device, check_trainable, dump_yaml
 from posbench.device import pick_device
 from posbench.errors import PosbenchError, first_line
 from posbench.experiment.checkpoint import load_run, save_checkpoint
-from posbench.experiment.plan import Job, plan_runs, plan_sweep, run_identity, sweep_size
+from posbench.experiment.plan import Job, partial_identity, plan_runs, plan_sweep, run_identity, sweep_size
 from posbench.experiment.records import (
     CHECKPOINT,
     CONFIG,
@@ -34,6 +34,7 @@ from posbench.experiment.records import (
     WEIGHTS,
     check_read,
     diverged_step,
+    has_checkpoint,
     lock_file,
     partial_dir,
     planned,
@@ -244,7 +245,7 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
     rc, rdir = job.cfg, job.folder
     partial = partial_dir(rdir)
     record = partial / CONFIG
-    if record.is_file() and _identity_of(record, job) != run_identity(rc, job.task):
+    if record.is_file() and partial_identity(rdir, job.task) != run_identity(rc, job.task):
         reporter.note(f"{rdir.name}: its unfinished training was under other settings; starting it anew")
         shutil.rmtree(partial)
     partial.mkdir(parents=True, exist_ok=True)
@@ -267,7 +268,7 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
     except KeyboardInterrupt:
         raise  # its checkpoint is kept: the rerun resumes it
     except BaseException as e:
-        if (partial / CHECKPOINT).is_file() or (partial / PREVIOUS).is_file():
+        if has_checkpoint(partial):
             write_atomic(partial / FAILED, first_line(e, 10**6) + "\n")
         else:  # nothing worth resuming
             shutil.rmtree(partial, ignore_errors=True)
@@ -275,16 +276,6 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
     save_checkpoint(partial / WEIGHTS, model, rc)
     _finish(partial, rdir)
     return model
-
-
-def _identity_of(record: Path, job: Job) -> Optional[dict]:
-    """The identity a partial folder's config.yaml records (None if it cannot be read)."""
-    from posbench.config import config_from_dict
-
-    try:
-        return run_identity(config_from_dict(read_yaml(record)), job.task)
-    except PosbenchError:
-        return None
 
 
 def _finish(partial: Path, rdir: Path) -> None:

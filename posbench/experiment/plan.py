@@ -17,10 +17,9 @@ from typing import Optional
 from posbench.config import ExperimentConfig, config_from_dict, differences, identity, read_record, shared_identity
 from posbench.errors import PosbenchError
 from posbench.experiment.records import (
-    CHECKPOINT,
     CONFIG,
-    PREVIOUS,
     diverged_step,
+    has_checkpoint,
     partial_dir,
     read_config,
     run_name,
@@ -106,18 +105,22 @@ def plan_state(rc: ExperimentConfig, task: TrainingTask, rdir: Path, elsewhere: 
     return "diverged" if run.diverged else "todo"
 
 
+def partial_identity(rdir: Path, task: TrainingTask) -> Optional[dict]:
+    """The identity an unfinished run's config.yaml records (None if it has none or it cannot be read)."""
+    record = partial_dir(rdir) / CONFIG
+    try:
+        return run_identity(config_from_dict(read_record(record)), task) if record.is_file() else None
+    except PosbenchError:
+        return None
+
+
 def _check_unfinished(rc: ExperimentConfig, task: TrainingTask, rdir: Path, elsewhere: str) -> None:
     """An unfinished run's checkpoints are kept: one trained under other settings is refused,
     not started anew over them (a partial folder with no checkpoint, or whose config cannot be
     read, holds nothing to resume, and training replaces it)."""
-    record = partial_dir(rdir) / CONFIG
-    if not any((partial_dir(rdir) / name).is_file() for name in (CHECKPOINT, PREVIOUS)):
+    if not has_checkpoint(partial_dir(rdir)):
         return  # nothing to resume: training begins it anew
-    try:
-        ours = run_identity(config_from_dict(read_record(record)), task) if record.is_file() else None
-    except PosbenchError:
-        return
-    theirs = run_identity(rc, task)
+    ours, theirs = partial_identity(rdir, task), run_identity(rc, task)
     if ours is not None and ours != theirs:
         diff = differences(ours, theirs, (f"its unfinished {rdir.name}", "here"))
         raise PosbenchError(

@@ -52,6 +52,11 @@ def partial_dir(rdir: Path) -> Path:
     return rdir.parent / f".{rdir.name}.partial"  # not with_name, which refuses the root
 
 
+def has_checkpoint(partial: Path) -> bool:
+    """Whether a partial folder holds a checkpoint (or the one before it) to resume from."""
+    return any((Path(partial) / name).is_file() for name in (CHECKPOINT, PREVIOUS))
+
+
 def lock_file(rdir: Path) -> Path:
     """The run's lock: whoever holds it alone may write `rdir` and its partial folder."""
     return rdir.parent / f".{rdir.name}.lock"
@@ -102,12 +107,19 @@ def run_state(rdir: Path) -> RunState:
     )
 
 
+def diverged_at(rdir: Path) -> Optional[float]:
+    """The step a diverged run's record names (None if it names none)."""
+    try:
+        step = json.loads((Path(rdir) / DIVERGED).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if _number(step) else None
+
+
 def diverged_step(rdir: Path) -> str:
     """'at step 12', from a diverged run's record."""
-    try:
-        return f"at step {json.loads((Path(rdir) / DIVERGED).read_text())['step']:,}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "at an unrecorded step"
+    step = diverged_at(rdir)
+    return "at an unrecorded step" if step is None else f"at step {step:,}"
 
 
 def read_train_log(rdir: Path) -> list[dict]:

@@ -7,13 +7,12 @@ from typing import Optional
 
 from posbench.errors import PosbenchError
 from posbench.experiment.records import (
-    CHECKPOINT,
     EVAL,
     FAILED,
-    PREVIOUS,
     WEIGHTS,
     RunState,
     diverged_step,
+    has_checkpoint,
     partial_dir,
     planned,
     read_config,
@@ -78,7 +77,7 @@ def _status_of(run: RunState) -> dict:
     step = checkpoint_step(folder) if not run.here else None
     of = f"{steps:,}" if isinstance(steps, int) else "?"  # ? where its config cannot be read
     at = f"at step {step:,} of {of}" if step is not None else "no checkpoint yet"
-    if step is None and not run.here and any((folder / f).is_file() for f in (CHECKPOINT, PREVIOUS)):
+    if step is None and not run.here and has_checkpoint(folder):
         at = f"no readable checkpoint: delete {folder} to train it anew"
     if run.holder is not None:  # training it, or scoring a trained run
         logged = read_train_log(folder) if not run.here else []
@@ -112,7 +111,7 @@ def _scored_status(run: RunState, rdir: Path) -> dict:
 
 def checkpoint_step(folder: Path) -> Optional[int]:
     """The step a partial folder's checkpoint resumes from (None if it has no readable one)."""
-    if not any((folder / name).is_file() for name in (CHECKPOINT, PREVIOUS)):
+    if not has_checkpoint(folder):
         return None  # nothing to read: no need to load torch
     from posbench.experiment.checkpoint import load_progress
 

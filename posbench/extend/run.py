@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from posbench.config import ExperimentConfig, apply_override, assign, config_from_dict, dump_yaml, measure_key
+from posbench.config import ExperimentConfig, apply_override, assign, config_from_dict, dump_yaml, set_clash
 from posbench.errors import PosbenchError
 from posbench.extend.methods import (
     ABF_BASE,
@@ -118,8 +118,8 @@ def plan_extension(
     from posbench.tasks import task_for
 
     for o in overrides:  # what extend decides from its own flags: a --set of it would win in silence
-        key = measure_key(o.split("=", 1)[0].strip())
-        if "=" in o and key in FLAG_KEYS:
+        key = set_clash(o, FLAG_KEYS)
+        if key is not None:
             raise PosbenchError(f"--set {o}: extend sets {key} from {FLAG_KEYS[key]}; give that instead")
     if steps <= 0:
         raise PosbenchError(f"--steps {steps} must be positive")
