@@ -124,12 +124,28 @@ def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> t
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise PosbenchError(f"the scheme's attend returned {got}, expected None or shape {want}")
             return out
-    if backend == "triton":  # a bias with no tiled form (causal_attention takes those whole), read dense
-        return kernels.attention(q, k, v, q0, scheme.bias(q, k, qpos, kpos, layer))
     if backend == "flex" and reads_as_table(scheme, qpos):  # a bias of distance alone: flex reads its table
         return flex(q, k, v, None, q0, scheme.distance_table(qpos, kpos, layer, q.dtype))
-    bias = scheme.bias(q, k, qpos, kpos, layer)  # None or (B or 1, H, Tq, Tk)
+    bias = scheme_bias(q, k, qpos, kpos, scheme, layer)
+    if backend == "triton":  # a bias with no tiled form (causal_attention takes those whole), read dense
+        return kernels.attention(q, k, v, q0, bias)
     return ATTENTION[backend](q, k, v, bias, q0)
+
+
+def scheme_bias(q, k, qpos, kpos, scheme, layer: int) -> Optional[torch.Tensor]:
+    """The scheme's bias: None, or a tensor that broadcasts to (B, H, Tq, Tk); any other shape
+    is one line naming the scheme, not a shape error deep in a backend."""
+    bias = scheme.bias(q, k, qpos, kpos, layer)
+    if bias is None:
+        return None
+    want = (q.size(0), q.size(1), q.size(2), k.size(2))
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 4 or any(n not in (1, w) for n, w in zip(bias.shape, want)):
+        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise PosbenchError(
+            f"scheme '{scheme.cfg.scheme}': its bias is {got}, expected None or a tensor that broadcasts "
+            f"to (B, H, Tq, Tk) = {want}"
+        )
+    return bias
 
 
 def future_mask(Tq: int, Tk: int, q0: int, device) -> torch.Tensor:

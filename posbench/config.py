@@ -466,7 +466,7 @@ def check_trainable(
     10^8 would otherwise end in the kernel's out-of-memory kill, with no word). `device_memory`
     is the GPU's; None means the machine's RAM."""
     params = 12 * cfg.n_layer * cfg.d_model**2 + cfg.vocab_size * cfg.d_model  # head tied to embedding
-    have = device_memory or _physical_memory()
+    have = device_memory or physical_memory()
     need = bytes_per_param * params
     held = 2 * (batch or 0) * cfg.train_len * (cfg.vocab_size + cfg.n_layer * cfg.d_model)
     if not have or need + held <= have:
@@ -490,7 +490,7 @@ def check_device(name: str, where: str) -> None:
         raise PosbenchError(f"{where}: expected auto, cpu, cuda or cuda:N")
 
 
-def _physical_memory() -> Optional[int]:
+def physical_memory() -> Optional[int]:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # not on every platform

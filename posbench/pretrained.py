@@ -157,11 +157,11 @@ def fitting_batch(config, params: int, lengths: list[int], batch: int, have: Opt
 
 def memory_of(device: str) -> Optional[int]:
     """The bytes a model can take on `device` (train.device): the GPU's, or the machine's RAM."""
-    from posbench.config import _physical_memory
+    from posbench.config import physical_memory
     from posbench.device import pick_device
 
     dev = pick_device(device)
-    return torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _physical_memory()
+    return torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else physical_memory()
 
 
 class PretrainedLM(nn.Module):

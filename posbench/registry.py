@@ -166,6 +166,11 @@ def load_plugin(spec: str, kind: str, base: type, public: str, example: str) -> 
         raise PosbenchError(
             f"{kind} '{spec}': importing module '{module_name}' failed ({type(e).__name__}: {first_line(e, 10**6)})"
         ) from None
+    except SystemExit as e:  # a script's sys.exit() at import: not posbench's exit status
+        raise PosbenchError(
+            f"{kind} '{spec}': importing module '{module_name}' called sys.exit({e.code!r}); "
+            f"a plugin module defines its class and exits nothing at import"
+        ) from None
     cls = module
     for part in class_name.split("."):  # module:Outer.Inner works too
         cls = getattr(cls, part, None)

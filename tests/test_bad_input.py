@@ -115,6 +115,20 @@ def test_a_stride_on_a_task_says_the_task_takes_none_rather_than_ask_for_a_proto
     _assert_clean_failure(res, "--stride 8: eval.perplexity.stride is an option of the perplexity measure", out)
 
 
+@pytest.mark.parametrize(
+    "setting, said",
+    [
+        ("data.path=mine.txt", "--set data.path=mine.txt: data.path='mine.txt': task copy draws its own instances"),
+        ("data.val_fraction=0.1", "--set data.val_fraction=0.1: task copy draws its own instances and reads no corpus"),
+        ("data.corpus=shakespeare-kjv", "task copy draws its own instances and reads no corpus; leave data out"),
+    ],
+)
+def test_a_corpus_setting_on_a_task_is_refused_not_ignored(tmp_path, setting, said):
+    out = tmp_path / "results"
+    res = invoke("extrapolate", "--task", "copy", "--set", setting, "--set", f"out_dir={out}")
+    _assert_clean_failure(res, said, out)
+
+
 def test_malformed_and_missing_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {n_layer: 2\n")
@@ -271,6 +285,28 @@ def test_yaml_merge_keys_and_a_runs_own_config_with_another_scheme(tmp_path, smo
     exp, _, _ = smoke
     cfg = load_config(exp / "rope-seed0" / "config.yaml", ['schemes=["alibi"]'])
     assert cfg.schemes == ["alibi"] and cfg.model_for("alibi").scheme == "alibi"
+
+
+@pytest.mark.parametrize(
+    "command, said",
+    [
+        (
+            ["check-scheme", "fire", "--set", "mlp_width=1000000000000"],
+            "scheme_options.fire (mlp_width=1000000000000): the scheme alone holds about 1.2e+13 parameters",
+        ),
+        (
+            ["train", "--scheme", "learned", "--set", "scheme_options.learned.max_len=10000000000"],
+            "scheme_options.learned (max_len=10000000000): the scheme alone holds about 1.3e+12 parameters",
+        ),
+    ],
+)
+def test_a_scheme_too_big_for_the_machine_is_refused_before_allocation(tmp_path, command, said):
+    """A scheme's own options can make it terabytes (FIRE's MLP, a learned table): counted on the
+    meta device and refused in one line, where allocating it would end in the kernel's kill."""
+    out = tmp_path / "results"
+    res = invoke(*command, "--set", f"out_dir={out}") if command[0] == "train" else invoke(*command)
+    _assert_clean_failure(res, said, out)
+    assert "GiB to train, more than the" in res.output
 
 
 def test_a_model_too_big_to_train_is_refused_before_allocation():

@@ -341,6 +341,23 @@ def test_a_rerun_with_fewer_methods_keeps_the_others_in_extend_yaml(extended, pa
     assert before["methods"] == ALL.split(",")
 
 
+@pytest.mark.parametrize("to, steps", [(96, 4), (64, 6)])
+def test_a_rerun_into_the_folder_at_another_length_or_budget_is_refused(extended, parents, tmp_path, to, steps):
+    """extend.yaml says one --to and one --steps for every child: a method added under others
+    would make it false, so the rerun is refused and the record is kept as it was."""
+    out, _ = extended
+    copy = tmp_path / "ext"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "rope-seed0-pi")  # the method rerun, absent: nothing else would refuse it
+    before = (copy / "extend.yaml").read_bytes()
+    exp, _ = parents
+    res = invoke("extend", exp, "--to", to, "--steps", steps, "--methods", "pi", "--out", copy)
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    said = f"--out {copy}: its extensions were made with --to 64 --steps 4 (extend.yaml), this one with"
+    assert said in " ".join(res.output.split())
+    assert (copy / "extend.yaml").read_bytes() == before and not (copy / "rope-seed0-pi").exists()
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

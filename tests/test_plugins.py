@@ -12,6 +12,7 @@ import torch
 from conftest import ROOT, SMOKE, invoke  # noqa: E402
 
 from posbench import check
+from posbench.config import ModelConfig
 from posbench.schemes import SCHEMES, PositionalScheme, resolve_scheme
 
 EXAMPLE = "examples.my_scheme:MyScheme"
@@ -97,6 +98,7 @@ BROKEN = {
         "Thing is not a subclass of posbench.schemes.PositionalScheme",
     ),
     "module raises": ("plug_raises:Thing", "1 / 0\n", "importing module 'plug_raises' failed (ZeroDivisionError"),
+    "module exits": ("plug_exits:Thing", "import sys\nsys.exit(3)\n", "module 'plug_exits' called sys.exit(3)"),
     "no class named": ("plug_noclass:", None, "expected module:Class"),
 }
 
@@ -328,6 +330,43 @@ class BadShape(PositionalScheme):
     assert "attend returned (2, 4, 16), expected None or shape (2, 4, 16, 8)" in " ".join(
         res.output.replace("│", " ").split()
     )
+
+
+WRONG_BIAS = """
+import torch
+from posbench.schemes import PositionalScheme
+
+class WrongBias(PositionalScheme):
+    def bias(self, q, k, qpos, kpos, layer):
+        return torch.zeros(1, 1, 3, 3, dtype=q.dtype)
+"""
+
+
+def test_a_bias_of_the_wrong_shape_is_named_in_training(on_path, tmp_path, corpus_file):
+    """Not torch's shape error from inside a backend: the scheme, its bias's shape and the shape
+    it must broadcast to, and nothing left on disk."""
+    module = on_path("plug_wrongbias", WRONG_BIAS)
+    out = tmp_path / "r"
+    scheme = f"{module}:WrongBias"
+    res = invoke("train", "--config", SMOKE, "--scheme", scheme, "--set", f"out_dir={out}", "--set", "train.steps=2")
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    line = res.output.strip().splitlines()[-1]
+    assert f"scheme '{module}:WrongBias': its bias is (1, 1, 3, 3), expected None or a tensor that broadcasts" in line
+    assert not any((out / "smoke").glob("*-seed0"))
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 16, 16), (2, 1, 16, 16), (1, 1, 1, 16)])
+def test_a_bias_that_broadcasts_is_taken(shape):
+    """Every dimension of size 1 or the attention's own: the check refuses only what no backend could add."""
+    from posbench.attention import scheme_bias
+
+    class Broadcasts(PositionalScheme):
+        def bias(self, q, k, qpos, kpos, layer):
+            return torch.ones(shape)
+
+    scheme = Broadcasts(ModelConfig(n_head=4, d_model=32, train_len=16))
+    q = torch.zeros(2, 4, 16, 8)
+    assert scheme_bias(q, q, torch.arange(16), torch.arange(16), scheme, 0).shape == shape
 
 
 # --- check-scheme takes a scheme's options; its rules and its imports are explained ----------

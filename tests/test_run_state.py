@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from posbench.errors import PosbenchError
 from posbench.experiment import records
@@ -90,7 +91,7 @@ def experiment(tmp_path):
     exp = tmp_path / "exp"
     exp.mkdir()
     shutil.copytree(REFERENCE / "alibi-seed0", exp / "alibi-seed0")
-    (exp / "alibi-seed0" / "model.pt").write_bytes(b"")
+    torch.save({}, exp / "alibi-seed0" / "model.pt")  # whole, as far as status looks
     (exp / "alibi-seed1").mkdir()
     shutil.copy(REFERENCE / "alibi-seed1" / "config.yaml", exp / "alibi-seed1")
     (exp / "alibi-seed1" / "diverged.json").write_text(json.dumps({"status": "diverged", "step": 12}) + "\n")
@@ -124,6 +125,17 @@ def test_status_report_and_extend_read_one_experiment_alike(experiment):
         parents_in(experiment)  # its partial folder, held
     shutil.rmtree(partial_dir(experiment / "rope-seed1"))
     assert parents_in(experiment) == [experiment / "alibi-seed0"]  # the diverged run is left out
+
+
+def test_status_calls_a_run_with_its_weights_cut_short_damaged_not_done(experiment):
+    """A model.pt cut short (a copy stopped halfway) is what report and evaluate refuse: status
+    says so, and how to train it again, instead of "done"."""
+    from posbench.experiment.status import run_status
+
+    weights = experiment / "alibi-seed0" / "model.pt"
+    weights.write_bytes(weights.read_bytes()[:-30])
+    rows = {r["run"]: (r["state"], r["detail"]) for r in run_status(experiment)}
+    assert rows["alibi-seed0"] == ("partial", "model.pt is damaged: delete it to train the run again")
 
 
 def test_status_of_a_partial_run_whose_config_cannot_be_read_still_says_its_step(experiment, monkeypatch):
@@ -180,7 +192,7 @@ def test_status_names_what_it_cannot_read_and_a_folder_that_is_no_experiment(tmp
 
     exp = tmp_path / "exp"
     shutil.copytree(REFERENCE / "alibi-seed0", exp / "alibi-seed0")
-    (exp / "alibi-seed0" / "model.pt").write_bytes(b"")
+    torch.save({}, exp / "alibi-seed0" / "model.pt")  # whole, as far as status looks
     (exp / "alibi-seed0" / "config.yaml").write_text("model: {n_layer: 2\n")
     partial = partial_dir(exp / "rope-seed0")
     partial.mkdir()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -90,6 +91,8 @@ def _status_of(run: RunState) -> dict:
         missing = [f for f in (WEIGHTS, EVAL) if not (rdir / f).is_file()]
         if missing == [WEIGHTS]:  # a committed reference's records: its weights stay where it trained
             return {**row, "state": "records", "detail": f"evaluated, no {WEIGHTS}: tabled as is; a rerun trains it"}
+        if not missing and not zipfile.is_zipfile(rdir / WEIGHTS):  # cut short or overwritten since it was saved
+            return {**row, "state": "partial", "detail": f"{WEIGHTS} is damaged: delete it to train the run again"}
         return {
             **row,
             "state": "done" if not missing else "partial",

@@ -142,6 +142,7 @@ def plan_extension(
         raise PosbenchError(
             f"--out {folder}: a folder extend did not make (no {EXTEND_RECORD}); give a new or empty folder"
         )
+    _check_same_extension(folder, to, steps)
     jobs, notes, skipped, tokens = [], [], {}, {}
     for pdir in parents:
         recorded = (pdir / "config.yaml").is_file()
@@ -460,6 +461,28 @@ def copy_parent(job) -> None:
     if job.folder.exists():
         shutil.rmtree(job.folder)
     partial.rename(job.folder)
+
+
+def _check_same_extension(folder: Path, to: int, steps: int) -> None:
+    """A folder's extend.yaml says one length and one budget for all its children: a rerun into
+    it with others would make the record false for the children already there."""
+    import yaml
+
+    try:
+        old = yaml.safe_load((folder / EXTEND_RECORD).read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return  # none yet, or unreadable: write_record writes it anew
+    if not isinstance(old, dict):
+        return
+    held = {"--to": old.get("to"), "--steps": old.get("steps")}
+    given = {"--to": to, "--steps": steps}
+    differ = [flag for flag in held if held[flag] is not None and held[flag] != given[flag]]
+    if differ:
+        was = " ".join(f"{flag} {held[flag]}" for flag in held)
+        raise PosbenchError(
+            f"--out {folder}: its extensions were made with {was} ({EXTEND_RECORD}), this one with "
+            f"{' '.join(f'{flag} {given[flag]}' for flag in differ)}; rerun with {was}, or give another --out"
+        )
 
 
 def parent_path(job) -> str:

@@ -192,5 +192,32 @@ def check_hint(name: str) -> str:
 
 
 def build_scheme(cfg):
-    """The scheme a model config names, built with its options."""
+    """The scheme a model config names, built with its options; one whose own tensors would not
+    fit in this machine's memory is refused before any is allocated."""
+    _check_size(cfg)
     return SCHEMES.build(cfg.scheme, cfg, hint=check_hint(cfg.scheme))
+
+
+def _check_size(cfg) -> None:
+    """Counted on the meta device, where nothing is allocated: 16 bytes a parameter to train
+    (weights, gradients, AdamW's two moments), buffers as they are. A scheme that reads its
+    tensors while it builds (RoPE's kept pairs) cannot build there, and is built for real."""
+    import torch
+
+    from posbench.config import physical_memory
+
+    try:
+        with torch.device("meta"):
+            scheme = SCHEMES.lookup(cfg.scheme)(cfg)
+    except Exception:
+        return
+    params = sum(p.numel() for p in scheme.parameters())
+    need = 16 * params + sum(b.numel() * b.element_size() for b in scheme.buffers())
+    have = physical_memory()
+    if have and need > have:
+        given = ", ".join(f"{k}={v}" for k, v in cfg.options.items()) or "its defaults"
+        raise PosbenchError(
+            f"scheme_options.{cfg.scheme} ({given}): the scheme alone holds about {params:.2g} parameters, "
+            f"{need / 2**30:.3g} GiB to train, more than the {have / 2**30:.0f} GiB here",
+            f"scheme_options.{cfg.scheme}",
+        )

@@ -8,9 +8,11 @@ scored by exact match (posbench/measures/exact_match/), written in bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Optional
 
+from posbench.config import DataConfig
 from posbench.errors import PosbenchError
 from posbench.files import safe_name
 from posbench.tasks.base import TrainingTask
@@ -36,6 +38,15 @@ class SyntheticTask(TrainingTask):
             )
         if cfg.data.tokenizer != "bytes":  # its runs read their own bytes
             raise PosbenchError(f"data.tokenizer {cfg.data.tokenizer}: a task is written in bytes", "data.tokenizer")
+        default = DataConfig()
+        for f in dataclasses.fields(default):  # a corpus setting would be ignored: say so instead
+            value = getattr(cfg.data, f.name)
+            if value != getattr(default, f.name):
+                raise PosbenchError(
+                    f"data.{f.name}={value!r}: task {cfg.task} draws its own instances and reads no corpus; "
+                    f"leave data out, or train the language model (task lm) on it",
+                    f"data.{f.name}",
+                )
         if cfg.model.vocab_size < 256:
             raise PosbenchError(
                 f"model.vocab_size={cfg.model.vocab_size}: a task is written in bytes, so it must be >= 256",
