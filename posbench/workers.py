@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -100,6 +101,21 @@ def _worker_main(work: Callable, threads: Optional[int], jobs, events, parent: i
         os._exit(0)  # not via the queues' feeder threads, whose reader may be gone
 
 
+@contextlib.contextmanager
+def _children_ignore_ctrl_c():
+    """Processes started within ignore SIGINT from their first instruction (an ignored signal
+    stays ignored through exec), not from _worker_main: a worker still importing torch would
+    otherwise print its KeyboardInterrupt's traceback. This process takes Ctrl-C again after."""
+    if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -152,8 +168,9 @@ def run_in_workers(
     todo = list(enumerate(jobs))
     error, busy = None, 0
     try:
-        for p in procs:
-            p.start()
+        with _children_ignore_ctrl_c():
+            for p in procs:
+                p.start()
         for _ in range(workers):
             item = todo.pop(0) if todo else None
             job_queue.put(item)

@@ -44,3 +44,30 @@ def test_extrapolate_says_when_its_runs_go_one_after_another_and_leaves_no_lock_
     exp, res, _ = smoke_experiment(tmp_path, "--schemes", "nope,alibi")
     assert "2 runs train one after another" in " ".join(res.output.split())
     assert sorted(p.name for p in exp.iterdir() if p.name.endswith(".lock")) == []
+
+
+def test_a_worker_ignores_ctrl_c_from_its_first_import(tmp_path, monkeypatch):
+    """Ctrl-C is the parent's: a worker that is still importing (torch takes seconds) when it
+    comes must not print a KeyboardInterrupt traceback of its own. The module that holds the
+    work is imported in the worker before any of posbench's worker code runs: it sees the
+    disposition the worker started with."""
+    import signal
+    import sys
+
+    from posbench.progress import Reporter
+    from posbench.workers import run_in_workers
+
+    (tmp_path / "at_import.py").write_text(
+        "import signal\n"
+        "SIGINT_AT_IMPORT = signal.getsignal(signal.SIGINT)\n"
+        "def work(out, reporter):\n"
+        "    open(out, 'w').write(str(SIGINT_AT_IMPORT))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "at_import", raising=False)
+    import at_import
+
+    before = signal.getsignal(signal.SIGINT)
+    run_in_workers(at_import.work, [("job", (str(tmp_path / "said"),))], lambda: None, Reporter(), 1, 1)
+    assert (tmp_path / "said").read_text() == str(signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGINT) is before  # this process takes Ctrl-C again
