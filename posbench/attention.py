@@ -117,12 +117,15 @@ def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> t
     if backend == "native" or scheme.replaces_softmax:  # a scheme's own kernel first; None declines
         out = scheme.attend(q, k, v, qpos, kpos, layer)
         if out is None and scheme.replaces_softmax:
-            raise PosbenchError(f"scheme '{scheme.cfg.scheme}' replaces softmax, yet its attend returned None")
+            raise PosbenchError(
+                f"scheme '{scheme.cfg.scheme}' replaces softmax, yet its attend returned None", exit_code=1
+            )
         if out is not None:
             want = (*q.shape[:3], v.size(-1))  # (B, H, Tq, D)
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise PosbenchError(f"the scheme's attend returned {got}, expected None or shape {want}")
+                said = f"scheme '{scheme.cfg.scheme}': its attend returned {got}, expected None or shape {want}"
+                raise PosbenchError(said, exit_code=1)
             return out
     if backend == "flex" and reads_as_table(scheme, qpos):  # a bias of distance alone: flex reads its table
         return flex(q, k, v, None, q0, scheme.distance_table(qpos, kpos, layer, q.dtype))
@@ -134,7 +137,7 @@ def _attend(q, k, v, qpos, kpos, q0: int, scheme, layer: int, backend: str) -> t
 
 def scheme_bias(q, k, qpos, kpos, scheme, layer: int) -> Optional[torch.Tensor]:
     """The scheme's bias: None, or a tensor that broadcasts to (B, H, Tq, Tk); any other shape
-    is one line naming the scheme, not a shape error deep in a backend."""
+    is one line naming the scheme (a bug in it: exit 1), not a shape error deep in a backend."""
     bias = scheme.bias(q, k, qpos, kpos, layer)
     if bias is None:
         return None
@@ -143,7 +146,8 @@ def scheme_bias(q, k, qpos, kpos, scheme, layer: int) -> Optional[torch.Tensor]:
         got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
         raise PosbenchError(
             f"scheme '{scheme.cfg.scheme}': its bias is {got}, expected None or a tensor that broadcasts "
-            f"to (B, H, Tq, Tk) = {want}"
+            f"to (B, H, Tq, Tk) = {want}",
+            exit_code=1,
         )
     return bias
 

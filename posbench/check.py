@@ -83,8 +83,12 @@ def on_blocks(T: int):
     (BLOCKS_RULE): say which, not the tensor error it led to."""
     try:
         yield
-    except (CheckFailed, PosbenchError):
+    except CheckFailed:
         raise
+    except PosbenchError as e:
+        if e.exit_code != 1:  # the user's input, not the scheme's broken hook
+            raise
+        raise CheckFailed(f"on blocks of {BLOCK} of {T} queries, {first_line(e, 200)}: {BLOCKS_RULE}") from None
     except Exception as e:
         raise CheckFailed(
             f"{type(e).__name__} on blocks of {BLOCK} of {T} queries ({first_line(e, 100)}): {BLOCKS_RULE}"

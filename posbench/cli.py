@@ -44,7 +44,7 @@ def user_errors(
     except typer.Exit:
         raise
     except PosbenchError as e:
-        _error(str(e))
+        _error(str(e), code=e.exit_code)
     except KeyboardInterrupt:
         err.print(f"interrupted: {on_interrupt}", soft_wrap=True)
         raise typer.Exit(code=130) from None

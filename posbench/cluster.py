@@ -78,7 +78,9 @@ def run_sweep_on_ray(
                         outcome, node, files = ray.get(ready)
                     except ray.exceptions.RayTaskError as e:
                         cause = e.cause if isinstance(getattr(e, "cause", None), PosbenchError) else None
-                        raise PosbenchError(f"{rdir.name}: {cause or str(e).strip().splitlines()[-1]}") from None
+                        said = cause or str(e).strip().splitlines()[-1]
+                        code = cause.exit_code if cause else 1  # not posbench's own error: a bug
+                        raise PosbenchError(f"{rdir.name}: {said}", exit_code=code) from None
                     write_run(rdir, files)
                     send_run(tracker, exp, rdir)  # the driver sends, never a task
                     done += 1

@@ -9,11 +9,15 @@ from collections.abc import Iterable, Mapping
 class PosbenchError(Exception):
     """A problem with the user's input or files, worded so the user can act on it. `key` is the
     dotted config key the problem is about, where there is one, so that the config loader can
-    say which file or flag the value came from."""
+    say which file or flag the value came from. `exit_code` is the command's: 2 for a bad input,
+    1 for a bug (posbench's, or a user's plugin breaking its contract), so scripts tell them apart."""
 
-    def __init__(self, message: str, key: str | None = None):
+    def __init__(self, message: str, key: str | None = None, exit_code: int = 2):
         super().__init__(message)
-        self.key = key
+        self.key, self.exit_code = key, exit_code
+
+    def __reduce__(self):  # whole across processes (workers, Ray tasks): its key and exit code too
+        return type(self), (str(self), self.key, self.exit_code)
 
 
 def first_line(e: BaseException, limit: int = 200, last: bool = False) -> str:

@@ -94,9 +94,9 @@ def _worker_main(work: Callable, threads: Optional[int], jobs, events, parent: i
                 work(*args, reporter)
                 events.put(("done", i))
             except PosbenchError as e:
-                events.put(("failed", i, str(e)))
+                events.put(("failed", i, e))
             except Exception as e:  # a bug, not the user's input: keep its type for the report
-                events.put(("failed", i, f"{label}: {type(e).__name__}: {e}"))
+                events.put(("failed", i, PosbenchError(f"{label}: {type(e).__name__}: {e}", exit_code=1)))
     except KeyboardInterrupt:  # stopped by the parent, checkpoint saved
         os._exit(0)  # not via the queues' feeder threads, whose reader may be gone
 
@@ -215,4 +215,4 @@ def run_in_workers(
             cleanup()
         raise
     if error is not None:
-        raise PosbenchError(error)
+        raise error

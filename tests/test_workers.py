@@ -71,3 +71,37 @@ def test_a_worker_ignores_ctrl_c_from_its_first_import(tmp_path, monkeypatch):
     run_in_workers(at_import.work, [("job", (str(tmp_path / "said"),))], lambda: None, Reporter(), 1, 1)
     assert (tmp_path / "said").read_text() == str(signal.SIG_IGN)
     assert signal.getsignal(signal.SIGINT) is before  # this process takes Ctrl-C again
+
+
+def test_a_workers_error_keeps_its_exit_status_and_key(tmp_path, monkeypatch):
+    """A bad input in a worker exits 2 as in this process, with the config key it names; a bug
+    there (any other exception) exits 1, as the catch-all here does."""
+    import pickle
+    import sys
+
+    import pytest
+
+    from posbench.errors import PosbenchError
+    from posbench.progress import Reporter
+    from posbench.workers import run_in_workers
+
+    said = pickle.loads(pickle.dumps(PosbenchError("m", "train.lr", exit_code=1)))
+    assert (str(said), said.key, said.exit_code) == ("m", "train.lr", 1)
+    (tmp_path / "failing.py").write_text(
+        "from posbench.errors import PosbenchError\n"
+        "def bad_input(reporter):\n"
+        "    raise PosbenchError('train.lr=-1 must be positive', 'train.lr')\n"
+        "def bug(reporter):\n"
+        "    raise ValueError('oops')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "failing", raising=False)
+    import failing
+
+    for work, message, key, code in [
+        (failing.bad_input, "train.lr=-1 must be positive", "train.lr", 2),
+        (failing.bug, "the-run: ValueError: oops", None, 1),
+    ]:
+        with pytest.raises(PosbenchError) as raised:
+            run_in_workers(work, [("the-run", ())], lambda: None, Reporter(), 1, 1)
+        assert (str(raised.value), raised.value.key, raised.value.exit_code) == (message, key, code)

@@ -92,10 +92,8 @@ class Remap:
 
 def logits(q, k, qpos, kpos, scheme, layer: int) -> torch.Tensor:
     """q.k / sqrt(d) plus the scheme's bias at these positions: (B, H, Tq, Tk)."""
-    from posbench.attention import scheme_bias  # attention's module imports the schemes
-
     scores = torch.matmul(q, k.transpose(-1, -2)) * q.size(-1) ** -0.5  # (B, H, Tq, Tk)
-    bias = scheme_bias(q, k, qpos, kpos, scheme, layer)  # None or (B or 1, H, Tq, Tk)
+    bias = scheme.bias(q, k, qpos, kpos, layer)  # None or (B or 1, H, Tq, Tk)
     return scores if bias is None else scores + bias
 
 
