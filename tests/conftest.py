@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "configs" / "smoke.yaml")
+RESULTS_DOC = ROOT / "docs" / "results.md"  # every reference study's tables, which the tests hold to the records
 _runner = CliRunner()
 
 

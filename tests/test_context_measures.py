@@ -374,7 +374,7 @@ def test_a_variant_scores_both_passes_as_the_model_at_that_length_into_records_o
         ContextGain(variant="yarn@2")
 
 
-def test_the_committed_context_study_rebuilds_and_says_what_the_readme_says(tmp_path):
+def test_the_committed_context_study_rebuilds_and_says_what_the_docs_say(tmp_path):
     """results/reference-context (make reproduce-context): the defaults, 3 seeds, to 800, under
     every measure. It rebuilds byte for byte; no scheme gains from the tokens beyond the last 100
     (the flat ones by a hair below zero, RoPE by more than a nat); retrieval of a 5-digit key
@@ -439,12 +439,12 @@ def test_the_committed_smollm2_context_study_rebuilds_and_shows_a_model_that_use
     assert said["- retrieval_linear"].endswith("; a pretrained model's ± is over its trials")
 
 
-def test_the_committed_catalogue_rebuilds_and_holds_what_the_readme_says(tmp_path):
+def test_the_committed_catalogue_rebuilds_and_holds_what_the_docs_say(tmp_path):
     """results/reference-catalogue (make reproduce-catalogue): it rebuilds byte for byte, every cell
-    of the README's table is the summary's, the RoPE-window/NoPE pattern beats both its parts at 800
+    of docs/results.md's table is the summary's, the RoPE-window/NoPE pattern beats both its parts at 800
     by more than their intervals, the full-attention pattern does not beat RoPE, FoX's context
     gain is exactly zero, and no scheme retrieves a key above twice chance."""
-    from conftest import ROOT, rebuilds_byte_for_byte
+    from conftest import RESULTS_DOC, rebuilds_byte_for_byte
 
     committed = rebuilds_byte_for_byte("reference-catalogue", tmp_path)
     md = (committed / "summary.md").read_text()
@@ -452,7 +452,7 @@ def test_the_committed_catalogue_rebuilds_and_holds_what_the_readme_says(tmp_pat
             for line in md.split("## nonoverlapping")[1].split("\n\n")[1].splitlines()[2:]}  # fmt: skip
     gain = {line.split("|")[1].strip(): line.split("|")[5].strip().strip("*")
             for line in md.split("## context_gain")[1].split("\n\n")[1].splitlines()[2:]}  # fmt: skip
-    readme = (ROOT / "README.md").read_text()
+    readme = RESULTS_DOC.read_text()
     table = readme[readme.index("| scheme | ppl(100) | ppl(800) | context gain at 800") :].split("\n\n")[0]
     rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
     assert len(rows) == 7

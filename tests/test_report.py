@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import ROOT, SMOKE, invoke, rebuilds_byte_for_byte
+from conftest import RESULTS_DOC, ROOT, SMOKE, invoke, rebuilds_byte_for_byte
 
 from posbench.compare.render import latex_table, transposed
 from posbench.measures.perplexity.views import comparison, grid, with_metric
@@ -277,7 +277,7 @@ def test_the_committed_flat_start_language_models_rebuild_and_record_their_start
 
 @pytest.mark.parametrize("name,tokenizer", [("reference-bytes", "bytes"), ("reference-bpe", "bpe-2048")])
 def test_the_committed_tokenizer_references_rebuild_to_their_committed_summary(tmp_path, name, tokenizer):
-    """results/reference-bytes and -bpe hold the README's tokenizer table: the defaults on bytes
+    """results/reference-bytes and -bpe hold docs/results.md's tokenizer table: the defaults on bytes
     and on a BPE of 2048 tokens, eight schemes, seed 0; their tables rebuild from the records."""
     import csv
 
@@ -315,7 +315,7 @@ def test_the_committed_gpu_reference_rebuilds_and_is_the_presets_study(tmp_path)
         assert set(rows.attention) == {runs_as} and set(rows.status) == {"ok"}, run
         assert rows.set_index("length").ppl[preset.model.train_len] < 200, run
     assert "GPU: one NVIDIA H200" in (committed / "command.txt").read_text()
-    readme = _table((ROOT / "README.md").read_text(), "## The same study at GPT-2-small's shape")
+    readme = _table(RESULTS_DOC.read_text(), "## GPT-2-small's shape on one GPU")
     summary = _table((committed / "summary.md").read_text(), "## nonoverlapping")
     assert len(readme) == 5 and readme == {s: cells[:4] + cells[5:6] for s, cells in summary.items()}
 
@@ -329,9 +329,9 @@ def _tokens_per_s(run: Path) -> float:
     return (last["step"] - 10) * tokens / (last["seconds"] - first["seconds"])
 
 
-def test_the_gpu_speeds_in_the_docs_and_readme_are_the_studies_training_logs(tmp_path):
+def test_the_gpu_speeds_in_the_docs_are_the_studies_training_logs(tmp_path):
     """docs/performance.md's table of the GPU study's speeds (each study's NoPE the ratios' base,
-    the mean of its seeds) and the README's sentence on them come from the committed training
+    the mean of its seeds) and docs/results.md's sentence on them come from the committed training
     logs of results/reference-gpu (auto) and -sdpa (every scheme through sdpa), which also
     rebuilds; the two studies' perplexities differ as the docs say."""
     rebuilds_byte_for_byte("reference-gpu-sdpa", tmp_path)
@@ -351,7 +351,7 @@ def test_the_gpu_speeds_in_the_docs_and_readme_are_the_studies_training_logs(tmp
             cells += [f"{speed[name, scheme]:,.0f}", f"{speed[name, scheme] / speed[name, 'nope']:.2f}"]
         want[scheme] = cells
     assert docs == want and {backend["reference-gpu-sdpa", s] for s in want} == {"sdpa"}
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join(RESULTS_DOC.read_text().split())
     x = {s: f"{speed['reference-gpu', s] / speed['reference-gpu', 'nope']:.2f}x" for s in want}
     assert f"NoPE trains at {speed['reference-gpu', 'nope'] / 1000:.0f}k tokens/s through sdpa" in readme
     assert f"ALiBi at {x['alibi']} of that and T5 at {x['t5']} through flex" in readme
@@ -371,7 +371,7 @@ def test_the_gpu_schedule_at_toy_scale_rebuilds_and_is_what_the_docs_read(tmp_pa
     """results/reference-gpu-toy: the defaults, the GPU study's schedule, and that with the
     schemes' own parameters at 10x the rate, 5 schemes x 3 seeds each; each rebuilds from its
     records, each ran the schedule it is named for, and the perplexities at 100 bytes that
-    docs/performance.md tabulates and the README quotes are theirs."""
+    docs/performance.md tabulates and docs/results.md quotes are theirs."""
     from types import SimpleNamespace
 
     from posbench.config import TrainConfig, load_config
@@ -404,7 +404,7 @@ def test_the_gpu_schedule_at_toy_scale_rebuilds_and_is_what_the_docs_read(tmp_pa
     assert header in (ROOT / "docs" / "performance.md").read_text()
     docs = _table((ROOT / "docs" / "performance.md").read_text(), "| scheme | defaults (lr 3e-3")
     assert docs == {s: [at_100[n][s] for n in at_100] for s in at_100["defaults"]}
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join(RESULTS_DOC.read_text().split())
     fire, t5, nope = (at_100["gpu-schedule"][s] for s in ("fire", "t5", "nope"))
     assert f"FIRE {fire} against NoPE's {nope}" in readme and f"T5 {t5} ± " in readme
     assert f"give FIRE {at_100['defaults']['fire']} and T5 {at_100['defaults']['t5']}" in readme
@@ -678,11 +678,11 @@ def _table(text: str, after: str) -> dict[str, list[str]]:
     return rows
 
 
-def test_the_readme_language_model_tables_are_the_committed_records():
-    """Every number in the README's three language-model tables is a committed summary's: the
-    defaults (results/reference-bytes), the ALiBi reproduction (results/reference, both
-    protocols) and bytes against BPE (reference-bytes, reference-bpe)."""
-    readme = (ROOT / "README.md").read_text()
+def test_the_language_model_tables_are_the_committed_records():
+    """Every number in the three language-model tables is a committed summary's: the README's
+    defaults (results/reference-bytes), and docs/results.md's ALiBi reproduction
+    (results/reference, both protocols) and bytes against BPE (reference-bytes, reference-bpe)."""
+    readme, results = (ROOT / "README.md").read_text(), RESULTS_DOC.read_text()
     summary = {
         n: (ROOT / "results" / n / "summary.md").read_text() for n in ("reference", "reference-bytes", "reference-bpe")
     }
@@ -690,12 +690,12 @@ def test_the_readme_language_model_tables_are_the_committed_records():
     defaults = _table(readme, "## What the defaults show")
     by_bytes = nonoverlapping["reference-bytes"]
     assert len(defaults) == 8 and defaults == {s: cells[:4] + cells[5:6] for s, cells in by_bytes.items()}
-    alibi = _table(readme, "## A reproduction of the ALiBi paper's shape")
+    alibi = _table(results, "## The ALiBi paper's shape")
     sliding = _table(summary["reference"], "## sliding")
     assert len(alibi) == 4 and alibi == {
         s: [f"{a} / {b}" for a, b in zip(cells[:4], sliding[s][:4])] for s, cells in nonoverlapping["reference"].items()
     }
-    tokenizers = _table(readme, "| scheme | bytes | BPE |")
+    tokenizers = _table(results, "| scheme | bytes | BPE |")
     bpe = nonoverlapping["reference-bpe"]
     assert len(tokenizers) == 8 and tokenizers == {
         s: [f"{cells[6]} / {cells[7]}", f"{bpe[s][6]} / {bpe[s][7]}", f"{cells[5]} / {bpe[s][5]}"]
@@ -703,11 +703,11 @@ def test_the_readme_language_model_tables_are_the_committed_records():
     }
 
 
-def test_the_readme_task_table_is_the_committed_task_reference():
-    """Every number of the README's task table, the study's in brackets aside, is
+def test_the_task_table_is_the_committed_task_reference():
+    """Every number of docs/results.md's task table, the study's in brackets aside, is
     results/reference-tasks' summary: in-distribution / past-N exact match per task, and the mean
     reciprocal rank."""
-    readme = _table((ROOT / "README.md").read_text(), "| scheme | repeat | replace | copy | reverse | sort |")
+    readme = _table(RESULTS_DOC.read_text(), "| scheme | repeat | replace | copy | reverse | sort |")
     summary = (ROOT / "results" / "reference-tasks" / "summary.md").read_text()
     by_task = {t: _table(summary, f"## {t}: % exact match by length") for t in FIVE_TASKS}
     rank = _table(summary, "## mean reciprocal rank")
@@ -816,9 +816,9 @@ def test_a_report_of_one_run_folder_names_its_experiment(tmp_path):
     assert "holds no evaluated runs" not in text and not (copy / "rope-seed0" / "summary.md").exists()
 
 
-def test_the_readme_bytes_against_bpe_table_is_one_report_in_bits_per_byte(tmp_path):
+def test_the_bytes_against_bpe_table_is_one_report_in_bits_per_byte(tmp_path):
     """The two tokenizers' references join in bits per byte, a table per tokenizer, and
-    give the README's bytes-against-BPE cells; in perplexity, which does not compare across
+    give docs/results.md's bytes-against-BPE cells; in perplexity, which does not compare across
     tokenizers, the join is refused with one line that names the metric that does. A terminal
     table of a BPE experiment shows bits per byte beside perplexity."""
     refs = [ROOT / "results" / "reference-bytes", ROOT / "results" / "reference-bpe"]
@@ -829,7 +829,7 @@ def test_the_readme_bytes_against_bpe_table_is_one_report_in_bits_per_byte(tmp_p
     assert res.exit_code == 0, res.output
     md = (tmp_path / "bpb" / "summary.md").read_text()
     by = {t: _table(md, f"## data.tokenizer={t},") for t in ("bytes", "bpe")}
-    readme = _table((ROOT / "README.md").read_text(), "| scheme | bytes | BPE |")
+    readme = _table(RESULTS_DOC.read_text(), "| scheme | bytes | BPE |")
     assert len(readme) == 8 and readme == {
         s: [f"{by['bytes'][s][0]} / {by['bytes'][s][3]}", f"{by['bpe'][s][0]} / {by['bpe'][s][3]}", cells[2]]
         for s, cells in readme.items()
@@ -838,8 +838,8 @@ def test_the_readme_bytes_against_bpe_table_is_one_report_in_bits_per_byte(tmp_p
     assert "bpb(100)" in shown and "bpb(200)" in shown
 
 
-def test_the_readme_pretrained_table_is_the_committed_reference():
-    """Every cell of the README's SmolLM2 table is results/reference-smollm2's summary, both protocols
+def test_the_pretrained_table_is_the_committed_reference():
+    """Every cell of docs/results.md's SmolLM2 table is results/reference-smollm2's summary, both protocols
     (± over the windows kept)."""
     md = (ROOT / "results" / "reference-smollm2" / "summary.md").read_text()
 
@@ -850,7 +850,7 @@ def test_the_readme_pretrained_table_is_the_committed_reference():
                 for c in cells}  # fmt: skip
 
     plain, sliding = rows("## nonoverlapping"), rows("## sliding, stride 0.5 x length")
-    readme = (ROOT / "README.md").read_text()
+    readme = RESULTS_DOC.read_text()
     table = readme[readme.index("| | 1024 | 8192 | 16384 | sliding 1024 |") :].split("\n\n")[0].splitlines()
     head = [c.strip() for c in table[0].strip("|").split("|")][1:]
     assert len(table) == 7

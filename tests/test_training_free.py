@@ -25,7 +25,7 @@ def reference_positions(name: str, i: int, j: int, L: int, T: int):
     d = i - j
     if name == "self_extend":  # LongLM `self_extend_patch/Llama.py`: neighbour window W, group G
         W = L // 4
-        G = math.ceil((T - W) / (L // 2 - W))  # the README's rule, W + (T - W)/G <= L/2
+        G = math.ceil((T - W) / (L // 2 - W))  # LongLM's README's rule, W + (T - W)/G <= L/2
         return (i, j, False) if d < W else (i // G + W - W / G, j // G, False)
     if name == "rerope":  # bojone/rerope `rerope_patch.py`: q at w, k unrotated beyond the window
         w = L // 4
