@@ -201,3 +201,17 @@ def corpus_file(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def markdown_table(text: str, after: str, intervals: bool = False) -> dict[str, list[str]]:
+    """The first Markdown table after the line that starts with `after`: first cell -> the rest,
+    bold stripped, and intervals too unless `intervals` (`6.54 ± 0.50` -> `6.54`)."""
+    lines = text[text.index(after) :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip().strip("*") for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:] if intervals else [c.split(" ± ")[0] for c in cells[1:]]
+    return rows

@@ -399,6 +399,28 @@ def test_the_committed_context_study_rebuilds_and_says_what_the_docs_say(tmp_pat
     assert "| eff. length |" in (committed / "summary.md").read_text()
 
 
+def test_the_far_context_table_is_the_committed_context_study():
+    """Every cell of docs/results.md's far-context table is results/reference-context's summary:
+    perplexity at 100 and its ratio at 800, the context gain and % key tokens at 800, and the
+    effective length."""
+    from conftest import RESULTS_DOC, ROOT, markdown_table
+
+    md = (ROOT / "results" / "reference-context" / "summary.md").read_text()
+
+    def table(text, after):  # intervals kept: the docs show them
+        return markdown_table(text, after, intervals=True)
+
+    main = table(md, "## nonoverlapping")  # 100, 200, 400, 800, seeds, ratio, bpb, bpb, eff. length
+    gain = table(md, "## context_gain: context gain in nats")  # 100, 200, 400, 800, seeds
+    key = table(md, "## key_tokens: % key tokens")
+    docs = table(RESULTS_DOC.read_text(), "| scheme | ppl(100) | ppl(800)/ppl(100) | context gain at 800")
+    assert len(docs) == 7
+    for row, cells in docs.items():
+        scheme = row.split(" ")[0]  # "irope (1:1)"
+        want = [main[scheme][0], main[scheme][5], gain[scheme][3], f"{key[scheme][3].split(' ± ')[0]}%"]
+        assert cells == [*want, main[scheme][8].split(" ± ")[0]], row
+
+
 def test_the_committed_smollm2_context_study_rebuilds_and_shows_a_model_that_uses_its_context(tmp_path):
     """results/reference-context-smollm2: a real model gives the measures their clear signal, a
     positive gain at K = 256 at every length from 1k to 8k, and every planted key ranked first

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import RESULTS_DOC, ROOT, SMOKE, invoke, rebuilds_byte_for_byte
+from conftest import RESULTS_DOC, ROOT, SMOKE, invoke, markdown_table, rebuilds_byte_for_byte
 
 from posbench.compare.render import latex_table, transposed
 from posbench.measures.perplexity.views import comparison, grid, with_metric
@@ -665,17 +665,8 @@ def test_a_95_band_is_drawn_from_three_seeds_not_two(tmp_path, figures):
 
 
 def _table(text: str, after: str) -> dict[str, list[str]]:
-    """The first Markdown table after the line that starts with `after`: first cell -> the rest,
-    bold and intervals stripped (`6.54 ± 0.50` -> `6.54`)."""
-    lines = text[text.index(after) :].splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
-    rows = {}
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip().strip("*").split(" ± ")[0] for c in line.strip("|").split("|")]
-        rows[cells[0]] = cells[1:]
-    return rows
+    """The first Markdown table after the line that starts with `after`, intervals stripped."""
+    return markdown_table(text, after)
 
 
 def test_the_language_model_tables_are_the_committed_records():
@@ -921,3 +912,22 @@ def test_report_out_is_refused_over_a_file_a_run_or_another_experiment_and_nothi
     assert (other / "summary.md").read_bytes() == before and not (other / "alibi-seed0" / "summary.md").exists()
     res = invoke("report", other, "--out", other)  # its own folder is where its report lives
     assert res.exit_code == 0, res.output
+
+
+def test_the_extension_table_is_the_committed_extension_reference():
+    """Every cell of docs/results.md's context-extension table is results/reference-extend's
+    summary: perplexity at 100, 400 and 1,600, and a child's at 400 after 0, 10 and 40 steps."""
+    md = (ROOT / "results" / "reference-extend" / "summary.md").read_text()
+    main = _table(md, "## nonoverlapping")  # 100, 200, 400, 800, 1600, ...
+    curve = _table(md, "## perplexity at 400 after k fine-tuning steps")  # 0, 1, 2, 3, 5, 7, 10, ..., 40
+    docs = markdown_table(RESULTS_DOC.read_text(), "| rows | 100 | 400 | 1600 |", intervals=True)
+    assert len(docs) == 13 and "rope:yarn-fast8" not in docs  # the spelled sweeps stay in the summary
+    for row, cells in docs.items():
+        assert cells[:3] == [main[row][0], main[row][2], main[row][4]], row
+        if ":" in row:  # a child: its curve, the parent's scaled start at step 0
+            columns = ["0", "1", "2", "3", "5", "7", "10", "15", "20", "30", "40"]
+            assert len(curve[row]) == len(columns)
+            want = " / ".join(curve[row][columns.index(k)] for k in ("0", "10", "40"))
+            assert cells[3] == want, row
+        else:
+            assert cells[3] == "", row
