@@ -149,7 +149,7 @@ def scheme_bias(q, k, qpos, kpos, scheme, layer: int) -> Optional[torch.Tensor]:
             f"to (B, H, Tq, Tk) = {want}",
             exit_code=1,
         )
-    return bias
+    return bias.expand(bias.size(0), *want[1:])  # a view: flex and triton index every head and query
 
 
 def future_mask(Tq: int, Tk: int, q0: int, device) -> torch.Tensor:

@@ -16,9 +16,6 @@ class PosbenchError(Exception):
         super().__init__(message)
         self.key, self.exit_code = key, exit_code
 
-    def __reduce__(self):  # whole across processes (workers, Ray tasks): its key and exit code too
-        return type(self), (str(self), self.key, self.exit_code)
-
 
 def first_line(e: BaseException, limit: int = 200, last: bool = False) -> str:
     """An exception as one line: its message's first (or `last`) line, else its type's name; one

@@ -113,7 +113,8 @@ def _children_ignore_ctrl_c():
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, before)
+        if before is not None:  # None: a handler set outside Python, which cannot be put back
+            signal.signal(signal.SIGINT, before)
 
 
 def _interrupt(signum, frame):

@@ -307,7 +307,7 @@ def test_a_scheme_too_big_for_the_machine_is_refused_before_allocation(tmp_path,
     out = tmp_path / "results"
     res = invoke(*command, "--set", f"out_dir={out}") if command[0] == "train" else invoke(*command)
     _assert_clean_failure(res, said, out)
-    assert "GiB to train, more than the" in res.output
+    assert "GiB, more than the" in res.output
 
 
 def test_a_model_too_big_to_train_is_refused_before_allocation():

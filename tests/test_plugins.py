@@ -358,7 +358,8 @@ def test_a_bias_of_the_wrong_shape_is_named_in_training(on_path, tmp_path, corpu
 
 @pytest.mark.parametrize("shape", [(1, 4, 16, 16), (2, 1, 16, 16), (1, 1, 1, 16)])
 def test_a_bias_that_broadcasts_is_taken(shape):
-    """Every dimension of size 1 or the attention's own: the check refuses only what no backend could add."""
+    """Every dimension of size 1 or the attention's own: the check refuses only what no backend
+    could add, and gives every backend each head and query (flex and triton index them)."""
     from posbench.attention import scheme_bias
 
     class Broadcasts(PositionalScheme):
@@ -367,7 +368,35 @@ def test_a_bias_that_broadcasts_is_taken(shape):
 
     scheme = Broadcasts(ModelConfig(n_head=4, d_model=32, train_len=16))
     q = torch.zeros(2, 4, 16, 8)
-    assert scheme_bias(q, q, torch.arange(16), torch.arange(16), scheme, 0).shape == shape
+    got = scheme_bias(q, q, torch.arange(16), torch.arange(16), scheme, 0)
+    assert got.shape == (shape[0], 4, 16, 16) and (got == 1).all()
+
+
+def test_a_tensor_a_plugin_module_makes_at_import_stays_on_the_cpu(on_path):
+    """A scheme given options is first sized on the meta device; its module is imported before,
+    so a tensor made at import is a real one, and the model built after it runs."""
+    from posbench.model import TransformerLM
+
+    module = on_path(
+        "plug_module_tensor",
+        """
+import torch
+from posbench.schemes import PositionalScheme
+
+SLOPES = torch.ones(4)
+
+class Sloped(PositionalScheme):
+    options = {"scale": 1.0}
+
+    def bias(self, q, k, qpos, kpos, layer):
+        d = (qpos[:, None] - kpos[None, :]).to(q.dtype)  # (Tq, Tk)
+        return (-self.opt["scale"] * SLOPES.to(q.dtype)[:, None, None] * d).unsqueeze(0)  # (1, H, Tq, Tk)
+""",
+    )
+    cfg = ModelConfig(scheme=f"{module}:Sloped", n_head=4, d_model=32, train_len=16, options={"scale": 0.5})
+    model = TransformerLM(cfg)
+    assert sys.modules[module].SLOPES.device.type == "cpu"
+    assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long))).all()
 
 
 # --- check-scheme takes a scheme's options; its rules and its imports are explained ----------

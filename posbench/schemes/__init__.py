@@ -199,25 +199,30 @@ def build_scheme(cfg):
 
 
 def _check_size(cfg) -> None:
-    """Counted on the meta device, where nothing is allocated: 16 bytes a parameter to train
-    (weights, gradients, AdamW's two moments), buffers as they are. A scheme that reads its
-    tensors while it builds (RoPE's kept pairs) cannot build there, and is built for real."""
+    """Counted on the meta device, where nothing is allocated: its weights and buffers as they
+    are (training needs more, as check_trainable counts the model's). Only a scheme given
+    options: its defaults are small. Its module is imported first, off the meta device, so
+    that tensors it makes at import are real. A scheme that reads its tensors while it builds
+    (RoPE's kept pairs) cannot build there, and is built for real."""
     import torch
 
     from posbench.config import physical_memory
 
+    if not cfg.options:
+        return
+    cls = SCHEMES.lookup(cfg.scheme)
     try:
         with torch.device("meta"):
-            scheme = SCHEMES.lookup(cfg.scheme)(cfg)
+            scheme = cls(cfg)
     except Exception:
         return
     params = sum(p.numel() for p in scheme.parameters())
-    need = 16 * params + sum(b.numel() * b.element_size() for b in scheme.buffers())
+    need = sum(t.numel() * t.element_size() for t in (*scheme.parameters(), *scheme.buffers()))
     have = physical_memory()
     if have and need > have:
         given = ", ".join(f"{k}={v}" for k, v in cfg.options.items()) or "its defaults"
         raise PosbenchError(
             f"scheme_options.{cfg.scheme} ({given}): the scheme alone holds about {params:.2g} parameters, "
-            f"{need / 2**30:.3g} GiB to train, more than the {have / 2**30:.0f} GiB here",
+            f"{need / 2**30:.3g} GiB, more than the {have / 2**30:.0f} GiB here",
             f"scheme_options.{cfg.scheme}",
         )
