@@ -732,8 +732,8 @@ def blame(cfg_or_origins, e: PosbenchError, fallback: str = "") -> PosbenchError
         key = min(named)[3] if named else None
     where = origins.get(key, fallback) if key else fallback
     if where.startswith("--set ") and text.startswith(where[len("--set ") :]):
-        return PosbenchError(f"--set {text}", e.key)  # --set train.steps=0 must be positive
-    return PosbenchError(f"{where}: {text}" if where else text, e.key)
+        return PosbenchError(f"--set {text}", e.key, e.exit_code)  # --set train.steps=0 must be positive
+    return PosbenchError(f"{where}: {text}" if where else text, e.key, e.exit_code)
 
 
 def names_key(text: str, key: str) -> bool:

@@ -129,6 +129,17 @@ def test_a_corpus_setting_on_a_task_is_refused_not_ignored(tmp_path, setting, sa
     _assert_clean_failure(res, said, out)
 
 
+def test_a_clash_of_two_keys_is_blamed_on_the_one_the_command_line_changed(tmp_path):
+    """The file's test_max was sound until --set raised train_max past it: the line names the
+    --set, with both keys."""
+    config = tmp_path / "task.yaml"
+    config.write_text("task: copy\ntask_options: {test_max: 30}\n")
+    out = tmp_path / "results"
+    res = invoke("extrapolate", "--config", config, "--set", "task_options.train_max=40", "--set", f"out_dir={out}")
+    said = "--set task_options.train_max=40: task_options.test_max=30 is shorter than task_options.train_max=40"
+    _assert_clean_failure(res, said, out)
+
+
 def test_malformed_and_missing_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {n_layer: 2\n")

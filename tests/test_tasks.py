@@ -458,7 +458,7 @@ TINY = [
         ),
         (
             ["--task", "copy", "--set", "task_options.test_max=10", "--set", "task_options.train_max=20"],
-            "task_options.test_max=10 is shorter than train_max=20",
+            "task_options.test_max=10 is shorter than task_options.train_max=20",
         ),
         (["--task", "posbench.config:ModelConfig"], "ModelConfig is not a subclass of posbench.tasks.Task"),
         (

@@ -61,7 +61,7 @@ class Task:
         self.test_max = self.opt["test_max"] or 2 * self.train_max
         if self.test_max < self.train_max:
             raise PosbenchError(
-                f"{where}.test_max={self.test_max} is shorter than train_max={self.train_max}; "
+                f"{where}.test_max={self.test_max} is shorter than {where}.train_max={self.train_max}; "
                 f"test lengths must reach at least the training ones"
             )
         self.check(where)
