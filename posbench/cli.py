@@ -120,9 +120,10 @@ def _whole(x: Optional[float]) -> Optional[float]:
 def _set_threads(threads: Optional[int]) -> None:
     import torch
 
+    from posbench.config import check_threads
+
     if threads is not None:
-        if threads <= 0:
-            raise PosbenchError(f"--threads {threads}: the thread count must be positive")
+        check_threads(threads, f"--threads {threads}")
         torch.set_num_threads(threads)
 
 
@@ -1047,6 +1048,18 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def empty_argument(args: list[str]) -> Optional[str]:
+    """What names an empty value on the command line, or None. No option or argument of
+    posbench's takes "": a path would become the working directory, a choice its default."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--") and arg.endswith("=") and len(arg) > 3:  # --out=
+            return f"{arg[:-1]} is given an empty value"
+        if not arg.strip():
+            before = args[i - 1] if i > 0 and args[i - 1].startswith("-") else None
+            return f"{before} is given an empty value" if before else "an empty argument ('')"
+    return None
+
+
 def main():
     # a console script does not put the working directory on sys.path, so a user's
     # `mymodule:MyScheme` beside their config would not import; add it last, after the installed
@@ -1054,6 +1067,10 @@ def main():
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up like Ctrl-C: no half-written runs
+    empty = empty_argument(sys.argv[1:])
+    if empty is not None:
+        _print_error(f"{empty}; give one, or leave it out for its default")
+        return 2
     try:
         code = app(prog_name="posbench", standalone_mode=False)
     except _usage_errors() as e:  # one line, not typer's boxed panel

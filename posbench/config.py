@@ -126,8 +126,8 @@ class TrainConfig:
                 raise PosbenchError(f"train.{name}={getattr(self, name)} must be >= 0")
         check_device(self.device, f"train.device={self.device!r}")
         check_tracker_name(self.tracker)
-        if self.threads is not None and self.threads <= 0:
-            raise PosbenchError(f"train.threads={self.threads} must be positive")
+        if self.threads is not None:
+            check_threads(self.threads, f"train.threads={self.threads}")
         if self.workers is not None and self.workers <= 0:
             raise PosbenchError(f"train.workers={self.workers} must be positive (or null: one per core)")
 
@@ -482,6 +482,17 @@ def check_trainable(
         f"model.n_layer={cfg.n_layer}, model.d_model={cfg.d_model}, model.vocab_size={cfg.vocab_size}: about "
         f"{params:.2g} parameters, {need / 2**30:.3g} GiB {what}, more than the {have / 2**30:.0f} GiB here"
     )
+
+
+MAX_THREADS = 4096  # torch starts each as an OS thread; far more fails inside its allocator
+
+
+def check_threads(threads: int, where: str) -> None:
+    """A torch thread count: positive, and one this machine's OS can start (a cluster node's too)."""
+    if threads <= 0:
+        raise PosbenchError(f"{where} must be positive")
+    if threads > MAX_THREADS:
+        raise PosbenchError(f"{where}: at most {MAX_THREADS} threads (this machine has {os.cpu_count()} cores)")
 
 
 def check_device(name: str, where: str) -> None:

@@ -57,6 +57,7 @@ def _assert_clean_failure(res, message, results: Path):
         (["--train-len", "99999"], "--train-len 99999: model.train_len=99999 is more than eval.tokens="),
         (["--schemes", "alibi]"], "unknown scheme 'alibi]'"),  # given as typed, not read as YAML
         (["--threads", "-1"], "train.threads=-1 must be positive"),
+        (["--threads", "100000"], "train.threads=100000: at most 4096 threads"),
         (["--set", "name=a/b"], "name='a/b' must be a plain folder name"),
         (["--set", "eval.measure_options={k: 8}"], "eval.measure_options is set but eval.measures is empty"),
         (["--set", "name=tab\there"], "name='tab\\there' must be a plain folder name"),  # a control character
@@ -203,7 +204,9 @@ def test_bad_files_and_evaluate_flags_are_one_line_and_keep_what_is_on_disk(tmp_
     )
     assert invoke("extrapolate", "--config", null_options, *base).exit_code == 0
     res = invoke("evaluate", exp / "alibi-seed0", "--threads", "-1")
-    assert res.exit_code == 2 and "--threads -1: the thread count must be positive" in res.output
+    assert res.exit_code == 2 and "--threads -1 must be positive" in res.output
+    res = invoke("evaluate", exp / "alibi-seed0", "--threads", "100000")  # torch's allocator crashed at it
+    assert res.exit_code == 2 and "--threads 100000: at most 4096 threads (this machine has" in res.output
 
     # a run folder whose records are not text: named, and the experiment's files are kept
     copy = tmp_path / "copy"
@@ -418,3 +421,27 @@ def test_an_out_dir_that_is_a_file_is_one_line_naming_the_file(tmp_path, corpus_
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert f"{blocker} is a file, not a folder; give another path" in " ".join(res.output.split())
     assert blocker.read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["report", "results/reference", "--out", ""], "--out is given an empty value"),
+        (["report", "results/reference", "--metric="], "--metric is given an empty value"),
+        (["evaluate", "run", "--rope-scaling", " "], "--rope-scaling is given an empty value"),
+        (["status", ""], "an empty argument ('')"),
+    ],
+)
+def test_an_empty_value_is_refused_not_read_as_the_working_directory_or_the_default(
+    monkeypatch, capfd, tmp_path, argv, said
+):
+    """`--out ""` wrote a report into the working directory and `--metric ""` took the default:
+    no option or argument takes "", so the command line is refused before any command runs."""
+    from posbench import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["posbench", *argv])
+    assert cli.main() == 2
+    err = capfd.readouterr().err
+    assert f"error: {said}; give one, or leave it out for its default" in " ".join(err.split())
+    assert len(err.strip().splitlines()) == 1 and not any(tmp_path.iterdir())

@@ -375,3 +375,11 @@ def test_an_option_for_a_run_folder_is_refused_however_its_path_is_written(train
     res = invoke("inspect", written.format(run=run, name=run.name), "--set", "bogus=5", "--out", tmp_path / "x")
     assert res.exit_code == 2 and "is a run folder, whose scheme keeps the options it trained with" in res.output
     assert not (tmp_path / "x").exists()
+
+
+def test_a_length_whose_maps_would_not_fit_in_memory_is_refused(tmp_path):
+    """Its (heads, T, T) maps are counted first: ten million positions were the kernel's kill."""
+    res = invoke("inspect", "rope", "--length", "10000000", "--out", tmp_path / "drawn")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "--length 10000000: its (heads, T, T) maps take about" in " ".join(res.output.split())
+    assert not (tmp_path / "drawn").exists()
