@@ -95,7 +95,7 @@ def _scheme_list(text: str) -> list[str]:
     """`--schemes alibi,rope`, or `all` for every registered scheme."""
     from posbench.schemes import SCHEMES
 
-    return list(SCHEMES) if text.strip() == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    return list(SCHEMES) if text.strip() == "all" else _csv_names(text, "--schemes")
 
 
 def _csv_ints(text: Optional[str], what: str, example: str = "100,150,200") -> Optional[list[int]]:
@@ -127,21 +127,27 @@ def _set_threads(threads: Optional[int]) -> None:
         torch.set_num_threads(threads)
 
 
-def _csv_names(text: Optional[str]) -> list[str]:
-    return [t.strip() for t in (text or "").split(",") if t.strip()]
+def _csv_names(text: Optional[str], flag: str) -> list[str]:
+    """`a,b` (a trailing comma ends the list); `a,,b` is refused, as _csv_ints refuses it."""
+    items = [t.strip() for t in (text or "").split(",")]
+    if len(items) > 1 and not items[-1]:
+        items.pop()
+    if len(items) > 1 and not all(items):
+        raise PosbenchError(f"{flag} {text}: an empty name between commas")
+    return [t for t in items if t]
 
 
 def _protocols(text: Optional[str]) -> Optional[list[str]]:
     if text is None:
         return None
-    names = _csv_names(text)
+    names = _csv_names(text, "--protocol")
     if not names:
         raise PosbenchError(f"--protocol {text!r}: name a protocol, e.g. nonoverlapping,sliding")
     return names
 
 
 def _measure_names(text: str) -> list[str]:
-    names = _csv_names(text)
+    names = _csv_names(text, "--measure")
     if not names:
         raise PosbenchError(f"--measure {text!r}: name a measure, e.g. context_gain")
     return names
@@ -300,7 +306,7 @@ def extrapolate(
             "model.attention": (f"--attention {attention}", attention),
             "eval.perplexity.rope_scaling": (
                 f"--rope-scaling {rope_scaling}",
-                _csv_names(rope_scaling) if rope_scaling is not None else None,
+                _csv_names(rope_scaling, "--rope-scaling") if rope_scaling is not None else None,
             ),
             "eval.perplexity.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
             "eval.perplexity.protocol": (f"--protocol {protocol}", _protocols(protocol)),
@@ -530,7 +536,7 @@ def evaluate(
             rc, scored = measure_run(run_dir, names, options, device, tracker)
             _print_measures(f"{rc.model.scheme} seed {rc.seeds[0]}", scored, Path(run_dir))
             return
-        kinds = _csv_names(rope_scaling)
+        kinds = _csv_names(rope_scaling, "--rope-scaling")
         if rope_factor is not None and not kinds:
             raise PosbenchError("--rope-factor needs --rope-scaling, e.g. --rope-scaling yarn")
         if stride is not None and stride <= 0:
@@ -600,7 +606,10 @@ def pretrained(
             "name": (f"--name {name}", name),
             "train.threads": (f"--threads {threads}", threads),
             "eval.lengths": (f"--lengths {lengths}", _csv_ints(lengths, "--lengths")),
-            "eval.perplexity.rope_scaling": (f"--rope-scaling {rope_scaling}", _csv_names(rope_scaling) or None),
+            "eval.perplexity.rope_scaling": (
+                f"--rope-scaling {rope_scaling}",
+                _csv_names(rope_scaling, "--rope-scaling") or None,
+            ),
             "eval.perplexity.rope_factor": (f"--rope-factor {rope_factor}", rope_factor),
             "eval.perplexity.protocol": (f"--protocol {protocol}", _protocols(protocol)),
             "eval.perplexity.stride": (f"--stride {stride}", stride),
@@ -764,9 +773,12 @@ def report(
 ):
     """Rebuild the summary tables (Markdown, CSV, LaTeX) and plots from run folders, without training."""
     with user_errors():
+        from posbench.config import unique
+
         edges = _csv_ints(buckets, "--buckets")
         if any(e <= 0 for e in edges or []):
             raise PosbenchError(f"--buckets {buckets}: a bucket ends at a positive length")
+        unique(edges or [], f"--buckets {buckets}")
         _print_summary(experiment_dirs, metric, transpose, out_dir, edges)
 
 
@@ -831,7 +843,7 @@ def bench(
         on_interrupt="nothing was written; an earlier bench.csv is kept",
         on_oom="a smaller model or train.batch_size (--set)",
     ):
-        backends = _csv_names(attention)  # the model bench times several side by side
+        backends = _csv_names(attention, "--attention")  # the model bench times several side by side
         if attention is not None and not backends:
             raise PosbenchError(f"--attention {attention!r}: name a backend, or several: e.g. sdpa,flex")
         values = {

@@ -222,7 +222,7 @@ class PerplexityConfig:
             raise PosbenchError(
                 "eval.perplexity.rope_factor is set but eval.perplexity.rope_scaling is empty: nothing to scale"
             )
-        _unique(self.rope_scaling, "eval.perplexity.rope_scaling")
+        unique(self.rope_scaling, "eval.perplexity.rope_scaling")
         if not self.protocol:
             raise PosbenchError("eval.perplexity.protocol is empty")
         for p in self.protocol:
@@ -231,7 +231,7 @@ class PerplexityConfig:
                     f"eval.perplexity.protocol: unknown protocol '{p}'{did_you_mean(p, PROTOCOLS)}; "
                     f"valid: {', '.join(PROTOCOLS)}"
                 )
-        _unique(self.protocol, "eval.perplexity.protocol")
+        unique(self.protocol, "eval.perplexity.protocol")
         if self.stride is not None:
             if self.stride <= 0 or (self.stride >= 1 and self.stride != int(self.stride)):
                 raise PosbenchError(
@@ -253,7 +253,7 @@ class ExactMatchConfig:
         for n in self.buckets:
             if n <= 0:
                 raise PosbenchError(f"eval.exact_match.buckets: {n} is not a positive length")
-        _unique(self.buckets, "eval.exact_match.buckets")
+        unique(self.buckets, "eval.exact_match.buckets")
         self.buckets = sorted(self.buckets)
 
 
@@ -293,13 +293,13 @@ class EvalConfig:
 
     def __post_init__(self):
         _positive(self, "eval", ["tokens", "batch_size"])
-        _unique(self.measures, "eval.measures")
+        unique(self.measures, "eval.measures")
         if not self.lengths:
             raise PosbenchError("eval.lengths is empty")
         for n in self.lengths:
             if n <= 0:
                 raise PosbenchError(f"eval.lengths: {n} is not a positive length")
-        _unique(self.lengths, "eval.lengths")
+        unique(self.lengths, "eval.lengths")
         if self.measure_options and not self.measures:  # options no measure would read
             raise PosbenchError("eval.measure_options is set but eval.measures is empty", "eval.measure_options")
         # eval.tokens against the longest length is the measure's to check, once the lengths are decided
@@ -352,8 +352,8 @@ class ExperimentConfig:
             raise PosbenchError("schemes is empty")
         if not self.seeds:
             raise PosbenchError("seeds is empty")
-        _unique(self.schemes or [], "schemes")  # the same run twice: two writers of one folder
-        _unique(self.seeds, "seeds")
+        unique(self.schemes or [], "schemes")  # the same run twice: two writers of one folder
+        unique(self.seeds, "seeds")
         for seed in self.seeds:  # torch takes -2^63..2^64-1, but -1 and 2^64-1 are one seed, and a
             if not 0 <= seed < 2**63:  # table's int64 column holds 2^63-1 at most
                 raise PosbenchError(f"seeds: {seed} is not a seed here: 0 to 2^63 - 1")
@@ -508,7 +508,7 @@ def physical_memory() -> Optional[int]:
         return None
 
 
-def _unique(values: list, where: str) -> None:
+def unique(values: list, where: str) -> None:
     twice = sorted({str(v) for v in values if values.count(v) > 1})
     if twice:
         raise PosbenchError(f"{where}: {', '.join(twice)} listed more than once")

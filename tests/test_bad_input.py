@@ -20,6 +20,8 @@ def _assert_clean_failure(res, message, results: Path):
     "args,message",
     [
         (["--schemes", "alibi,ropee"], "unknown scheme 'ropee'"),
+        (["--schemes", "alibi,,rope"], "--schemes alibi,,rope: an empty name between commas"),
+        (["--rope-scaling", "linear,,yarn"], "--rope-scaling linear,,yarn: an empty name between commas"),
         (["--set", "modell.n_layer=1"], "did you mean 'model'?"),
         (["--set", "train.steps=abc"], "train.steps: expected an integer"),
         (["--set", "model.n_head=3"], "is not divisible by model.n_head=3"),

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from conftest import invoke
+from conftest import ROOT, invoke
 
 from posbench.accuracy import decode, exact, score
 from posbench.config import ModelConfig, TrainConfig, load_config, load_sweep
@@ -579,6 +579,18 @@ def test_a_bucket_that_ends_at_no_length_is_one_line(tmp_path, edges):
     res = invoke("report", tmp_path, "--buckets", edges)
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert f"--buckets {edges}: a bucket ends at a positive length" in res.output, res.output
+
+
+@pytest.mark.parametrize(
+    "edges, said",
+    [("5,5", "--buckets 5,5: 5 listed more than once"), ("10,99", "--buckets: 99 is past the longest test length, 40")],
+)
+def test_a_bucket_listed_twice_or_past_every_length_is_refused_not_dropped(tmp_path, edges, said):
+    """The committed task reference is tested to 40: an end past it, or one given twice, was
+    dropped in silence and the report written without it."""
+    res = invoke("report", ROOT / "results" / "reference-tasks", "--buckets", edges, "--out", tmp_path / "view")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert said in " ".join(res.output.split()) and not (tmp_path / "view").exists()
 
 
 def test_a_user_s_task_loads_as_module_colon_class(tmp_path, monkeypatch):

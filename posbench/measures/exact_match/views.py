@@ -17,6 +17,7 @@ from posbench.compare.plot import BAND_SEEDS, Panel, band_plot, lines, plot_trai
 from posbench.compare.render import tex, transposed
 from posbench.compare.table import OK, cell, seeds_said, spread_note, summarize
 from posbench.compare.table import grid as compare_grid
+from posbench.errors import PosbenchError
 from posbench.measures.base import Section
 from posbench.measures.exact_match.records import EVAL_COLUMNS, METRICS, bucket_name, buckets
 from posbench.tasks.generators import Task, build_task
@@ -103,6 +104,10 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
     points: dict[str, list] = {}
     for run in collected.runs:
         points.setdefault(collected.points[run.folder], []).append(run.cfg)
+    longest = max(build_task(c[0].task, c[0].task_options).test_max for c in points.values())
+    past = [e for e in edges or [] if e > longest]
+    if past:  # an end no point's lengths reach would be dropped in silence
+        raise PosbenchError(f"--buckets: {past[0]} is past the longest test length, {longest}")
     parts = []  # (point, its configs, its task, its rows by bucket, its table)
     for point in sorted(points):
         configs = points[point]
