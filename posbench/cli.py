@@ -788,8 +788,8 @@ def status(
         Path, typer.Argument(help="an experiment folder, e.g. results/sweep-example", callback=_named)
     ],
 ):
-    """Each run of an experiment: done, records (scored, no weights), partial (at which step), failed,
-    diverged or running."""
+    """Each run of an experiment: done, records (scored, no weights), partial (at which step),
+    damaged (a record report would refuse), failed, diverged or running."""
     from posbench.console import status_table
     from posbench.experiment.status import run_status
 

@@ -285,6 +285,7 @@ STATE_STYLES = {
     "done": "green",
     "records": "blue",
     "partial": "yellow",
+    "damaged": "bold red",
     "running": "cyan",
     "failed": "bold red",
     "diverged": "red",

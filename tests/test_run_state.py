@@ -127,15 +127,21 @@ def test_status_report_and_extend_read_one_experiment_alike(experiment):
     assert parents_in(experiment) == [experiment / "alibi-seed0"]  # the diverged run is left out
 
 
-def test_status_calls_a_run_with_its_weights_cut_short_damaged_not_done(experiment):
-    """A model.pt cut short (a copy stopped halfway) is what report and evaluate refuse: status
-    says so, and how to train it again, instead of "done"."""
+def test_status_calls_a_run_with_its_weights_or_scores_cut_short_damaged_not_done(experiment):
+    """A model.pt or eval.csv cut short (a copy stopped halfway) is what report and evaluate
+    refuse: status says so, as report would, instead of "done"."""
     from posbench.experiment.status import run_status
 
+    scores = experiment / "alibi-seed0" / "eval.csv"
+    kept = scores.read_bytes()
+    scores.write_bytes(kept[:150])
+    rows = {r["run"]: (r["state"], r["detail"]) for r in run_status(experiment)}
+    assert rows["alibi-seed0"] == ("damaged", f"{scores}: malformed evaluation rows; delete it and run evaluate again")
+    scores.write_bytes(kept)
     weights = experiment / "alibi-seed0" / "model.pt"
     weights.write_bytes(weights.read_bytes()[:-30])
     rows = {r["run"]: (r["state"], r["detail"]) for r in run_status(experiment)}
-    assert rows["alibi-seed0"] == ("partial", "model.pt is damaged: delete it to train the run again")
+    assert rows["alibi-seed0"] == ("damaged", "model.pt is damaged: delete it to train the run again")
 
 
 def test_status_of_a_partial_run_whose_config_cannot_be_read_still_says_its_step(experiment, monkeypatch):
@@ -200,7 +206,7 @@ def test_status_names_what_it_cannot_read_and_a_folder_that_is_no_experiment(tmp
     for name in ("checkpoint.pt", "checkpoint.prev.pt"):
         (partial / name).write_bytes(b"not a checkpoint")
     rows = {r["run"]: (r["state"], r["detail"]) for r in run_status(exp)}
-    assert rows["alibi-seed0"][0] == "partial" and "config.yaml: malformed YAML" in rows["alibi-seed0"][1]
+    assert rows["alibi-seed0"][0] == "damaged" and "config.yaml: malformed YAML" in rows["alibi-seed0"][1]
     assert rows["rope-seed0"] == ("partial", f"no readable checkpoint: delete {partial} to train it anew")
     for folder, message in (
         (exp / "alibi-seed0", f"a run folder; status reads its experiment folder, {exp}"),

@@ -24,7 +24,7 @@ from posbench.experiment.records import (
 
 def run_status(exp: Path) -> list[dict]:
     """A row per run found in the experiment folder `exp`, with its state (done, records,
-    partial, failed, diverged or running) and what can be said of it."""
+    partial, damaged, failed, diverged or running) and what can be said of it."""
     exp = Path(exp)
     if not exp.is_dir():
         raise PosbenchError(f"{exp}: no such experiment directory")
@@ -86,13 +86,20 @@ def _status_of(run: RunState) -> dict:
         doing = f"training, {now}" if not run.here else "evaluating"
         return {**row, "state": "running", "detail": f"{doing} (pid {run.holder or '?'})"}
     if run.here and unreadable:  # a report of it would fail: say so here
-        return {**row, "state": "partial", "detail": unreadable}
+        return {**row, "state": "damaged", "detail": unreadable}
     if run.here:
         missing = [f for f in (WEIGHTS, EVAL) if not (rdir / f).is_file()]
         if missing == [WEIGHTS]:  # a committed reference's records: its weights stay where it trained
             return {**row, "state": "records", "detail": f"evaluated, no {WEIGHTS}: tabled as is; a rerun trains it"}
         if not missing and not zipfile.is_zipfile(rdir / WEIGHTS):  # cut short or overwritten since it was saved
-            return {**row, "state": "partial", "detail": f"{WEIGHTS} is damaged: delete it to train the run again"}
+            return {**row, "state": "damaged", "detail": f"{WEIGHTS} is damaged: delete it to train the run again"}
+        if EVAL not in missing:  # as report reads it: a malformed record is its one line
+            from posbench.report import table_share
+
+            try:
+                table_share(cfg, rdir)[0].read(rdir)
+            except PosbenchError as e:
+                return {**row, "state": "damaged", "detail": str(e)}
         return {
             **row,
             "state": "done" if not missing else "partial",
