@@ -224,7 +224,9 @@ def user_text(pattern: str) -> bytes:
     files = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     files = [f for f in files if os.path.isfile(f)]
     if not files:
-        raise PosbenchError(f"data.path '{pattern}' matches no file")
+        from posbench.text import matches_no_file
+
+        raise matches_no_file(pattern, "data.path")
     return b"".join(Path(f).read_bytes() for f in files)
 
 

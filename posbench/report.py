@@ -61,7 +61,8 @@ def collect(exp_dir: Path) -> Collected:
     trained under other settings: each names its grid point; elsewhere they are refused."""
     exp_dir = Path(exp_dir)
     if not exp_dir.is_dir():
-        raise PosbenchError(f"{exp_dir}: no such experiment directory")
+        what = "is a file, not an experiment folder" if exp_dir.exists() else "no such experiment directory"
+        raise PosbenchError(f"{exp_dir}: {what}")
     if run_state(exp_dir).here:  # a run, not an experiment: its experiment holds its table
         raise PosbenchError(
             f"{exp_dir} is one run; its table is its experiment's: posbench report {exp_dir.parent} "

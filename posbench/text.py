@@ -84,8 +84,15 @@ def source_files(pattern: str, what: str = "data.path") -> list[Path]:
     found = sorted(glob.glob(expanded, recursive=True))
     files = [Path(f) for f in found if os.path.isfile(f) or is_dataset_folder(Path(f))]
     if not files:
-        raise PosbenchError(f"{what} '{pattern}' matches no file")
+        raise matches_no_file(pattern, what)
     return files
+
+
+def matches_no_file(pattern: str, what: str) -> PosbenchError:
+    """The error for a path or glob that names no file; a folder is told how to name its files."""
+    folder = os.path.isdir(os.path.expanduser(pattern))
+    inside = f"; it is a folder: give its files, e.g. '{Path(pattern) / '*.txt'}'" if folder else ""
+    return PosbenchError(f"{what} '{pattern}' matches no file{inside}")
 
 
 def pieces(

@@ -143,6 +143,19 @@ def test_a_clash_of_two_keys_is_blamed_on_the_one_the_command_line_changed(tmp_p
     _assert_clean_failure(res, said, out)
 
 
+def test_a_folder_of_text_files_is_told_how_to_name_them_and_a_file_is_no_experiment(tmp_path):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("to be or not to be\n" * 100)
+    out = tmp_path / "results"
+    res = invoke("extrapolate", "--set", f"data.path={tmp_path / 'texts'}", "--set", f"out_dir={out}")
+    texts = tmp_path / "texts"
+    said = f"data.path '{texts}' matches no file; it is a folder: give its files, e.g. '{texts / '*.txt'}'"
+    _assert_clean_failure(res, said, out)
+    for command in ("report", "status"):
+        res = invoke(command, tmp_path / "texts" / "a.txt")
+        assert res.exit_code == 2 and "a.txt: is a file, not an experiment folder" in res.output, res.output
+
+
 def test_malformed_and_missing_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {n_layer: 2\n")

@@ -27,7 +27,8 @@ def run_status(exp: Path) -> list[dict]:
     partial, damaged, failed, diverged or running) and what can be said of it."""
     exp = Path(exp)
     if not exp.is_dir():
-        raise PosbenchError(f"{exp}: no such experiment directory")
+        what = "is a file, not an experiment folder" if exp.exists() else "no such experiment directory"
+        raise PosbenchError(f"{exp}: {what}")
     rows = {}
     for folder in sorted(p for p in exp.iterdir() if p.is_dir()):
         hidden = folder.name.startswith(".")
