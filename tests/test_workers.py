@@ -52,21 +52,19 @@ def test_a_worker_ignores_ctrl_c_from_its_first_import(tmp_path, monkeypatch):
     work is imported in the worker before any of posbench's worker code runs: it sees the
     disposition the worker started with."""
     import signal
-    import sys
 
     from posbench.progress import Reporter
     from posbench.workers import run_in_workers
 
-    (tmp_path / "at_import.py").write_text(
+    at_import = _module(
+        tmp_path,
+        monkeypatch,
+        "at_import",
         "import signal\n"
         "SIGINT_AT_IMPORT = signal.getsignal(signal.SIGINT)\n"
         "def work(out, reporter):\n"
-        "    open(out, 'w').write(str(SIGINT_AT_IMPORT))\n"
+        "    open(out, 'w').write(str(SIGINT_AT_IMPORT))\n",
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "at_import", raising=False)
-    import at_import
-
     before = signal.getsignal(signal.SIGINT)
     run_in_workers(at_import.work, [("job", (str(tmp_path / "said"),))], lambda: None, Reporter(), 1, 1)
     assert (tmp_path / "said").read_text() == str(signal.SIG_IGN)
@@ -77,7 +75,6 @@ def test_a_workers_error_keeps_its_exit_status_and_key(tmp_path, monkeypatch):
     """A bad input in a worker exits 2 as in this process, with the config key it names; a bug
     there (any other exception) exits 1, as the catch-all here does."""
     import pickle
-    import sys
 
     import pytest
 
@@ -87,16 +84,16 @@ def test_a_workers_error_keeps_its_exit_status_and_key(tmp_path, monkeypatch):
 
     said = pickle.loads(pickle.dumps(PosbenchError("m", "train.lr", exit_code=1)))
     assert (str(said), said.key, said.exit_code) == ("m", "train.lr", 1)
-    (tmp_path / "failing.py").write_text(
+    failing = _module(
+        tmp_path,
+        monkeypatch,
+        "failing",
         "from posbench.errors import PosbenchError\n"
         "def bad_input(reporter):\n"
         "    raise PosbenchError('train.lr=-1 must be positive', 'train.lr')\n"
         "def bug(reporter):\n"
-        "    raise ValueError('oops')\n"
+        "    raise ValueError('oops')\n",
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "failing", raising=False)
-    import failing
 
     for work, message, key, code in [
         (failing.bad_input, "train.lr=-1 must be positive", "train.lr", 2),
@@ -105,3 +102,14 @@ def test_a_workers_error_keeps_its_exit_status_and_key(tmp_path, monkeypatch):
         with pytest.raises(PosbenchError) as raised:
             run_in_workers(work, [("the-run", ())], lambda: None, Reporter(), 1, 1)
         assert (str(raised.value), raised.value.key, raised.value.exit_code) == (message, key, code)
+
+
+def _module(tmp_path, monkeypatch, name: str, source: str):
+    """A module written to tmp_path and imported by name, as a spawned worker imports it too."""
+    import importlib
+    import sys
+
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)
