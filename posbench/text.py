@@ -425,11 +425,21 @@ def digest(stream: Iterator[bytes]) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
+def held_out(data, names=KEYS) -> None:
+    """A validation set of its own must not be one of the training files: its scores would be
+    the training loss."""
+    train = {f.resolve() for f in source_files(data.path, names["path"])} if data.path else set()
+    both = sorted(f for f in source_files(data.val_path, names["val_path"]) if f.resolve() in train)
+    if both:
+        raise PosbenchError(f"{names['val_path']} {data.val_path}: {both[0]} is also a training file; hold it out")
+
+
 def tokenize(data, stream, progress=None, report=None, names=KEYS) -> tuple[Tokenizer, Iterator, Iterator]:
     """The tokenizer (a BPE trained on the training split if asked) and the two splits' token
     arrays, chunk by chunk. `stream()` gives the corpus's pieces afresh each call; `names` says
     how an error names the settings (KEYS, or FLAGS for posbench prepare)."""
     if data.val_path:
+        held_out(data, names)
 
         def val_of():
             text = tokenizer_kind(data.tokenizer) != "bytes"

@@ -459,3 +459,20 @@ def test_a_damaged_byte_lengths_file_in_a_prepared_folder_is_one_line(tmp_path, 
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert last.startswith(f"error: {lengths}: damaged, not the {vocab:,} byte lengths"), res.output
     assert not (tmp_path / "r").exists()
+
+
+def test_a_validation_set_that_is_a_training_file_is_refused(tmp_path):
+    """Its scores would be the training loss: prepare and a run refuse it, naming the file."""
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("to be or not to be that is the question " * 2000)
+    res = invoke("prepare", corpus, "--out", tmp_path / "prep", "--val-path", corpus)
+    assert res.exit_code == 2 and f"--val-path {corpus}: {corpus} is also a training file; hold it out" in " ".join(
+        res.output.split()
+    ), res.output
+    assert not (tmp_path / "prep").exists()
+    out = tmp_path / "r"
+    res = invoke(
+        "extrapolate", "--set", f"data.path={corpus}", "--set", f"data.val_path={corpus}", "--set", f"out_dir={out}"
+    )
+    assert res.exit_code == 2 and "is also a training file; hold it out" in res.output, res.output
+    assert not list(out.rglob("model.pt"))
