@@ -281,13 +281,15 @@ def check_backends(backends: list[str], device: torch.device, head_dim: int) -> 
     """`--attention a,b,...` for side-by-side timing: each a backend that runs here, no two of
     them running as one for any scheme (auto is one of the others: on a GPU flex for a table's
     schemes, sdpa for the rest), else one line naming them."""
-    from posbench.attention import backend_for
+    from posbench.attention import FLEX_CANNOT_TRAIN_ON_CPU, backend_for
     from posbench.config import ATTENTION_BACKENDS
 
     for b in backends:
         if b not in ATTENTION_BACKENDS:
             expected = ", ".join(ATTENTION_BACKENDS)
             raise PosbenchError(f"--attention {','.join(backends)}: {b!r} is not one of {expected}")
+    if "flex" in backends and device.type == "cpu":  # the bench times training steps
+        raise PosbenchError(f"--attention {','.join(backends)}: {FLEX_CANNOT_TRAIN_ON_CPU}")
     for table in (False, True):  # a scheme without a table over distances, then one with
         runs_as: dict[str, list[str]] = {}
         for b in backends:

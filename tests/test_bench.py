@@ -288,6 +288,7 @@ def test_the_bench_command_tables_each_scheme_under_each_backend(tmp_path, fixed
         ("sdpa,bogus", "--attention sdpa,bogus: 'bogus' is not one of auto, eager, sdpa, native, flex"),
         ("sdpa,eager,sdpa", "--attention sdpa,sdpa: these run as one backend here; give it once"),
         (",", "--attention ',': name a backend, or several: e.g. sdpa,flex"),
+        ("sdpa,flex", "--attention sdpa,flex: model.attention=flex: torch has no FlexAttention backward on a CPU"),
     ],
 )
 def test_a_bad_list_of_backends_is_one_line_before_any_timing(tmp_path, monkeypatch, given, said):
