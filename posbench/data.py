@@ -298,7 +298,9 @@ def _bytes_corpus(cfg: DataConfig, fetching=None) -> Corpus:
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (N,)
     n_val = int(len(tokens) * cfg.val_fraction)
     if n_val < 2 or len(tokens) - n_val < 2:
-        raise PosbenchError(f"the corpus '{name}' has only {len(tokens)} bytes; it is too small")
+        from posbench.text import too_small
+
+        raise too_small(name, len(tokens), len(tokens) - n_val, cfg.val_fraction)
     return Corpus(name=name, train=tokens[:-n_val], val=tokens[-n_val:])
 
 

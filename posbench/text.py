@@ -204,6 +204,14 @@ def _dataset_rows(path: Path, field: str, key: str) -> Iterator[bytes]:
 # --- the split and the chunks ----------------------------------------------------------------------
 
 
+def too_small(name: str, total: int, split: int, val_fraction: float) -> PosbenchError:
+    """A split of fewer than 2 bytes (an input and its target), named with the fraction that made it."""
+    return PosbenchError(
+        f"the corpus '{name}' has {total:,} bytes: at val_fraction {val_fraction}, {split:,} to train on and "
+        f"{total - split:,} to validate; each needs at least 2"
+    )
+
+
 def split_point(total: int, val_fraction: float) -> int:
     """Where validation starts: the last int(total * val_fraction) bytes are held out."""
     return total - int(total * val_fraction)
@@ -455,7 +463,7 @@ def tokenize(data, stream, progress=None, report=None, names=KEYS) -> tuple[Toke
         if tokenizer_kind(data.tokenizer) != "bytes":  # a split that ends inside a character reads U+FFFD
             split = text_split(stream, split)
         if split < 2 or total - split < 2:
-            raise PosbenchError(f"the corpus '{data.path}' has only {total} bytes; it is too small")
+            raise too_small(data.path, total, split, data.val_fraction)
 
         def train_of():
             return split_stream(stream(), 0, split)

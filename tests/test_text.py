@@ -476,3 +476,13 @@ def test_a_validation_set_that_is_a_training_file_is_refused(tmp_path):
     )
     assert res.exit_code == 2 and "is also a training file; hold it out" in res.output, res.output
     assert not list(out.rglob("model.pt"))
+
+
+def test_a_split_too_small_names_the_fraction_that_made_it(tmp_path):
+    """Not "the corpus is too small": 0.999999 of 1,000 bytes leaves 1 to train on."""
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("x" * 999 + "\n")
+    res = invoke("prepare", corpus, "--out", tmp_path / "prep", "--val-fraction", "0.999999")
+    said = f"the corpus '{corpus}' has 1,000 bytes: at val_fraction 0.999999, 1 to train on and 999 to validate"
+    assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "prep").exists()
