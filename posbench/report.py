@@ -85,6 +85,12 @@ def collect(exp_dir: Path) -> Collected:
                 running.append(rdir.name)  # another process is training or scoring it
                 continue
             lacks = " and ".join(f for f in (CONFIG, EVAL) if not (rdir / f).is_file())
+            in_the_way = [f for f in (CONFIG, EVAL) if (rdir / f).exists() and not (rdir / f).is_file()]
+            if in_the_way:  # no command can write the record there
+                where = rdir / in_the_way[0]
+                raise PosbenchError(
+                    f"{where}: not a file; restore the run's record, or move {rdir.name} out of {exp_dir}"
+                )
             finish = f"posbench evaluate {rdir}" if run.trained else "posbench extrapolate (or train) again"
             raise PosbenchError(
                 f"{rdir}: a run folder without {lacks}; finish it with {finish}, or move it out of {exp_dir}"

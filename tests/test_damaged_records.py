@@ -332,3 +332,19 @@ def test_a_full_disk_while_preparing_leaves_no_folder(tmp_path, monkeypatch):
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
     assert f"{tmp_path / 'prepared'}: the disk is full" in " ".join(res.output.split())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]  # no partial folder, no lock
+
+
+def test_a_record_that_is_a_folder_is_named_not_sent_to_a_command_that_cannot_fix_it(tmp_path):
+    """config.yaml replaced by a folder: report said to finish the run with extrapolate, which
+    cannot write the record there either."""
+    from conftest import ROOT
+
+    exp = tmp_path / "exp"
+    shutil.copytree(ROOT / "results" / "reference" / "alibi-seed0", exp / "alibi-seed0")
+    (exp / "alibi-seed0" / "config.yaml").unlink()
+    (exp / "alibi-seed0" / "config.yaml").mkdir()
+    res = invoke("report", exp, "--out", tmp_path / "view")
+    record = exp / "alibi-seed0" / "config.yaml"
+    said = f"{record}: not a file; restore the run's record, or move alibi-seed0 out of {exp}"
+    assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "view").exists()
