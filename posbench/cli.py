@@ -98,12 +98,18 @@ def _scheme_list(text: str) -> list[str]:
     return list(SCHEMES) if text.strip() == "all" else _csv_names(text, "--schemes")
 
 
+def _csv_items(text: str) -> list[str]:
+    """A comma-separated list's items, stripped; a trailing comma ends the list ("0,1,")."""
+    items = [t.strip() for t in text.split(",")]
+    if len(items) > 1 and not items[-1]:
+        items.pop()
+    return items
+
+
 def _csv_ints(text: Optional[str], what: str, example: str = "100,150,200") -> Optional[list[int]]:
     if text is None:
         return None
-    items = [t.strip() for t in text.split(",")]
-    if len(items) > 1 and not items[-1]:
-        items.pop()  # "0,1,": a trailing comma ends the list
+    items = _csv_items(text)
     try:
         if not any(items):
             return []  # the setting's own "is empty" says it
@@ -129,9 +135,7 @@ def _set_threads(threads: Optional[int]) -> None:
 
 def _csv_names(text: Optional[str], flag: str) -> list[str]:
     """`a,b` (a trailing comma ends the list); `a,,b` is refused, as _csv_ints refuses it."""
-    items = [t.strip() for t in (text or "").split(",")]
-    if len(items) > 1 and not items[-1]:
-        items.pop()
+    items = _csv_items(text or "")
     if len(items) > 1 and not all(items):
         raise PosbenchError(f"{flag} {text}: an empty name between commas")
     return [t for t in items if t]

@@ -466,14 +466,9 @@ def copy_parent(job) -> None:
 def _check_same_extension(folder: Path, to: int, steps: int) -> None:
     """A folder's extend.yaml says one length and one budget for all its children: a rerun into
     it with others would make the record false for the children already there."""
-    import yaml
-
-    try:
-        old = yaml.safe_load((folder / EXTEND_RECORD).read_text())
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+    old = _recorded(folder)
+    if old is None:
         return  # none yet, or unreadable: write_record writes it anew
-    if not isinstance(old, dict):
-        return
     held = {"--to": old.get("to"), "--steps": old.get("steps")}
     given = {"--to": to, "--steps": steps}
     differ = [flag for flag in held if held[flag] is not None and held[flag] != given[flag]]
@@ -485,6 +480,17 @@ def _check_same_extension(folder: Path, to: int, steps: int) -> None:
         )
 
 
+def _recorded(folder: Path) -> Optional[dict]:
+    """The folder's extend.yaml as written (None where there is none, or it cannot be read)."""
+    import yaml
+
+    try:
+        old = yaml.safe_load((folder / EXTEND_RECORD).read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return old if isinstance(old, dict) else None
+
+
 def parent_path(job) -> str:
     """The parent's folder as seen from the extension's folder, so the two can move together."""
     return os.path.relpath(Path(job.parent).resolve(), job.folder.parent.resolve())
@@ -494,12 +500,8 @@ def write_record(plan: Plan) -> None:
     """extend.yaml: a rerun with fewer methods or parents keeps those the folder already holds."""
     import yaml
 
-    path, record = plan.folder / EXTEND_RECORD, dict(plan.record)
-    try:
-        old = yaml.safe_load(path.read_text()) if path.is_file() else None
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        old = None
-    if isinstance(old, dict):
+    path, record, old = plan.folder / EXTEND_RECORD, dict(plan.record), _recorded(plan.folder)
+    if old is not None:
         for key in ("parents", "methods", "lengths"):
             if isinstance(old.get(key), list):
                 record[key] = list(dict.fromkeys([*old[key], *record[key]]))

@@ -104,14 +104,15 @@ def report(collected, metric: str, transpose: bool, edges) -> dict:
     points: dict[str, list] = {}
     for run in collected.runs:
         points.setdefault(collected.points[run.folder], []).append(run.cfg)
-    longest = max(build_task(c[0].task, c[0].task_options).test_max for c in points.values())
+    # a sweep's points may differ in their task
+    tasks = {point: build_task(configs[0].task, configs[0].task_options) for point, configs in points.items()}
+    longest = max(task.test_max for task in tasks.values())
     past = [e for e in edges or [] if e > longest]
     if past:  # an end no point's lengths reach would be dropped in silence
         raise PosbenchError(f"--buckets: {past[0]} is past the longest test length, {longest}")
     parts = []  # (point, its configs, its task, its rows by bucket, its table)
     for point in sorted(points):
-        configs = points[point]
-        task = build_task(configs[0].task, configs[0].task_options)  # a sweep's points may differ in it
+        configs, task = points[point], tasks[point]
         ends = edges if edges is not None else configs[0].eval.exact_match.buckets
         spans = buckets(task.train_max, task.test_max, ends)
         long = by_bucket(df[df["point"] == point], spans, task.train_max).assign(point=point)
