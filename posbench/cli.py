@@ -580,7 +580,12 @@ def pretrained(
     ] = None,
     rope_factor: Annotated[Optional[float], typer.Option(help="fixed scale s (default L'/context per length)")] = None,
     protocol: Protocol = None,
-    stride: Stride = None,
+    stride: Annotated[
+        Optional[float],
+        typer.Option(
+            help="sliding windows' stride: tokens, or below 1 a fraction of each length (default: its context / 4)"
+        ),
+    ] = None,
     name: Annotated[
         Optional[str], typer.Option(help="the experiment folder under results/ (default: pretrained)")
     ] = None,
@@ -792,8 +797,8 @@ def status(
         Path, typer.Argument(help="an experiment folder, e.g. results/sweep-example", callback=_named)
     ],
 ):
-    """Each run of an experiment: done, records (scored, no weights), partial (at which step),
-    damaged (a record report would refuse), failed, diverged or running."""
+    """Each run of an experiment: pending, done, records (scored, no weights), partial (at which
+    step), damaged (a record report would refuse), failed, diverged or running."""
     from posbench.console import status_table
     from posbench.experiment.status import run_status
 

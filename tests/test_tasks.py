@@ -594,17 +594,12 @@ def test_a_bucket_listed_twice_or_past_every_length_is_refused_not_dropped(tmp_p
 
 
 def test_a_user_s_task_loads_as_module_colon_class(tmp_path, monkeypatch):
-    (tmp_path / "my_tasks.py").write_text(
-        "from posbench.tasks import END, Task\n\n"
-        "class Increment(Task):\n"
-        "    name = 'increment'\n"
-        "    description = 'a number -> the number plus one'\n\n"
-        "    def make(self, n, rng):\n"
-        "        x = rng.randrange(10 ** n)\n"
-        "        return f'inc:{x:0{n}d}='.encode(), str(x + 1).encode() + END\n\n"
-        "    def longest(self, n):\n"
-        "        return 4 + n + 1 + (n + 1) + 1\n"
-    )
+    """The example docs/tasks.md shows is examples/my_tasks.py's code; copied into a user's
+    working folder as my_tasks.py, it trains and reports as `my_tasks:Increment`."""
+    example = (ROOT / "examples" / "my_tasks.py").read_text()
+    shown = (ROOT / "docs" / "tasks.md").read_text().split("```python\n# examples/my_tasks.py\n")[1].split("```")[0]
+    assert shown.strip() == example[example.index("from posbench.tasks") :].strip()
+    (tmp_path / "my_tasks.py").write_text(example)
     monkeypatch.syspath_prepend(str(tmp_path))
     res = invoke(
         "extrapolate", "--task", "my_tasks:Increment", "--schemes", "nope", "--set", f"out_dir={tmp_path / 'r'}", *TINY
