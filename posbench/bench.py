@@ -20,6 +20,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -418,8 +419,38 @@ def device_name(device: torch.device) -> str:
 
 def write_bench(rows: list[dict], path) -> None:
     """bench.csv: one row per (scheme, measurement); blank where a value does not apply."""
-    from pathlib import Path
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_rows(path, rows, BENCH_COLUMNS)
+
+
+def writable_csv(path: Path) -> Path:
+    """`path`, or path/bench.csv when it is a folder. The CSV is written beside itself and renamed
+    over the old one, so it must be a plain file (or nothing yet) in a folder that can be made
+    and written; a symlink is followed, so its target is what gets replaced."""
+    if path.is_dir():
+        path = path / "bench.csv"
+    path = path.resolve()
+    if path.exists() and not path.is_file():
+        raise PosbenchError(f"--out {path}: exists and is not a plain file")
+    if path.is_file() and path.stat().st_size and not is_bench_csv(path):
+        raise PosbenchError(
+            f"--out {path}: exists and is not a bench CSV (its first line is not bench's header), "
+            "so it is kept; name a new file, a bench CSV to replace, or a folder"
+        )
+    folder = path.parent
+    while not folder.exists():  # the nearest folder that exists must let us make the rest
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise PosbenchError(f"--out {path}: cannot write in {folder}")
+    return path
+
+
+def is_bench_csv(path: Path) -> bool:
+    """Whether `path` starts as the header posbench bench writes (an older bench's too)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+    except OSError:
+        return False
+    return first.startswith("scheme,measurement,")

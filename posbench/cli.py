@@ -901,7 +901,7 @@ def _bench_model(
 ) -> None:
     """Training tokens/s against NoPE (and a peer), FLOP utilisation and eval memory, into out_file,
     under each of `backends` side by side (none given: the config's)."""
-    from posbench.bench import BenchSettings, check_backends, run_bench, write_bench
+    from posbench.bench import BenchSettings, check_backends, run_bench, writable_csv, write_bench
     from posbench.console import bench_table
     from posbench.device import pick_device
     from posbench.resolve import resolve_training
@@ -911,7 +911,7 @@ def _bench_model(
     cfg = resolve_training(cfg).cfg
     dev = pick_device(cfg.train.device, "bench takes --device cpu")
     check_backends(backends, dev, cfg.model.head_dim)
-    out_file = _writable_csv(out_file)  # before the minutes of timing, not after
+    out_file = writable_csv(out_file)  # before the minutes of timing, not after
     settings = BenchSettings.quick() if quick else BenchSettings(batch_size=cfg.train.batch_size)
     if rounds is not None:
         if rounds < 2:
@@ -940,38 +940,6 @@ def _bench_model(
         )
     _kernel_notes(cfg)
     out.print(f"wrote {out_file}", highlight=False, soft_wrap=True)
-
-
-def _writable_csv(path: Path) -> Path:
-    """`path`, or path/bench.csv when it is a folder. The CSV is written beside itself and renamed
-    over the old one, so it must be a plain file (or nothing yet) in a folder that can be made
-    and written; a symlink is followed, so its target is what gets replaced."""
-    if path.is_dir():
-        path = path / "bench.csv"
-    path = path.resolve()
-    if path.exists() and not path.is_file():
-        raise PosbenchError(f"--out {path}: exists and is not a plain file")
-    if path.is_file() and path.stat().st_size and not _is_bench_csv(path):
-        raise PosbenchError(
-            f"--out {path}: exists and is not a bench CSV (its first line is not bench's header), "
-            "so it is kept; name a new file, a bench CSV to replace, or a folder"
-        )
-    folder = path.parent
-    while not folder.exists():  # the nearest folder that exists must let us make the rest
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise PosbenchError(f"--out {path}: cannot write in {folder}")
-    return path
-
-
-def _is_bench_csv(path: Path) -> bool:
-    """Whether `path` starts as the header posbench bench writes (an older bench's too)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            first = f.readline()
-    except OSError:
-        return False
-    return first.startswith("scheme,measurement,")
 
 
 @app.command("check-scheme")
