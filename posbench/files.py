@@ -152,6 +152,19 @@ def exclusive(path: Path, remove: bool = False):
         os.close(fd)  # closing releases the lock
 
 
+@contextlib.contextmanager
+def waiting_for(path: Path):
+    """Hold the lock file `path` for the block, waiting while another process holds it: for a
+    step of a few file operations that two processes must not interleave."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def lock_holder(path: Path) -> Optional[int]:
     """The pid holding the lock file `path` (0 if it cannot be read), or None if no one does."""
     if not path.is_file():

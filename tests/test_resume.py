@@ -235,3 +235,60 @@ def test_an_experiment_never_mixes_training_settings(smoke, tmp_path):
     res = invoke("report", out / "smoke")
     assert res.exit_code == 2 and "train.steps: 30 in alibi-seed0, 4 in alibi-seed1" in " ".join(res.output.split())
     assert (out / "smoke" / "summary.csv").read_text() == summary
+
+
+def _race(tmp_path, text, steps: int, schemes: str):
+    """Process B's plan, made while the experiment folder was still empty."""
+    from posbench.config import load_config
+    from posbench.experiment.plan import plan_runs
+    from posbench.resolve import resolve
+
+    sets = [f"out_dir={tmp_path / 'r'}", f"data.path={text}", f"train.steps={steps}", f"schemes=[{schemes}]"]
+    exp = resolve(load_config(SMOKE, sets))
+    return exp, plan_runs(exp)
+
+
+def _run_b(exp, jobs):
+    from posbench.experiment.execute import prepare, run_jobs
+    from posbench.progress import Reporter
+
+    folder = jobs[0].folder.parent
+    run_jobs(exp.cfg, jobs, folder, Reporter(), prepare(exp, jobs, Reporter()))
+
+
+def test_two_processes_started_at_once_with_other_settings_never_mix_their_runs(tmp_path):
+    """Two commands with other settings, started into the same new experiment folder: each
+    planned it empty. A run the other has finished since is not reused as if it were this one,
+    and none is trained beside a run the other finished or is training now; nothing of the
+    second is written, and the first's runs are kept."""
+    import pytest
+
+    from posbench.config import dump_yaml
+    from posbench.errors import PosbenchError
+    from posbench.experiment.records import CONFIG, lock_file, partial_dir
+    from posbench.files import exclusive
+
+    text = tmp_path / "tiny.txt"
+    text.write_text("to be or not to be that is the question\n" * 400)
+    exp_a, jobs_a = _race(tmp_path, text, 4, "rope")
+    reuse, jobs_reuse = _race(tmp_path, text, 5, "rope,alibi")
+    beside, jobs_beside = _race(tmp_path, text, 5, "alibi,rope")
+    folder = jobs_a[0].folder.parent
+    # the first process has begun rope: its record written, its lock held, no checkpoint yet
+    with exclusive(lock_file(folder / "rope-seed0")):
+        partial_dir(folder / "rope-seed0").mkdir(parents=True)
+        (partial_dir(folder / "rope-seed0") / CONFIG).write_text(dump_yaml(jobs_a[0].cfg))
+        with pytest.raises(PosbenchError) as e:
+            _run_b(beside, jobs_beside)
+        assert "holds runs begun under other settings (train.steps: 4 in rope-seed0, 5 here)" in str(e.value)
+        assert not (folder / "alibi-seed0").exists() and not partial_dir(folder / "alibi-seed0").exists()
+    shutil.rmtree(partial_dir(folder / "rope-seed0"))
+    _run_b(exp_a, jobs_a)  # the first process finishes rope at 4 steps
+    with pytest.raises(PosbenchError) as e:
+        _run_b(reuse, jobs_reuse)  # rope first: reused only if it is this run
+    assert "rope-seed0 was trained under a different config (train.steps: 4 in rope-seed0, 5 here)" in str(e.value)
+    with pytest.raises(PosbenchError) as e:
+        _run_b(beside, jobs_beside)  # alibi first: not trained beside it
+    assert "holds runs trained under other settings (train.steps: 4 in rope-seed0, 5 here)" in str(e.value)
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["rope-seed0", "runs.txt"]
+    assert yaml.safe_load((folder / "rope-seed0" / CONFIG).read_text())["train"]["steps"] == 4

@@ -22,9 +22,19 @@ from posbench.config import ExperimentConfig, check_device, check_trainable, dum
 from posbench.device import pick_device
 from posbench.errors import PosbenchError, first_line
 from posbench.experiment.checkpoint import load_run, save_checkpoint
-from posbench.experiment.plan import Job, partial_identity, plan_runs, plan_sweep, run_identity, sweep_size
+from posbench.experiment.plan import (
+    Job,
+    check_same_experiment,
+    partial_identity,
+    plan_runs,
+    plan_state,
+    plan_sweep,
+    run_identity,
+    sweep_size,
+)
 from posbench.experiment.records import (
     CHECKPOINT,
+    CLAIMING,
     CONFIG,
     DIVERGED,
     FAILED,
@@ -41,7 +51,7 @@ from posbench.experiment.records import (
     record_read,
     run_name,
 )
-from posbench.files import TMP_PREFIX, exclusive, lock_holder, room_in, write_atomic
+from posbench.files import TMP_PREFIX, exclusive, lock_holder, room_in, waiting_for, write_atomic
 from posbench.measures import Measure, Scorer, ScoringRun
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
@@ -139,7 +149,8 @@ def run_jobs(
                 run_one(job, source_of(job, sources), reporter)
                 send_run(tracker, folder, job.folder)
     except BaseException:
-        if created and not any(p for p in folder.iterdir() if not p.name.endswith(".lock") and p.name != PLANNED):
+        made = (PLANNED, CLAIMING)
+        if created and not any(p for p in folder.iterdir() if not p.name.endswith(".lock") and p.name not in made):
             shutil.rmtree(folder, ignore_errors=True)
         raise
 
@@ -182,8 +193,9 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
                 f"skipped here, rerun once that process is done"
             )
             return "held"
-        if state != "done" and (rdir / WEIGHTS).is_file():
-            state = "done"  # another process finished it since it was planned
+        if state != "done" and ((rdir / WEIGHTS).is_file() or (rdir / DIVERGED).is_file()):
+            # another process ended it since it was planned: reused only where it is this very run
+            state = plan_state(rc, job.task, rdir, "--out" if job.parent is not None else "--set name=NEW")
         if state == "diverged" or (rdir / DIVERGED).is_file():
             reporter.note(
                 f"{rdir.name}: diverged in an earlier attempt ({diverged_step(rdir)}); delete {rdir} to train it again"
@@ -248,9 +260,12 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
     if record.is_file() and partial_identity(rdir, job.task) != run_identity(rc, job.task):
         reporter.note(f"{rdir.name}: its unfinished training was under other settings; starting it anew")
         shutil.rmtree(partial)
-    partial.mkdir(parents=True, exist_ok=True)
-    (partial / FAILED).unlink(missing_ok=True)
-    write_atomic(record, dump_yaml(rc))
+    with waiting_for(rdir.parent / CLAIMING):  # two processes that began with the folder empty
+        if job.alike:
+            check_same_experiment(rc, job.task, rdir.parent, frozenset([rdir.name]))
+        partial.mkdir(parents=True, exist_ok=True)
+        (partial / FAILED).unlink(missing_ok=True)
+        write_atomic(record, dump_yaml(rc))  # what the next process to start here checks against
     try:
         if rc.model.extend:  # fine-tuned from a parent by posbench extend
             from posbench.extend.run import fine_tuning

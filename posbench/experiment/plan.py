@@ -20,12 +20,13 @@ from posbench.experiment.records import (
     CONFIG,
     diverged_step,
     has_checkpoint,
+    lock_file,
     partial_dir,
     read_config,
     run_name,
     run_state,
 )
-from posbench.files import safe_name
+from posbench.files import lock_holder, safe_name
 from posbench.measures import Measure
 from posbench.resolve import Experiment
 from posbench.tasks import TrainingTask
@@ -43,6 +44,9 @@ class Job:
     # "todo", "done" (trained), "diverged" (its loss blew up in an earlier attempt), "copy" (extend's parents)
     state: str
     point: Optional[ExperimentConfig] = None  # the sweep grid point it belongs to, if any
+    # its experiment's runs differ only in scheme and seed: checked again as it starts to train,
+    # against what other processes began or finished there since it was planned
+    alike: bool = False
     parent: Optional[Path] = None  # posbench extend: the run it copies or is fine-tuned from
     curve: Optional[list] = None  # posbench extend: the steps its perplexity at L2 is scored after
 
@@ -63,13 +67,13 @@ def plan_runs(exp: Experiment) -> list[Job]:
     a machine handed back) has a comparison at the seeds it finished."""
     cfg = exp.cfg
     folder = Path(cfg.out_dir) / cfg.name
-    _check_same_experiment(exp, folder)
+    check_same_experiment(exp.cfg, exp.task, folder, frozenset(run_name(s, n) for s in cfg.schemes for n in cfg.seeds))
     jobs = []
     for n in cfg.seeds:
         for s in cfg.schemes:
             rc = cfg.for_run(s, n)
             rdir = folder / run_name(s, n)
-            jobs.append(Job(rc, exp.task, exp.measure, rdir, plan_state(rc, exp.task, rdir)))
+            jobs.append(Job(rc, exp.task, exp.measure, rdir, plan_state(rc, exp.task, rdir), alike=True))
     return jobs
 
 
@@ -130,21 +134,27 @@ def _check_unfinished(rc: ExperimentConfig, task: TrainingTask, rdir: Path, else
         )
 
 
-def _check_same_experiment(exp: Experiment, folder: Path) -> None:
+def check_same_experiment(rc: ExperimentConfig, task: TrainingTask, folder: Path, mine: frozenset = frozenset()):
     """An experiment's runs differ in scheme and seed only; a run trained at another length or
-    size would be averaged with them as if it were another seed."""
-    new = shared_identity(run_identity(exp.cfg, exp.task))
-    for cfg_file in sorted(folder.glob(f"*/{CONFIG}")):
-        if cfg_file.parent.name.startswith("."):
-            continue
+    size would be averaged with them as if it were another seed. Its finished runs are read, and
+    its unfinished ones that hold a checkpoint or are training now (another process, started
+    with other settings into the same new folder), but for the runs named in `mine`, each of which
+    its own check meets (plan_state; train_run starts one anew where nothing can resume)."""
+    new = shared_identity(run_identity(rc, task))
+    records = [(f.parent.name, f, "trained") for f in sorted(folder.glob(f"*/{CONFIG}")) if f.parent.name[0] != "."]
+    for f in sorted(folder.glob(f".*.partial/{CONFIG}")):
+        name = f.parent.name[1 : -len(".partial")]
+        if name not in mine and has_checkpoint(f.parent) or lock_holder(lock_file(folder / name)) is not None:
+            records.append((name, f, "begun"))
+    for name, cfg_file, how in records:
         try:
-            old = shared_identity(run_identity(config_from_dict(read_record(cfg_file)), exp.task))
+            old = shared_identity(run_identity(config_from_dict(read_record(cfg_file)), task))
         except PosbenchError:
             continue  # a damaged run folder is reported when it is planned
         if old != new:
-            diff = differences(old, new, names=(cfg_file.parent.name, "here"))
+            diff = differences(old, new, names=(name, "here"))
             raise PosbenchError(
-                f"{folder} holds runs trained under other settings ({', '.join(diff)}); "
+                f"{folder} holds runs {how} under other settings ({', '.join(diff)}); "
                 f"its runs must differ only in scheme and seed: choose another name with --set name=NEW"
             )
 

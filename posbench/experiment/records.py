@@ -27,6 +27,7 @@ EVAL = "eval.csv"  # the scored rows, in the columns of the run's measure
 DATA = "data.json"  # what the run read, by sha256 (the corpus's tokens), where its config cannot say it
 PLANNED = "runs.txt"  # the run folders an experiment was asked to hold, one a line: status names the missing ones
 SWEEP_RECORD = "sweep.yaml"  # the grid a sweep's experiment folder was made by; its runs may differ
+CLAIMING = ".claiming"  # locked while a run that starts to train checks the experiment and records its config
 
 
 def planned(exp: Path) -> list[str]:
