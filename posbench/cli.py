@@ -19,6 +19,7 @@ from posbench.config import EvalConfig, ModelConfig, length_grid, load_config
 from posbench.console import BarReporter, err, out
 from posbench.errors import PosbenchError, first_line
 from posbench.files import disk_full, file_in_the_way
+from posbench.registry import unexpected
 from posbench.tasks import TASKS
 
 app = typer.Typer(
@@ -65,7 +66,9 @@ def user_errors(
         if disk_full(e):  # torch.save's own RuntimeError, where no writer named its folder
             _error(f"the disk is full ({os.strerror(errno.ENOSPC)}){_FREE}")
         # exit 1, not 2: scripts can tell a bug (here or in a plugin) from a bad input
-        _error(f"unexpected {type(e).__name__}: {first_line(e, 300)} (POSBENCH_DEBUG=1 shows the traceback)", code=1)
+        _error(f"{unexpected(e)} (POSBENCH_DEBUG=1 shows the traceback)", code=1)
+    except SystemExit as e:  # posbench exits through typer.Exit: this is a plugin's (or a library's) sys.exit
+        _error(f"{unexpected(e)}; nothing after it ran", code=1)
 
 
 _FREE = "; free some space, then rerun the same command"

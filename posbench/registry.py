@@ -23,6 +23,38 @@ from contextvars import ContextVar
 from posbench import progress
 from posbench.errors import PosbenchError, did_you_mean, first_line
 
+# the module of each plugin loaded in this process, with the first spec that named it: an error
+# raised in its code is said as the plugin's (`unexpected`); workers are given the parent's
+PLUGIN_MODULES: dict[str, str] = {}
+
+
+def plugin_at_fault(e: BaseException) -> str | None:
+    """ "scheme 'badplug:Bias' (badplug.py, line 12, in bias)": the innermost frame of a loaded
+    plugin's code that `e` (or the error it was raised from) passed through; None if none did."""
+    found = None
+    while e is not None and found is None:
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_globals.get("__name__") in PLUGIN_MODULES:
+                found = tb
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    if found is None:
+        return None
+    code = found.tb_frame.f_code
+    where = f"{os.path.basename(code.co_filename)}, line {found.tb_lineno}, in {code.co_name}"
+    return f"{PLUGIN_MODULES[found.tb_frame.f_globals['__name__']]} ({where})"
+
+
+def unexpected(e: BaseException) -> str:
+    """What an error no one expected says: its type and first line, and the plugin whose code
+    raised it where one did (its bug, not posbench's)."""
+    what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {first_line(e, 300)}"
+    at = plugin_at_fault(e)
+    if at is None:
+        return f"unexpected {what}"
+    return f"{at} {what if isinstance(e, SystemExit) else 'raised ' + what}: a bug in that plugin"
+
 
 class Registry(Mapping):
     """name -> class, in registration order. `lookup` also takes `module:Class` for a user's
@@ -171,6 +203,7 @@ def load_plugin(spec: str, kind: str, base: type, public: str, example: str) -> 
             f"{kind} '{spec}': importing module '{module_name}' called sys.exit({e.code!r}); "
             f"a plugin module defines its class and exits nothing at import"
         ) from None
+    PLUGIN_MODULES.setdefault(module_name, f"{kind} '{spec}'")
     cls = module
     for part in class_name.split("."):  # module:Outer.Inner works too
         cls = getattr(cls, part, None)

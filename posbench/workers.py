@@ -17,6 +17,7 @@ from posbench.config import ExperimentConfig
 from posbench.device import pick_device
 from posbench.errors import PosbenchError
 from posbench.progress import Reporter
+from posbench.registry import PLUGIN_MODULES, unexpected
 
 SMALL_RUN_TOKENS = 200_000  # below this a run trains in about the 2 s a worker takes to start
 STOP_GRACE_S = 3.0  # how long a stopped worker has to finish its step and save its checkpoint
@@ -77,13 +78,14 @@ class QueueReporter(Reporter):
         self.queue.put(("scoring", label, done, total))
 
 
-def _worker_main(work: Callable, threads: Optional[int], jobs, events, parent: int) -> None:
+def _worker_main(work: Callable, threads: Optional[int], jobs, events, parent: int, plugins: dict) -> None:
     """A worker process: call work(*args, reporter) for each (index, (label, args)) until None.
     Ctrl-C is the parent's to handle: it stops workers with SIGTERM, on which a training run
     saves its checkpoint and the worker exits. A worker never outlives its parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _interrupt)  # training takes it over to stop at a step's end
     _die_with(parent)
+    PLUGIN_MODULES.update(plugins)  # the parent's, so an error in a plugin's code is said as that plugin's
     if threads:
         torch.set_num_threads(threads)
     reporter = QueueReporter(events)
@@ -95,8 +97,8 @@ def _worker_main(work: Callable, threads: Optional[int], jobs, events, parent: i
                 events.put(("done", i))
             except PosbenchError as e:
                 events.put(("failed", i, e))
-            except Exception as e:  # a bug, not the user's input: keep its type for the report
-                events.put(("failed", i, PosbenchError(f"{label}: {type(e).__name__}: {e}", exit_code=1)))
+            except (Exception, SystemExit) as e:  # a bug, here or in a plugin: its type and its plugin
+                events.put(("failed", i, PosbenchError(f"{label}: {unexpected(e)}", exit_code=1)))
     except KeyboardInterrupt:  # stopped by the parent, checkpoint saved
         os._exit(0)  # not via the queues' feeder threads, whose reader may be gone
 
@@ -163,7 +165,9 @@ def run_in_workers(
     ctx = mp.get_context("spawn")  # fork after torch has started its threads can deadlock
     job_queue, events = ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=_worker_main, args=(work, threads, job_queue, events, os.getpid()), daemon=True)
+        ctx.Process(
+            target=_worker_main, args=(work, threads, job_queue, events, os.getpid(), PLUGIN_MODULES), daemon=True
+        )
         for _ in range(workers)
     ]
     todo = list(enumerate(jobs))

@@ -272,6 +272,33 @@ def test_a_broken_plugin_is_one_line(tmp_path, corpus_file, monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "hook, said",
+    [
+        ("raise RuntimeError('boom in bias')", "(crashing.py, line 5, in bias) raised RuntimeError: boom in bias"),
+        ("sys.exit(0)", "(crashing.py, line 5, in bias) called sys.exit(0)"),
+    ],
+)
+def test_a_plugin_that_fails_mid_training_is_named_with_its_line(tmp_path, corpus_file, monkeypatch, hook, said):
+    """An error raised in a plugin's own code while it trains is said as that plugin's bug, at
+    its file and line, with a bug's exit status; a sys.exit() there is not posbench's exit 0."""
+    import sys
+
+    (tmp_path / "crashing.py").write_text(
+        "import sys\nfrom posbench.schemes import PositionalScheme\nclass Crash(PositionalScheme):\n"
+        f"    def bias(self, q, k, qpos, kpos, layer):\n        {hook}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "crashing", raising=False)
+    out = tmp_path / "results"
+    base = ["--config", SMOKE, "--set", f"out_dir={out}", "--set", f"data.path={corpus_file}"]
+    res = invoke("extrapolate", *base, "--schemes", "crashing:Crash")
+    error = res.output[res.output.index("error:") :]
+    assert res.exit_code == 1 and len(error.strip().splitlines()) == 1, res.output
+    assert f"scheme 'crashing:Crash' {said}: a bug in that plugin" in error, res.output
+    assert "Traceback" not in res.output and not (out / "smoke").exists(), "nothing of the run is left"
+
+
+@pytest.mark.parametrize(
     "args,message",
     [
         (["--bogus"], "error: No such option: --bogus (see 'posbench --help')"),

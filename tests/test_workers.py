@@ -80,6 +80,7 @@ def test_a_workers_error_keeps_its_exit_status_and_key(tmp_path, monkeypatch):
 
     from posbench.errors import PosbenchError
     from posbench.progress import Reporter
+    from posbench.registry import PLUGIN_MODULES
     from posbench.workers import run_in_workers
 
     said = pickle.loads(pickle.dumps(PosbenchError("m", "train.lr", exit_code=1)))
@@ -92,16 +93,25 @@ def test_a_workers_error_keeps_its_exit_status_and_key(tmp_path, monkeypatch):
         "def bad_input(reporter):\n"
         "    raise PosbenchError('train.lr=-1 must be positive', 'train.lr')\n"
         "def bug(reporter):\n"
-        "    raise ValueError('oops')\n",
+        "    raise ValueError('oops')\n"
+        "def exits(reporter):\n"
+        "    raise SystemExit(0)\n",
     )
 
     for work, message, key, code in [
         (failing.bad_input, "train.lr=-1 must be positive", "train.lr", 2),
-        (failing.bug, "the-run: ValueError: oops", None, 1),
+        (failing.bug, "the-run: unexpected ValueError: oops", None, 1),
+        (failing.exits, "the-run: unexpected called sys.exit(0)", None, 1),
     ]:
         with pytest.raises(PosbenchError) as raised:
             run_in_workers(work, [("the-run", ())], lambda: None, Reporter(), 1, 1)
         assert (str(raised.value), raised.value.key, raised.value.exit_code) == (message, key, code)
+    # the parent's plugins are the workers' too: an error in one's code is said as its own
+    monkeypatch.setitem(PLUGIN_MODULES, "failing", "scheme 'failing:Bug'")
+    with pytest.raises(PosbenchError) as raised:
+        run_in_workers(failing.bug, [("the-run", ())], lambda: None, Reporter(), 1, 1)
+    said = "the-run: scheme 'failing:Bug' (failing.py, line 5, in bug) raised ValueError: oops: a bug in that plugin"
+    assert str(raised.value) == said
 
 
 def _module(tmp_path, monkeypatch, name: str, source: str):
