@@ -184,10 +184,13 @@ def run_in_workers(
             try:
                 kind, *args = events.get(timeout=0.5)
             except queue_mod.Empty:
+                # a worker exits on its own only once told there is no more work, so one that
+                # ended while every live worker is busy held a job (a plugin's os._exit(0) too)
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                if dead:
+                if dead or sum(p.is_alive() for p in procs) < busy:
+                    code = dead[0].exitcode if dead else 0
                     raise PosbenchError(
-                        f"a worker process died (exit code {dead[0].exitcode}), perhaps out of "
+                        f"a worker process died (exit code {code}), perhaps out of "
                         "memory; rerun with --set train.workers=1 to see the error"
                     ) from None
                 continue

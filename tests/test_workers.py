@@ -95,13 +95,23 @@ def test_a_workers_error_keeps_its_exit_status_and_key(tmp_path, monkeypatch):
         "def bug(reporter):\n"
         "    raise ValueError('oops')\n"
         "def exits(reporter):\n"
-        "    raise SystemExit(0)\n",
+        "    raise SystemExit(0)\n"
+        "def vanishes(reporter):\n"
+        "    import os\n"
+        "    os._exit(0)\n",
     )
 
     for work, message, key, code in [
         (failing.bad_input, "train.lr=-1 must be positive", "train.lr", 2),
         (failing.bug, "the-run: unexpected ValueError: oops", None, 1),
         (failing.exits, "the-run: unexpected called sys.exit(0)", None, 1),
+        (
+            failing.vanishes,
+            "a worker process died (exit code 0), perhaps out of memory; rerun with "
+            "--set train.workers=1 to see the error",
+            None,
+            2,
+        ),
     ]:
         with pytest.raises(PosbenchError) as raised:
             run_in_workers(work, [("the-run", ())], lambda: None, Reporter(), 1, 1)
