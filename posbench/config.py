@@ -780,11 +780,18 @@ def command_line(raw: dict, values: dict[str, tuple[str, Any]], overrides: list[
     so that neither silently wins."""
     for key, (flag, value) in values.items():
         assign(raw, key, copy.deepcopy(value), origins=origins, origin=flag)
+    earlier: dict[str, str] = {}  # each --set's key -> the --set
     for o in overrides:
         clash = set_clash(o, values)
         if clash is not None:
             raise PosbenchError(f"{values[clash][0]} and --set {o} both set {clash}; give one")
+        key = measure_key(o.split("=", 1)[0].strip()) if "=" in o else ""
+        again = next((k for k in earlier if key and (k + ".").startswith(key + ".") or key.startswith(k + ".")), None)
+        if again is not None:  # the later would silently win, as a flag and a --set on one key would
+            raise PosbenchError(f"--set {earlier[again]} and --set {o} both set {max(again, key, key=len)}; give one")
         apply_override(raw, o, origins)
+        if key:
+            earlier[key] = o
 
 
 def load_config(

@@ -485,3 +485,30 @@ def test_an_error_line_over_its_limit_is_cut_at_a_word_and_says_so():
     path = ValueError("failed: /" + "x" * 300)  # no word to cut at near the end: cut where the limit falls
     assert first_line(path, 100) == "failed: /" + "x" * 91 + " ..."
     assert first_line(e, 200, last=True) == "second line" and first_line(ValueError()) == "ValueError"
+
+
+@pytest.mark.parametrize(
+    "sets, both",
+    [
+        (["model.n_layer=1", "model.n_layer=2"], "model.n_layer"),
+        (["train={steps: 2}", "train.steps=3"], "train.steps"),  # a section, then a key in it
+        (["train.steps=3", "train={steps: 2}"], "train.steps"),
+        (["eval.stride=3", "eval.perplexity.stride=4"], "eval.perplexity.stride"),  # one key, two spellings
+    ],
+)
+def test_two_sets_of_one_key_are_refused_not_the_last_taken(tmp_path, sets, both):
+    """`--set k=1 --set k=2` kept 2 in silence, where a flag and a --set on one key are refused;
+    a sweep's command line is held to the same. Two keys side by side are two settings."""
+    from posbench.config import load_sweep
+
+    said = f"--set {sets[0]} and --set {sets[1]} both set {both}; give one"
+    with pytest.raises(PosbenchError) as e:
+        load_config(None, sets)
+    assert str(e.value) == said
+    swept = tmp_path / "sweep.yaml"
+    swept.write_text("sweep:\n  model.train_len: [32, 64]\n")
+    with pytest.raises(PosbenchError) as e:
+        load_sweep(swept, sets)
+    assert str(e.value).endswith(f"sweep point model.train_len=32: {said}"), str(e.value)
+    cfg = load_config(None, ["train.steps=3", "train.lr=0.01", "train.min_lr=0.001"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.min_lr) == (3, 0.01, 0.001)
