@@ -642,8 +642,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def parse_yaml(text: str):
     """One value or document as posbench reads YAML: a key given twice is an error. YAML 1.1
     reads 1e5 (no dot) as a string: a float field or option takes it as the number (_coerce,
-    registry.check_options), and every other value keeps what was written."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)
+    registry.check_options), and every other value keeps what was written. An alias that holds
+    itself (`a: &x {b: *x}`) has no end to walk, and is an error."""
+    value = yaml.load(text, Loader=_UniqueKeyLoader)
+    _no_cycle(value, set())
+    return value
+
+
+def _no_cycle(value, inside: set[int]) -> None:
+    if not isinstance(value, (dict, list)):
+        return
+    if id(value) in inside:
+        raise yaml.constructor.ConstructorError(problem="an alias (*name) inside the value it names")
+    inside.add(id(value))
+    for v in value.values() if isinstance(value, dict) else value:
+        _no_cycle(v, inside)
+    inside.discard(id(value))
 
 
 def read_yaml(path: str | Path) -> dict:

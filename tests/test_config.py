@@ -134,6 +134,19 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
         load_config(p)
 
 
+def test_an_alias_inside_itself_is_malformed_yaml_and_a_shared_one_reads(tmp_path):
+    """`a: &x {b: *x}` is a value without end: one line, not a RecursionError; an anchor used
+    twice is only shared and reads as written."""
+    p = tmp_path / "loop.yaml"
+    p.write_text("model: &a {n_layer: *a}\n")
+    with pytest.raises(PosbenchError) as e:
+        load_config(p)
+    assert str(e.value) == f"{p}: malformed YAML: an alias (*name) inside the value it names"
+    p.write_text("scheme_options:\n  t5: &opts {max_distance: 64}\n  hybrid: *opts\n")
+    cfg = load_config(p)
+    assert cfg.scheme_options == {"t5": {"max_distance": 64}, "hybrid": {"max_distance": 64}}
+
+
 def test_missing_yaml(tmp_path):
     with pytest.raises(PosbenchError, match="nope.yaml: config file not found"):
         load_config(tmp_path / "nope.yaml")
