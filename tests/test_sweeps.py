@@ -298,6 +298,21 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     res = invoke("sweep", config)
     assert res.exit_code == 0 and res.output.count("already trained") == 2 and "alibi seed 1" in res.output
     assert len([p for p in exp.iterdir() if p.is_dir()]) == 4
+    # sweep.yaml is the grid asked last; the first one, whose runs are still here, is kept beside it
+    assert (exp / "sweep.yaml").read_text() == config.read_text() and "seeds: [0, 1]" in config.read_text()
+    assert "seeds: [0]\n" in (exp / "sweep.1.yaml").read_text() and not (exp / "sweep.2.yaml").exists()
+    assert invoke("sweep", config).exit_code == 0 and not (exp / "sweep.2.yaml").exists()  # the same grid
+
+
+def test_a_sweep_into_an_experiment_that_is_not_a_sweep_is_refused(tmp_path):
+    """extrapolate's runs differ only in scheme and seed; a sweep may not make their folder a
+    sweep's (the other way round is refused as well): one line, nothing written."""
+    exp = tmp_path / "r" / "grid"
+    (exp / "alibi-seed0").mkdir(parents=True)
+    res = invoke("sweep", _sweep(tmp_path))
+    said = f"{exp} holds an experiment that is not a sweep (alibi-seed0 and 0 more runs, no sweep.yaml)"
+    assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
+    assert sorted(p.name for p in exp.iterdir()) == ["alibi-seed0"]
 
 
 def test_a_run_an_earlier_sweep_named_by_other_keys_is_reused_not_trained_again(tmp_path):

@@ -84,8 +84,21 @@ def sweep_jobs(grid: list[tuple[dict, Experiment]], source: str, reporter: Repor
         if mine:
             sources.update(prepare(exp, mine, reporter))
     folder.mkdir(parents=True, exist_ok=True)
+    keep_earlier_grid(folder, source)
     write_atomic(folder / SWEEP_RECORD, source)
     return folder, jobs, sources
+
+
+def keep_earlier_grid(folder: Path, source: str) -> None:
+    """sweep.yaml is the latest grid; an earlier one that differs is kept beside it, oldest first
+    (sweep.1.yaml, sweep.2.yaml, ...), since its runs stay in the folder."""
+    record = folder / SWEEP_RECORD
+    if not record.is_file() or record.read_text() == source:
+        return
+    n = 1
+    while (folder / f"{record.stem}.{n}{record.suffix}").exists():
+        n += 1
+    record.rename(folder / f"{record.stem}.{n}{record.suffix}")
 
 
 def run_sweep(grid: list[tuple[dict, Experiment]], source: str, reporter: Reporter) -> Path:

@@ -18,6 +18,7 @@ from posbench.config import ExperimentConfig, config_from_dict, differences, ide
 from posbench.errors import PosbenchError
 from posbench.experiment.records import (
     CONFIG,
+    SWEEP_RECORD,
     diverged_step,
     has_checkpoint,
     lock_file,
@@ -178,6 +179,12 @@ def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
     if len({type(exp.measure) for _, exp in grid}) > 1:  # perplexity and exact match share no table
         raise PosbenchError(
             "sweep: task mixes lm with the tasks, which one report cannot compare; sweep lm apart from the tasks"
+        )
+    runs = [p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")] if folder.is_dir() else []
+    if runs and not (folder / SWEEP_RECORD).is_file():  # its runs were made to differ in scheme and seed only
+        raise PosbenchError(
+            f"{folder} holds an experiment that is not a sweep ({runs[0]} and {len(runs) - 1} more runs, no "
+            f"{SWEEP_RECORD}); sweep into another folder with --set name=NEW"
         )
     jobs, seen = [], {}
     for settings, exp in grid:
