@@ -101,12 +101,12 @@ QUICK_TASK = [
 
 
 def task_experiment(out: Path, schemes: str, *more, task: str = "copy", name: str = "") -> Path:
-    """`posbench extrapolate --task copy` at QUICK_TASK's size, seed 0 of each scheme, under
-    `out`: its experiment folder (out/<name>, or out/<task> without one)."""
+    """`posbench extrapolate --task copy` at QUICK_TASK's size (a --set in `more` over its own),
+    seed 0 of each scheme, under `out`: its experiment folder (out/<name>, or out/<task> without one)."""
     named = ["--set", f"name={name}"] if name else []
-    res = invoke(
-        "extrapolate", "--task", task, "--schemes", schemes, "--set", f"out_dir={out}", *QUICK_TASK, *named, *more
-    )
+    given = {m.split("=", 1)[0] for m in more if "=" in m}  # a key of QUICK_TASK's that `more` sets instead
+    quick = [x for pair in zip(QUICK_TASK[::2], QUICK_TASK[1::2]) if pair[1].split("=")[0] not in given for x in pair]
+    res = invoke("extrapolate", "--task", task, "--schemes", schemes, "--set", f"out_dir={out}", *quick, *named, *more)
     assert res.exit_code == 0, res.output
     return out / (name or task)
 

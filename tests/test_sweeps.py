@@ -310,7 +310,7 @@ def test_a_sweep_into_an_experiment_that_is_not_a_sweep_is_refused(tmp_path):
     exp = tmp_path / "r" / "grid"
     (exp / "alibi-seed0").mkdir(parents=True)
     res = invoke("sweep", _sweep(tmp_path))
-    said = f"{exp} holds an experiment that is not a sweep (alibi-seed0 and 0 more runs, no sweep.yaml)"
+    said = f"{exp} holds an experiment that is not a sweep (alibi-seed0, no sweep.yaml)"
     assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
     assert sorted(p.name for p in exp.iterdir()) == ["alibi-seed0"]
 

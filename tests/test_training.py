@@ -163,6 +163,7 @@ def test_sigterm_stops_the_workers_and_leaves_nothing_half_written(tmp_path):
         assert "interrupted" in out and "rerun the same command to resume" in out and "Traceback" not in out
         assert sorted(p.name for p in exp.iterdir() if not p.name.endswith(".lock")) == [
             ".alibi-seed0.partial",
+            ".claiming",  # the lock a run takes to check the experiment as it starts
             ".nope-seed0.partial",
             "runs.txt",
         ]

@@ -145,7 +145,7 @@ def check_same_experiment(rc: ExperimentConfig, task: TrainingTask, folder: Path
     records = [(f.parent.name, f, "trained") for f in sorted(folder.glob(f"*/{CONFIG}")) if f.parent.name[0] != "."]
     for f in sorted(folder.glob(f".*.partial/{CONFIG}")):
         name = f.parent.name[1 : -len(".partial")]
-        if name not in mine and has_checkpoint(f.parent) or lock_holder(lock_file(folder / name)) is not None:
+        if name not in mine and (has_checkpoint(f.parent) or lock_holder(lock_file(folder / name)) is not None):
             records.append((name, f, "begun"))
     for name, cfg_file, how in records:
         try:
@@ -180,11 +180,12 @@ def plan_sweep(grid: list[tuple[dict, Experiment]]) -> tuple[Path, list[Job]]:
         raise PosbenchError(
             "sweep: task mixes lm with the tasks, which one report cannot compare; sweep lm apart from the tasks"
         )
-    runs = [p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")] if folder.is_dir() else []
+    runs = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name[0] != ".") if folder.is_dir() else []
     if runs and not (folder / SWEEP_RECORD).is_file():  # its runs were made to differ in scheme and seed only
+        more = f" and {len(runs) - 1} more" if len(runs) > 1 else ""
         raise PosbenchError(
-            f"{folder} holds an experiment that is not a sweep ({runs[0]} and {len(runs) - 1} more runs, no "
-            f"{SWEEP_RECORD}); sweep into another folder with --set name=NEW"
+            f"{folder} holds an experiment that is not a sweep ({runs[0]}{more}, no {SWEEP_RECORD}); "
+            f"sweep into another folder with --set name=NEW"
         )
     jobs, seen = [], {}
     for settings, exp in grid:
