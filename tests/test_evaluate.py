@@ -2,6 +2,7 @@
 process without the training loop; and the table of a length only some seeds reached."""
 
 import csv
+import os
 import shutil
 
 import pytest
@@ -20,6 +21,28 @@ def test_evaluate_an_existing_run_at_new_lengths(smoke, tmp_path):
     assert sorted(rows) == [32, 48, 64, 96]
     old = {int(r["length"]): r for r in csv.DictReader((exp / "rope-seed0" / "eval.csv").open())}
     assert rows[32]["loss"] == old[32]["loss"]  # evaluation is deterministic
+
+
+def test_evaluate_of_a_run_another_process_holds_is_one_line_and_loses_no_row(smoke, tmp_path):
+    """Each scoring reads a run's records and writes them back with its rows merged in: a second
+    evaluate while another process holds the run (scoring it, or training it) is refused, so
+    neither one's rows are lost; once the run is free, it scores."""
+    from posbench.experiment.records import lock_file
+    from posbench.files import exclusive
+
+    exp, _, _ = smoke
+    run = tmp_path / "exp" / "alibi-seed0"
+    shutil.copytree(exp / "alibi-seed0", run)
+    before = (run / "eval.csv").read_text()
+    for args in (["--lengths", "96"], ["--measure", "context_gain"]):
+        with exclusive(lock_file(run)):
+            res = invoke("evaluate", run, *args)
+        said = f"{run}: another posbench process (pid {os.getpid()}) is training or scoring it"
+        assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
+        assert (run / "eval.csv").read_text() == before and not (run / "measures").exists()
+    res = invoke("evaluate", run, "--lengths", "96")
+    assert res.exit_code == 0 and not lock_file(run).exists(), res.output
+    assert "96" in {r["length"] for r in csv.DictReader(open(run / "eval.csv"))}
 
 
 def test_evaluate_reads_the_runs_config_and_rescores_rows_on_other_tokens(smoke, tmp_path):

@@ -8,6 +8,7 @@ scores it.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -339,6 +340,11 @@ def evaluate_run(
     model.attention), merge the rows into its records, send them to `tracker` (None: the run's
     train.tracker, where its library is installed here), and restore a deleted config.yaml from
     the checkpoint's copy. Returns the config it was scored under, its measure and the new rows."""
+    with scoring_alone(Path(run_dir)):
+        return _evaluate_run(run_dir, asked, device, attention, tracker)
+
+
+def _evaluate_run(run_dir, asked, device, attention, tracker):
     trained, rc, model = _to_score(run_dir, device)
     if not (Path(run_dir) / CONFIG).is_file():
         write_atomic(Path(run_dir) / CONFIG, dump_yaml(trained))
@@ -373,15 +379,30 @@ def measure_run(
     measures = load_measures(specs, options)
     if not (Path(run_dir) / WEIGHTS).is_file():
         pretrained_refused(Path(run_dir), f"score it with posbench pretrained {{path}} --measure {','.join(specs)}")
-    _, rc, model = _to_score(run_dir, device)
-    dev = pick_device(rc.train.device)
-    with named_by(run_dir):
-        task = task_for(rc)
-    run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))  # one run: the measures share its passes
-    check_read(run_dir, task.fingerprint(run.source))
-    scored = [(measure, score_into(measure, spec, run, Path(run_dir))) for spec, measure in measures]
+    with scoring_alone(Path(run_dir)):
+        _, rc, model = _to_score(run_dir, device)
+        dev = pick_device(rc.train.device)
+        with named_by(run_dir):
+            task = task_for(rc)
+        run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))  # one run: the measures share its passes
+        check_read(run_dir, task.fingerprint(run.source))
+        scored = [(measure, score_into(measure, spec, run, Path(run_dir))) for spec, measure in measures]
     _send(tracker or usable(rc.train.tracker), run_dir)
     return rc, scored
+
+
+@contextlib.contextmanager
+def scoring_alone(rdir: Path):
+    """The run's lock while `evaluate` scores it again: each scoring reads the records, then
+    writes them back with its rows merged in, so two at once would lose the first one's rows."""
+    with exclusive(lock_file(rdir), remove=True) as held:
+        if not held:
+            pid = lock_holder(lock_file(rdir))
+            raise PosbenchError(
+                f"{rdir}: another posbench process{f' (pid {pid})' if pid else ''} is training or scoring it; "
+                f"rerun once that process is done"
+            )
+        yield
 
 
 def _to_score(run_dir: Path, device: Optional[str]) -> tuple[ExperimentConfig, ExperimentConfig, TransformerLM]:
