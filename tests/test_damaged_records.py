@@ -122,6 +122,29 @@ def test_an_impossible_value_in_eval_csv_is_a_damaged_record_not_a_result(smoke,
     assert f"{path}: malformed evaluation rows" in " ".join(res.output.split())
 
 
+def test_a_row_given_twice_in_eval_csv_is_a_damaged_record_in_report_and_status(smoke, tmp_path):
+    """A second row for one (scheme, length, protocol) would be averaged in as if another seed
+    (report crashed on it, exit 1): one line naming it, and status says damaged, committed
+    records without weights included."""
+    exp, _, _ = smoke
+    copy = tmp_path / "copy"
+    shutil.copytree(exp, copy)
+    (copy / "alibi-seed0" / "model.pt").unlink()  # a committed reference's records
+    for run in ("rope-seed0", "alibi-seed0"):
+        path = copy / run / "eval.csv"
+        with path.open("a") as f:
+            f.write(path.read_text().splitlines()[1] + "\n")
+    res = invoke("report", copy)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    said = "eval.csv: alibi at length 32 (nonoverlapping) has two rows; delete the file and run evaluate again"
+    assert said in " ".join(res.output.split()), res.output
+    res = invoke("status", copy)
+    states = {
+        line.split("│")[1].strip(): line.split("│")[2].strip() for line in res.output.splitlines() if "-seed0" in line
+    }
+    assert states["rope-seed0"] == states["alibi-seed0"] == "damaged", res.output
+
+
 def test_an_empty_config_yaml_is_a_damaged_record_not_the_defaults(smoke, tmp_path):
     """A run's config.yaml left empty (a full disk, a crash) would read as the default config:
     a report would make it a grid point of its own, status would show the default train_len."""

@@ -90,10 +90,6 @@ def _status_of(run: RunState) -> dict:
         return {**row, "state": "damaged", "detail": unreadable}
     if run.here:
         missing = [f for f in (WEIGHTS, EVAL) if not (rdir / f).is_file()]
-        if missing == [WEIGHTS]:  # a committed reference's records: its weights stay where it trained
-            return {**row, "state": "records", "detail": f"evaluated, no {WEIGHTS}: tabled as is; a rerun trains it"}
-        if not missing and not zipfile.is_zipfile(rdir / WEIGHTS):  # cut short or overwritten since it was saved
-            return {**row, "state": "damaged", "detail": f"{WEIGHTS} is damaged: delete it to train the run again"}
         if EVAL not in missing:  # as report reads it: a malformed record is its one line
             from posbench.report import table_share
 
@@ -101,6 +97,10 @@ def _status_of(run: RunState) -> dict:
                 table_share(cfg, rdir)[0].read(rdir)
             except PosbenchError as e:
                 return {**row, "state": "damaged", "detail": str(e)}
+        if missing == [WEIGHTS]:  # a committed reference's records: its weights stay where it trained
+            return {**row, "state": "records", "detail": f"evaluated, no {WEIGHTS}: tabled as is; a rerun trains it"}
+        if not missing and not zipfile.is_zipfile(rdir / WEIGHTS):  # cut short or overwritten since it was saved
+            return {**row, "state": "damaged", "detail": f"{WEIGHTS} is damaged: delete it to train the run again"}
         return {
             **row,
             "state": "done" if not missing else "partial",

@@ -92,6 +92,14 @@ def read_eval(run_dir: Path) -> list[dict]:
                 raise ValueError
         except (KeyError, TypeError, ValueError):
             raise bad from None
+    seen = set()
+    for r in rows:  # one row per what it stands for: a second would be averaged in as if another seed
+        if row_key(r) in seen:
+            raise PosbenchError(
+                f"{path}: {r['scheme']} at length {r['length']} ({r['protocol']}) has two rows; "
+                f"delete the file and run evaluate again"
+            )
+        seen.add(row_key(r))
     return rows
 
 
