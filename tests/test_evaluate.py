@@ -45,6 +45,35 @@ def test_evaluate_of_a_run_another_process_holds_is_one_line_and_loses_no_row(sm
     assert "96" in {r["length"] for r in csv.DictReader(open(run / "eval.csv"))}
 
 
+def test_a_scoring_stopped_between_its_records_is_scored_whole_again(smoke, tmp_path, monkeypatch):
+    """A run's three records of a length are written one after another; a process stopped after
+    the first leaves eval.csv without the length, so the rerun scores it again and every file
+    holds it (eval.csv first left positions without it for good, and report misread the break)."""
+    import gzip
+
+    from posbench.measures.perplexity import score
+
+    exp, _, _ = smoke
+    run = tmp_path / "rope-seed0"
+    shutil.copytree(exp / "rope-seed0", run)
+    writes, real = [], score.write_rows
+
+    def stopped_after_one(path, *args):
+        writes.append(path)
+        if len(writes) == 2:
+            raise KeyboardInterrupt
+        return real(path, *args)
+
+    monkeypatch.setattr(score, "write_rows", stopped_after_one)
+    assert invoke("evaluate", run, "--lengths", "96").exit_code == 130
+    assert "96" not in {r["length"] for r in csv.DictReader(open(run / "eval.csv"))}
+    monkeypatch.setattr(score, "write_rows", real)
+    assert invoke("evaluate", run, "--lengths", "96").exit_code == 0
+    assert "96" in {r["length"] for r in csv.DictReader(open(run / "eval.csv"))}
+    assert "96" in {r["length"] for r in csv.DictReader(gzip.open(run / "positions.csv.gz", "rt"))}
+    assert "96" in {r["length"] for r in csv.DictReader(open(run / "windows.csv"))}
+
+
 def test_evaluate_reads_the_runs_config_and_rescores_rows_on_other_tokens(smoke, tmp_path):
     """The run's config.yaml is its record: evaluate scores with its eval.tokens, and rows left
     from other tokens are scored again, so one eval.csv never mixes token sets. A config.yaml

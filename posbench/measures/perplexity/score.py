@@ -126,15 +126,14 @@ def _refuse_variants(rc, model, variants: list[Optional[str]], longest: int, fac
 def _merge_records(rdir: Path, base: str, old: tuple, rows: list, positions: list, per_window: list) -> None:
     """The new rows into eval.csv, their loss per position into positions.csv.gz and per window
     into windows.csv (`old`: the three files' rows as read); a row replaces the old one of its
-    key. The plain run's rows (`base`) first."""
+    key. The plain run's rows (`base`) first. eval.csv goes last: it says what is scored, so a
+    process stopped before it leaves those lengths to be scored again, all three files with them."""
     new = {row_key(r) for r in rows}
     old_eval, old_positions, old_windows = old
 
     def order(r):
         return r["scheme"] != base, r["scheme"], r["protocol"], int(r["length"])
 
-    keep = [r for r in old_eval if row_key(r) not in new]
-    write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
     kept = [r for r in old_positions if row_key(r) not in new]
     write_rows(
         rdir / POSITIONS,
@@ -146,6 +145,8 @@ def _merge_records(rdir: Path, base: str, old: tuple, rows: list, positions: lis
     write_rows(
         rdir / "windows.csv", sorted(kept + per_window, key=lambda r: (*order(r), int(r["window"]))), WINDOW_COLUMNS
     )
+    keep = [r for r in old_eval if row_key(r) not in new]
+    write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
 
 
 def unevaluated(rc, rdir: Path, model, n_tokens: int, device) -> dict[tuple, list[int]]:
