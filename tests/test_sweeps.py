@@ -302,6 +302,14 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     assert (exp / "sweep.yaml").read_text() == config.read_text() and "seeds: [0, 1]" in config.read_text()
     assert "seeds: [0]\n" in (exp / "sweep.1.yaml").read_text() and not (exp / "sweep.2.yaml").exists()
     assert invoke("sweep", config).exit_code == 0 and not (exp / "sweep.2.yaml").exists()  # the same grid
+    # a grid that never trained a run (its cluster did not answer) is replaced, not kept
+    stray = tmp_path / "r" / "stray"
+    stray.mkdir()
+    (stray / "sweep.yaml").write_text("sweep: {seeds: [[5]]}\n")
+    from posbench.experiment.execute import keep_earlier_grid
+
+    keep_earlier_grid(stray, config.read_text())
+    assert sorted(p.name for p in stray.iterdir()) == ["sweep.yaml"]
 
 
 def test_a_sweep_into_an_experiment_that_is_not_a_sweep_is_refused(tmp_path):

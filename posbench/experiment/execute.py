@@ -92,9 +92,12 @@ def sweep_jobs(grid: list[tuple[dict, Experiment]], source: str, reporter: Repor
 
 def keep_earlier_grid(folder: Path, source: str) -> None:
     """sweep.yaml is the latest grid; an earlier one that differs is kept beside it, oldest first
-    (sweep.1.yaml, sweep.2.yaml, ...), since its runs stay in the folder."""
+    (sweep.1.yaml, sweep.2.yaml, ...), since its runs stay in the folder (one that never got to
+    train a run, a Ray cluster that did not answer, is only replaced)."""
     record = folder / SWEEP_RECORD
     if not record.is_file() or record.read_text() == source:
+        return
+    if not any(p.is_dir() for p in folder.iterdir()):  # nor a run, nor a run begun (.x.partial)
         return
     n = 1
     while (folder / f"{record.stem}.{n}{record.suffix}").exists():
