@@ -688,3 +688,27 @@ def test_the_committed_reference_is_in_the_papers_regime():
         before = next(float(r["ppl"]) for r in _rows(p / "eval.csv") if r["length"] == L and r["scheme"] == "rope")
         after = next(float(r["ppl"]) for r in _rows(p.parent / f"{p.name}-continue" / "eval.csv") if r["length"] == L)
         assert abs(after - before) / before < 0.02, (p.name, before, after)
+
+
+def test_extend_sizes_its_note_on_workers_by_a_run_it_trains_not_a_parent(extended):
+    """The runs that train are the children (K steps at L2), so the note that says they are too
+    small to repay a worker gives a child's tokens, not the parent's budget."""
+    import re
+
+    out, res = extended
+    said = " ".join(res.output.split())
+    if "runs train one after another" not in said:
+        pytest.skip("one core here: nothing to say")
+    tokens = int(re.search(r"each is ([\d,]+) tokens", said).group(1).replace(",", ""))
+    configs = [yaml.safe_load(p.read_text()) for p in out.glob("*/config.yaml")]
+    children = {
+        c["train"]["steps"] * c["train"]["batch_size"] * c["model"]["train_len"]
+        for c in configs
+        if c["model"].get("extend")
+    }
+    parents = {
+        c["train"]["steps"] * c["train"]["batch_size"] * c["model"]["train_len"]
+        for c in configs
+        if not c["model"].get("extend")
+    }
+    assert tokens in children and tokens not in parents, (tokens, children, parents)
