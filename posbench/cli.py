@@ -706,8 +706,8 @@ def extend(
         tracker = tracker or usable(plan.jobs[0].cfg.train.tracker)  # the parents' own, where it is installed
         check_reads(plan.jobs, sources)  # a parent read other data: before the folder is made
         write_record(plan)
-        trained = [job.cfg for job in plan.jobs if job.state == "todo" and job.cfg.model.extend]
-        run_jobs((trained or [first])[0], plan.jobs, plan.folder, reporter, sources, tracker)  # sized by a child
+        child = next((job.cfg for job in plan.jobs if job.state == "todo" and job.cfg.model.extend), first)
+        run_jobs(child, plan.jobs, plan.folder, reporter, sources, tracker)  # workers sized by a run that trains
         _print_summary([plan.folder], tracker=tracker)
 
 

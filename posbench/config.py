@@ -782,11 +782,12 @@ def flag_values(values: Optional[dict[str, Any]]) -> dict[str, tuple[str, Any]]:
 
 def set_clash(override: str, keys) -> Optional[str]:
     """The key of `keys` that the --set `override` would also set (eval.stride is
-    eval.perplexity.stride; `train={steps: 2}` sets train.steps), or None."""
+    eval.perplexity.stride; `train={steps: 2}` sets train.steps, and train.steps is set by one of
+    `train`), or None."""
     if "=" not in override:
         return None
     key = measure_key(override.split("=", 1)[0].strip())
-    return next((k for k in keys if k == key or k.startswith(key + ".")), None)
+    return next((k for k in keys if (k + ".").startswith(key + ".") or key.startswith(k + ".")), None)
 
 
 def command_line(raw: dict, values: dict[str, tuple[str, Any]], overrides: list[str], origins: dict) -> None:
@@ -799,13 +800,12 @@ def command_line(raw: dict, values: dict[str, tuple[str, Any]], overrides: list[
         clash = set_clash(o, values)
         if clash is not None:
             raise PosbenchError(f"{values[clash][0]} and --set {o} both set {clash}; give one")
-        key = measure_key(o.split("=", 1)[0].strip()) if "=" in o else ""
-        again = next((k for k in earlier if key and (k + ".").startswith(key + ".") or key.startswith(k + ".")), None)
+        again = set_clash(o, earlier)
         if again is not None:  # the later would silently win, as a flag and a --set on one key would
+            key = measure_key(o.split("=", 1)[0].strip())
             raise PosbenchError(f"--set {earlier[again]} and --set {o} both set {max(again, key, key=len)}; give one")
-        apply_override(raw, o, origins)
-        if key:
-            earlier[key] = o
+        apply_override(raw, o, origins)  # a --set without `=` is refused here
+        earlier[measure_key(o.split("=", 1)[0].strip())] = o
 
 
 def load_config(

@@ -204,11 +204,8 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
         reporter = Marked(reporter, ", " + rdir.name.removeprefix(run_name(rc.schemes[0], rc.seeds[0]) + "-"))
     with exclusive(lock_file(rdir), remove=True) as held:
         if not held:
-            pid = lock_holder(lock_file(rdir))
-            reporter.note(
-                f"{rdir.name}: another posbench process{f' (pid {pid})' if pid else ''} is running it; "
-                f"skipped here, rerun once that process is done"
-            )
+            held_by = _other_process(rdir)
+            reporter.note(f"{rdir.name}: {held_by} is running it; skipped here, rerun once that process is done")
             return "held"
         if state != "done" and ((rdir / WEIGHTS).is_file() or (rdir / DIVERGED).is_file()):
             # another process ended it since it was planned: reused only where it is this very run
@@ -400,12 +397,15 @@ def scoring_alone(rdir: Path):
     writes them back with its rows merged in, so two at once would lose the first one's rows."""
     with exclusive(lock_file(rdir), remove=True) as held:
         if not held:
-            pid = lock_holder(lock_file(rdir))
-            raise PosbenchError(
-                f"{rdir}: another posbench process{f' (pid {pid})' if pid else ''} is training or scoring it; "
-                f"rerun once that process is done"
-            )
+            held_by = _other_process(rdir)
+            raise PosbenchError(f"{rdir}: {held_by} is training or scoring it; rerun once that process is done")
         yield
+
+
+def _other_process(rdir: Path) -> str:
+    """'another posbench process (pid 123)': the one holding the run's lock."""
+    pid = lock_holder(lock_file(rdir))
+    return f"another posbench process{f' (pid {pid})' if pid else ''}"
 
 
 def _to_score(run_dir: Path, device: Optional[str]) -> tuple[ExperimentConfig, ExperimentConfig, TransformerLM]:
