@@ -11,7 +11,7 @@ from typing import Optional
 
 from posbench.config import config_from_dict
 from posbench.errors import PosbenchError, first_line
-from posbench.experiment.execute import run_one, source_of, sweep_jobs
+from posbench.experiment.execute import begin_sweep, run_one, source_of, sweep_jobs
 from posbench.experiment.plan import Job, plan_state
 from posbench.experiment.records import lock_file, partial_dir
 from posbench.files import cache_dir, exclusive, safe_name
@@ -40,7 +40,7 @@ def run_sweep_on_ray(
     except ImportError:
         raise PosbenchError(INSTALL) from None
     check_reachable(address)
-    exp, jobs, sources = sweep_jobs(grid, source, reporter)
+    exp, jobs, sources = sweep_jobs(grid, reporter)
     started = not ray.is_initialized()
     if started:
         try:
@@ -52,6 +52,7 @@ def run_sweep_on_ray(
     task = ray.remote(train_on_node)
     tracker = grid[0][1].cfg.train.tracker  # checked by sweep_jobs, before anything was sent
     try:
+        begin_sweep(exp, source, jobs)  # once a cluster answers: a folder it never trained in is not made
         with contextlib.ExitStack() as held:
             pending, sent, done = {}, 0, 0
             todo = sum(job.state == "todo" for job in jobs)

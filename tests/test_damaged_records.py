@@ -275,6 +275,44 @@ def test_a_run_is_scored_and_fine_tuned_only_on_the_data_it_read(tmp_path):
     assert not (tmp_path / "ext").exists()
 
 
+def test_weights_trained_on_other_data_are_never_scored_as_the_runs_own(tmp_path):
+    """model.pt names the data its weights were trained on, as data.json does: weights copied in
+    from a run on another corpus are refused in one line against the run's data.json, and where
+    the run lacks its data.json, model.pt's copy is restored, so the run is held to the data it
+    really read, never pinned to whatever its config reads now."""
+    from conftest import smoke_experiment
+
+    (tmp_path / "a").mkdir()
+    exp, _, text = smoke_experiment(tmp_path / "a", "--schemes", "alibi")
+    theirs = exp / "alibi-seed0"
+    ckpt = torch.load(theirs / "model.pt", weights_only=True)
+    assert ckpt["read"] == yaml.safe_load((theirs / "data.json").read_text())  # one record, written twice
+    other = tmp_path / "b" / "other.txt"
+    other.parent.mkdir()
+    other.write_text("all the world is a stage and all the men and women merely players\n" * 400)
+    res = invoke(
+        "extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"out_dir={tmp_path / 'b'}",
+        "--set", f"data.path={other}",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "b" / "smoke" / "alibi-seed0"
+    pinned = yaml.safe_load((run / "data.json").read_text())
+    shutil.copy2(theirs / "model.pt", run / "model.pt")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    res = invoke("evaluate", run, "--lengths", "32")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"{run / 'data.json'} does not describe model.pt" in said
+    assert f"trained on {text} (bytes) with sha256 {ckpt['read']['sha256'][:12]}" in said
+    assert f"data.json names {other} (bytes) with sha256 {pinned['sha256'][:12]}" in said
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    (run / "data.json").unlink()  # nothing left to hold it against but model.pt's own record
+    res = invoke("evaluate", run, "--lengths", "32")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"read {text} (bytes) with sha256 {ckpt['read']['sha256'][:12]}" in said, said
+    assert (run / "eval.csv").read_bytes() == before["eval.csv"]
+
+
 # --- a full disk: one line naming the folder, nothing half-written, nothing on disk lost ---------
 
 

@@ -13,6 +13,8 @@ import torch
 import yaml
 from conftest import ROOT, SMOKE, invoke
 
+from posbench.experiment.records import planned
+
 
 def _text(tmp: Path) -> Path:
     text = tmp / "tiny.txt"
@@ -302,7 +304,7 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     assert (exp / "sweep.yaml").read_text() == config.read_text() and "seeds: [0, 1]" in config.read_text()
     assert "seeds: [0]\n" in (exp / "sweep.1.yaml").read_text() and not (exp / "sweep.2.yaml").exists()
     assert invoke("sweep", config).exit_code == 0 and not (exp / "sweep.2.yaml").exists()  # the same grid
-    # a grid that never trained a run (its cluster did not answer) is replaced, not kept
+    # a grid that never trained a run (a sweep stopped before its first) is replaced, not kept
     stray = tmp_path / "r" / "stray"
     stray.mkdir()
     (stray / "sweep.yaml").write_text("sweep: {seeds: [[5]]}\n")
@@ -543,6 +545,7 @@ def test_a_sweep_on_a_local_ray_instance_gives_the_records_a_local_sweep_gives(t
         assert _same_weights(there, here)
         assert (there / "eval.csv").read_text() == (here / "eval.csv").read_text()
     assert (tmp_path / "r" / "grid" / "summary.md").is_file()
+    assert sorted(planned(tmp_path / "r" / "grid")) == runs  # so status names a run not back yet
     # the driver sent each run to the tracker, from the records it wrote; no task did
     sent = {p.name for p in (tmp_path / "r" / "grid" / "tensorboard").iterdir()}
     assert sent == {*runs, "grid"}, sent
@@ -569,6 +572,22 @@ def test_a_ray_address_that_does_not_answer_is_one_line_and_writes_nothing(tmp_p
     res = invoke("sweep", _sweep(tmp_path), "--executor", "ray", "--address", address)
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert message in " ".join(res.output.split())
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_ray_cluster_that_refuses_the_driver_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    """A head that answers but will not take this driver (another Ray version, say) fails at
+    ray.init: one line, and no experiment folder is left behind holding only a grid."""
+    ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Version mismatch: the cluster runs Ray 2.0.0\nmore detail")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    res = invoke("sweep", _sweep(tmp_path), "--executor", "ray", "--address", "auto")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    said = " ".join(res.output.split())
+    assert "--address auto: cannot join a Ray cluster (Version mismatch: the cluster runs Ray 2.0.0)" in said
     assert not (tmp_path / "r").exists()
 
 

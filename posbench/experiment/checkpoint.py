@@ -18,7 +18,7 @@ import torch
 
 from posbench.config import ExperimentConfig, config_from_dict, differences, identity, read_record
 from posbench.errors import PosbenchError, first_line
-from posbench.experiment.records import CHECKPOINT, CONFIG, DIVERGED, PREVIOUS, WEIGHTS
+from posbench.experiment.records import CHECKPOINT, CONFIG, DIVERGED, PREVIOUS, WEIGHTS, check_weights_read
 from posbench.files import TMP_PREFIX, atomic, room_in
 from posbench.model import TransformerLM
 from posbench.progress import Reporter
@@ -47,10 +47,15 @@ def _damaged(ckpt: dict, key: str) -> bool:
     return "sha256" in ckpt and weights_digest(ckpt[key]) != ckpt["sha256"]
 
 
-def save_checkpoint(path: Path, model: TransformerLM, cfg: ExperimentConfig) -> None:
+def save_checkpoint(path: Path, model: TransformerLM, cfg: ExperimentConfig, read: Optional[dict] = None) -> None:
+    """model.pt: the weights, their config and checksum, and `read`, the data they were trained
+    on as data.json names it (corpus, sha256; None: a synthetic task's, which its config makes)."""
     state = model.state_dict()
+    ckpt = {"config": cfg.to_dict(), "model": state, "sha256": weights_digest(state)}
+    if read is not None:
+        ckpt["read"] = read
     with atomic(path) as tmp, open(tmp, "wb") as f:  # a file object: a full disk keeps its errno
-        torch.save({"config": cfg.to_dict(), "model": state, "sha256": weights_digest(state)}, f)
+        torch.save(ckpt, f)
 
 
 def pretrained_refused(rdir: Path, advice: str) -> None:
@@ -111,6 +116,8 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
         ) from None
     if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
         raise PosbenchError(f"{ckpt_path}: holds non-finite weights (NaN or inf); retrain it")
+    if isinstance(ckpt.get("read"), dict):
+        check_weights_read(Path(run_dir), ckpt["read"])
     record = Path(run_dir) / CONFIG
     if record.is_file():  # the run's record: its data and eval settings are the current ones
         rec = config_from_dict(read_record(record), source=str(record))

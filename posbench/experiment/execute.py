@@ -72,9 +72,9 @@ def run_experiment(exp: Experiment, reporter: Reporter) -> Path:
     return folder
 
 
-def sweep_jobs(grid: list[tuple[dict, Experiment]], source: str, reporter: Reporter) -> tuple[Path, list[Job], dict]:
-    """A sweep's experiment folder, made, with `source` (the config file's text) kept there as
-    sweep.yaml, its jobs and the data they read, each grid point checked before any runs."""
+def sweep_jobs(grid: list[tuple[dict, Experiment]], reporter: Reporter) -> tuple[Path, list[Job], dict]:
+    """A sweep's experiment folder (not made yet), its jobs and the data they read, each grid
+    point checked before any runs."""
     folder, jobs = plan_sweep(grid)
     size = sweep_size(grid, jobs)
     if size is not None:  # thousands of runs: said before the first one starts
@@ -84,16 +84,28 @@ def sweep_jobs(grid: list[tuple[dict, Experiment]], source: str, reporter: Repor
         mine = [job for job in jobs if job.point is exp.cfg]
         if mine:
             sources.update(prepare(exp, mine, reporter))
+    return folder, jobs, sources
+
+
+def begin_sweep(folder: Path, source: str, jobs: list[Job]) -> None:
+    """A sweep's experiment folder, made, with `source` (the config file's text) kept there as
+    sweep.yaml and its runs named in runs.txt."""
     folder.mkdir(parents=True, exist_ok=True)
     keep_earlier_grid(folder, source)
     write_atomic(folder / SWEEP_RECORD, source)
-    return folder, jobs, sources
+    record_planned(folder, jobs)
+
+
+def record_planned(folder: Path, jobs: list[Job]) -> None:
+    """runs.txt: the runs the folder was asked to hold, by this command and every one before it."""
+    runs = dict.fromkeys([*planned(folder), *(job.folder.name for job in jobs)])
+    write_atomic(folder / PLANNED, "".join(f"{name}\n" for name in runs))
 
 
 def keep_earlier_grid(folder: Path, source: str) -> None:
     """sweep.yaml is the latest grid; an earlier one that differs is kept beside it, oldest first
     (sweep.1.yaml, sweep.2.yaml, ...), since its runs stay in the folder (one that never got to
-    train a run, a Ray cluster that did not answer, is only replaced)."""
+    train a run is only replaced)."""
     record = folder / SWEEP_RECORD
     if not record.is_file() or record.read_text() == source:
         return
@@ -107,7 +119,8 @@ def keep_earlier_grid(folder: Path, source: str) -> None:
 
 def run_sweep(grid: list[tuple[dict, Experiment]], source: str, reporter: Reporter) -> Path:
     """Train and score what a sweep's grid still lacks, in one experiment folder. Returns it."""
-    folder, jobs, sources = sweep_jobs(grid, source, reporter)
+    folder, jobs, sources = sweep_jobs(grid, reporter)
+    begin_sweep(folder, source, jobs)
     run_jobs(grid[0][1].cfg, jobs, folder, reporter, sources)
     return folder
 
@@ -151,8 +164,7 @@ def run_jobs(
     workers, threads = worker_plan(cfg, to_train, reporter.note)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    runs = dict.fromkeys([*planned(folder), *(job.folder.name for job in jobs)])
-    write_atomic(folder / PLANNED, "".join(f"{name}\n" for name in runs))
+    record_planned(folder, jobs)
     try:
         tracker = usable(tracker or cfg.train.tracker)  # prepare() refused a missing one it was asked for
         if workers > 1:
@@ -236,7 +248,7 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
         job.measure.score(rc, rdir, model, data, device, model.backend(device), reporter)
         score_measures(rc, rdir, model, data, device)
         write_atomic(rdir / CONFIG, dump_yaml(record))  # how it was trained, and scored now
-        record_read(rdir, getattr(data, "name", rc.task), job.task.fingerprint(data))
+        record_read(rdir, *what_read(job, data))
         return "reused" if state == "done" else "trained"
 
 
@@ -302,9 +314,15 @@ def train_run(job: Job, data, reporter: Reporter) -> Optional[TransformerLM]:
         else:  # nothing worth resuming
             shutil.rmtree(partial, ignore_errors=True)
         raise
-    save_checkpoint(partial / WEIGHTS, model, rc)
+    corpus, digest = what_read(job, data)
+    save_checkpoint(partial / WEIGHTS, model, rc, {"corpus": corpus, "sha256": digest} if digest else None)
     _finish(partial, rdir)
     return model
+
+
+def what_read(job: Job, data) -> tuple[str, Optional[str]]:
+    """The name and sha256 of the data a run reads (None: a synthetic task's, made by its config)."""
+    return getattr(data, "name", job.cfg.task), job.task.fingerprint(data)
 
 
 def _finish(partial: Path, rdir: Path) -> None:

@@ -1,8 +1,9 @@
 """A run folder's layout and its records, read by plain code: no torch, no training code.
 
-A run folder holds config.yaml (fully resolved), model.pt (weights plus that same config),
-train_log.jsonl (step, loss, lr, seconds, attention backend), data.json (the sha256 of the corpus
-it read: what it is scored and fine-tuned on is checked against it) and its measure's records
+A run folder holds config.yaml (fully resolved), model.pt (weights plus that same config and
+data.json's record), train_log.jsonl (step, loss, lr, seconds, attention backend), data.json (the
+sha256 of the corpus it read: what it is scored and fine-tuned on, and model.pt, are checked
+against it) and its measure's records
 (e.g. eval.csv); a run whose loss blew up holds diverged.json instead of model.pt. Folders are built
 under a hidden name (.<run>.partial), beside their mid-run checkpoints, and renamed when whole,
 so an interrupted run leaves nothing that could pass for a finished one. A lock file per run
@@ -181,3 +182,27 @@ def record_read(rdir: Path, name: str, digest: Optional[str]) -> None:
 
     if digest is not None and not (Path(rdir) / DATA).is_file():
         write_atomic(Path(rdir) / DATA, json.dumps({"corpus": name, "sha256": digest}, indent=1) + "\n")
+
+
+def check_weights_read(rdir: Path, read: dict) -> None:
+    """model.pt names the data its weights were trained on (`read`: corpus, sha256); the run's
+    data.json must name the same, so weights copied in from a run on other data are never
+    scored as this run's. A data.json the run lacks is restored from model.pt's."""
+    path = Path(rdir) / DATA
+    if not path.is_file():
+        try:
+            record_read(rdir, read["corpus"], read["sha256"])
+        except OSError:  # a folder this user cannot write: nothing to hold it against
+            pass
+        return
+    try:
+        said = json.loads(path.read_text())
+        was, name = said["sha256"], said["corpus"]
+    except (ValueError, KeyError, TypeError):
+        raise PosbenchError(f"{path}: malformed; restore it, or delete it for model.pt's copy") from None
+    if was != read["sha256"]:
+        raise PosbenchError(
+            f"{path} does not describe model.pt: its weights were trained on {read['corpus']} with sha256 "
+            f"{read['sha256'][:12]}, data.json names {name} with sha256 {was[:12]}; restore the run's own "
+            f"files, or delete the run to train it anew"
+        )
