@@ -72,6 +72,7 @@ def user_errors(
 
 
 _FREE = "; free some space, then rerun the same command"
+_SCORED = "the records hold only what was scored in full; rerun the same command to score the rest"
 
 
 def _error(message: str, code: int = 2):
@@ -528,7 +529,7 @@ def evaluate(
     from posbench.experiment.execute import evaluate_run
 
     stride = _whole(stride)
-    with user_errors():
+    with user_errors(on_interrupt=_SCORED):
         _set_threads(threads)
         if measure is None and measure_option:
             raise PosbenchError("--measure-option sets an option of a measure named by --measure")
@@ -611,7 +612,7 @@ def pretrained(
     from posbench.measures.plugin import load_measures
 
     stride = _whole(stride)
-    with user_errors():
+    with user_errors(on_interrupt=_SCORED):
         if test_len is not None and lengths is not None:
             raise PosbenchError("--test-len and --lengths both set the evaluation lengths; give one")
         values = {
@@ -785,7 +786,7 @@ def report(
     ] = None,
 ):
     """Rebuild the summary tables (Markdown, CSV, LaTeX) and plots from run folders, without training."""
-    with user_errors():
+    with user_errors(on_interrupt="nothing was written; the tables and plots from before are kept"):
         from posbench.config import unique
 
         edges = _csv_ints(buckets, "--buckets")
@@ -806,7 +807,7 @@ def status(
     from posbench.console import status_table
     from posbench.experiment.status import run_status
 
-    with user_errors():
+    with user_errors(on_interrupt="nothing was written"):
         rows = run_status(experiment_dir)
     out.print(status_table(experiment_dir, rows))
 
@@ -959,7 +960,7 @@ def check_scheme(
     from posbench.config import apply_override, blame
     from posbench.console import checks_table
 
-    with user_errors():
+    with user_errors(on_interrupt="nothing was written"):
         raw, origins = {}, {}  # a bad option is blamed on its --set, as in every other command
         for o in set_ or []:
             apply_override(raw, o, origins, under=f"scheme_options.{scheme}")
@@ -993,7 +994,7 @@ def inspect(
     from posbench.config import apply_override, blame
     from posbench.plots import inspect_target
 
-    with user_errors(on_oom="a shorter --length"):
+    with user_errors(on_oom="a shorter --length", on_interrupt="each plot written is whole; rerun to draw the rest"):
         raw, origins = {}, {}  # a bad option is blamed on its --set, as in check-scheme
         holder = target if ":" in target or "." not in target else "run"  # a folder's dots are no sections
         for o in set_ or []:

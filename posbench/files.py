@@ -10,6 +10,7 @@ import gzip
 import io
 import math
 import os
+import shutil
 import zlib
 from pathlib import Path
 from typing import Optional
@@ -44,6 +45,42 @@ def atomic(path: Path):
                 raise type(e)(e.errno, e.strerror, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def together(folder: Path):
+    """A hidden folder in `folder` to write several files in; once the block has finished they
+    take their names in `folder` together, so a stop part way leaves every earlier file as it
+    was, never some new and some old. Stages that killed writers left are removed."""
+    for stale in folder.glob(".together-*"):
+        pid = stale.name.removeprefix(".together-")
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    stage = folder / f".together-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        with room_in(folder):
+            try:
+                stage.mkdir()
+                yield stage
+            except OSError as e:  # said of the file being written, not of its place in the stage
+                if e.filename is None or e.errno is None or stage not in (Path(e.filename), *Path(e.filename).parents):
+                    raise
+                raise type(e)(e.errno, e.strerror, str(folder / Path(e.filename).relative_to(stage))) from None
+        for path in sorted(stage.iterdir()):
+            os.replace(path, folder / path.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        pass
+    return True
 
 
 def file_in_the_way(path: Path) -> Optional[Path]:

@@ -27,7 +27,7 @@ from posbench.experiment.records import (
     trained_with,
 )
 from posbench.extend.methods import EXTEND_RECORD
-from posbench.files import atomic, write_atomic
+from posbench.files import together
 from posbench.measures import Measure, plugin
 from posbench.registry import named_by
 from posbench.schemes import run_label
@@ -279,19 +279,17 @@ def write_summary(
     parts["describe"] = parts["describe"] + lines
     folder.mkdir(parents=True, exist_ok=True)
     frame, columns = parts["csv"]
-    with atomic(folder / f"{stem}.csv") as tmp:
-        frame.to_csv(tmp, index=False, columns=columns)
-    write_atomic(folder / f"{stem}.md", markdown(parts, collected))
-    write_atomic(
-        folder / f"{stem}.tex",
-        "\n".join(line for s in parts["sections"] for line in latex_table(s.rows, s.best, s.caption)),
-    )
-    parts["written"] = [f"{stem}.csv", f"{stem}.md", f"{stem}.tex", *parts["plots"](folder, stem)]
-    if stem == "summary":  # a view changes the run's own tables alone
-        for name, rows in frames.items():
-            with atomic(folder / f"{name}.csv") as tmp:
-                rows.to_csv(tmp, index=False)
-        parts["written"] += [f"{name}.csv" for name in frames] + plugin.write_plots(panels, folder)
+    with together(folder) as stage:  # a report stopped part way leaves the earlier one whole
+        frame.to_csv(stage / f"{stem}.csv", index=False, columns=columns)
+        (stage / f"{stem}.md").write_text(markdown(parts, collected))
+        (stage / f"{stem}.tex").write_text(
+            "\n".join(line for s in parts["sections"] for line in latex_table(s.rows, s.best, s.caption)),
+        )
+        parts["written"] = [f"{stem}.csv", f"{stem}.md", f"{stem}.tex", *parts["plots"](stage, stem)]
+        if stem == "summary":  # a view changes the run's own tables alone
+            for name, rows in frames.items():
+                rows.to_csv(stage / f"{name}.csv", index=False)
+            parts["written"] += [f"{name}.csv" for name in frames] + plugin.write_plots(panels, stage)
     return collected, parts, folder
 
 

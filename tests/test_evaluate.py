@@ -65,7 +65,9 @@ def test_a_scoring_stopped_between_its_records_is_scored_whole_again(smoke, tmp_
         return real(path, *args)
 
     monkeypatch.setattr(score, "write_rows", stopped_after_one)
-    assert invoke("evaluate", run, "--lengths", "96").exit_code == 130
+    res = invoke("evaluate", run, "--lengths", "96")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 130 and "interrupted: the records hold only what was scored in full" in said, said
     assert "96" not in {r["length"] for r in csv.DictReader(open(run / "eval.csv"))}
     monkeypatch.setattr(score, "write_rows", real)
     assert invoke("evaluate", run, "--lengths", "96").exit_code == 0

@@ -776,6 +776,40 @@ def test_a_report_of_another_view_is_written_beside_the_experiments_summary_neve
     assert res.exit_code == 0 and (tmp_path / "bpb" / "summary.md").read_text() == (copy / "summary-bpb.md").read_text()
 
 
+@pytest.mark.plots
+def test_a_report_stopped_part_way_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """The tables and plots take their places together once all are drawn: a report stopped
+    while it draws (Ctrl-C, kill) leaves every earlier file as it was, never new tables beside
+    old plots, says so, and leaves no staging folder; one that a kill -9 left is removed later."""
+    from posbench.measures import plugin
+
+    copy = tmp_path / "reference"
+    shutil.copytree(ROOT / "results" / "reference", copy)
+    for name in ("summary.md", "summary.csv", "positions.png"):
+        (copy / name).write_bytes(b"an earlier report's")
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+
+    drawn = []
+
+    def stopped(panels, folder):  # the last drawing, after summary.* and positions.png are drawn
+        drawn.extend(p.name for p in folder.iterdir())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plugin, "write_plots", stopped)
+    res = invoke("report", copy)
+    assert res.exit_code == 130 and "interrupted: nothing was written" in " ".join(res.output.split()), res.output
+    assert {"summary.md", "positions.png"} <= set(drawn), drawn
+    assert {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()} == before
+    assert not list(copy.glob(".together-*"))
+    monkeypatch.undo()
+    (copy / ".together-999999999").mkdir()  # a killed report's, its process long gone
+    assert invoke("report", copy).exit_code == 0
+    after = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+    assert set(after) == set(before) and not list(copy.glob(".together-*"))
+    assert all(after[name] != b"an earlier report's" for name in ("summary.md", "summary.csv", "positions.png"))
+    assert after["summary.md"] == (ROOT / "results" / "reference" / "summary.md").read_bytes()
+
+
 def test_a_run_whose_config_says_another_training_length_than_its_rows_is_refused(tmp_path):
     """A config.yaml that names another train_len than the run's eval.csv was scored at (a hand
     edit) would title a table with one length and compute its ratios at another: one line, and
