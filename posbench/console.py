@@ -87,6 +87,10 @@ def print_report(collected, parts: dict, folder: Path) -> None:
         out.print(
             f"still running in another process, so not in the table: {', '.join(collected.running)}", highlight=False
         )
+    if collected.in_part:
+        from posbench.report import IN_PART
+
+        out.print(f"{IN_PART}: {', '.join(collected.in_part)}", highlight=False)
     for name in parts["written"]:
         if (folder / name).exists():
             out.print(f"wrote {folder / name}", highlight=False, soft_wrap=True)  # a path unbroken, to copy

@@ -52,8 +52,12 @@ class Collected:
     runs: list[Run] = field(default_factory=list)
     diverged: dict = field(default_factory=dict)  # run folder name -> 'alibi seed 1 at step 12'
     running: list = field(default_factory=list)  # run folders another process holds
+    in_part: list = field(default_factory=list)  # run folders whose scoring was stopped part way (scoring.txt)
     points: dict = field(default_factory=dict)  # run folder -> its grid point ('' for none)
     parts: dict = field(default_factory=dict)  # run folder -> what its experiment's runs share
+
+
+IN_PART = "scored in part, so some of their rows are missing (rerun the command that scored them)"
 
 
 def collect(exp_dir: Path) -> Collected:
@@ -71,7 +75,7 @@ def collect(exp_dir: Path) -> Collected:
     sweep = (exp_dir / SWEEP_RECORD).is_file()
     extension = (exp_dir / EXTEND_RECORD).is_file()  # parents and their fine-tuned children: one table
     out, first, kinds = None, None, {}
-    diverged, running = {}, []
+    diverged, running, in_part = {}, [], []
     for rdir in sorted(p for p in exp_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         run = run_state(rdir)
         if run.state == "diverged":  # no weights, no rows: named, not scored
@@ -119,6 +123,8 @@ def collect(exp_dir: Path) -> Collected:
                 f"{rdir}: its rows were scored at train_len {min(scored_at - {cfg.model.train_len})}, but its "
                 f"config.yaml says {cfg.model.train_len}; restore config.yaml's model.train_len"
             )
+        if run.scoring and run.holder is None:  # its rows are tabled, and the ones missing said
+            in_part.append(rdir.name)
         out.runs.append(Run(rdir, cfg, rows, trained_with(rdir)))
         out.parts[rdir] = part
     for lock in sorted(exp_dir.glob(".*.lock")):  # a run still training has no folder of its own yet
@@ -146,7 +152,7 @@ def collect(exp_dir: Path) -> Collected:
                 "move one of them out"
             )
         holds[key] = run.folder
-    out.diverged, out.running = diverged, running
+    out.diverged, out.running, out.in_part = diverged, running, in_part
     return out
 
 
@@ -229,6 +235,7 @@ def join(collected: list[Collected], dirs: list[Path], metric: Optional[str] = N
         joined.runs += c.runs
         joined.diverged.update(c.diverged)
         joined.running += c.running
+        joined.in_part += c.in_part
         joined.points.update(c.points)
         joined.parts.update(c.parts)
     if any(_settings(c) != _settings(first) for c in collected[1:]):  # a table per tokenizer, say
@@ -310,6 +317,8 @@ def markdown(parts: dict, collected: Collected) -> str:
         out.append(f"- diverged, so not in the tables: {', '.join(collected.diverged.values())}")
     if collected.running:
         out.append(f"- still running in another process, so not in the tables: {', '.join(collected.running)}")
+    if collected.in_part:
+        out.append(f"- {IN_PART}: {', '.join(collected.in_part)}")
     for s in parts["sections"]:
         out += ["", f"## {s.heading}", "", *markdown_table(s.rows, s.best)]
     return "\n".join(out) + "\n"

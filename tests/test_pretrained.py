@@ -594,6 +594,9 @@ def test_evaluate_and_extend_on_a_pretrained_models_scores_say_what_to_run_inste
     text = " ".join(res.output.split())
     assert res.exit_code == 0 and f"1 run(s), context {CONTEXT}" in text and "done" in text, text
     assert "a pretrained model, scored" in text and "model.pt" not in text, text
+    (run / "scoring.txt").write_text("scoring began\n")  # as a stop between two lengths leaves it
+    text = " ".join(invoke("status", str(out / "pretrained")).output.split())
+    assert "partial" in text and "scored in part (a stop left scoring.txt); rerun it" in text, text
     (run / "eval.csv").unlink()
     text = " ".join(invoke("status", str(out / "pretrained")).output.split())
     assert "partial" in text and "lacks eval.csv; rerun posbench pretrained" in text, text

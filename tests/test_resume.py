@@ -109,6 +109,47 @@ def test_growing_the_lengths_scores_only_the_new_one(smoke, tmp_path, monkeypatc
     assert scored == [[56]]
 
 
+def test_a_run_stopped_while_it_is_scored_is_said_to_be_scored_in_part_until_the_rerun(smoke, tmp_path, monkeypatch):
+    """A run's rows are written a (variant, protocol) at a time: a stop between two leaves
+    scoring.txt, so status calls the run partial (not done) and the report names it as scored in
+    part beside the rows it has; the rerun scores the rest and removes it."""
+    import posbench.evaluate
+    from posbench.experiment.status import run_status
+
+    exp, _, text = smoke
+    out = tmp_path / "stopped"
+    shutil.copytree(exp, out / "smoke")
+    calls, real = [], posbench.evaluate.evaluate_model
+
+    def stopped_at_the_second(*a, **kw):
+        calls.append(a[2])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    lengths = yaml.safe_load(open(SMOKE))["eval"]["lengths"]
+    args = ["extrapolate", "--config", SMOKE, "--schemes", "rope", "--lengths", ",".join(map(str, lengths + [56]))]
+    args += ["--protocol", "nonoverlapping,sliding", "--set", f"out_dir={out}", "--set", f"data.path={text}"]
+    monkeypatch.setattr(posbench.evaluate, "evaluate_model", stopped_at_the_second)
+    assert invoke(*args).exit_code == 130 and calls[0] == [56]
+    run = out / "smoke" / "rope-seed0"
+    assert "56" in {r["length"] for r in csv.DictReader(open(run / "eval.csv"))}  # the first block's rows are kept
+    row = {r["run"]: r for r in run_status(out / "smoke")}["rope-seed0"]
+    assert (row["state"], row["detail"]) == (
+        "partial",
+        "scored in part: a stop left scoring.txt; rerun to score the rest",
+    )
+    res = invoke("report", out / "smoke")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0 and "scored in part, so some of their rows are missing" in said and "rope-seed0" in said
+    assert "scored in part" in (out / "smoke" / "summary.md").read_text()
+    monkeypatch.undo()
+    assert invoke(*args).exit_code == 0 and not (run / "scoring.txt").exists()
+    assert {r["run"]: r for r in run_status(out / "smoke")}["rope-seed0"]["state"] == "done"
+    assert {r["protocol"] for r in csv.DictReader(open(run / "eval.csv"))} == {"nonoverlapping", "sliding"}
+    assert "scored in part" not in (out / "smoke" / "summary.md").read_text()
+
+
 def test_an_experiment_grows_by_a_scheme_with_its_own_options_and_other_threads(smoke, tmp_path):
     """What an experiment's runs must share leaves out scheme options, threads and workers."""
     exp, _, text = smoke

@@ -51,6 +51,7 @@ from posbench.experiment.records import (
     planned,
     record_read,
     run_name,
+    scoring,
 )
 from posbench.files import TMP_PREFIX, exclusive, lock_holder, room_in, waiting_for, write_atomic
 from posbench.measures import Measure, Scorer, ScoringRun
@@ -245,9 +246,10 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
             if model is None:
                 return "diverged"
         device = pick_device(rc.train.device)
-        job.measure.score(rc, rdir, model, data, device, model.backend(device), reporter)
-        score_measures(rc, rdir, model, data, device)
-        write_atomic(rdir / CONFIG, dump_yaml(record))  # how it was trained, and scored now
+        with scoring(rdir):
+            job.measure.score(rc, rdir, model, data, device, model.backend(device), reporter)
+            score_measures(rc, rdir, model, data, device)
+            write_atomic(rdir / CONFIG, dump_yaml(record))  # how it was trained, and scored now
         record_read(rdir, *what_read(job, data))
         return "reused" if state == "done" else "trained"
 

@@ -19,7 +19,7 @@ from typing import Optional
 from posbench.config import ExperimentConfig, blame, config_from_dict, differences, dump_yaml, read_record
 from posbench.device import pick_device
 from posbench.errors import PosbenchError
-from posbench.experiment.records import CONFIG, check_read, lock_file, record_read
+from posbench.experiment.records import CONFIG, check_read, lock_file, record_read, scoring
 from posbench.files import exclusive, lock_holder, safe_name, write_atomic
 from posbench.measures.base import ScoringRun
 from posbench.measures.plugin import score_into
@@ -203,7 +203,8 @@ def run_pretrained(exp: Experiment, model, reporter: Reporter, measures: list = 
         write_atomic(rdir / CONFIG, dump_yaml(rc))
         record_read(rdir, corpus.name, digest)
         device = pick_device(rc.train.device)
-        exp.measure.score(rc, rdir, model.to(device), corpus, device, model.backend(device), reporter)
+        with scoring(rdir):
+            exp.measure.score(rc, rdir, model.to(device), corpus, device, model.backend(device), reporter)
         run = ScoringRun(rc, model.eval(), device, corpus)  # one run: the measures share its passes
         scored = [(measure, score_into(measure, spec, run, rdir)) for spec, measure in measures]
     return folder, rdir, scored

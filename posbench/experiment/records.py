@@ -12,7 +12,9 @@ so an interrupted run leaves nothing that could pass for a finished one. A lock 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -29,6 +31,7 @@ DATA = "data.json"  # what the run read, by sha256 (the corpus's tokens), where 
 PLANNED = "runs.txt"  # the run folders an experiment was asked to hold, one a line: status names the missing ones
 SWEEP_RECORD = "sweep.yaml"  # the grid a sweep's experiment folder was made by; its runs may differ
 CLAIMING = ".claiming"  # locked while a run that starts to train checks the experiment and records its config
+SCORING = "scoring.txt"  # while a run is scored: a stop before its last row leaves it, so its rows are known in part
 
 
 def planned(exp: Path) -> list[str]:
@@ -75,6 +78,7 @@ class RunState:
     scored: bool  # config.yaml and eval.csv: a report can table it (a committed reference has no model.pt)
     here: bool  # its folder holds a run's record; else all there is of it lies in its partial folder
     partial: bool  # its partial folder exists: training began there
+    scoring: bool = False  # scoring.txt: its scoring began and has not finished (or was stopped)
 
     @cached_property
     def holder(self) -> Optional[int]:
@@ -106,7 +110,24 @@ def run_state(rdir: Path) -> RunState:
         scored=has[CONFIG] and has[EVAL],
         here=any(has.values()),
         partial=partial_dir(rdir).is_dir(),
+        scoring=(rdir / SCORING).is_file(),
     )
+
+
+@contextlib.contextmanager
+def scoring(rdir: Path):
+    """scoring.txt in `rdir` while the block scores it, removed once it has finished: a process
+    stopped between one length (or variant, or protocol) and the next leaves it, so status and
+    report say the run's rows are in part, and the rerun that scores the rest removes it."""
+    from posbench.files import write_atomic
+
+    write_atomic(
+        Path(rdir) / SCORING,
+        f"scoring began (pid {os.getpid()}); while this file is here, the run's rows are in part: rerun "
+        "the command that scored it to score the rest\n",
+    )
+    yield
+    (Path(rdir) / SCORING).unlink(missing_ok=True)
 
 
 def diverged_at(rdir: Path) -> Optional[float]:

@@ -10,6 +10,7 @@ from posbench.errors import PosbenchError
 from posbench.experiment.records import (
     EVAL,
     FAILED,
+    SCORING,
     WEIGHTS,
     RunState,
     diverged_step,
@@ -97,6 +98,9 @@ def _status_of(run: RunState) -> dict:
                 table_share(cfg, rdir)[0].read(rdir)
             except PosbenchError as e:
                 return {**row, "state": "damaged", "detail": str(e)}
+        if run.scoring and not missing:
+            detail = f"scored in part: a stop left {SCORING}; rerun to score the rest"
+            return {**row, "state": "partial", "detail": detail}
         if missing == [WEIGHTS]:  # a committed reference's records: its weights stay where it trained
             return {**row, "state": "records", "detail": f"evaluated, no {WEIGHTS}: tabled as is; a rerun trains it"}
         if not missing and not zipfile.is_zipfile(rdir / WEIGHTS):  # cut short or overwritten since it was saved
@@ -117,6 +121,8 @@ def _scored_status(run: RunState, rdir: Path) -> dict:
         return {"state": "running", "detail": f"scoring (pid {run.holder or '?'})"}
     if not (rdir / EVAL).is_file():
         return {"state": "partial", "detail": f"lacks {EVAL}; rerun posbench pretrained to score it"}
+    if run.scoring:
+        return {"state": "partial", "detail": f"scored in part (a stop left {SCORING}); rerun it"}
     return {"state": "done", "detail": "a pretrained model, scored"}
 
 
