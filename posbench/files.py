@@ -67,8 +67,15 @@ def together(folder: Path):
                 if e.filename is None or e.errno is None or stage not in (Path(e.filename), *Path(e.filename).parents):
                     raise
                 raise type(e)(e.errno, e.strerror, str(folder / Path(e.filename).relative_to(stage))) from None
-        for path in sorted(stage.iterdir()):
-            os.replace(path, folder / path.name)
+        made = sorted(stage.iterdir())
+        for path in made:  # a folder in a file's way is said before any file has moved
+            if (folder / path.name).is_dir():
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(folder / path.name))
+        for path in made:
+            try:
+                os.replace(path, folder / path.name)
+            except OSError as e:
+                raise type(e)(e.errno, e.strerror, str(folder / path.name)) from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 

@@ -20,6 +20,7 @@ from posbench.experiment.records import (
     CONFIG,
     EVAL,
     SWEEP_RECORD,
+    data_read,
     diverged_at,
     diverged_step,
     read_config,
@@ -30,7 +31,7 @@ from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import together
 from posbench.measures import Measure, plugin
 from posbench.registry import named_by
-from posbench.schemes import run_label
+from posbench.schemes import label_variant, run_label
 from posbench.tables import options_apart, point_labels
 from posbench.tasks import task_for
 
@@ -116,13 +117,7 @@ def collect(exp_dir: Path) -> Collected:
                 f"{exp_dir}: runs trained under different settings ({', '.join(diff)}); "
                 f"a table compares runs that differ only in scheme and seed"
             )
-        rows = measure.read(rdir)
-        scored_at = {int(r["train_len"]) for r in rows if r.get("train_len")}
-        if scored_at - {cfg.model.train_len}:  # a record edited by hand, or another run's rows
-            raise PosbenchError(
-                f"{rdir}: its rows were scored at train_len {min(scored_at - {cfg.model.train_len})}, but its "
-                f"config.yaml says {cfg.model.train_len}; restore config.yaml's model.train_len"
-            )
+        rows = check_rows(rdir, cfg, measure.read(rdir))
         if run.scoring and run.holder is None:  # its rows are tabled, and the ones missing said
             in_part.append(rdir.name)
         out.runs.append(Run(rdir, cfg, rows, trained_with(rdir)))
@@ -141,6 +136,7 @@ def collect(exp_dir: Path) -> Collected:
                 f"{exp_dir}: every run diverged ({', '.join(diverged.values())}); {why if first else 'lower train.lr'}"
             )
         raise PosbenchError(f"{exp_dir}: holds no evaluated runs (run folders with config.yaml and eval.csv)")
+    _check_one_corpus(exp_dir, out)
     out.points = dict.fromkeys(out.parts, "") if extension else options_apart(point_labels(out.parts), out.runs)
     holds: dict[tuple, Path] = {}
     for run in out.runs:  # one row per (scheme, seed) and point: a copied run folder would make two
@@ -154,6 +150,46 @@ def collect(exp_dir: Path) -> Collected:
         holds[key] = run.folder
     out.diverged, out.running, out.in_part = diverged, running, in_part
     return out
+
+
+def check_rows(rdir: Path, cfg, rows: list[dict]) -> list[dict]:
+    """A run's rows, refused where they are not its config's (a record edited by hand, or another
+    run's file copied in): another training length, scheme or seed than config.yaml says."""
+    scored_at = {int(r["train_len"]) for r in rows if r.get("train_len")}
+    if scored_at - {cfg.model.train_len}:
+        raise PosbenchError(
+            f"{rdir}: its rows were scored at train_len {min(scored_at - {cfg.model.train_len})}, but its "
+            f"config.yaml says {cfg.model.train_len}; restore config.yaml's model.train_len"
+        )
+    label, seed = run_label(cfg.model), cfg.seeds[0]
+    other = sorted({r["scheme"] for r in rows if r.get("scheme") and label_variant(r["scheme"])[0] != label})
+    seeds = sorted({int(r["seed"]) for r in rows if r.get("seed") not in (None, "")} - {seed})
+    if other or seeds:
+        said = f"scheme {other[0]}" if other else f"seed {seeds[0]}"
+        raise PosbenchError(
+            f"{rdir}: its rows are of {said}, but its config.yaml says {label} seed {seed}: another run's "
+            f"records; restore the run's own, or delete its {EVAL} and score it again with posbench evaluate"
+        )
+    return rows
+
+
+def _check_one_corpus(exp_dir: Path, collected: Collected) -> None:
+    """Runs that share their settings (all of an experiment's; a sweep's at one grid point) read
+    one corpus, by its sha256 in their data.json: else a table would compare models trained on
+    two texts under one corpus line."""
+    first: dict[str, tuple[Path, tuple]] = {}
+    for run in collected.runs:
+        read = data_read(run.folder)
+        if read is None:
+            continue
+        key = repr(sorted(collected.parts[run.folder].items(), key=str))
+        seen, was = first.setdefault(key, (run.folder, read))
+        if was[1] != read[1]:
+            raise PosbenchError(
+                f"{exp_dir}: {seen.name} read {was[0]} with sha256 {was[1][:12]}, {run.folder.name} read "
+                f"{read[0]} with sha256 {read[1][:12]}: a table compares runs trained on one corpus; move one out, "
+                f"or train it again on the other's data"
+            )
 
 
 def table_share(cfg, rdir: Optional[Path] = None) -> tuple[Measure, dict]:

@@ -624,11 +624,15 @@ def _write_tokens(data, tok: Tokenizer, train: Iterator, val: Iterator, tmp: Pat
     dt = dtype_for(tok.vocab_size)
     counts = {}
     lengths = tok.byte_lengths()
+    tokens = hashlib.sha256()  # both splits' token ids as written: what a run reads, pinned by its data.json
     for split, arrays in (("train", train), ("val", val)):
         n = nbytes = 0
+        tokens.update(f"|{split}|".encode())
         with (tmp / f"{split}.bin").open("wb") as fh:
             for a in arrays:
-                fh.write(a.astype(dt).tobytes())
+                chunk = a.astype(dt).tobytes()
+                fh.write(chunk)
+                tokens.update(chunk)
                 n += len(a)
                 nbytes += int(lengths[a].sum()) if len(a) else 0
         counts[split] = (n, nbytes)
@@ -650,6 +654,8 @@ def _write_tokens(data, tok: Tokenizer, train: Iterator, val: Iterator, tmp: Pat
         "val_bytes": counts["val"][1],
         "sources": sources,
         "source_sha256": digest(stream())[0],
+        "tokens_sha256": tokens.hexdigest(),
+        "tokenizer_sha256": hashlib.sha256(tok.file.read_bytes()).hexdigest() if tok.file is not None else None,
         "text_field": data.text_field,
         "val_fraction": None if data.val_path else data.val_fraction,
         "val_path": data.val_path,

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from posbench import __version__
 from posbench.config import ExperimentConfig
 from posbench.device import autocast, pick_device
 from posbench.errors import PosbenchError, first_line
@@ -75,9 +76,9 @@ def train_model(
     probe: Optional[Callable] = None,
 ) -> TransformerLM:
     """Train cfg.model (one scheme) with seed cfg.seeds[0] in `folder`; returns the model on the CPU.
-    The log (train_log.jsonl) names the attention backend of each line. `batches(gen)` gives
-    (x, y), with y = -100 where no loss is taken (a task's prompts and padding), and has
-    get_state/set_state (its measure makes them). Every train.checkpoint_every
+    Each line of the log (train_log.jsonl) names its attention backend, device, CPU threads and
+    versions. `batches(gen)` gives (x, y), with y = -100 where no loss is taken (a task's prompts
+    and padding), and has get_state/set_state (its measure makes them). Every train.checkpoint_every
     steps, and on Ctrl-C or SIGTERM, the whole training state goes to folder/checkpoint.pt; a
     later call resumes from it and ends with the weights an uninterrupted run ends with. A NaN
     or inf loss raises Diverged, naming its step.
@@ -109,6 +110,9 @@ def train_model(
     if probe is not None:
         probe(start, model, start)
     recent = []  # this stretch's losses, left on the device until a check needs them
+    # what else decides the last digits: a resumed run may differ in them, so each line says its own
+    computed = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    computed["posbench"] = __version__
 
     def save(next_step: int) -> None:
         save_progress(folder, snapshot(cfg, model, opt, gen, next_step, time.perf_counter() - t0, batches))
@@ -152,6 +156,7 @@ def train_model(
                     "seconds": round(time.perf_counter() - t0, 3),
                     "attention": backend,
                     **({"parts": parts} if parts > 1 else {}),
+                    **computed,
                 }
                 log.write(json.dumps(rec) + "\n")
                 reporter.step(label, step + 1, value)

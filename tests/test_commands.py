@@ -21,7 +21,8 @@ def test_extrapolate_writes_every_promised_file(smoke):
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         assert cfg["model"]["scheme"] == scheme and cfg["seeds"] == [0]
         log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
-        assert set(log[0]) == {"step", "loss", "lr", "seconds", "attention"}
+        assert set(log[0]) == {"step", "loss", "lr", "seconds", "attention", "device", "threads", "torch", "posbench"}
+        assert (log[0]["device"], log[0]["threads"], log[0]["torch"]) == ("cpu", 1, torch.__version__)
         assert log[-1]["step"] == cfg["train"]["steps"] - 1
         ckpt = torch.load(run / "model.pt", weights_only=True)
         assert ckpt["config"] == cfg  # the checkpoint carries its own resolved config

@@ -275,6 +275,35 @@ def test_a_run_is_scored_and_fine_tuned_only_on_the_data_it_read(tmp_path):
     assert not (tmp_path / "ext").exists()
 
 
+def test_an_experiments_runs_all_read_one_corpus(tmp_path):
+    """A scheme added to an experiment after its corpus changed would be tabled beside runs
+    trained on the old text under one corpus line: it is refused before it trains, and a run on
+    other data copied in makes the report refuse, each in one line naming both sha256."""
+    from conftest import smoke_experiment
+
+    exp, _, text = smoke_experiment(tmp_path, "--schemes", "alibi")
+    was = yaml.safe_load((exp / "alibi-seed0" / "data.json").read_text())["sha256"]
+    text.write_text("all the world is a stage and all the men and women merely players\n" * 400)
+    args = ["extrapolate", "--config", SMOKE, "--set", f"out_dir={exp.parent}", "--set", f"data.path={text}"]
+    res = invoke(*args, "--schemes", "rope")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"{exp} holds runs that read {text} (bytes) with sha256 {was[:12]} (alibi-seed0)" in said
+    assert "a table compares runs on one corpus" in said and not (exp / "rope-seed0").exists()
+    assert not list(exp.glob(".rope-seed0*"))
+    assert invoke(*args, "--schemes", "rope", "--set", "name=other").exit_code == 0
+    shutil.copytree(exp.parent / "other" / "rope-seed0", exp / "rope-seed0")
+    now = yaml.safe_load((exp / "rope-seed0" / "data.json").read_text())["sha256"]
+    before = (exp / "summary.md").read_bytes()
+    res = invoke("report", exp)
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert (
+        f"alibi-seed0 read {text} (bytes) with sha256 {was[:12]}, rope-seed0 read {text} (bytes) with sha256 " in said
+    )
+    assert now[:12] in said and (exp / "summary.md").read_bytes() == before
+
+
 def test_weights_trained_on_other_data_are_never_scored_as_the_runs_own(tmp_path):
     """model.pt names the data its weights were trained on, as data.json does: weights copied in
     from a run on another corpus are refused in one line against the run's data.json, and where

@@ -828,6 +828,26 @@ def test_a_run_whose_config_says_another_training_length_than_its_rows_is_refuse
     assert (copy / "summary.md").read_bytes() == before
 
 
+def test_another_runs_rows_in_a_run_folder_are_a_damaged_record(tmp_path):
+    """eval.csv copied from another run (alibi's rows in rope's folder) would table alibi's
+    numbers under rope, or crash the report where two runs then hold one scheme: report refuses
+    in one line naming the folder, and status calls it damaged; so for another seed's rows."""
+    from posbench.experiment.status import run_status
+
+    copy = tmp_path / "reference"
+    shutil.copytree(ROOT / "results" / "reference", copy)
+    before = (copy / "summary.md").read_bytes()
+    for source, said in (("alibi-seed0", "scheme alibi"), ("rope-seed1", "seed 1")):
+        shutil.copy2(copy / source / "eval.csv", copy / "rope-seed0" / "eval.csv")
+        res = invoke("report", copy)
+        text = " ".join(res.output.split())
+        assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+        assert f"{copy / 'rope-seed0'}: its rows are of {said}, but its config.yaml says rope seed 0" in text
+        assert (copy / "summary.md").read_bytes() == before
+        row = {r["run"]: r for r in run_status(copy)}["rope-seed0"]
+        assert row["state"] == "damaged" and f"its rows are of {said}" in row["detail"]
+
+
 def test_a_report_of_one_run_folder_names_its_experiment(tmp_path):
     """A run folder is not called a folder without runs: the line names its experiment."""
     from conftest import ROOT

@@ -191,7 +191,9 @@ def test_a_table_that_cannot_be_written_is_named_not_its_temporary_file(tmp_path
     shutil.copytree(ROOT / "results" / "reference-bytes", exp)
     (exp / "summary.csv").unlink()
     (exp / "summary.csv").mkdir()
+    (exp / "summary.md").write_text("an earlier report's")
     res = invoke("report", exp)
     assert res.exit_code == 2, res.output
     assert f"{exp / 'summary.csv'}: Is a directory" in " ".join(res.output.split())
-    assert "tmp-" not in res.output and not list(exp.glob("tmp-*"))
+    assert "tmp-" not in res.output and not list(exp.glob("tmp-*")) and not list(exp.glob(".together-*"))
+    assert (exp / "summary.md").read_text() == "an earlier report's"  # none of the report's files moved in

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -199,6 +200,35 @@ def test_a_prepared_corpus_gives_the_batches_and_eval_tokens_of_the_in_memory_on
     assert r1.exit_code == 0 and r2.exit_code == 0, r1.output + r2.output
     rows = [_rows(tmp_path / d / "smoke" / "alibi-seed0" / "eval.csv") for d in ("p", "m")]
     assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]
+
+
+def test_a_folder_prepared_again_with_another_tokenizer_of_the_same_name_is_other_data(tmp_path, words):
+    """A prepared folder is pinned by tokens.json, never read whole: it holds the sha256 of the
+    token ids and of the tokenizer's file as prepare wrote them, so the same text through a
+    tokenizer file of the same name with two ids swapped gives another pin (a run's data.json
+    then refuses it), and the same tokenizer again gives the same one."""
+    assert (
+        invoke("prepare", words, "--out", tmp_path / "bpe", "--tokenizer", "bpe", "--vocab-size", "300").exit_code == 0
+    )
+    (file,) = [p for p in (tmp_path / "bpe").glob("*.json") if p.name != "tokens.json"]
+    for where in ("a", "b", "c"):
+        (tmp_path / where).mkdir()
+        shutil.copy2(file, tmp_path / where / "tok.json")
+    tok = json.loads((tmp_path / "b" / "tok.json").read_text())
+    vocab = tok["model"]["vocab"]
+    (x, i), (y, j) = [(k, v) for k, v in vocab.items() if v in (300 - 1, 300 - 2)]
+    vocab[x], vocab[y] = j, i
+    (tmp_path / "b" / "tok.json").write_text(json.dumps(tok))
+    pins = {}
+    for where in ("a", "b", "c"):
+        res = invoke(
+            "prepare", words, "--out", tmp_path / f"prep-{where}", "--tokenizer", tmp_path / where / "tok.json"
+        )
+        assert res.exit_code == 0, res.output
+        meta = json.loads((tmp_path / f"prep-{where}" / "tokens.json").read_text())
+        assert len(meta["tokens_sha256"]) == 64 and len(meta["tokenizer_sha256"]) == 64
+        pins[where] = (meta["tokenizer"], load_corpus(DataConfig(path=str(tmp_path / f"prep-{where}"))).sha256())
+    assert pins["a"][0] == pins["b"][0] and pins["a"][1] != pins["b"][1] and pins["a"] == pins["c"]
 
 
 # --- bad input -------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from posbench.experiment.records import (
     SWEEP_RECORD,
     WEIGHTS,
     check_read,
+    check_same_read,
     diverged_step,
     has_checkpoint,
     lock_file,
@@ -193,6 +194,8 @@ def check_reads(jobs: list[Job], sources: dict) -> None:
         for read in (job.folder, job.parent):
             if read is not None:
                 check_read(read, digest)
+        if job.alike:  # its experiment's runs differ in scheme and seed only: so does their data
+            check_same_read(job.folder.parent, digest)
 
 
 def source_of(job: Job, sources: dict):

@@ -1,12 +1,12 @@
 """A run folder's layout and its records, read by plain code: no torch, no training code.
 
 A run folder holds config.yaml (fully resolved), model.pt (weights plus that same config and
-data.json's record), train_log.jsonl (step, loss, lr, seconds, attention backend), data.json (the
-sha256 of the corpus it read: what it is scored and fine-tuned on, and model.pt, are checked
-against it) and its measure's records
-(e.g. eval.csv); a run whose loss blew up holds diverged.json instead of model.pt. Folders are built
-under a hidden name (.<run>.partial), beside their mid-run checkpoints, and renamed when whole,
-so an interrupted run leaves nothing that could pass for a finished one. A lock file per run
+data.json's record), train_log.jsonl (step, loss, lr, seconds, and how each line was computed:
+attention backend, device, threads, versions), data.json (the sha256 of the corpus it read: what
+it is scored and fine-tuned on, and model.pt, are checked against it) and its measure's records
+(e.g. eval.csv); a run whose loss blew up holds diverged.json instead of model.pt. Folders are
+built under a hidden name (.<run>.partial), beside their mid-run checkpoints, and renamed when
+whole, so an interrupted run leaves nothing that could pass for a finished one. A lock file per run
 (.<run>.lock) keeps two processes from writing one run.
 """
 
@@ -176,25 +176,51 @@ def trained_with(rdir: Path) -> Optional[str]:
     return log[0].get("attention") if log else None  # read_train_log's rows are dicts
 
 
+def data_read(rdir: Path) -> Optional[tuple[str, str]]:
+    """(corpus, sha256) from a run's data.json; None where it has none. A malformed one is one
+    line naming it."""
+    path = Path(rdir) / DATA
+    if not path.is_file():
+        return None
+    try:
+        read = json.loads(path.read_text())
+        if not isinstance(read["sha256"], str):
+            raise TypeError
+        return str(read["corpus"]), read["sha256"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise PosbenchError(
+            f"{path}: malformed; restore it, or delete it to pin the run to the data it reads now"
+        ) from None
+
+
 def check_read(rdir: Path, digest: Optional[str]) -> None:
     """Refuse to score or fine-tune the run in `rdir` on data other than it read: its data.json
     names the sha256 of what it read; `digest` is what its config reads now (None: nothing to pin,
     a synthetic task's runs, whose options make their data)."""
-    path = Path(rdir) / DATA
-    if digest is None or not path.is_file():
+    read = data_read(rdir) if digest is not None else None
+    if read is None:
         return
-    try:
-        read = json.loads(path.read_text())
-        was, name = read["sha256"], read["corpus"]
-    except (ValueError, KeyError, TypeError):
-        raise PosbenchError(
-            f"{path}: malformed; restore it, or delete it to pin the run to the data it reads now"
-        ) from None
+    name, was = read
     if was != digest:
         raise PosbenchError(
             f"{rdir} read {name} with sha256 {was[:12]}, but the data its config names now has sha256 "
             f"{digest[:12]}: its scores would not compare; restore that data, or train the run anew"
         )
+
+
+def check_same_read(folder: Path, digest: Optional[str]) -> None:
+    """Refuse a run on data other than the finished runs of its experiment `folder` read (its
+    runs differ in scheme and seed only): a table would compare models trained on two corpora."""
+    if digest is None:
+        return
+    for rdir in sorted(p for p in Path(folder).iterdir() if p.is_dir() and p.name[0] != ".") if folder.is_dir() else []:
+        read = data_read(rdir)
+        if read is not None and read[1] != digest:
+            raise PosbenchError(
+                f"{folder} holds runs that read {read[0]} with sha256 {read[1][:12]} ({rdir.name}), but the data "
+                f"this config names has sha256 {digest[:12]}: a table compares runs on one corpus; restore that "
+                f"data, or choose another name with --set name=NEW"
+            )
 
 
 def record_read(rdir: Path, name: str, digest: Optional[str]) -> None:

@@ -92,10 +92,10 @@ def _status_of(run: RunState) -> dict:
     if run.here:
         missing = [f for f in (WEIGHTS, EVAL) if not (rdir / f).is_file()]
         if EVAL not in missing:  # as report reads it: a malformed record is its one line
-            from posbench.report import table_share
+            from posbench.report import check_rows, table_share
 
             try:
-                table_share(cfg, rdir)[0].read(rdir)
+                check_rows(rdir, cfg, table_share(cfg, rdir)[0].read(rdir))
             except PosbenchError as e:
                 return {**row, "state": "damaged", "detail": str(e)}
         if run.scoring and not missing:
