@@ -6,7 +6,6 @@ import contextlib
 import errno
 import math
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -1038,10 +1037,6 @@ def _unsent(own: Optional[str], given: Optional[str]) -> None:
         )
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def empty_argument(args: list[str]) -> Optional[str]:
     """What names an empty value on the command line, or None. No option or argument of
     posbench's takes "": a path would become the working directory, a choice its default."""
@@ -1060,7 +1055,6 @@ def main():
     # packages, so that a tokenizers.py or wandb.py where the user stands never runs in their place
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up like Ctrl-C: no half-written runs
     empty = empty_argument(sys.argv[1:])
     if empty is not None:
         _print_error(f"{empty}; give one, or leave it out for its default")
@@ -1079,4 +1073,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from posbench.__main__ import take_signals
+
+    take_signals()
     sys.exit(main())

@@ -326,6 +326,39 @@ def test_bare_posbench_prints_its_help_once():
     assert res.returncode == 0 and res.stdout.count("Usage: posbench") == 1, res.stdout
 
 
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_an_import_waits_for_it_to_finish_then_interrupts(tmp_path, signum):
+    """Commands import torch once they start, for seconds: a KeyboardInterrupt raised inside an
+    import leaves the module half done (torch's numpy then swallows it, and the command ran on to
+    exit 0, or fails later). posbench's handler lets the import finish and takes the signal
+    50 ms later, where the command turns it into one line."""
+    import subprocess
+    import sys
+
+    (tmp_path / "heavy.py").write_text(
+        f"import os, signal\nos.kill(os.getpid(), signal.{signum})\nimport json\nWHOLE = True\n"
+    )
+    script = (
+        "import sys, time\nfrom posbench.__main__ import take_signals\ntake_signals()\n"
+        "try:\n    import heavy\n    time.sleep(30)\nexcept KeyboardInterrupt:\n"
+        "    print('interrupted after the import:', sys.modules['heavy'].WHOLE)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == "interrupted after the import: True", res.stdout + res.stderr
+
+
+def test_a_signal_outside_a_commands_edge_is_one_line():
+    """The entry takes Ctrl-C before the CLI imports: a signal that lands where no command's
+    edge catches it (while arguments are parsed, say) is one line and exit 130, no traceback."""
+    import subprocess
+    import sys
+
+    script = "import os, signal, sys\nimport posbench.__main__ as entry\nimport posbench.cli\n"
+    script += "posbench.cli.main = lambda: os.kill(os.getpid(), signal.SIGINT) or 0\nsys.exit(entry.main())\n"
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 130 and res.stderr.strip() == "interrupted: rerun the same command", res.stderr
+
+
 def test_yaml_merge_keys_and_a_runs_own_config_with_another_scheme(tmp_path, smoke):
     """Anchors and `<<:` merges still load under the duplicate-key check; a run's config.yaml
     (which names its scheme twice) takes --schemes without complaint."""
