@@ -24,6 +24,7 @@ from posbench.experiment.records import (
     diverged_at,
     diverged_step,
     read_config,
+    read_train_log,
     run_state,
     trained_with,
 )
@@ -154,12 +155,19 @@ def collect(exp_dir: Path) -> Collected:
 
 def check_rows(rdir: Path, cfg, rows: list[dict]) -> list[dict]:
     """A run's rows, refused where they are not its config's (a record edited by hand, or another
-    run's file copied in): another training length, scheme or seed than config.yaml says."""
+    run's file copied in): another training length, scheme or seed than config.yaml says, or a
+    training log that ends at another step than its train.steps."""
     scored_at = {int(r["train_len"]) for r in rows if r.get("train_len")}
     if scored_at - {cfg.model.train_len}:
         raise PosbenchError(
             f"{rdir}: its rows were scored at train_len {min(scored_at - {cfg.model.train_len})}, but its "
             f"config.yaml says {cfg.model.train_len}; restore config.yaml's model.train_len"
+        )
+    log = read_train_log(rdir)
+    if log and log[-1]["step"] + 1 != cfg.train.steps:  # what a table says of its training is config.yaml's
+        raise PosbenchError(
+            f"{rdir}: its config.yaml says train.steps {cfg.train.steps}, but its train_log.jsonl ends at "
+            f"step {log[-1]['step'] + 1}; restore config.yaml's train.steps"
         )
     label, seed = run_label(cfg.model), cfg.seeds[0]
     other = sorted({r["scheme"] for r in rows if r.get("scheme") and label_variant(r["scheme"])[0] != label})

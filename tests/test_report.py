@@ -848,6 +848,26 @@ def test_another_runs_rows_in_a_run_folder_are_a_damaged_record(tmp_path):
         assert row["state"] == "damaged" and f"its rows are of {said}" in row["detail"]
 
 
+def test_a_config_yaml_whose_training_its_log_does_not_show_is_a_damaged_record(tmp_path):
+    """config.yaml is what a table says of the training ("500 steps, 64,000 tokens"): one edited
+    by hand to a budget its train_log.jsonl never reached is refused by report and called damaged
+    by status, as evaluate refuses it against model.pt."""
+    from posbench.experiment.status import run_status
+
+    copy = tmp_path / "reference"
+    shutil.copytree(ROOT / "results" / "reference", copy)
+    steps = yaml.safe_load((copy / "alibi-seed0" / "config.yaml").read_text())["train"]["steps"]
+    for record in copy.glob("*/config.yaml"):  # every run alike, so that the runs still compare
+        record.write_text(record.read_text().replace(f"  steps: {steps}\n", "  steps: 500\n", 1))
+    before = (copy / "summary.md").read_bytes()
+    res = invoke("report", copy)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"its config.yaml says train.steps 500, but its train_log.jsonl ends at step {steps}" in text
+    assert (copy / "summary.md").read_bytes() == before
+    assert {r["state"] for r in run_status(copy)} == {"damaged"}
+
+
 def test_a_report_of_one_run_folder_names_its_experiment(tmp_path):
     """A run folder is not called a folder without runs: the line names its experiment."""
     from conftest import ROOT
