@@ -235,21 +235,15 @@ def check_weights_read(rdir: Path, read: dict) -> None:
     """model.pt names the data its weights were trained on (`read`: corpus, sha256); the run's
     data.json must name the same, so weights copied in from a run on other data are never
     scored as this run's. A data.json the run lacks is restored from model.pt's."""
-    path = Path(rdir) / DATA
-    if not path.is_file():
-        try:
+    said = data_read(rdir)
+    if said is None:
+        with contextlib.suppress(OSError):  # a folder this user cannot write: nothing to hold it against
             record_read(rdir, read["corpus"], read["sha256"])
-        except OSError:  # a folder this user cannot write: nothing to hold it against
-            pass
         return
-    try:
-        said = json.loads(path.read_text())
-        was, name = said["sha256"], said["corpus"]
-    except (ValueError, KeyError, TypeError):
-        raise PosbenchError(f"{path}: malformed; restore it, or delete it for model.pt's copy") from None
+    name, was = said
     if was != read["sha256"]:
         raise PosbenchError(
-            f"{path} does not describe model.pt: its weights were trained on {read['corpus']} with sha256 "
-            f"{read['sha256'][:12]}, data.json names {name} with sha256 {was[:12]}; restore the run's own "
+            f"{Path(rdir) / DATA} does not describe model.pt: its weights were trained on {read['corpus']} with "
+            f"sha256 {read['sha256'][:12]}, data.json names {name} with sha256 {was[:12]}; restore the run's own "
             f"files, or delete the run to train it anew"
         )
