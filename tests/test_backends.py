@@ -511,6 +511,24 @@ def test_a_report_whose_schemes_each_ran_one_backend_says_which_and_not_that_run
     assert backends_note(df).startswith("DIFFERENT backends across runs")
 
 
+def test_a_run_scored_by_two_backends_is_named_under_each_with_its_lengths():
+    """`evaluate --lengths 96 --attention native` on an eager run: its 32 and 96 are native, its
+    64 eager. The note names the run under both, with the lengths, never in eager's 'the rest'."""
+    from posbench.measures.perplexity.views import backends_note
+
+    rows = [("alibi", 0, L, "eager") for L in (32, 64)] + [("rope", 0, 32, "native"), ("rope", 0, 64, "eager")]
+    rows += [("rope", 0, 96, "native"), ("nope", 0, 32, "eager"), ("nope", 0, 64, "eager")]
+    df = pd.DataFrame(rows, columns=["scheme", "seed", "length", "attention"])
+    df.attrs["trained_with"] = {"alibi-seed0": "eager", "rope-seed0": "eager", "nope-seed0": "eager"}
+    said = backends_note(df)
+    scored = "eager (alibi seed 0, nope seed 0, rope seed 0 at 64), native (rope seed 0 at 32, 96)"
+    assert said.endswith(f"trained with eager; scored with {scored}"), said
+    apart = df[df["scheme"] != "rope"].copy()  # each run one backend: the most used one is the rest
+    apart.attrs = dict(df.attrs)
+    apart.loc[apart["scheme"] == "nope", "attention"] = "native"
+    assert backends_note(apart).endswith("scored with native (nope seed 0), eager (the rest)"), backends_note(apart)
+
+
 def test_a_training_free_variants_rows_name_eager_which_computes_them_and_a_rerun_keeps_them(tmp_path, monkeypatch):
     """rope+rerope attends through its remap's own formula whatever model.attention says, so its
     rows record eager; rope's and rope+yarn's record the backend. A rerun finds every row and

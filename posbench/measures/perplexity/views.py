@@ -242,12 +242,10 @@ def backends_note(df: pd.DataFrame, short: bool = False) -> str:
         note = backends_note(rest, short)
         return note if short else f"{note}; {aside}: eager, the training-free variants' own formula"
     trained = {name: b or UNRECORDED for name, b in df.attrs.get("trained_with", {}).items()}
-    scored = df.groupby("attention")[["scheme", "seed"]].apply(
-        lambda g: sorted({f"{s} seed {n}" for s, n in zip(g["scheme"], g["seed"])})
-    )
-    train_set, score_set = set(trained.values()), set(scored.index)
+    scored = _scored_by(df)
+    train_set, score_set = set(trained.values()), set(scored)
     if len(score_set) == 1 and len(train_set) <= 1:
-        how = scored.index[0]
+        how = next(iter(scored))
         if train_set in (set(), {how}):
             return f"{how} backend (model.attention)"
         return f"trained with {train_set.pop()}, scored with {how}"
@@ -263,8 +261,24 @@ def backends_note(df: pd.DataFrame, short: bool = False) -> str:
         by_train.setdefault(b, []).append(name)
     return (
         f"DIFFERENT backends across runs (they differ in the last bits): "
-        f"trained with {_grouped(by_train)}; scored with {_grouped(scored.to_dict())}"
+        f"trained with {_grouped(by_train)}; scored with {_grouped(scored)}"
     )
+
+
+def _scored_by(df: pd.DataFrame) -> dict[str, list[str]]:
+    """Each backend's runs ('alibi seed 0'); a run scored by several at once names its lengths
+    under each ('rope seed 0 at 32, 96'), so no run hides in another backend's 'the rest'."""
+    runs = [f"{s} seed {n}" for s, n in zip(df["scheme"], df["seed"])]
+    backends: dict[str, dict[str, set]] = {}
+    for run, backend, length in zip(runs, df["attention"], df["length"] if "length" in df else [None] * len(df)):
+        backends.setdefault(backend, {}).setdefault(run, set()).add(length)
+    mixed = {run for run in runs if sum(run in held for held in backends.values()) > 1}
+
+    def named(run: str, lengths: set) -> str:
+        known = sorted(L for L in lengths if L is not None)
+        return f"{run} at {', '.join(map(str, known))}" if run in mixed and known else run
+
+    return {b: sorted(named(run, lengths) for run, lengths in held.items()) for b, held in sorted(backends.items())}
 
 
 def _one_backend_a_scheme(df: pd.DataFrame, trained: dict[str, str]) -> Optional[str]:
@@ -287,12 +301,15 @@ def _one_backend_a_scheme(df: pd.DataFrame, trained: dict[str, str]) -> Optional
 
 
 def _grouped(runs_by_backend: dict[str, list[str]]) -> str:
-    """'native', or 'flex (t5 seed 0), native (the rest)': the most used backend unlisted."""
+    """'native', or 'flex (t5 seed 0), native (the rest)': the most used backend unlisted, unless
+    a run it holds is scored by another backend too ('rope seed 0 at 64'): then every one is listed."""
     if len(runs_by_backend) == 1:
         return next(iter(runs_by_backend))
     most = max(runs_by_backend, key=lambda b: len(runs_by_backend[b]))
+    if any(" at " in run for run in runs_by_backend[most]):
+        most = None
     parts = [f"{b} ({', '.join(runs)})" for b, runs in sorted(runs_by_backend.items()) if b != most]
-    return ", ".join(parts + [f"{most} (the rest)"])
+    return ", ".join(parts + ([f"{most} (the rest)"] if most else []))
 
 
 def _tokens_note(df: pd.DataFrame) -> str:
