@@ -34,6 +34,35 @@ def test_corrupt_checkpoint_keeps_what_is_on_disk(smoke, tmp_path):
     assert (run / "eval.csv").read_text() == before
 
 
+def test_status_reads_model_pt_without_torch_and_calls_another_runs_weights_damaged(smoke, tmp_path):
+    """Another scheme's model.pt copied into a run folder: evaluate refuses it, and status, which
+    reads model.pt's own config without torch (nothing of the file's choosing runs), says the
+    same line where it said done."""
+    import subprocess
+    import sys
+
+    from posbench.experiment.records import weights_record
+    from posbench.experiment.status import run_status
+
+    exp, _, _ = smoke
+    copy = tmp_path / "smoke"
+    shutil.copytree(exp, copy)
+    record = weights_record(copy / "t5-seed0")
+    assert record["config"] == yaml.safe_load((copy / "t5-seed0" / "config.yaml").read_text())
+    assert record["read"] == yaml.safe_load((copy / "t5-seed0" / "data.json").read_text())
+    shutil.copy2(copy / "t5-seed0" / "model.pt", copy / "rope-seed0" / "model.pt")
+    said = f"{copy / 'rope-seed0' / 'config.yaml'} does not describe model.pt ("
+    refused = " ".join(invoke("evaluate", copy / "rope-seed0").output.split()).removeprefix("error: ")
+    assert refused.startswith(said) and "schemes: ['t5'] in model.pt, ['rope'] in config.yaml" in refused
+    rows = {r["run"]: r for r in run_status(copy)}
+    assert (rows["rope-seed0"]["state"], rows["rope-seed0"]["detail"]) == ("damaged", refused)
+    assert {r["state"] for name, r in rows.items() if name != "rope-seed0"} == {"done"}
+    probe = "import sys; from posbench.experiment.records import weights_record as w; "
+    probe += f"r = w({str(copy / 't5-seed0')!r}); print(r['config']['model']['scheme'], 'torch' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert res.stdout.split() == ["t5", "False"], res.stdout + res.stderr
+
+
 def test_weights_of_another_version_of_a_scheme_are_one_line(smoke, tmp_path):
     """A checkpoint whose tensors do not fit the scheme (KERPLE's r1 saved as one per head where
     the scheme holds one per head and layer) says so, instead of calling a good file corrupt."""

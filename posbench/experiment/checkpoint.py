@@ -16,18 +16,21 @@ from typing import Optional
 
 import torch
 
-from posbench.config import ExperimentConfig, config_from_dict, differences, identity, read_record
+from posbench.config import ExperimentConfig, config_from_dict, read_record
 from posbench.errors import PosbenchError, first_line
-from posbench.experiment.records import CHECKPOINT, CONFIG, DIVERGED, PREVIOUS, WEIGHTS, check_weights_read
+from posbench.experiment.records import (
+    CHECKPOINT,
+    CONFIG,
+    DIVERGED,
+    PREVIOUS,
+    WEIGHTS,
+    check_describes,
+    check_weights_read,
+)
 from posbench.files import TMP_PREFIX, atomic, room_in
 from posbench.model import TransformerLM
 from posbench.progress import Reporter
 from posbench.registry import named_by
-
-
-def weights_identity(cfg: ExperimentConfig) -> dict:
-    """What a checkpoint's weights came from, as far as its text can say: the data may move."""
-    return {k: v for k, v in identity(cfg).items() if k != "data"}
 
 
 def weights_digest(state: dict) -> str:
@@ -121,10 +124,7 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
     record = Path(run_dir) / CONFIG
     if record.is_file():  # the run's record: its data and eval settings are the current ones
         rec = config_from_dict(read_record(record), source=str(record))
-        ours, theirs = weights_identity(cfg), weights_identity(rec)
-        if ours != theirs:
-            diff = ", ".join(differences(ours, theirs, ("model.pt", "in config.yaml")))
-            raise PosbenchError(f"{record} does not describe model.pt ({diff}); restore or delete it")
+        check_describes(record, rec, cfg)
         cfg = rec
         model.cfg = dataclasses.replace(model.cfg, attention=rec.model.attention)
     return cfg, model

@@ -12,15 +12,19 @@ whole, so an interrupted run leaves nothing that could pass for a finished one. 
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import io
 import json
 import os
+import pickle
+import zipfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
-from posbench.config import ExperimentConfig, config_from_dict, read_record
+from posbench.config import ExperimentConfig, config_from_dict, differences, identity, read_record
 from posbench.errors import PosbenchError
 from posbench.files import lock_holder, safe_name
 
@@ -229,6 +233,42 @@ def record_read(rdir: Path, name: str, digest: Optional[str]) -> None:
 
     if digest is not None and not (Path(rdir) / DATA).is_file():
         write_atomic(Path(rdir) / DATA, json.dumps({"corpus": name, "sha256": digest}, indent=1) + "\n")
+
+
+def weights_identity(cfg: ExperimentConfig) -> dict:
+    """What a checkpoint's weights came from, as far as its text can say: the data may move."""
+    return {k: v for k, v in identity(cfg).items() if k != "data"}
+
+
+def check_describes(record: Path, rec: ExperimentConfig, trained: ExperimentConfig) -> None:
+    """A run's config.yaml (`record`, read as `rec`) must describe its model.pt, trained as `trained`."""
+    ours, theirs = weights_identity(trained), weights_identity(rec)
+    if ours != theirs:
+        diff = ", ".join(differences(ours, theirs, (WEIGHTS, f"in {CONFIG}")))
+        raise PosbenchError(f"{record} does not describe {WEIGHTS} ({diff}); restore or delete it")
+
+
+def weights_record(rdir: Path) -> Optional[dict]:
+    """model.pt's own record (its config, and data.json's) without torch: the pickle beside the
+    tensors, read with every class it names (tensors, storages) stood in for by None, so nothing
+    of the file's choosing runs. None where the file cannot be read so."""
+    try:
+        with zipfile.ZipFile(Path(rdir) / WEIGHTS) as z:
+            raw = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+        ckpt = _Plain(io.BytesIO(raw)).load()
+    except Exception:  # a damaged or foreign file: load_run names it in full
+        return None
+    return ckpt if isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict) else None
+
+
+class _Plain(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        return lambda *args, **kwargs: None
+
+    def persistent_load(self, pid):
+        return None
 
 
 def check_weights_read(rdir: Path, read: dict) -> None:

@@ -6,13 +6,16 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
+from posbench.config import config_from_dict
 from posbench.errors import PosbenchError
 from posbench.experiment.records import (
+    CONFIG,
     EVAL,
     FAILED,
     SCORING,
     WEIGHTS,
     RunState,
+    check_describes,
     diverged_step,
     has_checkpoint,
     partial_dir,
@@ -20,6 +23,7 @@ from posbench.experiment.records import (
     read_config,
     read_train_log,
     run_state,
+    weights_record,
 )
 
 
@@ -105,6 +109,12 @@ def _status_of(run: RunState) -> dict:
             return {**row, "state": "records", "detail": f"evaluated, no {WEIGHTS}: tabled as is; a rerun trains it"}
         if not missing and not zipfile.is_zipfile(rdir / WEIGHTS):  # cut short or overwritten since it was saved
             return {**row, "state": "damaged", "detail": f"{WEIGHTS} is damaged: delete it to train the run again"}
+        weights = weights_record(rdir) if not missing else None
+        if weights is not None:  # another run's model.pt copied in: evaluate would refuse it, so say it here
+            try:
+                check_describes(rdir / CONFIG, cfg, config_from_dict(weights["config"], source=str(rdir / WEIGHTS)))
+            except PosbenchError as e:
+                return {**row, "state": "damaged", "detail": str(e)}
         return {
             **row,
             "state": "done" if not missing else "partial",

@@ -208,7 +208,7 @@ def parent_settings(prc: ExperimentConfig, overrides) -> list[str]:
     not what its weights were trained under (a child takes every one, e.g. train.batch_size).
     One that changes the model is refused: the parent's weights fit the parent's model alone."""
     from posbench.config import flat
-    from posbench.experiment.checkpoint import weights_identity
+    from posbench.experiment.records import weights_identity
 
     base = flat(weights_identity(prc))
     kept = []
