@@ -1,5 +1,6 @@
-"""The `posbench` command's entry (and `python -m posbench`): Ctrl-C and kill are taken before
-anything heavy imports, so a signal at any moment ends the command with one line."""
+"""The `posbench` command's entry, which takes Ctrl-C and kill before anything heavy imports.
+
+So a signal at any moment ends the command with one line; `python -m posbench` runs it too."""
 
 import os
 import signal

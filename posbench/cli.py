@@ -1072,8 +1072,7 @@ def main():
     return code if isinstance(code, int) else 0
 
 
-if __name__ == "__main__":
-    from posbench.__main__ import take_signals
+if __name__ == "__main__":  # python -m posbench.cli is python -m posbench, signals taken first
+    import runpy
 
-    take_signals()
-    sys.exit(main())
+    runpy.run_module("posbench", run_name="__main__")
