@@ -47,6 +47,7 @@ def user_errors(
         _error(str(e), code=e.exit_code)
     except KeyboardInterrupt:
         err.print(f"interrupted: {on_interrupt}", soft_wrap=True)
+        said.append("interrupted")
         raise typer.Exit(code=130) from None
     except OSError as e:  # a full disk, an unwritable out_dir, an unreadable file
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
@@ -71,6 +72,7 @@ def user_errors(
 
 
 _FREE = "; free some space, then rerun the same command"
+said: list[str] = []  # what a command's edge has said of its interrupt, if it has
 _SCORED = "the records hold only what was scored in full; rerun the same command to score the rest"
 
 
@@ -1069,6 +1071,8 @@ def main():
         code = e.exit_code
     except typer.Abort:  # end of input at a prompt
         code = 1
+    if code == 130 and not said:  # typer's own exit for a KeyboardInterrupt outside a command's edge: unsaid
+        err.print("interrupted: rerun the same command", soft_wrap=True)
     return code if isinstance(code, int) else 0
 
 

@@ -345,6 +345,17 @@ def test_a_signal_during_an_import_waits_for_it_to_finish_then_interrupts(tmp_pa
     )
     res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.stdout.strip() == "interrupted after the import: True", res.stdout + res.stderr
+    # an import that never finishes (a user's module waiting on something) still ends, PATIENCE on
+    (tmp_path / "stuck.py").write_text(
+        f"import os, signal, time\nos.kill(os.getpid(), signal.{signum})\nwhile True: time.sleep(0.01)\n"
+    )
+    script = (
+        "import sys, time\nimport posbench.__main__ as entry\nentry.PATIENCE = 0.3\nentry.take_signals()\n"
+        "t = time.monotonic()\ntry:\n    import stuck\nexcept KeyboardInterrupt:\n"
+        "    print('interrupted inside the import after', round(time.monotonic() - t, 1) >= 0.3)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == "interrupted inside the import after True", res.stdout + res.stderr
 
 
 def test_a_signal_outside_a_commands_edge_is_one_line():
@@ -355,6 +366,14 @@ def test_a_signal_outside_a_commands_edge_is_one_line():
 
     script = "import os, signal, sys\nimport posbench.__main__ as entry\nimport posbench.cli\n"
     script += "posbench.cli.main = lambda: os.kill(os.getpid(), signal.SIGINT) or 0\nsys.exit(entry.main())\n"
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 130 and res.stderr.strip() == "interrupted: rerun the same command", res.stderr
+    # typer turns a KeyboardInterrupt raised in a command before its edge (a lazy import) into a
+    # silent exit 130: the entry says it
+    script = "import sys\nimport posbench.cli as cli\n\nclass Stop:\n"
+    script += "    def find_spec(self, name, path, target=None):\n"
+    script += "        if name == 'posbench.experiment.execute':\n            raise KeyboardInterrupt\n\n"
+    script += "sys.meta_path.insert(0, Stop())\nsys.argv = ['posbench', 'extrapolate']\nsys.exit(cli.main())\n"
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert res.returncode == 130 and res.stderr.strip() == "interrupted: rerun the same command", res.stderr
 
