@@ -52,7 +52,7 @@ def run_sweep_on_ray(
     task = ray.remote(train_on_node)
     tracker = grid[0][1].cfg.train.tracker  # checked by sweep_jobs, before anything was sent
     try:
-        begin_sweep(exp, source, jobs)  # once a cluster answers: a folder it never trained in is not made
+        begin_sweep(exp, source, jobs, sources)  # once a cluster answers: a folder it never trained in is not made
         with contextlib.ExitStack() as held:
             pending, sent, done = {}, 0, 0
             todo = sum(job.state == "todo" for job in jobs)

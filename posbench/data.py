@@ -47,7 +47,7 @@ class Corpus:
     def sha256(self) -> str:
         """The sha256 of what a run reads: its tokenizer and both splits' tokens (a prepared
         folder: from tokens.json, never read whole: its source's digest, its tokenizer, the token
-        counts and the sha256 of the token ids and tokenizer file, taken as prepare wrote them)."""
+        counts and the sha256 of the token ids, taken as prepare wrote them)."""
         if not self.digest:
             h = hashlib.sha256(self.tokenizer.encode())
             for split in (self.train, self.val):
@@ -241,7 +241,7 @@ def load_corpus(cfg: DataConfig, fetching=None) -> Corpus:
         t = text.load_prepared(cfg.path)
         meta = text.read_prepared_meta(cfg.path)
         keys = ("source_sha256", "tokenizer", "vocab_size", "train_tokens", "val_tokens", "val_path", "val_fraction")
-        keys += tuple(k for k in ("tokens_sha256", "tokenizer_sha256") if k in meta)  # where prepare wrote them
+        keys += ("tokens_sha256",) if "tokens_sha256" in meta else ()  # where prepare wrote it: what the ids are
         pinned = hashlib.sha256(json.dumps({k: meta.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()
         return Corpus(t.name, t.train, t.val, t.tokenizer, t.byte_lengths, pinned)
     plain = cfg.path is None or all(

@@ -11,6 +11,7 @@ import io
 import math
 import os
 import shutil
+import socket
 import zlib
 from pathlib import Path
 from typing import Optional
@@ -18,6 +19,7 @@ from typing import Optional
 from posbench.errors import PosbenchError
 
 TMP_PREFIX = "tmp-"  # atomic()'s temporary files; a killed writer can leave one behind
+STAGE_PREFIX = ".together-"  # together()'s hidden folders (host, pid); a killed writer can leave one behind
 
 
 def cache_dir() -> Path:
@@ -52,11 +54,12 @@ def together(folder: Path):
     """A hidden folder in `folder` to write several files in; once the block has finished they
     take their names in `folder` together, so a stop part way leaves every earlier file as it
     was, never some new and some old. Stages that killed writers left are removed."""
-    for stale in folder.glob(".together-*"):
-        pid = stale.name.removeprefix(".together-")
+    mine = f"{STAGE_PREFIX}{socket.gethostname()}-"  # a pid says nothing of another machine's stage
+    for stale in folder.glob(f"{mine}*"):
+        pid = stale.name.removeprefix(mine)
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
-    stage = folder / f".together-{os.getpid()}"
+    stage = folder / f"{mine}{os.getpid()}"
     shutil.rmtree(stage, ignore_errors=True)
     try:
         with room_in(folder):

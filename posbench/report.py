@@ -23,8 +23,8 @@ from posbench.experiment.records import (
     data_read,
     diverged_at,
     diverged_step,
+    last_logged,
     read_config,
-    read_train_log,
     run_state,
     trained_with,
 )
@@ -32,7 +32,7 @@ from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import together
 from posbench.measures import Measure, plugin
 from posbench.registry import named_by
-from posbench.schemes import label_variant, run_label
+from posbench.schemes import run_label
 from posbench.tables import options_apart, point_labels
 from posbench.tasks import task_for
 
@@ -163,14 +163,15 @@ def check_rows(rdir: Path, cfg, rows: list[dict]) -> list[dict]:
             f"{rdir}: its rows were scored at train_len {min(scored_at - {cfg.model.train_len})}, but its "
             f"config.yaml says {cfg.model.train_len}; restore config.yaml's model.train_len"
         )
-    log = read_train_log(rdir)
-    if log and log[-1]["step"] + 1 != cfg.train.steps:  # what a table says of its training is config.yaml's
+    last = last_logged(rdir)
+    if last is not None and last["step"] + 1 != cfg.train.steps:  # what a table says of its training is config.yaml's
         raise PosbenchError(
             f"{rdir}: its config.yaml says train.steps {cfg.train.steps}, but its train_log.jsonl ends at "
-            f"step {log[-1]['step'] + 1}; restore config.yaml's train.steps"
+            f"step {last['step'] + 1}; restore config.yaml's train.steps"
         )
     label, seed = run_label(cfg.model), cfg.seeds[0]
-    other = sorted({r["scheme"] for r in rows if r.get("scheme") and label_variant(r["scheme"])[0] != label})
+    theirs = {r["scheme"] for r in rows if r.get("scheme")}  # label, or label+variant (a pretrained name may hold "+")
+    other = sorted(s for s in theirs if s != label and not s.startswith(f"{label}+"))
     seeds = sorted({int(r["seed"]) for r in rows if r.get("seed") not in (None, "")} - {seed})
     if other or seeds:
         said = f"scheme {other[0]}" if other else f"seed {seeds[0]}"

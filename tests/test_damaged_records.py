@@ -57,6 +57,12 @@ def test_status_reads_model_pt_without_torch_and_calls_another_runs_weights_dama
     rows = {r["run"]: r for r in run_status(copy)}
     assert (rows["rope-seed0"]["state"], rows["rope-seed0"]["detail"]) == ("damaged", refused)
     assert {r["state"] for name, r in rows.items() if name != "rope-seed0"} == {"done"}
+    # model.pt's record of its data against data.json: evaluate's line again, and nothing written
+    (copy / "t5-seed0" / "data.json").write_text('{"corpus": "elsewhere.txt (bytes)", "sha256": "' + "0" * 64 + '"}')
+    refused = " ".join(invoke("evaluate", copy / "t5-seed0").output.split()).removeprefix("error: ")
+    assert refused.startswith(f"{copy / 't5-seed0' / 'data.json'} does not describe model.pt"), refused
+    row = {r["run"]: r for r in run_status(copy)}["t5-seed0"]
+    assert (row["state"], row["detail"]) == ("damaged", refused)
     probe = "import sys; from posbench.experiment.records import weights_record as w; "
     probe += f"r = w({str(copy / 't5-seed0')!r}); print(r['config']['model']['scheme'], 'torch' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)

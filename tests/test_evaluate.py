@@ -76,6 +76,22 @@ def test_a_scoring_stopped_between_its_records_is_scored_whole_again(smoke, tmp_
     assert "96" in {r["length"] for r in csv.DictReader(open(run / "windows.csv"))}
 
 
+def test_evaluate_with_the_runs_own_settings_finishes_a_scoring_that_was_stopped(smoke, tmp_path):
+    """scoring.txt (a stop between two blocks of rows) stays through an evaluate of some lengths,
+    and goes once evaluate has scored every row the run's own config asks for."""
+    from posbench.experiment.status import run_status
+
+    exp, _, _ = smoke
+    copy = tmp_path / "smoke"
+    shutil.copytree(exp, copy)
+    run = copy / "alibi-seed0"
+    (run / "scoring.txt").write_text("scoring began (pid 1)\n")
+    assert {r["run"]: r for r in run_status(copy)}["alibi-seed0"]["state"] == "partial"
+    assert invoke("evaluate", run, "--lengths", "32").exit_code == 0 and (run / "scoring.txt").is_file()
+    assert invoke("evaluate", run).exit_code == 0 and not (run / "scoring.txt").exists()
+    assert {r["run"]: r for r in run_status(copy)}["alibi-seed0"]["state"] == "done"
+
+
 def test_evaluate_reads_the_runs_config_and_rescores_rows_on_other_tokens(smoke, tmp_path):
     """The run's config.yaml is its record: evaluate scores with its eval.tokens, and rows left
     from other tokens are scored again, so one eval.csv never mixes token sets. A config.yaml

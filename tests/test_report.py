@@ -5,6 +5,7 @@ import json
 import math
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import pandas as pd
@@ -802,7 +803,7 @@ def test_a_report_stopped_part_way_leaves_the_earlier_one_whole(tmp_path, monkey
     assert {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()} == before
     assert not list(copy.glob(".together-*"))
     monkeypatch.undo()
-    (copy / ".together-999999999").mkdir()  # a killed report's, its process long gone
+    (copy / f".together-{socket.gethostname()}-999999999").mkdir()  # a killed report's, its process long gone
     assert invoke("report", copy).exit_code == 0
     after = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
     assert set(after) == set(before) and not list(copy.glob(".together-*"))

@@ -119,7 +119,7 @@ def load_run(run_dir: Path) -> tuple[ExperimentConfig, TransformerLM]:
         ) from None
     if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
         raise PosbenchError(f"{ckpt_path}: holds non-finite weights (NaN or inf); retrain it")
-    if isinstance(ckpt.get("read"), dict):
+    if "read" in ckpt:
         check_weights_read(Path(run_dir), ckpt["read"])
     record = Path(run_dir) / CONFIG
     if record.is_file():  # the run's record: its data and eval settings are the current ones

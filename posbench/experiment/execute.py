@@ -41,6 +41,7 @@ from posbench.experiment.records import (
     FAILED,
     PLANNED,
     PREVIOUS,
+    SCORING,
     SWEEP_RECORD,
     WEIGHTS,
     check_read,
@@ -54,7 +55,7 @@ from posbench.experiment.records import (
     run_name,
     scoring,
 )
-from posbench.files import TMP_PREFIX, exclusive, lock_holder, room_in, waiting_for, write_atomic
+from posbench.files import STAGE_PREFIX, TMP_PREFIX, exclusive, lock_holder, room_in, waiting_for, write_atomic
 from posbench.measures import Measure, Scorer, ScoringRun
 from posbench.model import TransformerLM
 from posbench.progress import Marked, Reporter
@@ -89,9 +90,10 @@ def sweep_jobs(grid: list[tuple[dict, Experiment]], reporter: Reporter) -> tuple
     return folder, jobs, sources
 
 
-def begin_sweep(folder: Path, source: str, jobs: list[Job]) -> None:
+def begin_sweep(folder: Path, source: str, jobs: list[Job], sources: dict) -> None:
     """A sweep's experiment folder, made, with `source` (the config file's text) kept there as
-    sweep.yaml and its runs named in runs.txt."""
+    sweep.yaml and its runs named in runs.txt, once its runs' data is checked (check_reads)."""
+    check_reads(jobs, sources)
     folder.mkdir(parents=True, exist_ok=True)
     keep_earlier_grid(folder, source)
     write_atomic(folder / SWEEP_RECORD, source)
@@ -111,7 +113,7 @@ def keep_earlier_grid(folder: Path, source: str) -> None:
     record = folder / SWEEP_RECORD
     if not record.is_file() or record.read_text() == source:
         return
-    if not any(p.is_dir() for p in folder.iterdir()):  # nor a run, nor a run begun (.x.partial)
+    if not any(p.is_dir() and not p.name.startswith(STAGE_PREFIX) for p in folder.iterdir()):  # nor a run begun
         return
     n = 1
     while (folder / f"{record.stem}.{n}{record.suffix}").exists():
@@ -122,7 +124,7 @@ def keep_earlier_grid(folder: Path, source: str) -> None:
 def run_sweep(grid: list[tuple[dict, Experiment]], source: str, reporter: Reporter) -> Path:
     """Train and score what a sweep's grid still lacks, in one experiment folder. Returns it."""
     folder, jobs, sources = sweep_jobs(grid, reporter)
-    begin_sweep(folder, source, jobs)
+    begin_sweep(folder, source, jobs, sources)
     run_jobs(grid[0][1].cfg, jobs, folder, reporter, sources)
     return folder
 
@@ -234,6 +236,7 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
         record = rc
         if state == "done":
             trained, model = load_run(rdir)  # a corrupt checkpoint fails before it is announced as reused
+            check_read(rdir, what_read(job, data)[1])  # against the data.json load_run may have restored
             model.cfg = dataclasses.replace(model.cfg, attention=rc.model.attention)  # scored as asked now
             # its record keeps how it was trained (device, workers, out_dir) and takes how it is scored now
             record = dataclasses.replace(trained, eval=rc.eval, model=model.cfg)
@@ -382,6 +385,8 @@ def _evaluate_run(run_dir, asked, device, attention, tracker):
     digest = exp.task.fingerprint(source)
     check_read(run_dir, digest)  # before a row is scored: on other data they would not compare
     rows = exp.measure.rescore(exp.cfg, Path(run_dir), model.to(dev), source, dev)
+    if exp.cfg.eval == rc.eval and attention is None and not rc.eval.measures:  # every row its config asks: scored
+        (Path(run_dir) / SCORING).unlink(missing_ok=True)
     record_read(run_dir, getattr(source, "name", rc.task), digest)
     _send(tracker, run_dir)
     return exp.cfg, exp.measure, rows

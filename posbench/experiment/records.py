@@ -160,6 +160,18 @@ def read_train_log(rdir: Path) -> list[dict]:
     return [row for row in map(_log_row, lines) if row is not None]
 
 
+def last_logged(rdir: Path) -> Optional[dict]:
+    """The last step a run's train_log.jsonl records (None if none), read from the file's end:
+    a long run's log is never parsed whole for it."""
+    try:
+        with open(Path(rdir) / "train_log.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 2**16))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((row for row in map(_log_row, reversed(lines)) if row is not None), None)
+
+
 def _log_row(line: str) -> Optional[dict]:
     try:
         row = json.loads(line)
@@ -192,9 +204,7 @@ def data_read(rdir: Path) -> Optional[tuple[str, str]]:
             raise TypeError
         return str(read["corpus"]), read["sha256"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise PosbenchError(
-            f"{path}: malformed; restore it, or delete it to pin the run to the data it reads now"
-        ) from None
+        raise PosbenchError(f"{path}: malformed; restore it, or delete it for posbench to write it again") from None
 
 
 def check_read(rdir: Path, digest: Optional[str]) -> None:
@@ -254,7 +264,10 @@ def weights_record(rdir: Path) -> Optional[dict]:
     of the file's choosing runs. None where the file cannot be read so."""
     try:
         with zipfile.ZipFile(Path(rdir) / WEIGHTS) as z:
-            raw = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+            info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+            if info.file_size > 2**24:  # the names and config beside the tensors: never this large
+                return None
+            raw = z.read(info)
         ckpt = _Plain(io.BytesIO(raw)).load()
     except Exception:  # a damaged or foreign file: load_run names it in full
         return None
@@ -271,14 +284,17 @@ class _Plain(pickle.Unpickler):
         return None
 
 
-def check_weights_read(rdir: Path, read: dict) -> None:
+def check_weights_read(rdir: Path, read, restore: bool = True) -> None:
     """model.pt names the data its weights were trained on (`read`: corpus, sha256); the run's
     data.json must name the same, so weights copied in from a run on other data are never
-    scored as this run's. A data.json the run lacks is restored from model.pt's."""
+    scored as this run's. A data.json the run lacks is restored from model.pt's (`restore`)."""
+    if not (isinstance(read, dict) and isinstance(read.get("sha256"), str) and isinstance(read.get("corpus"), str)):
+        raise PosbenchError(f"{Path(rdir) / WEIGHTS}: its record of the data it read is malformed; retrain the run")
     said = data_read(rdir)
     if said is None:
-        with contextlib.suppress(OSError):  # a folder this user cannot write: nothing to hold it against
-            record_read(rdir, read["corpus"], read["sha256"])
+        if restore:
+            with contextlib.suppress(OSError):  # a folder this user cannot write: nothing to hold it against
+                record_read(rdir, read["corpus"], read["sha256"])
         return
     name, was = said
     if was != read["sha256"]:

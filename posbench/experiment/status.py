@@ -16,6 +16,7 @@ from posbench.experiment.records import (
     WEIGHTS,
     RunState,
     check_describes,
+    check_weights_read,
     diverged_step,
     has_checkpoint,
     partial_dir,
@@ -113,6 +114,8 @@ def _status_of(run: RunState) -> dict:
         if weights is not None:  # another run's model.pt copied in: evaluate would refuse it, so say it here
             try:
                 check_describes(rdir / CONFIG, cfg, config_from_dict(weights["config"], source=str(rdir / WEIGHTS)))
+                if "read" in weights:
+                    check_weights_read(rdir, weights["read"], restore=False)
             except PosbenchError as e:
                 return {**row, "state": "damaged", "detail": str(e)}
         return {
