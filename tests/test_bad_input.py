@@ -326,36 +326,33 @@ def test_bare_posbench_prints_its_help_once():
     assert res.returncode == 0 and res.stdout.count("Usage: posbench") == 1, res.stdout
 
 
+def _import_under_signal(tmp_path, module: str, body: str, after: str, patience: float = 10.0) -> str:
+    """What a process prints that takes posbench's signals, then imports `module` (`body`, which
+    signals the process itself first) and prints `after` once the interrupt lands."""
+    import subprocess
+    import sys
+
+    (tmp_path / f"{module}.py").write_text(f"import os, signal, time\n{body}")
+    script = f"import sys, time\nimport posbench.__main__ as entry\nentry.PATIENCE = {patience}\nentry.take_signals()\n"
+    script += f"t = time.monotonic()\ntry:\n    import {module}\n    time.sleep(30)\nexcept KeyboardInterrupt:\n"
+    script += f"    print({after})\n"
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    return res.stdout.strip() or res.stderr
+
+
 @pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
 def test_a_signal_during_an_import_waits_for_it_to_finish_then_interrupts(tmp_path, signum):
     """Commands import torch once they start, for seconds: a KeyboardInterrupt raised inside an
     import leaves the module half done (torch's numpy then swallows it, and the command ran on to
     exit 0, or fails later). posbench's handler lets the import finish and takes the signal
-    50 ms later, where the command turns it into one line."""
-    import subprocess
-    import sys
-
-    (tmp_path / "heavy.py").write_text(
-        f"import os, signal\nos.kill(os.getpid(), signal.{signum})\nimport json\nWHOLE = True\n"
-    )
-    script = (
-        "import sys, time\nfrom posbench.__main__ import take_signals\ntake_signals()\n"
-        "try:\n    import heavy\n    time.sleep(30)\nexcept KeyboardInterrupt:\n"
-        "    print('interrupted after the import:', sys.modules['heavy'].WHOLE)\n"
-    )
-    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert res.stdout.strip() == "interrupted after the import: True", res.stdout + res.stderr
-    # an import that never finishes (a user's module waiting on something) still ends, PATIENCE on
-    (tmp_path / "stuck.py").write_text(
-        f"import os, signal, time\nos.kill(os.getpid(), signal.{signum})\nwhile True: time.sleep(0.01)\n"
-    )
-    script = (
-        "import sys, time\nimport posbench.__main__ as entry\nentry.PATIENCE = 0.3\nentry.take_signals()\n"
-        "t = time.monotonic()\ntry:\n    import stuck\nexcept KeyboardInterrupt:\n"
-        "    print('interrupted inside the import after', round(time.monotonic() - t, 1) >= 0.3)\n"
-    )
-    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert res.stdout.strip() == "interrupted inside the import after True", res.stdout + res.stderr
+    50 ms later, where the command turns it into one line; an import that never finishes (a
+    user's module waiting on something) is interrupted all the same, PATIENCE seconds on."""
+    kill = f"os.kill(os.getpid(), signal.{signum})\n"
+    said = _import_under_signal(tmp_path, "heavy", kill + "import json\nWHOLE = True\n", "sys.modules['heavy'].WHOLE")
+    assert said == "True", said
+    waited = "round(time.monotonic() - t, 1) >= 0.3, 'stuck' in sys.modules"
+    said = _import_under_signal(tmp_path, "stuck", kill + "while True: time.sleep(0.01)\n", waited, patience=0.3)
+    assert said == "True False", said
 
 
 def test_a_signal_outside_a_commands_edge_is_one_line():
