@@ -20,6 +20,7 @@ from posbench.experiment.records import (
     CONFIG,
     EVAL,
     SWEEP_RECORD,
+    WEIGHTS,
     data_read,
     diverged_at,
     diverged_step,
@@ -27,6 +28,7 @@ from posbench.experiment.records import (
     read_config,
     run_state,
     trained_with,
+    weights_record,
 )
 from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import together
@@ -179,6 +181,17 @@ def check_rows(rdir: Path, cfg, rows: list[dict]) -> list[dict]:
             f"{rdir}: its rows are of {said}, but its config.yaml says {label} seed {seed}: another run's "
             f"records; restore the run's own, or delete its {EVAL} and score it again with posbench evaluate"
         )
+    marks = sorted({r["weights"] for r in rows if r.get("weights")})
+    if marks:  # rows name the weights that scored them: model.pt's, or at least one set
+        record = weights_record(rdir) if (rdir / WEIGHTS).is_file() else None
+        own = record["sha256"][:16] if record is not None and isinstance(record.get("sha256"), str) else None
+        other = [m for m in marks if m != own] if own else marks[1:]
+        if other:
+            whose = f"its {WEIGHTS}'s ({own})" if own else "its other rows'"
+            raise PosbenchError(
+                f"{rdir}: its {EVAL} holds rows scored by other weights ({other[0]}) than {whose}: another run's "
+                f"records; restore the run's own, or delete its {EVAL} and score it again with posbench evaluate"
+            )
     return rows
 
 

@@ -2,6 +2,7 @@
 was."""
 
 import contextlib
+import csv
 import errno
 import os
 import shutil
@@ -337,6 +338,37 @@ def test_an_experiments_runs_all_read_one_corpus(tmp_path):
         f"alibi-seed0 read {text} (bytes) with sha256 {was[:12]}, rope-seed0 read {text} (bytes) with sha256 " in said
     )
     assert now[:12] in said and (exp / "summary.md").read_bytes() == before
+
+
+def test_rows_scored_by_other_weights_are_never_tabled_as_the_runs_own(tmp_path):
+    """Each row of eval.csv names the weights that scored it (model.pt's sha256, 16 digits): the
+    eval.csv of another experiment's alibi seed 0 (another budget) copied into this run's folder
+    is refused by report and called damaged by status, and the rerun scores its rows again."""
+    from conftest import smoke_experiment
+
+    from posbench.experiment.records import weights_record
+    from posbench.experiment.status import run_status
+
+    exp, _, text = smoke_experiment(tmp_path, "--schemes", "alibi")
+    run = exp / "alibi-seed0"
+    own = weights_record(run)["sha256"][:16]
+    rows = list(csv.DictReader(open(run / "eval.csv")))
+    assert {r["weights"] for r in rows} == {own} and "weights" not in open(exp / "summary.csv").readline()
+    args = ["extrapolate", "--config", SMOKE, "--schemes", "alibi", "--set", f"data.path={text}"]
+    assert invoke(*args, "--set", f"out_dir={tmp_path / 'b'}", "--set", "train.steps=4").exit_code == 0
+    theirs = tmp_path / "b" / "smoke" / "alibi-seed0"
+    shutil.copy2(theirs / "eval.csv", run / "eval.csv")
+    other = weights_record(theirs)["sha256"][:16]
+    before = (exp / "summary.md").read_bytes()
+    res = invoke("report", exp)
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"{run}: its eval.csv holds rows scored by other weights ({other}) than its model.pt's ({own})" in said
+    assert (exp / "summary.md").read_bytes() == before
+    assert {r["run"]: r for r in run_status(exp)}["alibi-seed0"]["state"] == "damaged"
+    assert invoke(*args, "--set", f"out_dir={exp.parent}").exit_code == 0  # reused, its rows scored again
+    assert [r["weights"] for r in csv.DictReader(open(run / "eval.csv"))] == [own] * len(rows)
+    assert [r["loss"] for r in csv.DictReader(open(run / "eval.csv"))] == [r["loss"] for r in rows]
 
 
 def test_weights_trained_on_other_data_are_never_scored_as_the_runs_own(tmp_path):

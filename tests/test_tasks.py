@@ -735,3 +735,22 @@ def test_a_task_with_nothing_left_to_train_on_stops_with_one_line_not_forever():
     with pytest.raises(PosbenchError, match=f"task 'few': {REDRAWS:,} draws in a row were all held out"):
         batches()
     assert task.batches(0, 4, test=[])()[0].shape[0] == 4  # nothing held out: a batch, as ever
+
+
+def test_a_task_runs_rows_name_the_weights_that_scored_them(task_smoke, tmp_path):
+    """As perplexity's rows do: model.pt's sha256 (16 digits) on every row, so rows that other
+    weights scored are refused by report in one line."""
+    import csv
+    import shutil
+
+    from posbench.experiment.records import weights_record
+
+    exp = shutil.copytree(task_smoke, tmp_path / "copy")
+    for run in ("nope-seed0", "alibi-seed0"):
+        own = weights_record(exp / run)["sha256"][:16]
+        assert {r["weights"] for r in csv.DictReader(open(exp / run / "eval.csv"))} == {own}
+    path = exp / "alibi-seed0" / "eval.csv"  # as another training's alibi seed 0 would have scored it
+    path.write_text(path.read_text().replace(weights_record(exp / "alibi-seed0")["sha256"][:16], "0" * 16))
+    res = invoke("report", exp)
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "its eval.csv holds rows scored by other weights" in said, res.output

@@ -44,6 +44,13 @@ def weights_digest(state: dict) -> str:
     return h.hexdigest()
 
 
+def weights_mark(model) -> str:
+    """What a record's row names the weights that scored it by: the first 16 digits of the sha256
+    model.pt holds for them; "" for a model posbench did not train (a pretrained one, whose files
+    are pinned by their own sha256)."""
+    return weights_digest(model.state_dict())[:16] if isinstance(model, TransformerLM) else ""
+
+
 def _damaged(ckpt: dict, key: str) -> bool:
     """Whether a checkpoint's weights differ from the checksum written with them (one without
     a checksum is taken as it is)."""

@@ -96,6 +96,16 @@ def _status_of(run: RunState) -> dict:
         return {**row, "state": "damaged", "detail": unreadable}
     if run.here:
         missing = [f for f in (WEIGHTS, EVAL) if not (rdir / f).is_file()]
+        if WEIGHTS not in missing and not zipfile.is_zipfile(rdir / WEIGHTS):  # cut short or overwritten since
+            return {**row, "state": "damaged", "detail": f"{WEIGHTS} is damaged: delete it to train the run again"}
+        weights = weights_record(rdir) if WEIGHTS not in missing else None
+        if weights is not None:  # another run's model.pt copied in: evaluate would refuse it, so say it here
+            try:
+                check_describes(rdir / CONFIG, cfg, config_from_dict(weights["config"], source=str(rdir / WEIGHTS)))
+                if "read" in weights:
+                    check_weights_read(rdir, weights["read"], restore=False)
+            except PosbenchError as e:
+                return {**row, "state": "damaged", "detail": str(e)}
         if EVAL not in missing:  # as report reads it: a malformed record is its one line
             from posbench.report import check_rows, table_share
 
@@ -108,16 +118,6 @@ def _status_of(run: RunState) -> dict:
             return {**row, "state": "partial", "detail": detail}
         if missing == [WEIGHTS]:  # a committed reference's records: its weights stay where it trained
             return {**row, "state": "records", "detail": f"evaluated, no {WEIGHTS}: tabled as is; a rerun trains it"}
-        if not missing and not zipfile.is_zipfile(rdir / WEIGHTS):  # cut short or overwritten since it was saved
-            return {**row, "state": "damaged", "detail": f"{WEIGHTS} is damaged: delete it to train the run again"}
-        weights = weights_record(rdir) if not missing else None
-        if weights is not None:  # another run's model.pt copied in: evaluate would refuse it, so say it here
-            try:
-                check_describes(rdir / CONFIG, cfg, config_from_dict(weights["config"], source=str(rdir / WEIGHTS)))
-                if "read" in weights:
-                    check_weights_read(rdir, weights["read"], restore=False)
-            except PosbenchError as e:
-                return {**row, "state": "damaged", "detail": str(e)}
         return {
             **row,
             "state": "done" if not missing else "partial",

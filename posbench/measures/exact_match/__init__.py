@@ -50,8 +50,12 @@ class ExactMatch(Measure):
         only_own_section(cfg, self.name)
 
     def score(self, rc, rdir: Path, model, test, device, backend: str, reporter=None) -> None:
+        from posbench.experiment.checkpoint import weights_mark
+
         try:
-            scored = {r["attention"] for r in read_task_eval(rdir)} == {backend}
+            rows = read_task_eval(rdir)
+            own = {r["weights"] for r in rows} <= {"", weights_mark(model)}  # not another run's rows copied in
+            scored = own and {r["attention"] for r in rows} == {backend}
         except PosbenchError:
             scored = False
         if not scored:

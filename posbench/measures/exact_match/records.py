@@ -29,7 +29,9 @@ EVAL_COLUMNS = [
     "token_accuracy",
     "status",
     "attention",
+    "weights",  # the first 16 digits of the sha256 of the weights that scored the row (model.pt's)
 ]
+WEIGHTLESS_COLUMNS = EVAL_COLUMNS[:-1]  # eval.csv before its rows named their weights
 
 
 METRICS = {  # what a task report tables, by --metric
@@ -57,7 +59,11 @@ def read_task_eval(run_dir: Path) -> list[dict]:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             rows = list(reader)
-        if reader.fieldnames != EVAL_COLUMNS or not rows:
+        if reader.fieldnames == WEIGHTLESS_COLUMNS:  # its weights unnamed: taken as the run's own
+            rows = [{**r, "weights": ""} for r in rows]
+        elif reader.fieldnames != EVAL_COLUMNS:
+            raise ValueError
+        if not rows:
             raise ValueError
         for r in rows:
             int(r["length"]), int(r["instances"]), int(r["seed"]), int(r["tokens"])

@@ -17,6 +17,7 @@ SAMPLES_PER_BUCKET = 3
 def evaluate_task_into(rc, rdir: Path, model, task: Task, test: list, device, backend: str) -> list[dict]:
     """Score a run on its task's test set; write eval.csv and samples.txt. Returns the rows."""
     from posbench.accuracy import score
+    from posbench.experiment.checkpoint import weights_mark
 
     rows = score(model, test, device)
     ident = {
@@ -26,6 +27,7 @@ def evaluate_task_into(rc, rdir: Path, model, task: Task, test: list, device, ba
         "seed": rc.seeds[0],
         "train_max": task.train_max,
         "attention": backend,
+        "weights": weights_mark(model),
     }
     rows = [{**ident, **r} for r in rows]
     write_rows(rdir / "eval.csv", rows, EVAL_COLUMNS)

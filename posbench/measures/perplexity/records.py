@@ -43,8 +43,11 @@ EVAL_COLUMNS = [
     "status",
     "attention",
     "tokenizer",
+    "weights",  # the first 16 digits of the sha256 of the weights that scored the row (model.pt's)
 ]
-BYTES_COLUMNS = [c for c in EVAL_COLUMNS if c not in ("bpb", "tokenizer")]  # eval.csv before tokenizers: bytes
+SUMMARY_COLUMNS = EVAL_COLUMNS[:-1]  # a table's rows: which weights scored each is the run folder's to check
+WEIGHTLESS_COLUMNS = EVAL_COLUMNS[:-1]  # eval.csv before its rows named their weights
+BYTES_COLUMNS = [c for c in WEIGHTLESS_COLUMNS if c not in ("bpb", "tokenizer")]  # eval.csv before tokenizers: bytes
 
 
 POSITION_COLUMNS = ["scheme", "length", "protocol", "stride", "position", "loss", "tokens"]
@@ -54,12 +57,13 @@ WINDOW_COLUMNS = ["scheme", "length", "protocol", "stride", "window", "loss", "t
 STATUSES = ("ok", "beyond-max-len", "non-finite")  # scored; cannot encode the length; blew up
 
 
-def eval_rows(cfg, rows: list[dict], label: Optional[str] = None) -> list[dict]:
-    """Rows of one run; `label` names an evaluation-time variant's rows, e.g. rope+yarn."""
+def eval_rows(cfg, rows: list[dict], label: Optional[str] = None, weights: str = "") -> list[dict]:
+    """Rows of one run; `label` names an evaluation-time variant's rows, e.g. rope+yarn; `weights`
+    the weights that scored them (checkpoint.weights_mark)."""
     from posbench.schemes import run_label
 
     ident = {"scheme": label or run_label(cfg.model), "seed": cfg.seeds[0], "train_len": cfg.model.train_len}
-    return [{**ident, **r} for r in rows]
+    return [{**ident, **r, "weights": weights} for r in rows]
 
 
 def read_eval(run_dir: Path) -> list[dict]:
@@ -78,7 +82,9 @@ def read_eval(run_dir: Path) -> list[dict]:
         for r in rows:
             ok = r.get("status") == "ok" and r.get("loss") not in (None, "")
             r["bpb"], r["tokenizer"] = (repr(float(r["loss"]) / math.log(2)) if ok else "nan"), "bytes"
-        rows = [{c: r[c] for c in EVAL_COLUMNS} for r in rows]
+        header = WEIGHTLESS_COLUMNS
+    if header == WEIGHTLESS_COLUMNS and rows:  # its weights unnamed: taken as the run's own
+        rows = [{**{c: r[c] for c in WEIGHTLESS_COLUMNS}, "weights": ""} for r in rows]
     elif header != EVAL_COLUMNS or not rows:
         raise bad
     for r in rows:

@@ -48,9 +48,11 @@ def evaluate_into(
     many of the input tokens are scored (Reporter.scoring)."""
     from posbench.device import pick_device
     from posbench.evaluate import eval_tokens, evaluate_model, window_tokens
+    from posbench.experiment.checkpoint import weights_mark
     from posbench.schemes import run_label, variant_label
 
     _refuse_variants(rc, model, variants, max(lengths), factor)
+    weights = weights_mark(model)  # outside any variant, which may change a buffer of the scheme's
     device = pick_device(rc.train.device)
     tokens = eval_tokens(corpus, rc, lengths)
     labels = {variant_label(run_label(rc.model), v, factor) for v in variants}
@@ -85,7 +87,7 @@ def evaluate_into(
             for r in scored:  # bits per byte: the loss summed over the n scored tokens, over their bytes
                 r["bpb"] = r["loss"] / math.log(2) * (n / n_bytes) if r["status"] == "ok" else float("nan")
                 r["tokenizer"] = corpus.tokenizer
-            rows += eval_rows(rc, scored, label)
+            rows += eval_rows(rc, scored, label, weights)
             for L, (sums, counts, wins) in by_position.items():
                 ident = {"scheme": label, "length": L, "protocol": protocol, "stride": stride}
                 positions += [
@@ -153,10 +155,12 @@ def unevaluated(rc, rdir: Path, model, n_tokens: int, device) -> dict[tuple, lis
     """For each (variant, protocol) (variant None: as trained), the lengths still lacking a row
     scored on these tokens by the attention backend that variant runs on `device`;
     eval.perplexity.rope_scaling kinds apply to a run only if its scheme declares them."""
+    from posbench.experiment.checkpoint import weights_mark
     from posbench.schemes import run_label, variant_label
 
     variants = [None] + [v for v in rc.eval.perplexity.rope_scaling if v in model.eval_variants]
-    have = {(*row_key(r), int(r["tokens"]), r["attention"]) for r in read_eval(rdir)}
+    own = weights_mark(model)  # a row other weights scored (another run's eval.csv copied in) is scored again
+    have = {(*row_key(r), int(r["tokens"]), r["attention"]) for r in read_eval(rdir) if r["weights"] in ("", own)}
     missing = {}
     for protocol in rc.eval.perplexity.protocol:
         stride = str(rc.eval.perplexity.stride) if protocol == "sliding" else ""

@@ -27,10 +27,10 @@ from posbench.measures.perplexity.breaks import breaks as rope_breaks
 from posbench.measures.perplexity.breaks import plot as plot_rope_law
 from posbench.measures.perplexity.breaks import section as rope_section
 from posbench.measures.perplexity.records import (
-    EVAL_COLUMNS,
     METRICS,
     POSITION_COLUMNS,
     PROTOCOL_NAMES,
+    SUMMARY_COLUMNS,
     protocol_label,
     read_positions,
     read_windows,
@@ -446,7 +446,7 @@ def report(collected, metric: str, transpose: bool) -> dict:
         + [f"- {n}" for n in dict.fromkeys(notes)],
         "sections": sections,
         "legend": legend,
-        "csv": (df, EVAL_COLUMNS + (["point"] if "point" in df else [])),
+        "csv": (df, SUMMARY_COLUMNS + (["point"] if "point" in df else [])),
         "plots": plots,
     }
 
@@ -475,7 +475,7 @@ def frame(collected) -> tuple[pd.DataFrame, list]:
     values (each run's backend, the diverged runs, the grid points): pandas deep-copies them on
     every operation, and the runs with their rows would make a report of a few runs take seconds."""
     points = collected.points
-    columns = EVAL_COLUMNS + (["point"] if len(set(points.values())) > 1 else [])
+    columns = SUMMARY_COLUMNS + (["point"] if len(set(points.values())) > 1 else [])
     df = pd.DataFrame(
         [{**r, "point": points[run.folder], "experiment": run.experiment} for run in collected.runs for r in run.rows],
         columns=[*columns, "experiment"],
