@@ -101,7 +101,7 @@ def test_eval_csv_holds_both_metrics_per_length_and_evaluate_shows_both(experime
         rows = eval_rows(experiment / f"{scheme}-seed0")
         assert list(rows[0]) == [
             "task", "metric", "scheme", "seed", "train_max", "length", "correct", "instances", "accuracy",
-            "tokens_correct", "tokens", "token_accuracy", "status", "attention",
+            "tokens_correct", "tokens", "token_accuracy", "status", "attention", "weights",
         ]  # fmt: skip
         for r in rows:
             n, count = int(r["length"]), int(r["instances"])
