@@ -54,6 +54,16 @@ def report_rebuilt(exp: Path, copy: Path, removed: tuple):
     return invoke("report", copy)
 
 
+def report_refused(exp: Path) -> str:
+    """`posbench report exp`, refused: exit 2, one line, the experiment's summary.md as it was.
+    Returns the line, its breaks folded into spaces."""
+    before = (exp / "summary.md").read_bytes() if (exp / "summary.md").is_file() else None
+    res = invoke("report", exp)
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert ((exp / "summary.md").read_bytes() if before is not None else None) == before
+    return " ".join(res.output.split())
+
+
 def rebuilds_byte_for_byte(name: str, tmp_path: Path) -> Path:
     """results/<name> reported afresh from a copy of its records gives its committed
     summary.csv, .md and .tex; returns the committed folder."""
