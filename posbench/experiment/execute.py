@@ -191,13 +191,16 @@ def run_jobs(
 def check_reads(jobs: list[Job], sources: dict) -> None:
     """Refuse, before anything runs, a run (or the parent it is fine-tuned from) that read other
     data than its config names now (records.check_read)."""
+    experiments = {}  # in the jobs' order
     for job in jobs:
         digest = job.task.fingerprint(source_of(job, sources))
         for read in (job.folder, job.parent):
             if read is not None:
                 check_read(read, digest)
         if job.alike:  # its experiment's runs differ in scheme and seed only: so does their data
-            check_same_read(job.folder.parent, digest)
+            experiments[job.folder.parent, digest] = None
+    for folder, digest in experiments:  # each folder's runs read once, not once a job
+        check_same_read(folder, digest)
 
 
 def source_of(job: Job, sources: dict):

@@ -125,11 +125,13 @@ class Perplexity(Measure):
 
     def score(self, rc, rdir: Path, model, corpus, device, backend: str, reporter=None) -> None:
         from posbench.evaluate import eval_tokens
+        from posbench.experiment.checkpoint import weights_mark
 
         n_tokens = len(eval_tokens(corpus, rc, rc.eval.lengths)) - 1  # the same for every run
         factor = rc.eval.perplexity.rope_factor
-        for (variant, protocol), lengths in unevaluated(rc, rdir, model, n_tokens, device).items():
-            evaluate_into(rc, rdir, model, corpus, lengths, [variant], factor, [protocol], reporter)
+        weights = weights_mark(model)  # once: every block's rows name the same weights
+        for (variant, protocol), lengths in unevaluated(rc, rdir, model, n_tokens, device, weights).items():
+            evaluate_into(rc, rdir, model, corpus, lengths, [variant], factor, [protocol], reporter, weights)
 
     def rescore(self, cfg, rdir: Path, model, corpus, device) -> list[dict]:
         """Plain and each of eval.perplexity.rope_scaling's variants (a variant row reads against the plain

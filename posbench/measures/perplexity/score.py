@@ -40,19 +40,22 @@ def evaluate_into(
     factor: Optional[float] = None,
     protocols: Optional[list[str]] = None,
     reporter=None,
+    weights: Optional[str] = None,
 ) -> list[dict]:
     """Evaluate at `lengths` under each protocol (None: the config's), as trained (None) and as
     each named evaluation-time variant, and merge the rows into the run's eval.csv and their
     loss per position into positions.csv.gz: a (scheme label, length, protocol, stride) row
     replaces its old one. The plain rows come first, then each variant's. `reporter` hears how
-    many of the input tokens are scored (Reporter.scoring)."""
+    many of the input tokens are scored (Reporter.scoring); `weights`, the rows' weights_mark of
+    `model`, where the caller has it."""
     from posbench.device import pick_device
     from posbench.evaluate import eval_tokens, evaluate_model, window_tokens
     from posbench.experiment.checkpoint import weights_mark
     from posbench.schemes import run_label, variant_label
 
     _refuse_variants(rc, model, variants, max(lengths), factor)
-    weights = weights_mark(model)  # outside any variant, which may change a buffer of the scheme's
+    if weights is None:  # outside any variant, which may change a buffer of the scheme's
+        weights = weights_mark(model)
     device = pick_device(rc.train.device)
     tokens = eval_tokens(corpus, rc, lengths)
     labels = {variant_label(run_label(rc.model), v, factor) for v in variants}
@@ -151,15 +154,14 @@ def _merge_records(rdir: Path, base: str, old: tuple, rows: list, positions: lis
     write_rows(rdir / "eval.csv", sorted(keep + rows, key=order), EVAL_COLUMNS)
 
 
-def unevaluated(rc, rdir: Path, model, n_tokens: int, device) -> dict[tuple, list[int]]:
+def unevaluated(rc, rdir: Path, model, n_tokens: int, device, own: str) -> dict[tuple, list[int]]:
     """For each (variant, protocol) (variant None: as trained), the lengths still lacking a row
     scored on these tokens by the attention backend that variant runs on `device`;
     eval.perplexity.rope_scaling kinds apply to a run only if its scheme declares them."""
-    from posbench.experiment.checkpoint import weights_mark
     from posbench.schemes import run_label, variant_label
 
     variants = [None] + [v for v in rc.eval.perplexity.rope_scaling if v in model.eval_variants]
-    own = weights_mark(model)  # a row other weights scored (another run's eval.csv copied in) is scored again
+    # `own`: the model's weights_mark; a row other weights scored (another run's eval.csv copied in) is scored again
     have = {(*row_key(r), int(r["tokens"]), r["attention"]) for r in read_eval(rdir) if r["weights"] in ("", own)}
     missing = {}
     for protocol in rc.eval.perplexity.protocol:
