@@ -20,6 +20,19 @@ def pick_device(name: str, hint: str = "--device cpu runs on the CPU") -> torch.
     return torch.device(name)
 
 
+def computed_on(device: torch.device) -> dict:
+    """What decides a record's last digits beyond its attention backend: the device (a GPU
+    computes in bf16 autocast, a CPU in fp32), torch's CPU threads, and the versions."""
+    from posbench import __version__
+
+    return {
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "posbench": __version__,
+    }
+
+
 def autocast(device: torch.device):
     """bf16 on GPUs; CPUs stay fp32, the tested default."""
     if device.type == "cuda":

@@ -15,9 +15,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from posbench import __version__
 from posbench.config import ExperimentConfig
-from posbench.device import autocast, pick_device
+from posbench.device import autocast, computed_on, pick_device
 from posbench.errors import PosbenchError, first_line
 from posbench.experiment.checkpoint import load_progress, restore, save_progress, snapshot
 from posbench.experiment.records import CHECKPOINT
@@ -111,8 +110,7 @@ def train_model(
         probe(start, model, start)
     recent = []  # this stretch's losses, left on the device until a check needs them
     # what else decides the last digits: a resumed run may differ in them, so each line says its own
-    computed = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__}
-    computed["posbench"] = __version__
+    computed = computed_on(device)
 
     def save(next_step: int) -> None:
         save_progress(folder, snapshot(cfg, model, opt, gen, next_step, time.perf_counter() - t0, batches))

@@ -28,6 +28,10 @@ def test_extrapolate_writes_every_promised_file(smoke):
         assert ckpt["config"] == cfg  # the checkpoint carries its own resolved config
         rows = list(csv.DictReader((run / "eval.csv").open()))
         assert [int(r["length"]) for r in rows] == [32, 48, 64]
+        (scored,) = [json.loads(line) for line in (run / "eval_log.jsonl").read_text().splitlines()]
+        assert (scored["measures"], scored["lengths"]) == (["perplexity"], [32, 48, 64])
+        assert (scored["device"], scored["threads"], scored["torch"]) == ("cpu", 1, torch.__version__)
+        assert scored["attention"] == rows[0]["attention"] == log[0]["attention"]
     assert not list(exp.glob(".*partial"))
 
 

@@ -224,6 +224,8 @@ def test_evaluate_scores_both_measures_into_the_run_and_the_report_shows_them(sm
         assert {int(r["length"]): r["status"] for r in csv.DictReader(f)}[64] == "beyond-max-len"
     meta = json.loads((copy / "rope-seed0" / "measures" / "key_tokens.json").read_text())
     assert meta["measure"] == "key_tokens" and meta["options"]["alpha"] == 0.5
+    scored = [json.loads(line) for line in (copy / "rope-seed0" / "eval_log.jsonl").read_text().splitlines()]
+    assert scored[-1]["measures"] == ["context_gain", "key_tokens"] and scored[-1]["device"] == "cpu"
 
     # the records hold what the measure computes on the run's model
     from posbench.data import load_corpus

@@ -2,6 +2,7 @@
 process without the training loop; and the table of a length only some seeds reached."""
 
 import csv
+import json
 import os
 import shutil
 
@@ -21,6 +22,14 @@ def test_evaluate_an_existing_run_at_new_lengths(smoke, tmp_path):
     assert sorted(rows) == [32, 48, 64, 96]
     old = {int(r["length"]): r for r in csv.DictReader((exp / "rope-seed0" / "eval.csv").open())}
     assert rows[32]["loss"] == old[32]["loss"]  # evaluation is deterministic
+    # each scoring is a line of eval_log.jsonl: what it scored, by which backend, where
+    first, again = [json.loads(line) for line in (run / "eval_log.jsonl").read_text().splitlines()]
+    assert (first["lengths"], again["lengths"], again["measures"]) == ([32, 48, 64], [32, 96], ["perplexity"])
+    assert (again["device"], again["threads"], again["attention"]) == (
+        "cpu",
+        torch.get_num_threads(),
+        rows[96]["attention"],
+    )
 
 
 def test_evaluate_of_a_run_another_process_holds_is_one_line_and_loses_no_row(smoke, tmp_path):

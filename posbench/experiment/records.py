@@ -2,12 +2,13 @@
 
 A run folder holds config.yaml (fully resolved), model.pt (weights plus that same config and
 data.json's record), train_log.jsonl (step, loss, lr, seconds, and how each line was computed:
-attention backend, device, threads, versions), data.json (the sha256 of the corpus it read: what
-it is scored and fine-tuned on, and model.pt, are checked against it) and its measure's records
-(e.g. eval.csv); a run whose loss blew up holds diverged.json instead of model.pt. Folders are
-built under a hidden name (.<run>.partial), beside their mid-run checkpoints, and renamed when
-whole, so an interrupted run leaves nothing that could pass for a finished one. A lock file per run
-(.<run>.lock) keeps two processes from writing one run.
+attention backend, device, threads, versions), eval_log.jsonl (the same, a line each time it was
+scored), data.json (the sha256 of the corpus it read: what it is scored and fine-tuned on, and
+model.pt, are checked against it) and its measure's records (e.g. eval.csv); a run whose loss
+blew up holds diverged.json instead of model.pt. Folders are built under a hidden name
+(.<run>.partial), beside their mid-run checkpoints, and renamed when whole, so an interrupted
+run leaves nothing that could pass for a finished one. A lock file per run (.<run>.lock) keeps
+two processes from writing one run.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ PLANNED = "runs.txt"  # the run folders an experiment was asked to hold, one a l
 SWEEP_RECORD = "sweep.yaml"  # the grid a sweep's experiment folder was made by; its runs may differ
 CLAIMING = ".claiming"  # locked while a run that starts to train checks the experiment and records its config
 SCORING = "scoring.txt"  # while a run is scored: a stop before its last row leaves it, so its rows are known in part
+EVAL_LOG = "eval_log.jsonl"  # a line each time the run was scored: what, by which backend, on what, by which versions
 
 
 def planned(exp: Path) -> list[str]:
@@ -132,6 +134,19 @@ def scoring(rdir: Path):
     )
     yield
     (Path(rdir) / SCORING).unlink(missing_ok=True)
+
+
+def log_scoring(rdir: Path, measures: list[str], lengths: list[int], attention: str, computed: dict) -> None:
+    """A line in the run's eval_log.jsonl once a scoring has finished: its measures and lengths,
+    the attention backend, and `computed` (device.computed_on: the device, torch's threads, the
+    versions). eval.csv's rows name their backend and weights; this says where they were computed,
+    which decides their last digits (bf16 autocast on a GPU), for a run scored again elsewhere too."""
+    from datetime import datetime, timezone
+
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    line = {"time": when, "measures": measures, "lengths": lengths, "attention": attention, **computed}
+    with open(Path(rdir) / EVAL_LOG, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def diverged_at(rdir: Path) -> Optional[float]:
