@@ -29,7 +29,7 @@ def test_extrapolate_writes_every_promised_file(smoke):
         rows = list(csv.DictReader((run / "eval.csv").open()))
         assert [int(r["length"]) for r in rows] == [32, 48, 64]
         (scored,) = [json.loads(line) for line in (run / "eval_log.jsonl").read_text().splitlines()]
-        assert (scored["measures"], scored["lengths"]) == (["perplexity"], [32, 48, 64])
+        assert (scored["measure"], scored["lengths"], scored["schemes"]) == ("perplexity", [32, 48, 64], [scheme])
         assert (scored["device"], scored["threads"], scored["torch"]) == ("cpu", 1, torch.__version__)
         assert scored["attention"] == rows[0]["attention"] == log[0]["attention"]
     assert not list(exp.glob(".*partial"))

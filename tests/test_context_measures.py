@@ -225,7 +225,8 @@ def test_evaluate_scores_both_measures_into_the_run_and_the_report_shows_them(sm
     meta = json.loads((copy / "rope-seed0" / "measures" / "key_tokens.json").read_text())
     assert meta["measure"] == "key_tokens" and meta["options"]["alpha"] == 0.5
     scored = [json.loads(line) for line in (copy / "rope-seed0" / "eval_log.jsonl").read_text().splitlines()]
-    assert scored[-1]["measures"] == ["context_gain", "key_tokens"] and scored[-1]["device"] == "cpu"
+    assert [s["measure"] for s in scored[-2:]] == ["context_gain", "key_tokens"] and scored[-1]["device"] == "cpu"
+    assert scored[-1]["lengths"] == [32, 48, 64]
 
     # the records hold what the measure computes on the run's model
     from posbench.data import load_corpus

@@ -24,7 +24,7 @@ def test_evaluate_an_existing_run_at_new_lengths(smoke, tmp_path):
     assert rows[32]["loss"] == old[32]["loss"]  # evaluation is deterministic
     # each scoring is a line of eval_log.jsonl: what it scored, by which backend, where
     first, again = [json.loads(line) for line in (run / "eval_log.jsonl").read_text().splitlines()]
-    assert (first["lengths"], again["lengths"], again["measures"]) == ([32, 48, 64], [32, 96], ["perplexity"])
+    assert (first["lengths"], again["lengths"], again["measure"]) == ([32, 48, 64], [32, 96], "perplexity")
     assert (again["device"], again["threads"], again["attention"]) == (
         "cpu",
         torch.get_num_threads(),

@@ -248,9 +248,11 @@ def test_pretrained_writes_a_run_folder_resumes_and_joins_another_in_one_report(
         (s, L) for s in ("llama", "llama+yarn") for L in (CONTEXT, 2 * CONTEXT)
     }
     assert all(float(r["bpb"]) > 0 for r in rows) and (run / "data.json").is_file()
-    (scored,) = [json.loads(line) for line in (run / "eval_log.jsonl").read_text().splitlines()]
-    assert (scored["measures"], scored["lengths"], scored["device"]) == (["perplexity"], [CONTEXT, 2 * CONTEXT], "cpu")
-    assert scored["attention"] == rows[0]["attention"]
+    scored = [json.loads(line) for line in (run / "eval_log.jsonl").read_text().splitlines()]
+    assert [(s["measure"], s["schemes"], s["lengths"]) for s in scored] == [
+        ("perplexity", [name], [CONTEXT, 2 * CONTEXT]) for name in ("llama", "llama+yarn")
+    ]
+    assert {s["attention"] for s in scored} == {r["attention"] for r in rows} and scored[0]["device"] == "cpu"
     windows = list(csv.DictReader((run / "windows.csv").open()))
     for r in rows:  # each row's windows add up to its loss over its tokens
         mine = [w for w in windows if (w["scheme"], w["length"]) == (r["scheme"], r["length"])]

@@ -289,9 +289,11 @@ def test_a_sweep_trains_its_grid_once_and_a_new_seed_alone(tmp_path):
     assert "## model.train_len=16; nonoverlapping" in md and "## model.train_len=24; nonoverlapping" in md
     assert "trained at 16, 24" in md
 
+    logs = {run: (exp / run / "eval_log.jsonl").read_text() for run in runs}
     res = invoke("sweep", config)
     assert res.exit_code == 0 and res.output.count("already trained, reusing its checkpoint") == 2
     assert "alibi seed 0" not in res.output  # no progress bar: nothing trained
+    assert logs == {run: (exp / run / "eval_log.jsonl").read_text() for run in runs}  # and nothing scored
 
     config = _sweep(tmp_path, seeds="[0, 1]")
     res = invoke("sweep", config, "--dry-run")

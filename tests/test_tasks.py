@@ -739,8 +739,9 @@ def test_a_task_with_nothing_left_to_train_on_stops_with_one_line_not_forever():
 
 def test_a_task_runs_rows_name_the_weights_that_scored_them(task_smoke, tmp_path):
     """As perplexity's rows do: model.pt's sha256 (16 digits) on every row, so rows that other
-    weights scored are refused by report in one line."""
+    weights scored are refused by report in one line; eval_log.jsonl says where they were scored."""
     import csv
+    import json
     import shutil
 
     from posbench.experiment.records import weights_record
@@ -748,7 +749,11 @@ def test_a_task_runs_rows_name_the_weights_that_scored_them(task_smoke, tmp_path
     exp = shutil.copytree(task_smoke, tmp_path / "copy")
     for run in ("nope-seed0", "alibi-seed0"):
         own = weights_record(exp / run)["sha256"][:16]
-        assert {r["weights"] for r in csv.DictReader(open(exp / run / "eval.csv"))} == {own}
+        rows = list(csv.DictReader(open(exp / run / "eval.csv")))
+        assert {r["weights"] for r in rows} == {own}
+        (scored,) = [json.loads(line) for line in (exp / run / "eval_log.jsonl").read_text().splitlines()]
+        assert (scored["measure"], scored["device"]) == ("exact_match", "cpu")
+        assert scored["lengths"] == sorted({int(r["length"]) for r in rows})
     path = exp / "alibi-seed0" / "eval.csv"  # as another training's alibi seed 0 would have scored it
     path.write_text(path.read_text().replace(weights_record(exp / "alibi-seed0")["sha256"][:16], "0" * 16))
     assert "its eval.csv holds rows scored by other weights" in report_refused(exp)

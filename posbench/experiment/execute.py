@@ -20,7 +20,7 @@ import torch
 
 from posbench.attention import FLEX_CANNOT_TRAIN_ON_CPU, backend_for
 from posbench.config import ExperimentConfig, check_device, check_trainable, dump_yaml
-from posbench.device import computed_on, pick_device
+from posbench.device import pick_device
 from posbench.errors import PosbenchError, first_line
 from posbench.experiment.checkpoint import load_run, save_checkpoint
 from posbench.experiment.plan import (
@@ -49,7 +49,6 @@ from posbench.experiment.records import (
     diverged_step,
     has_checkpoint,
     lock_file,
-    log_scoring,
     partial_dir,
     planned,
     record_read,
@@ -259,9 +258,6 @@ def run_one(job: Job, data, reporter: Reporter) -> str:
         with scoring(rdir):
             job.measure.score(rc, rdir, model, data, device, model.backend(device), reporter)
             score_measures(rc, rdir, model, data, device)
-            log_scoring(
-                rdir, [job.measure.name, *rc.eval.measures], rc.eval.lengths, model.backend(device), computed_on(device)
-            )
             write_atomic(rdir / CONFIG, dump_yaml(record))  # how it was trained, and scored now
         record_read(rdir, *what_read(job, data))
         return "reused" if state == "done" else "trained"
@@ -392,7 +388,6 @@ def _evaluate_run(run_dir, asked, device, attention, tracker):
     digest = exp.task.fingerprint(source)
     check_read(run_dir, digest)  # before a row is scored: on other data they would not compare
     rows = exp.measure.rescore(exp.cfg, Path(run_dir), model.to(dev), source, dev)
-    log_scoring(run_dir, [exp.measure.name], exp.cfg.eval.lengths, model.backend(dev), computed_on(dev))
     if exp.cfg.eval == rc.eval and attention is None and not rc.eval.measures:  # every row its config asks: scored
         (Path(run_dir) / SCORING).unlink(missing_ok=True)
     record_read(run_dir, getattr(source, "name", rc.task), digest)
@@ -423,7 +418,6 @@ def measure_run(
         run = ScoringRun(rc, model.to(dev).eval(), dev, task.source(rc))  # one run: the measures share its passes
         check_read(run_dir, task.fingerprint(run.source))
         scored = [(measure, score_into(measure, spec, run, Path(run_dir))) for spec, measure in measures]
-        log_scoring(run_dir, list(specs), rc.eval.lengths, model.backend(dev), computed_on(dev))
     _send(tracker or usable(rc.train.tracker), run_dir)
     return rc, scored
 

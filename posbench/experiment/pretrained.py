@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from posbench.config import ExperimentConfig, blame, config_from_dict, differences, dump_yaml, read_record
-from posbench.device import computed_on, pick_device
+from posbench.device import pick_device
 from posbench.errors import PosbenchError
-from posbench.experiment.records import CONFIG, check_read, lock_file, log_scoring, record_read, scoring
+from posbench.experiment.records import CONFIG, check_read, lock_file, record_read, scoring
 from posbench.files import exclusive, lock_holder, safe_name, write_atomic
 from posbench.measures.base import ScoringRun
 from posbench.measures.plugin import score_into
@@ -207,6 +207,4 @@ def run_pretrained(exp: Experiment, model, reporter: Reporter, measures: list = 
             exp.measure.score(rc, rdir, model.to(device), corpus, device, model.backend(device), reporter)
         run = ScoringRun(rc, model.eval(), device, corpus)  # one run: the measures share its passes
         scored = [(measure, score_into(measure, spec, run, rdir)) for spec, measure in measures]
-        names = [exp.measure.name, *(spec for spec, _ in measures)]
-        log_scoring(rdir, names, rc.eval.lengths, model.backend(device), computed_on(device))
     return folder, rdir, scored

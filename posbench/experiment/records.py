@@ -37,7 +37,7 @@ PLANNED = "runs.txt"  # the run folders an experiment was asked to hold, one a l
 SWEEP_RECORD = "sweep.yaml"  # the grid a sweep's experiment folder was made by; its runs may differ
 CLAIMING = ".claiming"  # locked while a run that starts to train checks the experiment and records its config
 SCORING = "scoring.txt"  # while a run is scored: a stop before its last row leaves it, so its rows are known in part
-EVAL_LOG = "eval_log.jsonl"  # a line each time the run was scored: what, by which backend, on what, by which versions
+EVAL_LOG = "eval_log.jsonl"  # a line each time rows were scored: what, by which backend, on what, by which versions
 
 
 def planned(exp: Path) -> list[str]:
@@ -136,17 +136,20 @@ def scoring(rdir: Path):
     (Path(rdir) / SCORING).unlink(missing_ok=True)
 
 
-def log_scoring(rdir: Path, measures: list[str], lengths: list[int], attention: str, computed: dict) -> None:
-    """A line in the run's eval_log.jsonl once a scoring has finished: its measures and lengths,
-    the attention backend, and `computed` (device.computed_on: the device, torch's threads, the
-    versions). eval.csv's rows name their backend and weights; this says where they were computed,
-    which decides their last digits (bf16 autocast on a GPU), for a run scored again elsewhere too."""
+def log_scoring(rdir: Path, measure: str, rows: list[dict], computed: dict) -> None:
+    """A line in the run's eval_log.jsonl each time rows are written into its records: the
+    measure, the lengths (and for perplexity the labels and protocols) it scored, their attention
+    backend, and `computed` (device.computed_on: the device, torch's threads, the versions), which
+    decide the rows' last digits (bf16 autocast on a GPU), for a run scored again elsewhere too."""
     from datetime import datetime, timezone
 
-    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    line = {"time": when, "measures": measures, "lengths": lengths, "attention": attention, **computed}
+    line = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "measure": measure}
+    for key, name in (("length", "lengths"), ("scheme", "schemes"), ("protocol", "protocols")):
+        if rows and all(key in r for r in rows):
+            line[name] = sorted({r[key] for r in rows})
+    line["attention"] = ", ".join(sorted({str(r.get("attention")) for r in rows}))
     with open(Path(rdir) / EVAL_LOG, "a") as f:
-        f.write(json.dumps(line) + "\n")
+        f.write(json.dumps(line | computed) + "\n")
 
 
 def diverged_at(rdir: Path) -> Optional[float]:

@@ -133,6 +133,8 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
 
     import torch
 
+    from posbench.device import computed_on
+    from posbench.experiment.records import log_scoring
     from posbench.schemes import run_label
 
     axis = measure.axis
@@ -177,6 +179,7 @@ def score_into(measure: Scorer, spec: str, run: ScoringRun, rdir: Path) -> list[
     meta |= {"axis": axis} if axis is not None else {}
     meta |= {"samples": measure.samples} if cis else {}
     write_atomic(folder / f"{measure.name}.json", json.dumps(meta, indent=1) + "\n")
+    log_scoring(rdir, measure.name, rows, computed_on(run.device))
     return rows
 
 

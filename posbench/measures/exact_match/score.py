@@ -17,7 +17,9 @@ SAMPLES_PER_BUCKET = 3
 def evaluate_task_into(rc, rdir: Path, model, task: Task, test: list, device, backend: str) -> list[dict]:
     """Score a run on its task's test set; write eval.csv and samples.txt. Returns the rows."""
     from posbench.accuracy import score
+    from posbench.device import computed_on
     from posbench.experiment.checkpoint import weights_mark
+    from posbench.experiment.records import log_scoring
 
     rows = score(model, test, device)
     ident = {
@@ -32,6 +34,7 @@ def evaluate_task_into(rc, rdir: Path, model, task: Task, test: list, device, ba
     rows = [{**ident, **r} for r in rows]
     write_rows(rdir / "eval.csv", rows, EVAL_COLUMNS)
     write_atomic(rdir / "samples.txt", samples(rc, task, test, model, device, rows))
+    log_scoring(rdir, "exact_match", rows, computed_on(device))
     return rows
 
 

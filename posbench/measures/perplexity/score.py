@@ -48,9 +48,10 @@ def evaluate_into(
     replaces its old one. The plain rows come first, then each variant's. `reporter` hears how
     many of the input tokens are scored (Reporter.scoring); `weights`, the rows' weights_mark of
     `model`, where the caller has it."""
-    from posbench.device import pick_device
+    from posbench.device import computed_on, pick_device
     from posbench.evaluate import eval_tokens, evaluate_model, window_tokens
     from posbench.experiment.checkpoint import weights_mark
+    from posbench.experiment.records import log_scoring
     from posbench.schemes import run_label, variant_label
 
     _refuse_variants(rc, model, variants, max(lengths), factor)
@@ -103,6 +104,7 @@ def evaluate_into(
                     for w, (loss, count) in enumerate(wins.tolist())
                 ]
     _merge_records(rdir, run_label(rc.model), old, rows, positions, per_window)
+    log_scoring(rdir, "perplexity", rows, computed_on(device))
     return rows
 
 
