@@ -29,6 +29,7 @@ from posbench.experiment.records import (
     run_state,
     trained_with,
     weights_record,
+    where_computed,
 )
 from posbench.extend.methods import EXTEND_RECORD
 from posbench.files import together
@@ -46,6 +47,7 @@ class Run:
     rows: list[dict]
     trained_with: Optional[str]
     experiment: int = 0  # its experiment's place in a join: a joined table lists each one's schemes in turn
+    where: tuple = (None, [])  # records.where_computed: where it was trained, and where scored
 
 
 @dataclass
@@ -123,7 +125,7 @@ def collect(exp_dir: Path) -> Collected:
         rows = check_rows(rdir, cfg, measure.read(rdir))
         if run.scoring and run.holder is None:  # its rows are tabled, and the ones missing said
             in_part.append(rdir.name)
-        out.runs.append(Run(rdir, cfg, rows, trained_with(rdir)))
+        out.runs.append(Run(rdir, cfg, rows, trained_with(rdir), where=where_computed(rdir)))
         out.parts[rdir] = part
     for lock in sorted(exp_dir.glob(".*.lock")):  # a run still training has no folder of its own yet
         name = lock.name[1 : -len(".lock")]
@@ -371,6 +373,9 @@ def view(measure: Measure, metric: Optional[str], transpose: bool, buckets: Opti
 def markdown(parts: dict, collected: Collected) -> str:
     """summary.md: what was run, then a table per section."""
     out = [f"# {parts['title']}", "", *parts["describe"]]
+    where = where_note(collected.runs)
+    if where:
+        out.append(f"- computed: {where}")
     if collected.diverged:
         out.append(f"- diverged, so not in the tables: {', '.join(collected.diverged.values())}")
     if collected.running:
@@ -380,6 +385,35 @@ def markdown(parts: dict, collected: Collected) -> str:
     for s in parts["sections"]:
         out += ["", f"## {s.heading}", "", *markdown_table(s.rows, s.best)]
     return "\n".join(out) + "\n"
+
+
+def where_note(runs: list[Run]) -> Optional[str]:
+    """Where the runs were trained and scored, from their logs (the device decides the precision:
+    bf16 autocast on a GPU): one place for all, or each place with its runs; None where no log
+    says (records written before they did)."""
+    phases: dict[str, dict[str, list[str]]] = {"trained": {}, "scored": {}}
+    for run in runs:
+        trained, scored = run.where
+        if not run.cfg.model.pretrained:
+            phases["trained"].setdefault(trained or "unrecorded", []).append(run.folder.name)
+        for where in scored or ["unrecorded"]:
+            phases["scored"].setdefault(where, []).append(run.folder.name)
+    places = set(phases["trained"]) | set(phases["scored"])
+    if places <= {"unrecorded"}:
+        return None
+    if len(places) == 1:
+        return f"on {places.pop()} (every run, {' and '.join(p for p, held in phases.items() if held)})"
+
+    def on(place: str, runs: list[str], every: bool) -> str:
+        where = "with no record" if place == "unrecorded" else f"on {place}"
+        return f"{where} ({'every run' if every else ', '.join(sorted(runs))})"
+
+    said = [
+        f"{phase} " + " and ".join(on(place, runs, len(held) == 1) for place, runs in sorted(held.items()))
+        for phase, held in phases.items()
+        if held
+    ]
+    return "; ".join(said)
 
 
 def _dirs(exp_dirs) -> list[Path]:

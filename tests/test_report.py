@@ -998,3 +998,36 @@ def test_the_extension_table_is_the_committed_extension_reference():
             assert cells[3] == want, row
         else:
             assert cells[3] == "", row
+
+
+def test_summary_says_where_its_runs_were_trained_and_scored(smoke, tmp_path):
+    """From the runs' logs: one place for all, or each place with its runs (a GPU computes in bf16
+    autocast, so a run scored there again is named); records written before the logs said it
+    (every committed reference) get no line, so they rebuild as they were."""
+    import torch
+
+    exp = shutil.copytree(smoke[0], tmp_path / "smoke")
+    here = f"cpu in fp32 with torch {torch.__version__}"
+    assert invoke("report", exp).exit_code == 0
+    assert f"- computed: on {here} (every run, trained and scored)\n" in (exp / "summary.md").read_text()
+
+    log = exp / "alibi-seed0" / "eval_log.jsonl"  # as if evaluate had scored it again on a GPU
+    line = json.loads(log.read_text().splitlines()[0]) | {"device": "cuda:0", "torch": "2.11.0+cu130"}
+    log.write_text(log.read_text() + json.dumps(line) + "\n")
+    assert invoke("report", exp).exit_code == 0
+    others = ", ".join(sorted(p.name for p in exp.iterdir() if (p / "eval_log.jsonl").is_file()))
+    said = (
+        f"- computed: trained on {here} (every run); scored on cpu in fp32 with torch {torch.__version__} "
+        f"({others}) and on cuda:0 in bf16 autocast with torch 2.11.0+cu130 (alibi-seed0)\n"
+    )
+    assert said in (exp / "summary.md").read_text()
+
+    for run in exp.iterdir():  # logs from before they named the device
+        for name in ("eval_log.jsonl", "train_log.jsonl"):
+            if (run / name).is_file():
+                lines = [json.loads(x) for x in (run / name).read_text().splitlines()]
+                (run / name).write_text(
+                    "".join(json.dumps({k: v for k, v in x.items() if k != "device"}) + "\n" for x in lines)
+                )
+    assert invoke("report", exp).exit_code == 0
+    assert "- computed:" not in (exp / "summary.md").read_text()

@@ -210,6 +210,34 @@ def trained_with(rdir: Path) -> Optional[str]:
     return log[0].get("attention") if log else None  # read_train_log's rows are dicts
 
 
+def where_computed(rdir: Path) -> tuple[Optional[str], list[str]]:
+    """Where a run was trained and where scored, as a table says it ("cpu in fp32 with torch
+    2.13.0"): from train_log.jsonl's last line and each line of eval_log.jsonl; None and [] where
+    they do not say (records written before they did)."""
+    last = last_logged(rdir)
+    try:
+        lines = (Path(rdir) / EVAL_LOG).read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    scored = []
+    for line in lines:
+        try:
+            where = _where(json.loads(line))
+        except ValueError:
+            continue  # a line cut off mid-write
+        if where is not None and where not in scored:
+            scored.append(where)
+    return (_where(last) if last else None), scored
+
+
+def _where(line) -> Optional[str]:
+    device = line.get("device") if isinstance(line, dict) else None
+    version = line.get("torch") if isinstance(line, dict) else None
+    if not isinstance(device, str) or not isinstance(version, str):
+        return None
+    return f"{device} in {'bf16 autocast' if device.startswith('cuda') else 'fp32'} with torch {version}"
+
+
 def data_read(rdir: Path) -> Optional[tuple[str, str]]:
     """(corpus, sha256) from a run's data.json; None where it has none. A malformed one is one
     line naming it."""
