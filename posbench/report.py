@@ -47,7 +47,7 @@ class Run:
     rows: list[dict]
     trained_with: Optional[str]
     experiment: int = 0  # its experiment's place in a join: a joined table lists each one's schemes in turn
-    where: tuple = (None, [])  # records.where_computed: where it was trained, and where scored
+    where: tuple = (None, ())  # records.where_computed: where it was trained, and where scored
 
 
 @dataclass
