@@ -370,7 +370,8 @@ def test_the_gpu_speeds_in_the_docs_are_the_studies_training_logs(tmp_path):
 
 def test_the_gpu_schedule_at_toy_scale_rebuilds_and_is_what_the_docs_read(tmp_path):
     """results/reference-gpu-toy: the defaults, the GPU study's schedule, and that with the
-    schemes' own parameters at 10x the rate, 5 schemes x 3 seeds each; each rebuilds from its
+    schemes' own parameters at 10x the rate, 5 schemes x 3 seeds each, and T5 and FIRE at 30x and
+    100x; each rebuilds from its
     records, each ran the schedule it is named for, and the perplexities at 100 bytes that
     docs/performance.md tabulates and docs/results.md quotes are theirs."""
     from types import SimpleNamespace
@@ -412,6 +413,21 @@ def test_the_gpu_schedule_at_toy_scale_rebuilds_and_is_what_the_docs_read(tmp_pa
     faster = at_100["gpu-schedule-scheme-lr10"]
     assert f"FIRE reaches {faster['fire']} and T5 {faster['t5']}" in readme
     assert f"whose rates add to {rates['gpu-schedule']:.3f}" in readme
+    # more rate, for the two schemes with parameters of their own: the cells docs read are theirs
+    perf = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+    for mult, said in ((30, "at 30 times T5 reaches {t5} and FIRE {fire}"), (100, "at 100 times {t5} and {fire}")):
+        committed = rebuilds_byte_for_byte(f"reference-gpu-toy/gpu-schedule-scheme-lr{mult}", tmp_path)
+        runs = sorted(p.name for p in committed.iterdir() if p.is_dir())
+        assert runs == sorted(f"{s}-seed{n}" for s in ("t5", "fire") for n in (0, 1, 2))
+        for run in runs:
+            train = yaml.safe_load((committed / run / "config.yaml").read_text())["train"]
+            assert [train[k] for k in schedule] == [getattr(gpu, k) for k in schedule] and train[
+                "scheme_lr_mult"
+            ] == mult
+        cells = {s: c[0] for s, c in markdown_table((committed / "summary.md").read_text(), "## ", True).items()}
+        assert said.format(**cells) in perf
+        if mult == 30:
+            assert f"and at 30× {cells['fire'].split(' ±')[0]} and {cells['t5'].split(' ±')[0]}" in readme
 
 
 def test_the_committed_extension_reference_rebuilds_to_its_committed_summary(tmp_path):
