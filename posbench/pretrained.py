@@ -234,9 +234,11 @@ class PretrainedLM(nn.Module):
 
     @contextlib.contextmanager
     def eval_variant(self, name: Optional[str], length: int, factor: Optional[float] = None):
-        """Within the block the model's rotary embedding is its `name` type at `factor` (None:
-        length / the model's context, at least 1; dynamic's 1, as it grows with each forward's own
-        length), built by transformers from the config."""
+        """Within the block the model's rotary embedding is its `name` type at `factor`, built by
+        transformers from the config. None: length over the context the model was pretrained at,
+        and at least the factor its own scaling applies (`own_scaling`), so that within its context
+        a model that scales RoPE itself is scored at its own factor; dynamic's 1, as it grows with
+        each forward's own length; longrope's the model's own (its searched factors are for it)."""
         if name is None:
             yield
             return
@@ -247,7 +249,11 @@ class PretrainedLM(nn.Module):
                     "does not apply to it"
                 )
             raise PosbenchError(f"{name}: not a RoPE variant; valid: {', '.join(VARIANTS)}")
-        s = factor if factor is not None else 1.0 if name == "dynamic" else max(1.0, length / self.context)
+        pretrained_at, own = self.own_scaling()
+        if factor is not None:
+            s = factor
+        else:
+            s = {"dynamic": 1.0, "longrope": own}.get(name, max(own, length / pretrained_at))
         config = copy.deepcopy(self.config)
         config.rope_parameters = self.rope_parameters(name, s)
         rotary = type(self.rotary)(config=config).to(self.rotary.inv_freq.device)
@@ -257,11 +263,22 @@ class PretrainedLM(nn.Module):
         finally:
             self.backbone.rotary_emb = self.rotary
 
+    def own_scaling(self) -> tuple[int, float]:
+        """The context the model was pretrained at (its config's original_max_position_embeddings,
+        else its context) and the factor its own RoPE scaling applies (1 for plain RoPE; where the
+        config names none, its context over that, as transformers takes it)."""
+        own = self.config.rope_parameters or {}
+        pretrained_at = int(own.get("original_max_position_embeddings") or self.context)
+        if own.get("rope_type", "default") == "default":
+            return pretrained_at, 1.0
+        return pretrained_at, float(own.get("factor") or max(1.0, self.context / pretrained_at))
+
     def rope_parameters(self, name: str, factor: float) -> dict:
-        """The config's rope_parameters as variant `name` at `factor`."""
+        """The config's rope_parameters as variant `name` at `factor`, against the context the model
+        was pretrained at."""
         own = dict(self.config.rope_parameters or {})
         params = {**own, "rope_type": name, "factor": float(factor)}
-        params.setdefault("original_max_position_embeddings", self.context)
+        params.setdefault("original_max_position_embeddings", self.own_scaling()[0])
         if name == "llama3":
             params = {**LLAMA3, **params}
         if name == "longrope" and not ("short_factor" in own and "long_factor" in own):

@@ -3,6 +3,7 @@ computes itself, for every RoPE variant, past the model's context."""
 
 import csv
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -185,6 +186,87 @@ def test_losses_are_the_same_whatever_the_chunk_of_logits_held_at_once(models, m
     monkeypatch.setattr("posbench.pretrained.LOGIT_CHUNK", 7)
     assert whole.shape == (1, 2 * CONTEXT)  # equal but for the last bits a BLAS gives other row counts
     torch.testing.assert_close(model.token_losses(win), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_a_model_that_scales_rope_itself_is_scored_at_its_own_factor_within_its_context():
+    """A config that scales RoPE (Llama 3.1's llama3 at 8 from its pretraining context, Phi-3's
+    longrope): a variant's factor is taken against the context it was pretrained at and is at
+    least its own, so within its context +llama3 and +longrope are the model's own rotary (the
+    attention factor too), and past it llama3 grows to length over the pretraining context."""
+    from posbench.pretrained import PretrainedLM
+
+    own = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=512, rope_parameters={**own, "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    llama = PretrainedLM(transformers.LlamaForCausalLM(config), None, Path("llama31"))
+    assert llama.own_scaling() == (64, 8.0)
+    for length, factor in ((128, 8.0), (512, 8.0), (1024, 16.0)):
+        with llama.eval_variant("llama3", length):
+            rotary = llama.backbone.rotary_emb
+            assert rotary.config.rope_parameters["factor"] == factor
+            same = torch.equal(rotary.inv_freq, llama.rotary.inv_freq)
+            assert same == (factor == 8.0), length
+    with llama.eval_variant("linear", 1024):  # another type, from the same pretraining context
+        assert llama.backbone.rotary_emb.config.rope_parameters["factor"] == 16.0
+
+    head = 16
+    config = transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=64, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * (head // 2),
+                         "long_factor": [float(i + 1) for i in range(head // 2)]},
+    )  # fmt: skip
+    phi = PretrainedLM(transformers.Phi3ForCausalLM(config), None, Path("phi3"))
+    assert phi.own_scaling() == (64, 4.0)  # no factor in the config: its context over the pretraining one
+    x, pos = torch.zeros(1, 1, 100), torch.arange(100)[None]  # past 64: the long factors
+    cos, _ = phi.rotary(x, pos)
+    for length in (100, 256, 512):
+        with phi.eval_variant("longrope", length):
+            rotary = phi.backbone.rotary_emb
+            assert (
+                rotary.attention_scaling
+                == phi.rotary.attention_scaling
+                == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
+            )
+            assert torch.equal(rotary(x, pos)[0], cos)
+
+
+def test_a_model_that_scales_rope_itself_keeps_its_rows_within_its_context_and_the_report_says_why(models, tmp_path):
+    """End to end: a Llama whose config applies llama3 at 2 from half its context scores the same
+    as +llama3 within its context (the variant is its own scaling there), and the report says
+    how s is taken for it."""
+    import csv
+    import shutil
+
+    from conftest import invoke
+
+    folder = tmp_path / "scaled"
+    own = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=CONTEXT, initializer_range=0.2,
+        rope_parameters={**own, "original_max_position_embeddings": CONTEXT // 2},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    for f in (models / "llama").iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, folder / f.name)
+    out = tmp_path / "r"
+    res = invoke(
+        "pretrained", str(folder), "--lengths", f"{CONTEXT},{2 * CONTEXT}", "--rope-scaling", "llama3",
+        "--data", str(_corpus(tmp_path)), "--set", f"out_dir={out}", "--set", "eval.tokens=1024",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    rows = {
+        (r["scheme"], int(r["length"])): r for r in csv.DictReader(open(out / "pretrained" / "scaled" / "eval.csv"))
+    }
+    assert rows[("scaled+llama3", CONTEXT)]["loss"] == rows[("scaled", CONTEXT)]["loss"]
+    assert rows[("scaled+llama3", 2 * CONTEXT)]["loss"] != rows[("scaled", 2 * CONTEXT)]["loss"]  # 4 from 16
+    summary = " ".join((out / "pretrained" / "summary.md").read_text().split())
+    assert "(scaled: length / the context it was pretrained at, at least its own scaling's factor" in summary
 
 
 def test_longrope_needs_the_models_own_factors(models):

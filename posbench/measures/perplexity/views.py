@@ -204,10 +204,21 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
     variants = sorted({s for s in df["scheme"] if "+" in s})
     if variants:
         dynamic = any(s.split("+")[-1] == "dynamic" for s in variants)
+        scaled = [  # pretrained models whose config scales RoPE itself (Llama 3.1's llama3)
+            p["name"]
+            for p in (c.model.pretrained for c in configs)
+            if p and (p.get("rope") or {}).get("rope_type", "default") != "default"
+        ]
+        own = (
+            f" ({', '.join(scaled)}: length / the context it was pretrained at, at least its own scaling's "
+            f"factor; longrope its own factor)"
+            if scaled
+            else ""
+        )
         lines.append(
             f"- {', '.join(variants)}: the same checkpoints evaluated with an evaluation-time "
             f"variant (`posbench schemes` describes each), no retraining; s = length / train "
-            f"length, at least 1, or the s after @"
+            f"length, at least 1{own}, or the s after @"
             + ("; dynamic without @: factor 1, grown with each forward's length" if dynamic else "")
         )
     return lines
