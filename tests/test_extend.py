@@ -268,8 +268,10 @@ def test_every_method_makes_a_run_that_records_its_parent_and_method(extended, p
     assert abf.model.options["base"] == 500000.0 and "scaling" not in abf.model.extend
     # the parents are only read: their folders hold what they held
     assert sorted(p.name for p in (exp / "rope-seed0").iterdir()) == sorted(
-        ["config.yaml", "data.json", "eval.csv", "model.pt", "positions.csv.gz", "train_log.jsonl", "windows.csv"]
+        ["config.yaml", "data.json", "eval.csv", "eval_log.jsonl", "model.pt", "positions.csv.gz", "train_log.jsonl"]
+        + ["windows.csv"]
     )
+    assert len((exp / "rope-seed0" / "eval_log.jsonl").read_text().splitlines()) == 1  # its own scoring alone
 
 
 def test_the_report_puts_parents_variants_and_children_side_by_side(extended):
