@@ -197,8 +197,14 @@ def test_patterns_take_them_unless_a_layer_cannot():
     assert set(VARIANTS) <= set(irope.eval_variants)
     mixed = tiny_model("pattern_xl_rope", train_len=L, options={"layers": ["xl", "rope"]})
     assert "rerope" not in mixed.eval_variants and "logn" in mixed.eval_variants
-    with pytest.raises(PosbenchError, match="its xl layers cannot take other positions"):
+    with pytest.raises(PosbenchError, match="its xl layers cannot: rerope hands the hooks other positions"):
         with mixed.eval_variant("rerope", T):
+            pass
+    # a layer of ssmax leaves logn out: its own s log n is the temperature logn would add again
+    scaled = tiny_model("pattern_ssmax_rope", train_len=L, options={"layers": ["ssmax", "rope"]})
+    assert "logn" not in scaled.eval_variants and "rerope" in scaled.eval_variants
+    with pytest.raises(PosbenchError, match="its ssmax layers cannot: logn's log n / log L is a second temperature"):
+        with scaled.eval_variant("logn", T):
             pass
     tokens = torch.randint(0, 32, (1, T))
     with torch.no_grad():
@@ -255,3 +261,37 @@ def test_the_data_dependent_schemes_refuse_what_they_cannot_take_in_one_line():
         plain = fox(tokens)
         with fox.eval_variant("logn", T):
             assert not torch.allclose(fox(tokens), plain)  # past L the far queries are sharpened
+
+
+def test_logn_counts_the_keys_a_query_sees_so_a_window_layer_counts_its_window():
+    """log-n's n is the keys a query sees: i + 1 under the causal mask, at most W in a layer with
+    a window of W; against the formula written out with that window's mask."""
+    from posbench.schemes import build_scheme
+    from posbench.schemes.training_free import logits
+
+    W = 24  # queries past index 23 see 24 keys, more than L = 16, fewer than i + 1
+    scheme = build_scheme(tiny("pattern_rope_w", train_len=L, options={"layers": [{"scheme": "rope", "window": W}]}))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, T, D) for _ in range(3))
+    pos = torch.arange(T)
+    with torch.no_grad(), scheme.eval_variant("logn", L, T):
+        got = scheme.remap.attention(q, k, v, pos, scheme, 0, None)
+    qr, kr = scheme.rotate(q, k, pos, 0)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    seen = (j <= i) & (i - j < W)  # (T, T)
+    n = seen.sum(-1).float()  # (T,): min(i + 1, W)
+    assert n.max() == W and n[L - 1] == L
+    scores = logits(qr, kr, pos, pos, scheme, 0).masked_fill(~seen, float("-inf"))
+    scores = scores * (n.log() / math.log(L)).clamp(min=1)[:, None]
+    want = scores.softmax(-1) @ v
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ssmax_is_refused_in_a_window_or_chunk_layer_whose_keys_it_would_miscount():
+    from posbench.schemes import build_scheme
+
+    for reach in ({"window": 8}, {"chunk": 8}):
+        cfg = tiny("pattern_ss", train_len=L, options={"layers": [{"scheme": "ssmax", **reach}, "rope"]})
+        with pytest.raises(PosbenchError, match="ssmax scales a query's logits by the log of the i \\+ 1 keys"):
+            build_scheme(cfg)
+    build_scheme(tiny("pattern_ss", train_len=L, options={"layers": ["ssmax", {"scheme": "rope", "window": 8}]}))

@@ -209,6 +209,11 @@ class Pattern(PositionalScheme):
                 f"{at}: {spec.scheme} replaces softmax with attention of its own, which a pattern's "
                 f"layers cannot: they share the backend's softmax"
             )
+        if spec.local and getattr(cls, "counts_keys", False):
+            raise PosbenchError(
+                f"{at}: {spec.scheme} scales a query's logits by the log of the i + 1 keys a full layer "
+                f"shows it, and a window or chunk shows it fewer; give it a layer without window or chunk"
+            )
         for hook, what in (("positions", "chooses its own positions"), ("embed", "adds to the token embeddings")):
             if getattr(cls, hook) is not getattr(PositionalScheme, hook):
                 raise PosbenchError(
@@ -297,7 +302,8 @@ class Pattern(PositionalScheme):
     def lacks(self, name: str) -> str:
         """Why no layer takes variant `name`, in words."""
         if name in TRAINING_FREE:
-            return f"its {', '.join(self.fixed(name))} layers cannot take other positions"
+            why = {s.cfg.scheme: type(s).refuses(name) for s in self.schemes}
+            return "; ".join(f"its {scheme} layers cannot: {why[scheme]}" for scheme in dict.fromkeys(self.fixed(name)))
         local = [x for x, s in zip(self.layers, self.at) if x.local and name in s.eval_variants]
         none = sorted({x.scheme for x, s in zip(self.layers, self.at) if name not in s.eval_variants})
         parts = []

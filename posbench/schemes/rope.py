@@ -327,6 +327,13 @@ class SSMax(RoPE):
     options = {**RoPE.options, "s": None, "bias": False}  # s null: 1 / ln(model.train_len)
     added_later = ()  # every option is in every ssmax run's record
     eval_variants = {k: v for k, v in RoPE.eval_variants.items() if k not in ("yarn", "logn")}
+    counts_keys = True  # its factor is log(i + 1): a pattern's window or chunk layer would show it fewer keys
+
+    @classmethod
+    def refuses(cls, variant: str) -> Optional[str]:
+        if variant == "logn":  # said here too, so a pattern with an ssmax layer leaves logn out
+            return "logn's log n / log L is a second temperature on top of ssmax's own s log n"
+        return super().refuses(variant)
 
     def __init__(self, cfg):
         super().__init__(cfg)

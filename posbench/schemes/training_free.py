@@ -81,11 +81,11 @@ class Remap:
             if self.local is not None:
                 hidden = (d >= self.local) & (kpos[None, :] >= self.sinks)  # (Tq, Tk)
                 scores = scores.masked_fill(hidden, float("-inf"))
-            if self.log_base is not None:
-                n = (qpos + 1).to(scores.dtype)  # (Tq,) keys each query sees
-                scores = scores * (n.log() / math.log(self.log_base)).clamp(min=1)[:, None]
             future = torch.arange(e, device=q.device)[None, :] > torch.arange(s, e, device=q.device)[:, None]
             scores = scores.masked_fill(future, float("-inf"))  # causality by index, as attention.future_mask
+            if self.log_base is not None:  # n: the keys each query sees, i + 1, or fewer in a pattern's window
+                n = torch.isfinite(scores).sum(-1, keepdim=True).clamp(min=1).to(scores.dtype)  # (B, H, Tq, 1)
+                scores = scores * (n.log() / math.log(self.log_base)).clamp(min=1)
             out.append(torch.matmul(scores.softmax(dim=-1).to(v.dtype), v[:, :, :e]))  # (B, H, Tq, D)
         return torch.cat(out, dim=2)  # (B, H, T, D)
 
