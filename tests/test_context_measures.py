@@ -103,6 +103,24 @@ def test_a_model_that_copies_from_beyond_k_gains_what_copying_saves():
     assert keys["key_fraction_k48"] == 0.0 and math.isnan(keys["key_ppl_k48"])
 
 
+def test_a_key_token_gains_more_than_alpha_and_has_a_full_context_loss_below_beta_both_strictly():
+    """LongPPL's rule, (short - full) > alpha and full < beta: the copier's key targets gain
+    HIGH - LOW = 2.75 nats at a full loss of LOW = 0.25. Thresholds apart tell the two tests from
+    each other (swapped, each of these would flip), and a threshold met exactly does not count."""
+    period = 24
+    run = _run(_copier(period), _text(period) * 25, lengths=(64,))
+    gain = HIGH - LOW
+    for alpha, beta, key in [
+        (0.2, 2.8, 1.0),  # both hold
+        (2.8, 0.2, 0.0),  # neither: the gain is below alpha, the loss above beta
+        (gain, 1.0, 0.0),  # a gain of exactly alpha is not more than it
+        (1.0, LOW, 0.0),  # a loss of exactly beta is not below it
+        (gain - 1e-3, LOW + 1e-3, 1.0),
+    ]:
+        (row,) = KeyTokens(alpha=alpha, beta=beta).score(run)
+        assert row["key_fraction"] == key, (alpha, beta)
+
+
 def test_any_context_helping_is_not_counted_as_far_context():
     """A model that needs only the last 3 tokens: every scored target sees them in the short
     pass too (its context is K/2 to K), so the gain is 0, where comparing all K targets, the first

@@ -28,6 +28,47 @@ def test_the_walk_stops_at_the_first_length_any_criterion_fails():
     assert effective_length({100: 6.0, 200: float("nan")}, 100, eps=EPS, fraction=FRACTION) == 100  # blew up at 200
 
 
+def test_retrieval_judges_a_run_by_its_mean_over_depths_from_the_first_record_that_can():
+    """by_run over a run's records: retrieval accuracy is the mean over depths at each length; a
+    record counts where the run retrieves at L at least twice as often as chance (exactly twice
+    counts), and where `retrieval`'s texts are too short at L, `retrieval_short`'s judge."""
+    from types import SimpleNamespace
+
+    from posbench.config import ExperimentConfig
+    from posbench.measures.effective import by_run
+    from posbench.measures.plugin import Records
+
+    cfg = ExperimentConfig()
+    cfg.model.scheme, cfg.model.train_len = "rope", 100
+    rows = [{"scheme": "rope", "protocol": "nonoverlapping", "length": str(n), "ppl": "6.0", "status": "ok"}
+            for n in (100, 200, 400)]  # fmt: skip
+    run = SimpleNamespace(cfg=cfg, rows=rows)
+
+    def records(name, acc):  # length -> accuracy at depths 0 and 100 (None: too short there)
+        rs = [
+            {
+                "length": str(n),
+                "depth": str(d),
+                "status": "ok" if a is not None else "too-short",
+                "retrieval_accuracy": "" if a is None else a,
+            }
+            for n, pair in acc.items()
+            for d, a in zip((0, 100), pair)
+        ]
+        return Records(f"posbench.measures.retrieval:{name}", {}, rs, "depth", {"distractors": 9})
+
+    said = "retrieval_short accuracy >= 50% of its accuracy at 100"
+    # the mean over depths: 0.6 at 100, 0.3 (half of it) at 200, 0.25 at 400; the last depth alone would say 400
+    short = {"retrieval_short": records("ShortRetrieval", {100: (0.8, 0.4), 200: (0.2, 0.4), 400: (0.0, 0.5)})}
+    assert by_run(run, short) == (200, ["ppl within 10% of ppl(100)", said])
+    too_short = records("Retrieval", {100: (None, None), 200: (0.1, 0.1), 400: (0.1, 0.1)})
+    assert by_run(run, {"retrieval": too_short, **short}) == (200, ["ppl within 10% of ppl(100)", said])
+    at_twice_chance = {"retrieval_short": records("ShortRetrieval", {100: (0.2, 0.2), 200: (0.0, 0.0)})}
+    assert by_run(run, at_twice_chance)[0] == 100
+    below = {"retrieval_short": records("ShortRetrieval", {100: (0.19, 0.19), 200: (0.0, 0.0)})}
+    assert by_run(run, below) == (400, ["ppl within 10% of ppl(100)"])  # at chance it says nothing
+
+
 @pytest.mark.parametrize("scored", [False, True])
 def test_the_main_table_has_the_column_only_where_context_gain_was_scored(smoke, tmp_path, scored):
     import shutil

@@ -305,3 +305,26 @@ def test_a_task_run_has_no_corpus_to_draw_filler_from_and_says_so_in_one_line(ta
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "a run of task copy has no corpus to draw filler from" in " ".join(res.output.split())
     assert not (run / "measures").exists()
+
+
+@pytest.mark.parametrize("cls", ["Retrieval", "ShortRetrieval"])
+def test_a_trial_fills_the_window_to_exactly_l_and_plants_the_needle_at_its_depth(cls):
+    """The model reads L tokens in all (prompt and answer, less the last), and the needle starts
+    `depth` percent of the way into the filler: at its start, middle and end."""
+    import posbench.measures.retrieval as retrieval
+
+    measure = getattr(retrieval, cls)(trials=1)
+    val = np.full(5000, ord("x"), dtype=np.uint8)  # filler the needle's first byte is not
+
+    def encode(text: str) -> torch.Tensor:
+        return torch.tensor(list(text.encode()), dtype=torch.int64)
+
+    for L in (150, 200):  # Retrieval's needle, question and answer are 104 bytes
+        for depth in (0, 50, 100):
+            prompt, cands = measure.trial(encode, val, L, depth, 0)
+            assert {len(prompt) + len(c) for c in cands} == {L + 1}
+            needle = len(encode(measure.needle.format(key="0" * measure.key_digits)))
+            filler = len(prompt) - needle - len(encode(measure.question))
+            start = next(i for i, t in enumerate(prompt.tolist()) if t != ord("x"))
+            assert start == round(depth / 100 * filler), (L, depth)
+            assert bytes(prompt[start : start + needle].tolist()).decode().startswith(measure.needle.split("{")[0])

@@ -3,10 +3,10 @@
 Does a model use its far context? Context gain and key tokens (LongPPL), from two passes over
 the same windows: each window of L tokens whole, and its last K tokens alone.
 
-Each window's last K // 2 targets are scored twice: with the whole window visible (a context of
-L - K/2 to L tokens) and with only the window's last K tokens visible (K/2 to K tokens). The
-short pass scores all K of its targets and keeps the last half, so no target is compared at a
-context shorter than K/2: what "any context helps" is worth is in both losses, and short - full
+Each window's last m = K // 2 targets are scored twice: with the whole window visible (a context
+of L - m + 1 to L tokens) and with only the window's last K tokens visible (K - m + 1 to K). The
+short pass scores all K of its targets and keeps the last m, so no target is compared at a
+context shorter than K - m + 1: what "any context helps" is worth is in both losses, and short - full
 is what the tokens lying K/2 to L back add. Where they hurt (positions past what the model
 learned, as RoPE's past its training length) it is negative. K is the run's training length (a
 pretrained model's context), where the short pass is in distribution, and any other K asked.

@@ -89,18 +89,17 @@ def by_run(run, measures: dict, variant: Optional[str] = None) -> tuple[Optional
         gain = {int(r["length"]): float(r["gain"] or "nan") for r in measures[GAIN + own].rows}
         said.append("context gain >= 0")
     retrieval = None
-    found = next((name + own for name in RETRIEVAL if name + own in measures), None)
-    if found is not None:
+    for found in (name + own for name in RETRIEVAL if name + own in measures):  # the first that can judge
         acc: dict[int, list] = {}
         for r in measures[found].rows:
             if r["status"] == "ok":
                 acc.setdefault(int(r["length"]), []).append(float(r["retrieval_accuracy"]))
-        retrieval = {length: sum(v) / len(v) for length, v in acc.items()}
+        by_length = {length: sum(v) / len(v) for length, v in acc.items()}  # the mean over depths
         chance = 1 / (1 + int((measures[found].options or {}).get("distractors", 9)))
-        if retrieval.get(L, 0.0) >= 2 * chance:
+        if by_length.get(L, 0.0) >= 2 * chance:  # else (too short at L, or at chance) it says nothing
+            retrieval = by_length
             said.append(f"{found.removesuffix(own)} accuracy >= {fraction:.0%} of its accuracy at {L}")
-        else:
-            retrieval = None
+            break
     return effective_length(ppl, L, gain, retrieval, eps=eps, fraction=fraction), said
 
 
