@@ -231,7 +231,10 @@ def test_longrope_equals_transformers_to_the_last_bit(d, base, L):
 def test_every_scaling_is_the_identity_at_s_1(kind):
     ones = ([1.0] * 16, [1.0] * 16)  # longrope's factors at 1 too
     inv, att = rope_frequencies(32, 10000.0, kind, 1.0, 100, seq_len=100, longrope=ones)
-    close(inv.tolist(), rope_frequencies(32)[0].tolist())
+    if kind in ("llama3", "longrope"):  # transformers' formulas, 1 / (f base^(2k/d)): within an ulp
+        close(inv.tolist(), rope_frequencies(32)[0].tolist())
+    else:  # posbench's own: s = 1 is plain RoPE to the last bit
+        assert torch.equal(inv, rope_frequencies(32)[0])
     assert att == 1.0
 
 
@@ -302,12 +305,14 @@ def test_rotate_turns_each_pair_by_position_times_its_frequency(variant, base):
 
 
 def test_yarn_variant_scales_norms_by_its_attention_factor():
-    """A rotation keeps norms, so YaRN's q has norm (0.1 ln s + 1) |q|: s = 48/16 = 3."""
+    """A rotation keeps norms, so YaRN's q and k each have norm (0.1 ln s + 1) times their own
+    (s = 48/16 = 3): the logits (0.1 ln s + 1)^2 times, as transformers' scaled cos and sin give."""
     scheme = rope_scheme()
-    q = torch.randn(2, 4, 48, 8)
+    q, k = torch.randn(2, 4, 48, 8), torch.randn(2, 4, 48, 8)
     with scheme.eval_variant("yarn", 16, 48):
-        qr, _ = scheme.rotate(q, q, torch.arange(48), 0)
-    assert torch.allclose(qr.norm(dim=-1), q.norm(dim=-1) * (0.1 * math.log(3) + 1), atol=1e-5)
+        qr, kr = scheme.rotate(q, k, torch.arange(48), 0)
+    for x, xr in ((q, qr), (k, kr)):
+        assert torch.allclose(xr.norm(dim=-1), x.norm(dim=-1) * (0.1 * math.log(3) + 1), atol=1e-5)
     with scheme.eval_variant("yarn", 16, 48, factor=2.0):  # a fixed factor wins over L'/L
         qr, _ = scheme.rotate(q, q, torch.arange(48), 0)
     assert torch.allclose(qr.norm(dim=-1), q.norm(dim=-1) * (0.1 * math.log(2) + 1), atol=1e-5)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 import yaml
-from conftest import SMOKE, invoke, smoke_experiment
+from conftest import SMOKE, folded, invoke, smoke_experiment
 from test_sweeps import _same_weights, kill_after_two_checkpoints
 
 from posbench.config import ExperimentConfig, ModelConfig, config_from_dict
@@ -714,3 +714,30 @@ def test_extend_sizes_its_note_on_workers_by_a_run_it_trains_not_a_parent(extend
         if not c["model"].get("extend")
     }
     assert tokens in children and tokens not in parents, (tokens, children, parents)
+
+
+def test_a_hope_parent_s_child_rotates_the_parents_pairs_and_starts_as_its_parent(parents, tmp_path):
+    """HoPE leaves unrotated the pairs whose wavelength exceeds the training length: a child at
+    64 keeps its parent's cut at 32 (else pairs the parent never rotated would turn), so its
+    step 0 is the parent's +linear to the last bit; abf, whose new base would move the cut, is
+    skipped with a line saying why."""
+    from posbench.experiment.checkpoint import load_run
+
+    _, text = parents
+    hope = ("--set", "scheme_options.rope.hope=true")
+    res = invoke("extrapolate", "--config", SMOKE, "--schemes", "rope", "--set", f"out_dir={tmp_path}", *hope,
+                 "--set", "name=hope", "--set", f"data.path={text}", "--set", "train.steps=4")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "ext"
+    res = invoke("extend", tmp_path / "hope", "--to", "64", "--steps", "2", "--lengths", "32,64", "--out", out,
+                 "--methods", "pi,abf", "--curve", "0")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "abf skipped for rope-seed0: their RoPE leaves the pairs slower than the training length" in folded(res.output)
+    assert not (out / "rope-seed0-abf").exists()
+    _, parent = load_run(tmp_path / "hope" / "rope-seed0")
+    _, child = load_run(out / "rope-seed0-pi")
+    assert 0 < int(parent.scheme.kept.sum()) < len(parent.scheme.kept)  # the cut bites at this head size
+    assert torch.equal(child.scheme.kept, parent.scheme.kept)
+    scaled = {r["length"]: r["loss"] for r in _rows(out / "rope-seed0" / "eval.csv") if r["scheme"] == "rope+linear"}
+    (first,) = _rows(out / "rope-seed0-pi" / "curve.csv")[:1]
+    assert first["step"] == "0" and first["loss"] == scaled["64"]

@@ -143,7 +143,7 @@ def plan_extension(
             f"--out {folder}: a folder extend did not make (no {EXTEND_RECORD}); give a new or empty folder"
         )
     _check_same_extension(folder, to, steps)
-    jobs, notes, skipped, tokens = [], [], {}, {}
+    jobs, notes, skipped, hoped, tokens = [], [], {}, {}, {}
     for pdir in parents:
         recorded = (pdir / "config.yaml").is_file()
         prc = read_config(pdir) if recorded else load_run(pdir)[0]
@@ -179,6 +179,9 @@ def plan_extension(
             if not applies(m, scheme):
                 skipped.setdefault(m, []).append(scheme)
                 continue
+            if m.base == "abf" and prc.model.options.get("hope"):  # a new base would move HoPE's cut
+                hoped.setdefault(m, []).append(pdir.name)
+                continue
             rc = child_config(prc, m, to, steps, lr, want, ident, abf_base, folder, overrides)
             build_scheme(rc.model)  # what the method asks of the scheme (pi-keep99 of 8 pairs), before any writing
             rdir = folder / f"{run_name(scheme, seed)}-{m.name}"
@@ -188,6 +191,11 @@ def plan_extension(
     for m, schemes in skipped.items():
         only = ", ".join(m.schemes)
         notes.append(f"{m.name} applies to {only} only: not to {', '.join(sorted(set(schemes)))}")
+    for m, names in hoped.items():
+        notes.append(
+            f"{m.name} skipped for {', '.join(names)}: their RoPE leaves the pairs slower than the training "
+            f"length unrotated (hope), and a new base would move that cut, so a child would not start as its parent"
+        )
     if not any(job.cfg.model.extend for job in jobs):
         raise PosbenchError(
             f"no method given applies to the runs in {source} ({'; '.join(notes)}); plain applies to every scheme"

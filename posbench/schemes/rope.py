@@ -213,7 +213,8 @@ class RoPE(PositionalScheme):
                 f"{where}.fraction={fraction} rotates int({fraction} * {cfg.head_dim}) = {R} dims of each head; "
                 f"rotations take dims two at a time, so that must be even and at least 2"
             )
-        hope_len = cfg.train_len if self.opt.get("hope", False) else None
+        # HoPE's cut is the parent's for a run `posbench extend` fine-tunes: it starts as its parent
+        hope_len = (cfg.extend or {}).get("from_len", cfg.train_len) if self.opt.get("hope", False) else None
         self.kept = kept_pairs(R, self.opt["base"], keep, hope_len)  # (R/2,) bool
         if not self.kept.any():
             why = (
