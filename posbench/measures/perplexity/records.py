@@ -19,6 +19,8 @@ PROTOCOL_NAMES = {
     "nonoverlapping": "non-overlapping chunks, every token scored once",
     "sliding": "sliding windows, each scoring its last stride tokens, every token scored once",
 }
+# what each window starts with: a beginning-of-text token would lower the first tokens' loss
+WINDOW_START = "each window starts mid-text, with no beginning-of-text token"
 
 
 def protocol_label(protocol: str, stride) -> str:

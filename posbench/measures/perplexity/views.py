@@ -31,6 +31,7 @@ from posbench.measures.perplexity.records import (
     POSITION_COLUMNS,
     PROTOCOL_NAMES,
     SUMMARY_COLUMNS,
+    WINDOW_START,
     protocol_label,
     read_positions,
     read_windows,
@@ -194,8 +195,8 @@ def describe(configs: list, df: pd.DataFrame) -> list[str]:
             f"sha256 of its files in its config.yaml), context {p['context']:,} (dashed where a length is marked)"
         )
     lines.append(
-        f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}; bpb: bits per byte, the summed loss in "
-        f"bits over the UTF-8 bytes the scored tokens cover (comparable across tokenizers)"
+        f"- evaluation: {_protocols_note(df)}, {_tokens_note(df)}; {WINDOW_START}; bpb: bits per byte, the "
+        f"summed loss in bits over the UTF-8 bytes the scored tokens cover (comparable across tokenizers)"
     )
     lines.append(f"- attention: {backends_note(df)}")
     if "point" in df:
