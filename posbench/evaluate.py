@@ -31,6 +31,8 @@ def windows(n: int, L: int, protocol: str, stride: Optional[float]) -> list[tupl
     if protocol == "nonoverlapping":
         return [(s, 0) for s in range(0, n, L)]
     step = stride_tokens(stride, L)
+    if step > L:  # a window would score targets it does not hold; Perplexity.decide refuses it first
+        raise PosbenchError(f"sliding stride {step} is longer than the window of {L}: some tokens would go unscored")
     out = [(0, 0)]
     end = min(L, n)
     while end < n:

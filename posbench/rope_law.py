@@ -65,7 +65,8 @@ def rotary(cfg) -> Optional[tuple[int, float]]:
 
     model = cfg.model
     d_head = model.d_model // model.n_head
-    if model.pretrained is not None:
+    if model.pretrained is not None:  # a config may set its head size apart from width / heads (Qwen3)
+        d_head = model.pretrained.get("head_dim", d_head)
         rope = model.pretrained.get("rope") or {}
         base, rotated = rope.get("rope_theta"), int(d_head * rope.get("partial_rotary_factor", 1.0))
         return (rotated, float(base)) if base and rope.get("rope_type", "default") == "default" else None

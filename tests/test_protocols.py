@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import SMOKE, invoke
 
 from posbench.check import tiny_model
+from posbench.errors import PosbenchError
 from posbench.evaluate import evaluate_model, stride_tokens, windows
 
 CPU = torch.device("cpu")
@@ -20,10 +21,14 @@ CPU = torch.device("cpu")
 )
 @pytest.mark.parametrize("n,L", [(40, 8), (43, 8), (8, 8), (9, 8), (43, 6)])
 def test_windows_score_every_target_once_with_the_context_the_protocol_promises(protocol, stride, n, L):
+    if protocol == "sliding" and stride_tokens(stride, L) > L:  # 7 at 6: a window cannot score its stride
+        with pytest.raises(PosbenchError, match="sliding stride 7 is longer than the window of 6"):
+            windows(n, L, protocol, stride)
+        return
     seen = []
     for start, first in windows(n, L, protocol, stride):
         end = min(start + L, n)
-        assert 0 <= start and first <= end - start
+        assert 0 <= start and 0 <= first <= end - start
         for t in range(start + first, end):
             seen.append(t)
             context = t - start  # tokens before target t inside its window

@@ -92,3 +92,24 @@ def test_the_committed_base_sweep_rebuilds_a_point_per_base_and_sets_each_law_be
         )
         assert row in md, (row, md)
     assert (committed / "rope_law.png").is_file()
+
+
+def test_a_pretrained_model_whose_config_sets_its_head_size_apart_is_read_at_that_size(tmp_path):
+    """As Qwen3's configs do: width 256 and 4 heads, yet head_dim 128; transformers rotates 128 dims
+    a head, so the law takes d = 128 (64 would put its break at 6,283 instead of 5,063 at L = 4096)."""
+    transformers = pytest.importorskip("transformers")
+    from posbench.config import ExperimentConfig
+    from posbench.experiment.pretrained import model_config
+    from posbench.pretrained import PretrainedLM
+    from posbench.rope_law import rotary
+
+    config = transformers.Qwen3Config(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=64,
+        num_hidden_layers=1, vocab_size=32, rope_theta=1_000_000, max_position_embeddings=40960,
+    )  # fmt: skip
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    model = PretrainedLM(transformers.Qwen3ForCausalLM(config), None, tmp_path)
+    rc = model_config(ExperimentConfig(), model, "tokenizer.json")
+    d, base = rotary(rc)
+    assert (d, base) == (2 * model.rotary.inv_freq.numel(), 1e6) == (128, 1e6)
+    assert round(extrapolation_bound(d, base, 4096)) == 5063

@@ -82,6 +82,9 @@ def model_config(cfg: ExperimentConfig, model, tokenizer: str) -> ExperimentConf
             "files": model.digest(),
         },
     )
+    head_dim = getattr(c, "head_dim", None)
+    if head_dim and head_dim != c.hidden_size // c.num_attention_heads:  # Qwen3's, Gemma's: set apart
+        model_cfg.pretrained["head_dim"] = int(head_dim)
     data = dataclasses.replace(cfg.data, tokenizer=tokenizer)
     return dataclasses.replace(cfg, schemes=[model_cfg.scheme], seeds=[0], model=model_cfg, data=data)
 
