@@ -41,7 +41,8 @@ def t5_relative_bucket(
         ).long()
     )
     large = large.clamp(max=num_buckets - 1)
-    return buckets + torch.where(is_small, n.long(), large)  # a fractional distance: its whole part's bucket
+    # a fractional distance: the exact buckets take its whole part, the log-spaced ones its own value
+    return buckets + torch.where(is_small, n.long(), large)
 
 
 class T5Bias(DistanceBias):
