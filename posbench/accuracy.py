@@ -73,14 +73,23 @@ def bytes_right(model, instances: list[tuple[bytes, bytes]], device) -> list[Opt
     return right
 
 
-def exact(model, instances: list[tuple[bytes, bytes]], device) -> list[Optional[bool]]:
-    """Whether greedy decoding would give each instance's whole answer (None where the model
-    cannot encode the length), from `bytes_right`'s one teacher-forced pass: greedy decoding
-    emits the answer exactly when, at every answer byte, the argmax given the answer's bytes
-    before it is that byte (by induction over the bytes; the same argmax, so ties too). It
-    equals `decode(...) == answer` (tests/test_tasks.py checks) at a forward per batch rather
-    than one per answer byte."""
-    return [None if n is None else n == len(a) for n, (_, a) in zip(bytes_right(model, instances, device), instances)]
+def exact(
+    model, instances: list[tuple[bytes, bytes]], device, right: Optional[list[Optional[int]]] = None
+) -> list[Optional[bool]]:
+    """Whether greedy decoding gives each instance's whole answer (None where the model cannot
+    encode the length), from `bytes_right`'s one teacher-forced pass (`right`, where the caller
+    has it): greedy decoding emits the answer exactly when, at every answer byte, the argmax
+    given the answer's bytes before it is that byte (by induction over the bytes; the same
+    argmax, so ties too). It equals `decode(...) == answer` (tests/test_tasks.py checks) at a
+    forward per batch rather than one per answer byte, where a byte's logits depend only on the
+    bytes before it. A scheme that draws its positions per forward call (noisy_<s>) breaks
+    that: a prefix decoded alone gets other positions than inside one pass, so its answers are
+    decoded."""
+    if not getattr(getattr(model, "scheme", None), "prefix_consistent", True):
+        model.eval()  # its draws from their first again: the same answers whoever decodes after what
+        return [None if got is None else got == a for got, (_, a) in zip(decode(model, instances, device), instances)]
+    right = bytes_right(model, instances, device) if right is None else right
+    return [None if n is None else n == len(a) for n, (_, a) in zip(right, instances)]
 
 
 def score(model, test: list[tuple[int, bytes, bytes]], device) -> list[dict]:
@@ -90,12 +99,14 @@ def score(model, test: list[tuple[int, bytes, bytes]], device) -> list[dict]:
     accuracy: the answer bytes right over all answer bytes (END included), teacher-forced (see
     `bytes_right`), so one wrong byte does not cost the bytes after it."""
     model.eval()
-    right = bytes_right(model, [(p, a) for _, p, a in test], device)
+    pairs = [(p, a) for _, p, a in test]
+    right = bytes_right(model, pairs, device)
+    whole = exact(model, pairs, device, right)
     rows = []
     for n in sorted({n for n, _, _ in test}):
-        mine = [(r, len(a)) for (m, _, a), r in zip(test, right) if m == n]  # (bytes right, answer bytes)
-        tokens = sum(A for _, A in mine)
-        if any(r is None for r, _ in mine):
+        mine = [(r, len(a), w) for (m, _, a), r, w in zip(test, right, whole) if m == n]  # (right, bytes, exact)
+        tokens = sum(A for _, A, _ in mine)
+        if any(r is None for r, _, _ in mine):
             rows.append(
                 {
                     "length": n,
@@ -109,8 +120,8 @@ def score(model, test: list[tuple[int, bytes, bytes]], device) -> list[dict]:
                 }
             )
             continue
-        correct = sum(r == A for r, A in mine)
-        tokens_correct = sum(r for r, _ in mine)
+        correct = sum(bool(w) for _, _, w in mine)
+        tokens_correct = sum(r for r, _, _ in mine)
         rows.append(
             {
                 "length": n,

@@ -183,6 +183,16 @@ def test_t5_buckets_bidirectional(rel, bucket):
     assert t5_relative_bucket(torch.tensor([rel]), bidirectional=True).item() == bucket
 
 
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, 64), (8, 20), (64, 256), (10, 50), (33, 100)])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_t5_buckets_are_transformers_at_every_setting(num_buckets, max_distance, bidirectional):
+    """Every whole distance to 300 either way, against transformers' own T5 bucketing."""
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    rel = torch.arange(-300, 301)
+    want = t5.T5Attention._relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
+    assert torch.equal(t5_relative_bucket(rel, bidirectional, num_buckets, max_distance), want)
+
+
 @pytest.mark.parametrize("scale,times", [("none", 1.0), ("sqrt_head_dim", 8**0.5)])  # head_dim 8
 def test_t5_bias_reads_the_table_by_bucket(scale, times):
     scheme = SCHEMES["t5"](tiny("t5", options={"scale": scale}))

@@ -3,6 +3,7 @@ decoding, the loss mask, train/test disjointness, one-line errors and a run end 
 
 import collections
 import csv
+import dataclasses
 import json
 import random
 import re
@@ -14,7 +15,7 @@ import torch
 import torch.nn as nn
 from conftest import ROOT, invoke, report_refused
 
-from posbench.accuracy import decode, exact, score
+from posbench.accuracy import bytes_right, decode, exact, score
 from posbench.config import ModelConfig, TrainConfig, load_config, load_sweep
 from posbench.errors import PosbenchError
 from posbench.measures.exact_match.records import buckets
@@ -320,8 +321,36 @@ def test_scoring_in_one_pass_equals_greedy_decoding(scheme):
         opt.step()
     pairs = [(p, a) for _, p, a in task.test_set()]
     hits = exact(model.eval(), pairs, "cpu")
-    assert hits == [ans == a for ans, (_, a) in zip(decode(model, pairs, "cpu"), pairs)]
+    assert hits == [ans == a for ans, (_, a) in zip(decode(model.eval(), pairs, "cpu"), pairs)]
     assert 0 < sum(hits) < len(hits)
+
+
+def test_a_scheme_that_draws_positions_per_call_is_scored_by_decoding_itself():
+    """noisy_rope draws its positions per forward call, so a prefix decoded alone meets other
+    positions than inside one teacher-forced pass, and the pass's verdict differs from greedy
+    decoding's on some instances here: exact() decodes for it (entering eval mode restarts the
+    draws, so both decodings see the same positions), and score's counts are decoding's."""
+    torch.manual_seed(0)
+    task = build_task("copy", {"train_max": 3, "test_max": 5, "test_count": 40, "alphabet": "ab"})
+    cfg = ModelConfig(scheme="noisy_rope", n_layer=1, d_model=32, n_head=2, train_len=task.train_len)
+    model = TransformerLM(dataclasses.replace(cfg, options={"max_pos": 16}))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = task.batches(0, 32)
+    for _ in range(150):
+        x, y = batches()
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert not model.scheme.prefix_consistent
+    pairs = [(p, a) for _, p, a in task.test_set()]
+    greedy = [ans == a for ans, (_, a) in zip(decode(model.eval(), pairs, "cpu"), pairs)]
+    one_pass = [n == len(a) for n, (_, a) in zip(bytes_right(model.eval(), pairs, "cpu"), pairs)]
+    assert one_pass != greedy  # the pass alone would not be greedy decoding here
+    assert exact(model.eval(), pairs, "cpu") == greedy
+    model.eval()
+    rows = score(model, task.test_set(), "cpu")
+    assert sum(r["correct"] for r in rows) == sum(greedy)
 
 
 def test_buckets_are_each_length_to_12_then_halves_each_of_the_first_five_past_n_and_thirds():

@@ -94,6 +94,12 @@ class Randomized(Modifier):
             return self.inner.max_len  # 0..T-1: as far as the base encodes
         return self.opt["max_pos"]
 
+    @property
+    def prefix_consistent(self) -> bool:
+        """A prefix run alone draws other positions than it gets inside the whole sequence, but
+        where evaluation takes 0..T-1."""
+        return self.opt["eval_positions"] == "consecutive"
+
     def train(self, mode: bool = True):
         self.restart_draws()
         return super().train(mode)
