@@ -224,7 +224,7 @@ def chunks(stream: Iterator[bytes], size: int = CHUNK) -> Iterator[bytes]:
     buf = b""
     for piece in stream:
         buf += piece
-        while len(buf) >= size:
+        while len(buf) > size:  # the byte at `size` has arrived: char_start can see where it falls
             cut = buf.rfind(b"\n", 0, size) + 1 or char_start(buf, size) or size
             yield buf[:cut]
             buf = buf[cut:]
@@ -304,7 +304,10 @@ class Tokenizer:
             return out
         decoder = _byte_decoder()
         special = {t.content for t in self.impl.get_added_tokens_decoder().values() if t.special}
-        fallback = '"byte_fallback":true' in self.impl.to_str().replace(" ", "")
+        spec = self.impl.to_str().replace(" ", "")
+        fallback = '"byte_fallback":true' in spec
+        byte_level = '"type":"ByteLevel"' in spec  # its characters stand for bytes (GPT-2's table)
+        glue = json.loads(self.impl.to_str())["model"].get("continuing_subword_prefix") or ""  # WordPiece's ##
         for token, i in self.impl.get_vocab().items():
             if i >= self.vocab_size:
                 continue
@@ -314,8 +317,10 @@ class Tokenizer:
                 continue  # a control token spells no text
             elif "\u2581" in token or fallback:  # a sentencepiece-style piece: ▁ stands for a space
                 out[i] = len(token.replace("\u2581", " ").encode())
-            elif all(c in decoder for c in token):  # byte-level: each character stands for one byte
+            elif byte_level and all(c in decoder for c in token):  # each character stands for one byte
                 out[i] = len(token)
+            elif glue and token.startswith(glue):  # a word's continuation: the prefix spells nothing
+                out[i] = len(token[len(glue) :].encode())
             else:
                 out[i] = len(self.impl.decode([i]).encode())
         return out

@@ -155,6 +155,37 @@ def test_chunks_are_a_function_of_the_bytes_alone():
     assert b"".join(split_stream(iter(pieces), 1000, 5000)) == data[1000:5000]
 
 
+def test_a_line_longer_than_a_chunk_is_cut_before_a_character_however_its_bytes_arrive():
+    """A chunk of a line with no newline ends before the character at its size: with "é" across
+    byte 4 of 4-byte chunks the cut is at 3, whether the bytes come whole or exactly 4 at a time
+    (as a file is read, a block of CHUNK bytes), so no chunk ends inside a character."""
+    data = b"abc" + "é".encode() + b"xyz"
+    want = [b"abc", "é".encode() + b"xy", b"z"]
+    assert list(chunks(iter([data]), 4)) == want
+    assert list(chunks(iter([data[:4], data[4:]]), 4)) == want
+    line = b"a" * (CHUNK - 1) + "é".encode() + b"b" * 100 + b"\n"
+    got = list(chunks(iter([line[:CHUNK], line[CHUNK:]])))
+    assert b"".join(got) == line and all(c.decode() for c in got)  # every chunk whole UTF-8
+
+
+def test_a_wordpiece_tokenizers_bytes_are_its_texts_own(tmp_path):
+    """A tokenizer that is not byte-level (WordPiece): "café" is 5 UTF-8 bytes, not 4 characters,
+    and "##s" continues a word, spelling 1 byte; so bits per byte counts "cafés" as its 6 bytes."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from posbench.text import load_tokenizer_file
+
+    vocab = {"[UNK]": 0, "café": 1, "naïve": 2, "##s": 3, "the": 4}
+    wordpiece = tokenizers.Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer, wordpiece.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    wordpiece.save(str(tmp_path / "wp.json"))
+    tok = load_tokenizer_file(str(tmp_path / "wp.json"))
+    lengths = tok.byte_lengths()
+    assert [int(lengths[vocab[w]]) for w in ("café", "naïve", "##s", "the")] == [5, 6, 1, 3]
+    assert int(lengths[tok.encode("cafés".encode())].sum()) == len("cafés".encode())
+
+
 def test_jsonl_parquet_and_datasets_rows_read_alike(tmp_path):
     texts = _lines(500)
     jsonl = tmp_path / "c.jsonl"
