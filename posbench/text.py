@@ -304,10 +304,11 @@ class Tokenizer:
             return out
         decoder = _byte_decoder()
         special = {t.content for t in self.impl.get_added_tokens_decoder().values() if t.special}
-        spec = self.impl.to_str().replace(" ", "")
+        raw = self.impl.to_str()
+        spec = raw.replace(" ", "")
         fallback = '"byte_fallback":true' in spec
         byte_level = '"type":"ByteLevel"' in spec  # its characters stand for bytes (GPT-2's table)
-        glue = json.loads(self.impl.to_str())["model"].get("continuing_subword_prefix") or ""  # WordPiece's ##
+        glue = json.loads(raw)["model"].get("continuing_subword_prefix") or ""  # WordPiece's ##
         for token, i in self.impl.get_vocab().items():
             if i >= self.vocab_size:
                 continue

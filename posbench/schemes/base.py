@@ -77,6 +77,7 @@ class PositionalScheme(nn.Module):
     replaces_softmax: bool = False  # True: `attend` is the attention under every backend
     per_row_positions = False  # its hooks take (B, T) positions, each row its own (PoSE), not only (T,)
     prefix_consistent = True  # a byte's logits depend only on the bytes before it, in one pass or decoded alone
+    counts_keys = False  # True: its logits scale with the keys a query sees, counted as i + 1 (a full layer's)
     variants_by_options = False  # True: an instance takes only some of eval_variants, as its options decide
 
     def __init__(self, cfg: ModelConfig):

@@ -209,7 +209,7 @@ class Pattern(PositionalScheme):
                 f"{at}: {spec.scheme} replaces softmax with attention of its own, which a pattern's "
                 f"layers cannot: they share the backend's softmax"
             )
-        if spec.local and getattr(cls, "counts_keys", False):
+        if spec.local and cls.counts_keys:
             raise PosbenchError(
                 f"{at}: {spec.scheme} scales a query's logits by the log of the i + 1 keys a full layer "
                 f"shows it, and a window or chunk shows it fewer; give it a layer without window or chunk"
@@ -229,12 +229,12 @@ class Pattern(PositionalScheme):
         except PosbenchError as e:
             raise PosbenchError(f"{at}: {e}") from None
 
-    def fixed(self, variant: str) -> list[str]:
-        """The layers' schemes that cannot take training-free variant `variant` (a scheme without
-        a position hook, nope, is left as it is)."""
+    def fixed(self, variant: str) -> dict[str, str]:
+        """The layers' schemes that cannot take training-free variant `variant`, each with its
+        reason (a scheme without a position hook, nope, is left as it is)."""
         base = PositionalScheme
         hooked = [s for s in self.schemes if type(s).rotate is not base.rotate or type(s).bias is not base.bias]
-        return [s.cfg.scheme for s in hooked if type(s).refuses(variant)]
+        return {s.cfg.scheme: why for s in hooked if (why := type(s).refuses(variant))}
 
     def describe(self) -> list[str]:
         """One line a layer: its index, its scheme and the options given or off their defaults, its attention."""
@@ -302,8 +302,7 @@ class Pattern(PositionalScheme):
     def lacks(self, name: str) -> str:
         """Why no layer takes variant `name`, in words."""
         if name in TRAINING_FREE:
-            why = {s.cfg.scheme: type(s).refuses(name) for s in self.schemes}
-            return "; ".join(f"its {scheme} layers cannot: {why[scheme]}" for scheme in dict.fromkeys(self.fixed(name)))
+            return "; ".join(f"its {scheme} layers cannot: {why}" for scheme, why in self.fixed(name).items())
         local = [x for x, s in zip(self.layers, self.at) if x.local and name in s.eval_variants]
         none = sorted({x.scheme for x, s in zip(self.layers, self.at) if name not in s.eval_variants})
         parts = []

@@ -328,7 +328,7 @@ class SSMax(RoPE):
     options = {**RoPE.options, "s": None, "bias": False}  # s null: 1 / ln(model.train_len)
     added_later = ()  # every option is in every ssmax run's record
     eval_variants = {k: v for k, v in RoPE.eval_variants.items() if k not in ("yarn", "logn")}
-    counts_keys = True  # its factor is log(i + 1): a pattern's window or chunk layer would show it fewer keys
+    counts_keys = True  # its factor is s log(i + 1): a pattern's window or chunk shows fewer keys
 
     @classmethod
     def refuses(cls, variant: str) -> Optional[str]:
