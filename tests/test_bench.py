@@ -551,3 +551,37 @@ def test_auto_beside_a_backend_it_runs_as_for_some_schemes_is_refused(monkeypatc
     cpu_auto = attention.backend_for("auto", torch.device("cpu"), 64)
     with pytest.raises(PosbenchError, match=f"--attention auto,{cpu_auto}: these run as one backend here"):
         check_backends(["auto", cpu_auto], torch.device("cpu"), 64)
+
+
+def test_bench_data_times_both_tokenizers_and_a_fetch_against_a_step_leaving_the_config_as_it_was(tmp_path):
+    """`bench --data` prepares the corpus twice (bytes, then a BPE of the config's vocabulary) and
+    times a memory-mapped batch against a step of a model of that vocabulary, built on a copy of
+    the config's model."""
+    from posbench.bench_data import data_benchmark
+    from posbench.config import load_config
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(2000)))
+    sets = [
+        f"data.path={corpus}",
+        "data.tokenizer=bpe",
+        "data.vocab_size=300",
+        "model.d_model=32",
+        "model.n_head=2",
+        "model.n_layer=1",
+    ]
+    cfg = load_config(None, [*sets, "train.batch_size=4"], {})
+    before = cfg.model.vocab_size
+    rows = dict(data_benchmark(cfg, rounds=2))
+    assert cfg.model.vocab_size == before  # the BPE's vocabulary is the benchmark's model's alone
+    assert rows["what"] == "value"
+    mb = corpus.stat().st_size / 1e6
+    prepared = [k for k in rows if k.startswith("prepare, ")]
+    assert len(prepared) == 2 and prepared[0] == "prepare, bytes" and "300" in prepared[1], prepared
+    for k in prepared:
+        assert f"({mb:.1f} MB in " in rows[k] and float(rows[k].split()[0]) > 0, rows[k]
+    fetch = rows["fetch a batch from the memory map (4 x 100 tokens)"]
+    step = rows["one training step (1 layers, width 32)"]
+    f, s = float(fetch.split()[0]), float(step.split()[0])
+    share = float(rows["fetch's share of a step"].rstrip("%"))
+    assert f > 0 and s > 0 and share == pytest.approx(100 * f / (f + s), abs=0.1)  # from the rounded times

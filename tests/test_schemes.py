@@ -134,7 +134,9 @@ def reference_alibi_slopes(n):
     )
 
 
-@pytest.mark.parametrize("n", range(1, 17))
+# 1..16, and larger head counts: 20 (GPT-2 large), and 24 and 48, which take every other slope
+# of 32 and 64 past their power of two
+@pytest.mark.parametrize("n", [*range(1, 17), 20, 24, 32, 48, 64])
 def test_alibi_slopes_match_reference(n):
     assert torch.allclose(alibi_slopes(n).double(), torch.tensor(reference_alibi_slopes(n)).double())
 
