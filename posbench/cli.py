@@ -606,7 +606,8 @@ def pretrained(
 
     Perplexity and bits per byte at each length, under each protocol and RoPE variant
     (transformers' own code), on posbench's corpus cut by the model's tokenizer; nothing is
-    fetched from a hub. Rows go to results/NAME/MODEL/, a report of which joins any other.
+    fetched from a hub. Rows go to results/NAME/MODEL/, a report of which joins other pretrained
+    models of its context.
     --measure context_gain,key_tokens also scores it by those measures (docs/measures.md), at
     the same lengths, into results/NAME/MODEL/measures/."""
     from posbench.experiment.pretrained import plan_pretrained, run_pretrained

@@ -246,7 +246,7 @@ class PerplexityConfig:
 class ExactMatchConfig:
     """How exact match (posbench/measures/exact_match/) tables a synthetic task's runs."""
 
-    # length buckets, by their last length; empty: each length to 40, else ten (exact_match.records.buckets)
+    # length buckets, by their last length; empty: each length up to 12, else ten (exact_match.records.buckets)
     buckets: list[int] = field(default_factory=list)
 
     def __post_init__(self):

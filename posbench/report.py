@@ -268,6 +268,13 @@ def join(collected: list[Collected], dirs: list[Path], metric: Optional[str] = N
                     f"cannot join {name} and {d.name}: their {what} differ "
                     f"({', '.join(map(str, sorted(a, key=str)))} against {', '.join(map(str, sorted(b, key=str)))})"
                 )
+        made = [{bool(run.cfg.model.pretrained) for run in c.runs} for c in (first, other)]
+        if made[0] != made[1]:  # its settings are the model's own, not a training budget to compare
+            pre = name if True in made[0] else d.name
+            raise PosbenchError(
+                f"cannot join {name} and {d.name}: {pre} holds pretrained models, scored here but not trained; "
+                "a joined table compares runs trained alike, so report them apart"
+            )
         ours, theirs = _settings(first, compares), _settings(other, compares)
         if ours != theirs:  # a row's header would name one budget for runs trained under another
             a, b = next((a, b) for a, b in zip(ours, theirs) if a != b) if len(ours) == len(theirs) else (ours, theirs)

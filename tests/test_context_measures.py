@@ -417,7 +417,12 @@ def test_the_committed_context_study_rebuilds_and_says_what_the_docs_say(tmp_pat
     assert sum(gain["rope"]) / 3 < -1.0 and -0.01 < sum(gain["alibi"]) / 3 < 0
     for scheme, values in acc.items():  # 5 depths x 4 lengths x 3 seeds, 20 trials each
         assert 0.05 < sum(values) / len(values) < 0.16, (scheme, sum(values) / len(values))
-    assert "| eff. length |" in (committed / "summary.md").read_text()
+    summary = (committed / "summary.md").read_text()
+    assert "| eff. length |" in summary
+    # each measure says whose it is and how many runs it scored; a default option left unsaid
+    assert (
+        "- context_gain: context gain in nats (K = train_len), posbench's measure context_gain, on 30 runs\n" in summary
+    )
 
 
 def test_the_far_context_table_is_the_committed_context_study():

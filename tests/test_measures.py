@@ -64,7 +64,7 @@ def test_a_run_scored_by_two_measures_reports_both_with_intervals_a_plot_and_lat
     exp, output = scored
     md = (exp / "summary.md").read_text()
     assert "## nonoverlapping" in md and "## next_byte: % next bytes guessed by length" in md
-    assert f"a user's measure ({SPEC})" in md
+    assert f"a user's measure ({SPEC}), on " in md
     table = md.split("## next_byte: % next bytes guessed by length\n\n")[1].strip().splitlines()
     row = next(r for r in table if r.startswith("| alibi |")).strip("|").split("|")
     L = int(table[0].strip("|").split("|")[1])

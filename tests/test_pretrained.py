@@ -306,6 +306,41 @@ def _corpus(tmp_path):
     return path
 
 
+def test_a_pretrained_model_is_reported_apart_from_posbench_runs_in_one_line(models, tmp_path):
+    """A joined table names one training budget for its rows: a pretrained model's folder and a
+    posbench experiment (even one trained at the model's context) are refused in one line, each
+    named, and nothing is written."""
+    from conftest import invoke
+
+    out, corpus = tmp_path / "r", _corpus(tmp_path)
+    common = ["--set", f"out_dir={out}", "--set", "eval.tokens=1024"]
+    res = invoke("pretrained", models / "llama", "--lengths", f"{CONTEXT},{2 * CONTEXT}", "--data", corpus, *common)
+    assert res.exit_code == 0, res.output
+    tiny = ["--set", "train.steps=2", "--set", f"data.path={corpus}", "--set", "model.n_layer=1", *common]
+    res = invoke(
+        "extrapolate",
+        "--train-len",
+        CONTEXT,
+        "--test-len",
+        2 * CONTEXT,
+        "--schemes",
+        "rope",
+        "--set",
+        "name=own",
+        *tiny,
+    )
+    assert res.exit_code == 0, res.output
+    for dirs in (["own", "pretrained"], ["pretrained", "own"]):
+        res = invoke("report", *(out / d for d in dirs), "--metric", "bpb", "--out", tmp_path / "joined")
+        said = (
+            f"cannot join {dirs[0]} and {dirs[1]}: pretrained holds pretrained models, scored here but not "
+            "trained; a joined table compares runs trained alike, so report them apart"
+        )
+        assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
+        assert len(res.output.strip().splitlines()) == 1
+        assert not (tmp_path / "joined").exists()
+
+
 def test_pretrained_writes_a_run_folder_resumes_and_joins_another_in_one_report(models, tmp_path):
     import csv
 

@@ -108,7 +108,7 @@ def test_report_joins_experiments_and_refuses_ones_that_do_not_compare(tmp_path,
     assert (
         invoke("extrapolate", *common, "--schemes", "rope", "--set", "name=d", "--protocol", "sliding").exit_code == 0
     )
-    for other, what in (("c", "training length differ (32 against 24)"), ("d", "protocols differ")):
+    for other, what in (("c", "training lengths differ (32 against 24)"), ("d", "protocols differ")):
         res = invoke("report", tmp_path / "a", tmp_path / other)
         assert res.exit_code == 2 and "Traceback" not in res.output
         assert f"cannot join a and {other}: their {what}" in " ".join(res.output.split())

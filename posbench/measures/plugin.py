@@ -257,10 +257,11 @@ def report(collected) -> tuple[list[Section], dict[str, pd.DataFrame], dict[str,
     for name, (metrics, rows) in sorted(found.items()):
         labels, runs = ", ".join(m.label for m in metrics.values()), len({(r["scheme"], r["seed"]) for r in rows})
         axis = axes[name]
-        said = "; ".join(", ".join(f"{k} {_said(v)}" for k, v in o.items()) for o in options.get(name, []))
+        said = "; ".join(
+            ", ".join(f"{k} {_said(v)}" for k, v in o.items() if v not in (None, "", [])) for o in options.get(name, [])
+        )
         describe.append(
-            f"- {name}: {labels}, a user's measure ({', '.join(sorted(specs[name]))}) scored by posbench "
-            f"evaluate --measure on {runs} runs"
+            f"- {name}: {labels}, {_origin(specs[name])}, on {runs} run{'s' * (runs != 1)}"
             + (f", by {axis} and length" if axis else "")
             + (f"; scored with {said}" if said else "")
             + (f"; a pretrained model's ± is over its {samples[name]}" if name in samples else "")
@@ -344,6 +345,15 @@ def _mean(table: pd.DataFrame, scheme: str, column) -> float:
     if scheme not in table.index or column not in table.attrs["columns"]:
         return math.nan
     return float(table.loc[scheme, column])
+
+
+def _origin(specs: set[str]) -> str:
+    """Whose measure a table is: posbench's (a registered name) or a user's (module:Class)."""
+    own, theirs = sorted(s for s in specs if ":" not in s), sorted(s for s in specs if ":" in s)
+    return ", ".join(
+        [f"posbench's measure {', '.join(own)}"] * bool(own)
+        + [f"a user's measure ({', '.join(theirs)})"] * bool(theirs)
+    )
 
 
 def _said(value) -> str:

@@ -512,7 +512,7 @@ def frame(collected) -> tuple[pd.DataFrame, list]:
 def join_checks(rows: list[dict]) -> list[tuple[str, set]]:
     """What two experiments joined into one table must share, beyond their settings."""
     return [
-        ("training length", {int(r["train_len"]) for r in rows}),
+        ("training lengths", {int(r["train_len"]) for r in rows}),
         ("protocols", {protocol_label(r["protocol"], r["stride"]) for r in rows}),
     ]
 
