@@ -91,9 +91,10 @@ def _out_of_memory(e: BaseException, advice: str):
 
 
 def torch_oom():
-    import torch
-
-    return torch.OutOfMemoryError
+    """torch's out-of-memory error, where torch is imported (a command that never imported it,
+    such as report, can meet none): the class an except clause names."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "OutOfMemoryError", MemoryError)
 
 
 def _scheme_list(text: str) -> list[str]:

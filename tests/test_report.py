@@ -495,19 +495,37 @@ def _report_without_torch(folder):
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_committed_reference_reports_without_torch(tmp_path):
-    """A report is built from the records on disk alone: without torch, the committed
-    reference's records give its committed summary.md."""
+# the seed schemes; extension's parents, children and their +variants; a pretrained model's +variants
+@pytest.mark.parametrize("name", ["reference", "reference-extend", "reference-smollm2"])
+def test_the_committed_references_report_without_torch(tmp_path, name):
+    """A report is built from the records on disk alone: without torch, a committed reference's
+    records give its committed summary.md, rows of evaluation-time variants included."""
     from conftest import ROOT
 
-    committed = ROOT / "results" / "reference"
-    copy = tmp_path / "reference"
+    committed = ROOT / "results" / name
+    copy = tmp_path / name
     shutil.copytree(committed, copy)
     for name in ("summary.csv", "summary.md", "summary.tex"):
         (copy / name).unlink()
     res = _report_without_torch(copy)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (copy / "summary.md").read_text() == (committed / "summary.md").read_text()
+
+
+def test_an_edge_without_torch_still_knows_memory_errors():
+    """The CLI's edge names torch's out-of-memory error only where torch is imported: without
+    it (a report), an unexpected error is still its one line, not a failed import."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from posbench.cli import torch_oom
+
+    assert torch_oom() is torch.OutOfMemoryError
+    code = "import sys; sys.modules['torch'] = None; from posbench.cli import torch_oom; print(torch_oom().__name__)"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "MemoryError", res.stdout + res.stderr
 
 
 def test_a_task_experiment_reports_without_torch(tmp_path, task_smoke):

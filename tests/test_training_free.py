@@ -295,3 +295,12 @@ def test_ssmax_is_refused_in_a_window_or_chunk_layer_whose_keys_it_would_miscoun
         with pytest.raises(PosbenchError, match="ssmax scales a query's logits by the log of the i \\+ 1 keys"):
             build_scheme(cfg)
     build_scheme(tiny("pattern_ss", train_len=L, options={"layers": ["ssmax", {"scheme": "rope", "window": 8}]}))
+
+
+def test_the_variants_names_a_report_reads_without_torch_are_the_schemes_own():
+    """A report sorts and draws +variant rows by the names posbench.schemes lists without
+    importing a scheme: they are the training-free variants' and RoPE's scalings, in order."""
+    from posbench.schemes import ROPE_SCALING_NAMES, TRAINING_FREE_NAMES
+
+    assert tuple(VARIANTS) == TRAINING_FREE_NAMES
+    assert tuple(v for v in SCHEMES["rope"].eval_variants if v not in VARIANTS) == ROPE_SCALING_NAMES

@@ -71,7 +71,7 @@ def _index(name: str, known: list[str], size: int) -> int:
 def style(name: str) -> dict:
     """matplotlib line keywords for scheme `name`: colour, line style and marker."""
     from posbench.extend.methods import METHODS, base_method
-    from posbench.schemes import MODIFIERS, PATTERNS, SCHEMES
+    from posbench.schemes import MODIFIERS, ROPE_SCALING_NAMES, TRAINING_FREE_NAMES
 
     base = base_of(name)
     trained, _, method = name.partition(":")
@@ -84,15 +84,12 @@ def style(name: str) -> dict:
     plain, _, variant = trained.partition("+")
     modifier = next((m for m in MODIFIERS if plain.startswith(m) and plain != base), None)
     free = False  # a training-free variant: dashes of its own among them, marked x
-    if variant:  # the same checkpoints, evaluated another way: dashes per variant of its scheme
-        from posbench.schemes.training_free import VARIANTS as TRAINING_FREE  # as SCHEMES[base], it imports torch
-
+    if variant:  # the same checkpoints, evaluated another way: dashes per variant, the same for every scheme
         kind = variant.partition("@")[0]
-        free = kind in TRAINING_FREE
-        if base in PATTERNS or base.startswith("pattern_"):
-            base = "rope"  # a pattern's variants are its RoPE layers': dashed as rope's
-        own = list(SCHEMES[base].eval_variants) if base in SCHEMES else []
-        own = list(TRAINING_FREE) if free else [v for v in own if v not in TRAINING_FREE]
+        free = kind in TRAINING_FREE_NAMES
+        own = list(
+            TRAINING_FREE_NAMES if free else ROPE_SCALING_NAMES
+        )  # another scheme's own: dashes from a hash of it
         dashes = DASHES[_index(kind, own, len(DASHES) - len(MODIFIERS))]
     elif modifier:  # a modified scheme: dashes from the end, one per modifier
         dashes = DASHES[-1 - list(MODIFIERS).index(modifier)]

@@ -24,6 +24,12 @@ def _explain(name: str) -> None:
 
 PATTERNS = ("rnope_swa", "irope", "gemma3")  # presets of posbench/schemes/pattern.py, with pattern_<label>
 
+# evaluation-time variants by name, so that a report sorts and draws their rows with no scheme
+# (and no torch) imported: the training-free ones every scheme declares (training_free.VARIANTS)
+# and RoPE's scalings (RoPE.eval_variants), each in its table's order
+TRAINING_FREE_NAMES = ("self_extend", "rerope", "string", "lm_infinite", "logn")
+ROPE_SCALING_NAMES = ("linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
+
 
 SCHEMES = Registry(
     "scheme",
@@ -142,7 +148,18 @@ _EXPORTS = {  # what `from posbench.schemes import X` gives, imported on first u
     "posbench.schemes.pattern": ["Pattern", "Layer", "window_mask"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = ["SCHEMES", "SEED_SCHEMES", "PATTERNS", "catalogue", "resolve_scheme", "build_scheme", "check_hint", *_WHERE]
+__all__ = [
+    "SCHEMES",
+    "SEED_SCHEMES",
+    "PATTERNS",
+    "TRAINING_FREE_NAMES",
+    "ROPE_SCALING_NAMES",
+    "catalogue",
+    "resolve_scheme",
+    "build_scheme",
+    "check_hint",
+    *_WHERE,
+]
 
 
 def __getattr__(name: str):

@@ -241,10 +241,10 @@ def backends_note(df: pd.DataFrame, short: bool = False) -> str:
     A training-free variant's rows are eager by design (its remap's own formula): said apart."""
     variants = df["scheme"].map(lambda label: label_variant(label)[1])
     own = pd.Series(False, index=df.index)  # a training-free variant's eager rows
-    if variants.notna().any():  # as SCHEMES, it imports torch: only where a variant was scored
-        from posbench.schemes.training_free import VARIANTS as TRAINING_FREE
+    if variants.notna().any():
+        from posbench.schemes import TRAINING_FREE_NAMES
 
-        own = variants.isin(list(TRAINING_FREE)) & (df["attention"] == "eager")
+        own = variants.isin(TRAINING_FREE_NAMES) & (df["attention"] == "eager")
     if own.any():
         aside = ", ".join(sorted(set(df.loc[own, "scheme"])))
         rest = df[~own]
