@@ -682,9 +682,8 @@ def extend(
     Every method that applies to a run's scheme makes a child run: the parent's weights, the
     method's change, K steps at L2. The parents are copied and scored as they are and with their
     evaluation-time scalings; the report puts all of them side by side (docs/extend.md)."""
-    from posbench.experiment.execute import check_reads, run_jobs
     from posbench.extend.methods import parse_methods
-    from posbench.extend.run import plan_extension, write_record
+    from posbench.extend.run import plan_extension, run_extension
     from posbench.trackers import check_tracker, usable
 
     with user_errors():
@@ -702,16 +701,8 @@ def extend(
             _csv_ints(curve, "--curve"),
             set_ or [],
         )
-        reporter = BarReporter(err)
-        for note in plan.notes:
-            reporter.note(note)
-        task, first = plan.jobs[0].task, plan.jobs[0].cfg
-        sources = {task.source_key(first): task.source(first, reporter)}
         tracker = tracker or usable(plan.jobs[0].cfg.train.tracker)  # the parents' own, where it is installed
-        check_reads(plan.jobs, sources)  # a parent read other data: before the folder is made
-        write_record(plan)
-        child = next((job.cfg for job in plan.jobs if job.state == "todo" and job.cfg.model.extend), first)
-        run_jobs(child, plan.jobs, plan.folder, reporter, sources, tracker)  # workers sized by a run that trains
+        run_extension(plan, BarReporter(err), tracker)
         _print_summary([plan.folder], tracker=tracker)
 
 

@@ -383,6 +383,8 @@ def test_a_rerun_into_the_folder_at_another_length_or_budget_is_refused(extended
         (("--set", "eval.lengths=[32,128]"), "--set eval.lengths=[32,128]: extend sets eval.lengths from --lengths"),
         (("--set", "model.train_len=48"), "--set model.train_len=48: extend sets model.train_len from --to"),
         (("--set", "train={steps: 2}"), "--set train={steps: 2}: extend sets train.steps from --steps"),
+        # refused as a training command refuses it, before a parent is copied
+        (("--set", "model.attention=flex"), "torch has no FlexAttention backward on a CPU, so it cannot train here"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(parents, tmp_path, args, message):

@@ -134,20 +134,25 @@ def prepare(exp: Experiment, jobs: list[Job], reporter: Reporter) -> dict:
     the data the runs read (by its key), read once: a missing corpus fails here."""
     cfg = exp.cfg
     check_tracker(cfg.train.tracker)  # a missing library fails here, before anything trains
+    check_runnable(cfg, jobs)
+    data = exp.task.source(cfg, reporter)
+    for note in [*exp.task.notes(cfg, data), *exp.measure.notes(cfg, data)]:
+        reporter.note(note)
+    return {exp.task.source_key(cfg): data}
+
+
+def check_runnable(cfg: ExperimentConfig, jobs: list[Job]) -> None:
+    """Refuse, before anything trains, a run too large for this machine's memory or an attention
+    backend that cannot train here (auto is never flex on a CPU, so the scheme's table does not
+    matter here)."""
     device = pick_device(cfg.train.device)
     gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     for job in jobs:
         if job.state == "todo":
             check_trainable(job.cfg.model, gpu, batch=job.cfg.train.batch_size)  # refused, not allocated
-    # a backend that cannot run here is refused before anything trains (auto is never flex on a
-    # CPU, so the scheme's table does not matter here)
     backend = backend_for(cfg.model.attention, device, cfg.model.head_dim, cfg.train.compile)
     if backend == "flex" and device.type == "cpu" and any(job.state == "todo" for job in jobs):
         raise PosbenchError(FLEX_CANNOT_TRAIN_ON_CPU)
-    data = exp.task.source(cfg, reporter)
-    for note in [*exp.task.notes(cfg, data), *exp.measure.notes(cfg, data)]:
-        reporter.note(note)
-    return {exp.task.source_key(cfg): data}
 
 
 def run_jobs(
