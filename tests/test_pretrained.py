@@ -526,7 +526,28 @@ def test_a_rope_variant_asked_of_a_model_without_rope_is_one_line(models, tmp_pa
     from conftest import invoke
 
     res = invoke("pretrained", str(models / "gpt2"), "--rope-scaling", "yarn", "--set", f"out_dir={tmp_path / 'r'}")
-    assert res.exit_code == 2 and "gpt2 (gpt2) has no rotary embedding" in res.output
+    assert res.exit_code == 2 and "--rope-scaling yarn: gpt2 (gpt2) has no rotary embedding" in res.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_rope_scaling_from_a_file_or_set_is_blamed_on_where_it_came_from(models, tmp_path):
+    """The flag, --set or the config file that asked for a scaling the model lacks is named."""
+    from conftest import invoke
+
+    config = tmp_path / "mine.yaml"
+    config.write_text("eval:\n  perplexity:\n    rope_scaling: [ntk]\n")
+    out = ["--set", f"out_dir={tmp_path / 'r'}"]
+    for args, where in (
+        (["--config", config], f"{config}: eval.perplexity.rope_scaling: ntk is not a RoPE type"),
+        (["--set", "eval.perplexity.rope_scaling=[ntk]"], "--set eval.perplexity.rope_scaling=[ntk]: ntk is not"),
+        (["--rope-scaling", "ntk"], "--rope-scaling ntk: ntk is not a RoPE type transformers has"),
+    ):
+        res = invoke("pretrained", models / "llama", *args, *out)
+        assert res.exit_code == 2 and where in " ".join(res.output.split()), res.output
+        assert len(res.output.strip().splitlines()) == 1
+    res = invoke("pretrained", models / "gpt2", "--set", "eval.perplexity.rope_scaling=[yarn]", *out)
+    said = "--set eval.perplexity.rope_scaling=[yarn]: gpt2 (gpt2) has no rotary embedding"
+    assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
     assert not (tmp_path / "r").exists()
 
 

@@ -127,17 +127,17 @@ def plan_pretrained(cfg: ExperimentConfig, model_path: Path, test_len: Optional[
     longest = test_len or (max(cfg.eval.lengths) if "eval.lengths" in cfg.origins else 2 * context)
     batch = fitting_batch(shape, approx_params(shape), [longest], cfg.eval.batch_size, memory_of(cfg.train.device))
     model = load_pretrained(model_path)
-    kinds = cfg.eval.perplexity.rope_scaling
+    kinds, key = cfg.eval.perplexity.rope_scaling, "eval.perplexity.rope_scaling"
+    where = cfg.origins.get(key, key)  # the flag, --set, or a file (then the key too)
+    where = where if where.startswith("--") else f"{where}: {key}"
     if kinds and not model.eval_variants:
-        raise PosbenchError(
-            f"--rope-scaling {','.join(kinds)}: {model.name} ({model.config.model_type}) has no rotary embedding"
-        )
+        raise PosbenchError(f"{where}: {model.name} ({model.config.model_type}) has no rotary embedding", key)
     wrong = [k for k in kinds if k not in model.eval_variants]
     if wrong:
         hint = "; transformers' NTK-aware scaling is dynamic" if wrong[0] == "ntk" else ""
         raise PosbenchError(
-            f"--rope-scaling {wrong[0]}: not a RoPE type transformers has; valid: "
-            f"{', '.join(model.eval_variants)}{hint}"
+            f"{where}: {wrong[0]} is not a RoPE type transformers has; valid: {', '.join(model.eval_variants)}{hint}",
+            key,
         )
     origins = cfg.origins
     tokenizer = tokenizer_of(model, Path(cfg.out_dir) / cfg.name)
