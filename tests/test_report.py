@@ -251,7 +251,7 @@ def test_the_committed_recipe_search_rebuilds_and_was_trained_at_its_recipe(tmp_
         assert _recipe(c, want) == want and c["train"]["device"] == ("cuda" if name.startswith("gpu-") else "auto")
         scheme, options = c["model"]["scheme"], c["model"]["options"]
         flat = options.get("init") == "zeros"  # the T5 table started at zero
-        if scheme in bias_tables:  # as cpu-flat set it, and the tasks' setup now gives it
+        if scheme in bias_tables:  # as cpu-flat set it, and as the tasks' setup gives it
             assert flat == entry["flat_start"], scheme
         assert not flat or options["scale"] == "none"
         if scheme in entry.get("options", {}):  # the options it recorded, e.g. sinusoidal's scale then

@@ -244,6 +244,18 @@ def test_check_scheme_runs_causality_under_every_variant_a_scheme_takes():
     assert "under logn (T=40" in check.variants_hold(tiny_model("sinusoidal", train_len=L), 40)
 
 
+def test_check_scheme_says_a_variant_the_tiny_size_refuses_and_passes_the_rest():
+    """rope at fraction 0.25 (the NoPE study's) rotates 2 of the tiny model's 8 head dims, which
+    ntk and dynamic refuse: said with their reason, the row passing on the variants that hold."""
+    from conftest import invoke
+
+    res = invoke("check-scheme", "rope", "--set", "fraction=0.25")
+    assert res.exit_code == 0, res.output
+    row = " ".join(res.output.split("│ variants")[1].replace("│", " ").split())
+    assert row.startswith("pass causal, with finite logits, under linear, yarn, llama3, self_extend"), row
+    assert "refused at this size (ntk: ntk RoPE scaling needs a head dimension above 2, not 2; dynamic:" in row
+
+
 def test_the_data_dependent_schemes_refuse_what_they_cannot_take_in_one_line():
     """Stick-breaking has no softmax for a variant to change; FoX's decay is summed by index, so a
     remap's other positions would leave it as it is and only logn's temperature applies."""
