@@ -25,7 +25,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from posbench.config import ModelConfig
 from posbench.device import autocast
@@ -102,24 +101,21 @@ def model_flops_per_token(cfg: ModelConfig, model: nn.Module) -> float:
 
 
 def _train_step_fn(model: nn.Module, batch_size: int, T: int) -> Callable[[], None]:
-    """One AdamW step on random tokens, on the model's device, as posbench/train.py trains (bf16
-    autocast on a GPU, fp32 on a CPU); posbench's models and the peer's take the same step."""
+    """posbench/train.py's step (bf16 autocast on a GPU, fp32 on a CPU; AdamW with the default
+    config's decay and clipping) on random tokens, on the model's device; posbench's models and
+    the peer's take the same step."""
+    from posbench.config import TrainConfig
+    from posbench.train import make_optimizer, train_step
+
     device = next(model.parameters()).device
     params = list(model.parameters())  # once: model.parameters() walks every module each call
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    tc = TrainConfig()
+    opt = make_optimizer(model, 1e-4, tc.weight_decay)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (batch_size, T + 1), generator=gen).to(device)
+    batch = (x[:, :-1], x[:, 1:])  # (B, T) inputs and targets
 
-    def step():
-        with autocast(device):
-            logits = model(x[:, :-1])  # (B, T, V)
-            loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-
-    return step
+    return lambda: train_step(model, opt, params, batch, device, tc.grad_clip)
 
 
 def time_first_calls(steps: dict[str, Callable[[], None]], sync: Callable[[], None]) -> dict[str, float]:

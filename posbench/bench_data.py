@@ -27,7 +27,7 @@ def data_benchmark(cfg: ExperimentConfig, rounds: int = 30, reporter=None) -> li
     from posbench.data import CorpusBatches, load_corpus, shakespeare
     from posbench.model import TransformerLM
     from posbench.text import prepare, source_files
-    from posbench.train import make_optimizer
+    from posbench.train import make_optimizer, train_step
 
     rows = [["what", "value"]]
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,18 +55,15 @@ def data_benchmark(cfg: ExperimentConfig, rounds: int = 30, reporter=None) -> li
         model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
         torch.manual_seed(0)
         model = TransformerLM(model_cfg)
-        opt = make_optimizer(model, 1e-4, 0.0)
+        opt, params = make_optimizer(model, 1e-4, cfg.train.weight_decay), list(model.parameters())
         batches = CorpusBatches(corpus, cfg.train.batch_size or 16, model_cfg.train_len)
-        gen = torch.Generator().manual_seed(0)
+        gen, cpu = torch.Generator().manual_seed(0), torch.device("cpu")
         fetch, step = [], []
         for _ in range(rounds + 1):  # the first round, AdamW allocating its state, is not timed
             t0 = time.perf_counter()
-            x, y = batches(gen)
+            batch = batches(gen)
             t1 = time.perf_counter()
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            train_step(model, opt, params, batch, cpu, cfg.train.grad_clip)
             t2 = time.perf_counter()
             fetch.append(t1 - t0)
             step.append(t2 - t1)
@@ -90,12 +87,12 @@ def task_benchmark(cfg: ExperimentConfig, scheme: str, rounds: int = 10, reporte
 
     from posbench.model import TransformerLM
     from posbench.tasks import PAD, build_task
-    from posbench.train import loss_backward, make_optimizer
+    from posbench.train import make_optimizer, train_step
 
     task = build_task(cfg.task, cfg.task_options)
     torch.manual_seed(0)
     model = TransformerLM(dataclasses.replace(cfg.model, scheme=scheme, options=cfg.scheme_options.get(scheme, {})))
-    opt = make_optimizer(model, 1e-4, 0.0)
+    opt, params = make_optimizer(model, 1e-4, cfg.train.weight_decay), list(model.parameters())
     cpu = torch.device("cpu")
     cut = {k: task.batches(0, cfg.train.batch_size, parts=k) for k in TASK_PARTS}  # one stream each, the same
     best, padding = dict.fromkeys(TASK_PARTS, float("inf")), {}
@@ -105,9 +102,7 @@ def task_benchmark(cfg: ExperimentConfig, scheme: str, rounds: int = 10, reporte
             parts = batch if isinstance(batch, list) else [batch]
             padding[k] = sum(int((x == PAD).sum()) for x, _ in parts) / sum(x.numel() for x, _ in parts)
             start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss_backward(model, batch, cpu, compiling=False)
-            opt.step()
+            train_step(model, opt, params, batch, cpu, cfg.train.grad_clip)
             if r:
                 best[k] = min(best[k], time.perf_counter() - start)
         if reporter is not None:

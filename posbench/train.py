@@ -136,11 +136,7 @@ def train_model(
             lr = lr_at(step, tc)
             for g in opt.param_groups:
                 g["lr"] = lr * g.get("lr_mult", 1.0)  # a group without lr_mult runs at 1
-            opt.zero_grad(set_to_none=True)
-            loss = loss_backward(forward, batches(gen), device, compiling=tc.compile and step == start)
-            if tc.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, tc.grad_clip, foreach=True)
-            opt.step()
+            loss = train_step(forward, opt, params, batches(gen), device, tc.grad_clip, tc.compile and step == start)
             recent.append(loss.detach())
             if probe is not None:
                 probe(step + 1, model, start)
@@ -181,6 +177,18 @@ def _resume(folder: Path, reporter: Reporter, label: str, steps: int, model, opt
         ) from None
     reporter.note(f"{label}: resuming from its checkpoint at step {start:,} of {steps:,}")
     return start, spent
+
+
+def train_step(forward, opt, params: list, batch, device, grad_clip: float, compiling: bool = False) -> torch.Tensor:
+    """One step on `batch`: its loss's gradient (loss_backward), clipped to norm `grad_clip` (0:
+    not clipped), and the optimizer's update. Training and the benchmarks take the same step.
+    Returns the loss, left on the device."""
+    opt.zero_grad(set_to_none=True)
+    loss = loss_backward(forward, batch, device, compiling)
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
+    opt.step()
+    return loss
 
 
 def loss_backward(forward, batch, device, compiling: bool) -> torch.Tensor:
