@@ -379,40 +379,12 @@ def sweep(
         _print_summary(folder, tracker=grid[0][1].cfg.train.tracker)
 
 
-def _kernel_notes(cfg, *others) -> None:
-    """Build the C kernels once, here, before any worker starts; say where auto cannot use them.
-    `others`: a sweep's other grid points, whose schemes may need kernels of their own."""
+def _kernel_notes(*cfgs) -> None:
+    """Build the C kernels the runs of `cfgs` take, once, here, before any worker starts; say
+    where auto cannot use them."""
     from posbench import native
-    from posbench.device import pick_device
-    from posbench.schemes import SCHEMES
 
-    device = pick_device(cfg.train.device)
-    if cfg.model.attention != "auto" or device.type != "cpu":
-        return  # a backend named outright is checked when the model runs; a GPU takes SDPA or flex
-
-    def building(folder):
-        err.print(f"note: building the C kernels, once (cached in {folder})", highlight=False, markup=False)
-
-    needed: set = set()  # the schemes' own kernels, each scheme with its options
-    for c in (cfg, *others):
-        for s in c.schemes:
-            needed |= set(SCHEMES.lookup(s).kernels_for(c.scheme_options.get(s, {}), c.model.train_len))
-    own = sorted(needed)
-    loaded = {name: native.load(name, building) for name in ("attention", *own)}
-    why = native.why_not(cfg.model.head_dim, device)
-    if why:
-        err.print(
-            f"note: attention runs on SDPA, a few times slower on a CPU: the native backend cannot run ({why})",
-            highlight=False,
-            markup=False,
-        )
-    for name in [] if why else [n for n in own if loaded[n] is None]:
-        err.print(
-            f"note: {name} trains on its PyTorch path, several times slower: its C kernel cannot run "
-            f"({native.unavailable[name]})",
-            highlight=False,
-            markup=False,
-        )
+    native.build_for(cfgs, lambda line: err.print(f"note: {line}", highlight=False, markup=False, soft_wrap=True))
 
 
 def _lengths_once(cfg, test_len: Optional[int]):

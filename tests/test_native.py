@@ -333,20 +333,18 @@ def test_the_kernels_built_before_workers_start_are_those_of_every_layers_scheme
     """A pattern's full-attention layers attend through their own schemes, so a CoPE layer's kernel
     is built (and its absence reported) before any worker starts, as a plain CoPE run's is; a
     window layer attends through its mask and bias and needs none."""
-    from posbench import cli
     from posbench.config import load_config
 
     asked = []
     monkeypatch.setattr(native, "load", lambda name, building=None: asked.append(name) or object())
     monkeypatch.setattr(native, "why_not", lambda head_dim, device: None)
     cfg = load_config(None, [f"schemes=[{schemes}]", f"scheme_options={options}", "train.device=cpu"])
-    cli._kernel_notes(cfg)
+    native.build_for([cfg], print)
     assert asked == built
 
 
 def test_a_sweep_builds_the_kernels_of_every_grid_point(monkeypatch, tmp_path):
     """A sweep whose grid varies the schemes builds before its workers start what any point needs."""
-    from posbench import cli
     from posbench.config import load_sweep
 
     asked = []
@@ -354,7 +352,7 @@ def test_a_sweep_builds_the_kernels_of_every_grid_point(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "why_not", lambda head_dim, device: None)
     config = tmp_path / "sweep.yaml"
     config.write_text("train: {device: cpu}\nsweep: {schemes: [[alibi], [cope]]}\n")
-    cli._kernel_notes(*(cfg for _, cfg in load_sweep(config)))
+    native.build_for([cfg for _, cfg in load_sweep(config)], print)
     assert asked == ["attention", "cope"]
 
 

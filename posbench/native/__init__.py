@@ -267,6 +267,34 @@ class CoPEAttention(torch.autograd.Function):
 ATTENTION_HEAD_DIMS = range(8, 257, 8)  # attention.c's register tiles take 8 floats at a time
 
 
+def build_for(cfgs, note: Callable[[str], None]) -> None:
+    """Build the C kernels the runs of `cfgs` (an experiment's config, or a sweep's grid points,
+    whose schemes may need kernels of their own) take under `auto` on a CPU, once, before any
+    worker starts; `note` says a build, and where auto cannot use a kernel. A backend named
+    outright is checked when the model runs; a GPU takes SDPA or flex."""
+    from posbench.device import pick_device
+    from posbench.schemes import SCHEMES
+
+    first = cfgs[0]
+    device = pick_device(first.train.device)
+    if first.model.attention != "auto" or device.type != "cpu":
+        return
+    needed: set = set()  # the schemes' own kernels, each scheme with its options
+    for c in cfgs:
+        for s in c.schemes:
+            needed |= set(SCHEMES.lookup(s).kernels_for(c.scheme_options.get(s, {}), c.model.train_len))
+    own = sorted(needed)
+    loaded = {
+        name: load(name, lambda folder: note(f"building the C kernels, once (cached in {folder})"))
+        for name in ("attention", *own)
+    }
+    why = why_not(first.model.head_dim, device)
+    if why:
+        note(f"attention runs on SDPA, a few times slower on a CPU: the native backend cannot run ({why})")
+    for name in [] if why else [n for n in own if loaded[n] is None]:
+        note(f"{name} trains on its PyTorch path, several times slower: its C kernel cannot run ({unavailable[name]})")
+
+
 def why_not(
     head_dim: int, device: torch.device, compiling: bool = False, dtype: torch.dtype = torch.float32
 ) -> Optional[str]:
