@@ -316,3 +316,6 @@ def test_the_variants_names_a_report_reads_without_torch_are_the_schemes_own():
 
     assert tuple(VARIANTS) == TRAINING_FREE_NAMES
     assert tuple(v for v in SCHEMES["rope"].eval_variants if v not in VARIANTS) == ROPE_SCALING_NAMES
+    from posbench.schemes.rope import ROPE_SCALINGS
+
+    assert ROPE_SCALINGS == (None, *ROPE_SCALING_NAMES)

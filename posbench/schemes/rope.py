@@ -10,10 +10,9 @@ import torch
 import torch.nn as nn
 
 from posbench.errors import PosbenchError
-from posbench.schemes import ROPE_SCALING_NAMES
 from posbench.schemes.base import PositionalScheme, require_even
 
-ROPE_SCALINGS = (None, *ROPE_SCALING_NAMES)
+ROPE_SCALINGS = (None, "linear", "ntk", "dynamic", "yarn", "llama3", "longrope")  # posbench.schemes names them too
 YARN_BETAS = (32.0, 1.0)  # YaRN's beta_fast and beta_slow, set for Llama: turns in L that bound its ramp
 LLAMA3 = (1.0, 4.0)  # Llama 3.1's low_freq_factor and high_freq_factor: turns in L that bound its ramp
 LONGROPE_NEEDS = (
