@@ -654,8 +654,9 @@ def extend(
     Every method that applies to a run's scheme makes a child run: the parent's weights, the
     method's change, K steps at L2. The parents are copied and scored as they are and with their
     evaluation-time scalings; the report puts all of them side by side (docs/extend.md)."""
+    from posbench.experiment.execute import run_extension
     from posbench.extend.methods import parse_methods
-    from posbench.extend.run import plan_extension, run_extension
+    from posbench.extend.run import plan_extension
     from posbench.trackers import check_tracker, usable
 
     with user_errors():

@@ -129,6 +129,25 @@ def run_sweep(grid: list[tuple[dict, Experiment]], source: str, reporter: Report
     return folder
 
 
+def run_extension(plan, reporter: Reporter, tracker: Optional[str]) -> None:
+    """posbench extend's plan (posbench.extend.run.Plan): its parents copied and its children
+    fine-tuned and scored into its folder, as any experiment's runs are: refused first where its
+    children cannot train here, the parents' data read once and checked against what each parent
+    read, and each finished run sent to `tracker`."""
+    from posbench.extend.run import write_record
+
+    first = plan.jobs[0]
+    child = next((job for job in plan.jobs if job.state == "todo" and job.cfg.model.extend), first)
+    check_runnable(child.cfg, plan.jobs)
+    data = first.task.source(first.cfg, reporter)
+    for note in [*plan.notes, *child.task.notes(child.cfg, data), *child.measure.notes(child.cfg, data)]:
+        reporter.note(note)
+    sources = {first.task.source_key(first.cfg): data}
+    check_reads(plan.jobs, sources)  # a parent read other data: before the folder is made
+    write_record(plan)
+    run_jobs(child.cfg, plan.jobs, plan.folder, reporter, sources, tracker)  # workers sized by a run that trains
+
+
 def prepare(exp: Experiment, jobs: list[Job], reporter: Reporter) -> dict:
     """Refuse before anything trains what cannot run here, say what will be slow, and return
     the data the runs read (by its key), read once: a missing corpus fails here."""

@@ -211,25 +211,6 @@ def plan_extension(
     return Plan(folder, jobs, notes, record)
 
 
-def run_extension(plan: Plan, reporter, tracker: Optional[str]) -> None:
-    """Copy, fine-tune and score the plan's runs into its folder, as any experiment's runs are
-    (posbench/experiment/execute.py): refused first where its children cannot train here, the
-    parents' data read once and checked against what each parent read, and each finished run sent
-    to `tracker`."""
-    from posbench.experiment.execute import check_reads, check_runnable, run_jobs
-
-    first = plan.jobs[0]
-    child = next((job for job in plan.jobs if job.state == "todo" and job.cfg.model.extend), first)
-    check_runnable(child.cfg, plan.jobs)
-    data = first.task.source(first.cfg, reporter)
-    for note in [*plan.notes, *child.task.notes(child.cfg, data), *child.measure.notes(child.cfg, data)]:
-        reporter.note(note)
-    sources = {first.task.source_key(first.cfg): data}
-    check_reads(plan.jobs, sources)  # a parent read other data: before the folder is made
-    write_record(plan)
-    run_jobs(child.cfg, plan.jobs, plan.folder, reporter, sources, tracker)  # workers sized by a run that trains
-
-
 def parent_settings(prc: ExperimentConfig, overrides) -> list[str]:
     """The --set overrides a parent's copy takes: those that change how runs are run or scored,
     not what its weights were trained under (a child takes every one, e.g. train.batch_size).
