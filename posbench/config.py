@@ -668,6 +668,10 @@ def read_yaml(path: str | Path) -> dict:
         raise PosbenchError(f"{p}: config file not found")
     try:
         raw = parse_yaml(p.read_text())
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow: no mark, a position
+        code = e.character if isinstance(e.character, int) else ord(e.character)
+        at = f"character #x{code:04x} at position {e.position}"
+        raise PosbenchError(f"{p}: malformed YAML: {at}: {e.reason}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

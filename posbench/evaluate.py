@@ -49,9 +49,13 @@ def eval_tokens(corpus: Corpus, cfg: ExperimentConfig, lengths: list[int]) -> to
         raise PosbenchError(f"eval.tokens={cfg.eval.tokens} is fewer than eval length {max(lengths)}")
     n = min(cfg.eval.tokens, len(corpus.val) - 1)
     if n < max(lengths):
+        split = (
+            f"data.val_path '{cfg.data.val_path}'" if cfg.data.val_path else f"the validation split of '{corpus.name}'"
+        )
+        unit = "bytes" if corpus.tokenizer == "bytes" else "tokens"
         raise PosbenchError(
-            f"the validation split of '{corpus.name}' has {len(corpus.val)} bytes, too few "
-            f"for eval length {max(lengths)}; use shorter lengths or more text"
+            f"{split} has {len(corpus.val)} {unit}, too few for eval length {max(lengths)} (which needs "
+            f"{max(lengths) + 1}); use shorter lengths or more text"
         )
     return as_tensor(corpus.val[: n + 1])  # a memory-mapped split reads these alone
 

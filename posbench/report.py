@@ -101,7 +101,14 @@ def collect(exp_dir: Path) -> Collected:
                 raise PosbenchError(
                     f"{where}: not a file; restore the run's record, or move {rdir.name} out of {exp_dir}"
                 )
-            finish = f"posbench evaluate {rdir}" if run.trained else "posbench extrapolate (or train) again"
+            model = _pretrained_model(rdir)
+            finish = (
+                f"posbench evaluate {rdir}"
+                if run.trained
+                else f"posbench pretrained {model} --name {exp_dir.name} again"
+                if model
+                else "posbench extrapolate (or train) again"
+            )
             raise PosbenchError(
                 f"{rdir}: a run folder without {lacks}; finish it with {finish}, or move it out of {exp_dir}"
             )
@@ -243,6 +250,17 @@ def check_joins(exp_dir: Path, cfg, rdir: Path) -> None:
                 "write it to another folder (--name) and join the two with posbench report A B"
             )
         return  # the runs already there agree among themselves, as collect checks
+
+
+def _pretrained_model(rdir: Path) -> Optional[str]:
+    """The model's path, where the run folder's config.yaml says it holds a pretrained model's scores."""
+    from posbench.config import read_record
+
+    try:
+        pre = read_record(rdir / CONFIG).get("model", {}).get("pretrained")
+    except (PosbenchError, OSError, AttributeError):
+        return None  # no record to read: a training command's folder, as far as anyone can tell
+    return pre.get("path") if isinstance(pre, dict) else None
 
 
 def join(collected: list[Collected], dirs: list[Path], metric: Optional[str] = None) -> Collected:

@@ -537,3 +537,22 @@ def test_an_empty_value_is_refused_not_read_as_the_working_directory_or_the_defa
     err = capfd.readouterr().err
     assert f"error: {said}; give one, or leave it out for its default" in " ".join(err.split())
     assert len(err.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("split", ["the corpus's tail", "data.val_path"])
+def test_a_validation_text_too_short_for_a_length_is_refused_before_anything_trains(tmp_path, split):
+    """Every length scores the validation tokens: one shorter than the longest length (and its
+    last target) is one line naming it, before a run trains, with nothing written."""
+    text = tmp_path / "small.txt"
+    text.write_text("to be or not to be, that is the question. " * 20)  # 840 bytes: a 42-byte tail
+    out = tmp_path / "results"
+    data = [f"data.path={text}"]
+    said = f"the validation split of '{text} (bytes)' has 42 bytes, too few for eval length 64 (which needs 65)"
+    if split == "data.val_path":
+        val = tmp_path / "val.txt"
+        val.write_bytes(text.read_bytes()[:40])
+        data, said = [f"data.val_path={val}"], f"data.val_path '{val}' has 40 bytes, too few for eval length 64"
+    sets = [x for kv in [*data, f"out_dir={out}", "train.steps=3", "model.n_layer=1"] for x in ("--set", kv)]
+    res = invoke("extrapolate", "--schemes", "alibi", "--train-len", "32", "--test-len", "64", *sets)
+    _assert_clean_failure(res, said, out)
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output

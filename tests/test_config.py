@@ -142,6 +142,10 @@ def test_an_alias_inside_itself_is_malformed_yaml_and_a_shared_one_reads(tmp_pat
     with pytest.raises(PosbenchError) as e:
         load_config(p)
     assert str(e.value) == f"{p}: malformed YAML: an alias (*name) inside the value it names"
+    p.write_bytes(b"name: x\x00\n")  # a character YAML does not allow: said, with where it is
+    with pytest.raises(PosbenchError) as e:
+        load_config(p)
+    assert str(e.value) == f"{p}: malformed YAML: character #x0000 at position 7: special characters are not allowed"
     p.write_text("scheme_options:\n  t5: &opts {max_distance: 64}\n  hybrid: *opts\n")
     cfg = load_config(p)
     assert cfg.scheme_options == {"t5": {"max_distance": 64}, "hybrid": {"max_distance": 64}}

@@ -768,3 +768,19 @@ def test_a_model_given_as_dot_dot_is_named_by_its_folder_and_a_folder_of_other_r
     assert f"{out / 'm'} holds runs its table could not join with this one" in res.output, res.output
     assert sorted(p.relative_to(out) for p in (out / "m").rglob("*")) == before
     assert invoke("report", str(out / "m")).exit_code == 0
+
+
+def test_a_pretrained_folder_without_its_scores_is_reported_with_the_command_that_scores_it(models, tmp_path):
+    """A stopped `posbench pretrained` leaves a folder with no eval.csv: status and report both say
+    to rerun pretrained on that model under that name, not to train."""
+    from conftest import invoke
+
+    out = tmp_path / "r"
+    args = ["--lengths", str(CONTEXT), "--data", _corpus(tmp_path), "--set", f"out_dir={out}", "--set", "name=pt"]
+    assert invoke("pretrained", models / "llama", *args).exit_code == 0
+    (out / "pt" / "llama" / "eval.csv").unlink()
+    res = invoke("report", out / "pt")
+    said = f"finish it with posbench pretrained {(models / 'llama').resolve()} --name pt again"
+    assert res.exit_code == 2 and said in " ".join(res.output.split()), res.output
+    res = invoke("status", out / "pt")
+    assert "rerun posbench pretrained to score it" in " ".join(res.output.replace("│", " ").split()), res.output

@@ -139,9 +139,22 @@ def test_status_calls_a_run_with_its_weights_or_scores_cut_short_damaged_not_don
     assert rows["alibi-seed0"] == ("damaged", f"{scores}: malformed evaluation rows; delete it and run evaluate again")
     scores.write_bytes(kept)
     weights = experiment / "alibi-seed0" / "model.pt"
-    weights.write_bytes(weights.read_bytes()[:-30])
+    kept_weights = weights.read_bytes()
+    kept_positions = (experiment / "alibi-seed0" / "positions.csv.gz").read_bytes()
+    weights.write_bytes(kept_weights[:-30])
     rows = {r["run"]: (r["state"], r["detail"]) for r in run_status(experiment)}
     assert rows["alibi-seed0"] == ("damaged", "model.pt is damaged: delete it to train the run again")
+    weights.write_bytes(kept_weights)
+    positions = experiment / "alibi-seed0" / "positions.csv.gz"  # the report's positions plot reads it
+    positions.write_bytes(kept_positions[:100])
+    rows = {r["run"]: (r["state"], r["detail"]) for r in run_status(experiment)}
+    said = f"{positions}: malformed loss-per-position rows; delete it and run evaluate again"
+    assert rows["alibi-seed0"] == ("damaged", said)
+    from conftest import invoke
+
+    assert said in " ".join(invoke("report", experiment).output.split())  # what report refuses it with
+    positions.write_bytes(kept_positions)
+    assert {r["run"]: r["state"] for r in run_status(experiment)}["alibi-seed0"] == "done"
 
 
 def test_status_of_a_partial_run_whose_config_cannot_be_read_still_says_its_step(experiment, monkeypatch):

@@ -110,7 +110,9 @@ def _status_of(run: RunState) -> dict:
             from posbench.report import check_rows, table_share
 
             try:
-                check_rows(rdir, cfg, table_share(cfg, rdir)[0].read(rdir))
+                measure = table_share(cfg, rdir)[0]
+                check_rows(rdir, cfg, measure.read(rdir))
+                measure.check_beside(rdir)
             except PosbenchError as e:
                 return {**row, "state": "damaged", "detail": str(e)}
         if run.scoring and not missing:

@@ -72,7 +72,9 @@ class Measure:
         raise NotImplementedError
 
     def notes(self, cfg, source) -> list[str]:
-        """What to say before scoring, given what the runs read: what will be slow, what adds nothing."""
+        """What to say before scoring, given what the runs read: what will be slow, what adds nothing.
+        Raises PosbenchError where the runs could not be scored at all (a validation split shorter
+        than a length): it is asked before anything trains."""
         return []
 
     # --- scoring (these import torch) ----------------------------------------------------------
@@ -95,6 +97,10 @@ class Measure:
     def read(self, rdir: Path) -> list[dict]:
         """The run's scored rows, checked; a malformed record is one line naming it."""
         raise NotImplementedError
+
+    def check_beside(self, rdir: Path) -> None:
+        """Read the records a report reads beside the rows (a loss per position...), raising its
+        one line where one is malformed: status says such a run is damaged."""
 
     def asked(self, rows: list[dict], cfg) -> list[dict]:
         """The rows a command that ran `cfg` asked for (a run may hold more, scored by evaluate)."""

@@ -90,6 +90,8 @@ class Perplexity(Measure):
         from posbench.schemes import SCHEMES
 
         notes = []
+        if corpus is not None:  # a validation split too short to score is refused before training, not after
+            eval_tokens(corpus, cfg, cfg.eval.lengths)
         own = cfg.eval.perplexity
         kinds = set(own.rope_scaling)
         if kinds and not any(kinds & set(SCHEMES.lookup(s).eval_variants) for s in cfg.schemes):
@@ -162,6 +164,11 @@ class Perplexity(Measure):
 
     def read(self, rdir: Path) -> list[dict]:
         return read_eval(rdir)
+
+    def check_beside(self, rdir: Path) -> None:
+        from posbench.measures.perplexity.records import read_positions
+
+        read_positions(rdir)  # the report's positions plot; windows.csv it reads for pretrained models alone
 
     def asked(self, rows: list[dict], cfg) -> list[dict]:
         from posbench.schemes import label_variant
