@@ -59,8 +59,13 @@ def _resolved(cfg: ExperimentConfig, test_len: Optional[int], scored: bool) -> E
         if scored:
             measure.decide(cfg, test_len)
             if cfg.eval.measures:  # a bad name or option fails before anything trains
-                from posbench.measures.plugin import load_measures
+                from posbench.measures.plugin import MEASURES, load_measures
 
+                for spec in cfg.eval.measures:  # an unknown name is blamed on where eval.measures was set
+                    try:
+                        MEASURES.lookup(spec)
+                    except PosbenchError as e:
+                        raise PosbenchError(str(e), e.key or "eval.measures", e.exit_code) from None
                 load_measures(cfg.eval.measures, cfg.eval.measure_options, "eval.measure_options")
         _resolve_schemes(cfg)
     except PosbenchError as e:
