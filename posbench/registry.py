@@ -48,11 +48,17 @@ def plugin_at_fault(e: BaseException) -> str | None:
 
 def unexpected(e: BaseException) -> str:
     """What an error no one expected says: its type and first line, and the plugin whose code
-    raised it where one did (its bug, not posbench's)."""
+    raised it where one did (its bug, not posbench's); where none did but plugins are loaded, that
+    one of their hooks may have returned what posbench's code cannot take (None, a str)."""
     what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {first_line(e, 300)}"
     at = plugin_at_fault(e)
     if at is None:
-        return f"unexpected {what}"
+        if not PLUGIN_MODULES or isinstance(e, SystemExit):
+            return f"unexpected {what}"
+        return (
+            f"unexpected {what}; a plugin's code is loaded here (module {', '.join(sorted(PLUGIN_MODULES))}): a "
+            "hook that returns the wrong thing (None, a str) fails in posbench's code"
+        )
     return f"{at} {what if isinstance(e, SystemExit) else 'raised ' + what}: a bug in that plugin"
 
 

@@ -247,6 +247,9 @@ def test_a_broken_plugin_is_one_line(tmp_path, corpus_file, monkeypatch):
         "class NanBias(PositionalScheme):\n"
         "    def bias(self, q, k, qpos, kpos, layer):\n"
         "        return q.new_full((1, 1, qpos.numel(), kpos.numel()), float('nan'))\n"
+        "class EmbedsNothing(PositionalScheme):\n"
+        "    def embed(self, x, pos):\n"
+        "        x = x + 0\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "results"
@@ -264,6 +267,12 @@ def test_a_broken_plugin_is_one_line(tmp_path, corpus_file, monkeypatch):
     assert "scheme 'brokenplug:BadBias': its bias is (3, 3), expected None" in " ".join(error.split())
     assert len(error.strip().splitlines()) <= 2
     assert not list(out.rglob("*.partial")) and not list(out.rglob("model.pt"))
+    # a hook that returns None fails in posbench's code: the plugin loaded is named beside it
+    res = invoke("extrapolate", *base, "--schemes", "brokenplug:EmbedsNothing", "--set", "name=none")
+    error = " ".join(res.output[res.output.index("error:") :].split())
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert error.startswith("error: unexpected TypeError:") and "not NoneType" in error, error
+    assert "a plugin's code is loaded here (module brokenplug): a hook that returns the wrong thing" in error
     # a forward that is not finite from the first step is the scheme's, not the learning rate's
     res = invoke("extrapolate", *base, "--schemes", "brokenplug:NanBias", "--set", "name=nan")
     said = " ".join(res.output.split())
