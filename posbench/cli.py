@@ -924,15 +924,13 @@ def check_scheme(
 ):
     """Check a scheme at a tiny size: causality, forward, backward, beyond the training length."""
     from posbench.check import run_checks
-    from posbench.config import apply_override, blame
+    from posbench.config import blame, scheme_sets
     from posbench.console import checks_table
 
     with user_errors(on_interrupt="nothing was written"):
-        raw, origins = {}, {}  # a bad option is blamed on its --set, as in every other command
-        for o in set_ or []:
-            apply_override(raw, o, origins, under=f"scheme_options.{scheme}")
+        options, origins = scheme_sets(scheme, set_ or [])
         try:
-            results = run_checks(scheme, raw.get("scheme_options", {}).get(scheme, {}))
+            results = run_checks(scheme, options or {})
         except PosbenchError as e:
             raise blame(origins, e) from None
     out.print(checks_table(scheme, results))
@@ -958,16 +956,14 @@ def inspect(
     ] = None,
 ):
     """Plot what a scheme does to attention (and, for a trained run, what it learned)."""
-    from posbench.config import apply_override, blame
+    from posbench.config import blame, scheme_sets
     from posbench.plots import inspect_target
 
     with user_errors(on_oom="a shorter --length", on_interrupt="each plot written is whole; rerun to draw the rest"):
-        raw, origins = {}, {}  # a bad option is blamed on its --set, as in check-scheme
         holder = target if ":" in target or "." not in target else "run"  # a folder's dots are no sections
-        for o in set_ or []:
-            apply_override(raw, o, origins, under=f"scheme_options.{holder}")
+        options, origins = scheme_sets(holder, set_ or [])
         try:
-            paths, layers = inspect_target(target, out_dir, length, raw.get("scheme_options", {}).get(holder), variant)
+            paths, layers = inspect_target(target, out_dir, length, options, variant)
         except PosbenchError as e:
             raise blame(origins, e) from None
     for line in layers:  # a pattern over layers: what each layer is

@@ -695,6 +695,16 @@ def read_record(path: str | Path) -> dict:
     return raw
 
 
+def scheme_sets(holder: str, sets: list[str]) -> tuple[Optional[dict], dict]:
+    """One scheme's options from `--set key=value` (check-scheme's and inspect's), as
+    scheme_options.<holder> would hold them (None: none given), and where each came from, so a
+    bad one is blamed on its --set as in every other command."""
+    raw, origins = {}, {}
+    for assignment in sets:
+        apply_override(raw, assignment, origins, under=f"scheme_options.{holder}")
+    return raw.get("scheme_options", {}).get(holder), origins
+
+
 def apply_override(raw: dict, assignment: str, origins: Optional[dict] = None, under: str = "") -> None:
     """Apply one `--set a.b=value` to a raw config dict; the value is parsed as YAML. `under`, a
     dotted section, holds the key (check-scheme's `--set window=8` is scheme_options.<scheme>.window);
