@@ -183,27 +183,12 @@ def _measure_options(assignments: Optional[list[str]]) -> dict:
 
 
 def _print_measures(who: str, scored: list, rdir: Path) -> None:
-    """Each measure's new rows as a table, its options as scored, and where they were written."""
-    from posbench.console import plain_table
+    """Each measure's new rows as tables, its options as scored, and where they were written."""
+    from posbench.console import measure_tables
 
-    def cell(m, v) -> str:
-        return f"{m.scale * v:.{m.digits}f}" if v == v else "—"
-
-    for scorer, rows in scored:  # a row per metric, a column per length: labels are long, lengths few
-        if scorer.axis is None:
-            table = [["length", *(str(r["length"]) for r in rows)]]
-            for n, m in scorer.metrics.items():
-                table.append([m.label, *(cell(m, r[n]) for r in rows)])
-            table.append(["status", *(r["status"] for r in rows)])
-            out.print(plain_table(f"{scorer.name}: {who}", table))
-        else:  # a table per metric, a row per value of the axis (depth), a column per length
-            lengths = sorted({r["length"] for r in rows})
-            at = {(r[scorer.axis], r["length"]): r for r in rows}
-            for n, m in scorer.metrics.items():
-                table = [[f"{scorer.axis} \\ length", *map(str, lengths)]]
-                for v in sorted({r[scorer.axis] for r in rows}):
-                    table.append([str(v), *(cell(m, at[v, L][n]) if (v, L) in at else "" for L in lengths)])
-                out.print(plain_table(f"{scorer.name}: {m.label}, {who}", table))
+    for scorer, rows in scored:
+        for table in measure_tables(who, scorer, rows):
+            out.print(table)
         if scorer.options:
             said = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in scorer.options.items())
             out.print(f"{scorer.name} options: {said}", highlight=False, soft_wrap=True)

@@ -124,6 +124,31 @@ def status_table(experiment_dir: Path, rows: list[dict]) -> Table:
     return t
 
 
+def measure_tables(who: str, scorer, rows: list[dict]) -> list[Table]:
+    """A measure's new rows for run `who`: a row per metric and a column per length (labels are
+    long, lengths few); for a measure with a second axis (depth), a table per metric, a row per
+    value of that axis."""
+
+    def cell(m, v) -> str:
+        return f"{m.scale * v:.{m.digits}f}" if v == v else "—"
+
+    if scorer.axis is None:
+        table = [["length", *(str(r["length"]) for r in rows)]]
+        for n, m in scorer.metrics.items():
+            table.append([m.label, *(cell(m, r[n]) for r in rows)])
+        table.append(["status", *(r["status"] for r in rows)])
+        return [plain_table(f"{scorer.name}: {who}", table)]
+    lengths = sorted({r["length"] for r in rows})
+    at = {(r[scorer.axis], r["length"]): r for r in rows}
+    tables = []
+    for n, m in scorer.metrics.items():
+        table = [[f"{scorer.axis} \\ length", *map(str, lengths)]]
+        for v in sorted({r[scorer.axis] for r in rows}):
+            table.append([str(v), *(cell(m, at[v, L][n]) if (v, L) in at else "" for L in lengths)])
+        tables.append(plain_table(f"{scorer.name}: {m.label}, {who}", table))
+    return tables
+
+
 def plain_table(title: str, rows: list[list[str]], left: bool = False) -> Table:
     """A title and rows of text (a header first), the first column (`left`: every one) left-aligned,
     its names never cut, and the others numbers, never cut either."""
