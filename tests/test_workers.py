@@ -101,6 +101,8 @@ def test_a_workers_error_keeps_its_exit_status_and_key(tmp_path, monkeypatch):
         "    os._exit(0)\n",
     )
 
+    for name in list(PLUGIN_MODULES):  # none loaded by an earlier test in this process: no plugin to name
+        monkeypatch.delitem(PLUGIN_MODULES, name)
     for work, message, key, code in [
         (failing.bad_input, "train.lr=-1 must be positive", "train.lr", 2),
         (failing.bug, "the-run: unexpected ValueError: oops", None, 1),
