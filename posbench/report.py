@@ -101,14 +101,10 @@ def collect(exp_dir: Path) -> Collected:
                 raise PosbenchError(
                     f"{where}: not a file; restore the run's record, or move {rdir.name} out of {exp_dir}"
                 )
-            model = _pretrained_model(rdir)
-            finish = (
-                f"posbench evaluate {rdir}"
-                if run.trained
-                else f"posbench pretrained {model} --name {exp_dir.name} again"
-                if model
-                else "posbench extrapolate (or train) again"
-            )
+            finish = f"posbench evaluate {rdir}" if run.trained else "posbench extrapolate (or train) again"
+            model = None if run.trained else _pretrained_model(rdir)
+            if model:  # a stopped `posbench pretrained`, which trains nothing
+                finish = f"posbench pretrained {model} --name {exp_dir.name} again"
             raise PosbenchError(
                 f"{rdir}: a run folder without {lacks}; finish it with {finish}, or move it out of {exp_dir}"
             )

@@ -59,14 +59,12 @@ def _resolved(cfg: ExperimentConfig, test_len: Optional[int], scored: bool) -> E
         if scored:
             measure.decide(cfg, test_len)
             if cfg.eval.measures:  # a bad name or option fails before anything trains
-                from posbench.measures.plugin import MEASURES, load_measures
+                from posbench.measures.plugin import load_measures
 
-                for spec in cfg.eval.measures:  # an unknown name is blamed on where eval.measures was set
-                    try:
-                        MEASURES.lookup(spec)
-                    except PosbenchError as e:
-                        raise PosbenchError(str(e), e.key or "eval.measures", e.exit_code) from None
-                load_measures(cfg.eval.measures, cfg.eval.measure_options, "eval.measure_options")
+                try:
+                    load_measures(cfg.eval.measures, cfg.eval.measure_options, "eval.measure_options")
+                except PosbenchError as e:  # an option's error names its key; the rest are the measures'
+                    raise PosbenchError(str(e), e.key or "eval.measures", e.exit_code) from None
         _resolve_schemes(cfg)
     except PosbenchError as e:
         raise blame(cfg, e, cfg.source) from None

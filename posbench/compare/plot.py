@@ -87,9 +87,8 @@ def style(name: str) -> dict:
     if variant:  # the same checkpoints, evaluated another way: dashes per variant, the same for every scheme
         kind = variant.partition("@")[0]
         free = kind in TRAINING_FREE_NAMES
-        own = list(
-            TRAINING_FREE_NAMES if free else ROPE_SCALING_NAMES
-        )  # another scheme's own: dashes from a hash of it
+        # a variant of neither list (a user's scheme's own) takes dashes from a hash of its name
+        own = list(TRAINING_FREE_NAMES if free else ROPE_SCALING_NAMES)
         dashes = DASHES[_index(kind, own, len(DASHES) - len(MODIFIERS))]
     elif modifier:  # a modified scheme: dashes from the end, one per modifier
         dashes = DASHES[-1 - list(MODIFIERS).index(modifier)]

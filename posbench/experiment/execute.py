@@ -138,6 +138,8 @@ def run_extension(plan, reporter: Reporter, tracker: Optional[str]) -> None:
 
     first = plan.jobs[0]
     child = next((job for job in plan.jobs if job.state == "todo" and job.cfg.model.extend), first)
+    # not prepare(): it would refuse the parents' tracker where its library is missing, and
+    # extend sends runs to it only where it is installed
     check_runnable(child.cfg, plan.jobs)
     data = first.task.source(first.cfg, reporter)
     for note in [*plan.notes, *child.task.notes(child.cfg, data), *child.measure.notes(child.cfg, data)]:

@@ -79,14 +79,15 @@ def load_measure(spec: str, options: Optional[dict] = None, where: str = "--meas
     for key, value in options.items():
         default = cls.options.get(key, ...)
         if default is ...:
-            raise PosbenchError(f"{_at(where, key)}: not an option of measure {spec}; valid: {', '.join(cls.options)}")
+            valid = ", ".join(cls.options)
+            raise PosbenchError(f"{_at(where, key)}: not an option of measure {spec}; valid: {valid}", _key(where))
         want = float if isinstance(default, float) else type(default)
         if default is not None and not isinstance(value, (int, float) if want is float else want):
-            raise PosbenchError(f"{_at(where, key)}: expected {want.__name__}, got {value!r}")
+            raise PosbenchError(f"{_at(where, key)}: expected {want.__name__}, got {value!r}", _key(where))
     try:
         measure = cls(**options) if options else cls()
     except PosbenchError as e:  # an option the class refuses: "k: 1 is not a length ..."
-        raise PosbenchError(_at(where, str(e))) from None
+        raise PosbenchError(_at(where, str(e)), _key(where)) from None
     if not measure.name or not measure.name.replace("_", "").isalnum():
         raise PosbenchError(f"measure '{spec}': its name {measure.name!r} must be a word (letters, digits, _)")
     taken = measure.name in RESERVED or measure.name.startswith("summary")
@@ -105,6 +106,11 @@ def _at(where: str, key: str) -> str:
     return f"{where} {key}" if where.startswith("--") else f"{where}.{key}"
 
 
+def _key(where: str) -> Optional[str]:
+    """The config key an option's error is blamed on (None where a flag gave it: it names itself)."""
+    return None if where.startswith("--") else where
+
+
 def load_measures(specs: list[str], options: dict, where: str = "--measure-option") -> list[tuple[str, Scorer]]:
     """Each measure of `specs` with the `options` it has (key=value goes to every measure named
     that has the key); a key that none has is one line naming theirs. `where`: what gave them."""
@@ -115,7 +121,8 @@ def load_measures(specs: list[str], options: dict, where: str = "--measure-optio
         valid = ", ".join(sorted(known)) or "none"
         raise PosbenchError(
             f"{_at(where, unknown[0])}: no option of {', '.join(specs)}{did_you_mean(unknown[0], known)}; "
-            f"valid: {valid}"
+            f"valid: {valid}",
+            _key(where),
         )
     out = []
     for spec, cls in classes.items():
